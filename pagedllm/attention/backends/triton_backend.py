@@ -1,0 +1,147 @@
+"""The Triton attention backend: FlashAttention-style kernels over the paged cache.
+
+Cache layout (per layer): key_cache and value_cache are each ``[num_blocks, num_kv_heads,
+block_size, head_size]``. Why:
+
+- one KV head of one block is a single contiguous ``block_size * head_size`` run (4 KiB for 16
+  tokens of head 128 in bf16), so a ``BLOCK_N``-token tile is ``BLOCK_N / block_size`` long bursts;
+  in the torch layout ``[num_blocks, block_size, num_kv_heads, head_size]`` the same tile is
+  ``BLOCK_N`` separate 256-byte rows strided by ``num_kv_heads * head_size``;
+- K and V share it because the kernels read both the same way, as ``[BLOCK_N, head_size]`` row
+  tiles fed to ``tl.dot`` (the CUDA V1 kernel's split K / transposed V layouts suit per-thread
+  dot products, not tensor-core tiles);
+- ``head_size`` is innermost, so every row is 16-byte vector loads and stores;
+- the block number stays dimension 0, as for every backend, so swapping and copying blocks is the
+  same indexing.
+
+A step runs three kernels: ``reshape_and_cache`` writes this step's K/V, ``paged_decode`` attends
+for the decodes (sequences ``[0, num_decodes)``, FlashDecoding split over the context) and
+``paged_prefill`` for the prefill chunks after them (causal over cached prefix + chunk). Grids come
+from host ints in the metadata (``max_seq_len``, ``max_query_len``): forward never syncs with the
+device, and with ``max_seq_len`` pinned to ``max_model_len`` a decode step is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.triton import paged_decode, paged_prefill, reshape_and_cache
+
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
+SUPPORTED_BLOCK_SIZES = (8, 16, 32)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    """Launch parameters of ``paged_decode`` (tokens per partition and per tile, warps, stages)."""
+
+    partition_size: int = 512
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class PrefillLaunch:
+    """Launch parameters of ``paged_prefill`` (query rows and keys per tile, warps, stages)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_launches(head_size: int, dtype: torch.dtype) -> tuple[DecodeLaunch, PrefillLaunch]:
+    """Tiles that fit registers and shared memory on Hopper (checked with ptxas for sm_90: no
+    spills), per head size and dtype. Tuning for speed is done on the device with ``bench.py``."""
+    if dtype == torch.float32:
+        # Exact float32 dots run on FMA units, not tensor cores, and need far more registers: a
+        # correctness path (and the oracle's dtype), so small tiles and 8 warps.
+        return DecodeLaunch(block_n=32, num_warps=8), PrefillLaunch(block_m=32, block_n=16, num_warps=8)
+    if head_size > 128:
+        # Halve the key tile and double the warps: 64 x 256 K and V tiles per pipeline stage spill.
+        return DecodeLaunch(block_n=32), PrefillLaunch(block_n=32, num_warps=8)
+    return DecodeLaunch(), PrefillLaunch()
+
+
+@functools.cache
+def _launch_kwargs(head_size: int, dtype: torch.dtype) -> tuple[dict[str, int], dict[str, int]]:
+    """default_launches as keyword dicts, built once per (head_size, dtype) so that forward does
+    no more host work than the launches. Read-only: shared by every layer."""
+    decode, prefill = default_launches(head_size, dtype)
+    return asdict(decode), asdict(prefill)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        shape = (num_blocks, num_kv_heads, block_size, head_size)
+        return shape, shape
+
+    @classmethod
+    def check_supported(
+        cls, head_size: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        if head_size not in SUPPORTED_HEAD_SIZES:
+            raise ValueError(f"triton attention: head_size {head_size} not in {SUPPORTED_HEAD_SIZES}")
+        if block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(f"triton attention: block_size {block_size} not in {SUPPORTED_BLOCK_SIZES}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"triton attention: dtype {dtype} not in {SUPPORTED_DTYPES}")
+        # Off CUDA the kernels run only under Triton's interpreter (tests, debugging).
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"triton attention: device {device} needs CUDA (or TRITON_INTERPRET=1)")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        md = attn_metadata
+        decode_kwargs, prefill_kwargs = _launch_kwargs(self.head_size, key_cache.dtype)
+        reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
+        output = torch.empty_like(query)
+        num_decodes = md.num_decodes
+        if num_decodes:
+            paged_decode(
+                query[:num_decodes],
+                key_cache,
+                value_cache,
+                md.block_tables[:num_decodes],
+                md.seq_lens[:num_decodes],
+                self.scale,
+                md.max_seq_len,
+                output[:num_decodes],
+                **decode_kwargs,
+            )
+        if md.num_prefills:
+            paged_prefill(
+                query,
+                key_cache,
+                value_cache,
+                md.block_tables,
+                md.seq_lens,
+                md.query_start_loc,
+                self.scale,
+                num_decodes,
+                md.num_prefills,
+                md.max_query_len,
+                output,
+                **prefill_kwargs,
+            )
+        return output

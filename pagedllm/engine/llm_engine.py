@@ -1,0 +1,311 @@
+"""LLMEngine: requests in, one continuous-batching step at a time, RequestOutputs out.
+
+A step (DESIGN.md section 2): the scheduler picks this step's tokens and the block moves they
+need; the executor's workers do the moves and run the model once over every scheduled token; the
+engine appends the sampled tokens (forking a request's sequences after its first sample),
+detokenizes them, checks stop conditions and frees what finished.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler import PreemptionMode, ScheduledSequenceGroup, Scheduler
+from pagedllm.detokenizer import decode_incrementally, init_detokenizer_state
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.stop_checker import StopChecker
+from pagedllm.executor.uniproc_executor import UniProcExecutor
+from pagedllm.layers.sampler import SequenceSample
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.tokenizer import get_eos_token_ids, get_tokenizer
+from pagedllm.worker.execute_request import ExecuteModelRequest, ScheduledSequence, SequenceGroupMetadata
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's queues, cache and counters."""
+
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_free_gpu_blocks: int
+    num_gpu_blocks: int
+    num_free_cpu_blocks: int
+    num_cpu_blocks: int
+    num_preemptions_recompute: int
+    num_preemptions_swap: int
+    # Tokens computed by prefills (prompts, and prompt + outputs recomputed after preemption).
+    num_prefill_tokens: int
+    # Tokens sampled.
+    num_generation_tokens: int
+
+    @property
+    def gpu_cache_usage(self) -> float:
+        return 1.0 - self.num_free_gpu_blocks / max(self.num_gpu_blocks, 1)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_config = config.model_config
+        self.tokenizer = get_tokenizer(model_config)
+        self.executor = UniProcExecutor(config)
+        num_gpu_blocks, num_cpu_blocks = self.executor.determine_num_available_blocks()
+        self._check_cache_fits(num_gpu_blocks)
+        self.executor.initialize_cache(num_gpu_blocks, num_cpu_blocks)
+        self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config.block_size, num_gpu_blocks, num_cpu_blocks
+        )
+        self.eos_token_ids = get_eos_token_ids(model_config, self.tokenizer)
+        self.stop_checker = StopChecker(model_config.max_model_len, self.eos_token_ids)
+        self._seq_counter = itertools.count()
+        # Live requests, by id.
+        self.requests: dict[str, SequenceGroup] = {}
+        # Requests refused without running (prompt too long): reported by the next step.
+        self._finished_at_once: list[SequenceGroup] = []
+        # Requests ended since the last step, so workers can drop their state.
+        self._finished_request_ids: list[str] = []
+        self._num_prefill_tokens = 0
+        self._num_generation_tokens = 0
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
+
+    def _check_cache_fits(self, num_gpu_blocks: int) -> None:
+        block_size = self.config.cache_config.block_size
+        max_model_len = self.config.model_config.max_model_len
+        if num_gpu_blocks * block_size < max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_gpu_blocks * block_size} tokens ({num_gpu_blocks} blocks of "
+                f"{block_size}), fewer than one sequence of max_model_len={max_model_len}: lower "
+                "max_model_len or give the cache more memory (kv_cache_memory, gpu_memory_utilization "
+                "or num_kv_blocks)"
+            )
+
+    # --- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | None = None,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Bad input raises ValueError here and leaves the engine unchanged.
+
+        A prompt longer than max_model_len is accepted but never scheduled: the next step
+        returns it finished, with ``RequestOutput.error`` saying why.
+        """
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = sampling_params or SamplingParams()
+        _check_supported(params)
+        token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
+        seq = Sequence(next(self._seq_counter), token_ids, self.config.cache_config.block_size)
+        if self.tokenizer is not None:
+            init_detokenizer_state(seq)
+        seq_group = SequenceGroup(
+            request_id, [seq], params, arrival_time=arrival_time or time.time(), prompt=prompt
+        )
+        max_model_len = self.config.model_config.max_model_len
+        if len(token_ids) > max_model_len:
+            seq_group.error = f"prompt has {len(token_ids)} tokens, more than max_model_len={max_model_len}"
+            seq.status = SequenceStatus.FINISHED_IGNORED
+            self._finished_at_once.append(seq_group)
+            return
+        self.requests[request_id] = seq_group
+        self.scheduler.add_seq_group(seq_group)
+
+    def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("give a prompt or prompt_token_ids")
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer (skip_tokenizer_init): give prompt_token_ids")
+            prompt_token_ids = self.tokenizer(prompt)["input_ids"]
+        token_ids = list(prompt_token_ids)
+        if not token_ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab_size = self.config.model_config.vocab_size
+        for token_id in token_ids:
+            if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < vocab_size:
+                raise ValueError(f"prompt token id {token_id!r} is outside the vocabulary [0, {vocab_size})")
+        return token_ids
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """End requests wherever they are; their blocks are free when this returns."""
+        request_ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        self._finished_at_once = [g for g in self._finished_at_once if g.request_id not in request_ids]
+        for seq_group in self.scheduler.abort_seq_group(request_ids):
+            self._finish_request(seq_group)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self._finished_at_once)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests) + len(self._finished_at_once)
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration of continuous batching.
+
+        Returns an output for each request that got new tokens or finished in this step.
+        """
+        outputs = [RequestOutput.from_seq_group(g) for g in self._finished_at_once]
+        self._finished_at_once.clear()
+        scheduler_outputs = self.scheduler.schedule()
+        for seq_group in scheduler_outputs.ignored_seq_groups:
+            self._finish_request(seq_group)
+            outputs.append(RequestOutput.from_seq_group(seq_group))
+        if scheduler_outputs.is_empty():
+            return outputs
+
+        request = ExecuteModelRequest(
+            seq_groups=[self._group_metadata(s) for s in scheduler_outputs.scheduled_seq_groups],
+            blocks_to_swap_out=scheduler_outputs.blocks_to_swap_out,
+            blocks_to_swap_in=scheduler_outputs.blocks_to_swap_in,
+            blocks_to_copy=scheduler_outputs.blocks_to_copy,
+            finished_request_ids=self._finished_request_ids,
+        )
+        self._finished_request_ids = []
+        sampler_output = self.executor.execute_model(request)
+
+        now = time.time()
+        for scheduled in scheduler_outputs.scheduled_seq_groups:
+            seq_group = scheduled.seq_group
+            for seq in seq_group.seqs:
+                num_new_tokens = scheduled.num_new_tokens.get(seq.seq_id, 0)
+                if seq.is_prefill():
+                    self._num_prefill_tokens += num_new_tokens
+                seq.num_computed_tokens += num_new_tokens
+            samples = sampler_output.get(seq_group.request_id)
+            if samples:
+                self._append_samples(seq_group, samples, now)
+            if seq_group.is_finished():
+                self._finish_request(seq_group, now)
+            if samples or seq_group.is_finished():
+                outputs.append(RequestOutput.from_seq_group(seq_group))
+        self.scheduler.free_finished_seq_groups()
+        return outputs
+
+    def _group_metadata(self, scheduled: ScheduledSequenceGroup) -> SequenceGroupMetadata:
+        seq_group = scheduled.seq_group
+        params = seq_group.sampling_params
+        block_manager = self.scheduler.block_manager
+        seqs = []
+        for seq in seq_group.seqs:
+            num_new_tokens = scheduled.num_new_tokens.get(seq.seq_id)
+            if num_new_tokens is None:
+                continue
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens
+            seqs.append(
+                ScheduledSequence(
+                    seq_id=seq.seq_id,
+                    token_ids=seq.get_token_ids_slice(start, end),
+                    num_computed_tokens=start,
+                    block_table=block_manager.get_block_table(seq),
+                    do_sample=end == seq.get_len(),
+                    num_output_tokens=seq.num_output_tokens,
+                )
+            )
+        stop_token_ids: list[int] = []
+        if params.min_tokens:
+            stop_token_ids = sorted(
+                set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+            )
+        return SequenceGroupMetadata(
+            request_id=seq_group.request_id,
+            sampling_params=params,
+            seqs=seqs,
+            num_samples=1 if seq_group.is_forked else params.best_of,
+            stop_token_ids=stop_token_ids,
+        )
+
+    def _append_samples(self, seq_group: SequenceGroup, samples: list[SequenceSample], now: float) -> None:
+        if seq_group.is_forked:
+            seqs_by_id = {seq.seq_id: seq for seq in seq_group.seqs}
+            pairs = [(seqs_by_id[sample.parent_seq_id], sample) for sample in samples]
+        else:
+            # The first sample of a best_of > 1 request: fork the prompt's sequence, sharing its
+            # blocks, once per extra sample. The parent takes the first sample.
+            parent = seq_group.seqs[0]
+            for index in range(1, len(samples)):
+                child = parent.fork(next(self._seq_counter))
+                child.output_index = index
+                self.scheduler.fork_seq(parent, child)
+                seq_group.add(child)
+            pairs = list(zip(seq_group.seqs, samples))
+        params = seq_group.sampling_params
+        for seq, sample in pairs:
+            seq.append_token_id(sample.token_id, sample.logprob)
+            new_char_count = 0
+            if self.tokenizer is not None:
+                new_char_count = len(
+                    decode_incrementally(
+                        self.tokenizer, seq, params.skip_special_tokens, params.spaces_between_special_tokens
+                    )
+                )
+            self.stop_checker.check(seq, new_char_count, params)
+            if seq.is_finished():
+                self.scheduler.free_seq(seq)
+        self._num_generation_tokens += len(pairs)
+        metrics = seq_group.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+
+    def _finish_request(self, seq_group: SequenceGroup, now: float | None = None) -> None:
+        seq_group.metrics.finished_time = now or time.time()
+        if self.requests.pop(seq_group.request_id, None) is not None:
+            self._finished_request_ids.append(seq_group.request_id)
+
+    # --- introspection ----------------------------------------------------------------------
+
+    def get_stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_swapped=len(scheduler.swapped),
+            num_free_gpu_blocks=scheduler.block_manager.get_num_free_gpu_blocks(),
+            num_gpu_blocks=self.num_gpu_blocks,
+            num_free_cpu_blocks=scheduler.block_manager.get_num_free_cpu_blocks(),
+            num_cpu_blocks=self.num_cpu_blocks,
+            num_preemptions_recompute=scheduler.num_preemptions[PreemptionMode.RECOMPUTE],
+            num_preemptions_swap=scheduler.num_preemptions[PreemptionMode.SWAP],
+            num_prefill_tokens=self._num_prefill_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+        )
+
+
+def _check_supported(params: SamplingParams) -> None:
+    """Options declared and validated by SamplingParams but not implemented yet."""
+    unsupported = [
+        name
+        for name, on in (
+            ("use_beam_search", params.use_beam_search),
+            ("presence_penalty", params.presence_penalty != 0.0),
+            ("frequency_penalty", params.frequency_penalty != 0.0),
+            ("repetition_penalty", params.repetition_penalty != 1.0),
+            ("logprobs", params.logprobs is not None),
+            ("prompt_logprobs", params.prompt_logprobs is not None),
+        )
+        if on
+    ]
+    if unsupported:
+        raise NotImplementedError(f"sampling options not implemented yet: {', '.join(unsupported)}")

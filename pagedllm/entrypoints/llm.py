@@ -1,0 +1,172 @@
+"""The offline API: ``LLM(...).generate(prompts, params)`` and ``LLM(...).chat(messages)``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as SequenceABC
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import Tokenizer, apply_chat_template
+
+logger = logging.getLogger(__name__)
+
+# A prompt: text, or a dict with "prompt" (text) or "prompt_token_ids" (vLLM's TextPrompt /
+# TokensPrompt).
+PromptType = str | dict[str, Any]
+ChatMessages = list[dict[str, str]]
+
+
+class LLM:
+    """An engine for offline generation. Arguments are EngineArgs' (vLLM's names).
+
+    Example::
+
+        llm = LLM()  # the embedded SmolLM2-135M-Instruct
+        out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=32))
+        print(out[0].outputs[0].text)
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._request_counter = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | SequenceABC[PromptType] | None = None,
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        prompt_token_ids: list[int] | list[list[int]] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt; outputs come back in prompt order.
+
+        Args:
+            prompts: a prompt or a list of them (strings, or dicts with "prompt" or
+                "prompt_token_ids").
+            sampling_params: one for all prompts, or one per prompt.
+            prompt_token_ids: token ids instead of (or, one for one, alongside) ``prompts``.
+            use_tqdm: show a progress bar with requests done and output tokens per second.
+        """
+        requests = _normalize_prompts(prompts, prompt_token_ids)
+        params = _per_prompt_params(sampling_params, len(requests))
+        return self._run(requests, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: ChatMessages | list[ChatMessages],
+        sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate a reply to one conversation or to each of a list of them, through the
+        model's chat template."""
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer, and this engine has none")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        requests = [
+            {
+                "prompt_token_ids": apply_chat_template(
+                    tokenizer, conversation, add_generation_prompt, **(chat_template_kwargs or {})
+                )
+            }
+            for conversation in conversations
+        ]
+        params = _per_prompt_params(sampling_params, len(requests))
+        return self._run(requests, params, use_tqdm)
+
+    def _run(
+        self, requests: list[dict[str, Any]], params: list[SamplingParams], use_tqdm: bool
+    ) -> list[RequestOutput]:
+        engine = self.llm_engine
+        request_ids: list[str] = []
+        try:
+            for index, (request, request_params) in enumerate(zip(requests, params)):
+                request_id = str(next(self._request_counter))
+                try:
+                    engine.add_request(
+                        request_id,
+                        prompt=request.get("prompt"),
+                        sampling_params=request_params,
+                        prompt_token_ids=request.get("prompt_token_ids"),
+                    )
+                except ValueError as e:
+                    raise ValueError(f"prompt {index}: {e}") from e
+                request_ids.append(request_id)
+        except Exception:
+            # Nothing of a refused batch stays queued.
+            engine.abort_request(request_ids)
+            raise
+        return self._run_engine(request_ids, use_tqdm)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        progress = tqdm(total=len(request_ids), desc="Processed prompts", unit="req", disable=not use_tqdm)
+        start = time.perf_counter()
+        num_output_tokens = 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if not output.finished:
+                    continue
+                finished[output.request_id] = output
+                num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
+                if output.error:
+                    logger.warning("request %s failed: %s", output.request_id, output.error)
+                progress.update(1)
+                progress.set_postfix_str(
+                    f"output {num_output_tokens / (time.perf_counter() - start):.1f} tok/s"
+                )
+        progress.close()
+        return [finished[request_id] for request_id in request_ids]
+
+
+def _normalize_prompts(
+    prompts: PromptType | SequenceABC[PromptType] | None, prompt_token_ids: list[int] | list[list[int]] | None
+) -> list[dict[str, Any]]:
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    if prompt_token_ids is not None and prompt_token_ids and isinstance(prompt_token_ids[0], int):
+        prompt_token_ids = [prompt_token_ids]
+    if prompts is None and prompt_token_ids is None:
+        raise ValueError("give prompts or prompt_token_ids")
+    if prompts is not None and prompt_token_ids is not None and len(prompts) != len(prompt_token_ids):
+        raise ValueError(
+            f"prompts ({len(prompts)}) and prompt_token_ids ({len(prompt_token_ids)}) "
+            "must have the same length"
+        )
+    num_prompts = len(prompts) if prompts is not None else len(prompt_token_ids)
+    requests = []
+    for i in range(num_prompts):
+        prompt = prompts[i] if prompts is not None else None
+        request = dict(prompt) if isinstance(prompt, dict) else {"prompt": prompt}
+        if prompt_token_ids is not None:
+            request["prompt_token_ids"] = prompt_token_ids[i]
+        requests.append(request)
+    return requests
+
+
+def _per_prompt_params(
+    sampling_params: SamplingParams | SequenceABC[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if len(sampling_params) != num_prompts:
+        raise ValueError(
+            f"sampling_params has {len(sampling_params)} entries for {num_prompts} prompts: "
+            "give one, or one per prompt"
+        )
+    return list(sampling_params)

@@ -1,0 +1,26 @@
+"""Runs the one worker of a single-device engine in the engine's own process."""
+
+from __future__ import annotations
+
+from pagedllm.config import EngineConfig
+from pagedllm.layers.sampler import SamplerOutput
+from pagedllm.worker.execute_request import ExecuteModelRequest
+from pagedllm.worker.worker import Worker
+
+
+class UniProcExecutor:
+    """The seam where tensor parallelism plugs in: the engine talks only to an executor."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.worker = Worker(config)
+        self.worker.init_device()
+        self.worker.load_model()
+
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        return self.worker.determine_num_available_blocks()
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
+
+    def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput:
+        return self.worker.execute_model(request)

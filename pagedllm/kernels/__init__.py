@@ -1,0 +1,1 @@
+"""Device kernels behind the attention backends, one subpackage per language."""

@@ -1,0 +1,353 @@
+"""Paged decode attention: one new query token per sequence, split along the context.
+
+Algorithm: FlashDecoding (Dao et al. 2023; the seeds' PagedAttention "V2", seed 001). Each
+sequence's context is cut into partitions of ``PARTITION_SIZE`` tokens; every partition runs the
+online softmax of ``paged_tiles.attend_paged_range`` independently, then a second kernel merges the
+partitions. Splitting the context keeps the GPU full when ``num_seqs * num_kv_heads`` is small and
+contexts are long, which V1 (one program per sequence and head) cannot.
+
+GQA/MQA: a program owns one *KV head* and computes all ``num_queries_per_kv`` query heads that share
+it, as the rows of its ``tl.dot`` (padded to ``BLOCK_H`` >= 16, the tensor-core minimum). Each K/V
+tile is read from memory once per group instead of once per query head: the re-read seed 001 names
+as PagedAttention V1's weakness on GQA models.
+
+Kernel 1, ``_paged_decode_kernel``, grid ``(num_seqs, num_kv_heads, num_partitions)``:
+  loads the group's queries ``[BLOCK_H, HEAD_DIM]``, walks its partition's tokens ``BLOCK_N`` at a
+  time (full tiles unmasked, one masked tail tile), and writes, per query head, the partition's
+  running max ``m_i`` (log2 units), sum ``l_i`` and unnormalized ``acc``. A partition starting at or
+  past ``seq_len`` returns at once and writes nothing. With a single partition (``SINGLE_PARTITION``)
+  it writes ``acc / l_i`` straight to the output and kernel 2 is skipped.
+Kernel 2, ``_paged_decode_reduce_kernel``, grid ``(num_seqs, num_heads)``:
+  reads the ``cdiv(seq_len, PARTITION_SIZE)`` live partitions of one query head, rescales each by
+  ``exp2(m_p - max_p m_p)`` and writes ``sum(w_p * acc_p) / sum(w_p * l_p)``.
+
+``num_partitions = cdiv(max_seq_len, PARTITION_SIZE)`` comes from a host bound, not from the
+device's ``seq_lens``, so a CUDA graph captured with ``max_seq_len = max_model_len`` stays valid
+for every replay; the programs past a sequence's end exit immediately.
+
+Layouts: query/output ``[num_seqs, num_heads, head_size]``; key_cache/value_cache ``[num_blocks,
+num_kv_heads, block_size, head_size]``; block_tables ``[num_seqs, max_blocks]`` int32; seq_lens
+``[num_seqs]`` int32; workspace (float32) partial_out ``[num_seqs, num_heads, num_partitions,
+HEAD_DIM]``, max_logits/exp_sums ``[num_seqs, num_heads, num_partitions]``.
+
+Bound: memory. Bytes ~ ``2 * sum(seq_lens) * num_kv_heads * head_size * element_size`` (each K/V
+element read once); FLOPs ~ ``4 * sum(seq_lens) * num_heads * head_size``, i.e. ~2 *
+num_queries_per_kv FLOPs per byte at 16 bits, far below any GPU's ridge point. The workspace
+traffic is ``num_partitions * num_heads * head_size * 4`` bytes per sequence, < 1% of the K/V
+bytes at the default ``PARTITION_SIZE = 512``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.kernels.triton.paged_tiles import attend_paged_range, check_paged_inputs, dot_precision
+
+
+@triton.jit
+def _paged_decode_kernel(
+    out_ptr,
+    partial_out_ptr,
+    max_logits_ptr,
+    exp_sums_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    qk_scale,
+    stride_q_seq,
+    stride_q_head,
+    stride_q_dim,
+    stride_o_seq,
+    stride_o_head,
+    stride_o_dim,
+    stride_po_seq,
+    stride_po_head,
+    stride_po_part,
+    stride_po_dim,
+    stride_ml_seq,
+    stride_ml_head,
+    stride_ml_part,  # shared by max_logits and exp_sums
+    stride_k_block,
+    stride_k_head,
+    stride_k_slot,
+    stride_k_dim,
+    stride_v_block,
+    stride_v_head,
+    stride_v_slot,
+    stride_v_dim,
+    stride_bt_seq,
+    stride_bt_blk,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    SINGLE_PARTITION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tl.static_assert(PARTITION_SIZE % BLOCK_N == 0)  # tiles never straddle two partitions
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = part * PARTITION_SIZE
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + PARTITION_SIZE, seq_len)
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * NUM_QUERIES_PER_KV + offs_h
+    row_mask = (offs_h[:, None] < NUM_QUERIES_PER_KV) & (offs_d[None, :] < HEAD_SIZE)
+    q = tl.load(
+        query_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :] * stride_q_dim,
+        mask=row_mask,
+        other=0.0,
+    ).to(key_cache_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    k_head_ptr = key_cache_ptr + kv_head * stride_k_head
+    v_head_ptr = value_cache_ptr + kv_head * stride_v_head
+    block_table_ptr = block_tables_ptr + seq * stride_bt_seq
+    # Full tiles first, without per-token masks; then at most one tile cut by seq_len. Not causal:
+    # the single query sits at seq_len - 1 and sees the whole context (offs_h fills q_pos).
+    acc, l_i, m_i = attend_paged_range(
+        acc,
+        l_i,
+        m_i,
+        q,
+        offs_h,
+        k_head_ptr,
+        v_head_ptr,
+        block_table_ptr,
+        start,
+        full_end,
+        qk_scale,
+        stride_bt_blk,
+        stride_k_block,
+        stride_k_slot,
+        stride_k_dim,
+        stride_v_block,
+        stride_v_slot,
+        stride_v_dim,
+        HEAD_SIZE,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        BLOCK_N,
+        MASK_TAIL=False,
+        CAUSAL=False,
+        DOT_PRECISION=DOT_PRECISION,
+    )
+    acc, l_i, m_i = attend_paged_range(
+        acc,
+        l_i,
+        m_i,
+        q,
+        offs_h,
+        k_head_ptr,
+        v_head_ptr,
+        block_table_ptr,
+        full_end,
+        end,
+        qk_scale,
+        stride_bt_blk,
+        stride_k_block,
+        stride_k_slot,
+        stride_k_dim,
+        stride_v_block,
+        stride_v_slot,
+        stride_v_dim,
+        HEAD_SIZE,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        BLOCK_N,
+        MASK_TAIL=True,
+        CAUSAL=False,
+        DOT_PRECISION=DOT_PRECISION,
+    )
+
+    if SINGLE_PARTITION:
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :] * stride_o_dim,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_mask,
+        )
+    else:
+        head_mask = offs_h < NUM_QUERIES_PER_KV
+        ml_offs = seq * stride_ml_seq + heads * stride_ml_head + part * stride_ml_part
+        tl.store(max_logits_ptr + ml_offs, m_i, mask=head_mask)
+        tl.store(exp_sums_ptr + ml_offs, l_i, mask=head_mask)
+        tl.store(
+            partial_out_ptr
+            + seq * stride_po_seq
+            + heads[:, None] * stride_po_head
+            + part * stride_po_part
+            + offs_d[None, :] * stride_po_dim,
+            acc,
+            mask=head_mask[:, None],
+        )
+
+
+@triton.jit
+def _paged_decode_reduce_kernel(
+    out_ptr,
+    partial_out_ptr,
+    max_logits_ptr,
+    exp_sums_ptr,
+    seq_lens_ptr,
+    stride_o_seq,
+    stride_o_head,
+    stride_o_dim,
+    stride_po_seq,
+    stride_po_head,
+    stride_po_part,
+    stride_po_dim,
+    stride_ml_seq,
+    stride_ml_head,
+    stride_ml_part,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PARTITION_SIZE: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    # Only the partitions kernel 1 wrote: the rest of the workspace is uninitialized.
+    num_parts = tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION_SIZE)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ml_ptr = max_logits_ptr + seq * stride_ml_seq + head * stride_ml_head
+    es_ptr = exp_sums_ptr + seq * stride_ml_seq + head * stride_ml_head
+    po_ptr = partial_out_ptr + seq * stride_po_seq + head * stride_po_head
+
+    running_max = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
+    for p0 in range(0, num_parts, BLOCK_P):
+        parts = p0 + offs_p
+        m = tl.load(ml_ptr + parts * stride_ml_part, mask=parts < num_parts, other=float("-inf"))
+        running_max = tl.maximum(running_max, m)
+    global_max = tl.max(running_max, 0)
+
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    denom = tl.zeros([BLOCK_P], dtype=tl.float32)
+    for p0 in range(0, num_parts, BLOCK_P):
+        parts = p0 + offs_p
+        part_mask = parts < num_parts
+        m = tl.load(ml_ptr + parts * stride_ml_part, mask=part_mask, other=float("-inf"))
+        exp_sum = tl.load(es_ptr + parts * stride_ml_part, mask=part_mask, other=0.0)
+        o = tl.load(
+            po_ptr + parts[:, None] * stride_po_part + offs_d[None, :] * stride_po_dim,
+            mask=part_mask[:, None],
+            other=0.0,
+        )
+        weight = tl.exp2(m - global_max)  # 0 for the masked partitions
+        denom += weight * exp_sum
+        acc += tl.sum(weight[:, None] * o, 0)
+    out = acc / tl.sum(denom, 0)
+    tl.store(
+        out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d * stride_o_dim,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_d < HEAD_SIZE,
+    )
+
+
+def paged_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    out: torch.Tensor,
+    *,
+    partition_size: int = 512,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Attention of each sequence's single new query over its paged context; writes ``out``.
+
+    query, out: [num_seqs, num_heads, head_size]; key_cache, value_cache: [num_blocks,
+    num_kv_heads, block_size, head_size]; block_tables: [num_seqs, max_blocks] int32; seq_lens:
+    [num_seqs] int32, each in [1, max_seq_len]. ``max_seq_len`` is a host-side bound (e.g.
+    max_model_len under CUDA graphs) that sets the number of partitions; no device value is read.
+    """
+    check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
+    assert block_tables.shape[0] == seq_lens.shape[0] == query.shape[0], "one query per sequence"
+    num_seqs, num_heads, head_size = query.shape
+    num_kv_heads, block_size = key_cache.shape[1:3]
+    assert partition_size % block_n == 0 and partition_size % block_size == 0, (
+        f"partition_size {partition_size} must be a multiple of block_n {block_n} and block_size {block_size}"
+    )
+    if num_seqs == 0:
+        return out
+    num_queries_per_kv = num_heads // num_kv_heads
+    head_dim = triton.next_power_of_2(head_size)
+    num_partitions = triton.cdiv(max_seq_len, partition_size)
+    single_partition = num_partitions == 1
+    # float32 scratch for kernel 1's per-partition state; a [.., 1, ..] stub when it is unused.
+    workspace_parts = 1 if single_partition else num_partitions
+    partial_out = torch.empty(
+        num_seqs, num_heads, workspace_parts, head_dim, dtype=torch.float32, device=query.device
+    )
+    max_logits = torch.empty(num_seqs, num_heads, workspace_parts, dtype=torch.float32, device=query.device)
+    exp_sums = torch.empty_like(max_logits)
+
+    _paged_decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
+        out,
+        partial_out,
+        max_logits,
+        exp_sums,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        scale * math.log2(math.e),
+        *query.stride(),
+        *out.stride(),
+        *partial_out.stride(),
+        *max_logits.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        *block_tables.stride(),
+        NUM_QUERIES_PER_KV=num_queries_per_kv,
+        BLOCK_H=max(16, triton.next_power_of_2(num_queries_per_kv)),
+        HEAD_SIZE=head_size,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=block_n,
+        PARTITION_SIZE=partition_size,
+        SINGLE_PARTITION=single_partition,
+        DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if not single_partition:
+        _paged_decode_reduce_kernel[(num_seqs, num_heads)](
+            out,
+            partial_out,
+            max_logits,
+            exp_sums,
+            seq_lens,
+            *out.stride(),
+            *partial_out.stride(),
+            *max_logits.stride(),
+            HEAD_SIZE=head_size,
+            HEAD_DIM=head_dim,
+            PARTITION_SIZE=partition_size,
+            BLOCK_P=min(32, triton.next_power_of_2(num_partitions)),
+        )
+    return out

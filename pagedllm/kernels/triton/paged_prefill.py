@@ -1,0 +1,234 @@
+"""Paged prefill attention: chunks of new queries over their cached prefix and themselves.
+
+Algorithm: FlashAttention-2's forward (Dao 2023) with K/V gathered through each sequence's block
+table (``paged_tiles.attend_paged_range``). Sequence ``s`` brings ``query_len`` new tokens whose K/V
+``reshape_and_cache`` has already written, so its whole context -- ``context_len = seq_len -
+query_len`` cached tokens (an earlier chunk, or a prefix-cache hit) plus the chunk itself -- is read
+from the paged cache. Query ``i`` sits at position ``context_len + i`` and sees keys ``<=`` it: the
+causal mask is aligned to the *end* of the context. This one kernel covers plain prefill
+(``context_len = 0``), chunked prefill and prefix caching.
+
+Grid ``(cdiv(max_query_len, BLOCK_M), num_heads, num_prefills)``. A program owns ``BLOCK_M`` query
+tokens of one sequence and one query head; programs whose rows start past the sequence's
+``query_len`` return at once. It walks keys ``[0, kv_end)`` with ``kv_end = min(seq_len,
+last row's position + 1)`` in two stages: keys before the tile's first query position are visible to
+every row and need no mask; the remaining (diagonal) tiles apply the causal mask. The query-block
+index is the fastest grid axis and heads of one KV group are adjacent, so programs that read the same
+K/V run together and share it through L2.
+
+Layouts: query/out ``[num_tokens, num_heads, head_size]`` (flattened batch, rows located by
+``query_start_loc``); key_cache/value_cache ``[num_blocks, num_kv_heads, block_size, head_size]``;
+block_tables ``[num_seqs, max_blocks]`` int32; seq_lens ``[num_seqs]`` int32; query_start_loc
+``[num_seqs + 1]`` int32. Only the rows of sequences ``[first_seq, first_seq + num_prefills)`` are
+written.
+
+Bound: compute for long chunks. FLOPs ~ ``4 * num_heads * head_size * sum_s(query_len *
+(context_len + query_len / 2))``; bytes ~ ``2 * num_kv_heads * head_size * element_size *
+sum_s(seq_len * cdiv(query_len, BLOCK_M))`` before L2 reuse across the GQA group and query blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.kernels.triton.paged_tiles import attend_paged_range, check_paged_inputs, dot_precision
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    out_ptr,
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    qk_scale,
+    first_seq,
+    stride_q_tok,
+    stride_q_head,
+    stride_q_dim,
+    stride_o_tok,
+    stride_o_head,
+    stride_o_dim,
+    stride_k_block,
+    stride_k_head,
+    stride_k_slot,
+    stride_k_dim,
+    stride_v_block,
+    stride_v_head,
+    stride_v_slot,
+    stride_v_dim,
+    stride_bt_seq,
+    stride_bt_blk,
+    NUM_QUERIES_PER_KV: tl.constexpr,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    head = tl.program_id(1)
+    seq = first_seq + tl.program_id(2)
+    query_start = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
+    if m_block * BLOCK_M >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+    kv_head = head // NUM_QUERIES_PER_KV
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    io_mask = (offs_m[:, None] < query_len) & (offs_d[None, :] < HEAD_SIZE)
+    tokens = (query_start + offs_m).to(tl.int64)
+    q = tl.load(
+        query_ptr + tokens[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :] * stride_q_dim,
+        mask=io_mask,
+        other=0.0,
+    ).to(key_cache_ptr.dtype.element_ty)
+    q_pos = context_len + offs_m
+
+    # Keys <= the tile's first query position are visible to all its rows (first_pos < seq_len
+    # because the tile holds at least one real row); the tiles after that straddle the diagonal.
+    first_pos = context_len + m_block * BLOCK_M
+    unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
+    kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    k_head_ptr = key_cache_ptr + kv_head * stride_k_head
+    v_head_ptr = value_cache_ptr + kv_head * stride_v_head
+    block_table_ptr = block_tables_ptr + seq * stride_bt_seq
+    acc, l_i, m_i = attend_paged_range(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_head_ptr,
+        v_head_ptr,
+        block_table_ptr,
+        0,
+        unmasked_end,
+        qk_scale,
+        stride_bt_blk,
+        stride_k_block,
+        stride_k_slot,
+        stride_k_dim,
+        stride_v_block,
+        stride_v_slot,
+        stride_v_dim,
+        HEAD_SIZE,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        BLOCK_N,
+        MASK_TAIL=False,
+        CAUSAL=False,
+        DOT_PRECISION=DOT_PRECISION,
+    )
+    # If the unmasked stage was empty this one starts at key 0, which every row sees: no row is
+    # fully masked in its first tile.
+    acc, l_i, m_i = attend_paged_range(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_head_ptr,
+        v_head_ptr,
+        block_table_ptr,
+        unmasked_end,
+        kv_end,
+        qk_scale,
+        stride_bt_blk,
+        stride_k_block,
+        stride_k_slot,
+        stride_k_dim,
+        stride_v_block,
+        stride_v_slot,
+        stride_v_dim,
+        HEAD_SIZE,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        BLOCK_N,
+        MASK_TAIL=True,
+        CAUSAL=True,
+        DOT_PRECISION=DOT_PRECISION,
+    )
+
+    out = acc / l_i[:, None]
+    tl.store(
+        out_ptr + tokens[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :] * stride_o_dim,
+        out.to(out_ptr.dtype.element_ty),
+        mask=io_mask,
+    )
+
+
+def paged_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    first_seq: int,
+    num_prefills: int,
+    max_query_len: int,
+    out: torch.Tensor,
+    *,
+    block_m: int = 64,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Causal attention of sequences ``[first_seq, first_seq + num_prefills)`` over their paged
+    context (cached prefix + the chunk itself); writes their rows of ``out``.
+
+    query, out: [num_tokens, num_heads, head_size]; key_cache, value_cache: [num_blocks,
+    num_kv_heads, block_size, head_size]; block_tables: [num_seqs, max_blocks] int32; seq_lens:
+    [num_seqs] int32; query_start_loc: [num_seqs + 1] int32. ``max_query_len`` (host int) bounds
+    every query_len of those sequences and sets the grid.
+    """
+    check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
+    assert query_start_loc.dtype == torch.int32 and query_start_loc.shape[0] == seq_lens.shape[0] + 1
+    assert first_seq >= 0 and first_seq + num_prefills <= seq_lens.shape[0]
+    _, num_heads, head_size = query.shape
+    num_kv_heads, block_size = key_cache.shape[1:3]
+    if num_prefills == 0 or max_query_len == 0:
+        return out
+    grid = (triton.cdiv(max_query_len, block_m), num_heads, num_prefills)
+    _paged_prefill_kernel[grid](
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale * math.log2(math.e),
+        first_seq,
+        *query.stride(),
+        *out.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        *block_tables.stride(),
+        NUM_QUERIES_PER_KV=num_heads // num_kv_heads,
+        HEAD_SIZE=head_size,
+        HEAD_DIM=triton.next_power_of_2(head_size),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    return out

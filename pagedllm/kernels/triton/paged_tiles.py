@@ -1,0 +1,145 @@
+"""The inner loop both paged attention kernels share: online softmax over tiles of paged K/V.
+
+Algorithm (FlashAttention-2's forward, Dao 2023, in the base-2 form of Triton's fused-attention
+tutorial): for a tile of ``ROWS`` query rows (the heads of one GQA group for decode, ``BLOCK_M``
+tokens of one head for prefill) and context tokens ``[lo, hi)``, walk the context ``BLOCK_N``
+tokens at a time::
+
+    s     = (q @ k^T) * scale * log2(e)        # [ROWS, BLOCK_N] float32
+    m_new = max(m_i, rowmax(s))
+    p     = exp2(s - m_new);  alpha = exp2(m_i - m_new)
+    l_i   = l_i * alpha + rowsum(p)
+    acc   = acc * alpha + p @ v                # [ROWS, HEAD_DIM] float32
+    m_i   = m_new
+
+so the final output is ``acc / l_i`` and ``m_i`` is the row max in log2 units. Folding log2(e) into
+the scale turns every exponential into one ``exp2`` instruction.
+
+Paging: token ``n`` of a sequence lives in physical block ``block_table[n // BLOCK_SIZE]`` at
+position ``n % BLOCK_SIZE``. A ``BLOCK_N``-token tile therefore gathers ``BLOCK_N / BLOCK_SIZE``
+whole cache blocks; with the ``[num_blocks, num_kv_heads, block_size, head_size]`` layout each of
+them is one contiguous ``block_size * head_size`` run, loaded as ``[BLOCK_N, HEAD_DIM]`` rows with
+``head_size`` contiguous (16-byte vector loads). ``HEAD_DIM`` is ``head_size`` rounded up to a
+power of two, the padding columns masked to zero so they add nothing to ``q @ k^T`` or the output.
+
+Every row must see at least one unmasked key in the first tile it processes (otherwise
+``exp2(-inf - -inf)`` is NaN); both callers guarantee it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_paged_range(
+    acc,
+    l_i,
+    m_i,  # running state: [ROWS, HEAD_DIM], [ROWS], [ROWS] float32
+    q,  # [ROWS, HEAD_DIM] in the cache dtype, padding columns zero
+    q_pos,  # [ROWS] context position of each query row (read only when CAUSAL)
+    k_head_ptr,
+    v_head_ptr,  # key/value cache base, already offset to this program's KV head
+    block_table_ptr,  # this sequence's block table row
+    lo,
+    hi,  # the context tokens [lo, hi) to attend to; lo is a multiple of BLOCK_N
+    qk_scale,  # softmax scale * log2(e)
+    stride_bt_blk,
+    stride_k_block,
+    stride_k_slot,
+    stride_k_dim,
+    stride_v_block,
+    stride_v_slot,
+    stride_v_dim,
+    HEAD_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK_TAIL: tl.constexpr,  # hi may fall inside a tile: mask tokens >= hi
+    CAUSAL: tl.constexpr,  # mask keys past each row's q_pos
+    DOT_PRECISION: tl.constexpr,
+):
+    offs_d = tl.arange(0, HEAD_DIM)
+    dim_mask = offs_d < HEAD_SIZE
+    for tile_start in range(lo, hi, BLOCK_N):
+        offs_n = tile_start + tl.arange(0, BLOCK_N)
+        bt_ptrs = block_table_ptr + (offs_n // BLOCK_SIZE) * stride_bt_blk
+        if MASK_TAIL:
+            token_mask = offs_n < hi
+            block_ids = tl.load(bt_ptrs, mask=token_mask, other=0)
+            kv_mask = token_mask[:, None] & dim_mask[None, :]
+        else:
+            # Full tiles (the bulk of a long context) skip the per-token predicate.
+            block_ids = tl.load(bt_ptrs)
+            kv_mask = dim_mask[None, :]
+        # int64: block * stride_block overflows int32 for caches past 2^31 elements.
+        block_ids = block_ids.to(tl.int64)
+        slots = offs_n % BLOCK_SIZE
+        # In a tail tile the mask also keeps whatever the slots past hi hold (stale values, NaN)
+        # out of the dots.
+        k = tl.load(
+            k_head_ptr
+            + block_ids[:, None] * stride_k_block
+            + slots[:, None] * stride_k_slot
+            + offs_d[None, :] * stride_k_dim,
+            mask=kv_mask,
+            other=0.0,
+        )
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASK_TAIL:
+            s = tl.where(token_mask[None, :], s, float("-inf"))
+        if CAUSAL:
+            s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_head_ptr
+            + block_ids[:, None] * stride_v_block
+            + slots[:, None] * stride_v_slot
+            + offs_d[None, :] * stride_v_dim,
+            mask=kv_mask,
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+def dot_precision(is_float32: bool) -> str:
+    """tl.dot's input precision: exact for float32 caches (tf32 would lose ~3 digits, and float32
+    is the dtype we test tightly against the torch oracle); ignored for 16-bit inputs."""
+    return "ieee" if is_float32 else "tf32"
+
+
+def check_paged_inputs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """The shapes, dtypes and layouts both paged kernels assume (host-side metadata only: no sync).
+
+    query, out: [num_tokens, num_heads, head_size]; key_cache, value_cache: [num_blocks,
+    num_kv_heads, block_size, head_size]; block_tables: [num_seqs, max_blocks] int32; seq_lens:
+    [num_seqs] int32.
+    """
+    assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape, (
+        f"caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)}: want [num_blocks, "
+        "num_kv_heads, block_size, head_size]"
+    )
+    assert key_cache.dtype == value_cache.dtype, f"{key_cache.dtype} != {value_cache.dtype}"
+    assert query.dim() == 3 and query.shape[2] == key_cache.shape[3], (
+        f"query {tuple(query.shape)} vs cache head_size {key_cache.shape[3]}"
+    )
+    assert query.shape[1] % key_cache.shape[1] == 0, "num_heads must be a multiple of num_kv_heads"
+    # head_size contiguous: K/V and query rows are loaded as 16-byte vectors.
+    assert key_cache.stride(3) == 1 and value_cache.stride(3) == 1 and query.stride(2) == 1
+    assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1
+    assert block_tables.dtype == torch.int32 and block_tables.shape[0] == seq_lens.shape[0]
+    assert seq_lens.dtype == torch.int32 and seq_lens.dim() == 1

@@ -1,0 +1,43 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.utils import default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, numerically as Hugging Face's LlamaRMSNorm.
+
+    The statistics are computed in float32 and the result is cast back to the input dtype before
+    the weight multiplies it: in bf16 that order changes the rounding, and matching it is what makes
+    our logits equal the reference's.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x: [..., hidden_size]. With ``residual`` (same shape), normalizes ``x + residual`` and
+        returns ``(out, x + residual)``, the residual stream the next block adds to."""
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        variance = x_fp32.pow(2).mean(-1, keepdim=True)
+        normed = x_fp32 * torch.rsqrt(variance.add_(self.eps))
+        # ``normed`` is a fresh tensor in every dtype (never ``x``), so scaling it in place is safe.
+        return normed.to(x.dtype).mul_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -1,0 +1,198 @@
+"""Linear layers sharded Megatron-style across the tensor-parallel ranks.
+
+Each rank holds a slice of every weight and loads only that slice: the ``weight_loader`` of a
+parameter takes the full checkpoint tensor (or one packed shard of it) and copies this rank's part.
+
+* Column parallel: the output features are split, ``W[out / tp, in]``; each rank computes its
+  slice of the output, which feeds a row-parallel layer without communication.
+* Row parallel: the input features are split, ``W[out, in / tp]``; each rank computes a partial
+  sum of the full output, and an all-reduce adds them.
+
+So an MLP or an attention block costs one all-reduce, after its row-parallel output projection.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
+from pagedllm.layers.utils import copy_weight, default_weight_loader
+
+
+def divide(numerator: int, denominator: int) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{numerator} is not divisible by the tensor-parallel size {denominator}")
+    return numerator // denominator
+
+
+def narrow_shard(
+    loaded_weight: torch.Tensor, dim: int, shard_rank: int, shard_size: int, num_shards: int
+) -> torch.Tensor:
+    """Slice ``shard_rank`` of ``loaded_weight`` along ``dim``, which must hold exactly ``num_shards``
+    slices of ``shard_size`` (a narrower or wider checkpoint does not fit the config)."""
+    if loaded_weight.shape[dim] != shard_size * num_shards:
+        raise ValueError(
+            f"shape mismatch: checkpoint {tuple(loaded_weight.shape)} should have {shard_size * num_shards} "
+            f"entries along dim {dim}"
+        )
+    return loaded_weight.narrow(dim, shard_rank * shard_size, shard_size)
+
+
+class _LinearBase(nn.Module):
+    """``y = x W^T + b`` with this rank's ``W: [output_size, input_size]``, loaded whole."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
+        default_weight_loader(param, loaded_weight, shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, input_size] -> [num_tokens, output_size] (this rank's sizes)."""
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(_LinearBase):
+    """Every rank holds the whole weight and computes the whole output."""
+
+
+class ColumnParallelLinear(_LinearBase):
+    """Output features split across ranks; the output stays split (no gather)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        super().__init__(input_size, divide(output_size, tp_size), bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has no packed shards, got shard_id={shard_id!r}")
+        copy_weight(param.data, narrow_shard(loaded_weight, 0, self.tp_rank, param.shape[0], self.tp_size))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (e.g. gate and up).
+
+    Each rank's weight is its slice of every projection, stacked: ``[gate_r; up_r]``, so the
+    output splits into the projections locally. Shard ``i`` is ``output_sizes[i]``.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = True) -> None:
+        super().__init__(input_size, sum(output_sizes), bias)
+        self.output_sizes = output_sizes
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
+        if shard_id is None:
+            # An already packed checkpoint tensor: load it projection by projection.
+            for i, piece in enumerate(loaded_weight.split(self.output_sizes, dim=0)):
+                self.weight_loader(param, piece, i)
+            return
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard_id must be an int in [0, {len(self.output_sizes)}), got {shard_id!r}")
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        shard = narrow_shard(loaded_weight, 0, self.tp_rank, size, self.tp_size)
+        copy_weight(param.data.narrow(0, offset, size), shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The q, k and v projections in one matmul, split across ranks by attention head.
+
+    Each rank's output is ``[q heads | k heads | v heads]`` of its own heads. With more ranks than
+    KV heads, each KV head is replicated on ``tp_size / total_num_kv_heads`` consecutive ranks.
+    Shard ids are "q", "k", "v".
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = True,
+    ) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        self.head_size = head_size
+        self.total_num_heads = total_num_heads
+        self.total_num_kv_heads = total_num_kv_heads
+        self.num_heads = divide(total_num_heads, tp_size)
+        if tp_size >= total_num_kv_heads:
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = divide(tp_size, total_num_kv_heads)
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size)
+            self.num_kv_head_replicas = 1
+        output_size = (self.num_heads + 2 * self.num_kv_heads) * tp_size * head_size
+        super().__init__(hidden_size, output_size, bias)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
+        if shard_id is None:
+            sizes = [self.total_num_heads, self.total_num_kv_heads, self.total_num_kv_heads]
+            pieces = loaded_weight.split([n * self.head_size for n in sizes], dim=0)
+            for piece, qkv in zip(pieces, ("q", "k", "v")):
+                self.weight_loader(param, piece, qkv)
+            return
+        q_size = self.num_heads * self.head_size
+        kv_size = self.num_kv_heads * self.head_size
+        kv_rank = self.tp_rank // self.num_kv_head_replicas
+        num_kv_shards = self.tp_size // self.num_kv_head_replicas
+        # shard_id -> (offset in this rank's output, size, slice of the checkpoint tensor, slices)
+        layout = {
+            "q": (0, q_size, self.tp_rank, self.tp_size),
+            "k": (q_size, kv_size, kv_rank, num_kv_shards),
+            "v": (q_size + kv_size, kv_size, kv_rank, num_kv_shards),
+        }
+        if shard_id not in layout:
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        offset, size, shard_rank, num_shards = layout[shard_id]
+        shard = narrow_shard(loaded_weight, 0, shard_rank, size, num_shards)
+        copy_weight(param.data.narrow(0, offset, size), shard)
+
+
+class RowParallelLinear(_LinearBase):
+    """Input features split across ranks; the partial outputs are summed by an all-reduce.
+
+    The bias is whole on every rank and added once, by rank 0, before the reduction.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = True) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        super().__init__(divide(input_size, tp_size), output_size, bias)
+        if bias:
+            self.bias.weight_loader = default_weight_loader
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has no packed shards, got shard_id={shard_id!r}")
+        copy_weight(param.data, narrow_shard(loaded_weight, 1, self.tp_rank, param.shape[1], self.tp_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, input_size_per_partition] -> [num_tokens, output_size]."""
+        if self.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        bias = self.bias if self.tp_rank == 0 else None
+        return tensor_model_parallel_all_reduce(F.linear(x, self.weight, bias))

@@ -1,0 +1,127 @@
+"""Rotary position embedding (RoPE), neox style, as Hugging Face's Llama applies it.
+
+Neox style rotates the pair ``(x[i], x[i + d/2])`` of each head by ``position * inv_freq[i]``
+(GPT-J style would pair adjacent elements instead). The angles' cos and sin are computed once for
+every position up to ``max_position`` and indexed by each token's position at run time, so a step
+costs a gather and four multiplies.
+
+Scaling types change only ``inv_freq``: ``linear`` divides it by ``factor`` (positions are
+interpolated), ``llama3`` divides the low frequencies by ``factor``, keeps the high ones and blends
+in between (Llama 3.1's long-context recipe).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def get_rope_parameters(config: Any) -> dict[str, Any]:
+    """The config's rope parameters as one dict with ``rope_type`` and ``rope_theta``.
+
+    transformers 5 keeps them in ``config.rope_parameters``; older configs split them between
+    ``rope_scaling`` (whose type key was once ``type``) and ``rope_theta``.
+    """
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def _default_inv_freq(head_size: int, params: dict[str, Any]) -> torch.Tensor:
+    # [head_size // 2], float32 whatever the default dtype, as the reference computes it.
+    exponents = torch.arange(0, head_size, 2, dtype=torch.int64).to(torch.float32) / head_size
+    return 1.0 / (params["rope_theta"] ** exponents)
+
+
+def _linear_inv_freq(head_size: int, params: dict[str, Any]) -> torch.Tensor:
+    return _default_inv_freq(head_size, params) / params["factor"]
+
+
+def _llama3_inv_freq(head_size: int, params: dict[str, Any]) -> torch.Tensor:
+    inv_freq = _default_inv_freq(head_size, params)
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    # Wavelengths longer than low_freq_wavelen barely turned within the pretraining context: scale
+    # them fully. Shorter than high_freq_wavelen: keep. Between: interpolate smoothly.
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+_INV_FREQ_FUNCTIONS: dict[str, Callable[[int, dict[str, Any]], torch.Tensor]] = {
+    "default": _default_inv_freq,
+    "linear": _linear_inv_freq,
+    "llama3": _llama3_inv_freq,
+}
+
+
+def compute_inv_freq(head_size: int, rope_parameters: dict[str, Any]) -> torch.Tensor:
+    """[head_size // 2] float32 inverse frequencies for ``rope_parameters`` (see get_rope_parameters)."""
+    rope_type = rope_parameters["rope_type"]
+    if rope_type not in _INV_FREQ_FUNCTIONS:
+        raise NotImplementedError(
+            f"rope_type {rope_type!r} is not supported; supported: {sorted(_INV_FREQ_FUNCTIONS)}"
+        )
+    if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
+        raise NotImplementedError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+    return _INV_FREQ_FUNCTIONS[rope_type](head_size, rope_parameters)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates query and key heads by their tokens' positions.
+
+    ``cos_sin_cache: [max_position, head_size]`` holds ``[cos | sin]`` of every position's angles,
+    computed in float32 and stored in ``dtype``: the reference casts cos and sin to the activations'
+    dtype before multiplying, so storing them cast gives the same numbers with no per-step cast.
+    """
+
+    def __init__(
+        self, head_size: int, max_position: int, rope_parameters: dict[str, Any], dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.head_size = head_size
+        inv_freq = compute_inv_freq(head_size, rope_parameters)
+        positions = torch.arange(max_position, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq)  # [max_position, head_size // 2]
+        cache = torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype)
+        # Not persistent: derived from the config, so it is neither saved nor loaded.
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [num_tokens] int64; query: [num_tokens, num_heads * head_size]; key:
+        [num_tokens, num_kv_heads * head_size]. Returns the rotated (query, key), same shapes."""
+        num_tokens = positions.shape[0]
+        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
+        # [num_tokens, 1, head_size // 2]: broadcast over the heads.
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        query = _rotate(query.view(num_tokens, -1, self.head_size), cos, sin)
+        key = _rotate(key.view(num_tokens, -1, self.head_size), cos, sin)
+        return query.view(num_tokens, -1), key.view(num_tokens, -1)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, num_heads, head_size]; cos, sin: [num_tokens, 1, head_size // 2].
+
+    Writes both halves into one output instead of concatenating: three allocations, not seven,
+    with the reference's rounding (each product rounded, then the sum).
+    """
+    x1, x2 = x.chunk(2, dim=-1)
+    out = torch.empty_like(x)
+    out1, out2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=out1).sub_(x2 * sin)
+    torch.mul(x2, cos, out=out2).add_(x1 * sin)
+    return out

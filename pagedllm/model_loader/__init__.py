@@ -1,0 +1,82 @@
+"""Build a model on its device and fill its weights from a checkpoint or at random."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backends.abstract import AttentionBackend
+from pagedllm.config import ModelConfig
+from pagedllm.model_loader.dummy_loader import initialize_dummy_weights
+from pagedllm.model_loader.hf_loader import iterate_safetensors_weights
+from pagedllm.models import get_model_class
+
+
+def get_model(
+    model_config: ModelConfig, load_format: str, device: torch.device, attn_backend: type[AttentionBackend]
+) -> nn.Module:
+    """The model of ``model_config`` on ``device`` in ``model_config.dtype``, weights loaded, in eval mode.
+
+    load_format: "safetensors" (HF directory), "gguf", "dummy" (random), or "auto" (gguf when the
+    config names a GGUF file, else safetensors).
+    """
+    model_class = get_model_class(model_config.architectures)
+    # Parameters are created directly on the device in the run dtype: no float32 CPU copy of an
+    # 8B model on the way.
+    with _default_dtype(model_config.dtype), torch.device(device):
+        model = model_class(model_config.hf_config, attn_backend)
+    with torch.no_grad():
+        _load_weights(model, model_config, _resolve_load_format(model_config, load_format))
+    return model.eval()
+
+
+def _resolve_load_format(model_config: ModelConfig, load_format: str) -> str:
+    if load_format == "auto":
+        return "gguf" if _gguf_path(model_config) else "safetensors"
+    if load_format not in ("safetensors", "gguf", "dummy"):
+        raise ValueError(f"load_format must be 'auto', 'safetensors', 'gguf' or 'dummy', got {load_format!r}")
+    return load_format
+
+
+def _load_weights(model: nn.Module, model_config: ModelConfig, load_format: str) -> None:
+    hf_config = model_config.hf_config
+    if load_format == "dummy":
+        initialize_dummy_weights(model, getattr(hf_config, "initializer_range", None) or 0.02)
+        return
+    weights: Iterator[tuple[str, torch.Tensor]]
+    if load_format == "gguf":
+        path = _gguf_path(model_config)
+        if path is None:
+            raise ValueError(f"load_format='gguf' needs a .gguf file, got model {model_config.model!r}")
+        # Imported here: the gguf package is only needed for GGUF files (the GPU machine may lack it).
+        from pagedllm.model_loader.gguf_loader import iterate_gguf_weights
+
+        weights = iterate_gguf_weights(path, model, hf_config, model_config.dtype)
+    else:
+        weights = iterate_safetensors_weights(model_config.model)
+    model.load_weights(weights)
+
+
+def _gguf_path(model_config: ModelConfig) -> str | None:
+    gguf_file = model_config.gguf_file
+    if gguf_file is None:
+        return model_config.model if model_config.model.endswith(".gguf") else None
+    # A bare file name is relative to the model directory, as in from_pretrained(dir, gguf_file=name).
+    return gguf_file if os.path.isfile(gguf_file) else os.path.join(model_config.model, gguf_file)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+__all__ = ["get_model"]

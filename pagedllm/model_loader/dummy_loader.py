@@ -1,0 +1,26 @@
+"""Random weights from the config alone (``load_format="dummy"``), for benchmarks without a checkpoint.
+
+The values follow the usual initialization (normal matrices, unit norms, zero biases) so that
+activations keep a realistic scale and kernels see realistic numbers. They come from torch's global
+generator in module order, so ``torch.manual_seed`` makes them reproducible.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.layers.layernorm import RMSNorm
+
+
+@torch.no_grad()
+def initialize_dummy_weights(model: nn.Module, initializer_range: float = 0.02) -> None:
+    """Fill every parameter in place: norm weights 1, biases 0, the rest N(0, initializer_range²)."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if isinstance(module, RMSNorm):
+                param.fill_(1.0)
+            elif name == "bias":
+                param.zero_()
+            else:
+                param.normal_(0.0, initializer_range)

@@ -1,0 +1,51 @@
+"""Weights of a Hugging Face model directory: ``*.safetensors``, sharded or not.
+
+Pickle checkpoints (``.bin``, ``.pt``, ``.pth``) are refused: unpickling runs arbitrary code from
+the file, and safetensors holds the same tensors without that risk.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
+
+
+def find_safetensors_files(model_dir: str) -> list[str]:
+    """The directory's safetensors files: those its index names, or every ``*.safetensors``."""
+    index_path = os.path.join(model_dir, SAFETENSORS_INDEX)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+        absent = [path for path in files if not os.path.isfile(path)]
+        if absent:
+            raise ValueError(f"{SAFETENSORS_INDEX} in {model_dir!r} names missing files: {absent}")
+        return files
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if files:
+        return files
+    pickles = sorted(name for name in os.listdir(model_dir) if name.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise ValueError(
+            f"{model_dir!r} holds only pickle checkpoints ({', '.join(pickles)}), which are refused because "
+            "loading them can run arbitrary code; convert them to safetensors "
+            "(e.g. model.save_pretrained(dir, safe_serialization=True))"
+        )
+    raise ValueError(f"no *.safetensors weights in {model_dir!r}")
+
+
+def iterate_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, CPU tensor) of every checkpoint tensor, one at a time, so that peak
+    memory is one tensor, not the checkpoint."""
+    for path in find_safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                yield name, f.get_tensor(name)

@@ -1,0 +1,100 @@
+"""What a request returns, step by step or at the end (vLLM's RequestOutput / CompletionOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedllm.sequence import (
+    PromptLogprobs,
+    RequestMetrics,
+    SampleLogprobs,
+    Sequence,
+    SequenceGroup,
+)
+
+
+@dataclass
+class CompletionOutput:
+    """One output sequence of a request.
+
+    Args:
+        index: the sequence's index among the request's outputs.
+        text: the generated text so far (without a matched stop string).
+        token_ids: the generated token ids.
+        cumulative_logprob: sum of the generated tokens' logprobs.
+        logprobs: per generated token, the chosen and top-k tokens' logprobs (when asked for).
+        finish_reason: None while running; "stop" (EOS, stop string or stop token), "length"
+            (max_tokens or the context limit) or "abort".
+        stop_reason: the stop string or stop token id that ended it, None for EOS or length.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: the prompt and each output sequence.
+
+    ``error`` says why a request finished without running (e.g. its prompt is longer than the
+    model's context); such a request has one empty output with ``finish_reason="length"``.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_seq_group(cls, seq_group: SequenceGroup) -> RequestOutput:
+        params = seq_group.sampling_params
+        finished = seq_group.is_finished()
+        holdback = 0 if finished else max(params.max_stop_string_len - 1, 0)
+        with_logprobs = params.logprobs is not None
+        if finished and len(seq_group.seqs) > params.n:
+            # best_of > n: the n sequences with the highest cumulative logprob, best first.
+            best = sorted(seq_group.seqs, key=lambda seq: seq.cumulative_logprob, reverse=True)[: params.n]
+            outputs = [_completion_output(seq, i, 0, with_logprobs) for i, seq in enumerate(best)]
+        else:
+            outputs = [
+                _completion_output(seq, seq.output_index, holdback, with_logprobs) for seq in seq_group.seqs
+            ]
+        return cls(
+            request_id=seq_group.request_id,
+            prompt=seq_group.prompt,
+            prompt_token_ids=seq_group.prompt_token_ids,
+            prompt_logprobs=seq_group.prompt_logprobs,
+            outputs=outputs,
+            finished=finished,
+            metrics=seq_group.metrics,
+            error=seq_group.error,
+        )
+
+
+def _completion_output(seq: Sequence, index: int, holdback: int, with_logprobs: bool) -> CompletionOutput:
+    # While a stop string may still complete, hold back the characters that could start it, so
+    # that streamed text never has to be taken back.
+    text = seq.output_text
+    if holdback:
+        text = text[: max(len(text) - holdback, 0)]
+    return CompletionOutput(
+        index=index,
+        text=text,
+        token_ids=seq.output_token_ids.copy(),
+        cumulative_logprob=seq.cumulative_logprob,
+        logprobs=seq.output_logprobs.copy() if with_logprobs else None,
+        finish_reason=seq.status.finish_reason,
+        stop_reason=seq.stop_reason,
+    )

@@ -1,0 +1,112 @@
+"""Incremental detokenization and stop conditions."""
+
+import pytest
+
+from pagedllm.detokenizer import decode_incrementally, init_detokenizer_state
+from pagedllm.engine.stop_checker import StopChecker
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import Sequence, SequenceStatus
+
+TEXTS = [
+    "Hello there, how are you?",
+    "café crème brûlée — €5, naïve résumé",
+    "日本語のテキストと emoji 🎉🚀 mixed",
+    "  leading spaces\nand\ttabs  ",
+]
+
+
+def stream(tokenizer, prompt: str, output_ids: list[int], **kwargs) -> tuple[Sequence, list[str]]:
+    seq = Sequence(0, tokenizer(prompt)["input_ids"], block_size=16)
+    init_detokenizer_state(seq)
+    chunks = []
+    for token_id in output_ids:
+        seq.append_token_id(token_id, 0.0)
+        chunks.append(decode_incrementally(tokenizer, seq, kwargs.get("skip", True), True))
+    return seq, chunks
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_text_equals_full_decode_and_never_splits_a_character(smollm2_tokenizer, text):
+    tokenizer = smollm2_tokenizer
+    output_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    seq, chunks = stream(tokenizer, "Say something:", output_ids)
+    assert all("\ufffd" not in chunk for chunk in chunks)
+    assert "".join(chunks) == seq.output_text == tokenizer.decode(output_ids)
+    # Where a character spans several tokens, the steps before its last token emit nothing.
+    if any("\ufffd" in tokenizer.decode([token_id]) for token_id in output_ids):
+        assert "" in chunks
+
+
+def test_special_tokens_skipped_or_kept(smollm2_tokenizer):
+    tokenizer = smollm2_tokenizer
+    ids = tokenizer("Paris", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    seq, _ = stream(tokenizer, "Capital?", ids, skip=True)
+    assert seq.output_text == "Paris"
+    seq, _ = stream(tokenizer, "Capital?", ids, skip=False)
+    assert seq.output_text == "Paris" + tokenizer.eos_token
+
+
+def make_seq(text_pieces: list[str], token_ids: list[int] | None = None) -> tuple[Sequence, list[int]]:
+    seq = Sequence(0, [1, 2, 3], block_size=16)
+    counts = []
+    for i, piece in enumerate(text_pieces):
+        seq.append_token_id(token_ids[i] if token_ids else 100 + i, 0.0)
+        seq.output_text += piece
+        counts.append(len(piece))
+    return seq, counts
+
+
+def test_stop_string_across_token_boundaries_is_cut_from_the_text():
+    checker = StopChecker(max_model_len=100, eos_token_ids={0})
+    params = SamplingParams(stop=["END"])
+    seq = Sequence(0, [1], block_size=16)
+    for i, piece in enumerate(["The answer", " is 4.", " E", "N", "D and more"]):
+        seq.append_token_id(10 + i, 0.0)
+        seq.output_text += piece
+        checker.check(seq, len(piece), params)
+        if seq.is_finished():
+            break
+    assert seq.status == SequenceStatus.FINISHED_STOPPED
+    assert seq.output_text == "The answer is 4. "
+    assert seq.stop_reason == "END"
+    assert seq.num_output_tokens == 5
+
+
+def test_include_stop_str_in_output_and_earliest_match_wins():
+    checker = StopChecker(max_model_len=100, eos_token_ids=set())
+    params = SamplingParams(stop=["bb", "a"], include_stop_str_in_output=True)
+    seq = Sequence(0, [1], block_size=16)
+    seq.append_token_id(5, 0.0)
+    seq.output_text = "xbba"
+    checker.check(seq, 4, params)
+    assert seq.output_text == "xbb" and seq.stop_reason == "bb"
+
+
+def test_eos_stop_tokens_min_tokens_and_lengths():
+    checker = StopChecker(max_model_len=8, eos_token_ids={0})
+    seq = Sequence(0, [1, 2], block_size=16)
+    seq.append_token_id(0, 0.0)
+    checker.check(seq, 0, SamplingParams(min_tokens=2))
+    assert not seq.is_finished(), "EOS before min_tokens does not stop"
+    checker.check(seq, 0, SamplingParams(ignore_eos=True))
+    assert not seq.is_finished()
+    checker.check(seq, 0, SamplingParams())
+    assert seq.status == SequenceStatus.FINISHED_STOPPED and seq.stop_reason is None
+
+    seq = Sequence(0, [1, 2], block_size=16)
+    seq.append_token_id(42, 0.0)
+    seq.output_text = "<stop>"
+    checker.check(seq, 6, SamplingParams(stop_token_ids=[42]))
+    assert seq.status == SequenceStatus.FINISHED_STOPPED and seq.stop_reason == 42
+    assert seq.output_text == ""
+
+    seq = Sequence(0, [1, 2], block_size=16)
+    for _ in range(3):
+        seq.append_token_id(7, 0.0)
+    checker.check(seq, 0, SamplingParams(max_tokens=3))
+    assert seq.status == SequenceStatus.FINISHED_LENGTH_CAPPED
+
+    seq = Sequence(0, list(range(1, 8)), block_size=16)
+    seq.append_token_id(7, 0.0)  # length 8 = max_model_len
+    checker.check(seq, 0, SamplingParams(max_tokens=100))
+    assert seq.status == SequenceStatus.FINISHED_LENGTH_CAPPED

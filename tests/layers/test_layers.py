@@ -1,0 +1,177 @@
+"""Layers against their Hugging Face references, and tensor-parallel sharding over two gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.logits_processor import LogitsProcessor
+from pagedllm.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq, get_rope_parameters
+from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_hf_bit_for_bit(dtype: torch.dtype) -> None:
+    x, residual = torch.randn(2, 7, 64).to(dtype), torch.randn(2, 7, 64).to(dtype)
+    weight = (1 + 0.2 * torch.randn(64)).to(dtype)
+    ours, ref = RMSNorm(64, eps=1e-5).to(dtype), LlamaRMSNorm(64, eps=1e-5).to(dtype)
+    ours.weight.data.copy_(weight)
+    ref.weight.data.copy_(weight)
+    x_before, residual_before = x.clone(), residual.clone()
+    with torch.no_grad():
+        assert torch.equal(ours(x), ref(x))
+        out, new_residual = ours(x, residual)
+        assert torch.equal(new_residual, x + residual)
+        assert torch.equal(out, ref(x + residual))
+    # The in-place steps inside the norm must never reach its inputs.
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+@pytest.mark.parametrize("rope", [None, LINEAR_ROPE, LLAMA3_ROPE], ids=["default", "linear", "llama3"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_matches_hf(rope: dict | None, dtype: torch.dtype) -> None:
+    num_heads, num_kv_heads, head_size, num_tokens = 4, 2, 64, 9
+    config = LlamaConfig(
+        hidden_size=num_heads * head_size,
+        num_attention_heads=num_heads,
+        max_position_embeddings=16384,
+        rope_parameters=rope,
+    )
+    # Positions far apart, past the llama3 pretraining length, in no particular order.
+    positions = torch.tensor([0, 1, 2, 17, 5000, 9000, 16383, 3, 100])
+    q = torch.randn(num_tokens, num_heads * head_size).to(dtype)
+    k = torch.randn(num_tokens, num_kv_heads * head_size).to(dtype)
+    rotary = RotaryEmbedding(head_size, config.max_position_embeddings, get_rope_parameters(config), dtype)
+    q_out, k_out = rotary(positions, q, k)
+
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
+    # HF's layout: [batch, heads, tokens, head_size].
+    q_ref, k_ref = apply_rotary_pos_emb(
+        q.view(1, num_tokens, num_heads, head_size).transpose(1, 2),
+        k.view(1, num_tokens, num_kv_heads, head_size).transpose(1, 2),
+        cos,
+        sin,
+    )
+    torch.testing.assert_close(q_out, q_ref.transpose(1, 2).reshape(num_tokens, -1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(k_out, k_ref.transpose(1, 2).reshape(num_tokens, -1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rope", [LINEAR_ROPE, LLAMA3_ROPE], ids=["linear", "llama3"])
+def test_scaled_inv_freq_matches_transformers_rope_init(rope: dict) -> None:
+    config = LlamaConfig(
+        hidden_size=512, num_attention_heads=4, max_position_embeddings=131072, rope_parameters=rope
+    )
+    expected, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, torch.device("cpu"))
+    torch.testing.assert_close(
+        compute_inv_freq(128, get_rope_parameters(config)), expected, atol=0, rtol=1e-6
+    )
+
+
+def test_rope_parameters_from_pre_transformers_5_config() -> None:
+    config = SimpleNamespace(rope_theta=500000.0, rope_scaling={"type": "linear", "factor": 2.0})
+    assert get_rope_parameters(config) == {
+        "type": "linear",
+        "rope_type": "linear",
+        "factor": 2.0,
+        "rope_theta": 5e5,
+    }
+    assert get_rope_parameters(SimpleNamespace()) == {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def test_unsupported_rope_type_is_named() -> None:
+    with pytest.raises(NotImplementedError, match=r"'yarn'.*supported.*'default', 'linear', 'llama3'"):
+        compute_inv_freq(64, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
+
+
+def test_silu_and_mul() -> None:
+    x = torch.randn(5, 2 * 24)
+    torch.testing.assert_close(SiluAndMul()(x), F.silu(x[:, :24]) * x[:, 24:])
+
+
+def test_packed_linear_loaders_place_each_shard() -> None:
+    hidden, head_size = 16, 4
+    wq, wk, wv = (
+        torch.randn(4 * head_size, hidden),
+        torch.randn(head_size, hidden),
+        torch.randn(head_size, hidden),
+    )
+    qkv = QKVParallelLinear(hidden, head_size, total_num_heads=4, total_num_kv_heads=1, bias=False)
+    for shard_id, weight in (("k", wk), ("v", wv), ("q", wq)):  # any order
+        qkv.weight.weight_loader(qkv.weight, weight, shard_id)
+    assert torch.equal(qkv.weight, torch.cat([wq, wk, wv]))
+
+    packed = MergedColumnParallelLinear(hidden, [8, 8], bias=True)
+    gate_up, bias = torch.randn(16, hidden), torch.randn(16)
+    packed.weight.weight_loader(packed.weight, gate_up)  # a checkpoint that stores them fused
+    packed.bias.weight_loader(packed.bias, bias[:8], 0)
+    packed.bias.weight_loader(packed.bias, bias[8:], 1)
+    assert torch.equal(packed.weight, gate_up) and torch.equal(packed.bias, bias)
+
+
+def test_weight_loaders_reject_mismatches() -> None:
+    row = RowParallelLinear(16, 8, bias=False)
+    with pytest.raises(
+        ValueError, match=r"shape mismatch: checkpoint \(8, 12\) should have 16 entries along dim 1"
+    ):
+        row.weight.weight_loader(row.weight, torch.randn(8, 12))
+    with pytest.raises(ValueError, match=r"shape mismatch: parameter slice \(8, 16\), checkpoint \(9, 16\)"):
+        row.weight.weight_loader(row.weight, torch.randn(9, 16))
+    qkv = QKVParallelLinear(16, 4, 4, 2, bias=False)
+    with pytest.raises(ValueError, match="shard_id must be 'q', 'k' or 'v'"):
+        qkv.weight.weight_loader(qkv.weight, torch.randn(8, 16), "x")
+
+
+def test_logits_are_float32_over_the_vocabulary() -> None:
+    table = torch.randn(10, 8, dtype=torch.bfloat16)
+    embedding = VocabParallelEmbedding(10, 8).to(torch.bfloat16)
+    embedding.weight.weight_loader(embedding.weight, table)
+    hidden = torch.randn(3, 8, dtype=torch.bfloat16)
+    logits = LogitsProcessor(10)(embedding, hidden)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, (hidden @ table.T).float())
+    assert torch.equal(embedding(torch.tensor([3, 0, 9])), table[[3, 0, 9]])
+
+
+@pytest.mark.slow
+def test_tensor_parallel_layers_over_two_gloo_ranks(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    worker = Path(__file__).with_name("tp_worker.py")
+    init_file = tmp_path / "init"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(worker), str(rank), "2", str(init_file)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outputs = [proc.communicate(timeout=120)[0] for proc in procs]
+    for rank, (proc, output) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"rank {rank} failed:\n{output}"
