@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import tempfile
 from typing import Any
 
+import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedllm.config import ModelConfig
@@ -32,8 +35,7 @@ def get_tokenizer(model_config: ModelConfig) -> Tokenizer | None:
     if model_config.skip_tokenizer_init:
         return None
     if model_config.gguf_file is not None:
-        directory, name = os.path.split(model_config.gguf_file)
-        return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        return _load_gguf_tokenizer(model_config.gguf_file)
     if not has_tokenizer_files(model_config.tokenizer):
         logger.warning(
             "no tokenizer files in %s: running on token ids only (prompts must be token ids, outputs carry "
@@ -42,6 +44,37 @@ def get_tokenizer(model_config: ModelConfig) -> Tokenizer | None:
         )
         return None
     return AutoTokenizer.from_pretrained(model_config.tokenizer)
+
+
+def _load_gguf_tokenizer(gguf_file: str) -> Tokenizer:
+    """Convert the GGUF's vocabulary to a fast tokenizer once, then reuse the saved conversion.
+
+    The conversion parses the whole file and rebuilds the BPE model (seconds); loading the saved
+    tokenizer.json takes a fraction of that.
+    """
+    cache_dir = _gguf_tokenizer_cache_dir(gguf_file)
+    if os.path.isfile(os.path.join(cache_dir, "tokenizer.json")):
+        return AutoTokenizer.from_pretrained(cache_dir)
+    directory, name = os.path.split(os.path.abspath(gguf_file))
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    try:
+        # Written aside and renamed, so a concurrent reader never sees half a tokenizer.
+        staging = tempfile.mkdtemp(dir=os.path.dirname(cache_dir))
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, cache_dir)
+    except OSError as e:
+        logger.info("not caching the converted GGUF tokenizer (%s)", e)
+    return tokenizer
+
+
+def _gguf_tokenizer_cache_dir(gguf_file: str) -> str:
+    stat = os.stat(gguf_file)
+    key = f"{os.path.abspath(gguf_file)}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
+    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm"
+    )
+    os.makedirs(os.path.join(root, "gguf-tokenizers"), exist_ok=True)
+    return os.path.join(root, "gguf-tokenizers", hashlib.sha256(key.encode()).hexdigest()[:32])
 
 
 def _as_id_set(value: Any) -> set[int]:

@@ -192,3 +192,21 @@ def smollm2_tokenizer(smollm2_gguf: str):
 
     directory, name = os.path.split(smollm2_gguf)
     return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_model(smollm2_gguf: str) -> PreTrainedModel:
+    """SmolLM2 in float32 as transformers dequantizes the embedded GGUF: the reference for it.
+
+    (``from_pretrained(gguf_file=...)`` would do the same but needs the accelerate package.)
+    """
+    from transformers import LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from pagedllm.model_loader.gguf_loader import load_gguf_config
+
+    hf_model = LlamaForCausalLM(load_gguf_config(smollm2_gguf)).eval()
+    tensors = load_gguf_checkpoint(smollm2_gguf, return_tensors=True, model_to_load=hf_model)["tensors"]
+    assert hf_model.load_state_dict(tensors, strict=False).missing_keys == ["lm_head.weight"]
+    hf_model.tie_weights()
+    return hf_model

@@ -8,8 +8,10 @@ gguf's own HF -> GGUF name map over the names our model takes.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import gguf
 import numpy as np
@@ -24,9 +26,6 @@ SUPPORTED_GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
 }
 
-# Tensors llama.cpp stores but we derive from the config (Llama 3.1's scaled rope frequencies).
-_DERIVED_TENSORS = frozenset({"rope_freqs.weight"})
-
 
 def read_gguf_architecture(reader: gguf.GGUFReader) -> str:
     """The file's ``general.architecture``; ValueError unless we support it."""
@@ -40,13 +39,80 @@ def read_gguf_architecture(reader: gguf.GGUFReader) -> str:
     return architecture
 
 
+# "<architecture>.<key>" metadata -> the transformers config field it sets.
+_CONFIG_KEYS = {
+    "context_length": "max_position_embeddings",
+    "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size",
+    "embedding_length": "hidden_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.key_length": "head_dim",
+}
+_TOKEN_ID_KEYS = {
+    "tokenizer.ggml.bos_token_id": "bos_token_id",
+    "tokenizer.ggml.eos_token_id": "eos_token_id",
+    "tokenizer.ggml.padding_token_id": "pad_token_id",
+}
+
+
+@functools.lru_cache(maxsize=2)
+def open_gguf(path: str) -> gguf.GGUFReader:
+    """The file's reader, parsed once per process: parsing walks every vocabulary string and takes
+    seconds, and the config and the weights both need it."""
+    return gguf.GGUFReader(path)
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> Any:
+    field = reader.get_field(key)
+    return None if field is None else field.contents()
+
+
 def load_gguf_config(path: str) -> PretrainedConfig:
-    """The transformers config of a GGUF file, with ``architectures`` set (GGUF metadata has none)."""
-    architecture = read_gguf_architecture(gguf.GGUFReader(path))
-    directory, name = os.path.split(os.path.abspath(path))
-    config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    """The transformers config that the GGUF metadata describes, with ``architectures`` set."""
+    reader = open_gguf(os.path.abspath(path))
+    architecture = read_gguf_architecture(reader)
+    values: dict[str, Any] = {}
+    for key, name in {
+        **{f"{architecture}.{k}": v for k, v in _CONFIG_KEYS.items()},
+        **_TOKEN_ID_KEYS,
+    }.items():
+        value = _field(reader, key)
+        if value is not None:
+            values[name] = value
+    values["vocab_size"] = _field(reader, f"{architecture}.vocab_size") or len(
+        reader.get_field("tokenizer.ggml.tokens").data
+    )
+    # llama.cpp stores no output.weight when the LM head is the embedding.
+    values["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
+    values["rope_parameters"] = _rope_parameters(reader, architecture)
+    config = AutoConfig.for_model(architecture, **values)
     config.architectures = [SUPPORTED_GGUF_ARCHITECTURES[architecture]]
     return config
+
+
+def _rope_parameters(reader: gguf.GGUFReader, architecture: str) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "rope_type": "default",
+        "rope_theta": _field(reader, f"{architecture}.rope.freq_base"),
+    }
+    if params["rope_theta"] is None:
+        params["rope_theta"] = 10000.0
+    scaling = _field(reader, f"{architecture}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        params["rope_type"] = scaling
+        params["factor"] = _field(reader, f"{architecture}.rope.scaling.factor")
+        original = _field(reader, f"{architecture}.rope.scaling.original_context_length")
+        if original is not None:
+            params["original_max_position_embeddings"] = original
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        # Llama 3.1 GGUFs carry their scaled frequencies as a tensor, not as llama3 parameters.
+        raise NotImplementedError(
+            "this GGUF scales rope frequencies through a rope_freqs tensor (Llama 3.1 style), which is "
+            "not supported yet: load the HF safetensors checkpoint instead"
+        )
+    return params
 
 
 def iterate_gguf_weights(
@@ -56,12 +122,10 @@ def iterate_gguf_weights(
 
     ``model`` says which Hugging Face names exist (see ``_checkpoint_names``).
     """
-    reader = gguf.GGUFReader(path)
+    reader = open_gguf(os.path.abspath(path))
     architecture = read_gguf_architecture(reader)
     hf_names = _gguf_to_hf_names(architecture, hf_config.num_hidden_layers, _checkpoint_names(model))
     for tensor in reader.tensors:
-        if tensor.name in _DERIVED_TENSORS:
-            continue
         if tensor.name not in hf_names:
             raise ValueError(f"GGUF tensor {tensor.name!r} matches no parameter of {type(model).__name__}")
         hf_name = hf_names[tensor.name]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,8 +13,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel
-from transformers import LlamaForCausalLM as HFLlamaForCausalLM
-from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.config import ModelConfig
@@ -187,7 +186,7 @@ def test_unsupported_gguf_architecture(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_smollm2_gguf_matches_transformers_dequantization(
-    smollm2_gguf: str, paged_runner: type, reference_logits: Callable
+    smollm2_gguf: str, smollm2_hf_model: PreTrainedModel, paged_runner: type, reference_logits: Callable
 ) -> None:
     config = load_gguf_config(smollm2_gguf)
     assert config.architectures == ["LlamaForCausalLM"] and config.tie_word_embeddings
@@ -200,16 +199,20 @@ def test_smollm2_gguf_matches_transformers_dequantization(
         gguf_file=smollm2_gguf,
     )
     model = _get_model(model_config)
-
-    # transformers dequantizes the same file with its own name map and q/k un-permutation.
-    # (from_pretrained(gguf_file=...) would do the same but needs the accelerate package.)
-    hf_model = HFLlamaForCausalLM(config).eval()
-    tensors = load_gguf_checkpoint(smollm2_gguf, return_tensors=True, model_to_load=hf_model)["tensors"]
-    assert hf_model.load_state_dict(tensors, strict=False).missing_keys == ["lm_head.weight"]
-    hf_model.tie_weights()
-
     prompt = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30]  # arbitrary token ids
     logits = paged_runner(model, model_config).step({0: prompt})[0]
-    expected = reference_logits(hf_model, prompt)
+    expected = reference_logits(smollm2_hf_model, prompt)
     torch.testing.assert_close(logits, expected, atol=1e-3 * expected.abs().max().item(), rtol=0)
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_gguf_config_matches_transformers_conversion(smollm2_gguf: str) -> None:
+    from transformers import AutoConfig
+
+    ours = load_gguf_config(smollm2_gguf).to_dict()
+    directory, name = os.path.split(smollm2_gguf)
+    theirs = AutoConfig.from_pretrained(directory, gguf_file=name).to_dict()
+    for key in ("_name_or_path", "_model_name_or_path", "architectures", "unk_token_id"):
+        ours.pop(key, None)
+        theirs.pop(key, None)
+    assert ours == theirs
