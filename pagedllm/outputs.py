@@ -64,9 +64,12 @@ class RequestOutput:
         holdback = 0 if finished else max(params.max_stop_string_len - 1, 0)
         with_logprobs = params.logprobs is not None
         if finished and len(seq_group.seqs) > params.n:
-            # best_of > n: the n sequences with the highest cumulative logprob, best first.
-            best = sorted(seq_group.seqs, key=lambda seq: seq.cumulative_logprob, reverse=True)[: params.n]
-            outputs = [_completion_output(seq, i, 0, with_logprobs) for i, seq in enumerate(best)]
+            # best_of > n: the n best sequences, best first (beam search has ranked its
+            # hypotheses by length-penalised score; sampling ranks by cumulative logprob).
+            best = seq_group.seqs
+            if not params.use_beam_search:
+                best = sorted(best, key=lambda seq: seq.cumulative_logprob, reverse=True)
+            outputs = [_completion_output(seq, i, 0, with_logprobs) for i, seq in enumerate(best[: params.n])]
         else:
             outputs = [
                 _completion_output(seq, seq.output_index, holdback, with_logprobs) for seq in seq_group.seqs

@@ -168,6 +168,12 @@ class SamplingParams:
             "True, False or 'never'",
             self.early_stopping,
         )
+        _check(
+            not self.stop,
+            "stop",
+            "empty with beam search (beams end on EOS, stop_token_ids or length)",
+            self.stop,
+        )
 
     def _verify_non_beam_search(self) -> None:
         _check(

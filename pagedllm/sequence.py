@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from pagedllm.engine.beam_search import BeamSearchState
     from pagedllm.sampling_params import SamplingParams
 
 
@@ -56,12 +57,14 @@ _FINISH_REASONS = {
 class LogicalTokenBlock:
     """A block's worth of one sequence's tokens, before it is mapped to physical memory."""
 
-    __slots__ = ("block_number", "block_size", "token_ids")
+    __slots__ = ("block_hash", "block_number", "block_size", "token_ids")
 
     def __init__(self, block_number: int, block_size: int) -> None:
         self.block_number = block_number
         self.block_size = block_size
         self.token_ids: list[int] = []
+        # Once full: the hash of its tokens and every token before it (the prefix-cache key).
+        self.block_hash: int | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +85,7 @@ class LogicalTokenBlock:
     def copy(self) -> LogicalTokenBlock:
         block = LogicalTokenBlock(self.block_number, self.block_size)
         block.token_ids = self.token_ids.copy()
+        block.block_hash = self.block_hash
         return block
 
 
@@ -118,7 +122,6 @@ class Sequence:
         self.output_index = 0
         # Incremental detokenization state (see pagedllm/detokenizer.py).
         self.output_text = ""
-        self.tokens: list[str] | None = None
         self.prefix_offset = 0
         self.read_offset = 0
         self.stop_reason: int | str | None = None
@@ -172,6 +175,22 @@ class Sequence:
     def num_logical_blocks(self) -> int:
         return len(self.logical_token_blocks)
 
+    def block_hash(self, index: int) -> int:
+        """The prefix-cache key of full logical block ``index``: a hash of its tokens chained with
+        the key of the block before it, so equal keys mean equal prefixes."""
+        blocks = self.logical_token_blocks
+        assert blocks[index].is_full, "only full blocks are cached"
+        if blocks[index].block_hash is not None:
+            return blocks[index].block_hash
+        first = index
+        while first > 0 and blocks[first - 1].block_hash is None:
+            first -= 1
+        for i in range(first, index + 1):
+            if blocks[i].block_hash is None:
+                prev = blocks[i - 1].block_hash if i else None
+                blocks[i].block_hash = hash((prev, tuple(blocks[i].token_ids)))
+        return blocks[index].block_hash
+
     # --- progress ---------------------------------------------------------------------------
 
     def get_num_uncomputed_tokens(self) -> int:
@@ -196,7 +215,6 @@ class Sequence:
         child.output_token_ids = self.output_token_ids.copy()
         child.logical_token_blocks = [block.copy() for block in self.logical_token_blocks]
         child.output_logprobs = self.output_logprobs.copy()
-        child.tokens = None if self.tokens is None else self.tokens.copy()
         return child
 
     def __repr__(self) -> str:
@@ -237,6 +255,8 @@ class SequenceGroup:
     prompt_logprobs: PromptLogprobs | None = None
     # Why the request ended without running (e.g. it can never fit in the KV cache).
     error: str | None = None
+    # Live beams' scores and kept hypotheses, for beam search requests.
+    beam_state: BeamSearchState | None = None
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -265,8 +285,9 @@ class SequenceGroup:
         return len(self.seqs) > 1 or self.sampling_params.best_of == 1
 
     def get_max_num_running_seqs(self) -> int:
-        """Sequences this group will run at once: ``best_of`` until it forks, then the live ones."""
-        if not self.is_forked:
+        """Sequences this group will run at once: ``best_of`` until it forks (always, for beam
+        search), then the live ones."""
+        if self.sampling_params.use_beam_search or not self.is_forked:
             return self.sampling_params.best_of
         return self.num_unfinished_seqs()
 

@@ -1,8 +1,10 @@
-"""Physical KV blocks and their allocator: a free list plus reference counts, one per location."""
+"""Physical KV blocks and their allocators: a free list plus reference counts, one per location;
+on the device, optionally, a prefix cache of computed blocks keyed by their content hash."""
 
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 
 
 class Device(enum.Enum):
@@ -23,13 +25,15 @@ class PhysicalTokenBlock:
     ``ref_count > 1`` is shared and must be copied before it is written (copy-on-write).
     """
 
-    __slots__ = ("block_number", "block_size", "device", "ref_count")
+    __slots__ = ("block_hash", "block_number", "block_size", "device", "ref_count")
 
     def __init__(self, device: Device, block_number: int, block_size: int) -> None:
         self.device = device
         self.block_number = block_number
         self.block_size = block_size
         self.ref_count = 0
+        # Set while the block is in the prefix cache: the hash of its tokens and all before them.
+        self.block_hash: int | None = None
 
     def __repr__(self) -> str:
         return f"PhysicalTokenBlock({self.device.name}, #{self.block_number}, ref_count={self.ref_count})"
@@ -66,3 +70,59 @@ class BlockAllocator:
 
     def get_num_free_blocks(self) -> int:
         return len(self._free_blocks)
+
+
+class CachingBlockAllocator(BlockAllocator):
+    """A device allocator that keeps computed full blocks findable by their content hash.
+
+    A cached block whose last holder frees it is not wiped: it waits in an LRU evictor, still
+    findable, until a fresh block is needed and none is free. Free blocks and evictable ones both
+    count as free.
+    """
+
+    def __init__(self, device: Device, block_size: int, num_blocks: int) -> None:
+        super().__init__(device, block_size, num_blocks)
+        self._cached: dict[int, PhysicalTokenBlock] = {}
+        # Unreferenced cached blocks, least recently freed first.
+        self._evictor: OrderedDict[int, PhysicalTokenBlock] = OrderedDict()
+
+    def allocate(self) -> PhysicalTokenBlock:
+        if not self._free_blocks and self._evictor:
+            _, block = self._evictor.popitem(last=False)
+            del self._cached[block.block_hash]
+            block.block_hash = None
+            self._free_blocks.append(block)
+        return super().allocate()
+
+    def peek(self, block_hash: int) -> PhysicalTokenBlock | None:
+        return self._cached.get(block_hash)
+
+    def allocate_cached(self, block_hash: int) -> PhysicalTokenBlock | None:
+        """Another reference to the cached block with this hash, or None on a miss."""
+        block = self._cached.get(block_hash)
+        if block is None:
+            return None
+        if block.ref_count == 0:
+            del self._evictor[block.block_number]
+        block.ref_count += 1
+        return block
+
+    def register(self, block: PhysicalTokenBlock, block_hash: int) -> None:
+        """Record a block whose tokens are now computed. A hash already cached (another sequence
+        computed the same prefix at the same time) keeps its first block."""
+        if block.block_hash is None and block_hash not in self._cached:
+            block.block_hash = block_hash
+            self._cached[block_hash] = block
+
+    def free(self, block: PhysicalTokenBlock) -> None:
+        if block.ref_count <= 0:
+            raise ValueError(f"double free of {block}")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is None:
+                self._free_blocks.append(block)
+            else:
+                self._evictor[block.block_number] = block
+
+    def get_num_free_blocks(self) -> int:
+        return len(self._free_blocks) + len(self._evictor)

@@ -11,13 +11,19 @@ Sequences forked from one another share their blocks (``ref_count`` > 1). A sequ
 write into a shared block gets its own copy first: ``append_slots`` returns ``(src, dst)`` and the
 worker copies the block before the forward pass (copy-on-write). A preempted request with several
 sequences is swapped out to the CPU space and back in, block by block; shared blocks move once.
+
+With prefix caching, every full block whose tokens are computed is registered under its prefix
+hash (``Sequence.block_hash``). A new sequence starts with the longest run of its full blocks
+found there (shared, ``ref_count`` + 1) and computes only the rest; blocks nobody holds stay
+cached until a fresh block is needed, the least recently freed (and, among a sequence's, the
+deepest) first.
 """
 
 from __future__ import annotations
 
 import enum
 
-from pagedllm.core.block_allocator import BlockAllocator, Device, PhysicalTokenBlock
+from pagedllm.core.block_allocator import BlockAllocator, CachingBlockAllocator, Device, PhysicalTokenBlock
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BlockTable = list[PhysicalTokenBlock]
@@ -38,23 +44,40 @@ class BlockSpaceManager:
         num_cpu_blocks: blocks in the CPU swap space.
         watermark: fraction of device blocks kept free at admission, so that running sequences
             can grow a few steps without immediately preempting one another.
+        enable_prefix_caching: share the computed blocks of equal prompt prefixes.
     """
 
     def __init__(
-        self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, watermark: float = 0.01
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = False,
     ) -> None:
         self.block_size = block_size
         self.num_total_gpu_blocks = num_gpu_blocks
         self.num_total_cpu_blocks = num_cpu_blocks
         self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self.gpu_allocator = BlockAllocator(Device.DEVICE, block_size, num_gpu_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        allocator_class = CachingBlockAllocator if enable_prefix_caching else BlockAllocator
+        self.gpu_allocator = allocator_class(Device.DEVICE, block_size, num_gpu_blocks)
         self.cpu_allocator = BlockAllocator(Device.CPU, block_size, num_cpu_blocks)
         self.block_tables: dict[int, BlockTable] = {}
+        # Per sequence, how many of its leading blocks are registered in the prefix cache.
+        self._num_registered_blocks: dict[int, int] = {}
+        # Prefix-cache lookups and hits, in tokens, since start.
+        self.num_cache_queried_tokens = 0
+        self.num_cache_hit_tokens = 0
 
     # --- admission ------------------------------------------------------------------------
 
     def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
-        num_required = sum(seq.num_logical_blocks for seq in seq_group.get_seqs(SequenceStatus.WAITING))
+        num_required = 0
+        for seq in seq_group.get_seqs(SequenceStatus.WAITING):
+            # Cached blocks someone holds cost nothing; evictable ones count as free already.
+            in_use = [b for b in self._cached_prefix(seq_group, seq, peek=True) if b.ref_count > 0]
+            num_required += seq.num_logical_blocks - len(in_use)
         if self.num_total_gpu_blocks - num_required < self.watermark_blocks:
             return AllocStatus.NEVER
         if self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks:
@@ -62,12 +85,52 @@ class BlockSpaceManager:
         return AllocStatus.LATER
 
     def allocate(self, seq_group: SequenceGroup) -> None:
-        """Give every waiting sequence of the group blocks for all of its tokens."""
+        """Give every waiting sequence blocks for all of its tokens. With prefix caching, its
+        cached leading blocks are shared and its ``num_computed_tokens`` starts after them."""
         for seq in seq_group.get_seqs(SequenceStatus.WAITING):
             assert seq.seq_id not in self.block_tables, f"{seq} already has blocks"
-            self.block_tables[seq.seq_id] = [
-                self.gpu_allocator.allocate() for _ in range(seq.num_logical_blocks)
-            ]
+            cached = self._cached_prefix(seq_group, seq, peek=False)
+            fresh = [self.gpu_allocator.allocate() for _ in range(seq.num_logical_blocks - len(cached))]
+            self.block_tables[seq.seq_id] = cached + fresh
+            self._num_registered_blocks[seq.seq_id] = len(cached)
+            seq.num_computed_tokens = len(cached) * self.block_size
+            if self.enable_prefix_caching:
+                self.num_cache_queried_tokens += seq.get_len()
+                self.num_cache_hit_tokens += seq.num_computed_tokens
+
+    def _cached_prefix(self, seq_group: SequenceGroup, seq: Sequence, peek: bool) -> list[PhysicalTokenBlock]:
+        """The cached blocks the sequence can start with (taking a reference unless peeking).
+
+        At least the last token is always computed, for its logits; requests that want prompt
+        logprobs compute every token.
+        """
+        if not self.enable_prefix_caching or seq_group.sampling_params.prompt_logprobs is not None:
+            return []
+        allocator = self.gpu_allocator
+        assert isinstance(allocator, CachingBlockAllocator)
+        blocks = []
+        for index in range((seq.get_len() - 1) // self.block_size):
+            block_hash = seq.block_hash(index)
+            block = allocator.peek(block_hash) if peek else allocator.allocate_cached(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """Register the sequence's full blocks whose tokens are now all computed."""
+        if not self.enable_prefix_caching:
+            return
+        allocator = self.gpu_allocator
+        assert isinstance(allocator, CachingBlockAllocator)
+        block_table = self.block_tables[seq.seq_id]
+        num_full = seq.num_computed_tokens // self.block_size
+        for index in range(self._num_registered_blocks[seq.seq_id], num_full):
+            allocator.register(block_table[index], seq.block_hash(index))
+        self._num_registered_blocks[seq.seq_id] = max(num_full, self._num_registered_blocks[seq.seq_id])
+
+    def get_prefix_cache_hit_rate(self) -> float:
+        return self.num_cache_hit_tokens / max(self.num_cache_queried_tokens, 1)
 
     # --- growth ---------------------------------------------------------------------------
 
@@ -100,6 +163,7 @@ class BlockSpaceManager:
         """The child shares every block of the parent."""
         src_block_table = self.block_tables[parent_seq.seq_id]
         self.block_tables[child_seq.seq_id] = src_block_table.copy()
+        self._num_registered_blocks[child_seq.seq_id] = self._num_registered_blocks[parent_seq.seq_id]
         for block in src_block_table:
             block.ref_count += 1
 
@@ -145,6 +209,8 @@ class BlockSpaceManager:
                 new_block_table.append(dst_block)
                 src.free(src_block)
             self.block_tables[seq.seq_id] = new_block_table
+            # Blocks that come back from the CPU are fresh copies, not yet in the prefix cache.
+            self._num_registered_blocks[seq.seq_id] = 0
         return {src_number: dst_block.block_number for src_number, dst_block in mapping.items()}
 
     # --- release --------------------------------------------------------------------------
@@ -154,7 +220,9 @@ class BlockSpaceManager:
         block_table = self.block_tables.pop(seq.seq_id, None)
         if block_table is None:
             return
-        for block in block_table:
+        self._num_registered_blocks.pop(seq.seq_id, None)
+        # Deepest first: with prefix caching, they are evicted first, keeping shared roots longer.
+        for block in reversed(block_table):
             allocator = self.gpu_allocator if block.device == Device.DEVICE else self.cpu_allocator
             allocator.free(block)
 

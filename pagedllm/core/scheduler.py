@@ -98,10 +98,17 @@ class Scheduler:
     """Owns the waiting, running and swapped queues and the block manager."""
 
     def __init__(
-        self, scheduler_config: SchedulerConfig, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int
+        self,
+        scheduler_config: SchedulerConfig,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        enable_prefix_caching: bool = False,
     ) -> None:
         self.config = scheduler_config
-        self.block_manager = BlockSpaceManager(block_size, num_gpu_blocks, num_cpu_blocks)
+        self.block_manager = BlockSpaceManager(
+            block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching=enable_prefix_caching
+        )
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()

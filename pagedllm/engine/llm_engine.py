@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import PreemptionMode, ScheduledSequenceGroup, Scheduler
-from pagedllm.detokenizer import decode_incrementally, init_detokenizer_state
+from pagedllm.detokenizer import init_detokenizer_state
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.beam_search import BeamSearchState, num_candidates
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stop_checker import StopChecker
 from pagedllm.executor.uniproc_executor import UniProcExecutor
-from pagedllm.layers.sampler import SequenceSample
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -47,6 +48,8 @@ class EngineStats:
     num_prefill_tokens: int
     # Tokens sampled.
     num_generation_tokens: int
+    # Prompt tokens found in the prefix cache, over prompt tokens looked up (0 when it is off).
+    prefix_cache_hit_rate: float
 
     @property
     def gpu_cache_usage(self) -> float:
@@ -64,11 +67,20 @@ class LLMEngine:
         self.executor.initialize_cache(num_gpu_blocks, num_cpu_blocks)
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config.block_size, num_gpu_blocks, num_cpu_blocks
+            config.scheduler_config,
+            config.cache_config.block_size,
+            num_gpu_blocks,
+            num_cpu_blocks,
+            enable_prefix_caching=config.cache_config.enable_prefix_caching,
         )
         self.eos_token_ids = get_eos_token_ids(model_config, self.tokenizer)
-        self.stop_checker = StopChecker(model_config.max_model_len, self.eos_token_ids)
         self._seq_counter = itertools.count()
+        self.output_processor = OutputProcessor(
+            self.scheduler,
+            self.tokenizer,
+            StopChecker(model_config.max_model_len, self.eos_token_ids),
+            self._seq_counter,
+        )
         # Live requests, by id.
         self.requests: dict[str, SequenceGroup] = {}
         # Requests refused without running (prompt too long): reported by the next step.
@@ -111,7 +123,6 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = sampling_params or SamplingParams()
-        _check_supported(params)
         token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
         seq = Sequence(next(self._seq_counter), token_ids, self.config.cache_config.block_size)
         if self.tokenizer is not None:
@@ -119,6 +130,8 @@ class LLMEngine:
         seq_group = SequenceGroup(
             request_id, [seq], params, arrival_time=arrival_time or time.time(), prompt=prompt
         )
+        if params.use_beam_search:
+            seq_group.beam_state = BeamSearchState(beam_width=params.best_of)
         max_model_len = self.config.model_config.max_model_len
         if len(token_ids) > max_model_len:
             seq_group.error = f"prompt has {len(token_ids)} tokens, more than max_model_len={max_model_len}"
@@ -183,19 +196,33 @@ class LLMEngine:
             finished_request_ids=self._finished_request_ids,
         )
         self._finished_request_ids = []
-        sampler_output = self.executor.execute_model(request)
+        output = self.executor.execute_model(request)
 
         now = time.time()
+        block_manager = self.scheduler.block_manager
         for scheduled in scheduler_outputs.scheduled_seq_groups:
             seq_group = scheduled.seq_group
             for seq in seq_group.seqs:
-                num_new_tokens = scheduled.num_new_tokens.get(seq.seq_id, 0)
+                num_new_tokens = scheduled.num_new_tokens.get(seq.seq_id)
+                if num_new_tokens is None:
+                    continue
                 if seq.is_prefill():
                     self._num_prefill_tokens += num_new_tokens
                 seq.num_computed_tokens += num_new_tokens
-            samples = sampler_output.get(seq_group.request_id)
+                block_manager.mark_computed(seq)
+            samples = output.samples.get(seq_group.request_id)
+            self.output_processor.process(
+                seq_group,
+                samples,
+                output.prompt_logprobs.get(seq_group.request_id),
+                self._max_new_tokens(seq_group),
+            )
             if samples:
-                self._append_samples(seq_group, samples, now)
+                self._num_generation_tokens += len(samples)
+                metrics = seq_group.metrics
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+                metrics.last_token_time = now
             if seq_group.is_finished():
                 self._finish_request(seq_group, now)
             if samples or seq_group.is_finished():
@@ -203,10 +230,20 @@ class LLMEngine:
         self.scheduler.free_finished_seq_groups()
         return outputs
 
+    def _max_new_tokens(self, seq_group: SequenceGroup) -> int:
+        max_tokens = seq_group.sampling_params.max_tokens
+        room = self.config.model_config.max_model_len - len(seq_group.prompt_token_ids)
+        return room if max_tokens is None else min(max_tokens, room)
+
     def _group_metadata(self, scheduled: ScheduledSequenceGroup) -> SequenceGroupMetadata:
         seq_group = scheduled.seq_group
         params = seq_group.sampling_params
         block_manager = self.scheduler.block_manager
+        has_penalties = (
+            params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+            or params.repetition_penalty != 1.0
+        )
         seqs = []
         for seq in seq_group.seqs:
             num_new_tokens = scheduled.num_new_tokens.get(seq.seq_id)
@@ -221,53 +258,47 @@ class LLMEngine:
                     block_table=block_manager.get_block_table(seq),
                     do_sample=end == seq.get_len(),
                     num_output_tokens=seq.num_output_tokens,
+                    output_token_ids=seq.output_token_ids if has_penalties else None,
                 )
             )
-        stop_token_ids: list[int] = []
-        if params.min_tokens:
-            stop_token_ids = sorted(
-                set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-            )
-        return SequenceGroupMetadata(
+        metadata = SequenceGroupMetadata(
             request_id=seq_group.request_id,
             sampling_params=params,
             seqs=seqs,
-            num_samples=1 if seq_group.is_forked else params.best_of,
-            stop_token_ids=stop_token_ids,
+            num_samples=1 if seq_group.is_forked or params.use_beam_search else params.best_of,
+            stop_token_ids=self._min_tokens_stop_ids(params),
+            prompt_token_ids=seq_group.prompt_token_ids if params.repetition_penalty != 1.0 else None,
+            num_top_tokens=max(params.logprobs or 0, self._num_beam_candidates(params)),
         )
+        if params.prompt_logprobs is not None:
+            self._add_prompt_logprob_positions(seq_group, seqs, metadata)
+        return metadata
 
-    def _append_samples(self, seq_group: SequenceGroup, samples: list[SequenceSample], now: float) -> None:
-        if seq_group.is_forked:
-            seqs_by_id = {seq.seq_id: seq for seq in seq_group.seqs}
-            pairs = [(seqs_by_id[sample.parent_seq_id], sample) for sample in samples]
-        else:
-            # The first sample of a best_of > 1 request: fork the prompt's sequence, sharing its
-            # blocks, once per extra sample. The parent takes the first sample.
-            parent = seq_group.seqs[0]
-            for index in range(1, len(samples)):
-                child = parent.fork(next(self._seq_counter))
-                child.output_index = index
-                self.scheduler.fork_seq(parent, child)
-                seq_group.add(child)
-            pairs = list(zip(seq_group.seqs, samples))
-        params = seq_group.sampling_params
-        for seq, sample in pairs:
-            seq.append_token_id(sample.token_id, sample.logprob)
-            new_char_count = 0
-            if self.tokenizer is not None:
-                new_char_count = len(
-                    decode_incrementally(
-                        self.tokenizer, seq, params.skip_special_tokens, params.spaces_between_special_tokens
-                    )
-                )
-            self.stop_checker.check(seq, new_char_count, params)
-            if seq.is_finished():
-                self.scheduler.free_seq(seq)
-        self._num_generation_tokens += len(pairs)
-        metrics = seq_group.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.last_token_time = now
+    def _min_tokens_stop_ids(self, params: SamplingParams) -> list[int]:
+        if not params.min_tokens:
+            return []
+        return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
+
+    def _num_beam_candidates(self, params: SamplingParams) -> int:
+        if not params.use_beam_search:
+            return 0
+        return num_candidates(params.best_of, 0 if params.ignore_eos else len(self.eos_token_ids))
+
+    @staticmethod
+    def _add_prompt_logprob_positions(
+        seq_group: SequenceGroup, seqs: list[ScheduledSequence], metadata: SequenceGroupMetadata
+    ) -> None:
+        """Positions of this step that score prompt tokens not scored yet (a recomputed prompt is
+        not scored twice). Position p scores prompt token p + 1."""
+        prompt = seq_group.prompt_token_ids
+        num_scored = len(seq_group.prompt_logprobs or [None])
+        for seq in seqs:
+            start = max(seq.num_computed_tokens, num_scored - 1)
+            end = min(seq.num_computed_tokens + len(seq.token_ids), len(prompt) - 1)
+            positions = list(range(start, end))
+            metadata.prompt_logprob_positions += positions
+            metadata.prompt_logprob_targets += [prompt[p + 1] for p in positions]
+        metadata.num_prompt_logprobs = seq_group.sampling_params.prompt_logprobs or 0
 
     def _finish_request(self, seq_group: SequenceGroup, now: float | None = None) -> None:
         seq_group.metrics.finished_time = now or time.time()
@@ -290,22 +321,5 @@ class LLMEngine:
             num_preemptions_swap=scheduler.num_preemptions[PreemptionMode.SWAP],
             num_prefill_tokens=self._num_prefill_tokens,
             num_generation_tokens=self._num_generation_tokens,
+            prefix_cache_hit_rate=scheduler.block_manager.get_prefix_cache_hit_rate(),
         )
-
-
-def _check_supported(params: SamplingParams) -> None:
-    """Options declared and validated by SamplingParams but not implemented yet."""
-    unsupported = [
-        name
-        for name, on in (
-            ("use_beam_search", params.use_beam_search),
-            ("presence_penalty", params.presence_penalty != 0.0),
-            ("frequency_penalty", params.frequency_penalty != 0.0),
-            ("repetition_penalty", params.repetition_penalty != 1.0),
-            ("logprobs", params.logprobs is not None),
-            ("prompt_logprobs", params.prompt_logprobs is not None),
-        )
-        if on
-    ]
-    if unsupported:
-        raise NotImplementedError(f"sampling options not implemented yet: {', '.join(unsupported)}")

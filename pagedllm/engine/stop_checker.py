@@ -18,32 +18,52 @@ class StopChecker:
 
         ``new_char_count`` is how many characters the newest token added to ``seq.output_text``.
         """
-        if seq.num_output_tokens >= params.min_tokens and self._check_stop(seq, new_char_count, params):
-            return
-        if seq.get_len() >= self.max_model_len or (
-            params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens
-        ):
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-
-    def _check_stop(self, seq: Sequence, new_char_count: int, params: SamplingParams) -> bool:
         last_token_id = seq.get_last_token_id()
-        is_eos = not params.ignore_eos and last_token_id in self.eos_token_ids
-        if is_eos or last_token_id in params.stop_token_ids:
+        if self._stops_on_token(last_token_id, seq.num_output_tokens, params):
             # The stop token's own text (when special tokens are kept) is not part of the answer.
             if new_char_count and not params.include_stop_str_in_output:
                 seq.output_text = seq.output_text[:-new_char_count]
             seq.status = SequenceStatus.FINISHED_STOPPED
-            seq.stop_reason = None if is_eos else last_token_id
-            return True
-        stop = self._find_stop_string(seq, new_char_count, params)
-        if stop is None:
+            seq.stop_reason = None if last_token_id in self._eos(params) else last_token_id
+            return
+        stop = (
+            self._find_stop_string(seq, new_char_count, params)
+            if seq.num_output_tokens >= params.min_tokens
+            else None
+        )
+        if stop is not None:
+            stop_str, index = stop
+            end = index + len(stop_str) if params.include_stop_str_in_output else index
+            seq.output_text = seq.output_text[:end]
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            seq.stop_reason = stop_str
+        elif self._at_length_limit(seq.get_len(), seq.num_output_tokens, params):
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+
+    def status_if_appended(
+        self, seq: Sequence, token_id: int, params: SamplingParams
+    ) -> SequenceStatus | None:
+        """How the sequence would finish if ``token_id`` came next, by token and length alone (beam
+        search weighs candidates before any is appended; it takes no stop strings)."""
+        num_output_tokens = seq.num_output_tokens + 1
+        if self._stops_on_token(token_id, num_output_tokens, params):
+            return SequenceStatus.FINISHED_STOPPED
+        if self._at_length_limit(seq.get_len() + 1, num_output_tokens, params):
+            return SequenceStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _eos(self, params: SamplingParams) -> set[int]:
+        return set() if params.ignore_eos else self.eos_token_ids
+
+    def _stops_on_token(self, token_id: int, num_output_tokens: int, params: SamplingParams) -> bool:
+        if num_output_tokens < params.min_tokens:
             return False
-        stop_str, index = stop
-        end = index + len(stop_str) if params.include_stop_str_in_output else index
-        seq.output_text = seq.output_text[:end]
-        seq.status = SequenceStatus.FINISHED_STOPPED
-        seq.stop_reason = stop_str
-        return True
+        return token_id in self._eos(params) or token_id in params.stop_token_ids
+
+    def _at_length_limit(self, seq_len: int, num_output_tokens: int, params: SamplingParams) -> bool:
+        if seq_len >= self.max_model_len:
+            return True
+        return params.max_tokens is not None and num_output_tokens >= params.max_tokens
 
     @staticmethod
     def _find_stop_string(

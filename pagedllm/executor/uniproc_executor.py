@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from pagedllm.config import EngineConfig
-from pagedllm.layers.sampler import SamplerOutput
-from pagedllm.worker.execute_request import ExecuteModelRequest
+from pagedllm.worker.execute_request import ExecuteModelRequest, ModelRunnerOutput
 from pagedllm.worker.worker import Worker
 
 
@@ -22,5 +21,5 @@ class UniProcExecutor:
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
 
-    def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput:
+    def execute_model(self, request: ExecuteModelRequest) -> ModelRunnerOutput:
         return self.worker.execute_model(request)

@@ -1,13 +1,17 @@
-"""Turns logits into next tokens: greedy, temperature, top-k, top-p, min-p, seeded sampling.
+"""Turns logits into next tokens: penalties, greedy, temperature, top-k, top-p, min-p, seeds,
+the logprobs users ask for, and beam search's candidates.
 
 Each row of the logits is one sample to draw: the model runner repeats a sequence's row when a
 request draws ``best_of`` first tokens from its prompt. Work is batched over rows on the device;
-the only per-row Python is for rows with their own seeded generator, and the only host sync is
-the one ``tolist`` of the chosen tokens at the end.
+the only per-row Python is for rows with their own seeded generator, and the host syncs are the
+few ``tolist`` calls of the results at the end.
 
 Sampling uses the exponential race: with ``q ~ Exp(1)`` i.i.d. per token,
 ``argmax(p / q)`` is distributed as ``p``. It needs no cumulative sums, and a seeded row just
 draws its ``q`` from its own generator, so its tokens do not depend on the rest of the batch.
+
+Logprobs are those of the model (log_softmax of the raw logits), whatever penalties and
+truncation did to the sampling distribution, as vLLM reports them.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedllm.layers.penalties import apply_penalties
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -34,15 +39,28 @@ class SamplingGroup:
     # rows that have not yet generated min_tokens.
     stop_token_ids: list[int]
     generator: torch.Generator | None = None
+    # Each row's generated tokens, when presence/frequency/repetition penalties are on.
+    output_token_ids: list[list[int]] | None = None
+    # The prompt, when the repetition penalty is on (it counts prompt tokens too).
+    prompt_token_ids: list[int] | None = None
+    # How many of each row's most likely tokens to return: max(logprobs, beam candidates).
+    num_top_tokens: int = 0
 
 
 @dataclass
 class SequenceSample:
-    """One drawn token: the sequence it extends, the token, and its logprob under the model."""
+    """One drawn token: the sequence it extends, the token, and its logprob under the model.
+
+    When the request asked for logprobs (or runs beam search), also the token's 1-based rank and
+    the row's ``num_top_tokens`` most likely tokens with their logprobs, best first.
+    """
 
     parent_seq_id: int
     token_id: int
     logprob: float
+    rank: int | None = None
+    top_token_ids: list[int] | None = None
+    top_logprobs: list[float] | None = None
 
 
 # request_id -> that request's samples, in row order.
@@ -71,11 +89,13 @@ class SamplingTensors:
         for group in groups:
             p = group.params
             n = len(group.seq_ids)
-            temperatures += [1.0 if p.is_greedy else p.temperature] * n
+            # Beam search ranks candidates by logprob: it never draws, like greedy.
+            is_greedy = p.is_greedy or p.use_beam_search
+            temperatures += [1.0 if is_greedy else p.temperature] * n
             top_ks += [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size)] * n
             top_ps += [p.top_p] * n
             min_ps += [p.min_p] * n
-            greedy += [p.is_greedy] * n
+            greedy += [is_greedy] * n
 
         def to(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
@@ -96,26 +116,83 @@ class SamplingTensors:
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, groups: list[SamplingGroup]) -> SamplerOutput:
         """logits: [num_rows, vocab_size] float32, one row per SamplingGroup row."""
-        _ban_stop_tokens_before_min_tokens(logits, groups)
         logprobs = torch.log_softmax(logits, dim=-1)
+        logits = apply_penalties(logits, groups)
+        _ban_stop_tokens_before_min_tokens(logits, groups)
         tensors = SamplingTensors.from_groups(groups, logits.shape[-1], logits.device)
         token_ids = logits.argmax(dim=-1)
         if not tensors.all_greedy:
             sampled = _sample_random(logits, tensors, groups)
             token_ids = torch.where(tensors.greedy, token_ids, sampled)
         chosen_logprobs = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
-        # The one host sync of a step: the tokens must reach the scheduler.
+        top = _top_tokens(logprobs, chosen_logprobs, [g for g in groups if not g.params.use_beam_search])
+        beam_top = _top_tokens(
+            _beam_scores(logprobs, groups), chosen_logprobs, [g for g in groups if g.params.use_beam_search]
+        )
+        # The step's host syncs: the tokens must reach the scheduler.
         token_list = token_ids.tolist()
         logprob_list = chosen_logprobs.tolist()
         output: SamplerOutput = {}
         row = 0
         for group in groups:
-            output[group.request_id] = [
-                SequenceSample(seq_id, token_list[row + i], logprob_list[row + i])
-                for i, seq_id in enumerate(group.seq_ids)
-            ]
+            group_top = beam_top if group.params.use_beam_search else top
+            samples = []
+            for i, seq_id in enumerate(group.seq_ids):
+                sample = SequenceSample(seq_id, token_list[row + i], logprob_list[row + i])
+                if _wants_top(group):
+                    sample.rank, sample.top_token_ids, sample.top_logprobs = group_top.row(
+                        row + i, group.num_top_tokens
+                    )
+                samples.append(sample)
+            output[group.request_id] = samples
             row += len(group.seq_ids)
         return output
+
+
+class TopTokens:
+    """The rows' most likely tokens and the chosen tokens' ranks, on the host."""
+
+    def __init__(self, ranks: list[int], token_ids: list[list[int]], logprobs: list[list[float]]) -> None:
+        self.ranks = ranks
+        self.token_ids = token_ids
+        self.logprobs = logprobs
+
+    def row(self, row: int, k: int) -> tuple[int, list[int], list[float]]:
+        return self.ranks[row], self.token_ids[row][:k], self.logprobs[row][:k]
+
+
+def _top_tokens(
+    logprobs: torch.Tensor, chosen_logprobs: torch.Tensor, groups: list[SamplingGroup]
+) -> TopTokens | None:
+    """The top ``max(num_top_tokens)`` tokens over ``groups`` for every row (rows are cut to what
+    they asked for on the host), and the rank of each chosen token."""
+    if not any(_wants_top(group) for group in groups):
+        return None
+    return top_logprobs(logprobs, chosen_logprobs, max(1, *(group.num_top_tokens for group in groups)))
+
+
+def _wants_top(group: SamplingGroup) -> bool:
+    # logprobs=0 still reports the chosen token's rank.
+    return group.num_top_tokens > 0 or group.params.logprobs is not None
+
+
+def _beam_scores(logprobs: torch.Tensor, groups: list[SamplingGroup]) -> torch.Tensor:
+    """What beam search ranks candidates by: the logprobs, then the penalties and min_tokens bans,
+    applied to the logprobs (not the logits) as HF's beam search applies its processors."""
+    if not any(g.params.use_beam_search for g in groups):
+        return logprobs
+    scores = apply_penalties(logprobs, groups)
+    if scores is logprobs:
+        scores = logprobs.clone()
+    _ban_stop_tokens_before_min_tokens(scores, groups)
+    return scores
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen_logprobs: torch.Tensor, k: int) -> TopTokens:
+    """logprobs: [rows, vocab]; chosen_logprobs: [rows]. Rank 1 is the most likely token."""
+    values, indices = logprobs.topk(k, dim=-1)
+    ranks = (logprobs > chosen_logprobs[:, None]).sum(dim=-1) + 1
+    return TopTokens(ranks.tolist(), indices.tolist(), values.tolist())
 
 
 def _ban_stop_tokens_before_min_tokens(logits: torch.Tensor, groups: list[SamplingGroup]) -> None:
@@ -130,9 +207,8 @@ def _ban_stop_tokens_before_min_tokens(logits: torch.Tensor, groups: list[Sampli
                 cols += group.stop_token_ids
             row += 1
     if rows:
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float(
-            "-inf"
-        )
+        device = logits.device
+        logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = float("-inf")
 
 
 def _sample_random(logits: torch.Tensor, t: SamplingTensors, groups: list[SamplingGroup]) -> torch.Tensor:

@@ -6,9 +6,8 @@ import torch
 
 from pagedllm.attention.backends import get_attn_backend
 from pagedllm.config import EngineConfig, GiB
-from pagedllm.layers.sampler import SamplerOutput
 from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
-from pagedllm.worker.execute_request import ExecuteModelRequest
+from pagedllm.worker.execute_request import ExecuteModelRequest, ModelRunnerOutput
 from pagedllm.worker.model_runner import ModelRunner
 
 
@@ -63,7 +62,7 @@ class Worker:
             self.kv_cache_spec, self.attn_backend, num_gpu_blocks, num_cpu_blocks, self.device
         )
 
-    def execute_model(self, request: ExecuteModelRequest) -> SamplerOutput:
+    def execute_model(self, request: ExecuteModelRequest) -> ModelRunnerOutput:
         assert self.cache_engine is not None, "initialize_cache() first"
         for request_id in request.finished_request_ids:
             self.generators.pop(request_id, None)
@@ -72,7 +71,7 @@ class Worker:
         self.cache_engine.swap_in(request.blocks_to_swap_in)
         self.cache_engine.copy(request.blocks_to_copy)
         if not request.seq_groups:
-            return {}
+            return ModelRunnerOutput(samples={})
         for group in request.seq_groups:
             seed = group.sampling_params.seed
             if seed is not None and group.request_id not in self.generators:

@@ -65,7 +65,9 @@ def test_stop_strings_cut_the_text(llm):
 
 
 def test_text_prompts_are_tokenized_with_special_tokens(llm):
-    out = llm.generate("The capital of France is", SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    out = llm.generate(
+        "The capital of France is", SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False
+    )
     tokenizer = llm.get_tokenizer()
     assert out[0].prompt_token_ids == tokenizer("The capital of France is")["input_ids"]
     assert out[0].prompt == "The capital of France is"
@@ -90,7 +92,9 @@ def test_cli_generate_and_chat(tmp_path: Path):
 
     prompts_file = tmp_path / "prompts.json"
     prompts_file.write_text(json.dumps(PROMPTS[:2]))
-    result = run_cli("generate", "--prompts-file", str(prompts_file), "--max-tokens", "4", "--sampling-seed", "3")
+    result = run_cli(
+        "generate", "--prompts-file", str(prompts_file), "--max-tokens", "4", "--sampling-seed", "3"
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("=== ") == 2
 
