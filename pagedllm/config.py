@@ -221,20 +221,23 @@ def derive_max_model_len(hf_config: PretrainedConfig) -> int | None:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    if isinstance(device, torch.device):
-        return device
-    _require(
-        device in ("auto", "cpu", "cuda") or device.startswith("cuda:"),
-        "device",
-        "'auto', 'cpu', 'cuda' or 'cuda:N'",
-        device,
-    )
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    resolved = torch.device(device)
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} was asked for, but no CUDA device is available")
-    return resolved
+    """The device to run on, with its index when it is a GPU (CUDA's memory queries need one)."""
+    if isinstance(device, str):
+        _require(
+            device in ("auto", "cpu", "cuda") or device.startswith("cuda:"),
+            "device",
+            "'auto', 'cpu', 'cuda' or 'cuda:N'",
+            device,
+        )
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r} was asked for, but no CUDA device is available")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:

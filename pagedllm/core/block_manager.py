@@ -135,8 +135,18 @@ class BlockSpaceManager:
     # --- growth ---------------------------------------------------------------------------
 
     def can_append_slots(self, seq_group: SequenceGroup) -> bool:
-        # Worst case: every running sequence needs one new block (a new logical block or a copy).
-        return seq_group.num_seqs(SequenceStatus.RUNNING) <= self.gpu_allocator.get_num_free_blocks()
+        num_required = self._num_blocks_to_grow(seq_group, SequenceStatus.RUNNING)
+        return num_required <= self.gpu_allocator.get_num_free_blocks()
+
+    def _num_blocks_to_grow(self, seq_group: SequenceGroup, status: SequenceStatus) -> int:
+        """Blocks the group's sequences need for their newest tokens: one for each that starts a
+        new logical block or writes into a shared block (copy-on-write)."""
+        num_required = 0
+        for seq in seq_group.get_seqs(status):
+            block_table = self.block_tables[seq.seq_id]
+            if len(block_table) < seq.num_logical_blocks or block_table[-1].ref_count > 1:
+                num_required += 1
+        return num_required
 
     def append_slots(self, seq: Sequence) -> tuple[int, int] | None:
         """Make room for the sequence's newest token.
@@ -176,11 +186,15 @@ class BlockSpaceManager:
                 blocks[block.block_number] = block
         return list(blocks.values())
 
-    def can_swap_in(self, seq_group: SequenceGroup) -> bool:
+    def can_swap_in(self, seq_group: SequenceGroup) -> AllocStatus:
         blocks = self._unique_blocks(seq_group, SequenceStatus.SWAPPED)
-        # Each swapped-in sequence may also need a block for its next token.
-        num_required = len(blocks) + seq_group.num_seqs(SequenceStatus.SWAPPED)
-        return self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks
+        # Back on the device, the sequences also grow by their next tokens.
+        num_required = len(blocks) + self._num_blocks_to_grow(seq_group, SequenceStatus.SWAPPED)
+        if self.num_total_gpu_blocks - num_required < self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
 
     def swap_in(self, seq_group: SequenceGroup) -> dict[int, int]:
         """Move the group's swapped sequences back. Returns CPU -> device block numbers."""

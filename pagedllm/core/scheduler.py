@@ -195,7 +195,12 @@ class Scheduler:
     def _schedule_swapped(self, budget: _Budget, out: SchedulerOutputs) -> None:
         while self.swapped:
             seq_group = self.swapped[0]
-            if not self.block_manager.can_swap_in(seq_group):
+            status = self.block_manager.can_swap_in(seq_group)
+            if status == AllocStatus.NEVER:
+                self.swapped.popleft()
+                self._stop_for_lack_of_memory(seq_group, out)
+                continue
+            if status == AllocStatus.LATER:
                 break
             num_seqs = seq_group.get_max_num_running_seqs()
             if not budget.can_add_seqs(num_seqs) or budget.remaining_tokens < num_seqs:
@@ -295,6 +300,21 @@ class Scheduler:
             self.swapped.append(seq_group)
         self.num_preemptions[mode] += 1
         out.preempted[seq_group.request_id] = mode
+
+    def _stop_for_lack_of_memory(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
+        """End a request whose sequences together outgrew the whole cache: waiting for memory
+        would wait forever (and hold back every waiting request). Its outputs so far are kept."""
+        seqs = seq_group.get_unfinished_seqs()
+        seq_group.error = (
+            f"stopped after {seqs[0].num_output_tokens} tokens: its {len(seqs)} sequences need more KV "
+            f"cache blocks than the cache has ({self.block_manager.num_total_gpu_blocks}); give the cache "
+            "more memory or ask for fewer sequences (n, best_of)"
+        )
+        logger.warning("request %s: %s", seq_group.request_id, seq_group.error)
+        for seq in seqs:
+            self.free_seq(seq)
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+        out.ignored_seq_groups.append(seq_group)
 
     def _ignore(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
         num_blocks = sum(seq.num_logical_blocks for seq in seq_group.get_seqs(SequenceStatus.WAITING))

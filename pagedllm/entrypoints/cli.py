@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: generate, chat."""
+"""The ``pagedllm`` command: generate, chat, serve, bench."""
 
 from __future__ import annotations
 
@@ -10,6 +10,11 @@ import sys
 from collections.abc import Callable
 
 from pagedllm.engine.arg_utils import EngineArgs, cli_type
+from pagedllm.entrypoints.bench import kernels as bench_kernels
+from pagedllm.entrypoints.bench import latency as bench_latency
+from pagedllm.entrypoints.bench import serve as bench_serve
+from pagedllm.entrypoints.bench import throughput as bench_throughput
+from pagedllm.entrypoints.openai import cli as openai_cli
 from pagedllm.sampling_params import SamplingParams
 
 # The sampling options the CLI exposes; names, types and defaults come from SamplingParams.
@@ -142,6 +147,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat, {"max_tokens": 512, "temperature": 0.7})
     EngineArgs.add_cli_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    openai_cli.add_cli_args(serve)
+    serve.set_defaults(func=openai_cli.main)
+
+    bench = sub.add_parser("bench", help="benchmarks (BENCHMARKS.md's workloads)")
+    bench_sub = bench.add_subparsers(dest="benchmark", required=True)
+    for name, module, help_text in (
+        ("throughput", bench_throughput, "offline throughput: W1, W2"),
+        ("latency", bench_latency, "single-request latency: W3"),
+        ("serve", bench_serve, "online serving against an OpenAI-compatible endpoint: W4"),
+        ("kernels", bench_kernels, "paged decode attention bandwidth: K1"),
+    ):
+        command = bench_sub.add_parser(name, help=help_text)
+        module.add_cli_args(command)
+        command.set_defaults(func=module.main)
     return parser
 
 

@@ -6,11 +6,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm.layers.utils import use_triton
+
 
 class SiluAndMul(nn.Module):
     """SwiGLU's gate: ``silu(gate) * up`` for ``x = [gate | up]`` (MergedColumnParallelLinear's output)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, 2 * d] -> [num_tokens, d]."""
+        if use_triton(x):
+            return self.forward_triton(x)
+        return self.forward_torch(x)
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """The reference path (any device)."""
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]).mul_(x[..., d:])
+
+    def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
+        """One fused kernel: gate and up read once, the output written once."""
+        from pagedllm.kernels.triton.activation import silu_and_mul
+
+        return silu_and_mul(x)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.utils import default_weight_loader
+from pagedllm.layers.utils import default_weight_loader, use_triton
 
 
 class RMSNorm(nn.Module):
@@ -26,11 +26,33 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [..., hidden_size]. With ``residual`` (same shape), normalizes ``x + residual`` and
-        returns ``(out, x + residual)``, the residual stream the next block adds to."""
+        returns ``(out, x + residual)``, the residual stream the next block adds to.
+
+        The results may reuse the buffers of ``x`` and ``residual`` (the fused kernel writes them in
+        place): callers pass tensors they are done with, as the decoder layers do.
+        """
+        if use_triton(x):
+            return self.forward_triton(x, residual)
+        return self.forward_torch(x, residual)
+
+    def forward_torch(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The reference path (any device); leaves its inputs unchanged."""
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+    def forward_triton(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One fused kernel; with ``residual``, the results are written over x and residual."""
+        from pagedllm.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
+
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x_fp32 = x.float()

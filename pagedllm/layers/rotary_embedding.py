@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.layers.utils import use_triton
+
 
 def get_rope_parameters(config: Any) -> dict[str, Any]:
     """The config's rope parameters as one dict with ``rope_type`` and ``rope_theta``.
@@ -103,7 +105,16 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [num_tokens] int64; query: [num_tokens, num_heads * head_size]; key:
-        [num_tokens, num_kv_heads * head_size]. Returns the rotated (query, key), same shapes."""
+        [num_tokens, num_kv_heads * head_size]. Returns the rotated (query, key), same shapes;
+        they may be query and key themselves, rotated in place (the Triton kernel does)."""
+        if use_triton(query):
+            return self.forward_triton(positions, query, key)
+        return self.forward_torch(positions, query, key)
+
+    def forward_torch(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference path (any device); leaves its inputs unchanged."""
         num_tokens = positions.shape[0]
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         # [num_tokens, 1, head_size // 2]: broadcast over the heads.
@@ -111,6 +122,15 @@ class RotaryEmbedding(nn.Module):
         query = _rotate(query.view(num_tokens, -1, self.head_size), cos, sin)
         key = _rotate(key.view(num_tokens, -1, self.head_size), cos, sin)
         return query.view(num_tokens, -1), key.view(num_tokens, -1)
+
+    def forward_triton(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One kernel for query and key, in place."""
+        from pagedllm.kernels.triton.rotary import rotary_embedding
+
+        rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size)
+        return query, key
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

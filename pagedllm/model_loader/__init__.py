@@ -34,6 +34,14 @@ def get_model(
     return model.eval()
 
 
+def estimate_model_bytes(model_config: ModelConfig, attn_backend: type[AttentionBackend]) -> int:
+    """Bytes the model's parameters take in the run dtype, measured on the meta device (no memory)."""
+    model_class = get_model_class(model_config.architectures)
+    with _default_dtype(model_config.dtype), torch.device("meta"):
+        model = model_class(model_config.hf_config, attn_backend)
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def _resolve_load_format(model_config: ModelConfig, load_format: str) -> str:
     if load_format == "auto":
         return "gguf" if _gguf_path(model_config) else "safetensors"

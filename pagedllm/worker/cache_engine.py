@@ -50,6 +50,7 @@ class CacheEngine:
         self.cpu_cache = self._allocate(
             backend, num_cpu_blocks, torch.device("cpu"), pin_memory=device.type == "cuda"
         )
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def _allocate(
         self, backend: type[AttentionBackend], num_blocks: int, device: torch.device, pin_memory: bool
@@ -68,27 +69,57 @@ class CacheEngine:
             for _ in range(s.num_layers)
         ]
 
-    def swap_in(self, src_to_dst: list[tuple[int, int]]) -> None:
-        """CPU blocks -> device blocks."""
-        self._move(self.cpu_cache, self.gpu_cache, src_to_dst)
+    def run_cache_ops(
+        self,
+        blocks_to_swap_out: list[tuple[int, int]],
+        blocks_to_swap_in: list[tuple[int, int]],
+        blocks_to_copy: list[tuple[int, int]],
+    ) -> None:
+        """Do a step's block moves before its forward pass, in this order: swap-outs read blocks
+        that this step's copies and prefills may reuse.
 
-    def swap_out(self, src_to_dst: list[tuple[int, int]]) -> None:
-        """Device blocks -> CPU blocks."""
-        self._move(self.gpu_cache, self.cpu_cache, src_to_dst)
-
-    def copy(self, src_to_dst: list[tuple[int, int]]) -> None:
-        """Device block -> device block, for copy-on-write."""
-        self._move(self.gpu_cache, self.gpu_cache, src_to_dst)
-
-    @staticmethod
-    def _move(src_cache: list[KVCache], dst_cache: list[KVCache], src_to_dst: list[tuple[int, int]]) -> None:
-        if not src_to_dst:
+        On a GPU they run on a side stream that first waits for the work already queued (the
+        previous step wrote these blocks); the compute stream then waits for the moves before the
+        forward pass. Swaps are block-sized copies from and to pinned memory, so they are DMA
+        transfers that do not hold up the host.
+        """
+        if not (blocks_to_swap_out or blocks_to_swap_in or blocks_to_copy):
             return
-        src_device, dst_device = src_cache[0][0].device, dst_cache[0][0].device
-        src = torch.tensor([s for s, _ in src_to_dst], dtype=torch.long, device=src_device)
-        dst = torch.tensor([d for _, d in src_to_dst], dtype=torch.long, device=dst_device)
-        for src_layer, dst_layer in zip(src_cache, dst_cache):
-            for src_tensor, dst_tensor in zip(src_layer, dst_layer):
-                dst_tensor.index_copy_(
-                    0, dst, src_tensor.index_select(0, src).to(dst_device, non_blocking=True)
-                )
+        if self._stream is None:
+            self._run(blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)
+            return
+        compute_stream = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(compute_stream)
+        with torch.cuda.stream(self._stream):
+            self._run(blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)
+        compute_stream.wait_stream(self._stream)
+
+    def _run(
+        self,
+        blocks_to_swap_out: list[tuple[int, int]],
+        blocks_to_swap_in: list[tuple[int, int]],
+        blocks_to_copy: list[tuple[int, int]],
+    ) -> None:
+        _copy_blocks(self.gpu_cache, self.cpu_cache, blocks_to_swap_out)
+        _copy_blocks(self.cpu_cache, self.gpu_cache, blocks_to_swap_in)
+        if blocks_to_copy:
+            src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.long).to(
+                self.device, non_blocking=True
+            )
+            dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.long).to(
+                self.device, non_blocking=True
+            )
+            for layer in self.gpu_cache:
+                for tensor in layer:
+                    tensor.index_copy_(0, dst, tensor.index_select(0, src))
+
+
+def _copy_blocks(
+    src_cache: list[KVCache], dst_cache: list[KVCache], src_to_dst: list[tuple[int, int]]
+) -> None:
+    """Block-by-block copies between devices. Swaps are rare and the blocks scattered: one copy per
+    block and tensor keeps pinned memory on the host side, so each is an asynchronous DMA."""
+    for src_layer, dst_layer in zip(src_cache, dst_cache):
+        for src_tensor, dst_tensor in zip(src_layer, dst_layer):
+            for src, dst in src_to_dst:
+                dst_tensor[dst].copy_(src_tensor[src], non_blocking=True)

@@ -38,38 +38,81 @@ class Worker:
         torch.manual_seed(self.config.model_config.seed)
 
     def load_model(self) -> None:
+        if self.device.type == "cuda":
+            self._check_weights_fit()
         self.model_runner.load_model()
+
+    def _check_weights_fit(self) -> None:
+        """Refuse, before loading anything, a model whose weights alone exceed the memory budget."""
+        from pagedllm.model_loader import estimate_model_bytes
+
+        weight_bytes = estimate_model_bytes(self.config.model_config, self.attn_backend)
+        free, total = torch.cuda.mem_get_info(self.device)
+        utilization = self.config.cache_config.gpu_memory_utilization
+        budget = min(free, total * utilization)
+        if weight_bytes > budget:
+            raise ValueError(
+                f"the model's weights need {weight_bytes / GiB:.1f} GiB in {self.config.model_config.dtype}, "
+                f"more than the {budget / GiB:.1f} GiB this GPU can give (free {free / GiB:.1f} GiB, "
+                f"gpu_memory_utilization {utilization} of {total / GiB:.1f} GiB)"
+            )
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) that fit the memory budget (seed 000's
-        profile_num_available_blocks). On the CPU the device budget is ``kv_cache_memory``
-        bytes; ``num_kv_blocks`` overrides the device count on any device."""
+        profile_num_available_blocks).
+
+        On a GPU, one forward pass at the scheduler's largest step (max_num_batched_tokens) finds
+        the activation peak; what ``gpu_memory_utilization`` leaves after it, the weights and
+        everything else on the device is KV cache. On the CPU the budget is ``kv_cache_memory``
+        bytes. ``num_kv_blocks`` overrides the device count on any device.
+        """
         cache_config = self.config.cache_config
         block_bytes = self.kv_cache_spec.block_bytes
-        if cache_config.num_kv_blocks is not None:
-            num_gpu_blocks = cache_config.num_kv_blocks
-        elif self.device.type == "cpu":
-            num_gpu_blocks = cache_config.kv_cache_memory // block_bytes
-        else:
-            raise NotImplementedError(
-                "sizing the KV cache on a GPU needs num_kv_blocks until GPU profiling lands"
-            )
         num_cpu_blocks = int(cache_config.swap_space * GiB) // block_bytes
-        return num_gpu_blocks, num_cpu_blocks
+        if cache_config.num_kv_blocks is not None:
+            return cache_config.num_kv_blocks, num_cpu_blocks
+        if self.device.type == "cpu":
+            return cache_config.kv_cache_memory // block_bytes, num_cpu_blocks
+        return self._profile_num_gpu_blocks(block_bytes), num_cpu_blocks
+
+    def _profile_num_gpu_blocks(self, block_bytes: int) -> int:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        one_block = CacheEngine(self.kv_cache_spec, self.attn_backend, 1, 0, self.device)
+        self.model_runner.profile_run(one_block.gpu_cache)
+        activation_peak = torch.cuda.max_memory_allocated(self.device) - baseline
+        del one_block
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        # Everything in use now (weights, the CUDA context, other engines and processes), plus
+        # what a step at the scheduler's largest size adds on top: the rest of the share is cache.
+        in_use = total - free
+        utilization = self.config.cache_config.gpu_memory_utilization
+        budget = total * utilization - in_use - activation_peak
+        num_blocks = int(budget // block_bytes)
+        if num_blocks <= 0:
+            raise ValueError(
+                f"no GPU memory left for the KV cache: {in_use / GiB:.1f} GiB is in use (weights, "
+                f"context, other processes) and a step at max_num_batched_tokens adds "
+                f"{activation_peak / GiB:.1f} GiB, out of {utilization} x {total / GiB:.1f} GiB; raise "
+                "gpu_memory_utilization or lower max_num_batched_tokens"
+            )
+        return num_blocks
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.cache_engine = CacheEngine(
             self.kv_cache_spec, self.attn_backend, num_gpu_blocks, num_cpu_blocks, self.device
         )
+        self.model_runner.capture_model(self.cache_engine.gpu_cache)
 
     def execute_model(self, request: ExecuteModelRequest) -> ModelRunnerOutput:
         assert self.cache_engine is not None, "initialize_cache() first"
         for request_id in request.finished_request_ids:
             self.generators.pop(request_id, None)
-        # Swap-outs read blocks that this step's copies and prefills may reuse: they go first.
-        self.cache_engine.swap_out(request.blocks_to_swap_out)
-        self.cache_engine.swap_in(request.blocks_to_swap_in)
-        self.cache_engine.copy(request.blocks_to_copy)
+        self.cache_engine.run_cache_ops(
+            request.blocks_to_swap_out, request.blocks_to_swap_in, request.blocks_to_copy
+        )
         if not request.seq_groups:
             return ModelRunnerOutput(samples={})
         for group in request.seq_groups:

@@ -156,7 +156,7 @@ def test_swap_out_and_in_move_shared_blocks_once():
         assert [mapping[b] for b in gpu_tables[seq.seq_id]] == bm.get_block_table(seq)
     check_ref_counts(bm)
 
-    assert bm.can_swap_in(group)
+    assert bm.can_swap_in(group) == AllocStatus.OK
     back = bm.swap_in(group)
     for seq in group.seqs:
         seq.status = SequenceStatus.RUNNING

@@ -237,3 +237,25 @@ def test_many_requests_complete_under_memory_pressure(chunked):
     run_to_completion(scheduler)
     for group in groups:
         assert all(seq.num_output_tokens == group.sampling_params.max_tokens for seq in group.seqs)
+
+
+def test_a_request_that_outgrows_the_whole_cache_stops_with_its_outputs_and_frees_the_rest():
+    # Two sequences sharing a 12-token prompt grow past the 6 blocks (24 tokens) of the cache.
+    scheduler = make_scheduler(num_gpu_blocks=6, num_cpu_blocks=16)
+    big = add(scheduler, 12, max_tokens=30, best_of=2)
+    small = None
+    ignored = []
+    for _ in range(100):
+        if not scheduler.has_unfinished_seqs():
+            break
+        out = step(scheduler)
+        ignored += out.ignored_seq_groups
+        if ignored and small is None:
+            small = add(scheduler, 4, max_tokens=3)
+    assert ignored == [big] and "more KV cache blocks than the cache has" in big.error
+    assert all(
+        seq.status == SequenceStatus.FINISHED_LENGTH_CAPPED and seq.num_output_tokens > 0 for seq in big.seqs
+    )
+    assert small is not None and small.seqs[0].num_output_tokens == 3
+    bm = scheduler.block_manager
+    assert bm.get_num_free_gpu_blocks() == 6 and bm.get_num_free_cpu_blocks() == 16

@@ -8,9 +8,10 @@ from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 
 
 def get_attn_backend(name: str, device: torch.device) -> type[AttentionBackend]:
-    """The backend class for ``name`` ('auto' picks the fastest correct one for the device)."""
+    """The backend class for ``name``. 'auto' is the Triton kernels on a GPU (measured fastest:
+    benchmarks/RESULTS.md) and the torch reference on the CPU."""
     if name == "auto":
-        name = "torch"
+        name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
         from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 
@@ -20,7 +21,9 @@ def get_attn_backend(name: str, device: torch.device) -> type[AttentionBackend]:
 
         return TritonAttentionBackend
     if name == "cuda":
-        raise NotImplementedError(f"attention_backend={name!r} is not available yet; use 'torch'")
+        from pagedllm.attention.backends.cuda_backend import CudaAttentionBackend
+
+        return CudaAttentionBackend
     raise ValueError(f"attention_backend must be one of 'auto', 'torch', 'triton', 'cuda', got {name!r}")
 
 

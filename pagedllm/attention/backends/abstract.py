@@ -18,6 +18,9 @@ class AttentionBackend(ABC):
     """One attention layer's compute over a paged cache in this backend's layout."""
 
     name: ClassVar[str]
+    # Whether forward() is free of host syncs and data-dependent shapes on decode-only batches,
+    # so that a decode step can be captured in a CUDA graph.
+    supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
         self.num_heads = num_heads

@@ -60,7 +60,8 @@ class PrefillLaunch:
 
 def default_launches(head_size: int, dtype: torch.dtype) -> tuple[DecodeLaunch, PrefillLaunch]:
     """Tiles that fit registers and shared memory on Hopper (checked with ptxas for sm_90: no
-    spills), per head size and dtype. Tuning for speed is done on the device with ``bench.py``."""
+    spills), per head size and dtype. Tuning for speed is done on the device with
+    ``pagedllm bench kernels --sweep``."""
     if dtype == torch.float32:
         # Exact float32 dots run on FMA units, not tensor cores, and need far more registers: a
         # correctness path (and the oracle's dtype), so small tiles and 8 warps.
@@ -81,6 +82,7 @@ def _launch_kwargs(head_size: int, dtype: torch.dtype) -> tuple[dict[str, int], 
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
 
     @staticmethod
     def get_kv_cache_shape(

@@ -1,6 +1,7 @@
-"""Triton kernels for the ``triton`` attention backend (DESIGN.md section 5).
+"""Triton kernels: the ``triton`` attention backend's (DESIGN.md section 5), and the fused layer
+kernels (``rms_norm``, ``rotary``, ``activation``) that the layers run on CUDA.
 
-Every kernel here reads and writes the backend's cache layout: key_cache and value_cache are each
+The attention kernels read and write the backend's cache layout: key_cache and value_cache are each
 ``[num_blocks, num_kv_heads, block_size, head_size]`` (see ``triton_backend.py`` for why).
 Importing this package imports triton; set ``TRITON_INTERPRET=1`` before that to run the kernels on
 the CPU.

@@ -106,6 +106,8 @@ def _paged_decode_kernel(
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
+    k_dim_offs = offs_d * stride_k_dim
+    v_dim_offs = offs_d * stride_v_dim
     heads = kv_head * NUM_QUERIES_PER_KV + offs_h
     row_mask = (offs_h[:, None] < NUM_QUERIES_PER_KV) & (offs_d[None, :] < HEAD_SIZE)
     q = tl.load(
@@ -137,10 +139,10 @@ def _paged_decode_kernel(
         stride_bt_blk,
         stride_k_block,
         stride_k_slot,
-        stride_k_dim,
+        k_dim_offs,
         stride_v_block,
         stride_v_slot,
-        stride_v_dim,
+        v_dim_offs,
         HEAD_SIZE,
         HEAD_DIM,
         BLOCK_SIZE,
@@ -164,10 +166,10 @@ def _paged_decode_kernel(
         stride_bt_blk,
         stride_k_block,
         stride_k_slot,
-        stride_k_dim,
+        k_dim_offs,
         stride_v_block,
         stride_v_slot,
-        stride_v_dim,
+        v_dim_offs,
         HEAD_SIZE,
         HEAD_DIM,
         BLOCK_SIZE,
@@ -284,7 +286,8 @@ def paged_decode(
     [num_seqs] int32, each in [1, max_seq_len]. ``max_seq_len`` is a host-side bound (e.g.
     max_model_len under CUDA graphs) that sets the number of partitions; no device value is read.
     """
-    check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
+    layout = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
+    assert layout.key_chunk == 0, "paged_decode reads the Triton layout (the cuda backend has its own decode)"
     assert block_tables.shape[0] == seq_lens.shape[0] == query.shape[0], "one query per sequence"
     num_seqs, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_cache.shape[1:3]

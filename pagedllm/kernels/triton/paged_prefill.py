@@ -17,10 +17,13 @@ index is the fastest grid axis and heads of one KV group are adjacent, so progra
 K/V run together and share it through L2.
 
 Layouts: query/out ``[num_tokens, num_heads, head_size]`` (flattened batch, rows located by
-``query_start_loc``); key_cache/value_cache ``[num_blocks, num_kv_heads, block_size, head_size]``;
-block_tables ``[num_seqs, max_blocks]`` int32; seq_lens ``[num_seqs]`` int32; query_start_loc
-``[num_seqs + 1]`` int32. Only the rows of sequences ``[first_seq, first_seq + num_prefills)`` are
-written.
+``query_start_loc``); key_cache/value_cache in either layout of ``paged_tiles.PagedKVLayout``: the
+Triton backend's ``[num_blocks, num_kv_heads, block_size, head_size]``, or the seeds' (the cuda
+backend's: K ``[num_blocks, num_kv_heads, head_size / x, block_size, x]``, V ``[num_blocks,
+num_kv_heads, head_size, block_size]``), one kernel for both through the row offsets of
+``paged_tiles.dim_offsets``; block_tables ``[num_seqs, max_blocks]`` int32; seq_lens ``[num_seqs]``
+int32; query_start_loc ``[num_seqs + 1]`` int32. Only the rows of sequences
+``[first_seq, first_seq + num_prefills)`` are written.
 
 Bound: compute for long chunks. FLOPs ~ ``4 * num_heads * head_size * sum_s(query_len *
 (context_len + query_len / 2))``; bytes ~ ``2 * num_kv_heads * head_size * element_size *
@@ -35,7 +38,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.triton.paged_tiles import attend_paged_range, check_paged_inputs, dot_precision
+from pagedllm.kernels.triton.paged_tiles import (
+    attend_paged_range,
+    check_paged_inputs,
+    dim_offsets,
+    dot_precision,
+)
 
 
 @triton.jit
@@ -58,6 +66,7 @@ def _paged_prefill_kernel(
     stride_k_block,
     stride_k_head,
     stride_k_slot,
+    stride_k_chunk,
     stride_k_dim,
     stride_v_block,
     stride_v_head,
@@ -69,6 +78,7 @@ def _paged_prefill_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    K_CHUNK: tl.constexpr,  # elements per contiguous run of a key row (the seeds' x); 0: one run
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -86,6 +96,8 @@ def _paged_prefill_kernel(
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
+    k_dim_offs = dim_offsets(offs_d, stride_k_chunk, stride_k_dim, K_CHUNK)
+    v_dim_offs = offs_d * stride_v_dim
     io_mask = (offs_m[:, None] < query_len) & (offs_d[None, :] < HEAD_SIZE)
     tokens = (query_start + offs_m).to(tl.int64)
     q = tl.load(
@@ -122,10 +134,10 @@ def _paged_prefill_kernel(
         stride_bt_blk,
         stride_k_block,
         stride_k_slot,
-        stride_k_dim,
+        k_dim_offs,
         stride_v_block,
         stride_v_slot,
-        stride_v_dim,
+        v_dim_offs,
         HEAD_SIZE,
         HEAD_DIM,
         BLOCK_SIZE,
@@ -151,10 +163,10 @@ def _paged_prefill_kernel(
         stride_bt_blk,
         stride_k_block,
         stride_k_slot,
-        stride_k_dim,
+        k_dim_offs,
         stride_v_block,
         stride_v_slot,
-        stride_v_dim,
+        v_dim_offs,
         HEAD_SIZE,
         HEAD_DIM,
         BLOCK_SIZE,
@@ -193,16 +205,17 @@ def paged_prefill(
     """Causal attention of sequences ``[first_seq, first_seq + num_prefills)`` over their paged
     context (cached prefix + the chunk itself); writes their rows of ``out``.
 
-    query, out: [num_tokens, num_heads, head_size]; key_cache, value_cache: [num_blocks,
-    num_kv_heads, block_size, head_size]; block_tables: [num_seqs, max_blocks] int32; seq_lens:
-    [num_seqs] int32; query_start_loc: [num_seqs + 1] int32. ``max_query_len`` (host int) bounds
-    every query_len of those sequences and sets the grid.
+    query, out: [num_tokens, num_heads, head_size]; key_cache, value_cache: the Triton layout
+    (both [num_blocks, num_kv_heads, block_size, head_size]) or the seeds' (K [num_blocks,
+    num_kv_heads, head_size / x, block_size, x], V [num_blocks, num_kv_heads, head_size,
+    block_size]); block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
+    query_start_loc: [num_seqs + 1] int32. ``max_query_len`` (host int) bounds every query_len of
+    those sequences and sets the grid.
     """
-    check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
+    layout = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
     assert query_start_loc.dtype == torch.int32 and query_start_loc.shape[0] == seq_lens.shape[0] + 1
     assert first_seq >= 0 and first_seq + num_prefills <= seq_lens.shape[0]
     _, num_heads, head_size = query.shape
-    num_kv_heads, block_size = key_cache.shape[1:3]
     if num_prefills == 0 or max_query_len == 0:
         return out
     grid = (triton.cdiv(max_query_len, block_m), num_heads, num_prefills)
@@ -218,13 +231,14 @@ def paged_prefill(
         first_seq,
         *query.stride(),
         *out.stride(),
-        *key_cache.stride(),
-        *value_cache.stride(),
+        *layout.key_strides,
+        *layout.value_strides,
         *block_tables.stride(),
-        NUM_QUERIES_PER_KV=num_heads // num_kv_heads,
+        NUM_QUERIES_PER_KV=num_heads // layout.num_kv_heads,
         HEAD_SIZE=head_size,
         HEAD_DIM=triton.next_power_of_2(head_size),
-        BLOCK_SIZE=block_size,
+        BLOCK_SIZE=layout.block_size,
+        K_CHUNK=layout.key_chunk,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32),

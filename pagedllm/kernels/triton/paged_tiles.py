@@ -17,16 +17,21 @@ the scale turns every exponential into one ``exp2`` instruction.
 
 Paging: token ``n`` of a sequence lives in physical block ``block_table[n // BLOCK_SIZE]`` at
 position ``n % BLOCK_SIZE``. A ``BLOCK_N``-token tile therefore gathers ``BLOCK_N / BLOCK_SIZE``
-whole cache blocks; with the ``[num_blocks, num_kv_heads, block_size, head_size]`` layout each of
-them is one contiguous ``block_size * head_size`` run, loaded as ``[BLOCK_N, HEAD_DIM]`` rows with
-``head_size`` contiguous (16-byte vector loads). ``HEAD_DIM`` is ``head_size`` rounded up to a
-power of two, the padding columns masked to zero so they add nothing to ``q @ k^T`` or the output.
+whole cache blocks, loaded as ``[BLOCK_N, HEAD_DIM]`` rows: row ``slot`` of a block starts at
+``block * stride_block + slot * stride_slot`` and its ``head_size`` elements sit at the caller's
+``k_dim_offs`` / ``v_dim_offs`` from there, which is how one loop reads both cache layouts (see
+``PagedKVLayout``). With the Triton backend's ``[num_blocks, num_kv_heads, block_size, head_size]``
+each block is one contiguous ``block_size * head_size`` run and the offsets are ``0, 1, ...``
+(16-byte vector loads). ``HEAD_DIM`` is ``head_size`` rounded up to a power of two, the padding
+columns masked to zero so they add nothing to ``q @ k^T`` or the output.
 
 Every row must see at least one unmasked key in the first tile it processes (otherwise
 ``exp2(-inf - -inf)`` is NaN); both callers guarantee it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -49,10 +54,10 @@ def attend_paged_range(
     stride_bt_blk,
     stride_k_block,
     stride_k_slot,
-    stride_k_dim,
+    k_dim_offs,  # [HEAD_DIM] offsets of a key row's elements from its slot (see dim_offsets)
     stride_v_block,
     stride_v_slot,
-    stride_v_dim,
+    v_dim_offs,  # [HEAD_DIM] the same for a value row
     HEAD_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -83,7 +88,7 @@ def attend_paged_range(
             k_head_ptr
             + block_ids[:, None] * stride_k_block
             + slots[:, None] * stride_k_slot
-            + offs_d[None, :] * stride_k_dim,
+            + k_dim_offs[None, :],
             mask=kv_mask,
             other=0.0,
         )
@@ -100,13 +105,78 @@ def attend_paged_range(
             v_head_ptr
             + block_ids[:, None] * stride_v_block
             + slots[:, None] * stride_v_slot
-            + offs_d[None, :] * stride_v_dim,
+            + v_dim_offs[None, :],
             mask=kv_mask,
             other=0.0,
         )
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def dim_offsets(offs_d, stride_chunk, stride_dim, CHUNK: tl.constexpr):
+    """Offsets of a row's elements ``offs_d`` from the row's start: runs of ``CHUNK`` contiguous
+    elements ``stride_chunk`` apart (the seeds' K, ``CHUNK = x``), or, with ``CHUNK = 0``, one
+    run of stride ``stride_dim`` (every other layout: no division on the common path)."""
+    if CHUNK == 0:
+        offs = offs_d * stride_dim
+    else:
+        offs = (offs_d // CHUNK) * stride_chunk + (offs_d % CHUNK) * stride_dim
+    return offs
+
+
+@dataclass(frozen=True)
+class PagedKVLayout:
+    """Where a pair of paged caches keeps element ``d`` of slot ``s`` of KV head ``h`` in block ``b``::
+
+        K: b * kb + h * kh + s * ks + (d // key_chunk) * kc + (d % key_chunk) * kd   (key_chunk 0: d * kd)
+        V: b * vb + h * vh + s * vs + d * vd
+
+    with ``key_strides = (kb, kh, ks, kc, kd)`` and ``value_strides = (vb, vh, vs, vd)``. Two layouts
+    have this form: the Triton backend's (K and V both ``[num_blocks, num_kv_heads, block_size,
+    head_size]``, ``key_chunk = 0``) and the seeds' (K ``[num_blocks, num_kv_heads, head_size / x,
+    block_size, x]``, ``key_chunk = x``; V ``[num_blocks, num_kv_heads, head_size, block_size]``,
+    ``vs = 1``, ``vd = block_size``), told apart by the key cache's rank.
+    """
+
+    num_kv_heads: int
+    block_size: int
+    head_size: int
+    key_strides: tuple[int, int, int, int, int]
+    key_chunk: int
+    value_strides: tuple[int, int, int, int]
+
+    @staticmethod
+    def of(key_cache: torch.Tensor, value_cache: torch.Tensor) -> PagedKVLayout:
+        assert key_cache.dtype == value_cache.dtype, f"{key_cache.dtype} != {value_cache.dtype}"
+        kb, kh, *k_rest = key_cache.stride()
+        vb, vh, *v_rest = value_cache.stride()
+        if key_cache.dim() == 4:
+            assert key_cache.shape == value_cache.shape, (
+                f"caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)}: want [num_blocks, "
+                "num_kv_heads, block_size, head_size]"
+            )
+            _, num_kv_heads, block_size, head_size = key_cache.shape
+            ks, kd = k_rest
+            vs, vd = v_rest
+            return PagedKVLayout(
+                num_kv_heads, block_size, head_size, (kb, kh, ks, 0, kd), 0, (vb, vh, vs, vd)
+            )
+        assert key_cache.dim() == 5 and value_cache.dim() == 4, (
+            f"caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)}: want K [num_blocks, "
+            "num_kv_heads, head_size / x, block_size, x] and V [num_blocks, num_kv_heads, head_size, "
+            "block_size]"
+        )
+        num_blocks, num_kv_heads, num_chunks, block_size, x = key_cache.shape
+        head_size = num_chunks * x
+        assert value_cache.shape == (num_blocks, num_kv_heads, head_size, block_size), (
+            f"value_cache {tuple(value_cache.shape)} does not match key_cache {tuple(key_cache.shape)}"
+        )
+        kc, ks, kd = k_rest
+        vd, vs = v_rest
+        key_strides = (kb, kh, ks, kc, kd)
+        return PagedKVLayout(num_kv_heads, block_size, head_size, key_strides, x, (vb, vh, vs, vd))
 
 
 def dot_precision(is_float32: bool) -> str:
@@ -122,24 +192,21 @@ def check_paged_inputs(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     out: torch.Tensor,
-) -> None:
-    """The shapes, dtypes and layouts both paged kernels assume (host-side metadata only: no sync).
+) -> PagedKVLayout:
+    """The shapes, dtypes and layouts both paged kernels assume (host-side metadata only: no sync);
+    returns the caches' layout.
 
-    query, out: [num_tokens, num_heads, head_size]; key_cache, value_cache: [num_blocks,
-    num_kv_heads, block_size, head_size]; block_tables: [num_seqs, max_blocks] int32; seq_lens:
-    [num_seqs] int32.
+    query, out: [num_tokens, num_heads, head_size]; key_cache, value_cache: either layout of
+    ``PagedKVLayout``; block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32.
     """
-    assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape, (
-        f"caches {tuple(key_cache.shape)} / {tuple(value_cache.shape)}: want [num_blocks, "
-        "num_kv_heads, block_size, head_size]"
+    layout = PagedKVLayout.of(key_cache, value_cache)
+    assert query.dim() == 3 and query.shape[2] == layout.head_size, (
+        f"query {tuple(query.shape)} vs cache head_size {layout.head_size}"
     )
-    assert key_cache.dtype == value_cache.dtype, f"{key_cache.dtype} != {value_cache.dtype}"
-    assert query.dim() == 3 and query.shape[2] == key_cache.shape[3], (
-        f"query {tuple(query.shape)} vs cache head_size {key_cache.shape[3]}"
-    )
-    assert query.shape[1] % key_cache.shape[1] == 0, "num_heads must be a multiple of num_kv_heads"
-    # head_size contiguous: K/V and query rows are loaded as 16-byte vectors.
-    assert key_cache.stride(3) == 1 and value_cache.stride(3) == 1 and query.stride(2) == 1
+    assert query.shape[1] % layout.num_kv_heads == 0, "num_heads must be a multiple of num_kv_heads"
+    # Contiguous runs (of a key row, of a value row or column, of a query row) become 16-byte loads.
+    assert layout.key_strides[4] == 1 and 1 in layout.value_strides[2:] and query.stride(2) == 1
     assert out.shape == query.shape and out.dtype == query.dtype and out.stride(2) == 1
     assert block_tables.dtype == torch.int32 and block_tables.shape[0] == seq_lens.shape[0]
     assert seq_lens.dtype == torch.int32 and seq_lens.dim() == 1
+    return layout

@@ -1,0 +1,111 @@
+"""The CUDA attention backend: the seeds' PagedAttention kernels in CUDA C++, over their cache layout.
+
+Cache layout (per layer), as seed 000's ``reshape_and_cache`` writes it and its kernels read it::
+
+    key_cache   [num_blocks, num_kv_heads, head_size / x, block_size, x]     x = 16 bytes / element size
+    value_cache [num_blocks, num_kv_heads, head_size, block_size]
+
+(why K and V differ: ``pagedllm.kernels.cuda.layout``); the block number stays dimension 0 of both,
+so the cache engine swaps and copies blocks as for every backend.
+
+A step runs three kernels: ``reshape_and_cache`` (CUDA) writes this step's K/V; PagedAttention V1 or
+V2 (CUDA, chosen per step by ``ops.use_v1`` from host ints) attends for the decodes, sequences
+``[0, num_decodes)``; the prefill chunks after them run the Triton ``paged_prefill``, which reads
+this layout as well as its own (``paged_tiles.PagedKVLayout``). The seeds' kernels are decode-only:
+their prompt path ran xformers over the step's un-paged K/V, which cannot see a cached prefix, so
+chunked prefill and prefix caching need a kernel that attends over the paged cache, and one
+FlashAttention-style kernel serves both backends. Like the Triton backend, forward never syncs
+with the device.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict
+
+import torch
+
+from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention.backends.triton_backend import default_launches
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.cuda import paged_attention, reshape_and_cache
+from pagedllm.kernels.cuda.build import check_build_requirements
+from pagedllm.kernels.cuda.layout import kv_cache_shape
+from pagedllm.kernels.cuda.ops import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_SIZES
+from pagedllm.kernels.triton import paged_prefill
+
+
+@functools.cache
+def _prefill_kwargs(head_size: int, dtype: torch.dtype) -> dict[str, int]:
+    """The Triton backend's prefill tiles (the same kernel), as keyword arguments built once per
+    (head_size, dtype) so that forward does no host work beyond the launches. Read-only."""
+    return asdict(default_launches(head_size, dtype)[1])
+
+
+class CudaAttentionBackend(AttentionBackend):
+    name = "cuda"
+
+    @staticmethod
+    def get_kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        return kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size, dtype)
+
+    @classmethod
+    def check_supported(
+        cls, head_size: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        """ValueError for what the kernels are not built for; RuntimeError (from the build's
+        checks) for a missing CUDA torch, GPU, nvcc or ninja, before any weights are loaded."""
+        if head_size not in SUPPORTED_HEAD_SIZES:
+            raise ValueError(f"cuda attention: head_size {head_size} not in {SUPPORTED_HEAD_SIZES}")
+        if block_size not in SUPPORTED_BLOCK_SIZES:
+            raise ValueError(f"cuda attention: block_size {block_size} not in {SUPPORTED_BLOCK_SIZES}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"cuda attention: dtype {dtype} not in {SUPPORTED_DTYPES}")
+        if device.type != "cuda":
+            raise ValueError(f"cuda attention: device {device} is not a CUDA device")
+        check_build_requirements()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        md = attn_metadata
+        reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
+        # Contiguous whatever query's strides (it is a view of the fused QKV): the kernels write
+        # rows of num_heads * head_size.
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        num_decodes = md.num_decodes
+        if num_decodes:
+            paged_attention(
+                query[:num_decodes],
+                key_cache,
+                value_cache,
+                md.block_tables[:num_decodes],
+                md.seq_lens[:num_decodes],
+                self.scale,
+                md.max_seq_len,
+                output[:num_decodes],
+            )
+        if md.num_prefills:
+            paged_prefill(
+                query,
+                key_cache,
+                value_cache,
+                md.block_tables,
+                md.seq_lens,
+                md.query_start_loc,
+                self.scale,
+                num_decodes,
+                md.num_prefills,
+                md.max_query_len,
+                output,
+                **_prefill_kwargs(self.head_size, key_cache.dtype),
+            )
+        return output

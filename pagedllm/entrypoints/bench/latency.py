@@ -1,0 +1,127 @@
+"""``pagedllm bench latency``: one request's per-token latency, BENCHMARKS.md's W3.
+
+A single request (128 prompt tokens, 256 output tokens, greedy, EOS ignored) on dummy weights,
+with CUDA graphs and, for comparison, eagerly. The floor is reading every weight once per token
+at the device's measured copy bandwidth (bytes read + written over time, as BENCHMARKS.md
+measures it): the per-token latency over that floor is the gap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import time
+from typing import Any
+
+import torch
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.bench.workloads import WORKLOADS
+from pagedllm.sampling_params import SamplingParams
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--num-iters", type=int, default=3, help="timed runs per mode (median reported)")
+    parser.add_argument("--skip-eager", action="store_true", help="measure with CUDA graphs only")
+    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--output-png", default=None)
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(load_format="dummy", model=None, max_num_seqs=1)
+    return parser
+
+
+def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
+    """Device copy bandwidth, bytes read + written per second (median of do_bench)."""
+    import triton.testing
+
+    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    return 2 * num_bytes / (ms * 1e-3)
+
+
+def time_request(engine: LLMEngine, prompt: list[int], output_len: int) -> tuple[float, float]:
+    """(seconds to the first token, seconds per later token) of one request alone."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    engine.add_request("w3", sampling_params=params, prompt_token_ids=prompt)
+    start = time.perf_counter()
+    first = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        if first is None:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return first - start, (end - first) / (output_len - 1)
+
+
+def measure(engine_args: EngineArgs, prompt: list[int], output_len: int, num_iters: int) -> dict[str, float]:
+    engine = LLMEngine.from_engine_args(engine_args)
+    time_request(engine, prompt, 8)  # warm-up
+    runs = sorted(time_request(engine, prompt, output_len) for _ in range(num_iters))
+    weight_bytes = sum(
+        p.numel() * p.element_size() for p in engine.executor.worker.model_runner.model.parameters()
+    )
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    ttft, tpot = runs[len(runs) // 2]
+    return {"ttft_ms": 1e3 * ttft, "tpot_ms": 1e3 * tpot, "weight_bytes": weight_bytes}
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        raise SystemExit("pagedllm bench latency needs a CUDA device")
+    workload = WORKLOADS["W3"]
+    prompt = workload.prompts()[0]
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args = dataclasses.replace(
+        engine_args,
+        model=engine_args.model or workload.model,
+        max_model_len=engine_args.max_model_len or workload.max_model_len,
+    )
+    bandwidth = copy_bandwidth()
+    result: dict[str, Any] = {
+        "workload": "W3",
+        "device": torch.cuda.get_device_name(),
+        "copy_gbps": bandwidth / 1e9,
+    }
+    modes = [("cuda_graphs", False)] + ([] if args.skip_eager else [("eager", True)])
+    for mode, enforce_eager in modes:
+        mode_args = dataclasses.replace(engine_args, enforce_eager=enforce_eager)
+        result[mode] = measure(mode_args, prompt, workload.output_len, args.num_iters)
+    floor_ms = 1e3 * result["cuda_graphs"]["weight_bytes"] / bandwidth
+    result["floor_ms"] = floor_ms
+    for mode, _ in modes:
+        m = result[mode]
+        m["over_floor"] = m["tpot_ms"] / floor_ms
+        print(
+            f"W3 {mode}: {m['tpot_ms']:.2f} ms/token ({m['over_floor']:.2f}x the {floor_ms:.2f} ms "
+            f"weight-read floor), first token {m['ttft_ms']:.1f} ms"
+        )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.output_png:
+        _plot(result, [mode for mode, _ in modes], args.output_png)
+    return result
+
+
+def _plot(result: dict[str, Any], modes: list[str], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.bar(modes, [result[m]["tpot_ms"] for m in modes])
+    axis.axhline(result["floor_ms"], color="k", ls="--", label="weight-read floor")
+    axis.set_ylabel("ms per output token")
+    axis.legend()
+    axis.set_title(f"W3 on {result['device']}")
+    figure.savefig(path, dpi=120)

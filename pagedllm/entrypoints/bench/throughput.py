@@ -1,0 +1,161 @@
+"""``pagedllm bench throughput``: offline throughput, BENCHMARKS.md's W1 and W2.
+
+Every request is queued at once and the engine steps until all finish (greedy, EOS ignored,
+dummy weights of the workload's architecture). Reports output and total tokens per second, and
+the step timeline: each step's wall time and the tokens it computed, so that the prefill phase,
+the decode phase and the per-step overhead can be read apart. ``--profile-steps N`` also records N
+decode steps with the torch profiler and prints where host and device time go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from typing import Any
+
+import torch
+
+from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.bench.workloads import WORKLOADS, Workload
+from pagedllm.sampling_params import SamplingParams
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--workload", choices=["W1", "W2"], default="W1")
+    parser.add_argument("--num-prompts", type=int, default=None, help="the workload's first N prompts")
+    parser.add_argument("--output-json", default=None)
+    parser.add_argument("--output-png", default=None)
+    parser.add_argument("--profile-steps", type=int, default=0, help="torch-profile N decode steps")
+    parser.add_argument("--profile-dir", default=None, help="where to write the profiler's trace")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(
+        load_format="dummy", model=None, max_num_batched_tokens=8192, enable_chunked_prefill=True
+    )
+    return parser
+
+
+def engine_args_for(workload: Workload, args: argparse.Namespace) -> EngineArgs:
+    engine_args = EngineArgs.from_cli_args(args)
+    return dataclasses.replace(
+        engine_args,
+        model=engine_args.model or workload.model,
+        max_model_len=engine_args.max_model_len or workload.max_model_len,
+    )
+
+
+def run(
+    engine: LLMEngine, prompts: list[list[int]], output_len: int, profile_steps: int = 0
+) -> dict[str, Any]:
+    """Queue every prompt, step until done; returns timings and the step timeline."""
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), sampling_params=params, prompt_token_ids=prompt)
+    timeline: list[tuple[float, int, int]] = []  # (step seconds, prefill tokens, sampled tokens)
+    profiled = None
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        stats = engine.get_stats()
+        step_start = time.perf_counter()
+        if profile_steps and profiled is None and stats.num_waiting == 0 and stats.num_prefill_tokens > 0:
+            profiled = _profile(engine, profile_steps)
+            continue
+        engine.step()
+        after = engine.get_stats()
+        timeline.append(
+            (
+                time.perf_counter() - step_start,
+                after.num_prefill_tokens - stats.num_prefill_tokens,
+                after.num_generation_tokens - stats.num_generation_tokens,
+            )
+        )
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    num_output = len(prompts) * output_len
+    num_prompt = sum(len(p) for p in prompts)
+    decode_steps = [t for t, prefill, _ in timeline if prefill == 0]
+    return {
+        "elapsed_s": elapsed,
+        "num_requests": len(prompts),
+        "output_tokens": num_output,
+        "prompt_tokens": num_prompt,
+        "output_tok_s": num_output / elapsed,
+        "total_tok_s": (num_output + num_prompt) / elapsed,
+        "num_steps": len(timeline),
+        "prefill_s": sum(t for t, prefill, _ in timeline if prefill > 0),
+        "decode_s": sum(decode_steps),
+        "median_decode_step_ms": 1e3 * sorted(decode_steps)[len(decode_steps) // 2] if decode_steps else None,
+        "timeline": timeline,
+        "profile": profiled,
+    }
+
+
+def _profile(engine: LLMEngine, num_steps: int) -> str:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(num_steps):
+            engine.step()
+    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
+
+
+def plot(result: dict[str, Any], path: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return False
+    steps = result["timeline"]
+    ends = []
+    clock = 0.0
+    for seconds, _, _ in steps:
+        clock += seconds
+        ends.append(clock)
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    top.plot(ends, [1e3 * s for s, _, _ in steps], lw=0.8)
+    top.set_ylabel("step time (ms)")
+    bottom.plot(ends, [sampled / s for s, _, sampled in steps], lw=0.8, label="sampled tok/s")
+    bottom.plot(ends, [prefill / s for s, prefill, _ in steps], lw=0.8, label="prefill tok/s")
+    bottom.set_ylabel("tokens / s")
+    bottom.set_xlabel("seconds")
+    bottom.legend()
+    figure.suptitle(f"{result['workload']} on {result['device']}: {result['output_tok_s']:.0f} output tok/s")
+    figure.savefig(path, dpi=120)
+    return True
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        raise SystemExit("pagedllm bench throughput needs a CUDA device")
+    workload = WORKLOADS[args.workload]
+    prompts = workload.prompts(args.num_prompts)
+    engine = LLMEngine.from_engine_args(engine_args_for(workload, args))
+    run(engine, workload.prompts(8), 8)  # warm-up: compiles kernels, touches the cache
+    result = run(engine, prompts, workload.output_len, args.profile_steps)
+    result.update(
+        workload=workload.name,
+        device=torch.cuda.get_device_name(),
+        attention_backend=engine.executor.worker.attn_backend.name,
+        enforce_eager=engine.config.enforce_eager,
+        num_gpu_blocks=engine.num_gpu_blocks,
+    )
+    if result["profile"]:
+        print(result["profile"])
+    print(
+        f"{workload.name}: {result['num_requests']} requests in {result['elapsed_s']:.2f} s: "
+        f"{result['output_tok_s']:.0f} output tok/s, {result['total_tok_s']:.0f} total tok/s "
+        f"(prefill {result['prefill_s']:.2f} s, decode {result['decode_s']:.2f} s over "
+        f"{result['num_steps']} steps, median decode step {result['median_decode_step_ms']:.2f} ms)"
+    )
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.output_png:
+        plot(result, args.output_png)
+    return result

@@ -1,0 +1,258 @@
+"""The OpenAI-compatible HTTP server: routes, API key, request size limit, errors as OpenAI's.
+
+Run it with ``pagedllm serve [MODEL]`` or ``python -m pagedllm.entrypoints.openai.api_server``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import copy
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException
+from starlette.responses import Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedllm import __version__
+from pagedllm.engine.arg_utils import EMBEDDED_MODEL_FILE, EngineArgs
+from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_engine import REQUEST_ID_HEADER, APIError
+from pagedllm.metrics import ServerMetrics, StatsLogger
+
+logger = logging.getLogger(__name__)
+
+# Seconds uvicorn waits for open responses on shutdown before cancelling them.
+GRACEFUL_SHUTDOWN_SECONDS = 5
+
+
+@dataclass
+class ServerSettings:
+    model_name: str
+    # Every /v1 route needs "Authorization: Bearer <api_key>" when set.
+    api_key: str | None = None
+    max_request_body_bytes: int = 1 << 20
+    # Seconds between stats log lines; 0 turns them off.
+    stats_interval: float = 10.0
+
+
+def error_response(error: APIError) -> Response:
+    return Response(
+        error.body().model_dump_json(), status_code=error.status_code, media_type="application/json"
+    )
+
+
+class ApiKeyMiddleware:
+    """401 for a /v1 request without the right bearer token, before its body is even read."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            # Constant time, so the key cannot be guessed byte by byte from response times.
+            if not hmac.compare_digest(given, self.expected):
+                error = APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """413 for a request body over ``max_bytes``: by its Content-Length before reading, or while
+    reading a body sent without one."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        content_length = dict(scope["headers"]).get(b"content-length")
+        if content_length is not None and content_length.isdigit() and int(content_length) > self.max_bytes:
+            await error_response(self._error())(scope, receive, send)
+            return
+        num_bytes = 0
+
+        async def limited_receive() -> Message:
+            nonlocal num_bytes
+            message = await receive()
+            num_bytes += len(message.get("body", b""))
+            if num_bytes > self.max_bytes:
+                # FastAPI passes HTTPExceptions raised while reading the body on to the handlers.
+                raise HTTPException(413, self._error().info.message)
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _error(self) -> APIError:
+        return APIError(
+            413, f"The request body is larger than {self.max_bytes} bytes.", code="request_too_large"
+        )
+
+
+def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
+    """The server's app; its lifespan starts the engine loop and stops it on shutdown."""
+    async_engine = AsyncLLMEngine(engine)
+    metrics = ServerMetrics(async_engine, settings.model_name)
+    async_engine.on_request_finished = metrics.observe_finished
+    # The handlers tokenize on the event loop while the engine thread detokenizes: each gets its own.
+    tokenizer = copy.deepcopy(engine.tokenizer)
+    completions = OpenAIServingCompletion(async_engine, settings.model_name, tokenizer)
+    chat = OpenAIServingChat(async_engine, settings.model_name, tokenizer)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        stats_task = None
+        if settings.stats_interval > 0:
+            stats_task = asyncio.ensure_future(_log_stats(async_engine, settings.stats_interval))
+        try:
+            yield
+        finally:
+            if stats_task is not None:
+                stats_task.cancel()
+            await async_engine.shutdown()
+
+    app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
+    # The last middleware added runs first: the key is checked before any byte of the body is read.
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_healthy:
+            return error_response(APIError(503, "the engine is not running", code="engine_unavailable"))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        card = ModelCard(
+            id=settings.model_name,
+            root=engine.config.model_config.model,
+            max_model_len=engine.config.model_config.max_model_len,
+        )
+        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        result = await completions.create_completion(request, raw_request)
+        return _respond(result, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        result = await chat.create_chat_completion(request, raw_request)
+        return _respond(result, raw_request)
+
+    return app
+
+
+def _respond(result: BaseModel | AsyncIterator[str], raw_request: Request) -> Response:
+    request_id = raw_request.headers.get(REQUEST_ID_HEADER)
+    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
+    if isinstance(result, AsyncIterator):
+        return StreamingResponse(result, media_type="text/event-stream", headers=headers)
+    return Response(result.model_dump_json(), media_type="application/json", headers=headers)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> Response:
+        # The first problem, named by its field: ("body", "messages", 0, "role") -> messages.0.role.
+        first = exc.errors()[0]
+        if first["type"] == "json_invalid":
+            return error_response(APIError(400, f"the request body is not valid JSON: {first['msg']}"))
+        path = [str(part) for part in first["loc"] if part != "body"]
+        param = path[0] if path else None
+        message = f"{'.'.join(path)}: {first['msg']}" if path else first["msg"]
+        return error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
+        return error_response(APIError(exc.status_code, str(exc.detail), code=code))
+
+
+async def _log_stats(engine: AsyncLLMEngine, interval: float) -> None:
+    stats_logger = StatsLogger(interval)
+    while True:
+        await asyncio.sleep(interval)
+        stats_logger.log(engine.stats)
+
+
+def default_model_name(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model:
+        return args.model
+    # The embedded model's name without its quantization and extension.
+    return EMBEDDED_MODEL_FILE.split(".")[0]
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Build the engine from the EngineArgs flags in ``args``, then serve until interrupted."""
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    settings = ServerSettings(
+        model_name=default_model_name(args),
+        api_key=args.api_key,
+        max_request_body_bytes=args.max_request_body_bytes,
+        stats_interval=args.stats_interval,
+    )
+    app = build_app(engine, settings)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=args.access_log,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+    )
+    logger.info("serving %s on http://%s:%d", settings.model_name, args.host, args.port)
+    # uvicorn shuts down gracefully on Ctrl-C, then raises it again: that is a normal exit here.
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.Server(config).run()
+
+
+if __name__ == "__main__":
+    from pagedllm.entrypoints.openai.cli import add_cli_args, main
+
+    main(add_cli_args(argparse.ArgumentParser(prog="pagedllm serve")).parse_args())

@@ -1,0 +1,67 @@
+"""``pagedllm serve [MODEL]``: the flags, and the entry point the ``pagedllm`` command calls.
+
+FastAPI and uvicorn are imported only when the server starts, so ``pagedllm --help`` stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from pagedllm.engine.arg_utils import EngineArgs
+
+API_KEY_ENV = "PAGEDLLM_API_KEY"
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The server's flags, then every EngineArgs flag."""
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        metavar="MODEL",
+        help="the model to serve (same as --model); default: the embedded SmolLM2-135M-Instruct",
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every /v1 route (default: ${API_KEY_ENV} if set)",
+    )
+    server.add_argument(
+        "--served-model-name", default=None, help="the model's name in the API (default: MODEL)"
+    )
+    server.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=1 << 20,
+        help="larger request bodies are refused with 413",
+    )
+    server.add_argument(
+        "--stats-interval", type=float, default=10.0, help="seconds between stats log lines; 0: none"
+    )
+    server.add_argument(
+        "--log-level",
+        default="info",
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="log level of the server and uvicorn",
+    )
+    server.add_argument(
+        "--access-log", action=argparse.BooleanOptionalAction, default=True, help="log every request"
+    )
+    EngineArgs.add_cli_args(parser)
+    return parser
+
+
+def main(args: argparse.Namespace) -> None:
+    """Serve until interrupted."""
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise SystemExit(f"pagedllm serve: MODEL {args.model_tag!r} and --model {args.model!r} differ")
+        args.model = args.model_tag
+    if args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
+    from pagedllm.entrypoints.openai.api_server import run_server
+
+    run_server(args)

@@ -1,0 +1,305 @@
+"""What the completion and chat endpoints share: errors, model and length checks, sampling
+parameters, handing requests to the engine, and aborting them when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Iterable
+from typing import TYPE_CHECKING
+
+from pagedllm.engine.async_engine import AsyncEngineDeadError, AsyncLLMEngine, RequestStream
+from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest, UsageInfo
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.sequence import Logprob
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from pagedllm.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+# JSON has no -inf: the floor vLLM and OpenAI report for impossible tokens.
+MIN_LOGPROB = -9999.0
+
+
+class APIError(Exception):
+    """An error answered as OpenAI answers it: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        error_type: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.info = ErrorInfo(
+            message=message,
+            type=error_type or ("invalid_request_error" if status_code < 500 else "server_error"),
+            param=param,
+            code=code,
+        )
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=self.info)
+
+
+@dataclasses.dataclass
+class EnginePrompt:
+    """One prompt as the engine takes it."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+
+def clamp_logprob(logprob: float) -> float:
+    return MIN_LOGPROB if math.isnan(logprob) else max(logprob, MIN_LOGPROB)
+
+
+def top_logprobs(step: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
+    """The ``num_top`` most likely (token id, Logprob) of one position, most likely first."""
+    return sorted(step.items(), key=lambda item: item[1].logprob, reverse=True)[:num_top]
+
+
+class OpenAIServing:
+    """Base of the endpoint handlers.
+
+    Args:
+        engine: the running engine.
+        model_name: the name clients must give as ``model`` (or omit).
+        tokenizer: a tokenizer of the server's own: the engine thread detokenizes with the
+            engine's, and a tokenizer is not shared between threads. None for token-id-only models.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str, tokenizer: Tokenizer | None) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.tokenizer = tokenizer
+        self.max_model_len = engine.engine.config.model_config.max_model_len
+
+    # --- checks -----------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> None:
+        """400 when the prompt, or the prompt plus max_tokens, does not fit the context."""
+        if num_prompt_tokens > self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                f"{prompt_param} has {num_prompt_tokens} tokens. Please reduce the length of the "
+                f"{prompt_param}.",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+            raise APIError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the "
+                f"{prompt_param}, {max_tokens} in the completion). Please reduce the length of the "
+                f"{prompt_param} or completion.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+
+    @staticmethod
+    def check_request_options(request: SamplingRequest) -> None:
+        if request.stream_options is not None and not request.stream:
+            raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        if request.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias")
+
+    @staticmethod
+    def sampling_params(
+        request: SamplingRequest,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        try:
+            params = request.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e), param=_named_field(str(e), type(request).model_fields)) from e
+        if request.stream and params.best_of != params.n:
+            raise APIError(400, "best_of must equal n when streaming", param="best_of")
+        return params
+
+    def tokenize(self, text: str, param: str) -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer: give the prompt as token ids", param=param)
+        return self.tokenizer(text)["input_ids"]
+
+    def decode_token(self, token_id: int, logprob: Logprob | None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+    # --- the engine -------------------------------------------------------------------------
+
+    async def add_requests(
+        self,
+        request_id: str,
+        prompts: list[EnginePrompt],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> list[RequestStream]:
+        """Queue one engine request per prompt (ids ``{request_id}-{i}`` when several).
+
+        Refusals become APIErrors before anything streams; a refused prompt withdraws the others.
+        """
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                engine_request_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(
+                    await self.engine.add_request(
+                        engine_request_id,
+                        prompt=prompt.text,
+                        sampling_params=params,
+                        prompt_token_ids=prompt.token_ids,
+                        arrival_time=arrival_time,
+                    )
+                )
+        except BaseException as e:
+            self.engine.abort([stream.request_id for stream in streams])
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e), param=_named_field(str(e), ("prompt",))) from e
+            if isinstance(e, NotImplementedError):
+                raise APIError(501, str(e), code="not_implemented") from e
+            if isinstance(e, AsyncEngineDeadError):
+                raise APIError(503, str(e), code="engine_unavailable") from e
+            raise
+        return streams
+
+    def abort_on_disconnect(self, raw_request: Request, streams: list[RequestStream]) -> DisconnectGuard:
+        """Start watching for the client's disconnect right away (see DisconnectGuard)."""
+        return DisconnectGuard(self.engine, raw_request, [stream.request_id for stream in streams])
+
+    @staticmethod
+    async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
+        """Each stream's finished output; APIError if one was aborted or failed."""
+        finals: list[RequestOutput] = []
+        for stream in streams:
+            final = None
+            try:
+                async for output in stream:
+                    final = output
+            except Exception as e:
+                raise APIError(500, str(e)) from e
+            if final is None or not final.finished:
+                raise APIError(500, f"request {stream.request_id} was aborted")
+            finals.append(final)
+        return finals
+
+
+class DisconnectGuard:
+    """Aborts requests when their client disconnects, from creation until ``close()`` (or the end
+    of a ``with`` block), which also aborts those still unfinished: the engine must not keep
+    generating for nobody.
+
+    It starts watching at creation, before a streamed response sends anything: if the client is
+    gone before the body is iterated at all, the requests are still aborted.
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, raw_request: Request, request_ids: list[str]) -> None:
+        self.engine = engine
+        self.request_ids = request_ids
+        self._watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
+        self._watcher.add_done_callback(self._on_disconnect)
+
+    def _on_disconnect(self, watcher: asyncio.Future[None]) -> None:
+        if watcher.cancelled():
+            return
+        if watcher.exception() is None:
+            logger.info("client disconnected: aborting %s", ", ".join(self.request_ids))
+        self.engine.abort(self.request_ids)
+
+    def close(self) -> None:
+        self._watcher.cancel()
+        # Requests that finished are no longer known to the engine: this only ends the others.
+        self.engine.abort(self.request_ids)
+
+    def __enter__(self) -> DisconnectGuard:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(stream index, output) from several streams as outputs arrive; errors propagate."""
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                queue.put_nowait((index, output))
+        except Exception as e:
+            queue.put_nowait((index, e))
+        queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        num_open = len(streams)
+        while num_open:
+            index, item = await queue.get()
+            if item is None:
+                num_open -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def new_request_id(raw_request: Request) -> str:
+    """The client's X-Request-Id when given (so its logs and ours match), else a random one."""
+    return raw_request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+
+
+def usage_info(finals: list[RequestOutput]) -> UsageInfo:
+    """Token counts over requests' outputs (the n returned sequences of each)."""
+    prompt_tokens = sum(len(final.prompt_token_ids) for final in finals)
+    completion_tokens = sum(len(output.token_ids) for final in finals for output in final.outputs)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+    )
+
+
+def sse_error(error: Exception) -> str:
+    """An error after the response headers went out travels as an event (as vLLM sends it)."""
+    return f"data: {APIError(500, str(error)).body().model_dump_json()}\n\n"
+
+
+def _named_field(message: str, fields: Iterable[str]) -> str | None:
+    """The field a ValueError names: SamplingParams' and the engine's messages start with it."""
+    first_word = message.split(" ", 1)[0]
+    return first_word if first_word in fields else None
+
+
+async def _wait_for_disconnect(raw_request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while (await raw_request.receive())["type"] != "http.disconnect":
+        pass

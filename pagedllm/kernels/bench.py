@@ -1,0 +1,325 @@
+"""Decode attention bandwidth (BENCHMARKS.md, K1): paged implementations against SDPA on a
+contiguous cache and against a plain copy, on CUDA.
+
+Decode reads every cached K/V element once and does ~2 * num_queries_per_kv FLOPs per byte, so its
+figure of merit is achieved bandwidth: bytes of K/V (plus the small query and output) over the
+median time of ``triton.testing.do_bench``, which flushes L2 before each run. On the same K/V:
+
+- the ceiling: a device-to-device copy of as many bytes, counting read + write;
+- the bar: torch's SDPA with each sequence's K/V contiguous and each GQA group's query heads as its
+  queries (so K/V are read once, as the paged kernels read them). A batch of equal contexts is
+  dense ``[num_seqs, num_kv_heads, context_len, head_size]``; a ragged one is a jagged nested tensor,
+  which SDPA runs through flash-attention's varlen kernel. Only the fused backends are allowed
+  (flash, else memory-efficient for float32), so a silent fallback to the math backend cannot
+  pass for the bar.
+
+Each implementation is one entry of ``DECODE_IMPLS``: a function with ``paged_decode``'s arguments,
+the cache layout it reads (converted from the Triton layout), the launch parameters the engine
+uses, and those ``pagedllm bench kernels --sweep`` tries. Adding a kernel (the CUDA PagedAttention
+V1/V2) is adding an entry. Kernels are imported lazily: listing the entries needs only torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+# fn(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out, **launch) writes
+# out. query, out: [num_seqs, num_heads, head_size]; block_tables: [num_seqs, max_blocks] int32;
+# seq_lens: [num_seqs] int32; the caches in the implementation's own layout.
+DecodeFn = Callable[..., object]
+# (key_cache, value_cache) in the Triton layout [num_blocks, num_kv_heads, block_size, head_size]
+# -> the same caches in the layout an implementation reads.
+CacheLayout = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """One decode batch: a single new query token per sequence over its cached context."""
+
+    seq_lens: tuple[int, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_moved(self) -> int:
+        """Every K/V element read once, the query read and the output written once."""
+        kv_elements = 2 * sum(self.seq_lens) * self.num_kv_heads * self.head_size
+        query_out_elements = 2 * len(self.seq_lens) * self.num_heads * self.head_size
+        return (kv_elements + query_out_elements) * (torch.finfo(self.dtype).bits // 8)
+
+
+@dataclass(frozen=True)
+class DecodeImpl:
+    """A paged decode implementation, as the benchmark runs it."""
+
+    load: Callable[[], DecodeFn]  # imports the kernel
+    cache_layout: CacheLayout
+    default_launch: Callable[[DecodeShape], dict[str, int]]  # what the engine launches
+    sweep_space: Mapping[str, tuple[int, ...]]  # --sweep tries every combination; {}: nothing to tune
+
+    def launches(self, shape: DecodeShape, sweep: bool) -> list[dict[str, int]]:
+        """The launch parameters to time: the engine's, then (with ``sweep``) every other combination."""
+        default = self.default_launch(shape)
+        if not sweep:
+            return [default]
+        grid = [
+            dict(zip(self.sweep_space, values)) for values in itertools.product(*self.sweep_space.values())
+        ]
+        return [default, *(launch for launch in grid if launch != default)]
+
+
+def _load_triton() -> DecodeFn:
+    from pagedllm.kernels.triton import paged_decode
+
+    return paged_decode
+
+
+def _triton_default_launch(shape: DecodeShape) -> dict[str, int]:
+    from pagedllm.attention.backends.triton_backend import default_launches
+
+    return dataclasses.asdict(default_launches(shape.head_size, shape.dtype)[0])
+
+
+def _triton_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return key_cache, value_cache
+
+
+DECODE_IMPLS: dict[str, DecodeImpl] = {
+    "triton": DecodeImpl(
+        load=_load_triton,
+        cache_layout=_triton_layout,
+        default_launch=_triton_default_launch,
+        sweep_space={
+            "partition_size": (256, 512, 1024),
+            "block_n": (32, 64, 128),
+            "num_warps": (4, 8),
+            "num_stages": (2, 3),
+        },
+    ),
+}
+
+
+@dataclass
+class DecodeInputs:
+    """A random decode batch on a device, its cache in the Triton layout. Each sequence's blocks
+    come from one random permutation of the cache, as a long-running cache ends up."""
+
+    shape: DecodeShape
+    query: torch.Tensor  # [num_seqs, num_heads, head_size]
+    key_cache: torch.Tensor  # [num_blocks, num_kv_heads, block_size, head_size]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with block 0
+    seq_lens: torch.Tensor  # [num_seqs] int32
+
+    @classmethod
+    def random(cls, shape: DecodeShape, device: torch.device, seed: int) -> DecodeInputs:
+        gen = torch.Generator(device=device).manual_seed(seed)
+        blocks_per_seq = [-(-n // shape.block_size) for n in shape.seq_lens]
+        cache_shape = (sum(blocks_per_seq), shape.num_kv_heads, shape.block_size, shape.head_size)
+        key_cache, value_cache = (
+            torch.randn(cache_shape, generator=gen, device=device, dtype=shape.dtype) for _ in range(2)
+        )
+        perm = torch.randperm(cache_shape[0], generator=gen, device=device).to(torch.int32)
+        block_tables = torch.zeros(len(shape.seq_lens), max(blocks_per_seq), dtype=torch.int32, device=device)
+        for table, blocks in zip(block_tables, perm.split(blocks_per_seq)):
+            table[: len(blocks)] = blocks
+        num_seqs = len(shape.seq_lens)
+        query = torch.randn(
+            num_seqs, shape.num_heads, shape.head_size, generator=gen, device=device, dtype=shape.dtype
+        )
+        seq_lens = torch.tensor(shape.seq_lens, dtype=torch.int32, device=device)
+        return cls(shape, query, key_cache, value_cache, block_tables, seq_lens)
+
+    @property
+    def scale(self) -> float:
+        return self.shape.head_size**-0.5
+
+
+class ContiguousSdpa:
+    """SDPA over copies of the batch's K/V with each sequence's tokens contiguous (the bar).
+
+    Calling it runs only ``scaled_dot_product_attention``, which is what gets timed; ``heads``
+    turns its output into the paged kernels' ``[num_seqs, num_heads, head_size]``.
+    """
+
+    def __init__(self, inputs: DecodeInputs) -> None:
+        shape = inputs.shape
+        num_seqs, group = len(shape.seq_lens), shape.num_heads // shape.num_kv_heads
+        self.num_seqs, self.scale = num_seqs, inputs.scale
+        self.ragged = len(set(shape.seq_lens)) > 1
+        # [num_seqs, num_kv_heads, group, head_size]: query head h is KV head h // group's row h % group.
+        query = inputs.query.view(num_seqs, shape.num_kv_heads, group, shape.head_size)
+        # [sum(seq_lens), num_kv_heads, head_size] each: token-major, flash-attention's own layout.
+        keys, values = (
+            _packed_context(cache, inputs.block_tables, shape.seq_lens)
+            for cache in (inputs.key_cache, inputs.value_cache)
+        )
+        if self.ragged:
+            token_major = query.transpose(1, 2).reshape(-1, shape.num_kv_heads, shape.head_size)
+            self.query = _jagged(token_major, [group] * num_seqs)
+            self.key, self.value = (_jagged(t, shape.seq_lens) for t in (keys, values))
+        else:
+            self.query = query
+            self.key, self.value = (
+                t.view(num_seqs, shape.seq_lens[0], shape.num_kv_heads, shape.head_size).transpose(1, 2)
+                for t in (keys, values)
+            )
+
+    def __call__(self) -> torch.Tensor:
+        return F.scaled_dot_product_attention(self.query, self.key, self.value, scale=self.scale)
+
+    def heads(self, out: torch.Tensor) -> torch.Tensor:
+        """The output of a call as [num_seqs, num_heads, head_size]."""
+        if self.ragged:
+            # [num_seqs, num_kv_heads, {group}, head_size] jagged -> [num_seqs, group, num_kv_heads, ...].
+            out = out.transpose(1, 2).values().unflatten(0, (self.num_seqs, -1)).transpose(1, 2)
+        return out.flatten(1, 2)
+
+
+def _packed_context(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
+    """[num_blocks, num_kv_heads, block_size, head_size] paged -> [sum(seq_lens), num_kv_heads,
+    head_size], the sequences' tokens one after another."""
+    num_kv_heads, block_size, head_size = cache.shape[1:]
+    parts = []
+    for table, seq_len in zip(block_tables, seq_lens):
+        blocks = cache[table[: -(-seq_len // block_size)].long()]  # [blocks, kv_heads, block_size, d]
+        parts.append(blocks.transpose(1, 2).reshape(-1, num_kv_heads, head_size)[:seq_len])
+    return torch.cat(parts)
+
+
+def _jagged(values: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+    """[sum(lengths), num_kv_heads, head_size] -> jagged [len(lengths), num_kv_heads, {length},
+    head_size]. The bounds are given so SDPA never reads them back from the device."""
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)], device=values.device)
+    nested = torch.nested.nested_tensor_from_jagged(
+        values, offsets, min_seqlen=min(lengths), max_seqlen=max(lengths)
+    )
+    return nested.transpose(1, 2)
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    """One implementation at one launch on one batch, beside the references on the same K/V."""
+
+    implementation: str
+    launch: dict[str, int]
+    median_ms: float
+    gbps: float
+    copy_gbps: float  # (read + write) bandwidth of copying bytes_moved bytes
+    sdpa_ms: float
+    sdpa_gbps: float
+    rel_err: float  # ||out - sdpa|| / ||sdpa||: the two compute the same attention
+
+    @property
+    def fraction_of_copy(self) -> float:
+        return self.gbps / self.copy_gbps
+
+    @property
+    def vs_sdpa(self) -> float:
+        """Above 1: faster than SDPA on the contiguous cache."""
+        return self.gbps / self.sdpa_gbps
+
+
+def bench_decode(
+    shape: DecodeShape, runs: Mapping[str, Sequence[dict[str, int]]], seed: int = 0
+) -> list[DecodeResult]:
+    """Time each implementation of ``runs`` (name in DECODE_IMPLS -> the launches to try) on one
+    random batch of ``shape`` on the current CUDA device, with the copy and SDPA references
+    measured once for all of them. Launches that do not fit the device are logged and skipped."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    inputs = DecodeInputs.random(shape, torch.device("cuda"), seed)
+    sdpa = ContiguousSdpa(inputs)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        reference = sdpa.heads(sdpa()).float()
+        sdpa_ms = _median_ms(sdpa)
+    del sdpa  # its contiguous copies of K/V: as large as the cache
+    copy_ms = _copy_ms(shape.bytes_moved)
+
+    results = []
+    for name, launches in runs.items():
+        impl = DECODE_IMPLS[name]
+        fn, caches = impl.load(), impl.cache_layout(inputs.key_cache, inputs.value_cache)
+        for launch in launches:
+            timed = _time_launch(fn, caches, inputs, reference, launch)
+            if timed is None:
+                continue
+            median_ms, rel_err = timed
+            results.append(
+                DecodeResult(
+                    implementation=name,
+                    launch=launch,
+                    median_ms=median_ms,
+                    gbps=_gbps(shape.bytes_moved, median_ms),
+                    copy_gbps=_gbps(2 * shape.bytes_moved, copy_ms),
+                    sdpa_ms=sdpa_ms,
+                    sdpa_gbps=_gbps(shape.bytes_moved, sdpa_ms),
+                    rel_err=rel_err,
+                )
+            )
+    return results
+
+
+def _time_launch(
+    fn: DecodeFn,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    inputs: DecodeInputs,
+    reference: torch.Tensor,
+    launch: dict[str, int],
+) -> tuple[float, float] | None:
+    """(median ms, relative error against ``reference``) of one launch, or None where the launch
+    does not fit the device (too much shared memory, too many registers)."""
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    # Poisoned: an element the kernel leaves unwritten makes the error NaN.
+    out = torch.full_like(inputs.query, float("nan"))
+    max_seq_len = max(inputs.shape.seq_lens)
+
+    def call() -> None:
+        fn(
+            inputs.query,
+            *caches,
+            inputs.block_tables,
+            inputs.seq_lens,
+            inputs.scale,
+            max_seq_len,
+            out,
+            **launch,
+        )
+
+    try:
+        call()  # compiles, outside the timing
+    except (OutOfResources, PTXASError) as e:
+        logger.warning("launch %s does not fit this device, skipped: %s", launch, e)
+        return None
+    rel_err = float((out.float() - reference).norm() / reference.norm())
+    return _median_ms(call), rel_err
+
+
+def _median_ms(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, return_mode="median")
+
+
+def _copy_ms(num_bytes: int) -> float:
+    # Random bytes, not zeros (METHOD.md: zeros can time differently).
+    src = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return _median_ms(lambda: dst.copy_(src))
+
+
+def _gbps(num_bytes: int, ms: float) -> float:
+    return num_bytes / (ms * 1e-3) / 1e9

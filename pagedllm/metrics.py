@@ -1,0 +1,162 @@
+"""Serving metrics: Prometheus collectors for the API server, and the periodic stats line.
+
+Queue sizes, KV cache use and token counts are read from the engine's latest stats snapshot
+whenever /metrics is scraped (a custom collector), so nothing has to be updated per step.
+Per-request latencies are histograms observed when each request finishes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pagedllm.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+    from pagedllm.engine.llm_engine import EngineStats
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "pagedllm:"
+# vLLM's buckets, so that dashboards built for it read ours the same way.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+
+
+class ServerMetrics:
+    """The metrics of one server, in a registry of their own (two servers in one process do not
+    share counters)."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine, model_name))
+        labels = ["model_name"]
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Time from arrival to the first output token",
+            labels,
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "Mean time between output tokens after the first, per request",
+            labels,
+            buckets=TPOT_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.e2e_latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Time from arrival to the last output token",
+            labels,
+            buckets=E2E_BUCKETS,
+            registry=self.registry,
+        ).labels(model_name)
+        self.request_success = Counter(
+            PREFIX + "request_success",
+            "Requests finished, by the first output's finish reason (error: never ran)",
+            [*labels, "finished_reason"],
+            registry=self.registry,
+        )
+        self.model_name = model_name
+
+    def observe_finished(self, output: RequestOutput) -> None:
+        """Record a finished request's latencies (AsyncLLMEngine's on_request_finished hook)."""
+        reason = "error" if output.error else output.outputs[0].finish_reason
+        self.request_success.labels(self.model_name, reason).inc()
+        metrics = output.metrics
+        if metrics is None or metrics.first_token_time is None:
+            return  # ended without running (output.error)
+        self.ttft.observe(metrics.first_token_time - metrics.arrival_time)
+        end = metrics.last_token_time or metrics.first_token_time
+        self.e2e_latency.observe(end - metrics.arrival_time)
+        num_tokens = max(len(o.token_ids) for o in output.outputs)
+        if num_tokens > 1:
+            self.tpot.observe((end - metrics.first_token_time) / (num_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineCollector(Collector):
+    """Gauges and counters read from the engine's latest stats snapshot at scrape time."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self.engine.stats
+        gauges = {
+            "num_requests_running": ("Requests running on the device", stats.num_running),
+            "num_requests_waiting": ("Requests waiting to be scheduled", stats.num_waiting),
+            "num_requests_swapped": ("Requests swapped out to the CPU", stats.num_swapped),
+            "gpu_cache_usage_perc": ("Fraction of device KV cache blocks in use", stats.gpu_cache_usage),
+            "num_gpu_blocks": ("Device KV cache blocks", stats.num_gpu_blocks),
+            "num_free_gpu_blocks": ("Free device KV cache blocks", stats.num_free_gpu_blocks),
+            "num_cpu_blocks": ("CPU swap space blocks", stats.num_cpu_blocks),
+            "num_free_cpu_blocks": ("Free CPU swap space blocks", stats.num_free_cpu_blocks),
+            "prefix_cache_hit_rate": (
+                "Fraction of prompt tokens found in the prefix cache",
+                getattr(stats, "prefix_cache_hit_rate", 0.0),
+            ),
+        }
+        counters = {
+            "prompt_tokens": ("Prefill tokens computed", stats.num_prefill_tokens),
+            "generation_tokens": ("Tokens generated", stats.num_generation_tokens),
+            "num_preemptions": (
+                "Requests preempted (recompute or swap)",
+                stats.num_preemptions_recompute + stats.num_preemptions_swap,
+            ),
+            "num_aborted_requests": (
+                "Requests aborted while running or queued",
+                self.engine.num_aborted_requests,
+            ),
+            "num_failed_requests": ("Requests failed by an engine error", self.engine.num_failed_requests),
+        }
+        for name, (documentation, value) in gauges.items():
+            family = GaugeMetricFamily(PREFIX + name, documentation, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        for name, (documentation, value) in counters.items():
+            family = CounterMetricFamily(PREFIX + name, documentation, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+
+
+class StatsLogger:
+    """Logs one line of throughput and queue state every ``interval`` seconds while busy."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._last: EngineStats | None = None
+        self._last_time = time.monotonic()
+
+    def log(self, stats: EngineStats) -> None:
+        now = time.monotonic()
+        last, elapsed = self._last, max(now - self._last_time, 1e-9)
+        self._last, self._last_time = stats, now
+        if last is None:
+            return
+        prompt_tokens = stats.num_prefill_tokens - last.num_prefill_tokens
+        generation_tokens = stats.num_generation_tokens - last.num_generation_tokens
+        if not (prompt_tokens or generation_tokens or stats.num_running or stats.num_waiting):
+            return  # idle: say nothing
+        logger.info(
+            "prompt throughput %.1f tok/s, generation throughput %.1f tok/s, running %d, waiting %d, "
+            "swapped %d, KV cache usage %.1f%%",
+            prompt_tokens / elapsed,
+            generation_tokens / elapsed,
+            stats.num_running,
+            stats.num_waiting,
+            stats.num_swapped,
+            100 * stats.gpu_cache_usage,
+        )

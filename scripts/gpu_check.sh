@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The one command for the GPU machine, run from the source tree (the device tool runs it in the
+# repository root): the GPU tests, then the benchmarks, then a table of every figure, last.
+#
+#   scripts/gpu_check.sh                 tests, K1, W1, W3 (the short set)
+#   scripts/gpu_check.sh tests k1 w1 w2 w3 hf w4 cuda sanitize
+#
+# Stages: tests (tests/gpu), k1 (pagedllm bench kernels --sweep), w1 / w2 (bench throughput),
+# w3 (bench latency), hf (benchmarks/compare_hf.py: W1 through transformers too), w4 (bench
+# serve against pagedllm serve), cuda (W1 on the cuda backend), sanitize (compute-sanitizer on the
+# CUDA kernels). Results go to $OUT (the device tool's output folder) or /tmp/gpu_check.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/gpu_check}"
+mkdir -p "$OUT"
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(tests k1 w1 w3)
+failed=()
+
+# What the GPU image lacks (the server's packages) travels as wheels in the ignored .whl/.
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic 2>&1 | tail -1
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+
+run() {  # run NAME COMMAND...: log to $OUT/NAME.log, remember failures
+    local name=$1
+    shift
+    echo "=== $name: $*"
+    local start=$SECONDS
+    if ! "$@" 2>&1 | tee "$OUT/$name.log"; then
+        failed+=("$name")
+    fi
+    echo "=== $name took $((SECONDS - start)) s"
+}
+
+for stage in "${stages[@]}"; do
+    case $stage in
+    tests) run tests python3 -m pytest -q -p no:cacheprovider tests/gpu -ra ;;
+    k1) run k1 python3 -m pagedllm bench kernels --sweep --output-json "$OUT/k1.json" --output-png "$OUT/k1.png" ;;
+    w1) run w1 python3 -m pagedllm bench throughput --workload W1 --output-json "$OUT/w1.json" --output-png "$OUT/w1.png" ;;
+    w2) run w2 python3 -m pagedllm bench throughput --workload W2 --output-json "$OUT/w2.json" --output-png "$OUT/w2.png" ;;
+    w3) run w3 python3 -m pagedllm bench latency --output-json "$OUT/w3.json" --output-png "$OUT/w3.png" ;;
+    hf) run hf python3 benchmarks/compare_hf.py --output-json "$OUT/hf.json" ;;
+    cuda)
+        run w1_cuda python3 -m pagedllm bench throughput --workload W1 --attention-backend cuda \
+            --output-json "$OUT/w1_cuda.json"
+        ;;
+    sanitize)
+        run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/cuda_sanitize.py
+        run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/cuda_sanitize.py
+        ;;
+    w4) run w4 scripts/serve_bench.sh "$OUT" ;;
+    *) echo "unknown stage $stage" && failed+=("$stage") ;;
+    esac
+done
+
+python3 scripts/gpu_summary.py "$OUT"
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "FAILED: ${failed[*]}"
+    exit 1
+fi

@@ -1,0 +1,88 @@
+"""Print one table of every figure gpu_check.sh produced (the JSON files in the given folder)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def _load(folder: str, name: str) -> dict | list | None:
+    path = os.path.join(folder, f"{name}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def rows(folder: str) -> list[tuple[str, str, str]]:
+    """(benchmark, figure, value) rows for whatever ran."""
+    table: list[tuple[str, str, str]] = []
+    for name in ("w1", "w1_cuda", "w2"):
+        r = _load(folder, name)
+        if r:
+            label = f"{r['workload']} {r['attention_backend']}"
+            table.append((label, "output tok/s", f"{r['output_tok_s']:.0f}"))
+            table.append(
+                (
+                    label,
+                    "elapsed / median decode step",
+                    f"{r['elapsed_s']:.2f} s / {r['median_decode_step_ms']:.2f} ms",
+                )
+            )
+    r = _load(folder, "w3")
+    if r:
+        for mode in ("cuda_graphs", "eager"):
+            if mode in r:
+                m = r[mode]
+                table.append(
+                    (
+                        f"W3 {mode}",
+                        "ms/token (x floor)",
+                        f"{m['tpot_ms']:.2f} ({m['over_floor']:.2f}x of {r['floor_ms']:.2f})",
+                    )
+                )
+    r = _load(folder, "hf")
+    if r:
+        for mode in ("hf_static", "hf_generate_batch", "pagedllm"):
+            if mode in r:
+                table.append((f"W1 {mode}", "output tok/s", f"{r[mode]['output_tok_s']:.0f}"))
+        for mode in ("hf_static", "hf_generate_batch"):
+            if mode in r:
+                ratio = r["pagedllm"]["output_tok_s"] / r[mode]["output_tok_s"]
+                table.append(("W1 ratio", f"pagedllm / {mode}", f"{ratio:.1f}x"))
+    r = _load(folder, "k1")
+    if r:
+        for row in [row for row in r["rows"] if row["default_launch"]] + r["best"]:
+            label = f"K1 {row['implementation']} ctx {row['context']}"
+            launch = "default launch" if row in r["rows"] and row["default_launch"] else "best launch"
+            table.append((label, f"GB/s (of copy; vs SDPA), {launch}", _k1(row)))
+    r = _load(folder, "w4")
+    if r:
+        for summary in r.get("results", []):
+            table.append(
+                (f"W4 {summary['request_rate']} req/s", "p99 TTFT / p99 TPOT (ms), failed", _w4(summary))
+            )
+    return table
+
+
+def _k1(row: dict) -> str:
+    return f"{row['gbps']:.0f} ({row['fraction_of_copy']:.0%}; {row['vs_sdpa']:.2f}x)"
+
+
+def _w4(s: dict) -> str:
+    return f"{s['ttft_ms']['p99']:.0f} / {s['tpot_ms']['p99']:.1f}, {s['failed']}"
+
+
+def main() -> None:
+    table = rows(sys.argv[1])
+    if not table:
+        print("no benchmark results")
+        return
+    widths = [max(len(row[i]) for row in table) for i in range(3)]
+    for row in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,181 @@
+"""AsyncLLMEngine: per-request streams from a background engine thread, aborts that free blocks,
+and failures that end the affected requests (or, when the engine is broken, all of them) without
+leaving anyone waiting."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+from transformers import LlamaConfig
+
+from pagedllm import EngineArgs, SamplingParams
+from pagedllm.engine.async_engine import AsyncEngineDeadError, AsyncLLMEngine, RequestFailedError
+from pagedllm.engine.llm_engine import LLMEngine
+
+# No test may wait longer than this for the engine: a hang is a failure, not a stuck suite.
+TIMEOUT_S = 30
+MODEL_OVERRIDES = {"num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.fixture
+def make_engine(make_tiny_model):
+    def make(**engine_kwargs: Any) -> LLMEngine:
+        _, model_config = make_tiny_model(LlamaConfig, **MODEL_OVERRIDES)
+        # A small swap space: allocating the default 4 GiB takes seconds.
+        args = EngineArgs(
+            model=model_config.model, num_kv_blocks=64, block_size=4, swap_space=0.01, **engine_kwargs
+        )
+        return LLMEngine.from_engine_args(args)
+
+    return make
+
+
+def run(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    return asyncio.run(asyncio.wait_for(coroutine, TIMEOUT_S))
+
+
+def params(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def wait_for(condition, what: str) -> None:
+    for _ in range(TIMEOUT_S * 100):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def all_blocks_free(engine: AsyncLLMEngine) -> bool:
+    return engine.stats.num_free_gpu_blocks == engine.stats.num_gpu_blocks
+
+
+def fail_steps_of(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, request_ids: set[str] | None) -> None:
+    """Make every step that runs one of ``request_ids`` (every step, when None) raise."""
+    execute_model = engine.executor.execute_model
+
+    def failing(request):
+        if request_ids is None or any(g.request_id in request_ids for g in request.seq_groups):
+            raise RuntimeError("injected step failure")
+        return execute_model(request)
+
+    monkeypatch.setattr(engine.executor, "execute_model", failing)
+
+
+async def collect(engine: AsyncLLMEngine, request_id: str, prompt: list[int], max_tokens: int):
+    outputs = [
+        output
+        async for output in engine.generate(request_id, None, params(max_tokens), prompt_token_ids=prompt)
+    ]
+    return outputs
+
+
+def test_concurrent_streams_get_every_token_and_free_their_blocks(make_engine):
+    async def main() -> None:
+        engine = AsyncLLMEngine(make_engine())
+        engine.start()
+        runs = [collect(engine, f"r{i}", [1 + i, 2, 3, 4, 5], max_tokens=8 + i) for i in range(4)]
+        results = await asyncio.gather(*runs)
+        for i, outputs in enumerate(results):
+            assert outputs[-1].finished and all(not o.finished for o in outputs[:-1])
+            assert len(outputs[-1].outputs[0].token_ids) == 8 + i
+            assert outputs[-1].outputs[0].finish_reason == "length"
+        assert all_blocks_free(engine) and engine.num_unfinished_requests == 0
+        await engine.shutdown()
+        assert not engine.is_running
+
+    run(main())
+
+
+@pytest.mark.parametrize("how", ["abort", "leave the loop"])
+def test_abort_frees_the_blocks_at_the_next_step(make_engine, how):
+    async def main() -> None:
+        engine = AsyncLLMEngine(make_engine())
+        engine.start()
+        stream = engine.generate("long", None, params(200), prompt_token_ids=[1, 2, 3])
+        async for output in stream:
+            if len(output.outputs[0].token_ids) >= 2:
+                break
+        assert not all_blocks_free(engine)
+        if how == "abort":
+            engine.abort("long")
+        else:
+            await stream.aclose()
+        await wait_for(lambda: all_blocks_free(engine), "the aborted request's blocks")
+        assert engine.num_aborted_requests == 1 and engine.stats.num_running == 0
+        # The engine goes on serving.
+        outputs = await collect(engine, "next", [4, 5, 6], max_tokens=3)
+        assert len(outputs[-1].outputs[0].token_ids) == 3
+        await engine.shutdown()
+
+    run(main())
+
+
+def test_a_bad_request_raises_before_any_output(make_engine):
+    async def main() -> None:
+        engine = AsyncLLMEngine(make_engine())
+        engine.start()
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            await engine.add_request("bad", prompt_token_ids=[10**6], sampling_params=params(4))
+        outputs = await collect(engine, "bad", [1, 2], max_tokens=2)  # the id is free again
+        assert outputs[-1].finished and engine.is_healthy
+        await engine.shutdown()
+
+    run(main())
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_serves_the_rest(make_engine, monkeypatch):
+    async def main() -> None:
+        # One sequence per step: the poisoned request runs alone, the other waits its turn.
+        llm_engine = make_engine(max_num_seqs=1)
+        fail_steps_of(llm_engine, monkeypatch, {"poison"})
+        engine = AsyncLLMEngine(llm_engine)
+        engine.start()
+        poison = asyncio.ensure_future(collect(engine, "poison", [1, 2, 3], max_tokens=4))
+        await asyncio.sleep(0)  # queued first, so it runs first
+        waiting = asyncio.ensure_future(collect(engine, "waiting", [4, 5, 6], max_tokens=4))
+        with pytest.raises(RequestFailedError, match="injected step failure"):
+            await poison
+        outputs = await waiting
+        assert len(outputs[-1].outputs[0].token_ids) == 4
+        assert engine.is_healthy and engine.num_failed_requests == 1
+        assert all_blocks_free(engine)
+        await engine.shutdown()
+
+    run(main())
+
+
+def test_a_broken_engine_turns_unhealthy_and_no_request_hangs(make_engine, monkeypatch):
+    async def main() -> None:
+        llm_engine = make_engine(max_num_seqs=1)
+        fail_steps_of(llm_engine, monkeypatch, None)
+        engine = AsyncLLMEngine(llm_engine)
+        engine.start()
+        runs = [collect(engine, f"r{i}", [1 + i, 2, 3], max_tokens=4) for i in range(6)]
+        results = await asyncio.gather(*runs, return_exceptions=True)
+        assert all(isinstance(r, (RequestFailedError, AsyncEngineDeadError)) for r in results), results
+        assert any(isinstance(r, AsyncEngineDeadError) for r in results)
+        assert not engine.is_healthy
+        with pytest.raises(AsyncEngineDeadError):
+            await engine.add_request("late", prompt_token_ids=[1], sampling_params=params(1))
+        await engine.shutdown()
+
+    run(main())
+
+
+def test_shutdown_ends_running_requests_with_an_error(make_engine):
+    async def main() -> None:
+        engine = AsyncLLMEngine(make_engine())
+        engine.start()
+        stream = await engine.add_request("long", prompt_token_ids=[1, 2], sampling_params=params(500))
+        await stream.__anext__()
+        await engine.shutdown()
+        with pytest.raises(AsyncEngineDeadError):
+            async for _ in stream:
+                pass
+        assert not engine.is_running
+
+    run(main())

@@ -1,0 +1,173 @@
+"""The server under load on the CPU with a tiny random model: 200 concurrent streams, clients
+that drop their streams mid-way, and ``pagedllm bench serve`` (W4, a few requests)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import time
+
+import aiohttp
+import openai
+import pytest
+
+from pagedllm.entrypoints.bench import serve as bench_serve
+
+NUM_CONCURRENT = 200
+NUM_DROPPED = 50
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def server(launch_server, tiny_server_args):
+    return launch_server(tiny_server_args)
+
+
+@pytest.fixture(scope="module")
+def model(server) -> str:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none").models.list().data[0].id
+
+
+def random_prompts(num_prompts: int, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(vocab_size) for _ in range(rng.randint(4, 24))] for _ in range(num_prompts)]
+
+
+def test_200_concurrent_streams_all_complete_and_free_every_block(server, model, tiny_vocab_size):
+    max_tokens = [8 + i % 17 for i in range(NUM_CONCURRENT)]
+
+    async def stream_one(client: openai.AsyncOpenAI, prompt: list[int], num_tokens: int) -> tuple[int, str]:
+        stream = await client.completions.create(
+            model=model,
+            prompt=prompt,
+            max_tokens=num_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        finish_reason, usage = None, None
+        async for chunk in stream:
+            for choice in chunk.choices:
+                finish_reason = choice.finish_reason or finish_reason
+            usage = chunk.usage or usage
+        return usage.completion_tokens, finish_reason
+
+    async def main() -> list[tuple[int, str]]:
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        prompts = random_prompts(NUM_CONCURRENT, tiny_vocab_size)
+        runs = [stream_one(client, prompt, n) for prompt, n in zip(prompts, max_tokens)]
+        results = await asyncio.wait_for(asyncio.gather(*runs), TIMEOUT_S)
+        await client.close()
+        return results
+
+    results = asyncio.run(main())
+    assert results == [(n, "length") for n in max_tokens]
+    metrics = server.wait_until_idle()
+    assert metrics["pagedllm:num_free_gpu_blocks"] == metrics["pagedllm:num_gpu_blocks"]
+    assert metrics["pagedllm:num_requests_running"] == 0
+
+
+def test_dropped_streams_are_aborted_and_free_their_blocks(server, model, tiny_vocab_size):
+    aborted_before = server.metrics()["pagedllm:num_aborted_requests_total"]
+
+    async def drop_after_two_chunks(session: aiohttp.ClientSession, prompt: list[int]) -> int:
+        body = {"model": model, "prompt": prompt, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        response = await session.post(server.url + "/v1/completions", json=body)
+        assert response.status == 200
+        num_chunks = 0
+        async for line in response.content:
+            num_chunks += line.startswith(b"data: ")
+            if num_chunks == 2:
+                break
+        # Close the connection mid-stream, as a client that goes away does.
+        response.close()
+        return num_chunks
+
+    async def main() -> list[int]:
+        async with aiohttp.ClientSession() as session:
+            runs = [drop_after_two_chunks(session, p) for p in random_prompts(NUM_DROPPED, tiny_vocab_size)]
+            return await asyncio.wait_for(asyncio.gather(*runs), TIMEOUT_S)
+
+    assert asyncio.run(main()) == [2] * NUM_DROPPED
+    metrics = server.wait_until_idle()
+    assert metrics["pagedllm:num_aborted_requests_total"] - aborted_before == NUM_DROPPED
+    assert metrics["pagedllm:num_free_gpu_blocks"] == metrics["pagedllm:num_gpu_blocks"]
+    assert server.request("GET", "/health")[0] == 200
+    body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True}
+    status, _, response = server.request("POST", "/v1/completions", body)
+    assert status == 200 and json.loads(response)["usage"]["completion_tokens"] == 4
+
+
+def test_w4_requests_are_deterministic_and_in_range():
+    requests = bench_serve.w4_requests()
+    assert len(requests) == 500 and requests == bench_serve.w4_requests()
+    assert all(100 <= len(r.prompt_token_ids) <= 1024 and 32 <= r.output_len <= 512 for r in requests)
+    assert all(0 <= t <= 10000 for r in requests for t in r.prompt_token_ids)
+    # Fewer prompts take a prefix of the same workload; a small vocabulary folds the ids.
+    assert bench_serve.w4_requests(3) == requests[:3]
+    folded = bench_serve.w4_requests(3, vocab_size=160)
+    assert [len(r.prompt_token_ids) for r in folded] == [len(r.prompt_token_ids) for r in requests[:3]]
+    assert all(0 <= t < 160 for r in folded for t in r.prompt_token_ids)
+
+
+def test_bench_serve_against_the_server(server, tiny_vocab_size, tmp_path, capsys):
+    result_file, plot_file = tmp_path / "results.json", tmp_path / "latency.png"
+    parser = bench_serve.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(
+        [
+            "--base-url",
+            server.url,
+            "--num-prompts",
+            "4",
+            "--request-rate",
+            "8",
+            "inf",
+            "--vocab-size",
+            str(tiny_vocab_size),
+            "--result-file",
+            str(result_file),
+            "--plot-file",
+            str(plot_file),
+        ]
+    )
+    bench_serve.main(args)
+    results = json.loads(result_file.read_text())["results"]
+    assert [r["request_rate"] for r in results] == [8.0, "inf"]
+    for summary in results:
+        assert (summary["completed"], summary["failed"], summary["incomplete"]) == (4, 0, 0)
+        assert summary["output_throughput"] > 0 and summary["errors"] == []
+        for key in ("ttft_ms", "tpot_ms", "itl_ms"):
+            assert 0 < summary[key]["p50"] <= summary[key]["p90"] <= summary[key]["p99"]
+    assert "TTFT" in capsys.readouterr().out
+    pytest.importorskip("matplotlib")
+    assert plot_file.read_bytes().startswith(b"\x89PNG")
+
+
+def test_shutdown_with_open_streams_does_not_hang(launch_server, tiny_server_args, tiny_vocab_size):
+    server = launch_server(tiny_server_args)
+
+    async def read_stream(session: aiohttp.ClientSession, prompt: list[int], started: asyncio.Event) -> None:
+        body = {"prompt": prompt, "max_tokens": 1400, "ignore_eos": True, "stream": True}
+        async with session.post(server.url + "/v1/completions", json=body) as response:
+            async for _ in response.content:
+                started.set()
+
+    async def main() -> float:
+        async with aiohttp.ClientSession() as session:
+            events = [asyncio.Event() for _ in range(20)]
+            prompts = random_prompts(len(events), tiny_vocab_size)
+            streams = [asyncio.ensure_future(read_stream(session, p, e)) for p, e in zip(prompts, events)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), TIMEOUT_S)
+            start = time.monotonic()
+            server.process.send_signal(signal.SIGINT)
+            await asyncio.to_thread(server.process.wait, TIMEOUT_S)
+            await asyncio.gather(*streams, return_exceptions=True)
+            return time.monotonic() - start
+
+    # uvicorn lets open responses run for its graceful timeout (5 s), then cancels them.
+    assert asyncio.run(main()) < 15
+    assert server.process.returncode == 0, server.log_tail()

@@ -1,0 +1,173 @@
+"""The fused Triton kernels (RMSNorm with and without the residual add, rotary, SiLU-and-multiply)
+against their layers' torch paths.
+
+Runs on the CPU under TRITON_INTERPRET=1 (set by conftest.py when there is no GPU), else on CUDA.
+Outputs the kernels allocate are passed in poisoned with NaN, so an element left unwritten fails;
+in-place results are checked to land in the input buffers. tests/gpu/test_fused_gpu.py runs the
+same comparisons through the layers' dispatch on CUDA, bfloat16 included.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the fused kernels need the triton package")
+
+from pagedllm.kernels.triton.activation import silu_and_mul
+from pagedllm.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
+from pagedllm.kernels.triton.rotary import rotary_embedding
+from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.rotary_embedding import RotaryEmbedding
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+
+# Triton's interpreter stores bfloat16 as raw uint16 and computes on the bit patterns (see
+# test_triton_attention.py); tests/gpu covers bfloat16 on the device.
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(INTERPRET, reason="Triton's interpreter has no bfloat16 arithmetic"),
+    ),
+]
+# (atol, rtol) against the torch path: float32 differs only in summation order and rsqrt/exp
+# rounding; 16-bit by at most an ulp of the final rounding.
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1e-2)}
+HIDDEN_SIZES = [64, 576, 4096]
+NUM_TOKENS = [1, 7, 33]
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert not out.isnan().any(), f"{int(out.isnan().sum())} elements unwritten (NaN)"
+    atol, rtol = TOLERANCES[out.dtype]
+    torch.testing.assert_close(out, ref, atol=atol, rtol=rtol)
+
+
+def _norm(hidden_size: int, dtype: torch.dtype, gen: torch.Generator) -> RMSNorm:
+    norm = RMSNorm(hidden_size, eps=1e-5).to(DEVICE, dtype)
+    norm.weight.copy_(1.0 + 0.2 * torch.randn(hidden_size, generator=gen))
+    return norm
+
+
+def _randn(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("hidden_size", HIDDEN_SIZES)
+def test_rms_norm(hidden_size: int, num_tokens: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(hidden_size + num_tokens)
+    norm = _norm(hidden_size, dtype, gen)
+    x = _randn(num_tokens, hidden_size, dtype=dtype, gen=gen)
+    x_before = x.clone()
+    out = torch.full_like(x, float("nan"))
+    assert rms_norm(x, norm.weight, norm.eps, out=out) is out
+    _assert_close(out, norm.forward_torch(x_before))
+    assert torch.equal(x, x_before), "the input must be left unchanged"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("hidden_size", HIDDEN_SIZES)
+def test_fused_add_rms_norm_writes_in_place(hidden_size: int, num_tokens: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(hidden_size * num_tokens)
+    norm = _norm(hidden_size, dtype, gen)
+    x = _randn(num_tokens, hidden_size, dtype=dtype, gen=gen)
+    residual = _randn(num_tokens, hidden_size, dtype=dtype, gen=gen)
+    ref_out, ref_residual = norm.forward_torch(x, residual)
+    out, new_residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+    assert out.data_ptr() == x.data_ptr() and new_residual.data_ptr() == residual.data_ptr()
+    # The sum is one rounding of the same two numbers in both paths: it must match exactly.
+    assert torch.equal(new_residual, ref_residual)
+    _assert_close(out, ref_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_rms_norm_over_heads_of_a_fused_qkv_view(head_size: int, dtype: torch.dtype) -> None:
+    """Qwen3's q/k norms: [num_tokens, num_heads, head_size] views whose rows are strided."""
+    gen = torch.Generator().manual_seed(head_size)
+    num_tokens, num_heads, num_kv_heads = 7, 4, 2
+    norm = _norm(head_size, dtype, gen)
+    qkv = _randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_size, dtype=dtype, gen=gen)
+    q = qkv[:, : num_heads * head_size].view(num_tokens, num_heads, head_size)
+    out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
+    rms_norm(q, norm.weight, norm.eps, out=out)
+    _assert_close(out, norm.forward_torch(q))
+
+
+# (head_size, num_heads, num_kv_heads): GQA, MQA, a head count that is no power of two.
+ROTARY_SHAPES = [(64, 8, 2), (80, 8, 2), (96, 12, 4), (128, 8, 1), (256, 4, 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("head_size, num_heads, num_kv_heads", ROTARY_SHAPES)
+def test_rotary_in_place_on_qkv_views(
+    head_size: int, num_heads: int, num_kv_heads: int, num_tokens: int, dtype: torch.dtype
+) -> None:
+    gen = torch.Generator().manual_seed(head_size * num_tokens)
+    max_position = 4096
+    rope = RotaryEmbedding(head_size, max_position, {"rope_type": "default", "rope_theta": 10000.0}, dtype)
+    rope = rope.to(DEVICE)
+    q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+    qkv = _randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, gen=gen)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    v_before = v.clone()
+    # Out of order, repeated, and a strided view: the kernel must index, not assume arange.
+    positions = torch.randint(1, max_position, (2 * num_tokens,), generator=gen).to(DEVICE)[::2]
+    ref_q, ref_k = rope.forward_torch(positions, q.clone(), k.clone())
+
+    rotary_embedding(positions, q, k, rope.cos_sin_cache, head_size)
+
+    assert torch.equal(v, v_before), "value columns of the fused buffer must be untouched"
+    if dtype == torch.float32:
+        _assert_close(q, ref_q)
+        _assert_close(k, ref_k)
+    else:
+        # Same roundings in the same order: bit-identical under the interpreter (a compiled kernel may
+        # fuse a product into its sum: tests/gpu compares within an ulp).
+        assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("d", HIDDEN_SIZES)
+def test_silu_and_mul(d: int, num_tokens: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(d + num_tokens)
+    # Rows strided by more than 2 * d: the kernel must follow the row stride.
+    x = _randn(num_tokens, 2 * d + 8, dtype=dtype, gen=gen)[:, : 2 * d]
+    out = torch.full((num_tokens, d), float("nan"), dtype=dtype, device=DEVICE)
+    assert silu_and_mul(x, out=out) is out
+    _assert_close(out, SiluAndMul().forward_torch(x))
+
+
+def test_empty_batches_launch_nothing() -> None:
+    weight = torch.ones(64, device=DEVICE)
+    empty = torch.empty(0, 64, device=DEVICE)
+    assert rms_norm(empty, weight, 1e-6).shape == (0, 64)
+    assert fused_add_rms_norm(empty, empty.clone(), weight, 1e-6)[0].shape == (0, 64)
+    assert silu_and_mul(empty).shape == (0, 32)
+    cache = torch.ones(8, 64, device=DEVICE)
+    rotary_embedding(torch.empty(0, dtype=torch.int64, device=DEVICE), empty, empty, cache, 64)
+
+
+def test_layers_do_not_import_triton() -> None:
+    """The layers import their kernels lazily: machines without triton (the CPU path) never need it."""
+    code = (
+        "import sys\n"
+        "import pagedllm.layers.activation, pagedllm.layers.layernorm, pagedllm.layers.rotary_embedding\n"
+        "assert 'triton' not in sys.modules, 'a layer imported triton at import time'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
