@@ -26,6 +26,29 @@ def init_detokenizer_state(seq: Sequence) -> None:
     seq.prefix_offset = max(seq.read_offset - _INITIAL_CONTEXT, 0)
 
 
+def decode_all(
+    tokenizer: Tokenizer,
+    seq: Sequence,
+    num_tokens: int,
+    skip_special_tokens: bool,
+    spaces_between_special_tokens: bool,
+) -> str:
+    """The text of the first ``num_tokens`` output tokens in one go, decoded after the same prompt
+    context as the incremental path starts from (so both give the same text)."""
+    start = max(seq.num_prompt_tokens - _INITIAL_CONTEXT, 0)
+    context = seq.get_token_ids_slice(start, seq.num_prompt_tokens)
+    kwargs = _decode_kwargs(skip_special_tokens, spaces_between_special_tokens)
+    prefix_text = tokenizer.decode(context, **kwargs)
+    return tokenizer.decode(context + seq.output_token_ids[:num_tokens], **kwargs)[len(prefix_text) :]
+
+
+def _decode_kwargs(skip_special_tokens: bool, spaces_between_special_tokens: bool) -> dict[str, bool]:
+    kwargs = {"skip_special_tokens": skip_special_tokens}
+    if not spaces_between_special_tokens:
+        kwargs["spaces_between_special_tokens"] = False
+    return kwargs
+
+
 def decode_incrementally(
     tokenizer: Tokenizer, seq: Sequence, skip_special_tokens: bool, spaces_between_special_tokens: bool
 ) -> str:
@@ -33,9 +56,7 @@ def decode_incrementally(
     end = seq.get_len()
     window = seq.get_token_ids_slice(seq.prefix_offset, end)
     num_prefix = seq.read_offset - seq.prefix_offset
-    kwargs = {"skip_special_tokens": skip_special_tokens}
-    if not spaces_between_special_tokens:
-        kwargs["spaces_between_special_tokens"] = False
+    kwargs = _decode_kwargs(skip_special_tokens, spaces_between_special_tokens)
     prefix_text = tokenizer.decode(window[:num_prefix], **kwargs)
     full_text = tokenizer.decode(window, **kwargs)
     if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from pagedllm.sampling_params import SamplingParams
 
 
-class SequenceStatus(enum.Enum):
+class SequenceStatus(enum.IntEnum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     SWAPPED = enum.auto()
@@ -39,13 +39,15 @@ class SequenceStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self.value >= SequenceStatus.FINISHED_STOPPED.value
+        return self >= _FIRST_FINISHED
 
     @property
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self)
 
 
+# A plain int: checked for every sequence several times a step, where an enum lookup costs more.
+_FIRST_FINISHED = int(SequenceStatus.FINISHED_STOPPED)
 _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
@@ -206,7 +208,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
 
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status >= _FIRST_FINISHED
 
     def fork(self, new_seq_id: int) -> Sequence:
         child = Sequence.__new__(Sequence)
@@ -257,6 +259,8 @@ class SequenceGroup:
     error: str | None = None
     # Live beams' scores and kept hypotheses, for beam search requests.
     beam_state: BeamSearchState | None = None
+    # Report every step's progress (else only the end; see LLMEngine.add_request).
+    stream: bool = True
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:

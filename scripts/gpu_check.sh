@@ -39,7 +39,10 @@ for stage in "${stages[@]}"; do
     case $stage in
     tests) run tests python3 -m pytest -q -p no:cacheprovider tests/gpu -ra ;;
     k1) run k1 python3 -m pagedllm bench kernels --sweep --output-json "$OUT/k1.json" --output-png "$OUT/k1.png" ;;
-    w1) run w1 python3 -m pagedllm bench throughput --workload W1 --output-json "$OUT/w1.json" --output-png "$OUT/w1.png" ;;
+    w1)
+        run w1 python3 -m pagedllm bench throughput --workload W1 --output-json "$OUT/w1.json" \
+            --output-png "$OUT/w1.png" --profile-steps 5
+        ;;
     w2) run w2 python3 -m pagedllm bench throughput --workload W2 --output-json "$OUT/w2.json" --output-png "$OUT/w2.png" ;;
     w3) run w3 python3 -m pagedllm bench latency --output-json "$OUT/w3.json" --output-png "$OUT/w3.png" ;;
     hf) run hf python3 benchmarks/compare_hf.py --output-json "$OUT/hf.json" ;;
@@ -48,7 +51,8 @@ for stage in "${stages[@]}"; do
             --output-json "$OUT/w1_cuda.json"
         ;;
     sanitize)
-        run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/cuda_sanitize.py
+        run cuda_build python3 -c "from pagedllm.kernels.cuda.build import load; load()"
+        PYTORCH_NO_CUDA_MEMORY_CACHING=1 run memcheck compute-sanitizer --tool memcheck --error-exitcode 1 python3 scripts/cuda_sanitize.py
         run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/cuda_sanitize.py
         ;;
     w4) run w4 scripts/serve_bench.sh "$OUT" ;;

@@ -64,6 +64,9 @@ class BlockSpaceManager:
         self.gpu_allocator = allocator_class(Device.DEVICE, block_size, num_gpu_blocks)
         self.cpu_allocator = BlockAllocator(Device.CPU, block_size, num_cpu_blocks)
         self.block_tables: dict[int, BlockTable] = {}
+        # The same tables as block numbers, kept in step with them: every step sends every running
+        # sequence's table to the worker, and rebuilding them would cost a loop over blocks.
+        self._block_numbers: dict[int, list[int]] = {}
         # Per sequence, how many of its leading blocks are registered in the prefix cache.
         self._num_registered_blocks: dict[int, int] = {}
         # Prefix-cache lookups and hits, in tokens, since start.
@@ -91,7 +94,7 @@ class BlockSpaceManager:
             assert seq.seq_id not in self.block_tables, f"{seq} already has blocks"
             cached = self._cached_prefix(seq_group, seq, peek=False)
             fresh = [self.gpu_allocator.allocate() for _ in range(seq.num_logical_blocks - len(cached))]
-            self.block_tables[seq.seq_id] = cached + fresh
+            self._set_table(seq, cached + fresh)
             self._num_registered_blocks[seq.seq_id] = len(cached)
             seq.num_computed_tokens = len(cached) * self.block_size
             if self.enable_prefix_caching:
@@ -158,7 +161,9 @@ class BlockSpaceManager:
         block_table = self.block_tables[seq.seq_id]
         if len(block_table) < seq.num_logical_blocks:
             assert len(block_table) == seq.num_logical_blocks - 1, "a sequence grows one block at a time"
-            block_table.append(self.gpu_allocator.allocate())
+            block = self.gpu_allocator.allocate()
+            block_table.append(block)
+            self._block_numbers[seq.seq_id].append(block.block_number)
             return None
         last_block = block_table[-1]
         assert last_block.device == Device.DEVICE
@@ -166,13 +171,14 @@ class BlockSpaceManager:
             return None
         new_block = self.gpu_allocator.allocate()
         block_table[-1] = new_block
+        self._block_numbers[seq.seq_id][-1] = new_block.block_number
         self.gpu_allocator.free(last_block)
         return last_block.block_number, new_block.block_number
 
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
         """The child shares every block of the parent."""
         src_block_table = self.block_tables[parent_seq.seq_id]
-        self.block_tables[child_seq.seq_id] = src_block_table.copy()
+        self._set_table(child_seq, src_block_table.copy())
         self._num_registered_blocks[child_seq.seq_id] = self._num_registered_blocks[parent_seq.seq_id]
         for block in src_block_table:
             block.ref_count += 1
@@ -222,7 +228,7 @@ class BlockSpaceManager:
                     dst_block.ref_count += 1
                 new_block_table.append(dst_block)
                 src.free(src_block)
-            self.block_tables[seq.seq_id] = new_block_table
+            self._set_table(seq, new_block_table)
             # Blocks that come back from the CPU are fresh copies, not yet in the prefix cache.
             self._num_registered_blocks[seq.seq_id] = 0
         return {src_number: dst_block.block_number for src_number, dst_block in mapping.items()}
@@ -235,13 +241,20 @@ class BlockSpaceManager:
         if block_table is None:
             return
         self._num_registered_blocks.pop(seq.seq_id, None)
+        del self._block_numbers[seq.seq_id]
         # Deepest first: with prefix caching, they are evicted first, keeping shared roots longer.
         for block in reversed(block_table):
             allocator = self.gpu_allocator if block.device == Device.DEVICE else self.cpu_allocator
             allocator.free(block)
 
+    def _set_table(self, seq: Sequence, block_table: BlockTable) -> None:
+        self.block_tables[seq.seq_id] = block_table
+        self._block_numbers[seq.seq_id] = [block.block_number for block in block_table]
+
     def get_block_table(self, seq: Sequence) -> list[int]:
-        return [block.block_number for block in self.block_tables[seq.seq_id]]
+        """The sequence's physical block numbers. The list itself, not a copy: read it, and only
+        until the sequence's blocks next change."""
+        return self._block_numbers[seq.seq_id]
 
     def get_num_free_gpu_blocks(self) -> int:
         return self.gpu_allocator.get_num_free_blocks()

@@ -114,11 +114,16 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        stream: bool = True,
     ) -> None:
         """Queue a request. Bad input raises ValueError here and leaves the engine unchanged.
 
         A prompt longer than max_model_len is accepted but never scheduled: the next step
         returns it finished, with ``RequestOutput.error`` saying why.
+
+        With ``stream`` (the default) the request's output comes back after every step that
+        extends it; without, only once it finishes, and its text is decoded once at the end
+        (incrementally only when stop strings need it), which saves host time every step.
         """
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -128,7 +133,7 @@ class LLMEngine:
         if self.tokenizer is not None:
             init_detokenizer_state(seq)
         seq_group = SequenceGroup(
-            request_id, [seq], params, arrival_time=arrival_time or time.time(), prompt=prompt
+            request_id, [seq], params, arrival_time=arrival_time or time.time(), prompt=prompt, stream=stream
         )
         if params.use_beam_search:
             seq_group.beam_state = BeamSearchState(beam_width=params.best_of)
@@ -223,9 +228,11 @@ class LLMEngine:
                 if metrics.first_token_time is None:
                     metrics.first_token_time = now
                 metrics.last_token_time = now
-            if seq_group.is_finished():
+            finished = seq_group.is_finished()
+            if finished:
+                self.output_processor.finalize_text(seq_group)
                 self._finish_request(seq_group, now)
-            if samples or seq_group.is_finished():
+            if finished or (samples and seq_group.stream):
                 outputs.append(RequestOutput.from_seq_group(seq_group))
         self.scheduler.free_finished_seq_groups()
         return outputs

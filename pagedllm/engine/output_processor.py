@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 
 from pagedllm.core.scheduler import Scheduler
-from pagedllm.detokenizer import decode_incrementally
+from pagedllm.detokenizer import decode_all, decode_incrementally
 from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.stop_checker import StopChecker
 from pagedllm.layers.sampler import SequenceSample
@@ -85,12 +85,32 @@ class OutputProcessor:
         seq.append_token_id(sample.token_id, sample.logprob)
         if params.logprobs is not None:
             seq.output_logprobs.append(self._logprob_entry(sample))
-        if self.tokenizer is None:
+        if self.tokenizer is None or not _decodes_incrementally(seq_group):
             return 0
         new_text = decode_incrementally(
             self.tokenizer, seq, params.skip_special_tokens, params.spaces_between_special_tokens
         )
         return len(new_text)
+
+    def finalize_text(self, seq_group: SequenceGroup) -> None:
+        """Decode a finished request's text at once when it was not decoded token by token."""
+        if self.tokenizer is None or _decodes_incrementally(seq_group):
+            return
+        params = seq_group.sampling_params
+        for seq in seq_group.seqs:
+            num_tokens = seq.num_output_tokens
+            # A stop token's own text is not part of the answer (see StopChecker.check); without
+            # incremental decoding no stop string can have ended it.
+            stopped_by_token = seq.status == SequenceStatus.FINISHED_STOPPED
+            if stopped_by_token and not params.include_stop_str_in_output:
+                num_tokens -= 1
+            seq.output_text = decode_all(
+                self.tokenizer,
+                seq,
+                num_tokens,
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
+            )
 
     def _add_prompt_logprobs(self, seq_group: SequenceGroup, scored: list[SequenceSample]) -> None:
         if seq_group.prompt_logprobs is None:
@@ -108,3 +128,8 @@ class OutputProcessor:
 
     def _decode(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+
+def _decodes_incrementally(seq_group: SequenceGroup) -> bool:
+    # Streamed text is needed every step; stop strings are matched against the text as it grows.
+    return seq_group.stream or bool(seq_group.sampling_params.stop)

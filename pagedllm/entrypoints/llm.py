@@ -100,6 +100,7 @@ class LLM:
                         prompt=request.get("prompt"),
                         sampling_params=request_params,
                         prompt_token_ids=request.get("prompt_token_ids"),
+                        stream=False,
                     )
                 except ValueError as e:
                     raise ValueError(f"prompt {index}: {e}") from e

@@ -96,6 +96,29 @@ def _triton_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[
     return key_cache, value_cache
 
 
+def _load_cuda_v1() -> DecodeFn:
+    from pagedllm.kernels.cuda import paged_attention_v1
+
+    return paged_attention_v1
+
+
+def _load_cuda_v2() -> DecodeFn:
+    from pagedllm.kernels.cuda import paged_attention_v2
+
+    return paged_attention_v2
+
+
+def _cuda_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seeds' layout: K [blocks, kv_heads, head_size / x, block_size, x], V [.., head_size, bs]."""
+    from pagedllm.kernels.cuda.layout import from_triton_layout
+
+    return from_triton_layout(key_cache, value_cache)
+
+
+def _no_launch_parameters(shape: DecodeShape) -> dict[str, int]:
+    return {}
+
+
 DECODE_IMPLS: dict[str, DecodeImpl] = {
     "triton": DecodeImpl(
         load=_load_triton,
@@ -108,6 +131,9 @@ DECODE_IMPLS: dict[str, DecodeImpl] = {
             "num_stages": (2, 3),
         },
     ),
+    # The seeds' kernels: their thread-group layout is fixed by the block size; nothing to sweep.
+    "cuda-v1": DecodeImpl(_load_cuda_v1, _cuda_layout, _no_launch_parameters, {}),
+    "cuda-v2": DecodeImpl(_load_cuda_v2, _cuda_layout, _no_launch_parameters, {}),
 }
 
 

@@ -79,7 +79,6 @@ class SamplingTensors:
     do_top_k: bool
     do_top_p: bool
     do_min_p: bool
-    all_greedy: bool
 
     @classmethod
     def from_groups(
@@ -109,7 +108,6 @@ class SamplingTensors:
             do_top_k=any(k < vocab_size for k in top_ks),
             do_top_p=any(p < 1.0 for p in top_ps),
             do_min_p=any(p > 0.0 for p in min_ps),
-            all_greedy=all(greedy),
         )
 
 
@@ -119,9 +117,9 @@ class Sampler(nn.Module):
         logprobs = torch.log_softmax(logits, dim=-1)
         logits = apply_penalties(logits, groups)
         _ban_stop_tokens_before_min_tokens(logits, groups)
-        tensors = SamplingTensors.from_groups(groups, logits.shape[-1], logits.device)
         token_ids = logits.argmax(dim=-1)
-        if not tensors.all_greedy:
+        if not all(g.params.is_greedy or g.params.use_beam_search for g in groups):
+            tensors = SamplingTensors.from_groups(groups, logits.shape[-1], logits.device)
             sampled = _sample_random(logits, tensors, groups)
             token_ids = torch.where(tensors.greedy, token_ids, sampled)
         chosen_logprobs = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)

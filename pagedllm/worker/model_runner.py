@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -223,8 +224,13 @@ class ModelRunner:
 
 
 def _pad_block_tables(seqs: list[ScheduledSequence]) -> np.ndarray:
-    width = max(len(seq.block_table) for seq in seqs)
-    block_tables = np.zeros((len(seqs), width), dtype=np.int32)
-    for i, seq in enumerate(seqs):
-        block_tables[i, : len(seq.block_table)] = seq.block_table
+    """[num_seqs, longest] int32, each row a block table padded with 0 (one vectorised fill)."""
+    lengths = np.fromiter((len(seq.block_table) for seq in seqs), dtype=np.int64, count=len(seqs))
+    flat = np.fromiter(
+        itertools.chain.from_iterable(seq.block_table for seq in seqs),
+        dtype=np.int32,
+        count=int(lengths.sum()),
+    )
+    block_tables = np.zeros((len(seqs), int(lengths.max())), dtype=np.int32)
+    block_tables[np.arange(block_tables.shape[1]) < lengths[:, None]] = flat
     return block_tables

@@ -52,17 +52,23 @@ def run(
     """Queue every prompt, step until done; returns timings and the step timeline."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), sampling_params=params, prompt_token_ids=prompt)
+        engine.add_request(str(i), sampling_params=params, prompt_token_ids=prompt, stream=False)
+    prefill_at_start = engine.get_stats().num_prefill_tokens
     timeline: list[tuple[float, int, int]] = []  # (step seconds, prefill tokens, sampled tokens)
-    profiled = None
+    num_prompt = sum(len(p) for p in prompts)
+    profiles: dict[str, dict[str, Any]] = {}
     torch.cuda.synchronize()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         stats = engine.get_stats()
+        if profile_steps:
+            # Once early (prefill chunks beside the first decodes), once every prompt is in.
+            phase = "prefill" if "prefill" not in profiles else "decode"
+            prefilled = stats.num_prefill_tokens - prefill_at_start >= num_prompt
+            if phase not in profiles and (phase == "prefill" or prefilled):
+                profiles[phase] = _profile(engine, profile_steps)
+                continue
         step_start = time.perf_counter()
-        if profile_steps and profiled is None and stats.num_waiting == 0 and stats.num_prefill_tokens > 0:
-            profiled = _profile(engine, profile_steps)
-            continue
         engine.step()
         after = engine.get_stats()
         timeline.append(
@@ -75,7 +81,6 @@ def run(
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     num_output = len(prompts) * output_len
-    num_prompt = sum(len(p) for p in prompts)
     decode_steps = [t for t, prefill, _ in timeline if prefill == 0]
     return {
         "elapsed_s": elapsed,
@@ -89,17 +94,28 @@ def run(
         "decode_s": sum(decode_steps),
         "median_decode_step_ms": 1e3 * sorted(decode_steps)[len(decode_steps) // 2] if decode_steps else None,
         "timeline": timeline,
-        "profile": profiled,
+        "profiles": profiles,
     }
 
 
-def _profile(engine: LLMEngine, num_steps: int) -> str:
+def _profile(engine: LLMEngine, num_steps: int) -> dict[str, Any]:
+    """Device time against wall time over a few steps, and where the device time goes."""
     from torch.profiler import ProfilerActivity, profile
 
+    torch.cuda.synchronize()
+    start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(num_steps):
             engine.step()
-    return prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
+        torch.cuda.synchronize()
+    wall_s = time.perf_counter() - start
+    events = prof.key_averages()
+    device_us = sum(getattr(e, "self_device_time_total", 0) for e in events)
+    return {
+        "wall_ms_per_step": 1e3 * wall_s / num_steps,
+        "device_ms_per_step": device_us / 1e3 / num_steps,
+        "table": events.table(sort_by="self_device_time_total", row_limit=20),
+    }
 
 
 def plot(result: dict[str, Any], path: str) -> bool:
@@ -145,8 +161,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         enforce_eager=engine.config.enforce_eager,
         num_gpu_blocks=engine.num_gpu_blocks,
     )
-    if result["profile"]:
-        print(result["profile"])
+    for phase, profiled in result["profiles"].items():
+        print(profiled.pop("table"))
+        print(
+            f"{phase} steps (profiled): {profiled['device_ms_per_step']:.2f} ms of device time in "
+            f"{profiled['wall_ms_per_step']:.2f} ms of wall time per step"
+        )
     print(
         f"{workload.name}: {result['num_requests']} requests in {result['elapsed_s']:.2f} s: "
         f"{result['output_tok_s']:.0f} output tok/s, {result['total_tok_s']:.0f} total tok/s "
