@@ -44,7 +44,10 @@ for stage in "${stages[@]}"; do
             --output-png "$OUT/w1.png" --profile-steps 5
         ;;
     w2) run w2 python3 -m pagedllm bench throughput --workload W2 --output-json "$OUT/w2.json" --output-png "$OUT/w2.png" ;;
-    w3) run w3 python3 -m pagedllm bench latency --output-json "$OUT/w3.json" --output-png "$OUT/w3.png" ;;
+    w3)
+        run w3 python3 -m pagedllm bench latency --output-json "$OUT/w3.json" --output-png "$OUT/w3.png" \
+            --profile-steps 20
+        ;;
     hf) run hf python3 benchmarks/compare_hf.py --output-json "$OUT/hf.json" ;;
     cuda)
         run w1_cuda python3 -m pagedllm bench throughput --workload W1 --attention-backend cuda \

@@ -40,9 +40,13 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @dataclass(frozen=True)
 class DecodeLaunch:
-    """Launch parameters of ``paged_decode`` (tokens per partition and per tile, warps, stages)."""
+    """Launch parameters of ``paged_decode`` (tokens per partition and per tile, warps, stages).
 
-    partition_size: int = 512
+    ``partition_size`` is the largest one used; each launch may split the context finer (see
+    ``decode_partition_size``).
+    """
+
+    partition_size: int = 1024
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
@@ -70,6 +74,29 @@ def default_launches(head_size: int, dtype: torch.dtype) -> tuple[DecodeLaunch, 
         # Halve the key tile and double the warps: 64 x 256 K and V tiles per pipeline stage spill.
         return DecodeLaunch(block_n=32), PrefillLaunch(block_n=32, num_warps=8)
     return DecodeLaunch(), PrefillLaunch()
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_partition_size(
+    num_seqs: int, num_kv_heads: int, max_seq_len: int, launch: dict[str, int], device: torch.device
+) -> int:
+    """Context tokens per decode program: the largest (up to ``launch["partition_size"]``, which
+    K1 measures best at large batches) that still gives every SM about two programs.
+
+    A small batch has few (sequence, KV head) pairs: unsplit, a single request's decode runs on a
+    handful of SMs and each layer's attention waits on the latency of one long loop. Halving the
+    partition doubles the programs, at the cost of the reduce kernel's small pass.
+    """
+    partition = launch["partition_size"]
+    floor = launch["block_n"]
+    target = 2 * _num_sms(device) if device.type == "cuda" else 1
+    while partition > floor and num_seqs * num_kv_heads * -(-max_seq_len // partition) < target:
+        partition //= 2
+    return max(partition, floor)
 
 
 @functools.cache
@@ -120,6 +147,9 @@ class TritonAttentionBackend(AttentionBackend):
         output = torch.empty_like(query)
         num_decodes = md.num_decodes
         if num_decodes:
+            partition_size = decode_partition_size(
+                num_decodes, self.num_kv_heads, md.max_seq_len, decode_kwargs, query.device
+            )
             paged_decode(
                 query[:num_decodes],
                 key_cache,
@@ -129,7 +159,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self.scale,
                 md.max_seq_len,
                 output[:num_decodes],
-                **decode_kwargs,
+                **{**decode_kwargs, "partition_size": partition_size},
             )
         if md.num_prefills:
             paged_prefill(

@@ -19,6 +19,7 @@ import torch
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.bench.throughput import profile_steps_of
 from pagedllm.entrypoints.bench.workloads import WORKLOADS
 from pagedllm.sampling_params import SamplingParams
 
@@ -26,6 +27,7 @@ from pagedllm.sampling_params import SamplingParams
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--num-iters", type=int, default=3, help="timed runs per mode (median reported)")
     parser.add_argument("--skip-eager", action="store_true", help="measure with CUDA graphs only")
+    parser.add_argument("--profile-steps", type=int, default=0, help="torch-profile N decode steps per mode")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--output-png", default=None)
     EngineArgs.add_cli_args(parser)
@@ -57,10 +59,20 @@ def time_request(engine: LLMEngine, prompt: list[int], output_len: int) -> tuple
     return first - start, (end - first) / (output_len - 1)
 
 
-def measure(engine_args: EngineArgs, prompt: list[int], output_len: int, num_iters: int) -> dict[str, float]:
+def measure(
+    engine_args: EngineArgs, prompt: list[int], output_len: int, num_iters: int, profile_steps: int = 0
+) -> dict[str, Any]:
     engine = LLMEngine.from_engine_args(engine_args)
     time_request(engine, prompt, 8)  # warm-up
     runs = sorted(time_request(engine, prompt, output_len) for _ in range(num_iters))
+    profiled = None
+    if profile_steps:
+        params = SamplingParams(max_tokens=profile_steps + 2, ignore_eos=True)
+        engine.add_request("profiled", sampling_params=params, prompt_token_ids=prompt)
+        engine.step()  # the prompt: profile decode steps only
+        profiled = profile_steps_of(engine, profile_steps)
+        while engine.has_unfinished_requests():
+            engine.step()
     weight_bytes = sum(
         p.numel() * p.element_size() for p in engine.executor.worker.model_runner.model.parameters()
     )
@@ -68,7 +80,7 @@ def measure(engine_args: EngineArgs, prompt: list[int], output_len: int, num_ite
     gc.collect()
     torch.cuda.empty_cache()
     ttft, tpot = runs[len(runs) // 2]
-    return {"ttft_ms": 1e3 * ttft, "tpot_ms": 1e3 * tpot, "weight_bytes": weight_bytes}
+    return {"ttft_ms": 1e3 * ttft, "tpot_ms": 1e3 * tpot, "weight_bytes": weight_bytes, "profile": profiled}
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -91,7 +103,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     modes = [("cuda_graphs", False)] + ([] if args.skip_eager else [("eager", True)])
     for mode, enforce_eager in modes:
         mode_args = dataclasses.replace(engine_args, enforce_eager=enforce_eager)
-        result[mode] = measure(mode_args, prompt, workload.output_len, args.num_iters)
+        result[mode] = measure(mode_args, prompt, workload.output_len, args.num_iters, args.profile_steps)
+        profiled = result[mode]["profile"]
+        if profiled:
+            print(profiled.pop("table"))
+            print(
+                f"W3 {mode} (profiled): {profiled['device_ms_per_step']:.2f} ms of device time in "
+                f"{profiled['wall_ms_per_step']:.2f} ms of wall time per token"
+            )
     floor_ms = 1e3 * result["cuda_graphs"]["weight_bytes"] / bandwidth
     result["floor_ms"] = floor_ms
     for mode, _ in modes:

@@ -66,7 +66,7 @@ def run(
             phase = "prefill" if "prefill" not in profiles else "decode"
             prefilled = stats.num_prefill_tokens - prefill_at_start >= num_prompt
             if phase not in profiles and (phase == "prefill" or prefilled):
-                profiles[phase] = _profile(engine, profile_steps)
+                profiles[phase] = profile_steps_of(engine, profile_steps)
                 continue
         step_start = time.perf_counter()
         engine.step()
@@ -98,7 +98,7 @@ def run(
     }
 
 
-def _profile(engine: LLMEngine, num_steps: int) -> dict[str, Any]:
+def profile_steps_of(engine: LLMEngine, num_steps: int) -> dict[str, Any]:
     """Device time against wall time over a few steps, and where the device time goes."""
     from torch.profiler import ProfilerActivity, profile
 
