@@ -42,6 +42,10 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
                         f"{m['tpot_ms']:.2f} ({m['over_floor']:.2f}x of {r['floor_ms']:.2f})",
                     )
                 )
+                if m.get("profile"):
+                    profiled = m["profile"]
+                    cell = f"{profiled['device_ms_per_step']:.2f} / {profiled['wall_ms_per_step']:.2f}"
+                    table.append((f"W3 {mode}", "profiled device / wall ms per token", cell))
     r = _load(folder, "hf")
     if r:
         for mode in ("hf_static", "hf_generate_batch", "pagedllm"):
