@@ -3,12 +3,14 @@
 # repository root): the GPU tests, then the benchmarks, then a table of every figure, last.
 #
 #   scripts/gpu_check.sh                 tests, K1, W1, W3 (the short set)
-#   scripts/gpu_check.sh tests k1 w1 w2 w3 hf w4 cuda sanitize
+#   scripts/gpu_check.sh tests k1 k1-sweep w1 w1-profile w2 w3 hf w4 cuda sanitize
 #
-# Stages: tests (tests/gpu), k1 (pagedllm bench kernels --sweep), w1 / w2 (bench throughput),
-# w3 (bench latency), hf (benchmarks/compare_hf.py: W1 through transformers too), w4 (bench
-# serve against pagedllm serve), cuda (W1 on the cuda backend), sanitize (compute-sanitizer on the
-# CUDA kernels). Results go to $OUT (the device tool's output folder) or /tmp/gpu_check.
+# Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too), w1 / w2
+# (bench throughput; w1-profile: W1 with 5 steps torch-profiled in each phase, its timing then
+# includes the profiler), w3 (bench latency, profiled), hf (benchmarks/compare_hf.py: W1 through
+# transformers too), w4 (bench serve against pagedllm serve), cuda (W1 on the cuda backend),
+# sanitize (compute-sanitizer on the CUDA kernels). Results go to $OUT (the device tool's output
+# folder) or /tmp/gpu_check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
@@ -38,10 +40,14 @@ run() {  # run NAME COMMAND...: log to $OUT/NAME.log, remember failures
 for stage in "${stages[@]}"; do
     case $stage in
     tests) run tests python3 -m pytest -q -p no:cacheprovider tests/gpu -ra ;;
-    k1) run k1 python3 -m pagedllm bench kernels --sweep --output-json "$OUT/k1.json" --output-png "$OUT/k1.png" ;;
-    w1)
-        run w1 python3 -m pagedllm bench throughput --workload W1 --output-json "$OUT/w1.json" \
-            --output-png "$OUT/w1.png" --profile-steps 5
+    k1) run k1 python3 -m pagedllm bench kernels --output-json "$OUT/k1.json" --output-png "$OUT/k1.png" ;;
+    k1-sweep)
+        run k1 python3 -m pagedllm bench kernels --sweep --output-json "$OUT/k1.json" --output-png "$OUT/k1.png"
+        ;;
+    w1) run w1 python3 -m pagedllm bench throughput --workload W1 --output-json "$OUT/w1.json" --output-png "$OUT/w1.png" ;;
+    w1-profile)
+        run w1_profile python3 -m pagedllm bench throughput --workload W1 --profile-steps 5 \
+            --output-json "$OUT/w1_profile.json"
         ;;
     w2) run w2 python3 -m pagedllm bench throughput --workload W2 --output-json "$OUT/w2.json" --output-png "$OUT/w2.png" ;;
     w3)

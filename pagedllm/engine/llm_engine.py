@@ -182,7 +182,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration of continuous batching.
 
-        Returns an output for each request that got new tokens or finished in this step.
+        Returns an output for each request that finished in this step, and for each streaming
+        request (``add_request(stream=True)``) that got new tokens.
         """
         outputs = [RequestOutput.from_seq_group(g) for g in self._finished_at_once]
         self._finished_at_once.clear()
@@ -217,10 +218,7 @@ class LLMEngine:
                 block_manager.mark_computed(seq)
             samples = output.samples.get(seq_group.request_id)
             self.output_processor.process(
-                seq_group,
-                samples,
-                output.prompt_logprobs.get(seq_group.request_id),
-                self._max_new_tokens(seq_group),
+                seq_group, samples, output.prompt_logprobs.get(seq_group.request_id)
             )
             if samples:
                 self._num_generation_tokens += len(samples)
@@ -236,11 +234,6 @@ class LLMEngine:
                 outputs.append(RequestOutput.from_seq_group(seq_group))
         self.scheduler.free_finished_seq_groups()
         return outputs
-
-    def _max_new_tokens(self, seq_group: SequenceGroup) -> int:
-        max_tokens = seq_group.sampling_params.max_tokens
-        room = self.config.model_config.max_model_len - len(seq_group.prompt_token_ids)
-        return room if max_tokens is None else min(max_tokens, room)
 
     def _group_metadata(self, scheduled: ScheduledSequenceGroup) -> SequenceGroupMetadata:
         seq_group = scheduled.seq_group

@@ -39,10 +39,8 @@ class OutputProcessor:
         seq_group: SequenceGroup,
         samples: list[SequenceSample] | None,
         prompt_logprobs: list[SequenceSample] | None,
-        max_new_tokens: int,
     ) -> None:
-        """Apply one step's results to a request. ``max_new_tokens`` bounds its outputs (beam search
-        uses it to judge whether a live beam can still improve)."""
+        """Apply one step's results to a request."""
         if prompt_logprobs:
             self._add_prompt_logprobs(seq_group, prompt_logprobs)
         if not samples:
@@ -50,6 +48,9 @@ class OutputProcessor:
         params = seq_group.sampling_params
         if params.use_beam_search:
             num_eos = 0 if params.ignore_eos else len(self.stop_checker.eos_token_ids)
+            # The most tokens a beam can reach: it bounds how much a live beam can still improve.
+            room = self.stop_checker.max_model_len - len(seq_group.prompt_token_ids)
+            max_new_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
             self.beam_search.step(seq_group, samples, num_eos, max_new_tokens)
             return
         if seq_group.is_forked:

@@ -20,29 +20,19 @@ with the device.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import asdict
-
 import torch
 
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
-from pagedllm.attention.backends.triton_backend import default_launches
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.backends.triton_backend import TritonAttentionBackend
 from pagedllm.kernels.cuda import paged_attention, reshape_and_cache
 from pagedllm.kernels.cuda.build import check_build_requirements
 from pagedllm.kernels.cuda.layout import kv_cache_shape
 from pagedllm.kernels.cuda.ops import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_SIZES
-from pagedllm.kernels.triton import paged_prefill
 
 
-@functools.cache
-def _prefill_kwargs(head_size: int, dtype: torch.dtype) -> dict[str, int]:
-    """The Triton backend's prefill tiles (the same kernel), as keyword arguments built once per
-    (head_size, dtype) so that forward does no host work beyond the launches. Read-only."""
-    return asdict(default_launches(head_size, dtype)[1])
+class CudaAttentionBackend(TritonAttentionBackend):
+    """The Triton backend's step (and its prefill kernel) with the seeds' layout, cache write and
+    decode kernels. Decode reads only host ints, so it is captured in CUDA graphs too."""
 
-
-class CudaAttentionBackend(AttentionBackend):
     name = "cuda"
 
     @staticmethod
@@ -67,45 +57,25 @@ class CudaAttentionBackend(AttentionBackend):
             raise ValueError(f"cuda attention: device {device} is not a CUDA device")
         check_build_requirements()
 
-    def forward(
+    def _write_cache(
         self,
-        query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        key_cache, value_cache = kv_cache
-        md = attn_metadata
-        reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
-        # Contiguous whatever query's strides (it is a view of the fused QKV): the kernels write
-        # rows of num_heads * head_size.
-        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        num_decodes = md.num_decodes
-        if num_decodes:
-            paged_attention(
-                query[:num_decodes],
-                key_cache,
-                value_cache,
-                md.block_tables[:num_decodes],
-                md.seq_lens[:num_decodes],
-                self.scale,
-                md.max_seq_len,
-                output[:num_decodes],
-            )
-        if md.num_prefills:
-            paged_prefill(
-                query,
-                key_cache,
-                value_cache,
-                md.block_tables,
-                md.seq_lens,
-                md.query_start_loc,
-                self.scale,
-                num_decodes,
-                md.num_prefills,
-                md.max_query_len,
-                output,
-                **_prefill_kwargs(self.head_size, key_cache.dtype),
-            )
-        return output
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def _decode(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        out: torch.Tensor,
+    ) -> None:
+        # V1 or V2, from host ints (ops.use_v1).
+        paged_attention(query, key_cache, value_cache, block_tables, seq_lens, self.scale, max_seq_len, out)

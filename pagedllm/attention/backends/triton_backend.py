@@ -142,26 +142,23 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         key_cache, value_cache = kv_cache
         md = attn_metadata
-        decode_kwargs, prefill_kwargs = _launch_kwargs(self.head_size, key_cache.dtype)
-        reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
-        output = torch.empty_like(query)
+        self._write_cache(key, value, key_cache, value_cache, md.slot_mapping)
+        # Contiguous whatever the query's strides (it is a view of the fused QKV): the kernels
+        # write rows of num_heads * head_size.
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         num_decodes = md.num_decodes
         if num_decodes:
-            partition_size = decode_partition_size(
-                num_decodes, self.num_kv_heads, md.max_seq_len, decode_kwargs, query.device
-            )
-            paged_decode(
+            self._decode(
                 query[:num_decodes],
                 key_cache,
                 value_cache,
                 md.block_tables[:num_decodes],
                 md.seq_lens[:num_decodes],
-                self.scale,
                 md.max_seq_len,
                 output[:num_decodes],
-                **{**decode_kwargs, "partition_size": partition_size},
             )
         if md.num_prefills:
+            # One kernel for every layout: it reads the Triton and the seeds' caches alike.
             paged_prefill(
                 query,
                 key_cache,
@@ -174,6 +171,43 @@ class TritonAttentionBackend(AttentionBackend):
                 md.num_prefills,
                 md.max_query_len,
                 output,
-                **prefill_kwargs,
+                **_launch_kwargs(self.head_size, key_cache.dtype)[1],
             )
         return output
+
+    def _write_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def _decode(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        out: torch.Tensor,
+    ) -> None:
+        """query, out: [num_decodes, num_heads, head_size]; one new token per sequence."""
+        launch = _launch_kwargs(self.head_size, key_cache.dtype)[0]
+        partition_size = decode_partition_size(
+            query.shape[0], self.num_kv_heads, max_seq_len, launch, query.device
+        )
+        paged_decode(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            self.scale,
+            max_seq_len,
+            out,
+            **{**launch, "partition_size": partition_size},
+        )

@@ -26,7 +26,9 @@ PARTITION_SIZE = 512
 # when num_seqs * num_heads > 512"): V1 when no sequence is longer than V1_MAX_SEQ_LEN and either a
 # single partition covers every context (V2 would only add its reduce) or the batch has more than
 # V1_MIN_SEQS_X_HEADS (sequence, head) thread blocks to fill the GPU with. Otherwise a small batch
-# of long contexts needs V2's split to occupy every SM. To be checked against K1 on the device.
+# of long contexts needs V2's split to occupy every SM. Checked against K1 on an H200 (2026-11-21,
+# benchmarks/RESULTS.md): V1 is faster at contexts 512, 4096 and ragged 1-8192 and V2 at 16384,
+# as this rule chooses; seed 001's shortened form would have chosen V1 there (64 x 32 > 512).
 V1_MAX_SEQ_LEN = 8192
 V1_MIN_SEQS_X_HEADS = 512
 

@@ -1,0 +1,101 @@
+"""Host time of one decode step, with the model replaced by a stub that returns at once.
+
+    PYTHONPATH=. python benchmarks/host_overhead.py [--num-seqs 256]
+
+Everything a step does on the host (schedule, build the worker's request and the flattened batch,
+sample, process outputs) runs as in a real step; the forward pass costs nothing. This is the time a
+GPU would sit idle per step if host and device did not overlap. Runs on the CPU, tiny random model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.llm_engine import LLMEngine
+
+
+class _NoForward(torch.nn.Module):
+    """Returns preallocated hidden states and logits: the host side alone is measured."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, max_rows: int) -> None:
+        super().__init__()
+        self.hidden = torch.zeros(max_rows, hidden_size)
+        self.logits = torch.randn(max_rows, vocab_size)
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
+        return self.hidden[: input_ids.shape[0]]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits[: hidden_states.shape[0]]
+
+
+def _timed(owner: object, name: str, totals: dict[str, float]) -> None:
+    method: Callable = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        result = method(*args, **kwargs)
+        totals[name] += time.perf_counter() - start
+        return result
+
+    setattr(owner, name, wrapper)
+
+
+def measure(engine: LLMEngine, num_seqs: int, num_steps: int) -> tuple[float, dict[str, float]]:
+    runner = engine.executor.worker.model_runner
+    config = engine.config.model_config
+    runner.model = _NoForward(config.hidden_size, config.vocab_size, 8192)
+    totals: dict[str, float] = collections.defaultdict(float)
+    _timed(engine.scheduler, "schedule", totals)
+    _timed(engine, "_group_metadata", totals)
+    _timed(runner, "prepare_inputs", totals)
+    _timed(runner, "sampler", totals)
+    _timed(engine.output_processor, "process", totals)
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=num_steps + 20, ignore_eos=True)
+    for i in range(num_seqs):
+        prompt = [rng.randrange(3, config.vocab_size) for _ in range(rng.randint(20, 50))]
+        engine.add_request(str(i), sampling_params=params, prompt_token_ids=prompt, stream=False)
+    for _ in range(5):  # prompts, then steady decoding
+        engine.step()
+    totals.clear()
+    start = time.perf_counter()
+    for _ in range(num_steps):
+        engine.step()
+    per_step = (time.perf_counter() - start) / num_steps
+    return per_step, {name: total / num_steps for name, total in totals.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--num-seqs", type=int, default=256)
+    parser.add_argument("--num-steps", type=int, default=50)
+    args = parser.parse_args()
+    config = LlamaConfig(
+        vocab_size=160, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as model_dir:
+        AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+        llm = LLM(model_dir, device="cpu", max_model_len=512, max_num_seqs=args.num_seqs)
+        per_step, phases = measure(llm.llm_engine, args.num_seqs, args.num_steps)
+    print(f"host time per decode step of {args.num_seqs} sequences: {1e3 * per_step:.2f} ms")
+    for name, seconds in sorted(phases.items(), key=lambda item: -item[1]):
+        print(f"  {name:16s} {1e3 * seconds:.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
