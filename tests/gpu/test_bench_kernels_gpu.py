@@ -29,7 +29,7 @@ def test_small_run_with_a_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
     json_path, png_path = tmp_path / "k1.json", tmp_path / "k1.png"
-    argv = ["--contexts", "1024", "1-2048", "--batch-size", "16", "--sweep"]
+    argv = ["--contexts", "1024", "1-2048", "--batch-size", "16", "--sweep", "--implementations", "triton"]
     report = main(parser.parse_args([*argv, "--output-json", str(json_path), "--output-png", str(png_path)]))
 
     assert [(row["context"], row["default_launch"]) for row in report["rows"]] == [

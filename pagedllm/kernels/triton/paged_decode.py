@@ -1,7 +1,8 @@
 """Paged decode attention: one new query token per sequence, split along the context.
 
 Algorithm: FlashDecoding (Dao et al. 2023; the seeds' PagedAttention "V2", seed 001). Each
-sequence's context is cut into partitions of ``PARTITION_SIZE`` tokens; every partition runs the
+sequence's context is cut into partitions of ``partition_size`` tokens (a runtime value: the
+backend sizes it per launch, see ``decode_partition_size``); every partition runs the
 online softmax of ``paged_tiles.attend_paged_range`` independently, then a second kernel merges the
 partitions. Splitting the context keeps the GPU full when ``num_seqs * num_kv_heads`` is small and
 contexts are long, which V1 (one program per sequence and head) cannot.
@@ -18,10 +19,10 @@ Kernel 1, ``_paged_decode_kernel``, grid ``(num_seqs, num_kv_heads, num_partitio
   past ``seq_len`` returns at once and writes nothing. With a single partition (``SINGLE_PARTITION``)
   it writes ``acc / l_i`` straight to the output and kernel 2 is skipped.
 Kernel 2, ``_paged_decode_reduce_kernel``, grid ``(num_seqs, num_heads)``:
-  reads the ``cdiv(seq_len, PARTITION_SIZE)`` live partitions of one query head, rescales each by
+  reads the ``cdiv(seq_len, partition_size)`` live partitions of one query head, rescales each by
   ``exp2(m_p - max_p m_p)`` and writes ``sum(w_p * acc_p) / sum(w_p * l_p)``.
 
-``num_partitions = cdiv(max_seq_len, PARTITION_SIZE)`` comes from a host bound, not from the
+``num_partitions = cdiv(max_seq_len, partition_size)`` comes from a host bound, not from the
 device's ``seq_lens``, so a CUDA graph captured with ``max_seq_len = max_model_len`` stays valid
 for every replay; the programs past a sequence's end exit immediately.
 
@@ -34,7 +35,7 @@ Bound: memory. Bytes ~ ``2 * sum(seq_lens) * num_kv_heads * head_size * element_
 element read once); FLOPs ~ ``4 * sum(seq_lens) * num_heads * head_size``, i.e. ~2 *
 num_queries_per_kv FLOPs per byte at 16 bits, far below any GPU's ridge point. The workspace
 traffic is ``num_partitions * num_heads * head_size * 4`` bytes per sequence, < 1% of the K/V
-bytes at the default ``PARTITION_SIZE = 512``.
+bytes at partitions of 512 tokens.
 """
 
 from __future__ import annotations
@@ -47,8 +48,10 @@ import triton.language as tl
 
 from pagedllm.kernels.triton.paged_tiles import attend_paged_range, check_paged_inputs, dot_precision
 
+_REDUCE_BLOCK_P = 32
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["partition_size"])
 def _paged_decode_kernel(
     out_ptr,
     partial_out_ptr,
@@ -88,20 +91,22 @@ def _paged_decode_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    partition_size,
     BLOCK_N: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    tl.static_assert(PARTITION_SIZE % BLOCK_N == 0)  # tiles never straddle two partitions
+    # partition_size (a multiple of BLOCK_N: tiles never straddle two partitions, asserted by the
+    # host) is a runtime value: the engine picks it per launch, and a constexpr would compile a
+    # kernel per value in the middle of serving.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = part * PARTITION_SIZE
+    start = part * partition_size
     if start >= seq_len:
         return
-    end = tl.minimum(start + PARTITION_SIZE, seq_len)
+    end = tl.minimum(start + partition_size, seq_len)
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
 
     offs_h = tl.arange(0, BLOCK_H)
@@ -202,7 +207,7 @@ def _paged_decode_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["partition_size"])
 def _paged_decode_reduce_kernel(
     out_ptr,
     partial_out_ptr,
@@ -219,15 +224,15 @@ def _paged_decode_reduce_kernel(
     stride_ml_seq,
     stride_ml_head,
     stride_ml_part,
+    partition_size,
     HEAD_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    PARTITION_SIZE: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     # Only the partitions kernel 1 wrote: the rest of the workspace is uninitialized.
-    num_parts = tl.cdiv(tl.load(seq_lens_ptr + seq), PARTITION_SIZE)
+    num_parts = tl.cdiv(tl.load(seq_lens_ptr + seq), partition_size)
     offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, HEAD_DIM)
     ml_ptr = max_logits_ptr + seq * stride_ml_seq + head * stride_ml_head
@@ -331,8 +336,8 @@ def paged_decode(
         HEAD_SIZE=head_size,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
+        partition_size=partition_size,
         BLOCK_N=block_n,
-        PARTITION_SIZE=partition_size,
         SINGLE_PARTITION=single_partition,
         DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32),
         num_warps=num_warps,
@@ -348,9 +353,11 @@ def paged_decode(
             *out.stride(),
             *partial_out.stride(),
             *max_logits.stride(),
+            partition_size=partition_size,
             HEAD_SIZE=head_size,
             HEAD_DIM=head_dim,
-            PARTITION_SIZE=partition_size,
-            BLOCK_P=min(32, triton.next_power_of_2(num_partitions)),
+            # One tile width for any number of partitions: masked lanes cost nothing here, and a
+            # width per count would compile a kernel per count.
+            BLOCK_P=_REDUCE_BLOCK_P,
         )
     return out
