@@ -46,7 +46,9 @@ from pagedllm.kernels.triton.paged_tiles import (
 )
 
 
-@triton.jit
+# first_seq (how many decodes precede the prefills) changes every step: specialised, as Triton
+# specialises ints equal to 1 or divisible by 16, it would compile new kernels mid-serving.
+@triton.jit(do_not_specialize=["first_seq"])
 def _paged_prefill_kernel(
     out_ptr,
     query_ptr,
