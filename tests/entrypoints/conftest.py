@@ -1,4 +1,4 @@
-"""Fixtures that start the real server (``python -m pagedllm.entrypoints.openai.api_server``) in a
+"""Fixtures that start the real server (``python -m pagedllm serve``, the user's command) in a
 subprocess on a free loopback port, wait for /health, and always stop it at the end."""
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def _lower_keys(headers: Any) -> dict[str, str]:
 
 def start_server(args: list[str], log_path: Path, api_key: str | None = None) -> Server:
     port = _free_port()
-    command = [sys.executable, "-m", "pagedllm.entrypoints.openai.api_server", *args]
+    command = [sys.executable, "-m", "pagedllm", "serve", *args]
     command += ["--port", str(port), "--stats-interval", "0", "--no-access-log"]
     env = {**os.environ, "PAGEDLLM_API_KEY": api_key} if api_key else dict(os.environ)
     with open(log_path, "wb") as log:
