@@ -8,7 +8,6 @@ discover them (see ``KVCacheSpec`` in ``pagedllm/worker/cache_engine.py``).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -175,10 +174,6 @@ class ParallelConfig:
 class DeviceConfig:
     device: torch.device
 
-    @property
-    def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
-
 
 @dataclass(frozen=True)
 class LoadConfig:
@@ -206,9 +201,6 @@ class EngineConfig:
             f"one of {ATTENTION_BACKENDS}",
             self.attention_backend,
         )
-
-    def replace(self, **changes: Any) -> EngineConfig:
-        return dataclasses.replace(self, **changes)
 
 
 def derive_max_model_len(hf_config: PretrainedConfig) -> int | None:

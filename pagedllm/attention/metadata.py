@@ -43,7 +43,3 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return self.num_decodes + self.num_prefills
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes

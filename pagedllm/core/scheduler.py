@@ -135,9 +135,6 @@ class Scheduler:
     def has_unfinished_seqs(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def get_num_unfinished_seq_groups(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.swapped)
-
     def fork_seq(self, parent: Sequence, child: Sequence) -> None:
         self.block_manager.fork(parent, child)
 
