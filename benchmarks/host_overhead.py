@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python benchmarks/host_overhead.py [--num-seqs 256]
 
-Everything a step does on the host (schedule, build the worker's request and the flattened batch,
-sample, process outputs) runs as in a real step; the forward pass costs nothing. This is the time a
+Everything a step does on the host (schedule, apply the diffs to the persistent batch and build the
+flattened batch, sample, update the requests from the samples, process outputs) runs as in a real
+step; the forward pass costs nothing. This is the time a
 GPU would sit idle per step if host and device did not overlap. Runs on the CPU, tiny random model.
 """
 
@@ -60,10 +61,11 @@ def measure(engine: LLMEngine, num_seqs: int, num_steps: int) -> tuple[float, di
     runner.model = _NoForward(config.hidden_size, config.vocab_size, 8192)
     totals: dict[str, float] = collections.defaultdict(float)
     _timed(engine.scheduler, "schedule", totals)
-    _timed(engine, "_group_metadata", totals)
+    _timed(runner, "update_states", totals)
     _timed(runner, "prepare_inputs", totals)
     _timed(runner, "sampler", totals)
-    _timed(engine.output_processor, "process", totals)
+    _timed(engine.scheduler, "update_from_output", totals)
+    _timed(engine, "_apply", totals)
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=num_steps + 20, ignore_eos=True)
     for i in range(num_seqs):

@@ -193,6 +193,8 @@ class EngineConfig:
     load_config: LoadConfig
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    # Schedule step N + 1 while step N runs on the device; its samples reach the host a step late.
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         _require(

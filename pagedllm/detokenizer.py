@@ -14,21 +14,21 @@ and the offsets stay, so the next token completes it.
 
 from __future__ import annotations
 
-from pagedllm.sequence import Sequence
+from pagedllm.core.request import Request
 from pagedllm.tokenizer import Tokenizer
 
 # Tokens of context before the first new one: enough for every tokenizer's merges and spacing.
 _INITIAL_CONTEXT = 5
 
 
-def init_detokenizer_state(seq: Sequence) -> None:
+def init_detokenizer_state(seq: Request) -> None:
     seq.read_offset = seq.num_prompt_tokens
     seq.prefix_offset = max(seq.read_offset - _INITIAL_CONTEXT, 0)
 
 
 def decode_all(
     tokenizer: Tokenizer,
-    seq: Sequence,
+    seq: Request,
     num_tokens: int,
     skip_special_tokens: bool,
     spaces_between_special_tokens: bool,
@@ -50,10 +50,10 @@ def _decode_kwargs(skip_special_tokens: bool, spaces_between_special_tokens: boo
 
 
 def decode_incrementally(
-    tokenizer: Tokenizer, seq: Sequence, skip_special_tokens: bool, spaces_between_special_tokens: bool
+    tokenizer: Tokenizer, seq: Request, skip_special_tokens: bool, spaces_between_special_tokens: bool
 ) -> str:
-    """Append the text of the sequence's newest tokens to ``seq.output_text``; return that text."""
-    end = seq.get_len()
+    """Append the text of the request's newest tokens to ``seq.output_text``; return that text."""
+    end = seq.num_tokens
     window = seq.get_token_ids_slice(seq.prefix_offset, end)
     num_prefix = seq.read_offset - seq.prefix_offset
     kwargs = _decode_kwargs(skip_special_tokens, spaces_between_special_tokens)

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.sequence import (
-    PromptLogprobs,
-    RequestMetrics,
-    SampleLogprobs,
-    Sequence,
-    SequenceGroup,
-)
+from pagedllm.core.request import PromptLogprobs, Request, RequestMetrics, RequestState, SampleLogprobs
 
 
 @dataclass
@@ -58,35 +52,35 @@ class RequestOutput:
     error: str | None = None
 
     @classmethod
-    def from_seq_group(cls, seq_group: SequenceGroup) -> RequestOutput:
-        params = seq_group.sampling_params
-        finished = seq_group.is_finished()
+    def from_state(cls, state: RequestState) -> RequestOutput:
+        params = state.sampling_params
+        finished = state.is_finished()
         holdback = 0 if finished else max(params.max_stop_string_len - 1, 0)
         with_logprobs = params.logprobs is not None
-        if finished and len(seq_group.seqs) > params.n:
+        if finished and len(state.seqs) > params.n:
             # best_of > n: the n best sequences, best first (beam search has ranked its
             # hypotheses by length-penalised score; sampling ranks by cumulative logprob).
-            best = seq_group.seqs
+            best = state.seqs
             if not params.use_beam_search:
                 best = sorted(best, key=lambda seq: seq.cumulative_logprob, reverse=True)
             outputs = [_completion_output(seq, i, 0, with_logprobs) for i, seq in enumerate(best[: params.n])]
         else:
             outputs = [
-                _completion_output(seq, seq.output_index, holdback, with_logprobs) for seq in seq_group.seqs
+                _completion_output(seq, seq.output_index, holdback, with_logprobs) for seq in state.seqs
             ]
         return cls(
-            request_id=seq_group.request_id,
-            prompt=seq_group.prompt,
-            prompt_token_ids=seq_group.prompt_token_ids,
-            prompt_logprobs=seq_group.prompt_logprobs,
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            prompt_logprobs=state.prompt_logprobs,
             outputs=outputs,
             finished=finished,
-            metrics=seq_group.metrics,
-            error=seq_group.error,
+            metrics=state.metrics,
+            error=state.error,
         )
 
 
-def _completion_output(seq: Sequence, index: int, holdback: int, with_logprobs: bool) -> CompletionOutput:
+def _completion_output(seq: Request, index: int, holdback: int, with_logprobs: bool) -> CompletionOutput:
     # While a stop string may still complete, hold back the characters that could start it, so
     # that streamed text never has to be taken back.
     text = seq.output_text

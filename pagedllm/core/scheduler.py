@@ -1,35 +1,52 @@
-"""Continuous batching: who runs in the next step, under a token budget.
+"""Continuous batching: who runs in the next step, under a token budget, and what a step's samples
+do to the requests.
 
-There is no prefill phase and no decode phase. Each sequence has ``num_computed_tokens`` and a
-length; a step computes some of the uncomputed tokens of some sequences, at most
-``max_num_batched_tokens`` in all. A sequence whose only uncomputed token is its last sampled one
-is *decoding*; anything more is a *prefill* (a new prompt, the rest of a chunked prompt, or a
-prompt plus outputs being recomputed after preemption). One step mixes both.
+There is no prefill phase and no decode phase. Each request has ``num_computed_tokens`` and a
+length (its known tokens plus those sampled by steps still in flight); a step computes some of
+the tokens in between for some requests, at most ``max_num_batched_tokens`` in all. A request
+whose only uncomputed token is its newest sample is *decoding*; anything more is a *prefill* (a
+new prompt, the rest of a chunked prompt, or prompt + outputs recomputed after preemption). One
+step mixes both.
 
-Each step, in this order (seed 000, with chunked prefill added):
+``schedule()`` decides, in this order:
 
-1. Running groups, highest priority (earliest arrival, FCFS) first. A decoding group needs one
-   new slot per sequence; when the cache cannot give them, the lowest-priority running group is
-   preempted (the group itself when none is left): RECOMPUTE (free its blocks, back to the front
-   of the waiting queue) when it has one unfinished sequence, SWAP (its blocks to the CPU space)
-   when it has several, whose outputs would diverge if recomputed separately. Decodes are
-   scheduled before prefill chunks, so a long prompt never stalls them.
+1. Running requests, highest priority (earliest arrival, FCFS) first. A decoding request needs a
+   slot for its next token; when the cache cannot give one, the lowest-priority running request
+   is preempted (the request itself when none is left), with its live siblings: RECOMPUTE (free
+   its blocks, back to the front of the waiting queue) when it has none, SWAP (the siblings'
+   blocks to the CPU space, shared blocks once) when it has some. Decodes come before prefill
+   chunks, so a long prompt never stalls them.
 2. Swapped groups come back, FCFS, unless this step swapped any out.
-3. Waiting groups are admitted, FCFS, only when no group is swapped out: swapped groups hold CPU
-   memory and come back first.
+3. Waiting requests are admitted, FCFS, only when no group is swapped out: swapped groups hold
+   CPU memory and come back first.
+
+It advances ``num_computed_tokens`` at once, and a request that will sample gets a placeholder
+for its token: with asynchronous scheduling the next step is scheduled before this one's samples
+reach the host, and the worker feeds the placeholder from the device.
+
+``update_from_output()`` applies a step's samples: appends tokens, forks a best_of request after
+its first sample, registers computed blocks in the prefix cache. Only the scheduler changes a
+request's progress or blocks; the engine reads requests and asks the scheduler to finish them.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.block_manager import AllocStatus, BlockSpaceManager
-from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.core.kv_cache_manager import AllocStatus, KVCacheManager
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.worker.step_io import (
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,37 +57,15 @@ class PreemptionMode(enum.Enum):
 
 
 @dataclass
-class ScheduledSequenceGroup:
-    seq_group: SequenceGroup
-    # Tokens whose K/V this step computes, per scheduled sequence (seq_id -> count). A sequence
-    # samples its next token when they reach its end.
-    num_new_tokens: dict[int, int]
+class SampledRequests:
+    """What ``update_from_output`` did: which requests gained tokens (with the output row of each
+    token, for its logprobs), which were forked into being, and the beam search requests whose
+    candidates the engine must choose from (their rows; nothing was appended to them)."""
 
-
-@dataclass
-class SchedulerOutputs:
-    # Decoding groups first, then prefill chunks, each in priority order.
-    scheduled_seq_groups: list[ScheduledSequenceGroup] = field(default_factory=list)
-    # Tokens computed by this step (the sum of every num_new_tokens).
-    num_batched_tokens: int = 0
-    # (CPU block, device block) copies to do before the forward pass.
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    # (device block, CPU block) copies to do before the forward pass.
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    # (src, dst) device block copies for copy-on-write, before the forward pass.
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    # Groups finished without running: they can never fit in the KV cache.
-    ignored_seq_groups: list[SequenceGroup] = field(default_factory=list)
-    # Groups preempted by this step, and how.
-    preempted: dict[str, PreemptionMode] = field(default_factory=dict)
-
-    def is_empty(self) -> bool:
-        return not (
-            self.scheduled_seq_groups
-            or self.blocks_to_swap_in
-            or self.blocks_to_swap_out
-            or self.blocks_to_copy
-        )
+    # (request, row) per appended token; a forked request's first token is in here too.
+    appended: list[tuple[Request, int]] = field(default_factory=list)
+    forked: list[tuple[Request, Request]] = field(default_factory=list)
+    beams: list[tuple[Request, int]] = field(default_factory=list)
 
 
 class _Budget:
@@ -90,12 +85,28 @@ class _Budget:
         return self.num_seqs + num_seqs <= self.max_num_seqs
 
 
-def _fcfs(seq_group: SequenceGroup) -> float:
-    return seq_group.arrival_time
+def _priority(request: Request) -> tuple[float, int]:
+    return request.arrival_time, request.req_id
+
+
+def max_running_seqs(request: Request) -> int:
+    """Rows the request's group may hold at once: best_of before its first sample forks it (and
+    always, for beam search), then its live siblings."""
+    if request.num_samples > 1 or request.sampling_params.use_beam_search:
+        return request.sampling_params.best_of
+    return len(request.siblings)
 
 
 class Scheduler:
-    """Owns the waiting, running and swapped queues and the block manager."""
+    """Owns the waiting, running and swapped queues and the KV cache manager.
+
+    Args:
+        scheduler_config: the token and sequence budgets, chunked prefill.
+        block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching: the KV cache.
+        min_tokens_stop_ids: the tokens a request may not sample before ``min_tokens`` (EOS unless
+            ``ignore_eos``, plus its ``stop_token_ids``), given its parameters.
+        num_top_tokens: how many top tokens a request's samples return (logprobs, beam width).
+    """
 
     def __init__(
         self,
@@ -106,221 +117,424 @@ class Scheduler:
         enable_prefix_caching: bool = False,
     ) -> None:
         self.config = scheduler_config
-        self.block_manager = BlockSpaceManager(
+        self.kv_cache_manager = KVCacheManager(
             block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching=enable_prefix_caching
         )
-        self.waiting: deque[SequenceGroup] = deque()
-        self.running: list[SequenceGroup] = []
-        self.swapped: deque[SequenceGroup] = deque()
+        self.block_size = block_size
+        self.requests: dict[int, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Whether ``running`` is in priority order (requests join it out of order only rarely).
+        self._running_sorted = True
+        # Groups of siblings swapped out together.
+        self.swapped: deque[list[Request]] = deque()
+        self._req_ids = itertools.count()
+        # Reported to the workers by the next SchedulerOutput.
+        self._finished_req_ids: set[int] = set()
+        self._preempted_req_ids: set[int] = set()
+        # Per request id, the rows a sampled step gives it, and the (min_tokens ids, top tokens)
+        # the workers need with a request sent in full; set by the engine at add_request.
+        self._sampling_info: dict[int, tuple[list[int], int]] = {}
+        # Requests the scheduler ended without running them to their end (``Request.error`` says
+        # why), until the engine takes them.
+        self.stopped: list[Request] = []
+        # Requests preempted by the last schedule() and how (for stats and tests).
+        self.last_preemptions: dict[int, PreemptionMode] = {}
         # Cumulative preemption counts, for stats and for tests that must see both modes.
         self.num_preemptions = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
+        # Tokens computed by prefills and tokens sampled, since start.
+        self.num_prefill_tokens = 0
+        self.num_generation_tokens = 0
 
-    # --- queues ---------------------------------------------------------------------------
+    # --- requests -------------------------------------------------------------------------
 
-    def add_seq_group(self, seq_group: SequenceGroup) -> None:
-        self.waiting.append(seq_group)
+    def new_req_id(self) -> int:
+        return next(self._req_ids)
 
-    def abort_seq_group(self, request_ids: set[str]) -> list[SequenceGroup]:
-        """Finish the given requests wherever they are and free their blocks."""
-        aborted = []
-        for queue in (self.waiting, self.running, self.swapped):
-            for seq_group in [sg for sg in queue if sg.request_id in request_ids]:
-                queue.remove(seq_group)
-                for seq in seq_group.get_unfinished_seqs():
-                    seq.status = SequenceStatus.FINISHED_ABORTED
-                    self.free_seq(seq)
-                aborted.append(seq_group)
-        return aborted
+    def add_request(
+        self, request: Request, min_tokens_stop_ids: list[int] | None = None, num_top_tokens: int = 0
+    ) -> None:
+        """Queue a request; the workers get ``min_tokens_stop_ids`` and ``num_top_tokens`` with it."""
+        params = request.sampling_params
+        if not params.use_beam_search:
+            request.num_samples = params.best_of
+        self.requests[request.req_id] = request
+        self._sampling_info[request.req_id] = (min_tokens_stop_ids or [], num_top_tokens)
+        self.waiting.append(request)
 
-    def has_unfinished_seqs(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
+    def finish_requests(self, requests: Iterable[Request], status: RequestStatus) -> None:
+        """End requests wherever they are and free their blocks (their last samples may still be
+        in flight: they are dropped when they arrive)."""
+        for request in requests:
+            if request.is_finished or request.req_id not in self.requests:
+                continue
+            if request.status == RequestStatus.WAITING:
+                self.waiting.remove(request)
+            elif request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request.status == RequestStatus.SWAPPED:
+                self._remove_swapped(request)
+            request.status = status
+            self._release(request)
 
-    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
-        self.block_manager.fork(parent, child)
+    def _release(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.req_id], self._sampling_info[request.req_id]
+        if request in request.siblings:
+            request.siblings.remove(request)
+        self._finished_req_ids.add(request.req_id)
+        self._preempted_req_ids.discard(request.req_id)
 
-    def free_seq(self, seq: Sequence) -> None:
-        self.block_manager.free(seq)
+    def _remove_swapped(self, request: Request) -> None:
+        for group in self.swapped:
+            if request in group:
+                group.remove(request)
+                if not group:
+                    self.swapped.remove(group)
+                return
 
-    def free_finished_seq_groups(self) -> None:
-        self.running = [sg for sg in self.running if not sg.is_finished()]
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def has_requests_needing_host(self) -> bool:
+        """Whether a running request's next step waits on the host seeing its newest sample."""
+        return any(r.needs_host_between_steps and r.num_output_placeholders for r in self.running)
 
     # --- scheduling -----------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutputs:
-        out = SchedulerOutputs()
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = set()
+        self.last_preemptions = {}
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        budget.num_seqs = sum(max_running_seqs(r) for r in {id(r.siblings): r for r in self.running}.values())
+        scheduled: list[Request] = []
         decodes, prefills = self._schedule_running(out)
-        budget.num_seqs = sum(sg.get_max_num_running_seqs() for sg in self.running)
-        for seq_group in decodes:
-            self._schedule_tokens(seq_group, budget, out)
-        for seq_group in prefills:
-            if not self._schedule_tokens(seq_group, budget, out):
+        for request in decodes:
+            self._schedule_tokens(request, budget, out, scheduled)
+        for request in prefills:
+            if not self._schedule_tokens(request, budget, out, scheduled):
                 break
         if not out.blocks_to_swap_out:
-            self._schedule_swapped(budget, out)
+            self._schedule_swapped(budget, out, scheduled)
         if not self.swapped:
-            self._schedule_waiting(budget, out)
-        out.num_batched_tokens = budget.num_batched_tokens
+            self._schedule_waiting(budget, out, scheduled)
+        out.total_num_scheduled_tokens = budget.num_batched_tokens
+        out.preempted_req_ids = self._preempted_req_ids
+        self._preempted_req_ids = set()
+        self._describe(scheduled, out)
         return out
 
-    def _schedule_running(self, out: SchedulerOutputs) -> tuple[list[SequenceGroup], list[SequenceGroup]]:
-        """Reserve slots for decoding groups, preempting from the lowest priority up."""
-        queue = deque(sorted(self.running, key=_fcfs))
-        running: list[SequenceGroup] = []
-        decodes: list[SequenceGroup] = []
-        prefills: list[SequenceGroup] = []
+    def _schedule_running(self, out: SchedulerOutput) -> tuple[list[Request], list[Request]]:
+        """Reserve slots for decoding requests, preempting from the lowest priority up."""
+        if not self._running_sorted:
+            self.running.sort(key=_priority)
+            self._running_sorted = True
+        queue = deque(self.running)
+        decodes: list[Request] = []
+        prefills: list[Request] = []
+        kv = self.kv_cache_manager
         while queue:
-            seq_group = queue.popleft()
-            if seq_group.is_prefill():
-                # Its blocks were allocated at admission: a chunk needs no new slot.
-                running.append(seq_group)
-                prefills.append(seq_group)
+            request = queue.popleft()
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted with a sibling of lower priority
+            if request.num_output_placeholders and request.needs_host_between_steps:
+                continue  # its next step waits for the host to see its sample
+            num_new_tokens = request.num_uncomputed_tokens
+            if num_new_tokens > 1 or not (request.output_token_ids or request.num_output_placeholders):
+                prefills.append(request)  # its blocks were allocated at admission
                 continue
-            while not self.block_manager.can_append_slots(seq_group):
-                # Groups already kept have higher priority: victims come from the tail.
-                victim = queue.pop() if queue else seq_group
-                self._preempt(victim, out)
-                if victim is seq_group:
+            while True:
+                appended = kv.try_append_slot(request)
+                if appended is not False:
+                    if appended is not True:
+                        out.blocks_to_copy.append(appended)
+                    decodes.append(request)
                     break
-            else:
-                self._append_slots(seq_group, out)
-                running.append(seq_group)
-                decodes.append(seq_group)
-        self.running = running
+                # Requests already kept have higher priority: victims come from the tail.
+                victim = queue.pop() if queue else request
+                self._preempt(victim, out, decodes, prefills)
+                if victim is request or request.status != RequestStatus.RUNNING:
+                    break
         return decodes, prefills
 
-    def _schedule_swapped(self, budget: _Budget, out: SchedulerOutputs) -> None:
+    def _schedule_swapped(self, budget: _Budget, out: SchedulerOutput, scheduled: list[Request]) -> None:
+        kv = self.kv_cache_manager
         while self.swapped:
-            seq_group = self.swapped[0]
-            status = self.block_manager.can_swap_in(seq_group)
+            group = self.swapped[0]
+            if any(r.num_output_placeholders for r in group):
+                break  # its last samples are still in flight
+            status = kv.can_swap_in(group)
             if status == AllocStatus.NEVER:
                 self.swapped.popleft()
-                self._stop_for_lack_of_memory(seq_group, out)
+                self._stop_for_lack_of_memory(group)
                 continue
             if status == AllocStatus.LATER:
                 break
-            num_seqs = seq_group.get_max_num_running_seqs()
-            if not budget.can_add_seqs(num_seqs) or budget.remaining_tokens < num_seqs:
+            num_seqs = max_running_seqs(group[0])
+            if not budget.can_add_seqs(num_seqs) or budget.remaining_tokens < len(group):
                 break
             self.swapped.popleft()
-            mapping = self.block_manager.swap_in(seq_group)
-            out.blocks_to_swap_in.extend(mapping.items())
-            for seq in seq_group.get_seqs(SequenceStatus.SWAPPED):
-                seq.status = SequenceStatus.RUNNING
+            out.blocks_to_swap_in.extend(kv.swap_in(group).items())
             budget.num_seqs += num_seqs
-            self.running.append(seq_group)
-            if not seq_group.is_prefill():
-                self._append_slots(seq_group, out)
-            self._schedule_tokens(seq_group, budget, out)
+            for request in group:
+                request.status = RequestStatus.RUNNING
+                request.resend = True
+                self._add_running(request)
+                if request.num_uncomputed_tokens == 1:
+                    self._append_slots(request, out)
+                self._schedule_tokens(request, budget, out, scheduled)
 
-    def _schedule_waiting(self, budget: _Budget, out: SchedulerOutputs) -> None:
-        preempted = set(out.preempted)
+    def _schedule_waiting(self, budget: _Budget, out: SchedulerOutput, scheduled: list[Request]) -> None:
+        kv = self.kv_cache_manager
         while self.waiting:
-            seq_group = self.waiting[0]
-            if seq_group.request_id in preempted:
-                break
-            status = self.block_manager.can_allocate(seq_group)
+            request = self.waiting[0]
+            if request.req_id in self._preempted_req_ids or request.num_output_placeholders:
+                break  # preempted by this step, or its last sample is still in flight
+            status = kv.can_allocate(request)
             if status == AllocStatus.NEVER:
                 self.waiting.popleft()
-                self._ignore(seq_group, out)
+                self._ignore(request)
                 continue
             if status == AllocStatus.LATER:
                 break
-            num_seqs = seq_group.get_max_num_running_seqs()
-            if not budget.can_add_seqs(num_seqs) or not self._fits(seq_group, budget):
+            num_seqs = max_running_seqs(request) if not self._group_running(request) else 0
+            if not budget.can_add_seqs(num_seqs) or not self._fits(request, budget):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq_group)
-            for seq in seq_group.get_seqs(SequenceStatus.WAITING):
-                seq.status = SequenceStatus.RUNNING
+            kv.allocate(request)
+            request.status = RequestStatus.RUNNING
+            request.resend = True
             budget.num_seqs += num_seqs
-            self.running.append(seq_group)
-            self._schedule_tokens(seq_group, budget, out)
+            self._add_running(request)
+            self._schedule_tokens(request, budget, out, scheduled)
 
-    def _fits(self, seq_group: SequenceGroup, budget: _Budget) -> bool:
-        """Whether some of the group's prompt fits this step (all of it, without chunking)."""
-        num_tokens = sum(
-            seq.get_num_uncomputed_tokens() for seq in seq_group.get_seqs(SequenceStatus.WAITING)
-        )
+    def _add_running(self, request: Request) -> None:
+        if self.running and _priority(request) < _priority(self.running[-1]):
+            self._running_sorted = False
+        self.running.append(request)
+
+    def _group_running(self, request: Request) -> bool:
+        return any(r.status == RequestStatus.RUNNING for r in request.siblings if r is not request)
+
+    def _fits(self, request: Request, budget: _Budget) -> bool:
+        """Whether some of the request's tokens fit this step (all of them, without chunking)."""
         if self.config.enable_chunked_prefill:
             return budget.remaining_tokens > 0
-        return num_tokens <= budget.remaining_tokens
+        return request.num_tokens - request.num_computed_tokens <= budget.remaining_tokens
 
-    def _schedule_tokens(self, seq_group: SequenceGroup, budget: _Budget, out: SchedulerOutputs) -> bool:
-        """Schedule the group's next tokens within the budget; False when nothing fit."""
-        num_new_tokens: dict[int, int] = {}
-        for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
-            num_tokens = seq.get_num_uncomputed_tokens()
-            if num_tokens > budget.remaining_tokens:
-                if not self.config.enable_chunked_prefill:
-                    break
-                num_tokens = budget.remaining_tokens
-            if num_tokens == 0:
-                break
-            num_new_tokens[seq.seq_id] = num_tokens
-            budget.num_batched_tokens += num_tokens
-        if not num_new_tokens:
+    def _schedule_tokens(
+        self, request: Request, budget: _Budget, out: SchedulerOutput, scheduled: list[Request]
+    ) -> bool:
+        """Schedule the request's next tokens within the budget; False when nothing fit."""
+        num_tokens = request.num_uncomputed_tokens
+        if num_tokens > budget.remaining_tokens:
+            if not self.config.enable_chunked_prefill:
+                return False
+            num_tokens = budget.remaining_tokens
+        if num_tokens <= 0:
             return False
-        if seq_group.metrics.first_scheduled_time is None:
-            seq_group.metrics.first_scheduled_time = time.time()
-        out.scheduled_seq_groups.append(ScheduledSequenceGroup(seq_group, num_new_tokens))
+        out.num_scheduled_tokens[request.req_id] = num_tokens
+        budget.num_batched_tokens += num_tokens
+        scheduled.append(request)
         return True
 
-    def _append_slots(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
-        for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
-            cow = self.block_manager.append_slots(seq)
-            if cow is not None:
-                out.blocks_to_copy.append(cow)
+    def _append_slots(self, request: Request, out: SchedulerOutput) -> None:
+        cow = self.kv_cache_manager.append_slots(request)
+        if cow is not None:
+            out.blocks_to_copy.append(cow)
+
+    def _describe(self, scheduled: list[Request], out: SchedulerOutput) -> None:
+        """Write each scheduled request into the step's message (in full, or as a diff), then
+        advance its progress: the step's tokens count as computed from now on, and a request
+        that reaches its end holds a placeholder for the token the step samples."""
+        kv = self.kv_cache_manager
+        cached = out.scheduled_cached_reqs
+        for request in scheduled:
+            req_id = request.req_id
+            if request.resend:
+                request.resend = False
+                min_tokens_stop_ids, num_top_tokens = self._sampling_info[req_id]
+                out.scheduled_new_reqs.append(
+                    NewRequestData(
+                        req_id=req_id,
+                        group_id=request.siblings[0].req_id if request.siblings else req_id,
+                        prompt_token_ids=request.prompt_token_ids,
+                        output_token_ids=request.output_token_ids.copy(),
+                        sampling_params=request.sampling_params,
+                        block_ids=kv.get_block_ids(request).copy(),
+                        num_computed_tokens=request.num_computed_tokens,
+                        num_samples=request.num_samples,
+                        min_tokens_stop_ids=min_tokens_stop_ids,
+                        num_top_tokens=num_top_tokens,
+                    )
+                )
+                kv.mark_sent(request)
+            else:
+                cached.req_ids.append(req_id)
+                cached.block_table_diffs.append(kv.take_block_table_diff(request))
+                cached.num_computed_tokens.append(request.num_computed_tokens)
+            num_new_tokens = out.num_scheduled_tokens[req_id]
+            if num_new_tokens > 1 or request.num_computed_tokens < request.num_prompt_tokens:
+                self.num_prefill_tokens += num_new_tokens
+            request.num_computed_tokens += num_new_tokens
+            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+                request.num_output_placeholders += 1
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.time()
+
+    # --- after the step -------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput
+    ) -> SampledRequests:
+        """Apply a step's samples: each replaces one placeholder of its request with a token.
+
+        A best_of request's first sample has ``best_of`` rows: the request takes the first and
+        forks a sibling for each other, sharing its blocks. Beam search requests are returned
+        for the engine to choose their continuations (``apply_beam_step``). Samples of requests
+        that finished or were preempted meanwhile are dropped (a stopped request may have had one
+        more token computed; it is never returned).
+        """
+        result = SampledRequests()
+        requests = self.requests
+        kv = self.kv_cache_manager
+        token_ids = output.sampled_token_ids
+        logprobs = output.logprobs
+        req_ids = output.req_ids
+        num_rows = len(req_ids)
+        row = 0
+        while row < num_rows:
+            request = requests.get(req_ids[row])
+            if request is None:
+                row += 1
+                continue
+            request.num_output_placeholders -= 1
+            self.num_generation_tokens += 1
+            if request.sampling_params.use_beam_search:
+                result.beams.append((request, row))
+                row += 1
+                continue
+            num_samples = request.num_samples
+            samplers = [request]
+            if num_samples > 1:
+                request.num_samples = 1
+                for index in range(1, num_samples):
+                    child = self._fork(request)
+                    child.output_index = index
+                    samplers.append(child)
+                    result.forked.append((request, child))
+            for i, sampler in enumerate(samplers):
+                sampler.append_output_token(token_ids[row + i], logprobs[row + i])
+                result.appended.append((sampler, row + i))
+            self.num_generation_tokens += num_samples - 1
+            row += num_samples
+        if kv.enable_prefix_caching:
+            for req_id in scheduler_output.num_scheduled_tokens:
+                request = requests.get(req_id)
+                if request is not None and request.status == RequestStatus.RUNNING:
+                    kv.cache_blocks(request)
+        return result
+
+    def _fork(self, parent: Request) -> Request:
+        """A running sibling of ``parent`` sharing its blocks."""
+        child = parent.fork(self.new_req_id())
+        self.kv_cache_manager.fork(parent, child)
+        parent.siblings.append(child)
+        self.requests[child.req_id] = child
+        self._sampling_info[child.req_id] = self._sampling_info[parent.req_id]
+        self._add_running(child)
+        return child
+
+    def apply_beam_step(
+        self, beams: list[Request], extensions: dict[int, list[tuple[int, float]]]
+    ) -> list[Request]:
+        """Beam search's choice for one request's live beams: ``extensions`` maps a beam's id to
+        the (token, logprob) continuations it keeps. A beam kept twice is forked (the forks
+        share its blocks), one kept by none is freed. Returns the live beams, in order."""
+        live = []
+        for beam in beams:
+            chosen = extensions.get(beam.req_id, [])
+            if not chosen:
+                self.finish_requests((beam,), RequestStatus.FINISHED_ABORTED)
+                continue
+            # Forks first: each copies the beam before the beam takes its own token.
+            forks = [self._fork(beam) for _ in chosen[1:]]
+            for request, (token_id, logprob) in zip([beam, *forks], chosen):
+                request.append_output_token(token_id, logprob)
+                request.resend = True  # its next input was chosen here, not by the sampler
+                live.append(request)
+        return live
+
+    def new_hypothesis(self, beam: Request, token_id: int, logprob: float, status: RequestStatus) -> Request:
+        """A finished copy of a live beam with one more token, holding no blocks (beam search's
+        kept hypotheses)."""
+        hypothesis = beam.fork(self.new_req_id())
+        hypothesis.siblings = [hypothesis]
+        hypothesis.append_output_token(token_id, logprob)
+        hypothesis.status = status
+        return hypothesis
 
     # --- preemption -----------------------------------------------------------------------
 
-    def _preempt(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
-        mode = PreemptionMode.RECOMPUTE if seq_group.num_unfinished_seqs() == 1 else PreemptionMode.SWAP
-        if mode == PreemptionMode.SWAP and not self.block_manager.can_swap_out(seq_group):
+    def _preempt(
+        self, request: Request, out: SchedulerOutput, decodes: list[Request], prefills: list[Request]
+    ) -> None:
+        group = [r for r in request.siblings if r.status == RequestStatus.RUNNING]
+        kv = self.kv_cache_manager
+        mode = PreemptionMode.RECOMPUTE if len(group) == 1 else PreemptionMode.SWAP
+        if mode == PreemptionMode.SWAP and not kv.can_swap_out(group):
             logger.warning(
-                "request %s: CPU swap space is full, recomputing its %d sequences instead; "
+                "request %d: CPU swap space is full, recomputing its %d sequences instead; "
                 "raise swap_space to avoid this",
-                seq_group.request_id,
-                seq_group.num_unfinished_seqs(),
+                request.req_id,
+                len(group),
             )
             mode = PreemptionMode.RECOMPUTE
+        for member in group:
+            self.running.remove(member)
+            for scheduled in (decodes, prefills):
+                if member in scheduled:
+                    scheduled.remove(member)
+            self._preempted_req_ids.add(member.req_id)
+            self.last_preemptions[member.req_id] = mode
         if mode == PreemptionMode.RECOMPUTE:
-            for seq in seq_group.get_unfinished_seqs():
-                self.free_seq(seq)
-                seq.reset_for_recompute()
-            self.waiting.appendleft(seq_group)
+            for member in reversed(group):
+                kv.free(member)
+                member.num_computed_tokens = 0
+                member.status = RequestStatus.WAITING
+                self.waiting.appendleft(member)
         else:
-            mapping = self.block_manager.swap_out(seq_group)
-            out.blocks_to_swap_out.extend(mapping.items())
-            for seq in seq_group.get_seqs(SequenceStatus.RUNNING):
-                seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(seq_group)
+            out.blocks_to_swap_out.extend(kv.swap_out(group).items())
+            for member in group:
+                member.status = RequestStatus.SWAPPED
+            self.swapped.append(group)
         self.num_preemptions[mode] += 1
-        out.preempted[seq_group.request_id] = mode
 
-    def _stop_for_lack_of_memory(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
-        """End a request whose sequences together outgrew the whole cache: waiting for memory
-        would wait forever (and hold back every waiting request). Its outputs so far are kept."""
-        seqs = seq_group.get_unfinished_seqs()
-        seq_group.error = (
-            f"stopped after {seqs[0].num_output_tokens} tokens: its {len(seqs)} sequences need more KV "
-            f"cache blocks than the cache has ({self.block_manager.num_total_gpu_blocks}); give the cache "
-            "more memory or ask for fewer sequences (n, best_of)"
+    def _stop_for_lack_of_memory(self, group: list[Request]) -> None:
+        """End a group whose requests together outgrew the whole cache: waiting for memory would
+        wait forever (and hold back every waiting request). Its outputs so far are kept."""
+        error = (
+            f"stopped after {group[0].num_output_tokens} tokens: its {len(group)} sequences need more KV "
+            f"cache blocks than the cache has ({self.kv_cache_manager.num_total_gpu_blocks}); give the "
+            "cache more memory or ask for fewer sequences (n, best_of)"
         )
-        logger.warning("request %s: %s", seq_group.request_id, seq_group.error)
-        for seq in seqs:
-            self.free_seq(seq)
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-        out.ignored_seq_groups.append(seq_group)
+        logger.warning("request %d: %s", group[0].req_id, error)
+        for request in group:
+            request.error = error
+            self.stopped.append(request)
+            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            self._release(request)
 
-    def _ignore(self, seq_group: SequenceGroup, out: SchedulerOutputs) -> None:
-        num_blocks = sum(seq.num_logical_blocks for seq in seq_group.get_seqs(SequenceStatus.WAITING))
-        bm = self.block_manager
-        seq_group.error = (
+    def _ignore(self, request: Request) -> None:
+        kv = self.kv_cache_manager
+        num_blocks = -(-request.num_tokens // self.block_size)
+        error = (
             f"request needs {num_blocks} KV cache blocks but the cache has "
-            f"{bm.num_total_gpu_blocks - bm.watermark_blocks} to give (num_kv_blocks / memory too small)"
+            f"{kv.num_total_gpu_blocks - kv.watermark_blocks} to give (num_kv_blocks / memory too small)"
         )
-        logger.warning("request %s ignored: %s", seq_group.request_id, seq_group.error)
-        for seq in seq_group.get_seqs():
-            seq.status = SequenceStatus.FINISHED_IGNORED
-        out.ignored_seq_groups.append(seq_group)
+        logger.warning("request %d ignored: %s", request.req_id, error)
+        request.error = error
+        self.stopped.append(request)
+        request.status = RequestStatus.FINISHED_IGNORED
+        self._release(request)

@@ -92,6 +92,13 @@ class EngineArgs:
         default="auto", metadata={"help": "auto, safetensors, gguf, or dummy (random weights)"}
     )
     enforce_eager: bool = dataclasses.field(default=False, metadata={"help": "never capture CUDA graphs"})
+    async_scheduling: bool | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "schedule each step while the previous one runs on the device (default: on with CUDA, "
+            "off on the CPU)"
+        },
+    )
 
     def create_engine_config(self) -> EngineConfig:
         device = resolve_device(self.device)
@@ -134,6 +141,9 @@ class EngineArgs:
             load_config=LoadConfig(load_format=self._load_format(gguf_file)),
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            async_scheduling=device.type == "cuda"
+            if self.async_scheduling is None
+            else self.async_scheduling,
         )
 
     def _load_format(self, gguf_file: str | None) -> str:
@@ -149,7 +159,7 @@ class EngineArgs:
         for f in dataclasses.fields(cls):
             flag = "--" + f.name.replace("_", "-")
             help_text = f.metadata.get("help", "")
-            if f.type == "bool":
+            if f.type.startswith("bool"):
                 parser.add_argument(
                     flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
                 )

@@ -31,11 +31,11 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
+from pagedllm.core.request import RequestStatus
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import EngineStats, LLMEngine
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.sequence import SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -340,12 +340,13 @@ class AsyncLLMEngine:
         self._call_in_loop(self._dispatch, outputs)
 
     def _fail_step(self, error: Exception) -> None:
+        self.engine.drop_in_flight_step()
         requests = self.engine.requests
         failed = [
             request_id
             for request_id in self._active
             if request_id not in requests
-            or any(seq.status == SequenceStatus.RUNNING for seq in requests[request_id].seqs)
+            or any(seq.status == RequestStatus.RUNNING for seq in requests[request_id].seqs)
         ]
         self.engine.abort_request(failed)
         self._active.difference_update(failed)

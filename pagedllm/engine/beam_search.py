@@ -9,7 +9,8 @@ the K best continuations over all beams by cumulative logprob are kept:
   ``cumulative_logprob / generated_len ** length_penalty``; the B best hypotheses are kept;
 - the B best continuations that do not end become the next beams. A beam that several
   continuations extend is forked (the forks share its blocks, copy-on-write); a beam that none
-  extends is freed.
+  extends is freed. The scheduler does both (``Scheduler.apply_beam_step``): this module only
+  decides.
 
 Search stops when no live beam can still beat the worst kept hypothesis (HF's heuristic, with
 ``early_stopping`` True / False / "never" as in ``generate``), when every candidate ends, or, with
@@ -23,9 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedllm.layers.sampler import SequenceSample
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
 # HF's stand-in for "impossible": added to scores that must never be picked.
 _NEG = -1.0e9
@@ -33,23 +33,48 @@ _NEG = -1.0e9
 
 @dataclass
 class BeamSearchState:
-    """A beam search request's state between steps (on its SequenceGroup)."""
+    """A beam search request's state between steps (on its RequestState)."""
 
     beam_width: int
-    # Kept hypotheses: finished sequences (not holding blocks), best score first, at most B.
-    finished: list[tuple[float, Sequence]] = field(default_factory=list)
+    # Kept hypotheses, best score first, at most B: finished sequences holding no blocks, or,
+    # until the engine builds them right after the step, (parent beam, token, logprob, status).
+    finished: list[tuple[float, Request | PendingHypothesis]] = field(default_factory=list)
     # Running score of each live beam (its cumulative logprob, or _NEG-penalised: see step()).
     beam_scores: dict[int, float] = field(default_factory=dict)
     improvement_possible: bool = True
 
 
 @dataclass
-class Candidate:
-    score: float
-    parent: Sequence
+class PendingHypothesis:
+    parent: Request
     token_id: int
     logprob: float
-    ends: bool = False
+    status: RequestStatus
+
+
+@dataclass
+class Candidate:
+    score: float
+    parent: Request
+    token_id: int
+    logprob: float
+    ends: RequestStatus | None = None
+
+
+@dataclass
+class BeamStep:
+    """One step's decision for a request's beams.
+
+    Attributes:
+        extensions: beam req_id -> the (token, logprob) continuations it keeps, best first (a
+            beam absent here is dropped).
+        scores: the running score of each kept continuation, in the order of ``extensions``.
+        done: the search is over: the outputs are the kept hypotheses.
+    """
+
+    extensions: dict[int, list[tuple[int, float]]]
+    scores: list[float]
+    done: bool
 
 
 def num_candidates(beam_width: int, num_eos_token_ids: int) -> int:
@@ -57,131 +82,72 @@ def num_candidates(beam_width: int, num_eos_token_ids: int) -> int:
     return max(2, 1 + num_eos_token_ids) * beam_width
 
 
-class BeamSearch:
-    """Applies one step's candidates to a beam search request.
+def beam_search_step(
+    state: BeamSearchState,
+    params: SamplingParams,
+    beams: list[tuple[Request, list[int], list[float]]],
+    ends: Callable[[Request, int], RequestStatus | None],
+    num_eos_token_ids: int,
+    max_new_tokens: int,
+) -> BeamStep:
+    """Choose one step's continuations.
 
-    Args (callbacks into the engine; each gets the request first):
-        fork: adds to the request a child of a live beam that shares its blocks.
-        free: releases a live beam's blocks.
-        new_seq_id: a fresh sequence id (for finished hypotheses, which hold no blocks).
-        ends: the status a sequence would finish with if ``token_id`` were appended, or None.
-        append: appends a sampled token to a sequence (and detokenizes it).
+    Args:
+        beams: each live beam with its most likely next tokens and their logprobs.
+        ends: the status a beam would finish with if the token came next, or None.
+        max_new_tokens: the most tokens any beam can reach (max_tokens, or the context left).
     """
+    width = state.beam_width
+    k = num_candidates(width, num_eos_token_ids)
+    candidates = []
+    for parent, top_ids, top_logprobs in beams:
+        base = state.beam_scores.get(parent.req_id, 0.0)
+        for token_id, logprob in zip(top_ids, top_logprobs):
+            candidates.append(Candidate(base + logprob, parent, token_id, logprob))
+    # A stable sort: among equal scores the earlier beam and the likelier token come first.
+    candidates = sorted(candidates, key=lambda c: c.score, reverse=True)[:k]
+    for candidate in candidates:
+        candidate.ends = ends(candidate.parent, candidate.token_id)
 
-    def __init__(
-        self,
-        fork: Callable[[SequenceGroup, Sequence], Sequence],
-        free: Callable[[Sequence], None],
-        new_seq_id: Callable[[], int],
-        ends: Callable[[SequenceGroup, Sequence, int], SequenceStatus | None],
-        append: Callable[[SequenceGroup, Sequence, SequenceSample], object],
-    ) -> None:
-        self._fork = fork
-        self._free = free
-        self._new_seq_id = new_seq_id
-        self._ends = ends
-        self._append = append
+    generated_len = candidates[0].parent.num_output_tokens + 1
+    _keep_finished(state, candidates[:width], generated_len, params)
+    next_beams = sorted(
+        candidates, key=lambda c: c.score + (_NEG if c.ends is not None else 0.0), reverse=True
+    )[:width]
+    extensions: dict[int, list[tuple[int, float]]] = {}
+    scores_by_beam: dict[int, list[float]] = {}
+    for candidate in next_beams:
+        extensions.setdefault(candidate.parent.req_id, []).append((candidate.token_id, candidate.logprob))
+        score = candidate.score + (_NEG if candidate.ends is not None else 0.0)
+        scores_by_beam.setdefault(candidate.parent.req_id, []).append(score)
+    # Scores in the order the scheduler creates the live beams: by parent, then continuation.
+    scores = [score for parent, _, _ in beams for score in scores_by_beam.get(parent.req_id, [])]
 
-    def step(
-        self,
-        seq_group: SequenceGroup,
-        samples: list[SequenceSample],
-        num_eos_token_ids: int,
-        max_new_tokens: int,
-    ) -> None:
-        """Apply one step. samples: one per live beam, with its top tokens (``top_token_ids`` and
-        ``top_logprobs``); max_new_tokens: the most tokens any beam can reach (max_tokens, or the
-        context left)."""
-        state = seq_group.beam_state
-        assert state is not None
-        params = seq_group.sampling_params
-        width = state.beam_width
-        k = num_candidates(width, num_eos_token_ids)
-        seqs_by_id = {seq.seq_id: seq for seq in seq_group.get_unfinished_seqs()}
-        candidates = []
-        for sample in samples:
-            parent = seqs_by_id[sample.parent_seq_id]
-            base = state.beam_scores.get(parent.seq_id, 0.0)
-            for token_id, logprob in zip(sample.top_token_ids, sample.top_logprobs):
-                candidates.append(Candidate(base + logprob, parent, token_id, logprob))
-        # A stable sort: among equal scores the earlier beam and the likelier token come first.
-        candidates = sorted(candidates, key=lambda c: c.score, reverse=True)[:k]
-        for candidate in candidates:
-            candidate.ends = self._ends(seq_group, candidate.parent, candidate.token_id) is not None
+    best_running = max(scores)
+    if params.early_stopping == "never" and params.length_penalty > 0.0:
+        best_len = max_new_tokens
+    else:
+        best_len = generated_len
+    worst_finished = state.finished[-1][0] if len(state.finished) == width else _NEG
+    state.improvement_possible = state.improvement_possible and (
+        best_running / best_len**params.length_penalty > worst_finished
+    )
+    full = len(state.finished) == width and params.early_stopping is True
+    done = not state.improvement_possible or full or all(c.ends is not None for c in candidates)
+    return BeamStep(extensions, scores, done)
 
-        generated_len = candidates[0].parent.num_output_tokens + 1
-        self._keep_finished(seq_group, state, candidates[:width], generated_len, params)
-        next_beams = sorted(candidates, key=lambda c: c.score + (_NEG if c.ends else 0.0), reverse=True)[
-            :width
-        ]
-        self._advance_beams(seq_group, state, next_beams)
 
-        best_running = max(state.beam_scores.values())
-        if params.early_stopping == "never" and params.length_penalty > 0.0:
-            best_len = max_new_tokens
-        else:
-            best_len = generated_len
-        worst_finished = state.finished[-1][0] if len(state.finished) == width else _NEG
-        state.improvement_possible = state.improvement_possible and (
-            best_running / best_len**params.length_penalty > worst_finished
-        )
-        full = len(state.finished) == width and params.early_stopping is True
-        if not state.improvement_possible or full or all(c.ends for c in candidates):
-            self._finish(seq_group, state)
-
-    def _keep_finished(
-        self,
-        seq_group: SequenceGroup,
-        state: BeamSearchState,
-        top_candidates: list[Candidate],
-        generated_len: int,
-        params: SamplingParams,
-    ) -> None:
-        if not state.improvement_possible:
-            return
-        if len(state.finished) == state.beam_width and params.early_stopping is True:
-            return
-        for candidate in top_candidates:
-            if not candidate.ends:
-                continue
-            status = self._ends(seq_group, candidate.parent, candidate.token_id)
-            hypothesis = candidate.parent.fork(self._new_seq_id())
-            sample = SequenceSample(hypothesis.seq_id, candidate.token_id, candidate.logprob)
-            self._append(seq_group, hypothesis, sample)
-            hypothesis.status = status
-            score = candidate.score / generated_len**params.length_penalty
-            state.finished.append((score, hypothesis))
-        state.finished.sort(key=lambda item: item[0], reverse=True)
-        del state.finished[state.beam_width :]
-
-    def _advance_beams(
-        self, seq_group: SequenceGroup, state: BeamSearchState, next_beams: list[Candidate]
-    ) -> None:
-        children: dict[int, list[Candidate]] = {}
-        for candidate in next_beams:
-            children.setdefault(candidate.parent.seq_id, []).append(candidate)
-        live = []
-        scores = {}
-        for parent in seq_group.get_unfinished_seqs():
-            extensions = children.get(parent.seq_id, [])
-            if not extensions:
-                self._free(parent)
-                continue
-            # Forks first: each copies the parent before the parent takes its own token.
-            beams = [parent] + [self._fork(seq_group, parent) for _ in extensions[1:]]
-            for beam, candidate in zip(beams, extensions):
-                self._append(
-                    seq_group, beam, SequenceSample(beam.seq_id, candidate.token_id, candidate.logprob)
-                )
-                scores[beam.seq_id] = candidate.score + (_NEG if candidate.ends else 0.0)
-                live.append(beam)
-        seq_group.seqs = live
-        state.beam_scores = scores
-
-    def _finish(self, seq_group: SequenceGroup, state: BeamSearchState) -> None:
-        for seq in seq_group.get_unfinished_seqs():
-            self._free(seq)
-        hypotheses = [seq for _, seq in state.finished]
-        for index, seq in enumerate(hypotheses):
-            seq.output_index = index
-        seq_group.seqs = hypotheses
+def _keep_finished(
+    state: BeamSearchState, top_candidates: list[Candidate], generated_len: int, params: SamplingParams
+) -> None:
+    """Keep the top candidates that end as scored hypotheses (the best B, best first)."""
+    if not state.improvement_possible:
+        return
+    if len(state.finished) == state.beam_width and params.early_stopping is True:
+        return
+    for c in top_candidates:
+        if c.ends is not None:
+            hypothesis = PendingHypothesis(c.parent, c.token_id, c.logprob, c.ends)
+            state.finished.append((c.score / generated_len**params.length_penalty, hypothesis))
+    state.finished.sort(key=lambda item: item[0], reverse=True)
+    del state.finished[state.beam_width :]

@@ -1,32 +1,43 @@
 """LLMEngine: requests in, one continuous-batching step at a time, RequestOutputs out.
 
-A step (DESIGN.md section 2): the scheduler picks this step's tokens and the block moves they
-need; the executor's workers do the moves and run the model once over every scheduled token; the
-engine appends the sampled tokens (forking a request's sequences after its first sample),
-detokenizes them, checks stop conditions and frees what finished.
+A step reads::
+
+    scheduler_output = scheduler.schedule()              who computes which tokens, block moves
+    step = executor.execute_model(scheduler_output)      launched; samples arrive later
+    runner_output = step.get()                           wait for the samples
+    sampled = scheduler.update_from_output(...)          append tokens, fork best_of requests
+    detokenize and check stops; finish what ended        (the scheduler frees their blocks)
+    emit RequestOutputs
+
+With ``async_scheduling`` the engine launches step N + 1 before it waits for step N's samples,
+so the host's work for one step overlaps the device's work for the other. A request that stops
+at step N may then have had one more token computed by step N + 1: it is dropped, never returned
+or counted. Requests whose next step depends on their newest token on the host (beam search, a
+best_of request's first sample, which forks it) make the engine wait for the step in flight
+before it schedules the next.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.scheduler import PreemptionMode, ScheduledSequenceGroup, Scheduler
+from pagedllm.core.request import Request, RequestState, RequestStatus
+from pagedllm.core.scheduler import PreemptionMode, SampledRequests, Scheduler
 from pagedllm.detokenizer import init_detokenizer_state
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.beam_search import BeamSearchState, num_candidates
+from pagedllm.engine.beam_search import BeamSearchState, PendingHypothesis, beam_search_step, num_candidates
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stop_checker import StopChecker
 from pagedllm.executor.uniproc_executor import UniProcExecutor
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.tokenizer import get_eos_token_ids, get_tokenizer
-from pagedllm.worker.execute_request import ExecuteModelRequest, ScheduledSequence, SequenceGroupMetadata
+from pagedllm.worker.model_runner import StepOutput
+from pagedllm.worker.step_io import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -74,21 +85,16 @@ class LLMEngine:
             enable_prefix_caching=config.cache_config.enable_prefix_caching,
         )
         self.eos_token_ids = get_eos_token_ids(model_config, self.tokenizer)
-        self._seq_counter = itertools.count()
-        self.output_processor = OutputProcessor(
-            self.scheduler,
-            self.tokenizer,
-            StopChecker(model_config.max_model_len, self.eos_token_ids),
-            self._seq_counter,
-        )
-        # Live requests, by id.
-        self.requests: dict[str, SequenceGroup] = {}
+        self.stop_checker = StopChecker(model_config.max_model_len, self.eos_token_ids)
+        self.output_processor = OutputProcessor(self.tokenizer, self.stop_checker)
+        self.async_scheduling = config.async_scheduling
+        # Live requests, by the caller's id; and the request each sequence belongs to.
+        self.requests: dict[str, RequestState] = {}
+        self._state_of: dict[int, RequestState] = {}
         # Requests refused without running (prompt too long): reported by the next step.
-        self._finished_at_once: list[SequenceGroup] = []
-        # Requests ended since the last step, so workers can drop their state.
-        self._finished_request_ids: list[str] = []
-        self._num_prefill_tokens = 0
-        self._num_generation_tokens = 0
+        self._finished_at_once: list[RequestState] = []
+        # The step launched but not yet applied (asynchronous scheduling).
+        self._in_flight: tuple[SchedulerOutput, StepOutput] | None = None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -128,23 +134,31 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = sampling_params or SamplingParams()
+        max_num_seqs = self.config.scheduler_config.max_num_seqs
+        if params.best_of > max_num_seqs:
+            raise ValueError(
+                f"best_of (or n) must be at most max_num_seqs ({max_num_seqs}), got {params.best_of}: "
+                "its sequences could never run together"
+            )
         token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
-        seq = Sequence(next(self._seq_counter), token_ids, self.config.cache_config.block_size)
-        if self.tokenizer is not None:
-            init_detokenizer_state(seq)
-        seq_group = SequenceGroup(
-            request_id, [seq], params, arrival_time=arrival_time or time.time(), prompt=prompt, stream=stream
+        arrival_time = arrival_time or time.time()
+        request = Request(
+            self.scheduler.new_req_id(), token_ids, params, self.config.cache_config.block_size, arrival_time
         )
+        if self.tokenizer is not None:
+            init_detokenizer_state(request)
+        state = RequestState(request_id, prompt, token_ids, params, [request], stream, arrival_time)
         if params.use_beam_search:
-            seq_group.beam_state = BeamSearchState(beam_width=params.best_of)
+            state.beam_state = BeamSearchState(beam_width=params.best_of)
         max_model_len = self.config.model_config.max_model_len
         if len(token_ids) > max_model_len:
-            seq_group.error = f"prompt has {len(token_ids)} tokens, more than max_model_len={max_model_len}"
-            seq.status = SequenceStatus.FINISHED_IGNORED
-            self._finished_at_once.append(seq_group)
+            state.error = f"prompt has {len(token_ids)} tokens, more than max_model_len={max_model_len}"
+            request.status = RequestStatus.FINISHED_IGNORED
+            self._finished_at_once.append(state)
             return
-        self.requests[request_id] = seq_group
-        self.scheduler.add_seq_group(seq_group)
+        self.requests[request_id] = state
+        self._state_of[request.req_id] = state
+        self.scheduler.add_request(request, self._min_tokens_stop_ids(params), self._num_top_tokens(params))
 
     def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         if prompt_token_ids is None:
@@ -164,15 +178,39 @@ class LLMEngine:
                 raise ValueError(f"prompt token id {token_id!r} is outside the vocabulary [0, {vocab_size})")
         return token_ids
 
+    def _min_tokens_stop_ids(self, params: SamplingParams) -> list[int]:
+        if not params.min_tokens:
+            return []
+        return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
+
+    def _num_top_tokens(self, params: SamplingParams) -> int:
+        beam = 0
+        if params.use_beam_search:
+            beam = num_candidates(params.best_of, 0 if params.ignore_eos else len(self.eos_token_ids))
+        return max(params.logprobs or 0, beam)
+
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """End requests wherever they are; their blocks are free when this returns."""
         request_ids = {request_id} if isinstance(request_id, str) else set(request_id)
-        self._finished_at_once = [g for g in self._finished_at_once if g.request_id not in request_ids]
-        for seq_group in self.scheduler.abort_seq_group(request_ids):
-            self._finish_request(seq_group)
+        self._finished_at_once = [s for s in self._finished_at_once if s.request_id not in request_ids]
+        for rid in request_ids:
+            state = self.requests.get(rid)
+            if state is None:
+                continue
+            self.scheduler.finish_requests(_live(state), RequestStatus.FINISHED_ABORTED)
+            self._retire(state)
+
+    def request_id_of(self, req_id: int) -> str | None:
+        """The caller's id of the request an engine sequence belongs to (None once it ended)."""
+        state = self._state_of.get(req_id)
+        return None if state is None else state.request_id
+
+    def drop_in_flight_step(self) -> None:
+        """Forget the step in flight (after a failed step, whose requests are then aborted)."""
+        self._in_flight = None
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests or self._finished_at_once)
+        return bool(self.requests or self._finished_at_once or self._in_flight)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.requests) + len(self._finished_at_once)
@@ -182,144 +220,176 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration of continuous batching.
 
-        Returns an output for each request that finished in this step, and for each streaming
-        request (``add_request(stream=True)``) that got new tokens.
+        Returns an output for each request that finished, and for each streaming request
+        (``add_request(stream=True)``) that got new tokens, since the last call.
         """
-        outputs = [RequestOutput.from_seq_group(g) for g in self._finished_at_once]
+        outputs = [RequestOutput.from_state(s) for s in self._finished_at_once]
         self._finished_at_once.clear()
-        scheduler_outputs = self.scheduler.schedule()
-        for seq_group in scheduler_outputs.ignored_seq_groups:
-            self._finish_request(seq_group)
-            outputs.append(RequestOutput.from_seq_group(seq_group))
-        if scheduler_outputs.is_empty():
-            return outputs
-
-        request = ExecuteModelRequest(
-            seq_groups=[self._group_metadata(s) for s in scheduler_outputs.scheduled_seq_groups],
-            blocks_to_swap_out=scheduler_outputs.blocks_to_swap_out,
-            blocks_to_swap_in=scheduler_outputs.blocks_to_swap_in,
-            blocks_to_copy=scheduler_outputs.blocks_to_copy,
-            finished_request_ids=self._finished_request_ids,
-        )
-        self._finished_request_ids = []
-        output = self.executor.execute_model(request)
-
-        now = time.time()
-        block_manager = self.scheduler.block_manager
-        for scheduled in scheduler_outputs.scheduled_seq_groups:
-            seq_group = scheduled.seq_group
-            for seq in seq_group.seqs:
-                num_new_tokens = scheduled.num_new_tokens.get(seq.seq_id)
-                if num_new_tokens is None:
-                    continue
-                if seq.is_prefill():
-                    self._num_prefill_tokens += num_new_tokens
-                seq.num_computed_tokens += num_new_tokens
-                block_manager.mark_computed(seq)
-            samples = output.samples.get(seq_group.request_id)
-            self.output_processor.process(
-                seq_group, samples, output.prompt_logprobs.get(seq_group.request_id)
-            )
-            if samples:
-                self._num_generation_tokens += len(samples)
-                metrics = seq_group.metrics
-                if metrics.first_token_time is None:
-                    metrics.first_token_time = now
-                metrics.last_token_time = now
-            finished = seq_group.is_finished()
-            if finished:
-                self.output_processor.finalize_text(seq_group)
-                self._finish_request(seq_group, now)
-            if finished or (samples and seq_group.stream):
-                outputs.append(RequestOutput.from_seq_group(seq_group))
-        self.scheduler.free_finished_seq_groups()
+        if self._in_flight is not None and (
+            not self.async_scheduling or self.scheduler.has_requests_needing_host()
+        ):
+            outputs += self._apply(*self._in_flight)
+            self._in_flight = None
+        scheduler_output = self.scheduler.schedule()
+        outputs += self._report_stopped()
+        launched = None
+        if (
+            scheduler_output.has_forward
+            or _has_cache_ops(scheduler_output)
+            or scheduler_output.finished_req_ids
+        ):
+            launched = self.executor.execute_model(scheduler_output)
+        if self._in_flight is not None:
+            outputs += self._apply(*self._in_flight)
+            self._in_flight = None
+        if launched is not None and scheduler_output.has_forward:
+            if self.async_scheduling:
+                self._in_flight = (scheduler_output, launched)
+            else:
+                outputs += self._apply(scheduler_output, launched)
         return outputs
 
-    def _group_metadata(self, scheduled: ScheduledSequenceGroup) -> SequenceGroupMetadata:
-        seq_group = scheduled.seq_group
-        params = seq_group.sampling_params
-        block_manager = self.scheduler.block_manager
-        has_penalties = (
-            params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0
-            or params.repetition_penalty != 1.0
-        )
-        seqs = []
-        for seq in seq_group.seqs:
-            num_new_tokens = scheduled.num_new_tokens.get(seq.seq_id)
-            if num_new_tokens is None:
-                continue
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new_tokens
-            seqs.append(
-                ScheduledSequence(
-                    seq_id=seq.seq_id,
-                    token_ids=seq.get_token_ids_slice(start, end),
-                    num_computed_tokens=start,
-                    block_table=block_manager.get_block_table(seq),
-                    do_sample=end == seq.get_len(),
-                    num_output_tokens=seq.num_output_tokens,
-                    output_token_ids=seq.output_token_ids if has_penalties else None,
-                )
-            )
-        metadata = SequenceGroupMetadata(
-            request_id=seq_group.request_id,
-            sampling_params=params,
-            seqs=seqs,
-            num_samples=1 if seq_group.is_forked or params.use_beam_search else params.best_of,
-            stop_token_ids=self._min_tokens_stop_ids(params),
-            prompt_token_ids=seq_group.prompt_token_ids if params.repetition_penalty != 1.0 else None,
-            num_top_tokens=max(params.logprobs or 0, self._num_beam_candidates(params)),
-        )
-        if params.prompt_logprobs is not None:
-            self._add_prompt_logprob_positions(seq_group, seqs, metadata)
-        return metadata
+    def _apply(self, scheduler_output: SchedulerOutput, launched: StepOutput) -> list[RequestOutput]:
+        """A step's samples: into the requests, through detokenization and stop checks, out as
+        the outputs of the requests they extended or ended."""
+        runner_output = launched.get()
+        sampled = self.scheduler.update_from_output(scheduler_output, runner_output)
+        now = time.time()
+        touched: dict[str, RequestState] = {}
+        for req_id, prompt_logprobs in runner_output.prompt_logprobs.items():
+            state = self._state_of.get(req_id)
+            if state is not None:
+                self.output_processor.add_prompt_logprobs(state, prompt_logprobs)
+        for parent, child in sampled.forked:
+            state = self._state_of[parent.req_id]
+            state.seqs.append(child)
+            self._state_of[child.req_id] = state
+        for request, row in sampled.appended:
+            state = self._state_of[request.req_id]
+            status = self.output_processor.process_token(state, request, runner_output, row)
+            if status is not None:
+                self.scheduler.finish_requests((request,), status)
+            touched[state.request_id] = state
+        self._apply_beam_search(sampled, runner_output, touched)
+        outputs = []
+        for state in touched.values():
+            metrics = state.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+                metrics.first_scheduled_time = state.seqs[0].first_scheduled_time
+            metrics.last_token_time = now
+            if state.is_finished():
+                self.output_processor.finalize_text(state)
+                self._retire(state, now)
+                outputs.append(RequestOutput.from_state(state))
+            elif state.stream:
+                outputs.append(RequestOutput.from_state(state))
+        return outputs
 
-    def _min_tokens_stop_ids(self, params: SamplingParams) -> list[int]:
-        if not params.min_tokens:
-            return []
-        return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
-
-    def _num_beam_candidates(self, params: SamplingParams) -> int:
-        if not params.use_beam_search:
-            return 0
-        return num_candidates(params.best_of, 0 if params.ignore_eos else len(self.eos_token_ids))
-
-    @staticmethod
-    def _add_prompt_logprob_positions(
-        seq_group: SequenceGroup, seqs: list[ScheduledSequence], metadata: SequenceGroupMetadata
+    def _apply_beam_search(
+        self, sampled: SampledRequests, runner_output: ModelRunnerOutput, touched: dict[str, RequestState]
     ) -> None:
-        """Positions of this step that score prompt tokens not scored yet (a recomputed prompt is
-        not scored twice). Position p scores prompt token p + 1."""
-        prompt = seq_group.prompt_token_ids
-        num_scored = len(seq_group.prompt_logprobs or [None])
-        for seq in seqs:
-            start = max(seq.num_computed_tokens, num_scored - 1)
-            end = min(seq.num_computed_tokens + len(seq.token_ids), len(prompt) - 1)
-            positions = list(range(start, end))
-            metadata.prompt_logprob_positions += positions
-            metadata.prompt_logprob_targets += [prompt[p + 1] for p in positions]
-        metadata.num_prompt_logprobs = seq_group.sampling_params.prompt_logprobs or 0
+        by_state: dict[str, list[tuple[Request, list[int], list[float]]]] = {}
+        for request, row in sampled.beams:
+            _, top_ids, top_logprobs = runner_output.top_tokens[row]
+            by_state.setdefault(self._state_of[request.req_id].request_id, []).append(
+                (request, top_ids, top_logprobs)
+            )
+        for request_id, beams in by_state.items():
+            state = self.requests[request_id]
+            touched[request_id] = state
+            self._beam_step(state, beams)
 
-    def _finish_request(self, seq_group: SequenceGroup, now: float | None = None) -> None:
-        seq_group.metrics.finished_time = now or time.time()
-        if self.requests.pop(seq_group.request_id, None) is not None:
-            self._finished_request_ids.append(seq_group.request_id)
+    def _beam_step(self, state: RequestState, beams: list[tuple[Request, list[int], list[float]]]) -> None:
+        params = state.sampling_params
+        beam_state = state.beam_state
+        assert isinstance(beam_state, BeamSearchState)
+        num_eos = 0 if params.ignore_eos else len(self.eos_token_ids)
+        # The most tokens a beam can reach: it bounds how much a live beam can still improve.
+        room = self.config.model_config.max_model_len - len(state.prompt_token_ids)
+        max_new_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        decision = beam_search_step(
+            beam_state,
+            params,
+            beams,
+            lambda beam, token_id: self.stop_checker.status_if_appended(beam, token_id, params),
+            num_eos,
+            max_new_tokens,
+        )
+        for index, (score, kept) in enumerate(beam_state.finished):
+            if isinstance(kept, PendingHypothesis):
+                hypothesis = self.scheduler.new_hypothesis(
+                    kept.parent, kept.token_id, kept.logprob, kept.status
+                )
+                self.output_processor.detokenize(state, hypothesis)
+                beam_state.finished[index] = (score, hypothesis)
+        for beam, _, _ in beams:
+            if beam.req_id not in decision.extensions:
+                self._state_of.pop(beam.req_id, None)
+        live = self.scheduler.apply_beam_step([b for b, _, _ in beams], decision.extensions)
+        for beam in live:
+            self._state_of[beam.req_id] = state
+            self.output_processor.detokenize(state, beam)
+        beam_state.beam_scores = dict(zip((b.req_id for b in live), decision.scores))
+        state.seqs = live
+        if decision.done:
+            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+            for beam in live:
+                self._state_of.pop(beam.req_id, None)
+            hypotheses = [seq for _, seq in beam_state.finished]
+            for index, seq in enumerate(hypotheses):
+                seq.output_index = index
+            state.seqs = hypotheses
+
+    def _report_stopped(self) -> list[RequestOutput]:
+        """Requests the scheduler ended without running them to their end."""
+        outputs = []
+        for request in self.scheduler.stopped:
+            state = self._state_of.get(request.req_id)
+            if state is None:
+                continue
+            state.error = request.error
+            if state.is_finished() and state.request_id in self.requests:
+                self.output_processor.finalize_text(state)
+                self._retire(state)
+                outputs.append(RequestOutput.from_state(state))
+        self.scheduler.stopped.clear()
+        return outputs
+
+    def _retire(self, state: RequestState, now: float | None = None) -> None:
+        state.metrics.finished_time = now or time.time()
+        self.requests.pop(state.request_id, None)
+        for seq in state.seqs:
+            self._state_of.pop(seq.req_id, None)
 
     # --- introspection ----------------------------------------------------------------------
 
     def get_stats(self) -> EngineStats:
         scheduler = self.scheduler
+        kv = scheduler.kv_cache_manager
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
-            num_swapped=len(scheduler.swapped),
-            num_free_gpu_blocks=scheduler.block_manager.get_num_free_gpu_blocks(),
+            num_swapped=sum(len(group) for group in scheduler.swapped),
+            num_free_gpu_blocks=kv.get_num_free_gpu_blocks(),
             num_gpu_blocks=self.num_gpu_blocks,
-            num_free_cpu_blocks=scheduler.block_manager.get_num_free_cpu_blocks(),
+            num_free_cpu_blocks=kv.get_num_free_cpu_blocks(),
             num_cpu_blocks=self.num_cpu_blocks,
             num_preemptions_recompute=scheduler.num_preemptions[PreemptionMode.RECOMPUTE],
             num_preemptions_swap=scheduler.num_preemptions[PreemptionMode.SWAP],
-            num_prefill_tokens=self._num_prefill_tokens,
-            num_generation_tokens=self._num_generation_tokens,
-            prefix_cache_hit_rate=scheduler.block_manager.get_prefix_cache_hit_rate(),
+            num_prefill_tokens=scheduler.num_prefill_tokens,
+            num_generation_tokens=scheduler.num_generation_tokens,
+            prefix_cache_hit_rate=kv.get_prefix_cache_hit_rate(),
         )
+
+
+def _live(state: RequestState) -> list[Request]:
+    return [seq for seq in state.seqs if not seq.is_finished]
+
+
+def _has_cache_ops(scheduler_output: SchedulerOutput) -> bool:
+    return bool(
+        scheduler_output.blocks_to_swap_in
+        or scheduler_output.blocks_to_swap_out
+        or scheduler_output.blocks_to_copy
+    )

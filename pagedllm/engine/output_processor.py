@@ -1,108 +1,57 @@
-"""What the engine does with a step's samples: extend sequences, fork, record logprobs,
-detokenize, check stop conditions, free what finished."""
+"""What the engine does with each new token: logprobs in vLLM's format, incremental (or one-shot)
+detokenization, stop checks."""
 
 from __future__ import annotations
 
-import itertools
-
-from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.request import Logprob, Request, RequestState, RequestStatus
 from pagedllm.detokenizer import decode_all, decode_incrementally
-from pagedllm.engine.beam_search import BeamSearch
 from pagedllm.engine.stop_checker import StopChecker
-from pagedllm.layers.sampler import SequenceSample
-from pagedllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
 from pagedllm.tokenizer import Tokenizer
+from pagedllm.worker.step_io import ModelRunnerOutput, PromptLogprobsOutput
 
 
 class OutputProcessor:
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        tokenizer: Tokenizer | None,
-        stop_checker: StopChecker,
-        seq_counter: itertools.count,
-    ) -> None:
-        self.scheduler = scheduler
+    def __init__(self, tokenizer: Tokenizer | None, stop_checker: StopChecker) -> None:
         self.tokenizer = tokenizer
         self.stop_checker = stop_checker
-        self._seq_counter = seq_counter
-        self.beam_search = BeamSearch(
-            fork=self._fork,
-            free=scheduler.free_seq,
-            new_seq_id=lambda: next(seq_counter),
-            ends=self._status_if_appended,
-            append=self._append,
-        )
 
-    def process(
-        self,
-        seq_group: SequenceGroup,
-        samples: list[SequenceSample] | None,
-        prompt_logprobs: list[SequenceSample] | None,
-    ) -> None:
-        """Apply one step's results to a request."""
-        if prompt_logprobs:
-            self._add_prompt_logprobs(seq_group, prompt_logprobs)
-        if not samples:
-            return
-        params = seq_group.sampling_params
-        if params.use_beam_search:
-            num_eos = 0 if params.ignore_eos else len(self.stop_checker.eos_token_ids)
-            # The most tokens a beam can reach: it bounds how much a live beam can still improve.
-            room = self.stop_checker.max_model_len - len(seq_group.prompt_token_ids)
-            max_new_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-            self.beam_search.step(seq_group, samples, num_eos, max_new_tokens)
-            return
-        if seq_group.is_forked:
-            seqs_by_id = {seq.seq_id: seq for seq in seq_group.seqs}
-            pairs = [(seqs_by_id[sample.parent_seq_id], sample) for sample in samples]
-        else:
-            # The first sample of a best_of > 1 request: fork the prompt's sequence, sharing its
-            # blocks, once per extra sample. The parent takes the first sample.
-            parent = seq_group.seqs[0]
-            for index in range(1, len(samples)):
-                self._fork(seq_group, parent).output_index = index
-            pairs = list(zip(seq_group.seqs, samples))
-        for seq, sample in pairs:
-            new_char_count = self._append(seq_group, seq, sample)
-            self.stop_checker.check(seq, new_char_count, params)
-            if seq.is_finished():
-                self.scheduler.free_seq(seq)
-
-    def _fork(self, seq_group: SequenceGroup, parent: Sequence) -> Sequence:
-        child = parent.fork(next(self._seq_counter))
-        self.scheduler.fork_seq(parent, child)
-        seq_group.add(child)
-        return child
-
-    def _status_if_appended(
-        self, seq_group: SequenceGroup, seq: Sequence, token_id: int
-    ) -> SequenceStatus | None:
-        return self.stop_checker.status_if_appended(seq, token_id, seq_group.sampling_params)
-
-    def _append(self, seq_group: SequenceGroup, seq: Sequence, sample: SequenceSample) -> int:
-        """Append the token (and its logprobs, when asked for); return the characters it added."""
-        params = seq_group.sampling_params
-        seq.append_token_id(sample.token_id, sample.logprob)
+    def process_token(
+        self, state: RequestState, request: Request, runner_output: ModelRunnerOutput, row: int
+    ) -> RequestStatus | None:
+        """Record the logprobs and text of the request's newest token (sampled in ``row``);
+        return the status it finishes with, if it does."""
+        params = state.sampling_params
         if params.logprobs is not None:
-            seq.output_logprobs.append(self._logprob_entry(sample))
-        if self.tokenizer is None or not _decodes_incrementally(seq_group):
+            rank, top_ids, top_logprobs = runner_output.top_tokens[row]
+            token_id = request.output_token_ids[-1]
+            logprob = runner_output.logprobs[row]
+            request.output_logprobs.append(
+                self._logprob_entry(token_id, logprob, rank, top_ids, top_logprobs)
+            )
+        new_char_count = self.detokenize(state, request)
+        return self.stop_checker.check(request, new_char_count, params)
+
+    def detokenize(self, state: RequestState, request: Request) -> int:
+        """Extend the request's text by its newest tokens when it is decoded token by token;
+        return the characters added."""
+        if self.tokenizer is None or not _decodes_incrementally(state):
             return 0
+        params = state.sampling_params
         new_text = decode_incrementally(
-            self.tokenizer, seq, params.skip_special_tokens, params.spaces_between_special_tokens
+            self.tokenizer, request, params.skip_special_tokens, params.spaces_between_special_tokens
         )
         return len(new_text)
 
-    def finalize_text(self, seq_group: SequenceGroup) -> None:
+    def finalize_text(self, state: RequestState) -> None:
         """Decode a finished request's text at once when it was not decoded token by token."""
-        if self.tokenizer is None or _decodes_incrementally(seq_group):
+        if self.tokenizer is None or _decodes_incrementally(state):
             return
-        params = seq_group.sampling_params
-        for seq in seq_group.seqs:
+        params = state.sampling_params
+        for seq in state.seqs:
             num_tokens = seq.num_output_tokens
             # A stop token's own text is not part of the answer (see StopChecker.check); without
             # incremental decoding no stop string can have ended it.
-            stopped_by_token = seq.status == SequenceStatus.FINISHED_STOPPED
+            stopped_by_token = seq.status == RequestStatus.FINISHED_STOPPED
             if stopped_by_token and not params.include_stop_str_in_output:
                 num_tokens -= 1
             seq.output_text = decode_all(
@@ -113,24 +62,39 @@ class OutputProcessor:
                 params.spaces_between_special_tokens,
             )
 
-    def _add_prompt_logprobs(self, seq_group: SequenceGroup, scored: list[SequenceSample]) -> None:
-        if seq_group.prompt_logprobs is None:
-            seq_group.prompt_logprobs = [None]  # the first prompt token has no logprob
-        seq_group.prompt_logprobs.extend(self._logprob_entry(sample) for sample in scored)
+    def add_prompt_logprobs(self, state: RequestState, scored: PromptLogprobsOutput) -> None:
+        """Append the scored prompt positions not scored before (a prompt recomputed after
+        preemption is scored again; its first scores stand)."""
+        if state.prompt_logprobs is None:
+            state.prompt_logprobs = [None]  # the first prompt token has no logprob
+        have = len(state.prompt_logprobs)  # prompt tokens 0 .. have - 1 are scored
+        for i, token_id in enumerate(scored.token_ids):
+            if scored.start + 1 + i < have:
+                continue
+            state.prompt_logprobs.append(
+                self._logprob_entry(
+                    token_id,
+                    scored.logprobs[i],
+                    scored.ranks[i],
+                    scored.top_token_ids[i],
+                    scored.top_logprobs[i],
+                )
+            )
 
-    def _logprob_entry(self, sample: SequenceSample) -> dict[int, Logprob]:
+    def _logprob_entry(
+        self, token_id: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float]
+    ) -> dict[int, Logprob]:
         """vLLM's format: the chosen token and the top tokens, each with its rank and text."""
-        entry = {sample.token_id: Logprob(sample.logprob, sample.rank, self._decode(sample.token_id))}
-        top = zip(sample.top_token_ids or [], sample.top_logprobs or [])
-        for rank, (token_id, logprob) in enumerate(top, start=1):
-            if token_id not in entry:
-                entry[token_id] = Logprob(logprob, rank, self._decode(token_id))
+        entry = {token_id: Logprob(logprob, rank, self._decode(token_id))}
+        for top_rank, (top_id, top_logprob) in enumerate(zip(top_ids, top_logprobs), start=1):
+            if top_id not in entry:
+                entry[top_id] = Logprob(top_logprob, top_rank, self._decode(top_id))
         return entry
 
     def _decode(self, token_id: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
 
-def _decodes_incrementally(seq_group: SequenceGroup) -> bool:
+def _decodes_incrementally(state: RequestState) -> bool:
     # Streamed text is needed every step; stop strings are matched against the text as it grows.
-    return seq_group.stream or bool(seq_group.sampling_params.stop)
+    return state.stream or bool(state.sampling_params.stop)

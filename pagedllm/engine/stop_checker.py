@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.sequence import Sequence, SequenceStatus
 
 
 class StopChecker:
@@ -13,8 +13,9 @@ class StopChecker:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
 
-    def check(self, seq: Sequence, new_char_count: int, params: SamplingParams) -> None:
-        """Set ``seq.status`` (and ``stop_reason``) when its newest token ends it.
+    def check(self, seq: Request, new_char_count: int, params: SamplingParams) -> RequestStatus | None:
+        """The status the request's newest token ends it with (setting its ``stop_reason`` and
+        trimming its text), or None.
 
         ``new_char_count`` is how many characters the newest token added to ``seq.output_text``.
         """
@@ -23,9 +24,8 @@ class StopChecker:
             # The stop token's own text (when special tokens are kept) is not part of the answer.
             if new_char_count and not params.include_stop_str_in_output:
                 seq.output_text = seq.output_text[:-new_char_count]
-            seq.status = SequenceStatus.FINISHED_STOPPED
             seq.stop_reason = None if last_token_id in self._eos(params) else last_token_id
-            return
+            return RequestStatus.FINISHED_STOPPED
         stop = (
             self._find_stop_string(seq, new_char_count, params)
             if seq.num_output_tokens >= params.min_tokens
@@ -35,21 +35,22 @@ class StopChecker:
             stop_str, index = stop
             end = index + len(stop_str) if params.include_stop_str_in_output else index
             seq.output_text = seq.output_text[:end]
-            seq.status = SequenceStatus.FINISHED_STOPPED
             seq.stop_reason = stop_str
-        elif self._at_length_limit(seq.get_len(), seq.num_output_tokens, params):
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+            return RequestStatus.FINISHED_STOPPED
+        if self._at_length_limit(seq.num_tokens, seq.num_output_tokens, params):
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
 
     def status_if_appended(
-        self, seq: Sequence, token_id: int, params: SamplingParams
-    ) -> SequenceStatus | None:
+        self, seq: Request, token_id: int, params: SamplingParams
+    ) -> RequestStatus | None:
         """How the sequence would finish if ``token_id`` came next, by token and length alone (beam
         search weighs candidates before any is appended; it takes no stop strings)."""
         num_output_tokens = seq.num_output_tokens + 1
         if self._stops_on_token(token_id, num_output_tokens, params):
-            return SequenceStatus.FINISHED_STOPPED
-        if self._at_length_limit(seq.get_len() + 1, num_output_tokens, params):
-            return SequenceStatus.FINISHED_LENGTH_CAPPED
+            return RequestStatus.FINISHED_STOPPED
+        if self._at_length_limit(seq.num_tokens + 1, num_output_tokens, params):
+            return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
     def _eos(self, params: SamplingParams) -> set[int]:
@@ -67,7 +68,7 @@ class StopChecker:
 
     @staticmethod
     def _find_stop_string(
-        seq: Sequence, new_char_count: int, params: SamplingParams
+        seq: Request, new_char_count: int, params: SamplingParams
     ) -> tuple[str, int] | None:
         """The earliest stop string that the newest characters complete, and where it starts."""
         if not params.stop or not new_char_count:

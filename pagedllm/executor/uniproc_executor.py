@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from pagedllm.config import EngineConfig
-from pagedllm.worker.execute_request import ExecuteModelRequest, ModelRunnerOutput
+from pagedllm.worker.model_runner import StepOutput
+from pagedllm.worker.step_io import SchedulerOutput
 from pagedllm.worker.worker import Worker
 
 
@@ -21,5 +22,6 @@ class UniProcExecutor:
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
 
-    def execute_model(self, request: ExecuteModelRequest) -> ModelRunnerOutput:
-        return self.worker.execute_model(request)
+    def execute_model(self, scheduler_output: SchedulerOutput) -> StepOutput:
+        """Launch the step; its samples come from the returned handle's ``get()``."""
+        return self.worker.execute_model(scheduler_output)

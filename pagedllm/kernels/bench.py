@@ -87,7 +87,7 @@ def _load_triton() -> DecodeFn:
 
 
 def _triton_default_launch(shape: DecodeShape) -> dict[str, int]:
-    from pagedllm.attention.backends.triton_backend import default_launches
+    from pagedllm.kernels.triton.launch import default_launches
 
     return dataclasses.asdict(default_launches(shape.head_size, shape.dtype)[0])
 

@@ -1,1 +1,1 @@
-"""Model building blocks: norms, rotary, tensor-parallel linear layers, embeddings, logits, sampling."""
+"""Model building blocks: norms, rotary, tensor-parallel linear layers, embeddings, logits."""

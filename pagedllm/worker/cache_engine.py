@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.worker.input_buffers import to_device
 
 
 @dataclass(frozen=True)
@@ -103,12 +104,8 @@ class CacheEngine:
         _copy_blocks(self.gpu_cache, self.cpu_cache, blocks_to_swap_out)
         _copy_blocks(self.cpu_cache, self.gpu_cache, blocks_to_swap_in)
         if blocks_to_copy:
-            src = torch.tensor([s for s, _ in blocks_to_copy], dtype=torch.long).to(
-                self.device, non_blocking=True
-            )
-            dst = torch.tensor([d for _, d in blocks_to_copy], dtype=torch.long).to(
-                self.device, non_blocking=True
-            )
+            src = to_device([s for s, _ in blocks_to_copy], self.device, torch.long)
+            dst = to_device([d for _, d in blocks_to_copy], self.device, torch.long)
             for layer in self.gpu_cache:
                 for tensor in layer:
                     tensor.index_copy_(0, dst, tensor.index_select(0, src))

@@ -30,31 +30,52 @@ class InputBuffers:
             "slot_mapping": (max_num_tokens, torch.int64),
             "seq_lens": (max_num_seqs, torch.int32),
             "query_start_loc": (max_num_seqs + 1, torch.int32),
+            # Rows of the persistent batch, and where decode inputs come from the device.
+            "req_rows": (max_num_seqs, torch.int64),
+            "device_input_index": (max_num_seqs, torch.int64),
+            "device_input_rows": (max_num_seqs, torch.int64),
         }
         if self.on_host:
             return
-        self._host = {name: torch.zeros(n, dtype=t, pin_memory=True) for name, (n, t) in sizes.items()}
         self._device = {name: torch.zeros(n, dtype=t, device=device) for name, (n, t) in sizes.items()}
         shape = (max_num_seqs, max_blocks_per_seq)
-        self._host["block_tables"] = torch.zeros(shape, dtype=torch.int32, pin_memory=True)
         self._device["block_tables"] = torch.zeros(shape, dtype=torch.int32, device=device)
 
     def put(self, name: str, array: np.ndarray, pad_to: int = 0, pad_value: int = 0) -> torch.Tensor:
         """The device tensor holding ``array`` (its first ``max(len(array), pad_to)`` rows; rows past
-        the array hold ``pad_value``). Block tables keep their full width: only the rows change."""
+        the array hold ``pad_value``). Block tables keep their full width: only the rows change.
+
+        The staging copy is a fresh pinned tensor from torch's caching host allocator, which does
+        not hand it out again before its copy has run: with asynchronous scheduling the host fills
+        the next step's inputs while the device may not yet have read this step's.
+        """
         if self.on_host:
             return torch.from_numpy(array)
         num_rows = max(len(array), pad_to)
-        host = self._host[name][:num_rows]
+        device = self._device[name][:num_rows]
+        host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
         if array.ndim == 2:
             host[: len(array), : array.shape[1]] = torch.from_numpy(array)
         else:
             host[: len(array)] = torch.from_numpy(array)
         host[len(array) :] = pad_value
-        device = self._device[name][:num_rows]
         device.copy_(host, non_blocking=True)
         return device
 
     def device_view(self, name: str, num_rows: int) -> torch.Tensor:
         """The first rows of a device buffer, as a captured graph reads them."""
         return self._device[name][:num_rows]
+
+
+def to_device(
+    array: np.ndarray | list, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A host array on ``device`` without a host sync: through pinned memory, asynchronously.
+
+    A copy from pageable memory would first wait for the device's stream to drain (CUDA's rule
+    for pageable transfers), which would end the overlap of host and device work.
+    """
+    tensor = torch.as_tensor(array, dtype=dtype)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -7,8 +7,8 @@ import torch
 from pagedllm.attention.backends import get_attn_backend
 from pagedllm.config import EngineConfig, GiB
 from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
-from pagedllm.worker.execute_request import ExecuteModelRequest, ModelRunnerOutput
-from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.model_runner import ModelRunner, StepOutput
+from pagedllm.worker.step_io import SchedulerOutput
 
 
 class Worker:
@@ -29,8 +29,6 @@ class Worker:
         )
         self.model_runner = ModelRunner(config, self.attn_backend)
         self.cache_engine: CacheEngine | None = None
-        # Seeded requests' generators, on this device, kept until the request finishes.
-        self.generators: dict[str, torch.Generator] = {}
 
     def init_device(self) -> None:
         if self.device.type == "cuda":
@@ -106,19 +104,13 @@ class Worker:
         )
         self.model_runner.capture_model(self.cache_engine.gpu_cache)
 
-    def execute_model(self, request: ExecuteModelRequest) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> StepOutput:
+        """Do the step's block moves, then its forward pass and sampling (without waiting for the
+        samples: ``StepOutput.get`` does)."""
         assert self.cache_engine is not None, "initialize_cache() first"
-        for request_id in request.finished_request_ids:
-            self.generators.pop(request_id, None)
         self.cache_engine.run_cache_ops(
-            request.blocks_to_swap_out, request.blocks_to_swap_in, request.blocks_to_copy
+            scheduler_output.blocks_to_swap_out,
+            scheduler_output.blocks_to_swap_in,
+            scheduler_output.blocks_to_copy,
         )
-        if not request.seq_groups:
-            return ModelRunnerOutput(samples={})
-        for group in request.seq_groups:
-            seed = group.sampling_params.seed
-            if seed is not None and group.request_id not in self.generators:
-                self.generators[group.request_id] = torch.Generator(device=self.device).manual_seed(seed)
-        return self.model_runner.execute_model(
-            request.seq_groups, self.cache_engine.gpu_cache, self.generators
-        )
+        return self.model_runner.execute_model(scheduler_output, self.cache_engine.gpu_cache)

@@ -57,10 +57,11 @@ def fail_steps_of(engine: LLMEngine, monkeypatch: pytest.MonkeyPatch, request_id
     """Make every step that runs one of ``request_ids`` (every step, when None) raise."""
     execute_model = engine.executor.execute_model
 
-    def failing(request):
-        if request_ids is None or any(g.request_id in request_ids for g in request.seq_groups):
+    def failing(scheduler_output):
+        scheduled = {engine.request_id_of(req_id) for req_id in scheduler_output.num_scheduled_tokens}
+        if request_ids is None or scheduled & request_ids:
             raise RuntimeError("injected step failure")
-        return execute_model(request)
+        return execute_model(scheduler_output)
 
     monkeypatch.setattr(engine.executor, "execute_model", failing)
 

@@ -82,11 +82,11 @@ def token_ids(outputs) -> list[list[int]]:
 
 
 def assert_all_blocks_free(engine: LLMEngine) -> None:
-    bm = engine.scheduler.block_manager
+    bm = engine.scheduler.kv_cache_manager
     assert not engine.has_unfinished_requests()
     assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks
     assert bm.get_num_free_cpu_blocks() == bm.num_total_cpu_blocks
-    assert not bm.block_tables
+    assert bm.get_num_requests_with_blocks() == 0
 
 
 def make_llm(model_config, **kwargs) -> LLM:
@@ -200,13 +200,13 @@ def test_parallel_samples_share_the_prompt_blocks(tiny_llama):
     )
     engine.step()  # prefill and first sample: the request forks into 4 sequences
     group = engine.requests["0"]
-    tables = [engine.scheduler.block_manager.get_block_table(seq) for seq in group.seqs]
+    tables = [engine.scheduler.kv_cache_manager.get_block_ids(seq) for seq in group.seqs]
     assert len(tables) == 4
     num_full_prompt_blocks = len(prompt) // 4
     assert all(t[:num_full_prompt_blocks] == tables[0][:num_full_prompt_blocks] for t in tables)
     used = (
-        engine.scheduler.block_manager.num_total_gpu_blocks
-        - engine.scheduler.block_manager.get_num_free_gpu_blocks()
+        engine.scheduler.kv_cache_manager.num_total_gpu_blocks
+        - engine.scheduler.kv_cache_manager.get_num_free_gpu_blocks()
     )
     assert used == (len(prompt) + 3) // 4, "the prompt's blocks are allocated once"
     while engine.has_unfinished_requests():

@@ -11,8 +11,8 @@ from transformers import LlamaConfig, Qwen2Config
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.penalties import apply_penalties
-from pagedllm.layers.sampler import SamplingGroup
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.penalties import apply_penalties
 from pagedllm.tokenizer import apply_chat_template
 
 
@@ -23,11 +23,11 @@ def ragged_prompts(n: int, vocab_size: int, seed: int, lo: int = 2, hi: int = 24
 
 def assert_all_blocks_free(llm: LLM) -> None:
     engine = llm.llm_engine
-    bm = engine.scheduler.block_manager
+    bm = engine.scheduler.kv_cache_manager
     assert not engine.has_unfinished_requests()
     assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks
     assert bm.get_num_free_cpu_blocks() == bm.num_total_cpu_blocks
-    assert not bm.block_tables
+    assert bm.get_num_requests_with_blocks() == 0
 
 
 @pytest.fixture
@@ -105,8 +105,8 @@ def test_best_of_allocates_the_prompt_once_and_returns_the_best_n(tiny):
     engine.add_request("0", sampling_params=params, prompt_token_ids=prompt)
     engine.step()
     group = engine.requests["0"]
-    bm = engine.scheduler.block_manager
-    tables = [bm.get_block_table(seq) for seq in group.seqs]
+    bm = engine.scheduler.kv_cache_manager
+    tables = [bm.get_block_ids(seq) for seq in group.seqs]
     assert len(tables) == 8
     num_prompt_blocks = (len(prompt) + 3) // 4
     assert all(table == tables[0] for table in tables), "every sample shares the prompt's blocks"
@@ -132,13 +132,20 @@ def test_penalties_match_hf_and_the_openai_formula():
         SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
         SamplingParams(repetition_penalty=0.8, presence_penalty=-1.0, frequency_penalty=1.5),
     ]
-    groups = [
-        SamplingGroup(
-            str(i), p, [i], [len(outputs[i])], [], output_token_ids=[outputs[i]], prompt_token_ids=prompt
-        )
-        for i, p in enumerate(params)
-    ]
-    got = apply_penalties(logits.clone(), groups)
+    counts = torch.stack(
+        [torch.bincount(torch.tensor(o, dtype=torch.long), minlength=vocab) for o in outputs]
+    )
+    metadata = SamplingMetadata(
+        temperature=None,
+        greedy=None,
+        all_greedy=True,
+        presence_penalty=torch.tensor([p.presence_penalty for p in params]),
+        frequency_penalty=torch.tensor([p.frequency_penalty for p in params]),
+        repetition_penalty=torch.tensor([p.repetition_penalty for p in params]),
+        output_counts=counts.float(),
+        prompt_mask=(torch.bincount(torch.tensor(prompt), minlength=vocab) > 0).expand(3, vocab),
+    )
+    got = apply_penalties(logits.clone(), metadata)
     for i, p in enumerate(params):
         expected = logits[i : i + 1].clone()
         if p.repetition_penalty != 1.0:

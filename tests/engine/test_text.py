@@ -2,10 +2,10 @@
 
 import pytest
 
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.detokenizer import decode_incrementally, init_detokenizer_state
 from pagedllm.engine.stop_checker import StopChecker
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.sequence import Sequence, SequenceStatus
 
 TEXTS = [
     "Hello there, how are you?",
@@ -15,12 +15,16 @@ TEXTS = [
 ]
 
 
-def stream(tokenizer, prompt: str, output_ids: list[int], **kwargs) -> tuple[Sequence, list[str]]:
-    seq = Sequence(0, tokenizer(prompt)["input_ids"], block_size=16)
+def make_request(prompt_token_ids: list[int]) -> Request:
+    return Request(0, prompt_token_ids, SamplingParams(), block_size=16)
+
+
+def stream(tokenizer, prompt: str, output_ids: list[int], **kwargs) -> tuple[Request, list[str]]:
+    seq = make_request(tokenizer(prompt)["input_ids"])
     init_detokenizer_state(seq)
     chunks = []
     for token_id in output_ids:
-        seq.append_token_id(token_id, 0.0)
+        seq.append_output_token(token_id, 0.0)
         chunks.append(decode_incrementally(tokenizer, seq, kwargs.get("skip", True), True))
     return seq, chunks
 
@@ -46,11 +50,11 @@ def test_special_tokens_skipped_or_kept(smollm2_tokenizer):
     assert seq.output_text == "Paris" + tokenizer.eos_token
 
 
-def make_seq(text_pieces: list[str], token_ids: list[int] | None = None) -> tuple[Sequence, list[int]]:
-    seq = Sequence(0, [1, 2, 3], block_size=16)
+def make_seq(text_pieces: list[str], token_ids: list[int] | None = None) -> tuple[Request, list[int]]:
+    seq = make_request([1, 2, 3])
     counts = []
     for i, piece in enumerate(text_pieces):
-        seq.append_token_id(token_ids[i] if token_ids else 100 + i, 0.0)
+        seq.append_output_token(token_ids[i] if token_ids else 100 + i, 0.0)
         seq.output_text += piece
         counts.append(len(piece))
     return seq, counts
@@ -59,14 +63,14 @@ def make_seq(text_pieces: list[str], token_ids: list[int] | None = None) -> tupl
 def test_stop_string_across_token_boundaries_is_cut_from_the_text():
     checker = StopChecker(max_model_len=100, eos_token_ids={0})
     params = SamplingParams(stop=["END"])
-    seq = Sequence(0, [1], block_size=16)
+    seq = make_request([1])
     for i, piece in enumerate(["The answer", " is 4.", " E", "N", "D and more"]):
-        seq.append_token_id(10 + i, 0.0)
+        seq.append_output_token(10 + i, 0.0)
         seq.output_text += piece
-        checker.check(seq, len(piece), params)
-        if seq.is_finished():
+        status = checker.check(seq, len(piece), params)
+        if status is not None:
             break
-    assert seq.status == SequenceStatus.FINISHED_STOPPED
+    assert status == RequestStatus.FINISHED_STOPPED
     assert seq.output_text == "The answer is 4. "
     assert seq.stop_reason == "END"
     assert seq.num_output_tokens == 5
@@ -75,38 +79,34 @@ def test_stop_string_across_token_boundaries_is_cut_from_the_text():
 def test_include_stop_str_in_output_and_earliest_match_wins():
     checker = StopChecker(max_model_len=100, eos_token_ids=set())
     params = SamplingParams(stop=["bb", "a"], include_stop_str_in_output=True)
-    seq = Sequence(0, [1], block_size=16)
-    seq.append_token_id(5, 0.0)
+    seq = make_request([1])
+    seq.append_output_token(5, 0.0)
     seq.output_text = "xbba"
-    checker.check(seq, 4, params)
+    assert checker.check(seq, 4, params) == RequestStatus.FINISHED_STOPPED
     assert seq.output_text == "xbb" and seq.stop_reason == "bb"
 
 
 def test_eos_stop_tokens_min_tokens_and_lengths():
     checker = StopChecker(max_model_len=8, eos_token_ids={0})
-    seq = Sequence(0, [1, 2], block_size=16)
-    seq.append_token_id(0, 0.0)
-    checker.check(seq, 0, SamplingParams(min_tokens=2))
-    assert not seq.is_finished(), "EOS before min_tokens does not stop"
-    checker.check(seq, 0, SamplingParams(ignore_eos=True))
-    assert not seq.is_finished()
-    checker.check(seq, 0, SamplingParams())
-    assert seq.status == SequenceStatus.FINISHED_STOPPED and seq.stop_reason is None
+    seq = make_request([1, 2])
+    seq.append_output_token(0, 0.0)
+    assert checker.check(seq, 0, SamplingParams(min_tokens=2)) is None, "EOS before min_tokens does not stop"
+    assert checker.check(seq, 0, SamplingParams(ignore_eos=True)) is None
+    assert checker.check(seq, 0, SamplingParams()) == RequestStatus.FINISHED_STOPPED
+    assert seq.stop_reason is None
 
-    seq = Sequence(0, [1, 2], block_size=16)
-    seq.append_token_id(42, 0.0)
+    seq = make_request([1, 2])
+    seq.append_output_token(42, 0.0)
     seq.output_text = "<stop>"
-    checker.check(seq, 6, SamplingParams(stop_token_ids=[42]))
-    assert seq.status == SequenceStatus.FINISHED_STOPPED and seq.stop_reason == 42
+    assert checker.check(seq, 6, SamplingParams(stop_token_ids=[42])) == RequestStatus.FINISHED_STOPPED
+    assert seq.stop_reason == 42
     assert seq.output_text == ""
 
-    seq = Sequence(0, [1, 2], block_size=16)
+    seq = make_request([1, 2])
     for _ in range(3):
-        seq.append_token_id(7, 0.0)
-    checker.check(seq, 0, SamplingParams(max_tokens=3))
-    assert seq.status == SequenceStatus.FINISHED_LENGTH_CAPPED
+        seq.append_output_token(7, 0.0)
+    assert checker.check(seq, 0, SamplingParams(max_tokens=3)) == RequestStatus.FINISHED_LENGTH_CAPPED
 
-    seq = Sequence(0, list(range(1, 8)), block_size=16)
-    seq.append_token_id(7, 0.0)  # length 8 = max_model_len
-    checker.check(seq, 0, SamplingParams(max_tokens=100))
-    assert seq.status == SequenceStatus.FINISHED_LENGTH_CAPPED
+    seq = make_request(list(range(1, 8)))
+    seq.append_output_token(7, 0.0)  # length 8 = max_model_len
+    assert checker.check(seq, 0, SamplingParams(max_tokens=100)) == RequestStatus.FINISHED_LENGTH_CAPPED

@@ -43,6 +43,6 @@ def test_triton_backend_matches_torch_end_to_end(make_tiny_model, block_size):
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in e.outputs]
     stats = triton_llm.llm_engine.get_stats()
     assert stats.num_preemptions_recompute + stats.num_preemptions_swap > 0
-    bm = triton_llm.llm_engine.scheduler.block_manager
+    bm = triton_llm.llm_engine.scheduler.kv_cache_manager
     assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks
     assert torch.get_default_dtype() == torch.float32

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: routes, API key, request size limit, errors as OpenAI's.
 
-Run it with ``pagedllm serve [MODEL]`` or ``python -m pagedllm.entrypoints.openai.api_server``.
+Run it with ``pagedllm serve [MODEL]`` (or ``python -m pagedllm serve``).
 """
 
 from __future__ import annotations
@@ -251,8 +251,3 @@ def run_server(args: argparse.Namespace) -> None:
     with contextlib.suppress(KeyboardInterrupt):
         uvicorn.Server(config).run()
 
-
-if __name__ == "__main__":
-    from pagedllm.entrypoints.openai.cli import add_cli_args, main
-
-    main(add_cli_args(argparse.ArgumentParser(prog="pagedllm serve")).parse_args())

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import jinja2
 
+from pagedllm.core.request import Logprob, SampleLogprobs
 from pagedllm.entrypoints.openai.protocol import (
     SSE_DONE,
     ChatCompletionLogProb,
@@ -40,7 +41,6 @@ from pagedllm.entrypoints.openai.serving_engine import (
 )
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import MAX_LOGPROBS
-from pagedllm.sequence import Logprob, SampleLogprobs
 from pagedllm.tokenizer import apply_chat_template
 
 if TYPE_CHECKING:

@@ -7,6 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from pagedllm.core.request import Logprob, PromptLogprobs
 from pagedllm.entrypoints.openai.protocol import (
     SSE_DONE,
     CompletionLogProbs,
@@ -29,7 +30,6 @@ from pagedllm.entrypoints.openai.serving_engine import (
     usage_info,
 )
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sequence import Logprob, PromptLogprobs
 
 if TYPE_CHECKING:
     from starlette.requests import Request

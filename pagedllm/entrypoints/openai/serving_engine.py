@@ -11,11 +11,11 @@ import uuid
 from collections.abc import AsyncIterator, Iterable
 from typing import TYPE_CHECKING
 
+from pagedllm.core.request import Logprob
 from pagedllm.engine.async_engine import AsyncEngineDeadError, AsyncLLMEngine, RequestStream
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest, UsageInfo
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.sequence import Logprob
 
 if TYPE_CHECKING:
     from starlette.requests import Request

@@ -1,0 +1,320 @@
+"""KVCacheManager: which physical KV blocks each request's tokens live in.
+::
+    request tokens      [t0 t1 t2 t3][t4 t5 t6 t7][t8 t9 .. ..]     logical blocks 0, 1, 2
+                              |            |            |
+    block table         [     7     ,      2     ,     11     ]     physical block numbers
+    slot of token t9  = block_table[9 // 4] * 4 + 9 % 4 = 11 * 4 + 1 = 45       (block_size 4)
+
+Siblings forked from one another share their blocks (``ref_count`` > 1). A request about to
+write into a shared block gets its own copy first: ``append_slots`` returns ``(src, dst)`` and
+the worker copies the block before the forward pass (copy-on-write). A preempted request with
+live siblings is swapped out to the CPU space and back in with them, block by block; shared
+blocks move once.
+
+With prefix caching, every full block whose tokens are computed is registered under its prefix
+hash (``Request.block_hashes``). A new request starts with the longest run of its full blocks
+found there (shared, ``ref_count`` + 1) and computes only the rest; blocks nobody holds stay
+cached until a fresh block is needed, the least recently freed (and, among a request's, the
+deepest) first.
+
+The scheduler asks questions (``can_allocate``, ``can_append_slots``, ``can_swap_in``) and gives
+orders; it never reads the tables. Workers hold a copy of every running request's table: the
+manager records which entries changed since they were last sent (``take_block_table_diff``).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+from pagedllm.core.block_pool import BlockAllocator, CachingBlockAllocator, Device, PhysicalTokenBlock
+from pagedllm.core.request import Request
+
+BlockTable = list[PhysicalTokenBlock]
+
+
+class AllocStatus(enum.Enum):
+    OK = enum.auto()  # can be allocated now
+    LATER = enum.auto()  # not now, once other requests free their blocks
+    NEVER = enum.auto()  # larger than the whole cache
+
+
+class KVCacheManager:
+    """Block tables of every live request, over a device allocator and a CPU swap allocator.
+
+    Args:
+        block_size: tokens per block.
+        num_gpu_blocks: blocks in the compute device's KV cache.
+        num_cpu_blocks: blocks in the CPU swap space.
+        watermark: fraction of device blocks kept free at admission, so that running requests
+            can grow a few steps without immediately preempting one another.
+        enable_prefix_caching: share the computed blocks of equal prompt prefixes.
+    """
+
+    def __init__(
+        self,
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = False,
+    ) -> None:
+        self.block_size = block_size
+        self.num_total_gpu_blocks = num_gpu_blocks
+        self.num_total_cpu_blocks = num_cpu_blocks
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        allocator_class = CachingBlockAllocator if enable_prefix_caching else BlockAllocator
+        self.gpu_allocator = allocator_class(Device.DEVICE, block_size, num_gpu_blocks)
+        self.cpu_allocator = BlockAllocator(Device.CPU, block_size, num_cpu_blocks)
+        self._tables: dict[int, BlockTable] = {}
+        # The same tables as block numbers, kept in step with them (read every step).
+        self._block_ids: dict[int, list[int]] = {}
+        # Per request, the first table entry the workers have not seen (None: they are current).
+        self._first_unsent: dict[int, int | None] = {}
+        # Per request, how many of its leading blocks are registered in the prefix cache.
+        self._num_cached_blocks: dict[int, int] = {}
+        # Prefix-cache lookups and hits, in tokens, since start.
+        self.num_cache_queried_tokens = 0
+        self.num_cache_hit_tokens = 0
+
+    # --- admission ------------------------------------------------------------------------
+
+    def can_allocate(self, request: Request) -> AllocStatus:
+        """Whether blocks for all of a waiting request's tokens can be given now."""
+        # Cached blocks someone holds cost nothing; evictable ones count as free already.
+        in_use = [b for b in self._cached_prefix(request, peek=True) if b.ref_count > 0]
+        num_required = self._num_blocks_for(request.num_tokens) - len(in_use)
+        if self.num_total_gpu_blocks - num_required < self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, request: Request) -> None:
+        """Give a waiting request blocks for all of its tokens. With prefix caching, its cached
+        leading blocks are shared and its ``num_computed_tokens`` starts after them."""
+        assert request.req_id not in self._tables, f"{request} already has blocks"
+        cached = self._cached_prefix(request, peek=False)
+        num_fresh = self._num_blocks_for(request.num_tokens) - len(cached)
+        self._set_table(request.req_id, cached + [self.gpu_allocator.allocate() for _ in range(num_fresh)])
+        self._num_cached_blocks[request.req_id] = len(cached)
+        request.num_computed_tokens = len(cached) * self.block_size
+        if self.enable_prefix_caching:
+            self.num_cache_queried_tokens += request.num_tokens
+            self.num_cache_hit_tokens += request.num_computed_tokens
+
+    def _cached_prefix(self, request: Request, peek: bool) -> list[PhysicalTokenBlock]:
+        """The cached blocks the request can start with (taking a reference unless peeking).
+
+        At least the last token is always computed, for its logits; requests that want prompt
+        logprobs compute every token.
+        """
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return []
+        allocator = self.gpu_allocator
+        assert isinstance(allocator, CachingBlockAllocator)
+        hashes = request.update_block_hashes()
+        blocks = []
+        for index in range((request.num_tokens - 1) // self.block_size):
+            block = allocator.peek(hashes[index]) if peek else allocator.allocate_cached(hashes[index])
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose tokens are known and computed."""
+        if not self.enable_prefix_caching or request.req_id not in self._tables:
+            return
+        allocator = self.gpu_allocator
+        assert isinstance(allocator, CachingBlockAllocator)
+        table = self._tables[request.req_id]
+        if table and table[0].device != Device.DEVICE:
+            return
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        first = self._num_cached_blocks[request.req_id]
+        if num_full <= first:
+            return
+        hashes = request.update_block_hashes()
+        for index in range(first, num_full):
+            allocator.register(table[index], hashes[index])
+        self._num_cached_blocks[request.req_id] = num_full
+
+    def get_prefix_cache_hit_rate(self) -> float:
+        return self.num_cache_hit_tokens / max(self.num_cache_queried_tokens, 1)
+
+    # --- growth ---------------------------------------------------------------------------
+
+    def num_blocks_to_grow(self, request: Request, num_new_tokens: int) -> int:
+        """Blocks the request needs to compute ``num_new_tokens`` more tokens: new logical blocks,
+        plus one when its first new token goes into a shared block (copy-on-write)."""
+        table = self._tables[request.req_id]
+        num_required = max(self._num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(table), 0)
+        index = request.num_computed_tokens // self.block_size
+        if index < len(table) and table[index].ref_count > 1:
+            num_required += 1
+        return num_required
+
+    def can_append_slots(self, requests: Iterable[Request], num_new_tokens: int = 1) -> bool:
+        num_required = sum(self.num_blocks_to_grow(r, num_new_tokens) for r in requests)
+        return num_required <= self.gpu_allocator.get_num_free_blocks()
+
+    def try_append_slot(self, request: Request) -> tuple[int, int] | bool:
+        """Room for a decoding request's next token if the cache has it: ``True`` (or the
+        copy-on-write ``(src, dst)`` pair the worker must do first) once done, ``False`` when
+        there are not enough free blocks (nothing is changed then).
+
+        The common case, a token that lands in a private block the request already holds, is
+        answered without touching the allocator.
+        """
+        table = self._tables[request.req_id]
+        index = request.num_computed_tokens // self.block_size
+        if index < len(table) and table[index].ref_count == 1:
+            return True
+        if self.num_blocks_to_grow(request, 1) > self.gpu_allocator.get_num_free_blocks():
+            return False
+        return self.append_slots(request) or True
+
+    def append_slots(self, request: Request, num_new_tokens: int = 1) -> tuple[int, int] | None:
+        """Make room for the request's next ``num_new_tokens`` tokens.
+
+        Returns:
+            ``(src, dst)`` block numbers when the block the first new token goes into was shared
+            and has been replaced by a private copy that the worker must fill from ``src``.
+        """
+        req_id = request.req_id
+        table = self._tables[req_id]
+        block_ids = self._block_ids[req_id]
+        cow = None
+        index = request.num_computed_tokens // self.block_size
+        if index < len(table) and table[index].ref_count > 1:
+            shared = table[index]
+            table[index] = self.gpu_allocator.allocate()
+            block_ids[index] = table[index].block_number
+            self.gpu_allocator.free(shared)
+            self._mark_unsent(req_id, index)
+            cow = (shared.block_number, table[index].block_number)
+        for _ in range(self._num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)):
+            self._mark_unsent(req_id, len(table))
+            table.append(self.gpu_allocator.allocate())
+            block_ids.append(table[-1].block_number)
+        return cow
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent."""
+        table = self._tables[parent.req_id]
+        self._set_table(child.req_id, table.copy())
+        self._num_cached_blocks[child.req_id] = self._num_cached_blocks[parent.req_id]
+        for block in table:
+            block.ref_count += 1
+
+    # --- swapping -------------------------------------------------------------------------
+
+    def _unique_blocks(self, requests: list[Request]) -> list[PhysicalTokenBlock]:
+        blocks: dict[int, PhysicalTokenBlock] = {}
+        for request in requests:
+            for block in self._tables[request.req_id]:
+                blocks[block.block_number] = block
+        return list(blocks.values())
+
+    def can_swap_in(self, requests: list[Request]) -> AllocStatus:
+        # Back on the device, the requests also grow by their next tokens.
+        num_required = len(self._unique_blocks(requests)) + sum(
+            self._num_blocks_for(r.num_tokens) - len(self._tables[r.req_id]) for r in requests
+        )
+        num_required += len(requests)  # the first write of each may copy a shared block
+        if self.num_total_gpu_blocks - num_required < self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def swap_in(self, requests: list[Request]) -> dict[int, int]:
+        """Move swapped requests back. Returns CPU -> device block numbers."""
+        return self._move(requests, self.cpu_allocator, self.gpu_allocator)
+
+    def can_swap_out(self, requests: list[Request]) -> bool:
+        return len(self._unique_blocks(requests)) <= self.cpu_allocator.get_num_free_blocks()
+
+    def swap_out(self, requests: list[Request]) -> dict[int, int]:
+        """Move running requests to the CPU. Returns device -> CPU block numbers."""
+        return self._move(requests, self.gpu_allocator, self.cpu_allocator)
+
+    def _move(self, requests: list[Request], src: BlockAllocator, dst: BlockAllocator) -> dict[int, int]:
+        mapping: dict[int, PhysicalTokenBlock] = {}
+        for request in requests:
+            new_table: BlockTable = []
+            for src_block in self._tables[request.req_id]:
+                dst_block = mapping.get(src_block.block_number)
+                if dst_block is None:
+                    dst_block = mapping[src_block.block_number] = dst.allocate()
+                else:
+                    dst_block.ref_count += 1
+                new_table.append(dst_block)
+                src.free(src_block)
+            self._set_table(request.req_id, new_table)
+            # Blocks that come back from the CPU are fresh copies, not yet in the prefix cache.
+            self._num_cached_blocks[request.req_id] = 0
+        return {src_number: dst_block.block_number for src_number, dst_block in mapping.items()}
+
+    # --- release --------------------------------------------------------------------------
+
+    def free(self, request: Request) -> None:
+        """Drop the request's references to its blocks (a no-op if it holds none)."""
+        table = self._tables.pop(request.req_id, None)
+        if table is None:
+            return
+        del self._num_cached_blocks[request.req_id], self._block_ids[request.req_id]
+        del self._first_unsent[request.req_id]
+        # Deepest first: with prefix caching, they are evicted first, keeping shared roots longer.
+        for block in reversed(table):
+            allocator = self.gpu_allocator if block.device == Device.DEVICE else self.cpu_allocator
+            allocator.free(block)
+
+    # --- what the workers see -------------------------------------------------------------
+
+    def get_block_ids(self, request: Request) -> list[int]:
+        """The request's physical block numbers. The list itself, not a copy: read it, and only
+        until the request's blocks next change."""
+        return self._block_ids[request.req_id]
+
+    def get_blocks(self, request: Request) -> list[PhysicalTokenBlock]:
+        """The request's blocks themselves (their ref counts and locations), for checks."""
+        return list(self._tables[request.req_id])
+
+    def take_block_table_diff(self, request: Request) -> tuple[int, list[int]] | None:
+        """The entries of the request's table changed since the workers last saw it, as
+        (first changed index, block ids from there on), and mark them seen."""
+        first = self._first_unsent[request.req_id]
+        if first is None:
+            return None
+        self._first_unsent[request.req_id] = None
+        return first, self._block_ids[request.req_id][first:]
+
+    def mark_sent(self, request: Request) -> None:
+        """The workers have been sent the request's whole table."""
+        self._first_unsent[request.req_id] = None
+
+    def get_num_requests_with_blocks(self) -> int:
+        return len(self._tables)
+
+    def get_num_free_gpu_blocks(self) -> int:
+        return self.gpu_allocator.get_num_free_blocks()
+
+    def get_num_free_cpu_blocks(self) -> int:
+        return self.cpu_allocator.get_num_free_blocks()
+
+    # --- helpers --------------------------------------------------------------------------
+
+    def _num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _set_table(self, req_id: int, table: BlockTable) -> None:
+        self._tables[req_id] = table
+        self._block_ids[req_id] = [block.block_number for block in table]
+        self._first_unsent[req_id] = 0
+
+    def _mark_unsent(self, req_id: int, index: int) -> None:
+        first = self._first_unsent[req_id]
+        self._first_unsent[req_id] = index if first is None else min(first, index)

@@ -1,0 +1,251 @@
+"""A Request: one output sequence of a user's request, the unit the scheduler works with.
+
+A user's request with ``n``/``best_of`` > 1 or beam search has several Requests (siblings)
+sharing its prompt and, through the KV cache manager, its prompt's blocks. It starts as one
+Request that draws ``best_of`` first tokens (``num_samples``) from the prompt; the scheduler then
+forks it into ``best_of`` siblings. Beam search forks and frees siblings every step.
+
+The scheduler schedules in tokens, not phases: each Request has ``num_computed_tokens`` (tokens
+whose K/V are in the cache, or will be once the steps already sent have run) and
+``num_tokens_with_placeholders`` (known tokens plus tokens sampled by steps still in flight).
+Whatever lies between is computed next, a chunk at a time::
+
+    prompt + outputs                  [p p p p p p o o o ?]     ? = a placeholder: sampled by a
+    num_computed_tokens                ----------------^            step in flight, its id not
+                                                                    yet seen by the host
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    # Preempted by SWAP: its blocks are in the CPU swap space.
+    SWAPPED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= _FIRST_FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+# A plain int: compared for every request several times a step, where an enum lookup costs more.
+_FIRST_FINISHED = int(RequestStatus.FINISHED_STOPPED)
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+}
+
+
+@dataclass
+class Logprob:
+    """One token's log probability and, when asked for, its rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob, for the chosen token and the top-k (vLLM's format).
+SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.time()) of a request's milestones."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+
+class Request:
+    """One output sequence: its tokens, its progress through the cache, and its status.
+
+    Args:
+        req_id: the engine's own id for this sequence (unique while the engine lives; never a
+            caller's id, so no caller can collide with another).
+        prompt_token_ids: shared, never mutated, by every sibling.
+        sampling_params: the user request's parameters.
+        block_size: tokens per KV block (the unit of prefix-cache hashes).
+        arrival_time: the user request's arrival: siblings share it, and FCFS orders by it.
+    """
+
+    def __init__(
+        self,
+        req_id: int,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        block_size: int,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.req_id = req_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling_params = sampling_params
+        self.block_size = block_size
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        # Tokens sampled by steps in flight whose ids the host has not seen yet (async scheduling).
+        self.num_output_placeholders = 0
+        self.status = RequestStatus.WAITING
+        # Rows drawn from the prompt's last position on the first sample: best_of until the
+        # request forks, then 1 (beam search draws its candidates from one row per beam).
+        self.num_samples = 1
+        # Siblings still running, this one included (one list shared by all of them).
+        self.siblings: list[Request] = [self]
+        # Prefix-cache keys of the full blocks of known tokens, computed as blocks fill.
+        self.block_hashes: list[int] = []
+        self.cumulative_logprob = 0.0
+        self.first_scheduled_time: float | None = None
+        # Why the scheduler ended it early (it can never fit in the cache), if it did.
+        self.error: str | None = None
+        # Set when the request must be resent in full to the workers (new, resumed, forked, or
+        # its next token chosen on the host rather than by the worker's sampler).
+        self.resend = True
+        # Output side, written by the engine: index among the user's outputs, logprobs, text.
+        self.output_index = 0
+        self.output_logprobs: SampleLogprobs = []
+        self.output_text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.stop_reason: int | str | None = None
+
+    # --- tokens -----------------------------------------------------------------------------
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return self.num_tokens + self.num_output_placeholders
+
+    def get_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def get_token_ids_slice(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the whole list."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
+
+    def get_last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def append_output_token(self, token_id: int, logprob: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+
+    def update_block_hashes(self) -> list[int]:
+        """The prefix-cache key of every full block of known tokens: a hash of the block's tokens
+        chained with the key of the block before it, so equal keys mean equal prefixes."""
+        hashes = self.block_hashes
+        block_size = self.block_size
+        for index in range(len(hashes), self.num_tokens // block_size):
+            prev = hashes[-1] if hashes else None
+            tokens = tuple(self.get_token_ids_slice(index * block_size, (index + 1) * block_size))
+            hashes.append(hash((prev, tokens)))
+        return hashes
+
+    # --- progress ---------------------------------------------------------------------------
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens_with_placeholders - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status >= _FIRST_FINISHED
+
+    @property
+    def needs_host_between_steps(self) -> bool:
+        """Whether its next step depends on the host seeing this step's token first: the fork
+        after a best_of request's first sample, and beam search's choice of continuations."""
+        return self.num_samples > 1 or self.sampling_params.use_beam_search
+
+    def fork(self, req_id: int) -> Request:
+        """A sibling with the same tokens and progress (its blocks are shared by the KV cache
+        manager's fork). Output-side state is copied; the engine sets its index."""
+        child = Request.__new__(Request)
+        child.__dict__.update(self.__dict__)
+        child.req_id = req_id
+        child.output_token_ids = self.output_token_ids.copy()
+        child.block_hashes = self.block_hashes.copy()
+        child.output_logprobs = self.output_logprobs.copy()
+        child.resend = True
+        return child
+
+    def __repr__(self) -> str:
+        return (
+            f"Request(req_id={self.req_id}, status={self.status.name}, num_tokens={self.num_tokens}, "
+            f"num_computed_tokens={self.num_computed_tokens})"
+        )
+
+
+@dataclass
+class RequestState:
+    """A user's request as the engine tracks it: its sequences and what it reports.
+
+    ``seqs`` holds the outputs in order: one Request until the first sample forks it, then every
+    sibling (finished ones included); beam search replaces them with its hypotheses at the end.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    seqs: list[Request]
+    # Report every step's progress (else only the end).
+    stream: bool = True
+    arrival_time: float = field(default_factory=time.time)
+    prompt_logprobs: PromptLogprobs | None = None
+    # Why the request ended without running to its end (e.g. it can never fit in the cache).
+    error: str | None = None
+    # Beam search's scores and kept hypotheses (engine/beam_search.py), for beam requests.
+    beam_state: object | None = None
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)

@@ -1,0 +1,259 @@
+"""The worker's persistent batch: one row per running request, updated by each step's diffs.
+
+A request's row holds what the worker needs to build its inputs and sample it, so that a decode
+step writes only what changed:
+
+- ``num_computed_tokens`` and the tokens the host sent (prompt, and outputs of a resumed request);
+  tokens the worker sampled itself never go to the host and back: the next input of a decoding
+  request is read from ``last_token_ids`` on the device;
+- the block table, on the host and on the device, changed only where the scheduler's diff says;
+- the sampling parameters as arrays, gathered per step into ``SamplingMetadata`` tensors;
+- penalty counts on the device ([rows, vocab], allocated on first use), grown by one scatter of
+  the sampled tokens per step.
+
+Rows are reused through a free list; a step reads its requests' rows by index, so the order of
+rows never matters and nothing is compacted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.input_buffers import to_device
+from pagedllm.worker.step_io import NewRequestData
+
+# Columns of the per-row float parameters, gathered for a step in one array.
+_TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)
+
+
+class InputBatch:
+    """Args:
+    max_num_rows: most requests held at once.
+    max_blocks_per_req: block table width (blocks of a max_model_len request).
+    vocab_size: for penalty counts and top-k.
+    """
+
+    def __init__(
+        self, max_num_rows: int, max_blocks_per_req: int, vocab_size: int, device: torch.device
+    ) -> None:
+        self.device = device
+        self.vocab_size = vocab_size
+        self.max_num_rows = max_num_rows
+        self.row_of: dict[int, int] = {}
+        self._free_rows = list(reversed(range(max_num_rows)))
+        self.req_ids: list[int | None] = [None] * max_num_rows
+        self.num_computed_tokens = np.zeros(max_num_rows, dtype=np.int64)
+        self.num_output_tokens = np.zeros(max_num_rows, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_rows, dtype=np.int64)
+        # Tokens the host sent (prompt + the outputs it knew), and all tokens the row has: those
+        # plus the samples the worker drew since. A step that reaches num_tokens samples.
+        self.num_host_tokens = np.zeros(max_num_rows, dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_rows, dtype=np.int64)
+        # Token ids the host sent per row (prompt, then the outputs it knew when it sent them).
+        self.host_token_ids: list[np.ndarray | None] = [None] * max_num_rows
+        self.block_table = np.zeros((max_num_rows, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(max_num_rows, dtype=np.int64)
+        self.block_table_device = (
+            torch.from_numpy(self.block_table)
+            if device.type == "cpu"
+            else torch.zeros(self.block_table.shape, dtype=torch.int32, device=device)
+        )
+        self._dirty_rows: set[int] = set()
+        # [rows] int64 on the device: each row's newest sampled token, the next decode input.
+        self.last_token_ids = torch.zeros(max_num_rows, dtype=torch.int64, device=device)
+        self.params: list[SamplingParams | None] = [None] * max_num_rows
+        self.float_params = np.zeros((6, max_num_rows), dtype=np.float32)
+        self.top_k = np.zeros(max_num_rows, dtype=np.int64)
+        self.greedy = np.ones(max_num_rows, dtype=bool)
+        self.num_samples = np.ones(max_num_rows, dtype=np.int64)
+        self.num_top_tokens = np.zeros(max_num_rows, dtype=np.int64)
+        self.wants_logprobs = np.zeros(max_num_rows, dtype=bool)
+        self.min_tokens = np.zeros(max_num_rows, dtype=np.int64)
+        self.min_tokens_stop_ids: list[list[int]] = [[] for _ in range(max_num_rows)]
+        self.group_ids = np.zeros(max_num_rows, dtype=np.int64)
+        self.has_penalty = np.zeros(max_num_rows, dtype=bool)
+        # Seeded generators by group (siblings draw from one), kept while a member lives.
+        self.generators: dict[int, torch.Generator] = {}
+        self._group_members: dict[int, set[int]] = {}
+        self.output_counts: torch.Tensor | None = None
+        self.prompt_mask: torch.Tensor | None = None
+
+    # --- rows -----------------------------------------------------------------------------
+
+    def add_request(self, data: NewRequestData) -> int:
+        if data.req_id in self.row_of:
+            self.remove_request(data.req_id, finished=False)
+        if not self._free_rows:
+            raise RuntimeError(f"the persistent batch is full ({self.max_num_rows} rows)")
+        row = self._free_rows.pop()
+        self.row_of[data.req_id] = row
+        self.req_ids[row] = data.req_id
+        self.num_computed_tokens[row] = data.num_computed_tokens
+        self.num_prompt_tokens[row] = len(data.prompt_token_ids)
+        self.num_output_tokens[row] = len(data.output_token_ids)
+        tokens = np.asarray(data.prompt_token_ids + data.output_token_ids, dtype=np.int64)
+        self.host_token_ids[row] = tokens
+        self.num_host_tokens[row] = self.num_tokens[row] = len(tokens)
+        self.set_block_ids(row, 0, data.block_ids)
+        self._add_sampling(row, data)
+        return row
+
+    def _add_sampling(self, row: int, data: NewRequestData) -> None:
+        p = data.sampling_params
+        greedy = p.is_greedy or p.use_beam_search
+        self.params[row] = p
+        self.greedy[row] = greedy
+        self.float_params[:, row] = (
+            1.0 if greedy else p.temperature,
+            p.top_p,
+            p.min_p,
+            p.presence_penalty,
+            p.frequency_penalty,
+            p.repetition_penalty,
+        )
+        self.top_k[row] = self.vocab_size if p.top_k in (-1, 0) else min(p.top_k, self.vocab_size)
+        self.num_samples[row] = data.num_samples
+        self.num_top_tokens[row] = data.num_top_tokens
+        self.wants_logprobs[row] = p.logprobs is not None or data.num_top_tokens > 0
+        self.min_tokens[row] = p.min_tokens
+        self.min_tokens_stop_ids[row] = data.min_tokens_stop_ids
+        self.group_ids[row] = data.group_id
+        self._group_members.setdefault(data.group_id, set()).add(data.req_id)
+        if p.seed is not None and data.group_id not in self.generators:
+            self.generators[data.group_id] = torch.Generator(device=self.device).manual_seed(p.seed)
+        self.has_penalty[row] = (
+            p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+        )
+        if self.has_penalty[row]:
+            self._init_penalty_counts(row, data)
+        if data.output_token_ids:
+            self.last_token_ids[row] = data.output_token_ids[-1]
+
+    def _init_penalty_counts(self, row: int, data: NewRequestData) -> None:
+        shape = (self.max_num_rows, self.vocab_size)
+        if self.output_counts is None:
+            self.output_counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
+            self.prompt_mask = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        assert self.prompt_mask is not None
+        outputs = to_device(data.output_token_ids, self.device, torch.int64)
+        prompt = to_device(data.prompt_token_ids, self.device, torch.int64)
+        self.output_counts[row] = torch.bincount(outputs, minlength=self.vocab_size)
+        self.prompt_mask[row] = torch.bincount(prompt, minlength=self.vocab_size) > 0
+
+    def remove_request(self, req_id: int, finished: bool) -> None:
+        """Free the request's row; a finished request also lets go of its seeded generator once
+        none of its siblings remains."""
+        row = self.row_of.pop(req_id, None)
+        if row is not None:
+            self.req_ids[row] = None
+            self.host_token_ids[row] = None
+            self.params[row] = None
+            self._free_rows.append(row)
+        if finished:
+            for group_id, members in list(self._group_members.items()):
+                if req_id in members:
+                    members.discard(req_id)
+                    if not members:
+                        del self._group_members[group_id]
+                        self.generators.pop(group_id, None)
+                    break
+
+    def set_block_ids(self, row: int, start: int, block_ids: list[int]) -> None:
+        end = start + len(block_ids)
+        self.block_table[row, start:end] = block_ids
+        self.num_blocks[row] = max(int(self.num_blocks[row]), end) if start else end
+        self._dirty_rows.add(row)
+
+    def sync_block_table(self) -> None:
+        """Copy the rows whose tables changed to the device table (one copy for all of them)."""
+        if not self._dirty_rows or self.device.type == "cpu":
+            self._dirty_rows.clear()
+            return
+        rows = np.fromiter(self._dirty_rows, dtype=np.int64, count=len(self._dirty_rows))
+        self._dirty_rows.clear()
+        values = to_device(self.block_table[rows], self.device)
+        index = to_device(rows, self.device)
+        self.block_table_device.index_copy_(0, index, values)
+
+    # --- sampling -------------------------------------------------------------------------
+
+    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        """Parameters of the sampled rows (a request's row repeated for each of its samples)."""
+        device = self.device
+        greedy = self.greedy[rows]
+        all_greedy = bool(greedy.all())
+        metadata = SamplingMetadata(temperature=None, greedy=None, all_greedy=all_greedy)
+        if not all_greedy:
+            floats = to_device(self.float_params[:, rows], device)
+            metadata.temperature = floats[_TEMPERATURE]
+            metadata.greedy = to_device(greedy, device)
+            top_k = self.top_k[rows]
+            if (top_k < self.vocab_size).any():
+                metadata.top_k = to_device(top_k, device)
+            if (self.float_params[_TOP_P, rows] < 1.0).any():
+                metadata.top_p = floats[_TOP_P]
+            if (self.float_params[_MIN_P, rows] > 0.0).any():
+                metadata.min_p = floats[_MIN_P]
+            for i, row in enumerate(rows.tolist()):
+                generator = self.generators.get(int(self.group_ids[row]))
+                if generator is not None and not greedy[i]:
+                    metadata.generators[i] = generator
+        if self.has_penalty[rows].any():
+            assert self.output_counts is not None and self.prompt_mask is not None
+            index = to_device(rows, device)
+            floats = to_device(self.float_params[_PRESENCE : _REPETITION + 1, rows], device)
+            metadata.presence_penalty, metadata.frequency_penalty, metadata.repetition_penalty = floats
+            metadata.output_counts = self.output_counts.index_select(0, index)
+            if (self.float_params[_REPETITION, rows] != 1.0).any():
+                metadata.prompt_mask = self.prompt_mask.index_select(0, index)
+        self._min_tokens_bans(rows, metadata)
+        top = self.num_top_tokens[rows]
+        metadata.max_num_top_tokens = int(top.max()) if self.wants_logprobs[rows].any() else 0
+        if metadata.max_num_top_tokens == 0 and self.wants_logprobs[rows].any():
+            metadata.max_num_top_tokens = 1
+        beam = (
+            np.fromiter(
+                (self.params[row].use_beam_search for row in rows.tolist()), dtype=bool, count=len(rows)
+            )
+            if metadata.max_num_top_tokens
+            else None
+        )
+        if beam is not None and beam.any():
+            metadata.beam = to_device(beam, device)
+        return metadata
+
+    def _min_tokens_bans(self, rows: np.ndarray, metadata: SamplingMetadata) -> None:
+        under = np.flatnonzero(self.num_output_tokens[rows] < self.min_tokens[rows])
+        if not len(under):
+            return
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        for i in under.tolist():
+            stop_ids = self.min_tokens_stop_ids[int(rows[i])]
+            ban_rows += [i] * len(stop_ids)
+            ban_ids += stop_ids
+        if ban_rows:
+            metadata.banned_rows = to_device(ban_rows, self.device, torch.int64)
+            metadata.banned_token_ids = to_device(ban_ids, self.device, torch.int64)
+
+    def record_samples(self, rows: np.ndarray, sample_index: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """After sampling: each sampled request's newest token (its first sample) becomes its next
+        decode input, and penalty counts grow by it, without leaving the device.
+
+        rows: [num_reqs] the requests' rows; sample_index: [num_reqs] (device) where each one's
+        first sample is in ``token_ids``.
+        """
+        self.num_output_tokens[rows] += 1
+        self.num_tokens[rows] += 1
+        # A best_of request draws its first tokens together; the scheduler forks it, and each
+        # sequence draws one token per step from then on.
+        self.num_samples[rows] = 1
+        index = to_device(rows, self.device)
+        tokens = token_ids.index_select(0, sample_index)
+        self.last_token_ids.index_copy_(0, index, tokens)
+        if self.output_counts is not None and self.has_penalty[rows].any():
+            ones = torch.ones_like(tokens, dtype=self.output_counts.dtype)
+            self.output_counts.index_put_((index, tokens), ones, accumulate=True)

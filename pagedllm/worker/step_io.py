@@ -1,0 +1,98 @@
+"""What crosses between the scheduler and the workers each step: one SchedulerOutput in, one
+ModelRunnerOutput back. Nothing else crosses, so both are plain picklable data.
+
+Workers keep a persistent batch (worker/input_batch.py): a request is sent in full once
+(``NewRequestData``: when it is admitted, resumed after preemption, forked, or its tokens were
+chosen on the host) and afterwards only as a diff (``CachedRequestData``: the blocks it gained
+and how far it is computed). A decode step of 256 running requests is therefore a few integer
+lists, not 256 token lists and block tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have no row for, in full."""
+
+    req_id: int
+    # Requests sampled together (siblings of one user request) share one seeded generator.
+    group_id: int
+    prompt_token_ids: list[int]
+    # Tokens generated so far (a resumed or forked request); the next input continues after them.
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+    # Rows drawn from this request's last position when it samples (best_of on a first sample).
+    num_samples: int
+    # Tokens banned until min_tokens outputs exist (EOS unless ignore_eos, and stop_token_ids).
+    min_tokens_stop_ids: list[int]
+    # Most likely tokens returned per sample: max(logprobs, beam search's candidates).
+    num_top_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Running requests the workers already hold, as diffs; the lists are parallel."""
+
+    req_ids: list[int] = field(default_factory=list)
+    # Per request: None, or (first changed index, block ids from there on) of its block table.
+    block_table_diffs: list[tuple[int, list[int]] | None] = field(default_factory=list)
+    # Tokens whose K/V are in the cache before this step.
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step: which requests compute how many tokens, and the block moves to do first."""
+
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    # req_id -> tokens computed this step; a request samples when they reach its end.
+    num_scheduled_tokens: dict[int, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    # Requests that ended since the last step: workers drop their rows and generators.
+    finished_req_ids: set[int] = field(default_factory=set)
+    # Requests preempted since the last step: workers drop their rows (they come back new).
+    preempted_req_ids: set[int] = field(default_factory=set)
+    # Cache operations before the forward pass, in this order: swap out, swap in, copy.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def has_forward(self) -> bool:
+        return self.total_num_scheduled_tokens > 0
+
+
+@dataclass
+class PromptLogprobsOutput:
+    """Logprobs of prompt tokens ``start + 1 .. start + len(token_ids)`` scored by one step:
+    position p's logits score prompt token p + 1."""
+
+    start: int
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]
+    top_token_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """The samples of one step, one row per sample drawn (a request repeats on a best_of first
+    sample), in the order of ``req_ids``."""
+
+    req_ids: list[int] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    # The chosen tokens' logprobs under the model (log_softmax of the raw logits).
+    logprobs: list[float] = field(default_factory=list)
+    # Row -> (rank of the chosen token, top token ids, their logprobs), for rows that asked.
+    top_tokens: dict[int, tuple[int, list[int], list[float]]] = field(default_factory=dict)
+    # req_id -> the prompt logprobs this step scored.
+    prompt_logprobs: dict[int, PromptLogprobsOutput] = field(default_factory=dict)

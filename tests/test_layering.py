@@ -1,0 +1,127 @@
+"""The package's dependencies point one way:
+
+    kernels <- attention <- layers, sample <- models <- worker <- core, engine <- entrypoints
+
+A test walks every import of every module (lazy and type-checking ones too) and fails on an
+import of a higher layer (a back edge) or on a cycle between modules.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
+
+# Lowest first. A module may import its own layer and the layers below it.
+LAYERS: list[tuple[str, ...]] = [
+    ("pagedllm.config", "pagedllm.sampling_params", "pagedllm.distributed"),
+    ("pagedllm.kernels",),
+    ("pagedllm.attention",),
+    ("pagedllm.layers", "pagedllm.sample"),
+    ("pagedllm.models",),
+    ("pagedllm.model_loader",),
+    ("pagedllm.worker",),
+    ("pagedllm.executor",),
+    ("pagedllm.core",),
+    ("pagedllm.tokenizer", "pagedllm.detokenizer", "pagedllm.outputs", "pagedllm.engine", "pagedllm.metrics"),
+    ("pagedllm.entrypoints", "pagedllm.__main__", "pagedllm"),
+]
+
+
+def layer_of(module: str) -> int:
+    best, best_len = None, -1
+    for rank, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best_len:
+                best, best_len = rank, len(prefix)
+    assert best is not None, f"{module} is in no layer: add it to LAYERS"
+    return best
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, name: str) -> set[str]:
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {m for m in found if m == "pagedllm" or m.startswith("pagedllm.")}
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        # Keep imports of modules (from-imports of names resolve to their module).
+        graph[name] = {m if m in modules else m.rpartition(".")[0] for m in imports_of(path, name)} - {name}
+        graph[name] &= set(modules)
+    return graph
+
+
+def test_no_module_imports_a_higher_layer():
+    back_edges = [
+        f"{src} ({layer_of(src)}) imports {dst} ({layer_of(dst)})"
+        for src, dsts in import_graph().items()
+        for dst in dsts
+        if layer_of(dst) > layer_of(src) and dst != "pagedllm"
+    ]
+    assert not back_edges, "\n".join(sorted(back_edges))
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    # Package __init__ files that only re-export are allowed to import their own submodules.
+    edges = {src: {d for d in dsts if not (src + ".").startswith(d + ".")} for src, dsts in graph.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    counter = [0]
+
+    def visit(node: str) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in edges.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+@pytest.mark.parametrize("module", ["pagedllm.core.scheduler", "pagedllm.worker.model_runner"])
+def test_layers_are_known(module):
+    assert layer_of(module) >= 0
