@@ -17,7 +17,7 @@ found there (shared, ``ref_count`` + 1) and computes only the rest; blocks nobod
 cached until a fresh block is needed, the least recently freed (and, among a request's, the
 deepest) first.
 
-The scheduler asks questions (``can_allocate``, ``can_append_slots``, ``can_swap_in``) and gives
+The scheduler asks questions (``can_allocate``, ``try_append_slot``, ``can_swap_in``) and gives
 orders; it never reads the tables. Workers hold a copy of every running request's table: the
 manager records which entries changed since they were last sent (``take_block_table_diff``).
 """
@@ -25,7 +25,6 @@ manager records which entries changed since they were last sent (``take_block_ta
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
 
 from pagedllm.core.block_pool import BlockAllocator, CachingBlockAllocator, Device, PhysicalTokenBlock
 from pagedllm.core.request import Request
@@ -155,10 +154,6 @@ class KVCacheManager:
         if index < len(table) and table[index].ref_count > 1:
             num_required += 1
         return num_required
-
-    def can_append_slots(self, requests: Iterable[Request], num_new_tokens: int = 1) -> bool:
-        num_required = sum(self.num_blocks_to_grow(r, num_new_tokens) for r in requests)
-        return num_required <= self.gpu_allocator.get_num_free_blocks()
 
     def try_append_slot(self, request: Request) -> tuple[int, int] | bool:
         """Room for a decoding request's next token if the cache has it: ``True`` (or the

@@ -156,9 +156,6 @@ class Request:
     def num_tokens_with_placeholders(self) -> int:
         return self.num_tokens + self.num_output_placeholders
 
-    def get_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
     def get_token_ids_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without building the whole list."""
         num_prompt = len(self.prompt_token_ids)

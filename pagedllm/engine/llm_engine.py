@@ -212,9 +212,6 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self._finished_at_once or self._in_flight)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests) + len(self._finished_at_once)
-
     # --- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

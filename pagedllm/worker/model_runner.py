@@ -205,14 +205,13 @@ class ModelRunner:
         for data in scheduler_output.scheduled_new_reqs:
             batch.add_request(data)
         cached = scheduler_output.scheduled_cached_reqs
-        row_of = batch.row_of
-        for req_id, diff, num_computed in zip(
-            cached.req_ids, cached.block_table_diffs, cached.num_computed_tokens
-        ):
-            row = row_of[req_id]
-            batch.num_computed_tokens[row] = num_computed
-            if diff is not None:
-                batch.set_block_ids(row, diff[0], diff[1])
+        if cached.req_ids:
+            row_of = batch.row_of
+            rows = np.fromiter((row_of[r] for r in cached.req_ids), dtype=np.int64, count=len(cached.req_ids))
+            batch.num_computed_tokens[rows] = cached.num_computed_tokens
+            for row, diff in zip(rows.tolist(), cached.block_table_diffs):
+                if diff is not None:
+                    batch.set_block_ids(row, diff[0], diff[1])
         batch.sync_block_table()
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInput:

@@ -281,3 +281,58 @@ def test_a_request_that_outgrows_the_whole_cache_stops_with_its_outputs_and_free
     assert small is not None and small.seqs[0].num_output_tokens == 3
     bm = scheduler.kv_cache_manager
     assert bm.get_num_free_gpu_blocks() == 6 and bm.get_num_free_cpu_blocks() == 16
+
+
+def sample_all(h: Harness, out: SchedulerOutput, token: int) -> ModelRunnerOutput:
+    """A runner output giving ``token`` to every request of ``out`` that samples."""
+    req_ids = [r for r, n in out.num_scheduled_tokens.items() if h.scheduler.requests.get(r) is not None]
+    return ModelRunnerOutput(
+        req_ids=req_ids, sampled_token_ids=[token] * len(req_ids), logprobs=[0.0] * len(req_ids)
+    )
+
+
+def test_async_steps_schedule_placeholders_and_drop_samples_after_a_stop():
+    """Step N + 1 is scheduled before step N's samples arrive (asynchronous scheduling)."""
+    h = make_scheduler(num_gpu_blocks=64)
+    scheduler = h.scheduler
+    a, b = add(h, 5, max_tokens=3), add(h, 3, max_tokens=3)
+    ra, rb = a.seqs[0], b.seqs[0]
+    first = scheduler.schedule()  # both prompts; each will sample
+    assert first.num_scheduled_tokens == {ra.req_id: 5, rb.req_id: 3}
+    assert (ra.num_computed_tokens, ra.num_output_placeholders) == (5, 1)
+    second = scheduler.schedule()  # before the first samples: each decodes its placeholder
+    assert second.num_scheduled_tokens == {ra.req_id: 1, rb.req_id: 1}
+    assert not second.scheduled_new_reqs and second.scheduled_cached_reqs.num_computed_tokens == [5, 3]
+    assert (ra.num_computed_tokens, ra.num_output_placeholders) == (6, 2)
+    scheduler.update_from_output(first, sample_all(h, first, 7))
+    assert ra.output_token_ids == [7] and ra.num_output_placeholders == 1
+    # b stops on its first token (as the engine's stop check would decide); its second sample,
+    # computed meanwhile, must be dropped.
+    scheduler.finish_requests((rb,), RequestStatus.FINISHED_STOPPED)
+    third = scheduler.schedule()
+    assert rb.req_id in third.finished_req_ids and set(third.num_scheduled_tokens) == {ra.req_id}
+    result = scheduler.update_from_output(second, sample_all(h, second, 8))
+    assert [r.req_id for r, _ in result.appended] == [ra.req_id]
+    assert rb.output_token_ids == [7] and ra.output_token_ids == [7, 8]
+    scheduler.update_from_output(third, sample_all(h, third, 9))
+    assert ra.output_token_ids == [7, 8, 9] and ra.num_output_placeholders == 0
+    assert ra.num_computed_tokens == ra.num_tokens - 1
+    scheduler.finish_requests((ra,), RequestStatus.FINISHED_LENGTH_CAPPED)
+    assert scheduler.kv_cache_manager.get_num_free_gpu_blocks() == 64
+
+
+def test_a_request_preempted_with_a_sample_in_flight_waits_for_it():
+    h = make_scheduler(num_gpu_blocks=64)
+    scheduler = h.scheduler
+    a = add(h, 6, max_tokens=5)
+    ra = a.seqs[0]
+    first = scheduler.schedule()
+    # Preempt by recompute by hand while its first sample is in flight.
+    scheduler._preempt(ra, first, [], [])
+    assert ra.status == RequestStatus.WAITING and ra.num_computed_tokens == 0
+    assert scheduler.schedule().num_scheduled_tokens == {}, "it waits for its sample"
+    scheduler.update_from_output(first, sample_all(h, first, 5))
+    resumed = scheduler.schedule()
+    assert resumed.num_scheduled_tokens == {ra.req_id: 7}  # prompt + its sample, recomputed
+    (new,) = resumed.scheduled_new_reqs
+    assert new.output_token_ids == [5] and new.num_computed_tokens == 0
