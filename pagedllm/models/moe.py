@@ -19,6 +19,12 @@ from pagedllm.models.llama import LlamaForCausalLM
 
 # How many absent expert tensors an error lists before "and N more".
 _MAX_LISTED = 8
+# One projection of every expert in one tensor, [num_experts, ...]: GGUF's layout, named as
+# transformers names it (``model.layers.0.mlp.experts.gate_proj.weight``).
+_STACKED_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_STACKED_PROJECTION = re.compile(
+    r"^(?P<experts>.*\.experts)\.(?P<projection>gate_proj|up_proj|down_proj)\.weight$"
+)
 
 
 class SparseMoeBlock(nn.Module):
@@ -38,7 +44,9 @@ class SparseMoeBlock(nn.Module):
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    """A Llama-family model with SparseMoeBlocks; loads ``<block>.experts.<e>.<projection>.weight``.
+    """A Llama-family model with SparseMoeBlocks; loads ``<block>.experts.<e>.<projection>.weight``
+    (one expert), ``<block>.experts.<gate_proj|up_proj|down_proj>.weight`` (one projection, every
+    expert) and ``<block>.experts.<gate_up_proj|down_proj>`` (the parameters whole).
 
     Subclasses name their checkpoint's block module (``moe_module``, ours is always ``mlp``) and
     expert projections (``expert_projections``: gate, up, down).
@@ -49,18 +57,19 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def _param_name(self, ckpt_name: str) -> tuple[str, int | str | tuple | None]:
         ckpt_name = ckpt_name.replace(f".{self.moe_module}.", ".mlp.")
-        match = self._expert_pattern().match(ckpt_name)
+        match = self._expert_pattern().match(ckpt_name) or _STACKED_PROJECTION.match(ckpt_name)
         if match is None:
             return super()._param_name(ckpt_name)
-        gate, up, _ = self.expert_projections
+        expert = match.groupdict().get("expert")
+        gate, up, _ = self.expert_projections if expert is not None else _STACKED_PROJECTIONS
         projection = {gate: 0, up: 1}.get(match["projection"])
         param = "down_proj" if projection is None else "gate_up_proj"
-        return f"{match['experts']}.{param}", (int(match["expert"]), projection)
+        return f"{match['experts']}.{param}", (None if expert is None else int(expert), projection)
 
     def _describe_missing(self, name: str, loaded: set) -> str | None:
         if not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
             return super()._describe_missing(name, loaded)
-        if None in loaded:  # the checkpoint stored the experts already stacked
+        if None in loaded:  # the checkpoint stored the parameter whole
             return None
         experts: FusedMoE = self.get_submodule(name.rpartition(".")[0])
         gate, up, down = self.expert_projections
@@ -70,7 +79,7 @@ class MoeForCausalLM(LlamaForCausalLM):
             f"{prefix}.{expert}.{projection}.weight"
             for expert in range(experts.num_experts)
             for shard, projection in shards
-            if (expert, shard) not in loaded
+            if (expert, shard) not in loaded and (None, shard) not in loaded
         ]
         if not absent:
             return None

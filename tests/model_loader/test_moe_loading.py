@@ -8,14 +8,16 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import MixtralConfig, Qwen3MoeConfig
+from transformers import MixtralConfig, PreTrainedModel, Qwen3MoeConfig
 
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.config import ModelConfig
 from pagedllm.model_loader import get_model
+from pagedllm.model_loader.gguf_loader import load_gguf_config
 
 CPU = torch.device("cpu")
 QWEN3_MOE = dict(
@@ -136,3 +138,91 @@ def test_dummy_moe_weights(paged_runner: type) -> None:
     assert abs(experts.gate_up_proj.std().item() - 0.05) < 0.01
     logits = paged_runner(model, model_config).step({0: [1, 2, 3]})[0]
     assert torch.isfinite(logits).all()
+
+
+# --- GGUF -----------------------------------------------------------------------------------
+
+
+def _write_gguf(hf_model: PreTrainedModel, architecture: str, path: Path) -> None:
+    """The HF model as llama.cpp's converter lays it out: names from gguf's own map, each expert
+    projection stacked [num_experts, ...], q/k rows permuted for "llama" files, float32."""
+    config = hf_model.config
+    arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == architecture)
+    name_map = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    )
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    if hasattr(config, "moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    for name, tensor in hf_model.state_dict().items():
+        module, _, suffix = name.rpartition(".")
+        if name.endswith(".experts.gate_up_proj"):  # transformers' [E, 2I, H]: GGUF stores gate and up apart
+            pieces = dict(zip(("gate_proj", "up_proj"), tensor.chunk(2, dim=1)))
+        elif name.endswith(".experts.down_proj"):
+            pieces = {"down_proj": tensor}
+        else:
+            pieces = None
+        if pieces is not None:
+            for projection, piece in pieces.items():
+                gguf_name = name_map.get_name(f"{name.rpartition('.')[0]}.{projection}")
+                writer.add_tensor(f"{gguf_name}.weight", piece.contiguous().numpy())
+            continue
+        if architecture == "llama" and module.endswith(("q_proj", "k_proj")):
+            num_heads = (
+                config.num_attention_heads if module.endswith("q_proj") else config.num_key_value_heads
+            )
+            # llama.cpp's permute: each head's rotary halves interleaved.
+            tensor = tensor.reshape(num_heads, 2, -1, tensor.shape[-1]).transpose(1, 2).reshape(tensor.shape)
+        writer.add_tensor(f"{name_map.get_name(module)}.{suffix}", tensor.contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    "config_class,overrides,architecture,hf_architecture",
+    [
+        (Qwen3MoeConfig, dict(QWEN3_MOE, norm_topk_prob=True), "qwen3moe", "Qwen3MoeForCausalLM"),
+        (MixtralConfig, dict(MIXTRAL, head_dim=16), "llama", "MixtralForCausalLM"),
+    ],
+)
+def test_gguf_moe_matches_hf(
+    make_tiny_model: Callable,
+    paged_runner: type,
+    reference_logits: Callable,
+    tmp_path: Path,
+    config_class,
+    overrides,
+    architecture: str,
+    hf_architecture: str,
+) -> None:
+    hf_model, _ = make_tiny_model(config_class, **overrides)
+    path = tmp_path / "tiny-moe.gguf"
+    _write_gguf(hf_model, architecture, path)
+    config = load_gguf_config(str(path))
+    assert config.architectures == [hf_architecture]
+    assert (config.num_experts, config.num_experts_per_tok) == (4, 2)
+    model_config = ModelConfig(
+        model=str(path),
+        tokenizer=str(path),
+        hf_config=config,
+        dtype=torch.float32,
+        max_model_len=64,
+        gguf_file=str(path),
+    )
+    prompt = list(range(7, 19))
+    logits = paged_runner(_get_model(model_config), model_config).step({0: prompt})[0]
+    torch.testing.assert_close(logits, reference_logits(hf_model, prompt), atol=1e-4, rtol=0)

@@ -8,9 +8,9 @@ Weights (this rank's, vLLM's layout):
 
 Under tensor parallelism every rank holds every expert, sharded along the intermediate dimension
 (as vLLM does): gate/up are column-parallel, down is row-parallel, and one all-reduce after the
-block sums the partial outputs. Checkpoints store one tensor per expert and projection; the
-weight loader stacks them (shard id ``(expert_id, 0 | 1)`` for gate | up, ``(expert_id, None)``
-for down), and takes an already stacked tensor (shard id None) whole.
+block sums the partial outputs. HF checkpoints store one tensor per expert and projection, which
+the weight loader stacks; GGUF files stack each projection over the experts, transformers'
+modules stack both; the loader takes all three (see ``weight_loader``).
 
 On CUDA the experts run the Triton grouped GEMM (``pagedllm.kernels.triton.fused_moe``); elsewhere
 the torch path, which is its reference.
@@ -31,8 +31,9 @@ from pagedllm.layers.fused_moe.torch_moe import fused_experts_torch
 from pagedllm.layers.linear import divide, narrow_shard
 from pagedllm.layers.utils import copy_weight, use_triton
 
-# (expert id, projection): projection 0 (gate) or 1 (up) of gate_up_proj, None for down_proj.
-ExpertShardId = tuple[int, int | None]
+# (expert id, or None for every expert stacked; projection: 0 (gate) or 1 (up) of gate_up_proj,
+# None for down_proj).
+ExpertShardId = tuple[int | None, int | None]
 
 
 class FusedMoE(nn.Module):
@@ -71,35 +72,39 @@ class FusedMoE(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ExpertShardId | None = None
     ) -> None:
-        """Copy this rank's slice of a checkpoint tensor: one expert's projection
-        (``shard_id = (expert_id, projection)``), or every expert stacked (``shard_id = None``)."""
+        """Copy this rank's slice of a checkpoint tensor into ``param``.
+
+        shard_id: ``(expert_id, projection)`` for one expert's gate (0), up (1) or down (None)
+        [intermediate, hidden] / [hidden, intermediate]; ``(None, projection)`` for that projection
+        of every expert stacked ([num_experts, ...], as GGUF stores them); None for the whole
+        stacked parameter (``[num_experts, 2 * intermediate, hidden]`` or ``[num_experts, hidden,
+        intermediate]``, as transformers' Experts modules hold them).
+        """
+        is_down = param is self.down_proj
         if shard_id is None:
-            self._load_stacked(param, loaded_weight)
+            stacked = [loaded_weight] if is_down else loaded_weight.chunk(2, dim=1)
+            for projection, piece in zip([None] if is_down else [0, 1], stacked):
+                self.weight_loader(param, piece, (None, projection))
             return
         expert_id, projection = shard_id
+        if is_down != (projection is None) or projection not in (0, 1, None):
+            raise ValueError(f"shard {shard_id!r} does not fit {'down_proj' if is_down else 'gate_up_proj'}")
+        if expert_id is None:
+            if loaded_weight.dim() != 3 or loaded_weight.shape[0] != self.num_experts:
+                raise ValueError(
+                    f"shape mismatch: stacked experts {tuple(loaded_weight.shape)} should be "
+                    f"[num_experts={self.num_experts}, ...]"
+                )
+            for expert_id, weight in enumerate(loaded_weight):
+                self.weight_loader(param, weight, (expert_id, projection))
+            return
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(
                 f"expert {expert_id} is out of range: the config has num_experts={self.num_experts}"
             )
-        is_down = param is self.down_proj
-        if is_down != (projection is None) or projection not in (0, 1, None):
-            raise ValueError(f"shard {shard_id!r} does not fit {'down_proj' if is_down else 'gate_up_proj'}")
         i = self.intermediate_size_per_rank
         if is_down:  # [hidden, intermediate]: row parallel, split the input features
             copy_weight(param.data[expert_id], narrow_shard(loaded_weight, 1, self.tp_rank, i, self.tp_size))
         else:  # [intermediate, hidden]: column parallel, split the output features
             shard = narrow_shard(loaded_weight, 0, self.tp_rank, i, self.tp_size)
             copy_weight(param.data[expert_id].narrow(0, projection * i, i), shard)
-
-    def _load_stacked(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        if loaded_weight.dim() != 3 or loaded_weight.shape[0] != self.num_experts:
-            raise ValueError(
-                f"shape mismatch: stacked experts {tuple(loaded_weight.shape)} should be "
-                f"[num_experts={self.num_experts}, ...]"
-            )
-        for expert_id, weight in enumerate(loaded_weight):
-            if param is self.down_proj:
-                self.weight_loader(param, weight, (expert_id, None))
-            else:
-                for projection, piece in enumerate(weight.chunk(2, dim=0)):
-                    self.weight_loader(param, piece, (expert_id, projection))
