@@ -54,8 +54,6 @@ def _inputs(num_tokens, num_experts, top_k, hidden, intermediate, dtype, seed=0)
 def test_float32_matches_torch_path(shape: tuple) -> None:
     x, w13, w2, weights, ids = _inputs(*shape, torch.float32)
     out = fused_moe(x, w13, w2, weights, ids)
-    # IEEE float32 products in the kernel; torch's matmuls must not use TF32 either.
-    torch.backends.cuda.matmul.allow_tf32 = False
     ref = fused_experts_torch(x, w13, w2, weights, ids)
     torch.testing.assert_close(out, ref, atol=5e-5, rtol=5e-5)
 
@@ -129,7 +127,6 @@ def test_moe_models_on_cuda_match_hugging_face(
     hf_model, model_config = make_tiny_model(config_class, **overrides)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(model_config.vocab_size, (n,), generator=generator).tolist() for n in (9, 1, 17)]
-    torch.backends.cuda.matmul.allow_tf32 = False
     with torch.device(DEVICE):
         model = get_model(model_config, "auto", DEVICE, TorchAttentionBackend)
         runner = paged_runner(model, model_config)
