@@ -15,7 +15,15 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="the fused MoE kernel needs the triton package")
 
-from pagedllm.kernels.triton.fused_moe import MoeLaunch, default_launch, fused_moe, moe_align_block_size
+from pagedllm.kernels.triton.fused_moe import (
+    ALIGN_KERNEL_MAX_PAIRS,
+    MoeLaunch,
+    _align_torch,
+    default_launch,
+    fused_moe,
+    max_num_sorted,
+    moe_align_block_size,
+)
 from pagedllm.layers.fused_moe import fused_experts_torch, select_experts
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -126,6 +134,20 @@ def test_align_block_size_sorts_and_pads_each_expert(num_tokens, num_experts, to
         )
         start += padded[expert]
     assert set(sorted_list[start:]) <= {num_pairs}
+
+
+@pytest.mark.parametrize(
+    "num_tokens,num_experts,top_k,block_m",
+    [(1, 4, 1, 16), (93, 64, 8, 16), (40, 128, 8, 64), (3, 300, 2, 32)],
+)
+def test_align_kernel_equals_the_torch_ops(num_tokens, num_experts, top_k, block_m) -> None:
+    """Both sort-and-pad paths are stable sorts: their outputs are equal, index for index."""
+    _, _, _, _, ids = _inputs(num_tokens, num_experts, top_k, 16, 16, torch.float32, seed=7)
+    assert ids.numel() <= ALIGN_KERNEL_MAX_PAIRS  # moe_align_block_size takes the kernel
+    num_sorted = max_num_sorted(ids.numel(), num_experts, block_m)
+    expected = _align_torch(ids.flatten(), block_m, num_experts, num_sorted)
+    for out, ref in zip(moe_align_block_size(ids, block_m, num_experts), expected, strict=True):
+        assert out.dtype == ref.dtype and torch.equal(out, ref)
 
 
 def test_default_launch_by_pairs_per_expert() -> None:

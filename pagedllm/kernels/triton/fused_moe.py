@@ -3,7 +3,8 @@
 Algorithm (the sorted, block-aligned formulation of vLLM's ``fused_moe`` and MegaBlocks, Gale et
 al. 2022), for ``num_pairs = num_tokens * top_k`` routed pairs:
 
-1. ``moe_align_block_size`` (torch ops, on the device, no host sync): sort the pairs by expert
+1. ``moe_align_block_size`` (on the device, no host sync: one program of ``_moe_align_kernel`` at
+   decode sizes, torch ops past them): sort the pairs by expert
    and pad each expert's run to a multiple of ``BLOCK_M``, so that every ``BLOCK_M`` tile of the
    sorted list belongs to one expert. Padding entries hold ``num_pairs`` (masked everywhere).
    The buffers have a fixed size given ``num_pairs`` -- ``num_pairs + min(E, num_pairs) *
@@ -149,10 +150,64 @@ def max_num_sorted(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(padded, block_m) * block_m
 
 
+@triton.jit
+def _moe_align_kernel(
+    topk_ids_ptr,
+    sorted_token_ids_ptr,
+    expert_ids_ptr,
+    num_post_padded_ptr,
+    num_pairs,
+    num_experts,
+    num_sorted,
+    BLOCK_M: tl.constexpr,
+    NUM_EXPERTS_P2: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: count, pad, fill, and place each pair at its expert's start plus the number of
+    earlier pairs of that expert (a one-hot [BLOCK, E] prefix sum per chunk): stable, as argsort."""
+    experts = tl.arange(0, NUM_EXPERTS_P2)
+    counts = tl.zeros([NUM_EXPERTS_P2], dtype=tl.int32)
+    for start in range(0, num_pairs, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(num_post_padded_ptr, tl.sum(padded, axis=0))
+    for start in range(0, num_sorted // BLOCK_M, BLOCK):
+        tiles = start + tl.arange(0, BLOCK)
+        # The tile's expert: how many experts' runs end at or before its first row.
+        ended = tl.sum((ends[None, :] <= tiles[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(
+            expert_ids_ptr + tiles, tl.minimum(ended, num_experts - 1), mask=tiles < num_sorted // BLOCK_M
+        )
+    for start in range(0, num_sorted, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        tl.store(
+            sorted_token_ids_ptr + offs, tl.full([BLOCK], 0, tl.int32) + num_pairs, mask=offs < num_sorted
+        )
+    # The padding is written before the pairs land over it (other threads of this program).
+    tl.debug_barrier()
+    cursor = ends - padded
+    for start in range(0, num_pairs, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=-1)
+        one_hot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [BLOCK, NUM_EXPERTS_P2]
+        earlier = tl.cumsum(one_hot, axis=0) - one_hot
+        slots = tl.sum((earlier + cursor[None, :]) * one_hot, axis=1)
+        tl.store(sorted_token_ids_ptr + slots, offs, mask=offs < num_pairs)
+        cursor += tl.sum(one_hot, axis=0)
+
+
+# Up to this many pairs (decode sizes: 512 tokens at top-8) the sort-and-pad is one program of
+# _moe_align_kernel; past it, a dozen torch ops (sort included) spread over the GPU are faster.
+ALIGN_KERNEL_MAX_PAIRS = 4096
+
+
 def moe_align_block_size(
     topk_ids: torch.Tensor, block_m: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort the routed pairs by expert, each expert's run padded to a multiple of ``block_m``.
+    """Sort the routed pairs by expert (stable), each expert's run padded to a multiple of ``block_m``.
 
     topk_ids: [num_tokens, top_k]. Returns ``sorted_token_ids`` [num_sorted] int32 (flattened pair
     indices, ``num_pairs`` for padding), ``expert_ids`` [num_sorted // block_m] int32 (the expert
@@ -161,18 +216,48 @@ def moe_align_block_size(
     """
     flat_ids = topk_ids.flatten()
     num_pairs = flat_ids.numel()
-    device = flat_ids.device
     num_sorted = max_num_sorted(num_pairs, num_experts, block_m)
+    if num_pairs > ALIGN_KERNEL_MAX_PAIRS:
+        return _align_torch(flat_ids, block_m, num_experts, num_sorted)
+    device = flat_ids.device
+    sorted_token_ids = torch.empty(num_sorted, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(num_sorted // block_m, dtype=torch.int32, device=device)
+    num_post_padded = torch.empty(1, dtype=torch.int32, device=device)
+    num_experts_p2 = triton.next_power_of_2(num_experts)
+    # A [BLOCK, experts] one-hot of 8K elements: 32 registers a thread at 8 warps.
+    block = max(16, min(256, 8192 // num_experts_p2))
+    _moe_align_kernel[(1,)](
+        flat_ids,
+        sorted_token_ids,
+        expert_ids,
+        num_post_padded,
+        num_pairs,
+        num_experts,
+        num_sorted,
+        BLOCK_M=block_m,
+        NUM_EXPERTS_P2=num_experts_p2,
+        BLOCK=block,
+        num_warps=8,
+    )
+    return sorted_token_ids, expert_ids, num_post_padded
+
+
+def _align_torch(
+    flat_ids: torch.Tensor, block_m: int, num_experts: int, num_sorted: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """moe_align_block_size in torch ops, for large pair counts."""
+    num_pairs = flat_ids.numel()
+    device = flat_ids.device
     # scatter_add_, not bincount: bincount reads the maximum back to the host.
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
-    padded_ends = ((counts + block_m - 1) // block_m * block_m).cumsum(0)
-    padded_starts = padded_ends - (counts + block_m - 1) // block_m * block_m
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_ends = padded.cumsum(0)
     order = torch.argsort(flat_ids, stable=True)
     sorted_experts = flat_ids[order]
     rank_in_expert = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
     sorted_token_ids = torch.full((num_sorted,), num_pairs, dtype=torch.int32, device=device)
-    sorted_token_ids[padded_starts[sorted_experts] + rank_in_expert] = order.to(torch.int32)
+    sorted_token_ids[(padded_ends - padded)[sorted_experts] + rank_in_expert] = order.to(torch.int32)
     tile_starts = torch.arange(0, num_sorted, block_m, device=device)
     # Tiles past the end get expert num_experts - 1; the kernel skips them before reading it.
     expert_ids = torch.searchsorted(padded_ends, tile_starts, right=True).clamp_(max=num_experts - 1)
