@@ -26,4 +26,5 @@ class MixtralForCausalLM(MoeForCausalLM):
             config.hidden_size,
             config.intermediate_size,
             renormalize=True,
+            hidden_act=config.hidden_act,
         )

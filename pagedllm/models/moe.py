@@ -32,9 +32,17 @@ class SparseMoeBlock(nn.Module):
     then the experts."""
 
     def __init__(
-        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool
+        self,
+        num_experts: int,
+        top_k: int,
+        hidden_size: int,
+        intermediate_size: int,
+        renormalize: bool,
+        hidden_act: str,
     ) -> None:
         super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"hidden_act must be 'silu' for the experts (SwiGLU), got {hidden_act!r}")
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize)
 

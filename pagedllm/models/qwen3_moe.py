@@ -36,4 +36,5 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
             config.hidden_size,
             config.moe_intermediate_size,
             renormalize=config.norm_topk_prob,
+            hidden_act=config.hidden_act,
         )

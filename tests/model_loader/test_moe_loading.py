@@ -226,3 +226,9 @@ def test_gguf_moe_matches_hf(
     prompt = list(range(7, 19))
     logits = paged_runner(_get_model(model_config), model_config).step({0: prompt})[0]
     torch.testing.assert_close(logits, reference_logits(hf_model, prompt), atol=1e-4, rtol=0)
+
+
+def test_experts_other_than_swiglu_are_refused(make_tiny_model: Callable) -> None:
+    _, model_config = make_tiny_model(MixtralConfig, **MIXTRAL)
+    with pytest.raises(ValueError, match=r"hidden_act must be 'silu' for the experts.*'gelu'"):
+        _get_model(_with_config(model_config, hidden_act="gelu"))
