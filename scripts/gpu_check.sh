@@ -3,12 +3,14 @@
 # repository root): the GPU tests, then the benchmarks, then a table of every figure, last.
 #
 #   scripts/gpu_check.sh                 tests, K1, W1, W3 (the short set)
-#   scripts/gpu_check.sh tests k1 k1-sweep w1 w1-profile w2 w3 hf w4 cuda sanitize
+#   scripts/gpu_check.sh tests k1 k1-sweep w1 w1-profile w2 w3 hf w4 w5 moe moe-sweep cuda sanitize
 #
 # Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too), w1 / w2
 # (bench throughput; w1-profile: W1 with 5 steps torch-profiled in each phase, its timing then
 # includes the profiler), w3 (bench latency, profiled), hf (benchmarks/compare_hf.py: W1 through
-# transformers too), w4 (bench serve against pagedllm serve), cuda (W1 on the cuda backend),
+# transformers too), w4 (bench serve against pagedllm serve), w5 (bench throughput of the
+# Qwen3-30B-A3B mixture of experts, against its floor), moe (bench moe: the fused MoE kernel against
+# the per-expert torch reference; moe-sweep: every launch too), cuda (W1 on the cuda backend),
 # sanitize (compute-sanitizer on the CUDA kernels). Results go to $OUT (the device tool's output
 # folder) or /tmp/gpu_check.
 set -uo pipefail
@@ -54,6 +56,9 @@ for stage in "${stages[@]}"; do
         run w3 python3 -m pagedllm bench latency --output-json "$OUT/w3.json" --output-png "$OUT/w3.png" \
             --profile-steps 20
         ;;
+    w5) run w5 python3 -m pagedllm bench throughput --workload W5 --output-json "$OUT/w5.json" --output-png "$OUT/w5.png" ;;
+    moe) run moe python3 -m pagedllm bench moe --output-json "$OUT/moe.json" ;;
+    moe-sweep) run moe python3 -m pagedllm bench moe --sweep --output-json "$OUT/moe.json" ;;
     hf) run hf python3 benchmarks/compare_hf.py --output-json "$OUT/hf.json" ;;
     cuda)
         run w1_cuda python3 -m pagedllm bench throughput --workload W1 --attention-backend cuda \

@@ -18,7 +18,7 @@ def _load(folder: str, name: str) -> dict | list | None:
 def rows(folder: str) -> list[tuple[str, str, str]]:
     """(benchmark, figure, value) rows for whatever ran."""
     table: list[tuple[str, str, str]] = []
-    for name in ("w1", "w1_cuda", "w2"):
+    for name in ("w1", "w1_cuda", "w2", "w5"):
         r = _load(folder, name)
         if r:
             label = f"{r['workload']} {r['attention_backend']}"
@@ -30,6 +30,8 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
                     f"{r['elapsed_s']:.2f} s / {r['median_decode_step_ms']:.2f} ms",
                 )
             )
+            if "floor" in r:
+                table.append((label, "fraction of floor (floor s)", _floor(r)))
     r = _load(folder, "w3")
     if r:
         for mode in ("cuda_graphs", "eager"):
@@ -61,6 +63,14 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
             label = f"K1 {row['implementation']} ctx {row['context']}"
             launch = "default launch" if row in r["rows"] and row["default_launch"] else "best launch"
             table.append((label, f"GB/s (of copy; vs SDPA), {launch}", _k1(row)))
+    r = _load(folder, "moe")
+    if r:
+        for row in r["rows"]:
+            table.append(
+                (f"MoE {row['num_tokens']} tokens", "fused / torch per-expert ms (ratio)", _moe(row))
+            )
+            if "best_ms" in row:
+                table.append((f"MoE {row['num_tokens']} tokens", "best launch ms (ratio)", _moe_best(row)))
     r = _load(folder, "w4")
     if r:
         for summary in r.get("results", []):
@@ -72,6 +82,18 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
 
 def _k1(row: dict) -> str:
     return f"{row['gbps']:.0f} ({row['fraction_of_copy']:.0%}; {row['vs_sdpa']:.2f}x)"
+
+
+def _floor(r: dict) -> str:
+    return f"{r['fraction_of_floor']:.0%} ({r['floor']['floor_s']:.2f} s)"
+
+
+def _moe(row: dict) -> str:
+    return f"{row['fused_ms']:.3f} / {row['torch_ms']:.3f} ({row['speedup']:.1f}x)"
+
+
+def _moe_best(row: dict) -> str:
+    return f"{row['best_ms']:.3f} ({row['best_speedup']:.1f}x) {row['best_launch']}"
 
 
 def _w4(s: dict) -> str:

@@ -151,6 +151,30 @@ def hf_logits(hf_model: PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([token_ids])).logits[0].float()
 
 
+def assert_prefill_then_decode_match_hf(
+    hf_model: PreTrainedModel, model_config: ModelConfig, model: nn.Module, atol: float = 1e-4
+) -> None:
+    """A ragged batch of three prompts in one flattened prefill, then one decode step each (reading
+    the prompts back from the paged cache): our logits equal HF's at every position."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(model_config.vocab_size, (n,), generator=generator).tolist() for n in (7, 1, 13)]
+    next_tokens = torch.randint(model_config.vocab_size, (len(prompts),), generator=generator).tolist()
+    runner = PagedRunner(model, model_config)
+    logits = runner.step(dict(enumerate(prompts)))
+    for seq_id, prompt in enumerate(prompts):
+        torch.testing.assert_close(logits[seq_id], hf_logits(hf_model, prompt), atol=atol, rtol=0)
+    logits = runner.step({seq_id: [token] for seq_id, token in enumerate(next_tokens)})
+    for seq_id, prompt in enumerate(prompts):
+        expected = hf_logits(hf_model, [*prompt, next_tokens[seq_id]])[-1:]
+        torch.testing.assert_close(logits[seq_id], expected, atol=atol, rtol=0)
+
+
+@pytest.fixture
+def prefill_then_decode_match_hf() -> Callable[..., None]:
+    """assert_prefill_then_decode_match_hf(hf_model, model_config, model, atol=1e-4)."""
+    return assert_prefill_then_decode_match_hf
+
+
 @pytest.fixture
 def make_tiny_model(tmp_path: Path) -> Callable[..., tuple[PreTrainedModel, ModelConfig]]:
     """make(config_class, **overrides) -> (HF model, ModelConfig of its saved directory); each

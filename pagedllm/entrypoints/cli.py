@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pagedllm.engine.arg_utils import EngineArgs, cli_type
 from pagedllm.entrypoints.bench import kernels as bench_kernels
 from pagedllm.entrypoints.bench import latency as bench_latency
+from pagedllm.entrypoints.bench import moe as bench_moe
 from pagedllm.entrypoints.bench import serve as bench_serve
 from pagedllm.entrypoints.bench import throughput as bench_throughput
 from pagedllm.entrypoints.openai import cli as openai_cli
@@ -155,10 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks (BENCHMARKS.md's workloads)")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
     for name, module, help_text in (
-        ("throughput", bench_throughput, "offline throughput: W1, W2"),
+        ("throughput", bench_throughput, "offline throughput: W1, W2, W5"),
         ("latency", bench_latency, "single-request latency: W3"),
         ("serve", bench_serve, "online serving against an OpenAI-compatible endpoint: W4"),
         ("kernels", bench_kernels, "paged decode attention bandwidth: K1"),
+        ("moe", bench_moe, "fused MoE kernel against the per-expert torch reference"),
     ):
         command = bench_sub.add_parser(name, help=help_text)
         module.add_cli_args(command)

@@ -19,11 +19,18 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-# general.architecture -> the Hugging Face architecture we run it as (Mistral GGUFs say "llama").
+# general.architecture -> the Hugging Face architecture we run it as (Mistral GGUFs say "llama";
+# so do Mixtral's, told apart by their expert count).
 SUPPORTED_GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
+# general.architecture -> (transformers model_type, architecture) of its mixture-of-experts files.
+_MOE_ARCHITECTURES = {
+    "llama": ("mixtral", "MixtralForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -49,6 +56,9 @@ _CONFIG_KEYS = {
     "attention.head_count_kv": "num_key_value_heads",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "attention.key_length": "head_dim",
+    "expert_count": "num_experts",  # an alias of Mixtral's num_local_experts too
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
 }
 _TOKEN_ID_KEYS = {
     "tokenizer.ggml.bos_token_id": "bos_token_id",
@@ -87,8 +97,13 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     # llama.cpp stores no output.weight when the LM head is the embedding.
     values["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
     values["rope_parameters"] = _rope_parameters(reader, architecture)
-    config = AutoConfig.for_model(architecture, **values)
-    config.architectures = [SUPPORTED_GGUF_ARCHITECTURES[architecture]]
+    model_type, hf_architecture = architecture, SUPPORTED_GGUF_ARCHITECTURES[architecture]
+    if values.get("num_experts"):
+        model_type, hf_architecture = _MOE_ARCHITECTURES[architecture]
+        # llama.cpp's qwen3moe graph always renormalises the top-k weights (Mixtral's router does too).
+        values["norm_topk_prob"] = True
+    config = AutoConfig.for_model(model_type, **values)
+    config.architectures = [hf_architecture]
     return config
 
 
@@ -137,12 +152,17 @@ def iterate_gguf_weights(
 
 def _checkpoint_names(model: nn.Module) -> Iterator[str]:
     """The Hugging Face checkpoint names that ``model.load_weights`` takes: its parameter names
-    with each packed parameter expanded into its sources, plus the LM head (tied models skip it)."""
+    with each packed parameter expanded into its sources, plus the LM head (tied models skip it).
+    Experts are stacked per projection, as GGUF stores them (``...mlp.experts.gate_proj.weight``)."""
     packed_modules = getattr(model, "packed_modules_mapping", {})
     yield "lm_head.weight"
     for name, _ in model.named_parameters():
         packed = next((p for p in packed_modules if f".{p}." in name), None)
-        if packed is None:
+        experts, is_experts, stacked = name.rpartition(".experts.")
+        if is_experts:
+            projections = ("gate_proj", "up_proj") if stacked == "gate_up_proj" else ("down_proj",)
+            yield from (f"{experts}.experts.{projection}.weight" for projection in projections)
+        elif packed is None:
             yield name
         else:
             yield from (name.replace(f".{packed}.", f".{source}.") for source, _ in packed_modules[packed])

@@ -5,13 +5,17 @@ from __future__ import annotations
 from torch import nn
 
 from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.mixtral import MixtralForCausalLM
+from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # Hugging Face architecture name -> our implementation.
 _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 
@@ -29,4 +33,10 @@ def get_supported_architectures() -> list[str]:
     return sorted(_MODEL_REGISTRY)
 
 
-__all__ = ["LlamaForCausalLM", "get_model_class", "get_supported_architectures"]
+__all__ = [
+    "LlamaForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "get_model_class",
+    "get_supported_architectures",
+]

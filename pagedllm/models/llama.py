@@ -15,7 +15,7 @@ this rank's heads and features, and in their weight loaders.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -49,7 +49,7 @@ class _AttentionOptions:
         if config.model_type == "qwen2":
             return cls(qkv_bias=True, o_bias=False, qk_norm=False)
         bias = getattr(config, "attention_bias", False)
-        return cls(qkv_bias=bias, o_bias=bias, qk_norm=config.model_type == "qwen3")
+        return cls(qkv_bias=bias, o_bias=bias, qk_norm=config.model_type in ("qwen3", "qwen3_moe"))
 
 
 def _head_dim(config: PretrainedConfig) -> int:
@@ -124,11 +124,15 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, attn_backend: type[AttentionBackend]
+        self,
+        config: PretrainedConfig,
+        rotary_emb: RotaryEmbedding,
+        attn_backend: type[AttentionBackend],
+        mlp: nn.Module,
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb, attn_backend)
-        self.mlp = LlamaMLP(config)
+        self.mlp = mlp  # LlamaMLP, or a mixture of experts (models/moe.py): [num_tokens, hidden] -> same
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -153,7 +157,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        attn_backend: type[AttentionBackend],
+        make_mlp: Callable[[PretrainedConfig, int], nn.Module],
+    ) -> None:
+        """make_mlp(config, layer_index): the feed-forward block of each layer."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin cache shared by every layer: it is the same table, and can be large.
@@ -164,7 +174,8 @@ class LlamaModel(nn.Module):
             torch.get_default_dtype(),
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, attn_backend) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, rotary_emb, attn_backend, make_mlp(config, i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -197,12 +208,18 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         _warn_sliding_window(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaModel(config, attn_backend)
+        self.model = LlamaModel(config, attn_backend, self.make_mlp)
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    @staticmethod
+    def make_mlp(config: PretrainedConfig, layer_index: int) -> nn.Module:
+        """The feed-forward block of layer ``layer_index``: the SwiGLU MLP in every layer here;
+        mixture-of-experts subclasses choose per layer."""
+        return LlamaMLP(config)
 
     def forward(
         self,

@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.llm_engine import LLMEngine
@@ -50,6 +50,28 @@ MODEL_CASES = {
     "qwen3-qknorm-head64": (
         Qwen3Config,
         {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "tie_word_embeddings": True},
+    ),
+    # Mixtures of experts: a dense first layer and top-8 of 16 renormalised; Mixtral's top-2 of 4.
+    "qwen3moe-top8-mlp-only-layer": (
+        Qwen3MoeConfig,
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_experts": 16,
+            "num_experts_per_tok": 8,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+        },
+    ),
+    "mixtral-top2": (
+        MixtralConfig,
+        {
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+        },
     ),
 }
 

@@ -22,7 +22,7 @@ if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("needs CUDA and compiled (not interpreted) Triton kernels", allow_module_level=True)
 pytest.importorskip("triton", reason="the fused kernels need the triton package")
 
-from transformers import Qwen3Config
+from transformers import MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.layers.activation import SiluAndMul
@@ -168,12 +168,33 @@ def test_layers_replay_in_a_cuda_graph() -> None:
         _assert_close(out, ref)
 
 
-def test_qwen3_on_cuda_matches_hugging_face(
-    make_tiny_model: Callable, paged_runner: type, reference_logits: Callable
+# Qwen3, and the mixtures of experts on the same layers (their experts on the fused MoE kernel).
+CUDA_MODELS = {
+    "qwen3": (Qwen3Config, {}),
+    "qwen3moe-mlp-only-layer": (
+        Qwen3MoeConfig,
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[0],
+        ),
+    ),
+    "mixtral": (MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(CUDA_MODELS))
+def test_model_on_cuda_matches_hugging_face(
+    case: str, make_tiny_model: Callable, paged_runner: type, reference_logits: Callable
 ) -> None:
     """The model's use of the in-place results: per-head q/k norms on strided views, the residual
     stream carried through every layer's fused norms, rotary on views of the QKV output."""
-    hf_model, model_config = make_tiny_model(Qwen3Config, num_attention_heads=4, num_key_value_heads=2)
+    config_class, overrides = CUDA_MODELS[case]
+    hf_model, model_config = make_tiny_model(
+        config_class, num_attention_heads=4, num_key_value_heads=2, **overrides
+    )
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(model_config.vocab_size, (n,), generator=generator).tolist() for n in (9, 1, 17)]
     # The runner builds its cache and metadata with factory functions: this makes them CUDA tensors.

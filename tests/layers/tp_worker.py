@@ -19,6 +19,7 @@ from pagedllm.distributed import (
     tensor_model_parallel_all_gather,
 )
 from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.fused_moe import FusedMoE, fused_experts_torch, select_experts
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -68,6 +69,29 @@ def check_vocab_embedding_and_logits(x: torch.Tensor) -> None:
     torch.testing.assert_close(logits, x @ table.T)
 
 
+def check_fused_moe(x: torch.Tensor) -> None:
+    """Experts sharded along the intermediate dimension, loaded per expert and stacked: each rank's
+    partial output, all-reduced, equals the whole layer's."""
+    num_experts, top_k = 4, 2
+    w13 = torch.randn(num_experts, 2 * INTERMEDIATE, HIDDEN)
+    w2 = torch.randn(num_experts, HIDDEN, INTERMEDIATE)
+    logits = torch.randn(x.shape[0], num_experts)
+    expected = fused_experts_torch(x, w13, w2, *select_experts(logits, top_k, renormalize=True))
+    per_expert = FusedMoE(num_experts, top_k, HIDDEN, INTERMEDIATE, renormalize=True)
+    for e in range(num_experts):
+        gate, up = w13[e].chunk(2)
+        per_expert.gate_up_proj.weight_loader(per_expert.gate_up_proj, gate, (e, 0))
+        per_expert.gate_up_proj.weight_loader(per_expert.gate_up_proj, up, (e, 1))
+        per_expert.down_proj.weight_loader(per_expert.down_proj, w2[e], (e, None))
+    stacked = FusedMoE(num_experts, top_k, HIDDEN, INTERMEDIATE, renormalize=True)
+    stacked.gate_up_proj.weight_loader(stacked.gate_up_proj, w13)
+    stacked.down_proj.weight_loader(stacked.down_proj, w2)
+    assert per_expert.down_proj.shape == (num_experts, HIDDEN, INTERMEDIATE // 2)
+    assert torch.equal(per_expert.gate_up_proj, stacked.gate_up_proj)
+    torch.testing.assert_close(per_expert(x, logits), expected)
+    torch.testing.assert_close(stacked(x, logits), expected)
+
+
 def check_all_gather() -> None:
     rank = get_tensor_model_parallel_rank()
     local = torch.full((2, 3), float(rank))
@@ -83,6 +107,7 @@ def main(rank: int, world_size: int, init_file: str) -> None:
         check_qkv_with_replicated_kv_head(x)
         check_mlp(x)
         check_vocab_embedding_and_logits(x)
+        check_fused_moe(x)
         check_all_gather()
     finally:
         destroy_distributed_environment()

@@ -85,23 +85,9 @@ def _prompts(vocab_size: int, lengths: list[int], seed: int = 0) -> list[list[in
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_prefill_then_decode_matches_hf(
-    case: str, load_case: Callable, paged_runner: type, reference_logits: Callable
+    case: str, load_case: Callable, prefill_then_decode_match_hf: Callable
 ) -> None:
-    hf_model, model_config, model = load_case(case)
-    runner = paged_runner(model, model_config)
-    prompts = _prompts(model_config.vocab_size, [7, 1, 13])
-
-    # A ragged batch of three prompts, in one flattened prefill.
-    logits = runner.step(dict(enumerate(prompts)))
-    for seq_id, prompt in enumerate(prompts):
-        torch.testing.assert_close(logits[seq_id], reference_logits(hf_model, prompt), atol=ATOL, rtol=0)
-
-    # One decode step for each, reading the prompts back from the paged cache.
-    next_tokens = _prompts(model_config.vocab_size, [1, 1, 1], seed=1)
-    logits = runner.step(dict(enumerate(next_tokens)))
-    for seq_id, prompt in enumerate(prompts):
-        expected = reference_logits(hf_model, prompt + next_tokens[seq_id])[-1:]
-        torch.testing.assert_close(logits[seq_id], expected, atol=ATOL, rtol=0)
+    prefill_then_decode_match_hf(*load_case(case), atol=ATOL)
 
 
 def test_mixed_decode_and_prefill_batch(

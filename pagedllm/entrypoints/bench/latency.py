@@ -19,6 +19,7 @@ import torch
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.bench.ceilings import copy_bandwidth
 from pagedllm.entrypoints.bench.throughput import profile_steps_of
 from pagedllm.entrypoints.bench.workloads import WORKLOADS
 from pagedllm.sampling_params import SamplingParams
@@ -33,16 +34,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(load_format="dummy", model=None, max_num_seqs=1)
     return parser
-
-
-def copy_bandwidth(num_bytes: int = 1 << 30) -> float:
-    """Device copy bandwidth, bytes read + written per second (median of do_bench)."""
-    import triton.testing
-
-    src = torch.empty(num_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    return 2 * num_bytes / (ms * 1e-3)
 
 
 def time_request(engine: LLMEngine, prompt: list[int], output_len: int) -> tuple[float, float]:

@@ -1,10 +1,11 @@
-"""``pagedllm bench throughput``: offline throughput, BENCHMARKS.md's W1 and W2.
+"""``pagedllm bench throughput``: offline throughput, W1, W2 and W5 (benchmarks/README.md).
 
 Every request is queued at once and the engine steps until all finish (greedy, EOS ignored,
 dummy weights of the workload's architecture). Reports output and total tokens per second, and
 the step timeline: each step's wall time and the tokens it computed, so that the prefill phase,
 the decode phase and the per-step overhead can be read apart. ``--profile-steps N`` also records N
-decode steps with the torch profiler and prints where host and device time go.
+decode steps with the torch profiler and prints where host and device time go. For a mixture of
+experts (W5) it also reports the run against its floor (``moe_floor.py``).
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import torch
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.bench.ceilings import copy_bandwidth, matmul_peak_flops
+from pagedllm.entrypoints.bench.moe_floor import MoeShape, moe_floor
 from pagedllm.entrypoints.bench.workloads import WORKLOADS, Workload
 from pagedllm.sampling_params import SamplingParams
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--workload", choices=["W1", "W2"], default="W1")
+    parser.add_argument("--workload", choices=["W1", "W2", "W5"], default="W1")
     parser.add_argument("--num-prompts", type=int, default=None, help="the workload's first N prompts")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--output-png", default=None)
@@ -118,6 +121,19 @@ def profile_steps_of(engine: LLMEngine, num_steps: int) -> dict[str, Any]:
     }
 
 
+def _moe_floor(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+    config = engine.config
+    return moe_floor(
+        MoeShape.from_config(config.model_config.hf_config),
+        [len(p) for p in prompts],
+        output_len,
+        config.scheduler_config.max_num_seqs,
+        config.model_config.dtype.itemsize,
+        copy_bandwidth(),
+        matmul_peak_flops(),
+    )
+
+
 def plot(result: dict[str, Any], path: str) -> bool:
     try:
         import matplotlib
@@ -163,6 +179,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         enforce_eager=engine.config.enforce_eager,
         num_gpu_blocks=engine.num_gpu_blocks,
     )
+    if engine.config.model_config.hf_config.model_type in ("qwen3_moe", "mixtral"):
+        result["floor"] = _moe_floor(engine, prompts, workload.output_len)
+        result["fraction_of_floor"] = result["floor"]["floor_s"] / result["elapsed_s"]
+        print(
+            f"{workload.name} floor {result['floor']['floor_s']:.2f} s (decode weights "
+            f"{result['floor']['decode_weight_s']:.2f} s, KV {result['floor']['kv_s']:.2f} s, prefill "
+            f"{result['floor']['prefill_s']:.2f} s): the run is at {result['fraction_of_floor']:.0%} of it"
+        )
     for phase, profiled in result["profiles"].items():
         print(profiled.pop("table"))
         print(

@@ -1,0 +1,143 @@
+"""The physical floor of an offline mixture-of-experts workload (W5): the least time the device
+needs to read what the run must read and compute what it must compute.
+
+* Decode: each step reads the dense weights (attention, routers, LM head, dense MLPs) and, per
+  sparse layer, the experts the batch's tokens touch. With uniform routing a batch of ``B`` tokens
+  touches ``E * (1 - (1 - k / E) ** B)`` distinct experts in expectation (each expert is missed by
+  one token with probability ``1 - k / E``). The batch is ``min(requests left, max_num_seqs)``:
+  requests decode in waves of the run's largest batch, each request ``output_len - 1`` steps (its
+  first token comes from its prefill).
+* KV: each decode step of a request reads its whole context once, K and V of every layer.
+* Prefill: ``2 * active parameters`` FLOPs per prompt token (attention projections, router, the
+  top-k experts or the dense MLP), the causal attention's ``4 * heads * head_dim * p (p + 1) / 2``
+  per layer, and the LM head once per request, at the device's measured matmul peak.
+
+Bytes go at the measured copy bandwidth (bytes read + written per second), as the W3 floor does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from transformers import PretrainedConfig
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """The parameter counts of a mixture-of-experts decoder that the floor needs."""
+
+    num_layers: int
+    num_sparse_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    num_experts: int
+    top_k: int
+    expert_params: int  # gate, up and down of one expert
+    dense_mlp_params: int  # gate, up and down of one dense layer's MLP
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> MoeShape:
+        from pagedllm.models.qwen3_moe import is_sparse_layer
+
+        num_experts = getattr(config, "num_experts", None) or config.num_local_experts
+        if config.model_type == "qwen3_moe":
+            num_sparse = sum(is_sparse_layer(config, i) for i in range(config.num_hidden_layers))
+            moe_intermediate = config.moe_intermediate_size
+        else:  # Mixtral: every layer sparse, experts as wide as intermediate_size
+            num_sparse, moe_intermediate = config.num_hidden_layers, config.intermediate_size
+        hidden = config.hidden_size
+        return cls(
+            num_layers=config.num_hidden_layers,
+            num_sparse_layers=num_sparse,
+            hidden_size=hidden,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None) or hidden // config.num_attention_heads,
+            vocab_size=config.vocab_size,
+            num_experts=num_experts,
+            top_k=config.num_experts_per_tok,
+            expert_params=3 * hidden * moe_intermediate,
+            dense_mlp_params=3 * hidden * config.intermediate_size,
+        )
+
+    @property
+    def attention_params(self) -> int:
+        """q, k, v and o projections of one layer."""
+        return self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_sparse_layers
+
+    def expected_experts(self, num_tokens: int) -> float:
+        """Distinct experts a batch of ``num_tokens`` touches per layer, routing uniform."""
+        return self.num_experts * (1.0 - (1.0 - self.top_k / self.num_experts) ** num_tokens)
+
+    def decode_step_params(self, batch_size: int) -> float:
+        """Parameters one decode step of ``batch_size`` sequences reads."""
+        dense = (
+            self.num_layers * self.attention_params
+            + self.num_sparse_layers * self.num_experts * self.hidden_size  # routers
+            + self.num_dense_layers * self.dense_mlp_params
+            + self.vocab_size * self.hidden_size  # LM head
+        )
+        return dense + self.num_sparse_layers * self.expected_experts(batch_size) * self.expert_params
+
+    @property
+    def active_params_per_token(self) -> int:
+        """Parameters a prompt token multiplies (no embedding, no LM head)."""
+        return (
+            self.num_layers * self.attention_params
+            + self.num_sparse_layers * (self.num_experts * self.hidden_size + self.top_k * self.expert_params)
+            + self.num_dense_layers * self.dense_mlp_params
+        )
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element_size
+
+
+def moe_floor(
+    shape: MoeShape,
+    prompt_lens: list[int],
+    output_len: int,
+    max_num_seqs: int,
+    element_size: int,
+    bandwidth: float,
+    peak_flops: float,
+) -> dict[str, Any]:
+    """The floor of a run (seconds, and its parts). bandwidth: bytes/s; peak_flops: FLOP/s."""
+    num_requests, decode_steps = len(prompt_lens), output_len - 1
+    weight_bytes = 0.0
+    for wave in range(math.ceil(num_requests / max_num_seqs)):
+        batch = min(max_num_seqs, num_requests - wave * max_num_seqs)
+        weight_bytes += decode_steps * shape.decode_step_params(batch) * element_size
+    # Context of a request's j-th decode step (j = 1 .. output_len - 1): p + j tokens.
+    context_tokens = sum(decode_steps * p + decode_steps * (decode_steps + 1) // 2 for p in prompt_lens)
+    kv_bytes = context_tokens * shape.kv_bytes_per_token(element_size)
+    attention_flops = sum(
+        4 * shape.num_layers * shape.num_heads * shape.head_dim * p * (p + 1) // 2 for p in prompt_lens
+    )
+    prefill_flops = (
+        2 * shape.active_params_per_token * sum(prompt_lens)
+        + attention_flops
+        + 2 * num_requests * shape.vocab_size * shape.hidden_size
+    )
+    parts = {
+        "decode_weight_s": weight_bytes / bandwidth,
+        "kv_s": kv_bytes / bandwidth,
+        "prefill_s": prefill_flops / peak_flops,
+    }
+    return {
+        "floor_s": sum(parts.values()),
+        **parts,
+        "decode_weight_tb": weight_bytes / 1e12,
+        "kv_tb": kv_bytes / 1e12,
+        "prefill_tflop": prefill_flops / 1e12,
+        "experts_per_layer_at_max_batch": shape.expected_experts(min(max_num_seqs, num_requests)),
+        "shape": asdict(shape),
+    }

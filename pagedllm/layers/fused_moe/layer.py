@@ -1,0 +1,110 @@
+"""FusedMoE: the experts of a mixture-of-experts block as two stacked weights, and their forward.
+
+Weights (this rank's, vLLM's layout):
+
+* ``gate_up_proj``: [num_experts, 2 * intermediate_per_rank, hidden_size], each expert's gate
+  rows then its up rows (Hugging Face transformers' fused ``gate_up_proj`` of its Experts modules);
+* ``down_proj``: [num_experts, hidden_size, intermediate_per_rank].
+
+Under tensor parallelism every rank holds every expert, sharded along the intermediate dimension
+(as vLLM does): gate/up are column-parallel, down is row-parallel, and one all-reduce after the
+block sums the partial outputs. HF checkpoints store one tensor per expert and projection, which
+the weight loader stacks; GGUF files stack each projection over the experts, transformers'
+modules stack both; the loader takes all three (see ``weight_loader``).
+
+On CUDA the experts run the Triton grouped GEMM (``pagedllm.kernels.triton.fused_moe``); elsewhere
+the torch path, which is its reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
+from pagedllm.layers.fused_moe.router import select_experts
+from pagedllm.layers.fused_moe.torch_moe import fused_experts_torch
+from pagedllm.layers.linear import divide, narrow_shard
+from pagedllm.layers.utils import copy_weight, use_triton
+
+# (expert id, or None for every expert stacked; projection: 0 (gate) or 1 (up) of gate_up_proj,
+# None for down_proj).
+ExpertShardId = tuple[int | None, int | None]
+
+
+class FusedMoE(nn.Module):
+    def __init__(
+        self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.intermediate_size_per_rank = divide(intermediate_size, self.tp_size)
+        i = self.intermediate_size_per_rank
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * i, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, i), requires_grad=False)
+        self.gate_up_proj.weight_loader = self.weight_loader
+        self.down_proj.weight_loader = self.weight_loader
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """hidden_states: [num_tokens, hidden_size]; router_logits: [num_tokens, num_experts]
+        -> [num_tokens, hidden_size], reduced over the tensor-parallel ranks."""
+        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        if use_triton(hidden_states):
+            from pagedllm.kernels.triton.fused_moe import fused_moe
+
+            out = fused_moe(hidden_states, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        else:
+            out = fused_experts_torch(
+                hidden_states, self.gate_up_proj, self.down_proj, topk_weights, topk_ids
+            )
+        return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ExpertShardId | None = None
+    ) -> None:
+        """Copy this rank's slice of a checkpoint tensor into ``param``.
+
+        shard_id: ``(expert_id, projection)`` for one expert's gate (0), up (1) or down (None)
+        [intermediate, hidden] / [hidden, intermediate]; ``(None, projection)`` for that projection
+        of every expert stacked ([num_experts, ...], as GGUF stores them); None for the whole
+        stacked parameter (``[num_experts, 2 * intermediate, hidden]`` or ``[num_experts, hidden,
+        intermediate]``, as transformers' Experts modules hold them).
+        """
+        is_down = param is self.down_proj
+        if shard_id is None:
+            stacked = [loaded_weight] if is_down else loaded_weight.chunk(2, dim=1)
+            for projection, piece in zip([None] if is_down else [0, 1], stacked):
+                self.weight_loader(param, piece, (None, projection))
+            return
+        expert_id, projection = shard_id
+        if is_down != (projection is None) or projection not in (0, 1, None):
+            raise ValueError(f"shard {shard_id!r} does not fit {'down_proj' if is_down else 'gate_up_proj'}")
+        if expert_id is None:
+            if loaded_weight.dim() != 3 or loaded_weight.shape[0] != self.num_experts:
+                raise ValueError(
+                    f"shape mismatch: stacked experts {tuple(loaded_weight.shape)} should be "
+                    f"[num_experts={self.num_experts}, ...]"
+                )
+            for expert_id, weight in enumerate(loaded_weight):
+                self.weight_loader(param, weight, (expert_id, projection))
+            return
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(
+                f"expert {expert_id} is out of range: the config has num_experts={self.num_experts}"
+            )
+        i = self.intermediate_size_per_rank
+        if is_down:  # [hidden, intermediate]: row parallel, split the input features
+            copy_weight(param.data[expert_id], narrow_shard(loaded_weight, 1, self.tp_rank, i, self.tp_size))
+        else:  # [intermediate, hidden]: column parallel, split the output features
+            shard = narrow_shard(loaded_weight, 0, self.tp_rank, i, self.tp_size)
+            copy_weight(param.data[expert_id].narrow(0, projection * i, i), shard)
