@@ -84,16 +84,14 @@ class StepOutput:
             self._host = tensors
 
     def get(self) -> ModelRunnerOutput:
-        if self._model_input is None or not self._host:
-            return ModelRunnerOutput()
+        output = ModelRunnerOutput()
         if self._event is not None:
             self._event.synchronize()
-        model_input = self._model_input
-        output = ModelRunnerOutput(
-            req_ids=model_input.sample_req_ids,
-            sampled_token_ids=self._host[0].tolist(),
-            logprobs=self._host[1].tolist(),
-        )
+        if self._host:
+            assert self._model_input is not None
+            output.req_ids = self._model_input.sample_req_ids
+            output.sampled_token_ids = self._host[0].tolist()
+            output.logprobs = self._host[1].tolist()
         if self._top_rows:
             ranks, top_ids, top_logprobs = (t.tolist() for t in self._host[2:5])
             for i, k in zip(self._top_rows, self._num_top_tokens):
