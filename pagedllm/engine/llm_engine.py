@@ -21,7 +21,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchState, num_candidates
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stop_checker import StopChecker
-from pagedllm.executor.uniproc_executor import UniProcExecutor
+from pagedllm.executor.abstract import get_executor_class
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -61,7 +61,7 @@ class LLMEngine:
         self.config = config
         model_config = config.model_config
         self.tokenizer = get_tokenizer(model_config)
-        self.executor = UniProcExecutor(config)
+        self.executor = get_executor_class(config)(config)
         num_gpu_blocks, num_cpu_blocks = self.executor.determine_num_available_blocks()
         self._check_cache_fits(num_gpu_blocks)
         self.executor.initialize_cache(num_gpu_blocks, num_cpu_blocks)
@@ -304,6 +304,14 @@ class LLMEngine:
         seq_group.metrics.finished_time = now or time.time()
         if self.requests.pop(seq_group.request_id, None) is not None:
             self._finished_request_ids.append(seq_group.request_id)
+
+    def check_health(self) -> None:
+        """Raise ExecutorDeadError when a worker is gone."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the workers (their processes, with tensor parallelism); the engine is unusable after."""
+        self.executor.shutdown()
 
     # --- introspection ----------------------------------------------------------------------
 

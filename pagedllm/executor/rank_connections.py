@@ -1,0 +1,136 @@
+"""The driver's side of the worker loop: one connection per rank, a broadcast, a guarded wait.
+
+Waiting is where a distributed engine hangs, so every wait here watches, besides the answers it
+expects, every rank's connection (an unexpected frame is a failure report; end-of-file is a
+process that died, even by SIGKILL, since the kernel closes its sockets) and the executor's
+liveness probes (process sentinels for "mp", actor tasks for "ray"). A failure, a death or a
+timeout raises ExecutorDeadError within a second, naming the rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import pickle
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from pagedllm.executor.abstract import ExecutorDeadError, WorkerCall
+from pagedllm.executor.worker_loop import SHUTDOWN_FRAME, encode_call
+
+# Seconds between liveness checks while a wait has nothing to read.
+POLL_INTERVAL_S = 0.5
+
+
+class RankConnections:
+    """Args:
+    conns: rank r's connection at index r.
+    processes: rank r's process at index r ("mp"), whose sentinels show a death at once; or None.
+    find_dead_rank: a further probe run every POLL_INTERVAL_S: a description of a rank that is
+        gone, or None while all are alive.
+    """
+
+    def __init__(
+        self,
+        conns: list[Connection],
+        processes: list[BaseProcess] | None = None,
+        find_dead_rank: Callable[[], str | None] | None = None,
+    ) -> None:
+        self.conns = conns
+        self.processes = processes or []
+        self.find_dead_rank = find_dead_rank or (lambda: None)
+        # Why the ranks can no longer be used; set once, by the first failure seen.
+        self.failure: str | None = None
+
+    def call(
+        self,
+        method: WorkerCall,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        reply_rank: int | None,
+        timeout: float | None,
+    ) -> list[Any]:
+        """Broadcast the call; returns the answers of every rank (reply_rank None) or of
+        reply_rank alone. A failure on any rank raises (ExecutorDeadError, from the rank's error)."""
+        self.check()
+        frame = encode_call(method, args, kwargs, reply_rank)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(frame)
+            except OSError as e:
+                self._fail(f"rank {rank} is gone (its connection broke: {e!r})")
+        ranks = range(len(self.conns)) if reply_rank is None else [reply_rank]
+        return self._receive(list(ranks), _method_name(method), timeout)
+
+    def check(self) -> None:
+        if self.failure is None:
+            dead = self.find_dead_rank() or self._ended_process()
+            if dead is not None:
+                self.failure = dead
+        if self.failure is not None:
+            raise ExecutorDeadError(f"the workers cannot run: {self.failure}")
+
+    def send_shutdown(self) -> None:
+        for conn in self.conns:
+            with contextlib.suppress(OSError):  # already gone
+                conn.send_bytes(SHUTDOWN_FRAME)
+
+    def close(self) -> None:
+        for conn in self.conns:
+            conn.close()
+
+    def _receive(self, ranks: list[int], what: str, timeout: float | None) -> list[Any]:
+        answers: dict[int, Any] = {}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        rank_of = {id(conn): rank for rank, conn in enumerate(self.conns)}
+        while len(answers) < len(ranks):
+            ready = wait(self.conns, POLL_INTERVAL_S)
+            for conn in ready:
+                rank = rank_of[id(conn)]
+                answers[rank] = self._read(conn, rank, what, expected=rank in ranks)
+            if not ready:
+                self.check()
+            if deadline is not None and time.monotonic() > deadline:
+                self._fail(
+                    f"no answer to {what} from rank(s) {sorted(set(ranks) - set(answers))} in {timeout} s"
+                )
+        return [answers[rank] for rank in ranks]
+
+    def _read(self, conn: Connection, rank: int, what: str, expected: bool) -> Any:
+        try:
+            ok, payload = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            self._fail(f"rank {rank} died during {what}{self._exit_detail(rank)}")
+        if not ok:
+            error, text = payload
+            self.failure = f"rank {rank} failed in {what}: {error!r}"
+            raise ExecutorDeadError(
+                f"the workers cannot run: {self.failure}\n--- rank {rank}: {text}"
+            ) from error
+        if not expected:
+            self._fail(f"rank {rank} answered {what}, which it was not asked to answer")
+        return payload
+
+    def _ended_process(self) -> str | None:
+        for rank, process in enumerate(self.processes):
+            if process.exitcode is not None:
+                return f"rank {rank} (pid {process.pid}) died{self._exit_detail(rank)}"
+        return None
+
+    def _exit_detail(self, rank: int) -> str:
+        if rank >= len(self.processes):
+            return ""
+        process = self.processes[rank]
+        # The kernel closes a killed process's pipe a moment before its parent can reap it.
+        process.join(1.0)
+        return "" if process.exitcode is None else f" (exit code {process.exitcode})"
+
+    def _fail(self, why: str) -> None:
+        self.failure = self.failure or why
+        raise ExecutorDeadError(f"the workers cannot run: {why}")
+
+
+def _method_name(method: WorkerCall) -> str:
+    return method if isinstance(method, str) else getattr(method, "__name__", repr(method))
