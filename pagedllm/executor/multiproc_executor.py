@@ -22,23 +22,19 @@ import time
 import weakref
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any
 
 import torch.multiprocessing
 
 from pagedllm.config import EngineConfig
-from pagedllm.executor.abstract import Executor, WorkerCall
-from pagedllm.executor.rank_connections import RankConnections
+from pagedllm.executor.rank_connections import RankConnections, RemoteExecutor
 
 logger = logging.getLogger(__name__)
 
-# Seconds a step may take before the engine gives up on its workers (a hung collective).
-EXECUTE_MODEL_TIMEOUT_S = float(os.environ.get("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S", "300"))
 # Seconds the workers get to leave on shutdown before they are terminated.
 SHUTDOWN_GRACE_S = 5.0
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RemoteExecutor):
     def _init_workers(self) -> None:
         tp_size = self.config.parallel_config.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
@@ -58,40 +54,9 @@ class MultiprocExecutor(Executor):
             processes.append(process)
             conns.append(driver_end)
         self.ranks = RankConnections(conns, processes=processes)
+        self.worker_pids = [process.pid for process in processes]
         # Stops the workers however the executor ends: shutdown(), garbage collection, exit.
         self._finalizer = weakref.finalize(self, _stop_processes, self.ranks, processes)
-
-    def collective_rpc(
-        self,
-        method: WorkerCall,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> list[Any]:
-        return self._call(method, args, kwargs, None, None)
-
-    def execute_model(self, msg: Any) -> Any:
-        return self._call("execute_model", (msg,), None, 0, EXECUTE_MODEL_TIMEOUT_S)[0]
-
-    def _call(
-        self,
-        method: WorkerCall,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any] | None,
-        reply_rank: int | None,
-        timeout: float | None,
-    ) -> list[Any]:
-        try:
-            return self.ranks.call(method, args, kwargs, reply_rank, timeout)
-        except BaseException:
-            # Whatever failed, the ranks are out of step (or gone): stop them all now.
-            self.shutdown()
-            raise
-
-    def check_health(self) -> None:
-        self.ranks.check()
-
-    def shutdown(self) -> None:
-        self._finalizer()
 
 
 def _stop_processes(ranks: RankConnections, processes: list[BaseProcess]) -> None:

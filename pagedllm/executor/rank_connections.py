@@ -10,6 +10,7 @@ timeout raises ExecutorDeadError within a second, naming the rank.
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import time
 from collections.abc import Callable
@@ -17,11 +18,13 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from pagedllm.executor.abstract import ExecutorDeadError, WorkerCall
+from pagedllm.executor.abstract import Executor, ExecutorDeadError, WorkerCall
 from pagedllm.executor.worker_loop import SHUTDOWN_FRAME, encode_call
 
 # Seconds between liveness checks while a wait has nothing to read.
 POLL_INTERVAL_S = 0.5
+# Seconds a step may take before the engine gives up on its workers (a hung collective).
+EXECUTE_MODEL_TIMEOUT_S = float(os.environ.get("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S", "300"))
 
 
 class RankConnections:
@@ -130,6 +133,50 @@ class RankConnections:
     def _fail(self, why: str) -> None:
         self.failure = self.failure or why
         raise ExecutorDeadError(f"the workers cannot run: {why}")
+
+
+class RemoteExecutor(Executor):
+    """An executor whose ranks live in other processes, reached through ``self.ranks``.
+
+    ``_init_workers`` sets ``self.ranks``, ``self.worker_pids`` and ``self._finalizer`` (a
+    ``weakref.finalize`` that stops the workers, so they stop however the executor ends). Any
+    failure stops every rank before it is raised: after one, the ranks are out of step or gone.
+    """
+
+    ranks: RankConnections
+    worker_pids: list[int]
+    _finalizer: Callable[[], Any]
+
+    def collective_rpc(
+        self,
+        method: WorkerCall,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        return self._call(method, args, kwargs, None, None)
+
+    def execute_model(self, msg: Any) -> Any:
+        return self._call("execute_model", (msg,), None, 0, EXECUTE_MODEL_TIMEOUT_S)[0]
+
+    def _call(
+        self,
+        method: WorkerCall,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None,
+        reply_rank: int | None,
+        timeout: float | None,
+    ) -> list[Any]:
+        try:
+            return self.ranks.call(method, args, kwargs, reply_rank, timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def check_health(self) -> None:
+        self.ranks.check()
+
+    def shutdown(self) -> None:
+        self._finalizer()
 
 
 def _method_name(method: WorkerCall) -> str:
