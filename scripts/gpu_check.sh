@@ -3,14 +3,15 @@
 # repository root): the GPU tests, then the benchmarks, then a table of every figure, last.
 #
 #   scripts/gpu_check.sh                 tests, K1, W1, W3 (the short set)
-#   scripts/gpu_check.sh tests k1 k1-sweep w1 w1-profile w2 w3 hf w4 cuda sanitize
+#   scripts/gpu_check.sh tests k1 k1-sweep w1 w1-profile w2 w3 hf w4 cuda sanitize tp
 #
 # Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too), w1 / w2
 # (bench throughput; w1-profile: W1 with 5 steps torch-profiled in each phase, its timing then
 # includes the profiler), w3 (bench latency, profiled), hf (benchmarks/compare_hf.py: W1 through
 # transformers too), w4 (bench serve against pagedllm serve), cuda (W1 on the cuda backend),
-# sanitize (compute-sanitizer on the CUDA kernels). Results go to $OUT (the device tool's output
-# folder) or /tmp/gpu_check.
+# sanitize (compute-sanitizer on the CUDA kernels), tp (two GPUs: the tensor-parallel GPU tests,
+# then W2 and W3 at tensor_parallel_size 1 and 2; the table gives TP=2 over TP=1). Results go to
+# $OUT (the device tool's output folder) or /tmp/gpu_check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
@@ -65,6 +66,15 @@ for stage in "${stages[@]}"; do
         run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/cuda_sanitize.py
         ;;
     w4) run w4 scripts/serve_bench.sh "$OUT" ;;
+    tp)
+        run tp_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -ra
+        for size in 1 2; do
+            run "w2_tp$size" python3 -m pagedllm bench throughput --workload W2 --tensor-parallel-size "$size" \
+                --output-json "$OUT/w2_tp$size.json"
+            run "w3_tp$size" python3 -m pagedllm bench latency --skip-eager --tensor-parallel-size "$size" \
+                --output-json "$OUT/w3_tp$size.json"
+        done
+        ;;
     *) echo "unknown stage $stage" && failed+=("$stage") ;;
     esac
 done
