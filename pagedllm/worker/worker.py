@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pagedllm.attention.backends import get_attn_backend
-from pagedllm.config import EngineConfig, GiB
+from pagedllm.config import DeviceConfig, EngineConfig, GiB
 from pagedllm.distributed import init_distributed_environment
 from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
 from pagedllm.worker.execute_request import ExecuteModelRequest, ModelRunnerOutput
@@ -27,10 +29,11 @@ class Worker:
         local_rank: int = 0,
         distributed_init_method: str | None = None,
     ) -> None:
-        self.config = config
         self.rank = rank
         self.distributed_init_method = distributed_init_method
         self.device = rank_device(config, local_rank)
+        # This rank's view of the configuration: its own device, which the model runner reads.
+        self.config = config = dataclasses.replace(config, device_config=DeviceConfig(self.device))
         model_config, cache_config = config.model_config, config.cache_config
         self.attn_backend = get_attn_backend(config.attention_backend, self.device)
         self.attn_backend.check_supported(

@@ -3,11 +3,6 @@ as one rank, under preemption and prefix caching too; a dead rank fails the engi
 
 from __future__ import annotations
 
-import os
-import random
-import signal
-import time
-
 import pytest
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -49,20 +44,8 @@ CASES = {
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
-def ragged_prompts(n: int, vocab_size: int, lo: int = 1, hi: int = 40, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
 def token_ids(outputs) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in outputs]
-
-
-def assert_all_blocks_free(engine: LLMEngine) -> None:
-    block_manager = engine.scheduler.block_manager
-    assert not engine.has_unfinished_requests()
-    assert block_manager.get_num_free_gpu_blocks() == block_manager.num_total_gpu_blocks
-    assert block_manager.get_num_free_cpu_blocks() == block_manager.num_total_cpu_blocks
 
 
 def assert_ranks_stopped(engine: LLMEngine) -> None:
@@ -72,10 +55,12 @@ def assert_ranks_stopped(engine: LLMEngine) -> None:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_two_ranks_give_the_tokens_of_one(case, make_tiny_model_once):
+def test_two_ranks_give_the_tokens_of_one(
+    case, make_tiny_model_once, random_prompts, assert_every_block_free
+):
     config_class, overrides = CASES[case]
     _, model_config = make_tiny_model_once(config_class, **overrides)
-    prompts = ragged_prompts(6, model_config.vocab_size)
+    prompts = random_prompts(6, model_config.vocab_size)
     one = LLM(model_config.model, device="cpu", swap_space=0.01)
     expected = one.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
 
@@ -84,17 +69,19 @@ def test_two_ranks_give_the_tokens_of_one(case, make_tiny_model_once):
         assert two.llm_engine.config.parallel_config.distributed_executor_backend == "mp"
         outputs = two.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
         assert token_ids(outputs) == token_ids(expected)
-        assert_all_blocks_free(two.llm_engine)
+        assert_every_block_free(two.llm_engine)
     finally:
         two.llm_engine.shutdown()
     assert_ranks_stopped(two.llm_engine)
 
 
-def test_preemption_and_prefix_caching_at_two_ranks_change_no_output(make_tiny_model_once):
+def test_preemption_and_prefix_caching_at_two_ranks_change_no_output(
+    make_tiny_model_once, random_prompts, assert_every_block_free
+):
     _, model_config = make_tiny_model_once(LlamaConfig, num_attention_heads=4, num_key_value_heads=1)
-    shared_prefix = ragged_prompts(1, model_config.vocab_size, lo=12, hi=12, seed=7)[0]
+    shared_prefix = random_prompts(1, model_config.vocab_size, lo=12, hi=12, seed=7)[0]
     prompts = [
-        shared_prefix + tail for tail in ragged_prompts(8, model_config.vocab_size, lo=1, hi=12, seed=1)
+        shared_prefix + tail for tail in random_prompts(8, model_config.vocab_size, lo=1, hi=12, seed=1)
     ]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     beams = SamplingParams(
@@ -122,28 +109,19 @@ def test_preemption_and_prefix_caching_at_two_ranks_change_no_output(make_tiny_m
         assert stats.num_preemptions_recompute > 0 and stats.num_preemptions_swap > 0
         assert stats.prefix_cache_hit_rate > 0
         assert token_ids(outputs) == token_ids(expected)
-        assert_all_blocks_free(tight.llm_engine)
+        assert_every_block_free(tight.llm_engine)
     finally:
         tight.llm_engine.shutdown()
 
 
-def test_a_killed_rank_fails_the_requests_within_seconds_and_stops_every_rank(make_tiny_model_once):
+def test_a_killed_rank_fails_the_requests_within_seconds_and_stops_every_rank(
+    make_tiny_model_once, kill_a_rank_mid_batch
+):
     _, model_config = make_tiny_model_once(LlamaConfig, num_attention_heads=4, num_key_value_heads=2)
     llm = LLM(model_config.model, device="cpu", swap_space=0.01, tensor_parallel_size=2)
-    engine = llm.llm_engine
-    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    for i, prompt in enumerate(ragged_prompts(4, model_config.vocab_size)):
-        engine.add_request(f"long{i}", prompt_token_ids=prompt, sampling_params=long)
-    engine.step()
-
-    os.kill(engine.executor.worker_pids[1], signal.SIGKILL)
-    start = time.monotonic()
+    kill_a_rank_mid_batch(llm.llm_engine)
+    assert_ranks_stopped(llm.llm_engine)
     with pytest.raises(ExecutorDeadError, match="rank 1"):
-        while engine.has_unfinished_requests():
-            engine.step()
-    assert time.monotonic() - start < 10
-    assert_ranks_stopped(engine)
-    with pytest.raises(ExecutorDeadError, match="rank 1"):
-        engine.check_health()
+        llm.llm_engine.check_health()
     with pytest.raises(ExecutorDeadError):
         llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=GREEDY, use_tqdm=False)
