@@ -8,6 +8,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.bench.latency import model_weight_bytes
 from pagedllm.executor.abstract import ExecutorDeadError
 
 # Every architecture of the registry, with the layouts that shard differently: GQA split over the
@@ -70,6 +71,10 @@ def test_two_ranks_give_the_tokens_of_one(
         outputs = two.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
         assert token_ids(outputs) == token_ids(expected)
         assert_every_block_free(two.llm_engine)
+        # Each rank holds a shard: less than the whole model, together at least all of it.
+        whole = model_weight_bytes(one.llm_engine.executor.worker)
+        shards = two.llm_engine.executor.collective_rpc(model_weight_bytes)
+        assert len(shards) == 2 and max(shards) < whole <= sum(shards)
     finally:
         two.llm_engine.shutdown()
     assert_ranks_stopped(two.llm_engine)
