@@ -159,15 +159,64 @@ class SchedulerConfig:
             )
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
+    """Tensor parallelism: ``tensor_parallel_size`` ranks, one per device, each holding a
+    Megatron-style shard of every layer; ``distributed_executor_backend`` runs them: "uni" (one
+    rank, in the engine's process), "mp" (one spawned process per rank on this host) or "ray"
+    (one Ray actor per rank, on the nodes of a Ray cluster)."""
+
     tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "uni"
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
-        _require(tp >= 1, "tensor_parallel_size", ">= 1", tp)
-        if tp > 1:
-            raise NotImplementedError("tensor_parallel_size > 1 is not supported yet: run on one device")
+        _require(isinstance(tp, int) and tp >= 1, "tensor_parallel_size", "an int >= 1", tp)
+        backend = self.distributed_executor_backend
+        _require(
+            backend in DISTRIBUTED_EXECUTOR_BACKENDS,
+            "distributed_executor_backend",
+            f"one of {DISTRIBUTED_EXECUTOR_BACKENDS}",
+            backend,
+        )
+        if backend == "uni":
+            _require(
+                tp == 1,
+                "tensor_parallel_size",
+                "1 with distributed_executor_backend='uni' ('mp' or 'ray' run more)",
+                tp,
+            )
+
+    def check_model(self, model_config: ModelConfig) -> None:
+        """Refuse a size that does not shard the model's heads and features evenly (before any
+        weight is loaded), naming the sizes that would."""
+        tp = self.tensor_parallel_size
+        if tp not in _valid_tp_sizes(model_config):
+            raise ValueError(
+                f"tensor_parallel_size must split the model's heads and MLP evenly over the ranks "
+                f"(num_attention_heads={model_config.num_attention_heads}, num_key_value_heads="
+                f"{model_config.num_kv_heads}, replicated when fewer than the ranks, intermediate_size="
+                f"{_intermediate_size(model_config)}): one of {_valid_tp_sizes(model_config)}, got {tp}"
+            )
+
+
+def _intermediate_size(model_config: ModelConfig) -> int | None:
+    return getattr(model_config.hf_config, "intermediate_size", None)
+
+
+def _valid_tp_sizes(model_config: ModelConfig) -> list[int]:
+    num_heads, num_kv_heads = model_config.num_attention_heads, model_config.num_kv_heads
+    intermediate_size = _intermediate_size(model_config) or num_heads
+    return [
+        tp
+        for tp in range(1, num_heads + 1)
+        if num_heads % tp == 0
+        and (num_kv_heads % tp == 0 if tp <= num_kv_heads else tp % num_kv_heads == 0)
+        and intermediate_size % tp == 0
+    ]
 
 
 @dataclass(frozen=True)
@@ -203,6 +252,7 @@ class EngineConfig:
             f"one of {ATTENTION_BACKENDS}",
             self.attention_backend,
         )
+        self.parallel_config.check_model(self.model_config)
 
 
 def derive_max_model_len(hf_config: PretrainedConfig) -> int | None:
@@ -214,8 +264,14 @@ def derive_max_model_len(hf_config: PretrainedConfig) -> int | None:
     return None
 
 
-def resolve_device(device: str | torch.device) -> torch.device:
-    """The device to run on, with its index when it is a GPU (CUDA's memory queries need one)."""
+def resolve_device(device: str | torch.device, parallel_config: ParallelConfig | None = None) -> torch.device:
+    """The device to run on, with its index when it is a GPU (CUDA's memory queries need one).
+
+    With several ranks the type alone ("cuda" or "cpu"): rank r of the "mp" backend takes
+    cuda:r, a Ray actor its own GPU; the engine's process then never creates a CUDA context.
+    """
+    if parallel_config is not None and parallel_config.tensor_parallel_size > 1:
+        return _resolve_parallel_device(device, parallel_config)
     if isinstance(device, str):
         _require(
             device in ("auto", "cpu", "cuda") or device.startswith("cuda:"),
@@ -232,6 +288,31 @@ def resolve_device(device: str | torch.device) -> torch.device:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
     return device
+
+
+def _resolve_parallel_device(device: str | torch.device, parallel_config: ParallelConfig) -> torch.device:
+    tp = parallel_config.tensor_parallel_size
+    name = str(device)
+    _require(
+        name in ("auto", "cpu", "cuda"),
+        "device",
+        f"'auto', 'cpu' or 'cuda' with tensor_parallel_size={tp} (rank r runs on cuda:r; choose the GPUs "
+        "with CUDA_VISIBLE_DEVICES)",
+        name,
+    )
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    # With Ray the GPUs are the cluster's, which the Ray executor counts: this host may have none.
+    if name == "cuda" and parallel_config.distributed_executor_backend != "ray":
+        num_gpus = torch.cuda.device_count()
+        _require(
+            tp <= num_gpus,
+            "tensor_parallel_size",
+            f"<= the {num_gpus} visible CUDA devices (one rank per GPU; distributed_executor_backend='ray' "
+            "spans hosts)",
+            tp,
+        )
+    return torch.device(name)
 
 
 def resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:

@@ -3,7 +3,7 @@
 # repository root): the GPU tests, then the benchmarks, then a table of every figure, last.
 #
 #   scripts/gpu_check.sh                 tests, K1, W1, W3 (the short set)
-#   scripts/gpu_check.sh tests k1 k1-sweep w1 w1-profile w2 w3 hf w4 w5 moe moe-sweep cuda sanitize
+#   scripts/gpu_check.sh tests k1 k1-sweep w1 w1-profile w2 w3 hf w4 w5 moe moe-sweep cuda sanitize tp (tp-tests, tp-bench)
 #
 # Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too), w1 / w2
 # (bench throughput; w1-profile: W1 with 5 steps torch-profiled in each phase, its timing then
@@ -11,8 +11,9 @@
 # transformers too), w4 (bench serve against pagedllm serve), w5 (bench throughput of the
 # Qwen3-30B-A3B mixture of experts, against its floor), moe (bench moe: the fused MoE kernel against
 # the per-expert torch reference; moe-sweep: every launch too), cuda (W1 on the cuda backend),
-# sanitize (compute-sanitizer on the CUDA kernels). Results go to $OUT (the device tool's output
-# folder) or /tmp/gpu_check.
+# sanitize (compute-sanitizer on the CUDA kernels), tp (two GPUs: the tensor-parallel GPU tests,
+# then W2 and W3 at tensor_parallel_size 1 and 2; the table gives TP=2 over TP=1). Results go to
+# $OUT (the device tool's output folder) or /tmp/gpu_check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
@@ -37,6 +38,19 @@ run() {  # run NAME COMMAND...: log to $OUT/NAME.log, remember failures
         failed+=("$name")
     fi
     echo "=== $name took $((SECONDS - start)) s"
+}
+
+tp_tests() {
+    run tp_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -ra
+}
+
+tp_bench() {  # W2 and W3 at tensor_parallel_size 1 and 2, in the same call
+    for size in 1 2; do
+        run "w2_tp$size" python3 -m pagedllm bench throughput --workload W2 --tensor-parallel-size "$size" \
+            --output-json "$OUT/w2_tp$size.json"
+        run "w3_tp$size" python3 -m pagedllm bench latency --skip-eager --tensor-parallel-size "$size" \
+            --output-json "$OUT/w3_tp$size.json"
+    done
 }
 
 for stage in "${stages[@]}"; do
@@ -70,6 +84,12 @@ for stage in "${stages[@]}"; do
         run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/cuda_sanitize.py
         ;;
     w4) run w4 scripts/serve_bench.sh "$OUT" ;;
+    tp)
+        tp_tests
+        tp_bench
+        ;;
+    tp-tests) tp_tests ;;
+    tp-bench) tp_bench ;;
     *) echo "unknown stage $stage" && failed+=("$stage") ;;
     esac
 done

@@ -48,6 +48,7 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
                     profiled = m["profile"]
                     cell = f"{profiled['device_ms_per_step']:.2f} / {profiled['wall_ms_per_step']:.2f}"
                     table.append((f"W3 {mode}", "profiled device / wall ms per token", cell))
+    table += _tensor_parallel_rows(folder)
     r = _load(folder, "hf")
     if r:
         for mode in ("hf_static", "hf_generate_batch", "pagedllm"):
@@ -77,6 +78,29 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
             table.append(
                 (f"W4 {summary['request_rate']} req/s", "p99 TTFT / p99 TPOT (ms), failed", _w4(summary))
             )
+    return table
+
+
+def _tensor_parallel_rows(folder: str) -> list[tuple[str, str, str]]:
+    """W2 output tok/s and W3 ms/token at TP=1 and TP=2, and TP=2 over TP=1 (targets: W2 >= 1.8x,
+    W3 <= 0.6x)."""
+    table = []
+    w2 = {size: _load(folder, f"w2_tp{size}") for size in (1, 2)}
+    w3 = {size: _load(folder, f"w3_tp{size}") for size in (1, 2)}
+    for size in (1, 2):
+        if w2[size]:
+            table.append((f"W2 TP={size}", "output tok/s", f"{w2[size]['output_tok_s']:.0f}"))
+        if w3[size]:
+            m = w3[size]["cuda_graphs"]
+            table.append(
+                (f"W3 TP={size}", "ms/token (x floor)", f"{m['tpot_ms']:.2f} ({m['over_floor']:.2f}x)")
+            )
+    if w2[1] and w2[2]:
+        ratio = w2[2]["output_tok_s"] / w2[1]["output_tok_s"]
+        table.append(("W2 TP=2 / TP=1", "output tok/s (target >= 1.8x)", f"{ratio:.2f}x"))
+    if w3[1] and w3[2]:
+        ratio = w3[2]["cuda_graphs"]["tpot_ms"] / w3[1]["cuda_graphs"]["tpot_ms"]
+        table.append(("W3 TP=2 / TP=1", "ms/token (target <= 0.6x)", f"{ratio:.2f}x"))
     return table
 
 

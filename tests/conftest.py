@@ -189,6 +189,19 @@ def make_tiny_model(tmp_path: Path) -> Callable[..., tuple[PreTrainedModel, Mode
     return make
 
 
+@pytest.fixture(scope="session")
+def make_tiny_model_once(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[..., tuple[PreTrainedModel, ModelConfig]]:
+    """make_tiny_model for module- and session-scoped engines: each call saves to its own directory
+    under the session's temporary directory."""
+
+    def make(config_class: type[PretrainedConfig], **overrides: Any) -> tuple[PreTrainedModel, ModelConfig]:
+        return _make_tiny_model(config_class, tmp_path_factory.mktemp("model"), **overrides)
+
+    return make
+
+
 @pytest.fixture
 def paged_runner() -> type[PagedRunner]:
     """The PagedRunner class: paged_runner(model, model_config) runs a model step by step."""

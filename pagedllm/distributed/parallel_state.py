@@ -17,15 +17,24 @@ def _is_distributed() -> bool:
 
 
 def init_distributed_environment(
-    world_size: int, rank: int, distributed_init_method: str, backend: str = "nccl"
+    world_size: int, rank: int, distributed_init_method: str, device: torch.device | str = "cpu"
 ) -> None:
     """Join the process group of ``world_size`` ranks (no-op for one rank or when already joined).
 
-    ``backend`` is "nccl" on GPUs and "gloo" on the CPU.
+    The collectives run over NCCL when ``device`` is a GPU, over gloo on the CPU.
     """
     if world_size == 1 or dist.is_initialized():
         return
-    dist.init_process_group(backend, init_method=distributed_init_method, world_size=world_size, rank=rank)
+    device = torch.device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=distributed_init_method,
+        world_size=world_size,
+        rank=rank,
+        # NCCL binds the group to this rank's GPU now, not lazily on the first collective.
+        device_id=device if device.type == "cuda" else None,
+    )
 
 
 def destroy_distributed_environment() -> None:

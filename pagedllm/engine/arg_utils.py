@@ -57,7 +57,14 @@ class EngineArgs:
         default=None, metadata={"help": "context length (prompt + output); default: the model's"}
     )
     tensor_parallel_size: int = dataclasses.field(
-        default=1, metadata={"help": "devices to shard the model over"}
+        default=1, metadata={"help": "devices to shard the model over (Megatron-style, one rank per device)"}
+    )
+    distributed_executor_backend: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "how the ranks run: uni (in this process, 1 rank), mp (a process per rank on this host), "
+            "ray (a Ray actor per rank over a Ray cluster); default: uni for 1 rank, else mp"
+        },
     )
     block_size: int = dataclasses.field(default=16, metadata={"help": "tokens per KV cache block"})
     gpu_memory_utilization: float = dataclasses.field(
@@ -101,7 +108,12 @@ class EngineArgs:
     )
 
     def create_engine_config(self) -> EngineConfig:
-        device = resolve_device(self.device)
+        parallel_config = ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            distributed_executor_backend=self.distributed_executor_backend
+            or ("uni" if self.tensor_parallel_size == 1 else "mp"),
+        )
+        device = resolve_device(self.device, parallel_config)
         model_path, gguf_file = resolve_model_path(self.model)
         hf_config = load_hf_config(model_path, gguf_file)
         check_architecture(hf_config)
@@ -136,7 +148,7 @@ class EngineArgs:
                 max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
             ),
-            parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
+            parallel_config=parallel_config,
             device_config=DeviceConfig(device=device),
             load_config=LoadConfig(load_format=self._load_format(gguf_file)),
             attention_backend=self.attention_backend,

@@ -16,9 +16,9 @@ so the event loop keeps serving HTTP while a step computes.
 
 Failures: when a step raises, the requests it touched (those running, and any whose output the
 step lost) are aborted and their streams raise ``RequestFailedError``; the others keep being
-served. When steps keep failing, or anything else on the engine thread raises, the engine is
-broken: ``is_healthy`` turns False, every stream and every pending operation gets
-``AsyncEngineDeadError``, and new requests are refused with it.
+served. When steps keep failing, when a worker dies (tensor parallelism), or when anything else
+on the engine thread raises, the engine is broken: ``is_healthy`` turns False, every stream and
+every pending operation gets ``AsyncEngineDeadError``, and new requests are refused with it.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any
 from pagedllm.core.request import RequestStatus
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import EngineStats, LLMEngine
+from pagedllm.executor.abstract import ExecutorDeadError
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -165,7 +166,23 @@ class AsyncLLMEngine:
 
     @property
     def is_healthy(self) -> bool:
-        return self.is_running and self._dead_error is None
+        if not self.is_running or self._dead_error is not None:
+            return False
+        try:
+            self.engine.check_health()
+        except ExecutorDeadError:
+            return False
+        return True
+
+    def dead_reason(self) -> str:
+        """Why the engine stopped serving ("" while it is healthy)."""
+        if self._dead_error is not None:
+            return str(self._dead_error)
+        try:
+            self.engine.check_health()
+        except ExecutorDeadError as e:
+            return str(e)
+        return "" if self.is_running else "the engine loop is not running"
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -324,6 +341,8 @@ class AsyncLLMEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except ExecutorDeadError:
+            raise  # the workers are gone: no later step can succeed
         except Exception as e:
             self._num_consecutive_failures += 1
             if self._num_consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:

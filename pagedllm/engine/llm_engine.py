@@ -32,7 +32,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchState, PendingHypothesis, beam_search_step, num_candidates
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stop_checker import StopChecker
-from pagedllm.executor.uniproc_executor import UniProcExecutor
+from pagedllm.executor.abstract import get_executor_class
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import get_eos_token_ids, get_tokenizer
@@ -72,7 +72,7 @@ class LLMEngine:
         self.config = config
         model_config = config.model_config
         self.tokenizer = get_tokenizer(model_config)
-        self.executor = UniProcExecutor(config)
+        self.executor = get_executor_class(config)(config)
         num_gpu_blocks, num_cpu_blocks = self.executor.determine_num_available_blocks()
         self._check_cache_fits(num_gpu_blocks)
         self.executor.initialize_cache(num_gpu_blocks, num_cpu_blocks)
@@ -358,6 +358,14 @@ class LLMEngine:
         self.requests.pop(state.request_id, None)
         for seq in state.seqs:
             self._state_of.pop(seq.req_id, None)
+
+    def check_health(self) -> None:
+        """Raise ExecutorDeadError when a worker is gone."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the workers (their processes, with tensor parallelism); the engine is unusable after."""
+        self.executor.shutdown()
 
     # --- introspection ----------------------------------------------------------------------
 

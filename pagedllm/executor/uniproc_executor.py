@@ -2,25 +2,27 @@
 
 from __future__ import annotations
 
-from pagedllm.config import EngineConfig
+from typing import Any
+
+from pagedllm.executor.abstract import Executor, WorkerCall, call_worker
 from pagedllm.worker.model_runner import StepOutput
 from pagedllm.worker.step_io import SchedulerOutput
 from pagedllm.worker.worker import Worker
 
 
-class UniProcExecutor:
-    """The seam where tensor parallelism plugs in: the engine talks only to an executor."""
+class UniProcExecutor(Executor):
+    """One rank, called directly: no process, no message, no copy."""
 
-    def __init__(self, config: EngineConfig) -> None:
-        self.worker = Worker(config)
-        self.worker.init_device()
-        self.worker.load_model()
+    def _init_workers(self) -> None:
+        self.worker = Worker(self.config)
 
-    def determine_num_available_blocks(self) -> tuple[int, int]:
-        return self.worker.determine_num_available_blocks()
-
-    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self.worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
+    def collective_rpc(
+        self,
+        method: WorkerCall,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        return [call_worker(self.worker, method, args, kwargs)]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepOutput:
         """Launch the step; its samples come from the returned handle's ``get()``."""

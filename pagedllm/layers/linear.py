@@ -22,7 +22,7 @@ from pagedllm.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from pagedllm.layers.utils import copy_weight, default_weight_loader
+from pagedllm.layers.utils import CheckpointTensor, copy_weight, default_weight_loader
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -32,8 +32,8 @@ def divide(numerator: int, denominator: int) -> int:
 
 
 def narrow_shard(
-    loaded_weight: torch.Tensor, dim: int, shard_rank: int, shard_size: int, num_shards: int
-) -> torch.Tensor:
+    loaded_weight: CheckpointTensor, dim: int, shard_rank: int, shard_size: int, num_shards: int
+) -> CheckpointTensor:
     """Slice ``shard_rank`` of ``loaded_weight`` along ``dim``, which must hold exactly ``num_shards``
     slices of ``shard_size`` (a narrower or wider checkpoint does not fit the config)."""
     if loaded_weight.shape[dim] != shard_size * num_shards:
@@ -60,7 +60,7 @@ class _LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+        self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None
     ) -> None:
         default_weight_loader(param, loaded_weight, shard_id)
 
@@ -81,7 +81,7 @@ class ColumnParallelLinear(_LinearBase):
         super().__init__(input_size, divide(output_size, tp_size), bias)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+        self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None
     ) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no packed shards, got shard_id={shard_id!r}")
@@ -96,11 +96,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = True) -> None:
+        # Each projection is split on its own, so each must divide (not just their sum).
+        for output_size in output_sizes:
+            divide(output_size, get_tensor_model_parallel_world_size())
         super().__init__(input_size, sum(output_sizes), bias)
         self.output_sizes = output_sizes
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+        self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None
     ) -> None:
         if shard_id is None:
             # An already packed checkpoint tensor: load it projection by projection.
@@ -146,7 +149,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         super().__init__(hidden_size, output_size, bias)
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+        self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None
     ) -> None:
         if shard_id is None:
             sizes = [self.total_num_heads, self.total_num_kv_heads, self.total_num_kv_heads]
@@ -184,7 +187,7 @@ class RowParallelLinear(_LinearBase):
             self.bias.weight_loader = default_weight_loader
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+        self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None
     ) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no packed shards, got shard_id={shard_id!r}")

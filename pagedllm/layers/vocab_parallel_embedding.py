@@ -21,7 +21,7 @@ from pagedllm.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from pagedllm.layers.utils import copy_weight
+from pagedllm.layers.utils import CheckpointTensor, copy_weight
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -39,7 +39,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+        self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None
     ) -> None:
         """loaded_weight: [num_embeddings, embedding_dim], the whole table."""
         if shard_id is not None:
@@ -48,7 +48,8 @@ class VocabParallelEmbedding(nn.Module):
             shape = tuple(loaded_weight.shape)
             raise ValueError(f"shape mismatch: vocabulary of {self.num_embeddings} rows, checkpoint {shape}")
         num_rows = max(0, min(self.vocab_end, self.num_embeddings) - self.vocab_start)
-        copy_weight(param.data[:num_rows], loaded_weight[self.vocab_start : self.vocab_start + num_rows])
+        if num_rows:  # a rank past a tiny vocabulary holds padding only
+            copy_weight(param.data[:num_rows], loaded_weight.narrow(0, self.vocab_start, num_rows))
         param.data[num_rows:].zero_()
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from pagedllm.layers.utils import CheckpointSlice
+
 # general.architecture -> the Hugging Face architecture we run it as (Mistral GGUFs say "llama";
 # so do Mixtral's, told apart by their expert count).
 SUPPORTED_GGUF_ARCHITECTURES = {
@@ -132,10 +134,13 @@ def _rope_parameters(reader: gguf.GGUFReader, architecture: str) -> dict[str, An
 
 def iterate_gguf_weights(
     path: str, model: nn.Module, hf_config: PretrainedConfig, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, CPU tensor in ``dtype``) of every tensor in the file, one at a time.
+) -> Iterator[tuple[str, CheckpointSlice]]:
+    """(Hugging Face name, unread CheckpointSlice) of every tensor in the file, one at a time.
 
-    ``model`` says which Hugging Face names exist (see ``_checkpoint_names``).
+    A slice is dequantized (to ``dtype``, on the CPU) when a weight loader reads it, and only the
+    rows its region covers: a tensor-parallel rank dequantizes its own shard of a column-parallel
+    weight (a row-parallel one needs every row, cut after). ``model`` says which Hugging Face
+    names exist (see ``_checkpoint_names``).
     """
     reader = open_gguf(os.path.abspath(path))
     architecture = read_gguf_architecture(reader)
@@ -144,10 +149,28 @@ def iterate_gguf_weights(
         if tensor.name not in hf_names:
             raise ValueError(f"GGUF tensor {tensor.name!r} matches no parameter of {type(model).__name__}")
         hf_name = hf_names[tensor.name]
-        weight = _dequantize(tensor)
-        if architecture == "llama":
-            weight = _undo_rope_permute(hf_name, weight, hf_config)
-        yield hf_name, weight.to(dtype)
+        permute = architecture == "llama" and _rope_permuted_heads(hf_name, hf_config) is not None
+        yield hf_name, _gguf_slice(tensor, hf_name, hf_config if permute else None, dtype)
+
+
+def _gguf_slice(
+    tensor: gguf.ReaderTensor, hf_name: str, permuted_config: PretrainedConfig | None, dtype: torch.dtype
+) -> CheckpointSlice:
+    """The tensor as a CheckpointSlice; ``permuted_config`` is set for llama q/k rows to un-permute."""
+    byte_shape = tuple(tensor.data.shape)
+    quantized = tensor.tensor_type not in _UNQUANTIZED_TYPES
+    shape = (
+        gguf.quants.quant_shape_from_byte_shape(byte_shape, tensor.tensor_type) if quantized else byte_shape
+    )
+
+    def read_region(region: tuple[slice, ...]) -> torch.Tensor:
+        # Rows are whole quantization blocks, so they dequantize on their own.
+        weight = _dequantize(tensor, region[0])
+        if permuted_config is not None:
+            weight = _undo_rope_permute(hf_name, weight, permuted_config)
+        return weight[(slice(None), *region[1:])].to(dtype)
+
+    return CheckpointSlice(shape, read_region)
 
 
 def _checkpoint_names(model: nn.Module) -> Iterator[str]:
@@ -181,27 +204,46 @@ def _gguf_to_hf_names(architecture: str, num_layers: int, hf_names: Iterable[str
     return mapping
 
 
-def _dequantize(tensor: gguf.ReaderTensor) -> torch.Tensor:
-    """Float32 CPU tensor in PyTorch's shape order (gguf's reader already reversed ggml's)."""
-    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+_UNQUANTIZED_TYPES = (
+    gguf.GGMLQuantizationType.F32,
+    gguf.GGMLQuantizationType.F16,
+    gguf.GGMLQuantizationType.BF16,
+)
+
+
+def _dequantize(tensor: gguf.ReaderTensor, rows: slice) -> torch.Tensor:
+    """Float32 CPU tensor of ``rows`` (dimension 0) in PyTorch's shape order (gguf's reader
+    already reversed ggml's)."""
+    array = gguf.quants.dequantize(tensor.data[rows], tensor.tensor_type)
     if not array.flags.writeable:
         # Unquantized tensors come back as views of the read-only memory map; torch wants its own.
         array = np.array(array)
     return torch.from_numpy(array)
 
 
+def _rope_permuted_heads(hf_name: str, hf_config: PretrainedConfig) -> int | None:
+    """The number of heads of a q/k projection (whose rows llama.cpp permutes), else None."""
+    if ".q_proj." in hf_name:
+        return hf_config.num_attention_heads
+    if ".k_proj." in hf_name:
+        return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    return None
+
+
 def _undo_rope_permute(hf_name: str, weight: torch.Tensor, hf_config: PretrainedConfig) -> torch.Tensor:
     """llama.cpp's converter reorders each head's q/k rows from the neox rotary layout (halves) to
     the interleaved one its kernels use: row (i, j) of half i, pair j moves to (j, i). Undo it.
 
-    weight: q_proj/k_proj [num_heads * head_size, hidden_size] (or its bias [num_heads * head_size]).
+    weight: whole heads of q_proj/k_proj, [num_rows, hidden_size] (or of its bias, [num_rows]),
+    num_rows a multiple of the head size: a tensor-parallel shard is a run of whole heads.
     """
-    if ".q_proj." in hf_name:
-        num_heads = hf_config.num_attention_heads
-    elif ".k_proj." in hf_name:
-        num_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    else:
+    num_heads = _rope_permuted_heads(hf_name, hf_config)
+    if num_heads is None:
         return weight
-    head_size = weight.shape[0] // num_heads
-    interleaved = weight.reshape(num_heads, head_size // 2, 2, *weight.shape[1:])
+    head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    if weight.shape[0] % head_size:
+        raise ValueError(
+            f"{hf_name}: {weight.shape[0]} rows are not whole heads of {head_size} (of {num_heads})"
+        )
+    interleaved = weight.reshape(weight.shape[0] // head_size, head_size // 2, 2, *weight.shape[1:])
     return interleaved.transpose(1, 2).reshape(weight.shape)

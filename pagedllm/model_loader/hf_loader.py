@@ -11,8 +11,9 @@ import json
 import os
 from collections.abc import Iterator
 
-import torch
 from safetensors import safe_open
+
+from pagedllm.layers.utils import CheckpointSlice
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -42,10 +43,13 @@ def find_safetensors_files(model_dir: str) -> list[str]:
     raise ValueError(f"no *.safetensors weights in {model_dir!r}")
 
 
-def iterate_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, CPU tensor) of every checkpoint tensor, one at a time, so that peak
-    memory is one tensor, not the checkpoint."""
+def iterate_safetensors_weights(model_dir: str) -> Iterator[tuple[str, CheckpointSlice]]:
+    """(Hugging Face name, unread CheckpointSlice) of every checkpoint tensor, one at a time: the
+    weight loaders narrow each to this rank's shard, and only that region is read from the file
+    (safetensors' ``get_slice``), so a tensor-parallel rank never reads the whole tensor. Each
+    slice must be used before the next one is drawn (its file is closed after its last tensor)."""
     for path in find_safetensors_files(model_dir):
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                yield name, f.get_tensor(name)
+                tensor_slice = f.get_slice(name)
+                yield name, CheckpointSlice(tuple(tensor_slice.get_shape()), tensor_slice.__getitem__)

@@ -2,19 +2,38 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from pagedllm.attention.backends import get_attn_backend
-from pagedllm.config import EngineConfig, GiB
+from pagedllm.config import DeviceConfig, EngineConfig, GiB
+from pagedllm.distributed import init_distributed_environment
 from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
 from pagedllm.worker.model_runner import ModelRunner, StepOutput
-from pagedllm.worker.step_io import SchedulerOutput
+from pagedllm.worker.step_io import ModelRunnerOutput, SchedulerOutput
 
 
 class Worker:
-    def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        self.device = config.device_config.device
+    """Args:
+    config: the engine's configuration (the same on every rank).
+    rank: this worker's tensor-parallel rank, in [0, tensor_parallel_size).
+    local_rank: its index among the GPUs of its host: it runs on cuda:local_rank.
+    distributed_init_method: where the ranks meet ("tcp://host:port"); None for one rank.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int = 0,
+        local_rank: int = 0,
+        distributed_init_method: str | None = None,
+    ) -> None:
+        self.rank = rank
+        self.distributed_init_method = distributed_init_method
+        self.device = rank_device(config, local_rank)
+        # This rank's view of the configuration: its own device, which the model runner reads.
+        self.config = config = dataclasses.replace(config, device_config=DeviceConfig(self.device))
         model_config, cache_config = config.model_config, config.cache_config
         self.attn_backend = get_attn_backend(config.attention_backend, self.device)
         self.attn_backend.check_supported(
@@ -33,6 +52,11 @@ class Worker:
     def init_device(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        tp_size = self.config.parallel_config.tensor_parallel_size
+        if tp_size > 1:
+            assert self.distributed_init_method is not None, "several ranks need a distributed_init_method"
+            init_distributed_environment(tp_size, self.rank, self.distributed_init_method, self.device)
+        # The same seed on every rank: ranks sample the same tokens from the same gathered logits.
         torch.manual_seed(self.config.model_config.seed)
 
     def load_model(self) -> None:
@@ -114,3 +138,18 @@ class Worker:
             scheduler_output.blocks_to_copy,
         )
         return self.model_runner.execute_model(scheduler_output, self.cache_engine.gpu_cache)
+
+    def execute_model_and_wait(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """``execute_model`` for a rank in another process: rank 0 waits for the step's samples
+        and returns them (they travel back pickled); the other ranks return at once."""
+        step = self.execute_model(scheduler_output)
+        return step.get() if self.rank == 0 else None
+
+
+def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
+    """The device of the rank with index ``local_rank`` on its host: the configured device for a
+    single rank, cuda:local_rank (or the CPU) for several."""
+    device = config.device_config.device
+    if config.parallel_config.tensor_parallel_size == 1 or device.type != "cuda":
+        return device
+    return torch.device("cuda", local_rank)

@@ -100,7 +100,7 @@ def check_all_gather() -> None:
 
 
 def main(rank: int, world_size: int, init_file: str) -> None:
-    init_distributed_environment(world_size, rank, f"file://{init_file}", backend="gloo")
+    init_distributed_environment(world_size, rank, f"file://{init_file}")
     torch.manual_seed(0)
     x = torch.randn(5, HIDDEN)
     try:

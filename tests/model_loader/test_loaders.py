@@ -156,7 +156,7 @@ def _llama_cpp_permute(weights: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def test_rope_permute_is_undone() -> None:
-    config = PretrainedConfig(num_attention_heads=6, num_key_value_heads=2)
+    config = PretrainedConfig(num_attention_heads=6, num_key_value_heads=2, head_dim=8)
     q, k, k_bias = torch.randn(6 * 8, 16), torch.randn(2 * 8, 16), torch.randn(2 * 8)
     prefix = "model.layers.0.self_attn."
     for name, weight, num_heads in (

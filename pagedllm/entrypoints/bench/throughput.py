@@ -60,7 +60,7 @@ def run(
     timeline: list[tuple[float, int, int]] = []  # (step seconds, prefill tokens, sampled tokens)
     num_prompt = sum(len(p) for p in prompts)
     profiles: dict[str, dict[str, Any]] = {}
-    torch.cuda.synchronize()
+    _synchronize()
     start = time.perf_counter()
     while engine.has_unfinished_requests():
         stats = engine.get_stats()
@@ -81,7 +81,7 @@ def run(
                 after.num_generation_tokens - stats.num_generation_tokens,
             )
         )
-    torch.cuda.synchronize()
+    _synchronize()
     elapsed = time.perf_counter() - start
     num_output = len(prompts) * output_len
     decode_steps = [t for t, prefill, _ in timeline if prefill == 0]
@@ -99,6 +99,18 @@ def run(
         "timeline": timeline,
         "profiles": profiles,
     }
+
+
+def _synchronize() -> None:
+    # With several ranks the GPUs are the rank processes' (this one has no CUDA context, and
+    # making one would take memory from rank 0); a step returns once rank 0's tokens are back.
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def attention_backend_name(worker: Any) -> str:
+    """Run on a rank (``collective_rpc``): its attention backend."""
+    return worker.attn_backend.name
 
 
 def profile_steps_of(engine: LLMEngine, num_steps: int) -> dict[str, Any]:
@@ -175,7 +187,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     result.update(
         workload=workload.name,
         device=torch.cuda.get_device_name(),
-        attention_backend=engine.executor.worker.attn_backend.name,
+        attention_backend=engine.executor.collective_rpc(attention_backend_name)[0],
+        tensor_parallel_size=engine.config.parallel_config.tensor_parallel_size,
         enforce_eager=engine.config.enforce_eager,
         num_gpu_blocks=engine.num_gpu_blocks,
     )
@@ -193,8 +206,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             f"{phase} steps (profiled): {profiled['device_ms_per_step']:.2f} ms of device time in "
             f"{profiled['wall_ms_per_step']:.2f} ms of wall time per step"
         )
+    engine.shutdown()
     print(
-        f"{workload.name}: {result['num_requests']} requests in {result['elapsed_s']:.2f} s: "
+        f"{workload.name} at TP={result['tensor_parallel_size']}: "
+        f"{result['num_requests']} requests in {result['elapsed_s']:.2f} s: "
         f"{result['output_tok_s']:.0f} output tok/s, {result['total_tok_s']:.0f} total tok/s "
         f"(prefill {result['prefill_s']:.2f} s, decode {result['decode_s']:.2f} s over "
         f"{result['num_steps']} steps, median decode step {result['median_decode_step_ms']:.2f} ms)"

@@ -44,6 +44,10 @@ logger = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_SECONDS = 5
 
 
+# Seconds between checks that the engine still serves; a dead one stops the server.
+HEALTH_CHECK_INTERVAL_S = 1.0
+
+
 @dataclass
 class ServerSettings:
     model_name: str
@@ -114,7 +118,11 @@ class BodySizeLimitMiddleware:
 
 
 def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
-    """The server's app; its lifespan starts the engine loop and stops it on shutdown."""
+    """The server's app; its lifespan starts the engine loop and stops it on shutdown.
+
+    When the engine dies (a worker gone), /health answers 503 and ``app.state.on_engine_dead``
+    (set by run_server) is called once, to stop the server.
+    """
     async_engine = AsyncLLMEngine(engine)
     metrics = ServerMetrics(async_engine, settings.model_name)
     async_engine.on_request_finished = metrics.observe_finished
@@ -126,14 +134,14 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
-        stats_task = None
+        tasks = [asyncio.ensure_future(_watch_health(async_engine, app))]
         if settings.stats_interval > 0:
-            stats_task = asyncio.ensure_future(_log_stats(async_engine, settings.stats_interval))
+            tasks.append(asyncio.ensure_future(_log_stats(async_engine, settings.stats_interval)))
         try:
             yield
         finally:
-            if stats_task is not None:
-                stats_task.cancel()
+            for task in tasks:
+                task.cancel()
             await async_engine.shutdown()
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
@@ -209,6 +217,15 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(exc.status_code, str(exc.detail), code=code))
 
 
+async def _watch_health(engine: AsyncLLMEngine, app: FastAPI) -> None:
+    while engine.is_healthy:
+        await asyncio.sleep(HEALTH_CHECK_INTERVAL_S)
+    logger.error("the engine stopped serving: %s", engine.dead_reason())
+    on_engine_dead = getattr(app.state, "on_engine_dead", None)
+    if on_engine_dead is not None:
+        on_engine_dead()
+
+
 async def _log_stats(engine: AsyncLLMEngine, interval: float) -> None:
     stats_logger = StatsLogger(interval)
     while True:
@@ -246,8 +263,21 @@ def run_server(args: argparse.Namespace) -> None:
         access_log=args.access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
     )
+    server = uvicorn.Server(config)
+    engine_died = False
+
+    def on_engine_dead() -> None:
+        nonlocal engine_died
+        engine_died = server.should_exit = True
+
+    app.state.on_engine_dead = on_engine_dead
     logger.info("serving %s on http://%s:%d", settings.model_name, args.host, args.port)
     # uvicorn shuts down gracefully on Ctrl-C, then raises it again: that is a normal exit here.
-    with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.Server(config).run()
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            server.run()
+    finally:
+        engine.shutdown()
+    if engine_died:
+        raise SystemExit("pagedllm serve: the engine died (see the log above); the server stopped")
 

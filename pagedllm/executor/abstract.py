@@ -1,0 +1,95 @@
+"""The engine's one handle on its workers, whatever runs them.
+
+Two kinds of call cross it. Setup calls (load the model, profile memory, allocate the cache,
+capture graphs) go to every rank through ``collective_rpc`` and return every rank's answer. The
+per-step call, ``execute_model(msg)``, sends one small picklable message (the scheduler's output
+for the step) to every rank and returns rank 0's result only: all ranks compute the same sampled
+tokens (they all gather the full logits), so one copy is enough.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pagedllm.config import EngineConfig
+
+
+class ExecutorDeadError(RuntimeError):
+    """A worker died, failed or stopped answering: this executor cannot run another step."""
+
+
+# A worker method's name, or a function called as fn(worker, *args, **kwargs) on every rank.
+WorkerCall = str | Callable[..., Any]
+
+
+class Executor:
+    """Runs ``tensor_parallel_size`` workers and talks to them; subclasses choose where they run.
+
+    Construction starts the workers, joins their process group and loads the model's shards.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._init_workers()
+        self.collective_rpc("init_device")
+        self.collective_rpc("load_model")
+
+    def _init_workers(self) -> None:
+        raise NotImplementedError
+
+    def collective_rpc(
+        self,
+        method: WorkerCall,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Any]:
+        """Call ``method`` on every rank's worker; returns the results in rank order."""
+        raise NotImplementedError
+
+    def execute_model(self, msg: Any) -> Any:
+        """One step: ``Worker.execute_model(msg)`` on every rank; returns rank 0's result."""
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raise ExecutorDeadError when a worker is gone; a no-op while all are alive."""
+
+    def shutdown(self) -> None:
+        """Stop the workers and release what they hold; safe to call more than once."""
+
+    # --- setup, on every rank ---------------------------------------------------------------
+
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        """(device blocks, CPU swap blocks) that fit on every rank: each rank profiles its own
+        device, and the smallest answer is what all of them allocate."""
+        answers = self.collective_rpc("determine_num_available_blocks")
+        return min(gpu for gpu, _ in answers), min(cpu for _, cpu in answers)
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """Allocate the KV cache (and capture CUDA graphs) on every rank."""
+        self.collective_rpc("initialize_cache", (num_gpu_blocks, num_cpu_blocks))
+
+
+def call_worker(
+    worker: Any, method: WorkerCall, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+) -> Any:
+    """``worker.method(*args, **kwargs)``, or ``method(worker, *args, **kwargs)`` for a function."""
+    if isinstance(method, str):
+        return getattr(worker, method)(*args, **(kwargs or {}))
+    return method(worker, *args, **(kwargs or {}))
+
+
+def get_executor_class(config: EngineConfig) -> type[Executor]:
+    """The executor of ``distributed_executor_backend``: "uni", "mp" or "ray"."""
+    backend = config.parallel_config.distributed_executor_backend
+    if backend == "mp":
+        from pagedllm.executor.multiproc_executor import MultiprocExecutor
+
+        return MultiprocExecutor
+    if backend == "ray":
+        from pagedllm.executor.ray_executor import RayExecutor
+
+        return RayExecutor
+    from pagedllm.executor.uniproc_executor import UniProcExecutor
+
+    return UniProcExecutor

@@ -1,0 +1,132 @@
+"""Tensor parallelism over two CPU ranks (gloo), run by the "mp" executor: the same greedy tokens
+as one rank, under preemption and prefix caching too; a dead rank fails the engine fast."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.bench.latency import model_weight_bytes
+from pagedllm.executor.abstract import ExecutorDeadError
+
+# Every architecture of the registry, with the layouts that shard differently: GQA split over the
+# ranks, one KV head replicated on both, biases (row-parallel o/down add theirs once), tied and
+# untied LM heads, Qwen3's per-head norms, and a vocabulary that does not split evenly.
+CASES = {
+    "llama-gqa-tied": (
+        LlamaConfig,
+        {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True},
+    ),
+    "llama-kv1-bias-untied": (
+        LlamaConfig,
+        {"num_attention_heads": 4, "num_key_value_heads": 1, "attention_bias": True, "mlp_bias": True},
+    ),
+    "mistral-gqa4-odd-vocab": (
+        MistralConfig,
+        {
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "sliding_window": None,
+            "vocab_size": 161,
+        },
+    ),
+    "qwen2-bias-tied": (
+        Qwen2Config,
+        {"num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True},
+    ),
+    "qwen3-qknorm-kv1": (
+        Qwen3Config,
+        {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "tie_word_embeddings": False},
+    ),
+}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def token_ids(outputs) -> list[list[list[int]]]:
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+def assert_ranks_stopped(engine: LLMEngine) -> None:
+    for process in engine.executor.ranks.processes:
+        process.join(10)
+        assert not process.is_alive()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_two_ranks_give_the_tokens_of_one(
+    case, make_tiny_model_once, random_prompts, assert_every_block_free
+):
+    config_class, overrides = CASES[case]
+    _, model_config = make_tiny_model_once(config_class, **overrides)
+    prompts = random_prompts(6, model_config.vocab_size)
+    one = LLM(model_config.model, device="cpu", swap_space=0.01)
+    expected = one.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+
+    two = LLM(model_config.model, device="cpu", swap_space=0.01, tensor_parallel_size=2)
+    try:
+        assert two.llm_engine.config.parallel_config.distributed_executor_backend == "mp"
+        outputs = two.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        assert token_ids(outputs) == token_ids(expected)
+        assert_every_block_free(two.llm_engine)
+        # Each rank holds a shard: less than the whole model, together at least all of it.
+        whole = model_weight_bytes(one.llm_engine.executor.worker)
+        shards = two.llm_engine.executor.collective_rpc(model_weight_bytes)
+        assert len(shards) == 2 and max(shards) < whole <= sum(shards)
+    finally:
+        two.llm_engine.shutdown()
+    assert_ranks_stopped(two.llm_engine)
+
+
+def test_preemption_and_prefix_caching_at_two_ranks_change_no_output(
+    make_tiny_model_once, random_prompts, assert_every_block_free
+):
+    _, model_config = make_tiny_model_once(LlamaConfig, num_attention_heads=4, num_key_value_heads=1)
+    shared_prefix = random_prompts(1, model_config.vocab_size, lo=12, hi=12, seed=7)[0]
+    prompts = [
+        shared_prefix + tail for tail in random_prompts(8, model_config.vocab_size, lo=1, hi=12, seed=1)
+    ]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    beams = SamplingParams(
+        n=2, best_of=2, use_beam_search=True, temperature=0.0, max_tokens=24, ignore_eos=True
+    )
+    params = [beams if i % 4 == 3 else greedy for i in range(len(prompts))]
+
+    roomy = LLM(model_config.model, device="cpu", block_size=4, swap_space=0.01)
+    expected = roomy.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    # 24 blocks of 4 tokens: far fewer than the 8 requests need at once, so some are preempted,
+    # by recompute (one sequence) and by swapping (the beams).
+    tight = LLM(
+        model_config.model,
+        device="cpu",
+        block_size=4,
+        num_kv_blocks=24,
+        max_model_len=64,
+        swap_space=0.01,
+        enable_prefix_caching=True,
+        tensor_parallel_size=2,
+    )
+    try:
+        outputs = tight.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        stats = tight.llm_engine.get_stats()
+        assert stats.num_preemptions_recompute > 0 and stats.num_preemptions_swap > 0
+        assert stats.prefix_cache_hit_rate > 0
+        assert token_ids(outputs) == token_ids(expected)
+        assert_every_block_free(tight.llm_engine)
+    finally:
+        tight.llm_engine.shutdown()
+
+
+def test_a_killed_rank_fails_the_requests_within_seconds_and_stops_every_rank(
+    make_tiny_model_once, kill_a_rank_mid_batch
+):
+    _, model_config = make_tiny_model_once(LlamaConfig, num_attention_heads=4, num_key_value_heads=2)
+    llm = LLM(model_config.model, device="cpu", swap_space=0.01, tensor_parallel_size=2)
+    kill_a_rank_mid_batch(llm.llm_engine)
+    assert_ranks_stopped(llm.llm_engine)
+    with pytest.raises(ExecutorDeadError, match="rank 1"):
+        llm.llm_engine.check_health()
+    with pytest.raises(ExecutorDeadError):
+        llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=GREEDY, use_tqdm=False)

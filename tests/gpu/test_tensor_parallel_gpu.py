@@ -1,0 +1,69 @@
+"""Tensor parallelism over two GPUs (NCCL, the "mp" executor): in float32 the greedy tokens of two
+ranks equal one rank's, with CUDA graphs captured on both ranks and eagerly."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen3Config
+
+from pagedllm import LLM, SamplingParams
+
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def prompts_for(vocab_size: int, n: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, vocab_size) for _ in range(rng.randint(2, 60))] for _ in range(n)]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.mark.parametrize(
+    "config_class, overrides",
+    [
+        # One KV head replicated on both ranks, biases, an untied head.
+        (LlamaConfig, {"num_attention_heads": 4, "num_key_value_heads": 1, "attention_bias": True}),
+        # GQA split over the ranks, per-head norms, head size 128, a vocabulary that splits unevenly.
+        (
+            Qwen3Config,
+            {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 163},
+        ),
+    ],
+    ids=["llama-kv1-bias", "qwen3-gqa-head128"],
+)
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_two_gpus_give_the_greedy_tokens_of_one(make_tiny_model, config_class, overrides, enforce_eager):
+    _, model_config = make_tiny_model(config_class, **overrides)
+    prompts = prompts_for(model_config.vocab_size, 12)
+    kwargs = dict(device="cuda", dtype="float32", enforce_eager=enforce_eager, gpu_memory_utilization=0.3)
+    one = LLM(model_config.model, **kwargs)
+    expected = token_ids(one.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False))
+    one.llm_engine.shutdown()
+    del one
+
+    two = LLM(model_config.model, tensor_parallel_size=2, **kwargs)
+    try:
+        outputs = two.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        assert token_ids(outputs) == expected
+        stats = two.llm_engine.get_stats()
+        assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
+    finally:
+        two.llm_engine.shutdown()
+
+
+def test_more_ranks_than_gpus_are_refused_before_loading(make_tiny_model):
+    _, model_config = make_tiny_model(
+        LlamaConfig, num_attention_heads=64, num_key_value_heads=64, hidden_size=256
+    )
+    num_gpus = torch.cuda.device_count()
+    with pytest.raises(
+        ValueError, match=f"tensor_parallel_size must be <= the {num_gpus} visible CUDA devices"
+    ):
+        LLM(model_config.model, device="cuda", tensor_parallel_size=2 * num_gpus)
