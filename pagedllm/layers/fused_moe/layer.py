@@ -29,7 +29,7 @@ from pagedllm.distributed import (
 from pagedllm.layers.fused_moe.router import select_experts
 from pagedllm.layers.fused_moe.torch_moe import fused_experts_torch
 from pagedllm.layers.linear import divide, narrow_shard
-from pagedllm.layers.utils import copy_weight, use_triton
+from pagedllm.layers.utils import CheckpointSlice, CheckpointTensor, copy_weight, use_triton
 
 # (expert id, or None for every expert stacked; projection: 0 (gate) or 1 (up) of gate_up_proj,
 # None for down_proj).
@@ -70,7 +70,7 @@ class FusedMoE(nn.Module):
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
     def weight_loader(
-        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ExpertShardId | None = None
+        self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: ExpertShardId | None = None
     ) -> None:
         """Copy this rank's slice of a checkpoint tensor into ``param``.
 
@@ -81,6 +81,10 @@ class FusedMoE(nn.Module):
         intermediate]``, as transformers' Experts modules hold them).
         """
         is_down = param is self.down_proj
+        if isinstance(loaded_weight, CheckpointSlice) and (shard_id is None or shard_id[0] is None):
+            # Stacked experts are read whole, then split per expert (each expert's shard then
+            # narrows a tensor, not the file).
+            loaded_weight = loaded_weight.read()
         if shard_id is None:
             stacked = [loaded_weight] if is_down else loaded_weight.chunk(2, dim=1)
             for projection, piece in zip([None] if is_down else [0, 1], stacked):
