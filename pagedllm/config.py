@@ -21,7 +21,7 @@ GiB = 1 << 30
 # HF config keys that bound the context length, in the order vLLM reads them.
 _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton", "cuda")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 DTYPES = {
     "float32": torch.float32,

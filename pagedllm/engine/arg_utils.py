@@ -86,7 +86,7 @@ class EngineArgs:
         },
     )
     attention_backend: str = dataclasses.field(
-        default="auto", metadata={"help": "auto, torch, triton or cuda"}
+        default="auto", metadata={"help": "auto, cpu, torch, triton or cuda"}
     )
     load_format: str = dataclasses.field(
         default="auto", metadata={"help": "auto, safetensors, gguf, or dummy (random weights)"}
