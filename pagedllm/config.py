@@ -23,6 +23,7 @@ _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_l
 
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+QUANTIZATIONS = ("auto", "gguf", "none")
 DTYPES = {
     "float32": torch.float32,
     "float": torch.float32,
@@ -53,9 +54,16 @@ class ModelConfig:
     gguf_file: str | None = None
     skip_tokenizer_init: bool = False
     seed: int = 0
+    # "auto", "gguf" or "none": whether a GGUF's quantized linear weights stay quantized
+    # (pagedllm/layers/quantization/__init__.py says when "auto" keeps them).
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         _require(self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
+        q = self.quantization
+        _require(q in QUANTIZATIONS, "quantization", f"one of {QUANTIZATIONS}", q)
+        if self.quantization == "gguf" and self.gguf_file is None and not self.model.endswith(".gguf"):
+            raise ValueError(f"quantization='gguf' needs a .gguf model file, got model {self.model!r}")
         derived = derive_max_model_len(self.hf_config)
         if derived is not None:
             _require(

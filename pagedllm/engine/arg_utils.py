@@ -92,6 +92,13 @@ class EngineArgs:
         default="auto", metadata={"help": "auto, safetensors, gguf, or dummy (random weights)"}
     )
     enforce_eager: bool = dataclasses.field(default=False, metadata={"help": "never capture CUDA graphs"})
+    quantization: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "GGUF Q4_0/Q4_1 linear weights kept at 4 bits: gguf, none (dequantized), "
+            "or auto (kept on the CPU in bfloat16)"
+        },
+    )
 
     def create_engine_config(self) -> EngineConfig:
         device = resolve_device(self.device)
@@ -107,6 +114,7 @@ class EngineArgs:
             gguf_file=gguf_file,
             skip_tokenizer_init=self.skip_tokenizer_init,
             seed=self.seed,
+            quantization=self.quantization,
         )
         max_len = model_config.max_model_len
         max_num_batched_tokens = self.max_num_batched_tokens
