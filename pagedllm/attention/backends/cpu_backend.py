@@ -178,7 +178,8 @@ class CpuAttentionBackend(AttentionBackend):
         if self.sliding_window is not None:
             mask &= key_pos > query_pos[:, :, None] - self.sliding_window
         # Fold each KV head's query group into the query axis: [num_seqs, kv_heads, group * query_len, head].
-        q = query.reshape(num_seqs, self.num_kv_heads, group * query_len, head_size)
+        # (A cache in another dtype than the activations computes in the cache's.)
+        q = query.to(keys.dtype).reshape(num_seqs, self.num_kv_heads, group * query_len, head_size)
         if query_len == 1:  # one mask row per sequence, broadcast over the group
             mask = mask[:, None]
         else:
@@ -191,7 +192,7 @@ class CpuAttentionBackend(AttentionBackend):
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         else:
             out = self._attend_explicit(q, keys, values, mask, query_pos, key_pos)
-        return out.view(num_seqs, self.num_heads, query_len, head_size)
+        return out.view(num_seqs, self.num_heads, query_len, head_size).to(query.dtype)
 
     def _attend_explicit(
         self,

@@ -98,4 +98,4 @@ class GGUFQ4LinearMethod(LinearMethod):
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), layer.qweight, GROUP_SIZE, layer.scales_and_zeros
         ).to(x.dtype)
-        return out if bias is None else out + bias
+        return out if bias is None else out.add_(bias)
