@@ -6,6 +6,7 @@ import torch
 
 from pagedllm.attention.backends import get_attn_backend
 from pagedllm.config import EngineConfig, GiB
+from pagedllm.layers.onednn_linear import onednn_available, prepack_dense_weights
 from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
 from pagedllm.worker.execute_request import ExecuteModelRequest, ModelRunnerOutput
 from pagedllm.worker.model_runner import ModelRunner
@@ -43,6 +44,8 @@ class Worker:
         if self.device.type == "cuda":
             self._check_weights_fit()
         self.model_runner.load_model()
+        if self.device.type == "cpu" and onednn_available(self.config.model_config.dtype):
+            prepack_dense_weights(self.model_runner.model)
 
     def _check_weights_fit(self) -> None:
         """Refuse, before loading anything, a model whose weights alone exceed the memory budget."""
