@@ -8,10 +8,11 @@ per layer, so the two share caches and swap code), computed the way a CPU is fas
 * Decodes are computed together: one ``index_select`` of the blocks in the decodes' block tables
   (not a per-sequence gather), then two batched matmuls over ``[num_decodes, kv_heads, group,
   ctx]``. Folding the ``group = num_heads / num_kv_heads`` queries that share a KV head into the
-  query-length axis means GQA costs no K/V expansion. For one query row per head, matmul +
-  softmax + matmul measured faster than SDPA's CPU kernel (0.4 against 0.5-1.5 ms a layer for 32
-  sequences of ~100 tokens, benchmarks/RESULTS.md); prefill chunks (many rows) use SDPA, whose
-  flash kernel never materialises the ``query_len x ctx`` scores.
+  query-length axis means GQA costs no K/V expansion. For more than ``SDPA_MAX_DECODES`` decodes,
+  matmul + softmax + matmul measured faster than SDPA's CPU kernel (0.4 against 0.5-1.5 ms a
+  layer for 32 sequences of ~100 tokens, benchmarks/RESULTS.md); fewer decodes and prefill chunks
+  use SDPA, whose flash kernel has the lower fixed cost and never materialises the
+  ``query_len x ctx`` scores.
 * A prefill chunk with no cached prefix attends over its own fresh K/V (no gather at all); a
   chunk behind a cached prefix gathers its context's blocks once.
 * Everything stays in the run dtype (bf16 or float32); SDPA's CPU kernel accumulates in float32.
@@ -68,6 +69,11 @@ def gather_contexts(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: t
     past_end = (torch.arange(ctx_len) >= seq_lens[:, None]).view(-1).nonzero().view(-1)
     blocks.view(num_seqs * ctx_len, -1).index_fill_(0, past_end, 0)
     return blocks.view(num_seqs, ctx_len, num_kv_heads, head_size).transpose(1, 2).contiguous()
+
+
+# Up to this many decodes SDPA's fused kernel wins (its fixed cost is lower); past it, two batched
+# matmuls do (measured crossover between 8 and 16 sequences of ~128 tokens, bf16, 2 cores).
+SDPA_MAX_DECODES = 8
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -188,7 +194,8 @@ class CpuAttentionBackend(AttentionBackend):
                 .expand(-1, 1, group, -1, -1)
                 .reshape(num_seqs, 1, group * query_len, ctx_len)
             )
-        if query_len > 1 and self.alibi_slopes is None and self.logits_soft_cap is None:
+        few_rows = query_len > 1 or num_seqs <= SDPA_MAX_DECODES
+        if few_rows and self.alibi_slopes is None and self.logits_soft_cap is None:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         else:
             out = self._attend_explicit(q, keys, values, mask, query_pos, key_pos)
