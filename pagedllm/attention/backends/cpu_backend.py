@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 
 
@@ -105,12 +106,8 @@ class CpuAttentionBackend(AttentionBackend):
             else alibi_slopes.float().view(num_kv_heads, self.num_queries_per_kv, 1, 1)
         )
 
-    @staticmethod
-    def get_kv_cache_shape(
-        num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
-    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        shape = (num_blocks, block_size, num_kv_heads, head_size)
-        return shape, shape
+    # The reference's layout: caches, swaps and tests are shared with it.
+    get_kv_cache_shape = TorchAttentionBackend.get_kv_cache_shape
 
     @classmethod
     def check_supported(
