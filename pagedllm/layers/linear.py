@@ -22,6 +22,7 @@ from pagedllm.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
+from pagedllm.layers.quantization.base import LinearMethod
 from pagedllm.layers.utils import CheckpointTensor, copy_weight, default_weight_loader
 
 
@@ -44,8 +45,14 @@ def narrow_shard(
     return loaded_weight.narrow(dim, shard_rank * shard_size, shard_size)
 
 
-class _LinearBase(nn.Module):
-    """``y = x W^T + b`` with this rank's ``W: [output_size, input_size]``, loaded whole."""
+class LinearBase(nn.Module):
+    """``y = x W^T + b`` with this rank's ``W: [output_size, input_size]``, loaded whole.
+
+    ``quant_method``, when set (by the model loader, before loading), owns how ``W`` is stored
+    and multiplied (layers/quantization); the loaders and the sharding stay the layer's.
+    """
+
+    quant_method: LinearMethod | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
@@ -66,14 +73,19 @@ class _LinearBase(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, input_size] -> [num_tokens, output_size] (this rank's sizes)."""
-        return F.linear(x, self.weight, self.bias)
+        return self._matmul(x, self.bias)
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, bias)
+        return F.linear(x, self.weight, bias)
 
 
-class ReplicatedLinear(_LinearBase):
+class ReplicatedLinear(LinearBase):
     """Every rank holds the whole weight and computes the whole output."""
 
 
-class ColumnParallelLinear(_LinearBase):
+class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; the output stays split (no gather)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True) -> None:
@@ -174,7 +186,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         copy_weight(param.data.narrow(0, offset, size), shard)
 
 
-class RowParallelLinear(_LinearBase):
+class RowParallelLinear(LinearBase):
     """Input features split across ranks; the partial outputs are summed by an all-reduce.
 
     The bias is whole on every rank and added once, by rank 0, before the reduction.
@@ -196,6 +208,6 @@ class RowParallelLinear(_LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, input_size_per_partition] -> [num_tokens, output_size]."""
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
+            return self._matmul(x, self.bias)
         bias = self.bias if self.tp_rank == 0 else None
-        return tensor_model_parallel_all_reduce(F.linear(x, self.weight, bias))
+        return tensor_model_parallel_all_reduce(self._matmul(x, bias))

@@ -24,6 +24,12 @@ class LogitsProcessor(nn.Module):
     def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_rows, hidden_size] -> [num_rows, vocab_size] float32."""
         # The matmul runs in the model dtype, as the reference does; the sampler wants float32.
-        logits = F.linear(hidden_states, lm_head.weight)
+        # A head given a linear method (prepacked weights on the CPU) multiplies through it.
+        method = getattr(lm_head, "quant_method", None)
+        logits = (
+            F.linear(hidden_states, lm_head.weight)
+            if method is None
+            else method.apply(lm_head, hidden_states, None)
+        )
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size].float()

@@ -1,7 +1,9 @@
 """Weights and config of a llama.cpp GGUF file, dequantized through the ``gguf`` package.
 
 Every tensor is dequantized to float32 and cast to the run dtype, so a quantized file runs as the
-dense model it approximates (the same numbers transformers computes from it). Tensor names are
+dense model it approximates (the same numbers transformers computes from it), except the linear
+layers that ``keep_linear_weights_quantized`` gave a quantized method: their tensors are loaded as
+the file's raw blocks (layers/quantization/gguf.py). Tensor names are
 llama.cpp's (``blk.0.attn_q.weight``); they are mapped back to Hugging Face names by inverting
 gguf's own HF -> GGUF name map over the names our model takes.
 """
@@ -9,6 +11,7 @@ gguf's own HF -> GGUF name map over the names our model takes.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -19,7 +22,12 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
-from pagedllm.layers.utils import CheckpointSlice
+from pagedllm.layers.linear import LinearBase
+from pagedllm.layers.quantization.gguf import GGUFQ4LinearMethod, unsupported_reason
+from pagedllm.layers.utils import CheckpointSlice, CheckpointTensor
+from pagedllm.model_loader.gguf_reader import GGUFFile, GGUFTensor
+
+logger = logging.getLogger(__name__)
 
 # general.architecture -> the Hugging Face architecture we run it as (Mistral GGUFs say "llama";
 # so do Mixtral's, told apart by their expert count).
@@ -36,12 +44,11 @@ _MOE_ARCHITECTURES = {
 }
 
 
-def read_gguf_architecture(reader: gguf.GGUFReader) -> str:
+def read_gguf_architecture(reader: GGUFFile) -> str:
     """The file's ``general.architecture``; ValueError unless we support it."""
-    field = reader.get_field("general.architecture")
-    if field is None:
+    architecture = reader.fields.get("general.architecture")
+    if architecture is None:
         raise ValueError("the GGUF file has no general.architecture")
-    architecture = bytes(field.parts[field.data[0]]).decode("utf-8")
     if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
         supported = sorted(SUPPORTED_GGUF_ARCHITECTURES)
         raise ValueError(f"GGUF architecture {architecture!r} is not supported; supported: {supported}")
@@ -70,15 +77,14 @@ _TOKEN_ID_KEYS = {
 
 
 @functools.lru_cache(maxsize=2)
-def open_gguf(path: str) -> gguf.GGUFReader:
-    """The file's reader, parsed once per process: parsing walks every vocabulary string and takes
-    seconds, and the config and the weights both need it."""
-    return gguf.GGUFReader(path)
+def open_gguf(path: str) -> GGUFFile:
+    """The file's metadata and tensor table, parsed once per process (the config and the weights
+    both need it)."""
+    return GGUFFile(path)
 
 
-def _field(reader: gguf.GGUFReader, key: str) -> Any:
-    field = reader.get_field(key)
-    return None if field is None else field.contents()
+def _field(reader: GGUFFile, key: str) -> Any:
+    return reader.fields.get(key)
 
 
 def load_gguf_config(path: str) -> PretrainedConfig:
@@ -93,8 +99,8 @@ def load_gguf_config(path: str) -> PretrainedConfig:
         value = _field(reader, key)
         if value is not None:
             values[name] = value
-    values["vocab_size"] = _field(reader, f"{architecture}.vocab_size") or len(
-        reader.get_field("tokenizer.ggml.tokens").data
+    values["vocab_size"] = _field(reader, f"{architecture}.vocab_size") or reader.array_lengths.get(
+        "tokenizer.ggml.tokens"
     )
     # llama.cpp stores no output.weight when the LM head is the embedding.
     values["tie_word_embeddings"] = all(t.name != "output.weight" for t in reader.tensors)
@@ -109,7 +115,7 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     return config
 
 
-def _rope_parameters(reader: gguf.GGUFReader, architecture: str) -> dict[str, Any]:
+def _rope_parameters(reader: GGUFFile, architecture: str) -> dict[str, Any]:
     params: dict[str, Any] = {
         "rope_type": "default",
         "rope_theta": _field(reader, f"{architecture}.rope.freq_base"),
@@ -133,14 +139,19 @@ def _rope_parameters(reader: gguf.GGUFReader, architecture: str) -> dict[str, An
 
 
 def iterate_gguf_weights(
-    path: str, model: nn.Module, hf_config: PretrainedConfig, dtype: torch.dtype
-) -> Iterator[tuple[str, CheckpointSlice]]:
-    """(Hugging Face name, unread CheckpointSlice) of every tensor in the file, one at a time.
+    path: str,
+    model: nn.Module,
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    raw_names: frozenset[str] = frozenset(),
+) -> Iterator[tuple[str, CheckpointTensor]]:
+    """(Hugging Face name, checkpoint tensor) of every tensor in the file, one at a time.
 
-    A slice is dequantized (to ``dtype``, on the CPU) when a weight loader reads it, and only the
-    rows its region covers: a tensor-parallel rank dequantizes its own shard of a column-parallel
-    weight (a row-parallel one needs every row, cut after). ``model`` says which Hugging Face
-    names exist (see ``_checkpoint_names``).
+    Tensors named in ``raw_names`` come whole as their raw blocks, uint8 [rows, row_bytes]. The
+    others come as CheckpointSlices, dequantized (to ``dtype``, on the CPU) when a weight loader
+    reads them, and only the rows their region covers: a tensor-parallel rank dequantizes its own
+    shard of a column-parallel weight (a row-parallel one needs every row, cut after). ``model``
+    says which Hugging Face names exist (see ``_checkpoint_names``).
     """
     reader = open_gguf(os.path.abspath(path))
     architecture = read_gguf_architecture(reader)
@@ -149,46 +160,97 @@ def iterate_gguf_weights(
         if tensor.name not in hf_names:
             raise ValueError(f"GGUF tensor {tensor.name!r} matches no parameter of {type(model).__name__}")
         hf_name = hf_names[tensor.name]
-        permute = architecture == "llama" and _rope_permuted_heads(hf_name, hf_config) is not None
-        yield hf_name, _gguf_slice(tensor, hf_name, hf_config if permute else None, dtype)
+        permuted = hf_config if architecture == "llama" else None
+        if hf_name in raw_names:
+            weight = torch.from_numpy(np.array(tensor.data))
+            # A row permutation: whole rows of raw blocks move the same way.
+            yield hf_name, weight if permuted is None else _undo_rope_permute(hf_name, weight, permuted)
+        else:
+            yield hf_name, _gguf_slice(tensor, hf_name, permuted, dtype)
+    # Unmap the file: its pages would otherwise stay in this process's resident memory.
+    open_gguf.cache_clear()
 
 
 def _gguf_slice(
-    tensor: gguf.ReaderTensor, hf_name: str, permuted_config: PretrainedConfig | None, dtype: torch.dtype
+    tensor: GGUFTensor, hf_name: str, permuted_config: PretrainedConfig | None, dtype: torch.dtype
 ) -> CheckpointSlice:
-    """The tensor as a CheckpointSlice; ``permuted_config`` is set for llama q/k rows to un-permute."""
-    byte_shape = tuple(tensor.data.shape)
-    quantized = tensor.tensor_type not in _UNQUANTIZED_TYPES
-    shape = (
-        gguf.quants.quant_shape_from_byte_shape(byte_shape, tensor.tensor_type) if quantized else byte_shape
-    )
+    """The tensor as a CheckpointSlice; ``permuted_config`` is set for llama files, whose q/k rows
+    are un-permuted as they are read."""
+    shape = tuple(tensor.data.shape)
+    if tensor.data.dtype == np.uint8:  # blocks of a quantized type: the last dimension is bytes
+        shape = tuple(gguf.quants.quant_shape_from_byte_shape(shape, tensor.tensor_type))
 
     def read_region(region: tuple[slice, ...]) -> torch.Tensor:
-        # Rows are whole quantization blocks, so they dequantize on their own.
-        weight = _dequantize(tensor, region[0])
+        # Rows (of dimension 0) are whole quantization blocks, so they dequantize on their own.
+        weight = _dequantize(tensor, region[0], dtype)
         if permuted_config is not None:
             weight = _undo_rope_permute(hf_name, weight, permuted_config)
-        return weight[(slice(None), *region[1:])].to(dtype)
+        return weight[(slice(None), *region[1:])]
 
     return CheckpointSlice(shape, read_region)
 
 
+def keep_linear_weights_quantized(
+    path: str, model: nn.Module, hf_config: PretrainedConfig, strict: bool
+) -> frozenset[str]:
+    """Give every linear layer whose GGUF tensors have a quantized kernel its quantized method
+    (before loading); returns the Hugging Face names of the tensors to load raw.
+
+    A layer without one stays dense (one notice for all of them), or, when ``strict`` (the user
+    asked for quantization), is a ValueError naming it.
+    """
+    reader = open_gguf(os.path.abspath(path))
+    architecture = read_gguf_architecture(reader)
+    hf_names = _gguf_to_hf_names(architecture, hf_config.num_hidden_layers, _checkpoint_names(model))
+    tensor_types = {hf_names.get(t.name): t.tensor_type.name for t in reader.tensors}
+    raw_names: set[str] = set()
+    dense: list[str] = []
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LinearBase):
+            continue
+        sources = list(_checkpoint_sources(model, f"{name}.weight"))
+        types = {tensor_types.get(source) for source in sources}
+        output_size, input_size = layer.weight.shape
+        reason = (
+            unsupported_reason(types.pop(), output_size, input_size)
+            if len(types) == 1
+            else f"its tensors mix GGML types {sorted(map(str, types))}"
+        )
+        if reason is not None:
+            if strict:
+                raise ValueError(f"quantization='gguf' cannot keep {name} quantized: {reason}")
+            dense.append(f"{name} ({reason})")
+            continue
+        method = GGUFQ4LinearMethod(next(tensor_types[s] for s in sources))
+        method.create_weights(layer)
+        layer.quant_method = method
+        raw_names.update(sources)
+    if dense:
+        logger.warning("%d linear layers run dequantized, e.g. %s", len(dense), dense[0])
+    return frozenset(raw_names)
+
+
 def _checkpoint_names(model: nn.Module) -> Iterator[str]:
     """The Hugging Face checkpoint names that ``model.load_weights`` takes: its parameter names
-    with each packed parameter expanded into its sources, plus the LM head (tied models skip it).
-    Experts are stacked per projection, as GGUF stores them (``...mlp.experts.gate_proj.weight``)."""
-    packed_modules = getattr(model, "packed_modules_mapping", {})
+    with each packed parameter expanded into its sources, plus the LM head (tied models skip it)."""
     yield "lm_head.weight"
     for name, _ in model.named_parameters():
-        packed = next((p for p in packed_modules if f".{p}." in name), None)
-        experts, is_experts, stacked = name.rpartition(".experts.")
-        if is_experts:
-            projections = ("gate_proj", "up_proj") if stacked == "gate_up_proj" else ("down_proj",)
-            yield from (f"{experts}.experts.{projection}.weight" for projection in projections)
-        elif packed is None:
-            yield name
-        else:
-            yield from (name.replace(f".{packed}.", f".{source}.") for source, _ in packed_modules[packed])
+        yield from _checkpoint_sources(model, name)
+
+
+def _checkpoint_sources(model: nn.Module, param_name: str) -> Iterator[str]:
+    """The checkpoint names loaded into parameter ``param_name`` (several for a packed one).
+    Experts are stacked per projection, as GGUF stores them (``...mlp.experts.gate_proj.weight``)."""
+    packed_modules = getattr(model, "packed_modules_mapping", {})
+    packed = next((p for p in packed_modules if f".{p}." in param_name), None)
+    experts, is_experts, stacked = param_name.rpartition(".experts.")
+    if is_experts:
+        projections = ("gate_proj", "up_proj") if stacked == "gate_up_proj" else ("down_proj",)
+        yield from (f"{experts}.experts.{projection}.weight" for projection in projections)
+    elif packed is None:
+        yield param_name
+    else:
+        yield from (param_name.replace(f".{packed}.", f".{source}.") for source, _ in packed_modules[packed])
 
 
 def _gguf_to_hf_names(architecture: str, num_layers: int, hf_names: Iterable[str]) -> dict[str, str]:
@@ -204,21 +266,24 @@ def _gguf_to_hf_names(architecture: str, num_layers: int, hf_names: Iterable[str
     return mapping
 
 
-_UNQUANTIZED_TYPES = (
-    gguf.GGMLQuantizationType.F32,
-    gguf.GGMLQuantizationType.F16,
-    gguf.GGMLQuantizationType.BF16,
-)
+def _dequantize(tensor: GGUFTensor, rows: slice, dtype: torch.dtype) -> torch.Tensor:
+    """``rows`` (of dimension 0) as a CPU tensor in ``dtype`` and PyTorch's shape order (the reader
+    already reversed ggml's).
 
-
-def _dequantize(tensor: gguf.ReaderTensor, rows: slice) -> torch.Tensor:
-    """Float32 CPU tensor of ``rows`` (dimension 0) in PyTorch's shape order (gguf's reader
-    already reversed ggml's)."""
-    array = gguf.quants.dequantize(tensor.data[rows], tensor.tensor_type)
-    if not array.flags.writeable:
-        # Unquantized tensors come back as views of the read-only memory map; torch wants its own.
-        array = np.array(array)
-    return torch.from_numpy(array)
+    Dequantized 4096 rows at a time: a whole float32 copy of a large table (the embedding) would
+    double its size at the load's peak.
+    """
+    data = tensor.data[rows]
+    flat = data.reshape(-1, data.shape[-1])
+    out: torch.Tensor | None = None
+    for i in range(0, flat.shape[0], 4096):
+        chunk = torch.from_numpy(np.array(gguf.quants.dequantize(flat[i : i + 4096], tensor.tensor_type)))
+        if out is None:
+            out = torch.empty(flat.shape[0], chunk.shape[-1], dtype=dtype)
+        out[i : i + 4096] = chunk
+    if out is None:
+        return torch.empty(*data.shape[:-1], 0, dtype=dtype)
+    return out.view(*data.shape[:-1], -1)
 
 
 def _rope_permuted_heads(hf_name: str, hf_config: PretrainedConfig) -> int | None:
@@ -234,7 +299,7 @@ def _undo_rope_permute(hf_name: str, weight: torch.Tensor, hf_config: Pretrained
     """llama.cpp's converter reorders each head's q/k rows from the neox rotary layout (halves) to
     the interleaved one its kernels use: row (i, j) of half i, pair j moves to (j, i). Undo it.
 
-    weight: whole heads of q_proj/k_proj, [num_rows, hidden_size] (or of its bias, [num_rows]),
+    weight: whole heads of q_proj/k_proj, [num_rows, ...] (a weight, its bias, or its raw blocks),
     num_rows a multiple of the head size: a tensor-parallel shard is a run of whole heads.
     """
     num_heads = _rope_permuted_heads(hf_name, hf_config)

@@ -7,8 +7,9 @@ import dataclasses
 import torch
 
 from pagedllm.attention.backends import get_attn_backend
-from pagedllm.config import DeviceConfig, EngineConfig, GiB
+from pagedllm.config import EngineConfig, GiB
 from pagedllm.distributed import init_distributed_environment
+from pagedllm.layers.onednn_linear import onednn_available, prepack_dense_weights
 from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
 from pagedllm.worker.model_runner import ModelRunner, StepOutput
 from pagedllm.worker.step_io import ModelRunnerOutput, SchedulerOutput
@@ -33,7 +34,9 @@ class Worker:
         self.distributed_init_method = distributed_init_method
         self.device = rank_device(config, local_rank)
         # This rank's view of the configuration: its own device, which the model runner reads.
-        self.config = config = dataclasses.replace(config, device_config=DeviceConfig(self.device))
+        self.config = config = dataclasses.replace(
+            config, device_config=dataclasses.replace(config.device_config, device=self.device)
+        )
         model_config, cache_config = config.model_config, config.cache_config
         self.attn_backend = get_attn_backend(config.attention_backend, self.device)
         self.attn_backend.check_supported(
@@ -52,6 +55,8 @@ class Worker:
     def init_device(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        if self.config.device_config.num_threads is not None:
+            torch.set_num_threads(self.config.device_config.num_threads)
         tp_size = self.config.parallel_config.tensor_parallel_size
         if tp_size > 1:
             assert self.distributed_init_method is not None, "several ranks need a distributed_init_method"
@@ -63,6 +68,8 @@ class Worker:
         if self.device.type == "cuda":
             self._check_weights_fit()
         self.model_runner.load_model()
+        if self.device.type == "cpu" and onednn_available(self.config.model_config.dtype):
+            prepack_dense_weights(self.model_runner.model)
 
     def _check_weights_fit(self) -> None:
         """Refuse, before loading anything, a model whose weights alone exceed the memory budget."""

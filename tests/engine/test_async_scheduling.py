@@ -125,7 +125,13 @@ def test_preemption_by_recompute_and_swap_changes_nothing(model_dir, num_cpu_blo
         prompt_token_ids=ids, sampling_params=params, use_tqdm=False
     )
     sync_out, async_out, llms = run_both(
-        model_dir, params, ids, block_size=4, num_kv_blocks=40, swap_space=num_cpu_blocks_gib, max_model_len=128
+        model_dir,
+        params,
+        ids,
+        block_size=4,
+        num_kv_blocks=40,
+        swap_space=num_cpu_blocks_gib,
+        max_model_len=128,
     )
     assert summary(sync_out) == summary(reference) == summary(async_out)
     stats = llms[1].llm_engine.get_stats()

@@ -1,4 +1,5 @@
-"""The embedded SmolLM2-135M-Instruct (GGUF, dequantized to float32) end to end on the CPU."""
+"""The embedded SmolLM2-135M-Instruct end to end on the CPU (dequantized to float32 where it is
+compared with HF; the CLI runs the defaults)."""
 
 import json
 import subprocess
@@ -23,7 +24,7 @@ MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(device="cpu", max_model_len=512)
+    return LLM(device="cpu", max_model_len=512, dtype="float32")  # compared with HF in float32
 
 
 def test_greedy_chat_equals_hf_generate(llm, smollm2_hf_model):

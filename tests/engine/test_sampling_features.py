@@ -84,7 +84,7 @@ def test_beam_search_equals_hf(tiny, num_beams, n, length_penalty, early_stoppin
 
 
 def test_beam_search_equals_hf_on_the_embedded_model(smollm2_hf_model):
-    llm = LLM(device="cpu", max_model_len=256)
+    llm = LLM(device="cpu", max_model_len=256, dtype="float32")  # compared with HF in float32
     tokenizer = llm.get_tokenizer()
     eos = tokenizer.eos_token_id
     params = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0.0, max_tokens=20)

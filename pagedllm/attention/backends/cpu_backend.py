@@ -1,0 +1,221 @@
+"""The CPU attention backend: vectorised PyTorch over the paged cache, in the run dtype.
+
+Same cache layout as the torch reference (``[num_blocks, block_size, num_kv_heads, head_size]``
+per layer, so the two share caches and swap code), computed the way a CPU is fast at:
+
+* Cache writes are one ``index_copy_`` per cache into its flattened ``[slots, kv_heads, head]``
+  view (no boolean indexing, no dtype round trip).
+* Decodes are computed together: one ``index_select`` of the blocks in the decodes' block tables
+  (not a per-sequence gather), then two batched matmuls over ``[num_decodes, kv_heads, group,
+  ctx]``. Folding the ``group = num_heads / num_kv_heads`` queries that share a KV head into the
+  query-length axis means GQA costs no K/V expansion. For more than ``SDPA_MAX_DECODES`` decodes,
+  matmul + softmax + matmul measured faster than SDPA's CPU kernel (0.4 against 0.5-1.5 ms a
+  layer for 32 sequences of ~100 tokens, benchmarks/RESULTS.md); fewer decodes and prefill chunks
+  use SDPA, whose flash kernel has the lower fixed cost and never materialises the
+  ``query_len x ctx`` scores.
+* A prefill chunk with no cached prefix attends over its own fresh K/V (no gather at all); a
+  chunk behind a cached prefix gathers its context's blocks once.
+* Everything stays in the run dtype (bf16 or float32); SDPA's CPU kernel accumulates in float32.
+* One boolean mask per call, ``key_pos <= query_pos`` (and ``> query_pos - sliding_window``),
+  which also removes every slot past ``seq_len``. Gathered slots past ``seq_len`` may hold
+  anything, NaN included (``torch.empty`` caches): they are zeroed in the gathered copy, since a
+  masked NaN would still poison the ``P @ V`` sums (0 * NaN = NaN).
+
+ALiBi (Press et al., 2022: bias ``slope_h * (key_pos - query_pos)``) and logit soft-capping (Gemma
+2: ``cap * tanh(score / cap)``) change the scores themselves, so with either one prefill chunks
+also take the explicit path (matmul, cap, bias, mask, float32 softmax, matmul).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
+from pagedllm.attention.metadata import AttentionMetadata
+
+
+def write_to_paged_cache_indexed(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store each token's K/V at its slot with ``index_copy_``; slots < 0 (padding) are skipped.
+
+    key, value: [num_tokens, num_kv_heads, head_size]; caches: [num_blocks, block_size,
+    num_kv_heads, head_size]; slot_mapping: [num_tokens] int64.
+    """
+    if bool((slot_mapping < 0).any()):  # a host check: this backend runs on the CPU
+        valid = slot_mapping >= 0
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    num_kv_heads, head_size = key_cache.shape[2:]
+    key_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def gather_contexts(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """The contexts of ``seq_lens.shape[0]`` sequences, one index_select of their blocks:
+    [num_seqs, num_kv_heads, num_blocks * block_size, head_size], contiguous (what batched
+    matmuls read fastest), slots past each ``seq_len`` zeroed (they may hold NaN).
+
+    block_tables: [num_seqs, num_blocks] int32; seq_lens: [num_seqs] (host).
+    """
+    num_seqs, num_blocks = block_tables.shape
+    _, block_size, num_kv_heads, head_size = cache.shape
+    ctx_len = num_blocks * block_size
+    blocks = cache.index_select(0, block_tables.reshape(-1).long())
+    past_end = (torch.arange(ctx_len) >= seq_lens[:, None]).view(-1).nonzero().view(-1)
+    blocks.view(num_seqs * ctx_len, -1).index_fill_(0, past_end, 0)
+    return blocks.view(num_seqs, ctx_len, num_kv_heads, head_size).transpose(1, 2).contiguous()
+
+
+# Up to this many decodes SDPA's fused kernel wins (its fixed cost is lower); past it, two batched
+# matmuls do (measured crossover between 8 and 16 sequences of ~128 tokens, bf16, 2 cores).
+SDPA_MAX_DECODES = 8
+
+
+class CpuAttentionBackend(AttentionBackend):
+    name = "cpu"
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        sliding_window: int | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads)
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window!r}")
+        if alibi_slopes is not None and tuple(alibi_slopes.shape) != (num_heads,):
+            raise ValueError(f"alibi_slopes must have shape ({num_heads},), got {tuple(alibi_slopes.shape)}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be None or > 0, got {logits_soft_cap!r}")
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        # [num_kv_heads, group, 1, 1]: query head h = kv_head * group + g, as the model lays them out.
+        self.alibi_slopes = (
+            None
+            if alibi_slopes is None
+            else alibi_slopes.float().view(num_kv_heads, self.num_queries_per_kv, 1, 1)
+        )
+
+    # The reference's layout: caches, swaps and tests are shared with it.
+    get_kv_cache_shape = TorchAttentionBackend.get_kv_cache_shape
+
+    @classmethod
+    def check_supported(
+        cls, head_size: int, block_size: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend 'cpu' runs on the CPU only, got device {str(device)!r}")
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        key_cache, value_cache = kv_cache
+        md = attn_metadata
+        write_to_paged_cache_indexed(key, value, key_cache, value_cache, md.slot_mapping)
+        num_decodes = md.num_decodes
+        if num_decodes == query.shape[0]:  # decodes only, no padding tokens: no output copy
+            return self._decode(query, key_cache, value_cache, md)
+        output = torch.empty_like(query)
+        if num_decodes:
+            output[:num_decodes] = self._decode(query[:num_decodes], key_cache, value_cache, md)
+        query_start_loc = md.query_start_loc_cpu.tolist()
+        seq_lens = md.seq_lens_cpu.tolist()
+        for i in range(num_decodes, md.num_seqs):
+            start, end = query_start_loc[i], query_start_loc[i + 1]
+            if end - start == seq_lens[i]:  # no cached prefix: the context is this step's K/V
+                k, v = key[start:end].transpose(0, 1)[None], value[start:end].transpose(0, 1)[None]
+            else:
+                k, v = self._gather(key_cache, value_cache, md, i, i + 1)
+            q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, query_len, head_size]
+            output[start:end] = self._attend(q, k, v, md.seq_lens_cpu[i : i + 1])[0].transpose(0, 1)
+        return output
+
+    def _decode(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        """query: [num_decodes, num_heads, head_size], one token per sequence -> same shape."""
+        num_decodes = query.shape[0]
+        keys, values = self._gather(key_cache, value_cache, md, 0, num_decodes)
+        out = self._attend(query[:, :, None], keys, values, md.seq_lens_cpu[:num_decodes])
+        return out.view(num_decodes, self.num_heads, self.head_size)
+
+    @staticmethod
+    def _gather(
+        key_cache: torch.Tensor, value_cache: torch.Tensor, md: AttentionMetadata, first: int, end: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Contexts of sequences [first, end): (keys, values), each [n, kv_heads, ctx, head]."""
+        seq_lens = md.seq_lens_cpu[first:end]
+        num_blocks = -(-int(seq_lens.max()) // key_cache.shape[1])
+        table = md.block_tables[first:end, :num_blocks]
+        return gather_contexts(key_cache, table, seq_lens), gather_contexts(value_cache, table, seq_lens)
+
+    def _attend(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_lens: torch.Tensor
+    ) -> torch.Tensor:
+        """Each sequence's queries are the last ``query_len`` positions of its ``seq_lens[b]``.
+
+        query: [num_seqs, num_heads, query_len, head_size]; keys, values: [num_seqs,
+        num_kv_heads, ctx_len, head_size] (ctx_len >= every seq_len; slots past it are ignored).
+        Returns [num_seqs, num_heads, query_len, head_size].
+        """
+        num_seqs, _, query_len, head_size = query.shape
+        group, ctx_len = self.num_queries_per_kv, keys.shape[2]
+        key_pos = torch.arange(ctx_len)
+        query_pos = seq_lens.long()[:, None] - query_len + torch.arange(query_len)  # [num_seqs, query_len]
+        mask = key_pos <= query_pos[:, :, None]  # [num_seqs, query_len, ctx_len]
+        if self.sliding_window is not None:
+            mask &= key_pos > query_pos[:, :, None] - self.sliding_window
+        # Fold each KV head's query group into the query axis: [num_seqs, kv_heads, group * query_len, head].
+        # (A cache in another dtype than the activations computes in the cache's.)
+        q = query.to(keys.dtype).reshape(num_seqs, self.num_kv_heads, group * query_len, head_size)
+        if query_len == 1:  # one mask row per sequence, broadcast over the group
+            mask = mask[:, None]
+        else:
+            mask = (
+                mask[:, None, None]
+                .expand(-1, 1, group, -1, -1)
+                .reshape(num_seqs, 1, group * query_len, ctx_len)
+            )
+        few_rows = query_len > 1 or num_seqs <= SDPA_MAX_DECODES
+        if few_rows and self.alibi_slopes is None and self.logits_soft_cap is None:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
+        else:
+            out = self._attend_explicit(q, keys, values, mask, query_pos, key_pos)
+        return out.view(num_seqs, self.num_heads, query_len, head_size).to(query.dtype)
+
+    def _attend_explicit(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        query_pos: torch.Tensor,
+        key_pos: torch.Tensor,
+    ) -> torch.Tensor:
+        """Scores by matmul (in the run dtype), then cap, bias, mask and a float32 softmax; shapes as
+        in SDPA. Masking replaces the scores, so NaN-free keys are not needed here."""
+        num_seqs, num_kv_heads, rows, ctx_len = mask.shape[0], q.shape[1], q.shape[2], key_pos.shape[0]
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale
+        if self.logits_soft_cap is not None:
+            scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
+        if self.alibi_slopes is not None:
+            distance = (key_pos - query_pos[:, :, None]).float()  # [num_seqs, query_len, ctx_len]
+            bias = self.alibi_slopes * distance[:, None, None]  # [num_seqs, kv_heads, group, query_len, ctx]
+            scores = scores + bias.view(num_seqs, num_kv_heads, rows, ctx_len)
+        probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
+        return torch.matmul(probs.to(values.dtype), values)

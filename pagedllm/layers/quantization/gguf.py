@@ -1,0 +1,101 @@
+"""GGUF Q4_0 / Q4_1 linear weights kept at 4 bits, multiplied by torch's int4 CPU kernel.
+
+llama.cpp's Q4 blocks cover 32 consecutive inputs of one output row (ggml-quants.h)::
+
+    Q4_0 block, 18 bytes: d (f16) | 16 bytes of nibbles          w = d * (q - 8)
+    Q4_1 block, 20 bytes: d (f16) | m (f16) | 16 bytes of nibbles  w = d * q + m
+
+    nibbles: byte j holds q[j] in its low half and q[j + 16] in its high half.
+
+``torch.ops.aten._weight_int4pack_mm_for_cpu`` computes with the same grouping: per group of 32
+inputs and per output row, ``w = (q - 8) * scale + zero``. So a GGUF Q4 row maps onto it without
+requantizing: ``scale = d`` and ``zero = m + 8 d`` (Q4_1) or ``0`` (Q4_0). The only rounding is
+of the scales and zeros to bfloat16, the kernel's activation dtype (the kernel is 10-50x slower
+with float32 activations on the CPU, so float32 runs cast the activations to bf16 around it).
+
+Loading: the layer's ``weight`` becomes a uint8 ``[output_size, row_bytes]`` parameter holding the
+file's raw blocks. Rows are whole blocks, so the layer's own weight loaders (row shards of
+q/k/v and gate/up) and llama.cpp's q/k row permutation apply to them unchanged; after loading,
+the rows are decoded and packed once (packing is not row-separable, so it waits for all shards).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from pagedllm.layers.quantization.base import LinearMethod
+
+logger = logging.getLogger(__name__)
+
+GROUP_SIZE = 32  # inputs per GGUF block and per group of the int4 kernel
+# GGML type name -> bytes per block of 32 weights.
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+# The int4 kernel packs output rows in tiles of 16.
+ROW_TILE = 16
+_INNER_K_TILES = 2  # the packing's inner tiling (any of 2, 4, 8 is valid for K % 32 == 0)
+
+
+def unsupported_reason(tensor_type: str, output_size: int, input_size: int) -> str | None:
+    """Why a weight of this GGML type and shape cannot stay quantized here, or None if it can."""
+    if tensor_type not in BLOCK_BYTES:
+        return f"GGML type {tensor_type} has no quantized CPU kernel here (supported: {sorted(BLOCK_BYTES)})"
+    if input_size % GROUP_SIZE or output_size % ROW_TILE:
+        return f"shape [{output_size}, {input_size}] is not a multiple of [{ROW_TILE}, {GROUP_SIZE}]"
+    return None
+
+
+def decode_q4_blocks(raw: torch.Tensor, tensor_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """raw: uint8 [N, num_groups * block_bytes] -> (q int32 [N, K] in 0..15, scale and zero
+    float32 [N, num_groups]) such that ``w = (q - 8) * scale + zero`` per group of 32."""
+    num_rows = raw.shape[0]
+    blocks = raw.view(num_rows, -1, BLOCK_BYTES[tensor_type])  # [N, groups, block_bytes]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1).float()
+    if tensor_type == "Q4_1":
+        m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float()
+        nibbles, zero = blocks[..., 4:], m + 8 * d
+    else:
+        nibbles, zero = blocks[..., 2:], torch.zeros_like(d)
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # [N, groups, 32]: q[j], then q[j + 16]
+    return q.reshape(num_rows, -1).int(), d, zero
+
+
+def dequantize_q4(raw: torch.Tensor, tensor_type: str) -> torch.Tensor:
+    """The float32 weight [N, K] that the raw blocks encode (the oracle of the packed path)."""
+    q, scale, zero = decode_q4_blocks(raw, tensor_type)
+    groups = q.view(q.shape[0], -1, GROUP_SIZE).float()
+    return ((groups - 8) * scale[..., None] + zero[..., None]).view(q.shape)
+
+
+class GGUFQ4LinearMethod(LinearMethod):
+    """A GGUF Q4_0/Q4_1 weight, packed for ``_weight_int4pack_mm_for_cpu``."""
+
+    def __init__(self, tensor_type: str) -> None:
+        self.tensor_type = tensor_type
+
+    def create_weights(self, layer: nn.Module) -> None:
+        """Replace the layer's dense ``weight`` by a raw-block parameter with the same loader."""
+        output_size, input_size = layer.weight.shape
+        row_bytes = input_size // GROUP_SIZE * BLOCK_BYTES[self.tensor_type]
+        loader = layer.weight.weight_loader
+        raw = torch.empty(output_size, row_bytes, dtype=torch.uint8)
+        layer.weight = nn.Parameter(raw, requires_grad=False)
+        layer.weight.weight_loader = loader
+        layer.input_size = input_size
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        q, scale, zero = decode_q4_blocks(layer.weight.data, self.tensor_type)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES)
+        # [num_groups, N, 2]: the kernel's layout of (scale, zero) per group and output row.
+        scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        del layer.weight
+        layer.register_buffer("qweight", packed, persistent=False)
+        layer.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), layer.qweight, GROUP_SIZE, layer.scales_and_zeros
+        ).to(x.dtype)
+        return out if bias is None else out.add_(bias)

@@ -1,0 +1,102 @@
+"""GGUF Q4 linear weights kept quantized, against the gguf package's own dequantization."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
+from pagedllm.layers.quantization import keeps_gguf_quantized
+from pagedllm.layers.quantization.gguf import GGUFQ4LinearMethod, dequantize_q4, unsupported_reason
+
+Q4_TYPES = ["Q4_0", "Q4_1"]
+
+
+def quantize(weight: torch.Tensor, tensor_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw blocks uint8 [N, row_bytes], what gguf dequantizes them to, float32 [N, K])."""
+    kind = gguf.GGMLQuantizationType[tensor_type]
+    raw = gguf.quants.quantize(weight.numpy(), kind)
+    return torch.from_numpy(raw), torch.from_numpy(gguf.quants.dequantize(raw, kind))
+
+
+@pytest.mark.parametrize("tensor_type", Q4_TYPES)
+def test_q4_block_decoding_matches_gguf_dequantize(tensor_type: str) -> None:
+    raw, expected = quantize(torch.randn(48, 96) * 3 + 0.5, tensor_type)
+    assert torch.equal(dequantize_q4(raw, tensor_type), expected)
+
+
+def quantized_layer(layer: torch.nn.Module, tensor_type: str) -> GGUFQ4LinearMethod:
+    method = GGUFQ4LinearMethod(tensor_type)
+    method.create_weights(layer)
+    layer.quant_method = method
+    return method
+
+
+@pytest.mark.parametrize("tensor_type", Q4_TYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_tokens", [1, 7, 32])
+def test_q4_linear_matches_dequantized_oracle(tensor_type: str, dtype: torch.dtype, num_tokens: int) -> None:
+    torch.manual_seed(0)
+    layer = ReplicatedLinear(128, 64, bias=True)
+    raw, dense = quantize(torch.randn(64, 128), tensor_type)
+    method = quantized_layer(layer, tensor_type)
+    layer.weight.weight_loader(layer.weight, raw)
+    layer.bias.data.copy_(torch.randn(64))
+    method.process_weights_after_loading(layer)
+    assert not hasattr(layer, "weight") or layer.weight is None
+    x = torch.randn(num_tokens, 128).to(dtype)
+    out = layer(x)
+    expected = F.linear(x.float(), dense, layer.bias.float())
+    assert out.dtype == dtype
+    # The kernel computes in bf16 (activations, scales, zeros): ~1% of the output's scale.
+    torch.testing.assert_close(out.float(), expected, atol=0.02 * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("tensor_type", Q4_TYPES)
+def test_packed_shards_load_as_raw_rows(tensor_type: str) -> None:
+    """q/k/v and gate/up loaded shard by shard as raw blocks equal the stacked dense weights."""
+    torch.manual_seed(1)
+    qkv = QKVParallelLinear(hidden_size=64, head_size=16, total_num_heads=4, total_num_kv_heads=2, bias=False)
+    gate_up = MergedColumnParallelLinear(64, [96, 96], bias=False)
+    for layer, shards in ((qkv, {"q": 64, "k": 32, "v": 32}), (gate_up, {0: 96, 1: 96})):
+        method = quantized_layer(layer, tensor_type)
+        dense = []
+        for shard_id, rows in shards.items():
+            raw, weight = quantize(torch.randn(rows, 64), tensor_type)
+            layer.weight.weight_loader(layer.weight, raw, shard_id)
+            dense.append(weight)
+        method.process_weights_after_loading(layer)
+        x = torch.randn(5, 64).bfloat16()
+        expected = x.float() @ torch.cat(dense).t()
+        torch.testing.assert_close(
+            layer(x).float(), expected, atol=0.02 * expected.abs().max().item(), rtol=0
+        )
+
+
+def test_unsupported_reason_names_type_and_shape() -> None:
+    assert unsupported_reason("Q4_1", 64, 128) is None
+    assert "Q6_K" in unsupported_reason("Q6_K", 64, 128)
+    assert "multiple" in unsupported_reason("Q4_0", 64, 100)
+    assert "multiple" in unsupported_reason("Q4_0", 40, 128)
+
+
+def test_when_gguf_weights_stay_quantized() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert keeps_gguf_quantized("auto", True, cpu, torch.bfloat16)
+    assert not keeps_gguf_quantized("auto", True, cpu, torch.float32)  # HF comparisons stay dense
+    assert keeps_gguf_quantized("gguf", True, cpu, torch.float32)
+    assert not keeps_gguf_quantized("none", True, cpu, torch.bfloat16)
+    assert not keeps_gguf_quantized("auto", False, cpu, torch.bfloat16)
+    assert not keeps_gguf_quantized("auto", True, cuda, torch.bfloat16)
+    with pytest.raises(ValueError, match="quantization='gguf' runs on the CPU only"):
+        keeps_gguf_quantized("gguf", True, cuda, torch.bfloat16)
+
+
+def test_raw_rows_stay_whole_blocks() -> None:
+    """Q4_1's 20-byte blocks: a [64, 128] weight is 64 rows of 4 blocks."""
+    raw, _ = quantize(torch.randn(64, 128), "Q4_1")
+    assert raw.shape == (64, 80) and raw.dtype == torch.uint8
+    assert np.prod(raw.shape) == 64 * 128 // 32 * 20
