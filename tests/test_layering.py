@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
 
 # Lowest first. A module may import its own layer and the layers below it.
 LAYERS: list[tuple[str, ...]] = [
-    ("pagedllm.config", "pagedllm.sampling_params", "pagedllm.distributed"),
+    ("pagedllm.config", "pagedllm.sampling_params", "pagedllm.distributed", "pagedllm.cpu_info"),
     ("pagedllm.kernels",),
     ("pagedllm.attention",),
     ("pagedllm.layers", "pagedllm.sample"),

@@ -32,7 +32,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import BeamSearchState, PendingHypothesis, beam_search_step, num_candidates
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stop_checker import StopChecker
-from pagedllm.executor.abstract import get_executor_class
+from pagedllm.executor import get_executor_class
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import get_eos_token_ids, get_tokenizer

@@ -77,19 +77,3 @@ def call_worker(
     if isinstance(method, str):
         return getattr(worker, method)(*args, **(kwargs or {}))
     return method(worker, *args, **(kwargs or {}))
-
-
-def get_executor_class(config: EngineConfig) -> type[Executor]:
-    """The executor of ``distributed_executor_backend``: "uni", "mp" or "ray"."""
-    backend = config.parallel_config.distributed_executor_backend
-    if backend == "mp":
-        from pagedllm.executor.multiproc_executor import MultiprocExecutor
-
-        return MultiprocExecutor
-    if backend == "ray":
-        from pagedllm.executor.ray_executor import RayExecutor
-
-        return RayExecutor
-    from pagedllm.executor.uniproc_executor import UniProcExecutor
-
-    return UniProcExecutor
