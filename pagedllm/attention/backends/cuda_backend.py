@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.backends.triton_backend import TritonAttentionBackend
+from pagedllm.attention.backends.triton_backend import TritonAttentionBackend, launch_kwargs
 from pagedllm.kernels.cuda import paged_attention, reshape_and_cache
 from pagedllm.kernels.cuda.build import check_build_requirements
 from pagedllm.kernels.cuda.layout import kv_cache_shape
 from pagedllm.kernels.cuda.ops import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_SIZES
+from pagedllm.kernels.triton import paged_prefill
 
 
 class CudaAttentionBackend(TritonAttentionBackend):
@@ -77,5 +78,29 @@ class CudaAttentionBackend(TritonAttentionBackend):
         max_seq_len: int,
         out: torch.Tensor,
     ) -> None:
+        if self.sliding_window is not None or self.logits_soft_cap is not None:
+            # The seeds' kernels know ALiBi only: a windowed or soft-capped layer decodes with the
+            # Triton prefill kernel (one query per sequence), which reads this layout and starts at
+            # the window's first tile.
+            num_decodes = query.shape[0]
+            query_start_loc = torch.arange(num_decodes + 1, dtype=torch.int32, device=query.device)
+            paged_prefill(
+                query,
+                key_cache,
+                value_cache,
+                block_tables,
+                seq_lens,
+                query_start_loc,
+                self.scale,
+                0,
+                num_decodes,
+                1,
+                out,
+                **self._variants(),
+                **launch_kwargs(self.head_size, key_cache.dtype)[1],
+            )
+            return
         # V1 or V2, from host ints (ops.use_v1).
-        paged_attention(query, key_cache, value_cache, block_tables, seq_lens, self.scale, max_seq_len, out)
+        paged_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, self.scale, max_seq_len, out, self.alibi_slopes
+        )

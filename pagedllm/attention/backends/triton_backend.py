@@ -100,7 +100,7 @@ def decode_partition_size(
 
 
 @functools.cache
-def _launch_kwargs(head_size: int, dtype: torch.dtype) -> tuple[dict[str, int], dict[str, int]]:
+def launch_kwargs(head_size: int, dtype: torch.dtype) -> tuple[dict[str, int], dict[str, int]]:
     """default_launches as keyword dicts, built once per (head_size, dtype) so that forward does
     no more host work than the launches. Read-only: shared by every layer."""
     decode, prefill = default_launches(head_size, dtype)
@@ -171,7 +171,8 @@ class TritonAttentionBackend(AttentionBackend):
                 md.num_prefills,
                 md.max_query_len,
                 output,
-                **_launch_kwargs(self.head_size, key_cache.dtype)[1],
+                **self._variants(),
+                **launch_kwargs(self.head_size, key_cache.dtype)[1],
             )
         return output
 
@@ -196,7 +197,7 @@ class TritonAttentionBackend(AttentionBackend):
         out: torch.Tensor,
     ) -> None:
         """query, out: [num_decodes, num_heads, head_size]; one new token per sequence."""
-        launch = _launch_kwargs(self.head_size, key_cache.dtype)[0]
+        launch = launch_kwargs(self.head_size, key_cache.dtype)[0]
         partition_size = decode_partition_size(
             query.shape[0], self.num_kv_heads, max_seq_len, launch, query.device
         )
@@ -209,5 +210,14 @@ class TritonAttentionBackend(AttentionBackend):
             self.scale,
             max_seq_len,
             out,
+            **self._variants(),
             **{**launch, "partition_size": partition_size},
         )
+
+    def _variants(self) -> dict:
+        """This layer's attention variants, as the kernels take them."""
+        return {
+            "sliding_window": self.sliding_window,
+            "alibi_slopes": self.alibi_slopes,
+            "logits_soft_cap": self.logits_soft_cap,
+        }
