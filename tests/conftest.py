@@ -151,18 +151,30 @@ def hf_logits(hf_model: PreTrainedModel, token_ids: list[int]) -> torch.Tensor:
         return hf_model(torch.tensor([token_ids])).logits[0].float()
 
 
-@pytest.fixture
-def make_tiny_model(tmp_path: Path) -> Callable[..., tuple[PreTrainedModel, ModelConfig]]:
-    """make(config_class, **overrides) -> (HF model, ModelConfig of its saved directory); each
-    call saves to its own directory under tmp_path."""
+def _tiny_model_factory(directory: Path) -> Callable[..., tuple[PreTrainedModel, ModelConfig]]:
     count = 0
 
     def make(config_class: type[PretrainedConfig], **overrides: Any) -> tuple[PreTrainedModel, ModelConfig]:
         nonlocal count
         count += 1
-        return _make_tiny_model(config_class, tmp_path / f"model{count}", **overrides)
+        return _make_tiny_model(config_class, directory / f"model{count}", **overrides)
 
     return make
+
+
+@pytest.fixture
+def make_tiny_model(tmp_path: Path) -> Callable[..., tuple[PreTrainedModel, ModelConfig]]:
+    """make(config_class, **overrides) -> (HF model, ModelConfig of its saved directory); each
+    call saves to its own directory under tmp_path."""
+    return _tiny_model_factory(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def make_tiny_model_for_module(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[..., tuple[PreTrainedModel, ModelConfig]]:
+    """make_tiny_model for module-scoped fixtures (a model shared by a module's tests)."""
+    return _tiny_model_factory(tmp_path_factory.mktemp("tiny_models"))
 
 
 @pytest.fixture

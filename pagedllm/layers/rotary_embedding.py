@@ -5,9 +5,14 @@ Neox style rotates the pair ``(x[i], x[i + d/2])`` of each head by ``position * 
 every position up to ``max_position`` and indexed by each token's position at run time, so a step
 costs a gather and four multiplies.
 
-Scaling types change only ``inv_freq``: ``linear`` divides it by ``factor`` (positions are
+Scaling types change ``inv_freq``: ``linear`` divides it by ``factor`` (positions are
 interpolated), ``llama3`` divides the low frequencies by ``factor``, keeps the high ones and blends
-in between (Llama 3.1's long-context recipe).
+in between (Llama 3.1's long-context recipe), ``yarn`` blends interpolated and extrapolated
+frequencies along a linear ramp over the dimensions and scales cos and sin by an attention factor
+(Peng et al. 2023, "YaRN"; the factor lives in the cached cos/sin, so every kernel that reads the
+cache follows). Types whose frequencies depend on the running sequence length as Hugging Face
+applies them (``dynamic``, ``longrope``) are refused: keys cached under earlier lengths keep their
+old rotation there, which a per-token table cannot reproduce exactly.
 """
 
 from __future__ import annotations
@@ -22,13 +27,17 @@ from torch import nn
 from pagedllm.layers.utils import use_triton
 
 
-def get_rope_parameters(config: Any) -> dict[str, Any]:
+def get_rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The config's rope parameters as one dict with ``rope_type`` and ``rope_theta``.
 
-    transformers 5 keeps them in ``config.rope_parameters``; older configs split them between
-    ``rope_scaling`` (whose type key was once ``type``) and ``rope_theta``.
+    transformers 5 keeps them in ``config.rope_parameters``, one dict per layer type for models
+    whose layer types rotate differently (Gemma 3: ``sliding_attention`` / ``full_attention``);
+    older configs split them between ``rope_scaling`` (whose type key was once ``type``) and
+    ``rope_theta``.
     """
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     return params
@@ -62,23 +71,66 @@ def _llama3_inv_freq(head_size: int, params: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(head_size: int, params: dict[str, Any]) -> torch.Tensor:
+    base, factor = params["rope_theta"], params["factor"]
+    original_len = params["original_max_position_embeddings"]
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        # The dimension whose wavelength turns num_rotations times over the original context.
+        return head_size * math.log(original_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_size - 1)
+    high = high + 0.001 if low == high else high  # a one-dimension ramp
+    ramp = ((torch.arange(head_size // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    inv_freq = _default_inv_freq(head_size, params)
+    # Fast dimensions (ramp 0) keep their frequency, slow ones (ramp 1) are interpolated.
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def _yarn_attention_factor(params: dict[str, Any]) -> float:
+    if params.get("attention_factor") is not None:
+        return params["attention_factor"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = params["factor"], params.get("mscale"), params.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+
 _INV_FREQ_FUNCTIONS: dict[str, Callable[[int, dict[str, Any]], torch.Tensor]] = {
     "default": _default_inv_freq,
     "linear": _linear_inv_freq,
     "llama3": _llama3_inv_freq,
+    "yarn": _yarn_inv_freq,
 }
+
+
+def check_rope_parameters(rope_parameters: dict[str, Any]) -> None:
+    """ValueError naming the field for what these rotary embeddings cannot reproduce."""
+    rope_type = rope_parameters["rope_type"]
+    if rope_type not in _INV_FREQ_FUNCTIONS:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {sorted(_INV_FREQ_FUNCTIONS)}")
+    if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
+        # No family implemented here rotates part of a head in Hugging Face's modeling code.
+        raise ValueError(
+            f"partial_rotary_factor {rope_parameters['partial_rotary_factor']} is not supported; only 1.0 is"
+        )
 
 
 def compute_inv_freq(head_size: int, rope_parameters: dict[str, Any]) -> torch.Tensor:
     """[head_size // 2] float32 inverse frequencies for ``rope_parameters`` (see get_rope_parameters)."""
-    rope_type = rope_parameters["rope_type"]
-    if rope_type not in _INV_FREQ_FUNCTIONS:
-        raise NotImplementedError(
-            f"rope_type {rope_type!r} is not supported; supported: {sorted(_INV_FREQ_FUNCTIONS)}"
-        )
-    if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
-        raise NotImplementedError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
-    return _INV_FREQ_FUNCTIONS[rope_type](head_size, rope_parameters)
+    check_rope_parameters(rope_parameters)
+    return _INV_FREQ_FUNCTIONS[rope_parameters["rope_type"]](head_size, rope_parameters)
+
+
+def attention_factor(rope_parameters: dict[str, Any]) -> float:
+    """The factor by which cos and sin are scaled (1 except for yarn)."""
+    return _yarn_attention_factor(rope_parameters) if rope_parameters["rope_type"] == "yarn" else 1.0
 
 
 class RotaryEmbedding(nn.Module):
@@ -97,7 +149,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq = compute_inv_freq(head_size, rope_parameters)
         positions = torch.arange(max_position, dtype=torch.float32)
         angles = torch.outer(positions, inv_freq)  # [max_position, head_size // 2]
-        cache = torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype)
+        cache = torch.cat((angles.cos(), angles.sin()), dim=-1) * attention_factor(rope_parameters)
+        cache = cache.to(dtype)
         # Not persistent: derived from the config, so it is neither saved nor loaded.
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 

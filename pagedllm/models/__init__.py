@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.models.bloom import BloomForCausalLM
+from pagedllm.models.gemma import GemmaForCausalLM
+from pagedllm.models.gpt2 import GPT2LMHeadModel
 from pagedllm.models.llama import LlamaForCausalLM
 
 # Hugging Face architecture name -> our implementation.
@@ -12,16 +15,37 @@ _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+    "BloomForCausalLM": BloomForCausalLM,
+}
+
+# config.model_type -> the architecture it means, for configs without ``architectures`` (as
+# transformers' AutoModelForCausalLM maps them).
+_MODEL_TYPE_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "bloom": "BloomForCausalLM",
 }
 
 
-def get_model_class(architectures: list[str]) -> type[nn.Module]:
-    """The implementation of the first supported name in ``architectures``."""
+def get_model_class(architectures: list[str], model_type: str | None = None) -> type[nn.Module]:
+    """The implementation of the first supported name in ``architectures``; when the config has
+    none, the one its ``model_type`` stands for."""
+    if not architectures and model_type in _MODEL_TYPE_ARCHITECTURES:
+        architectures = [_MODEL_TYPE_ARCHITECTURES[model_type]]
     for architecture in architectures:
         if architecture in _MODEL_REGISTRY:
             return _MODEL_REGISTRY[architecture]
     raise ValueError(
-        f"model architectures {architectures} are not supported; supported: {get_supported_architectures()}"
+        f"model architectures {architectures} (model_type {model_type!r}) are not supported; "
+        f"supported: {get_supported_architectures()}"
     )
 
 
@@ -29,4 +53,11 @@ def get_supported_architectures() -> list[str]:
     return sorted(_MODEL_REGISTRY)
 
 
-__all__ = ["LlamaForCausalLM", "get_model_class", "get_supported_architectures"]
+__all__ = [
+    "BloomForCausalLM",
+    "GPT2LMHeadModel",
+    "GemmaForCausalLM",
+    "LlamaForCausalLM",
+    "get_model_class",
+    "get_supported_architectures",
+]
