@@ -236,4 +236,6 @@ def load_hf_config(model_path: str, gguf_file: str | None) -> PretrainedConfig:
 def check_architecture(hf_config: PretrainedConfig) -> None:
     from pagedllm.models import get_model_class
 
-    get_model_class(list(getattr(hf_config, "architectures", None) or []), getattr(hf_config, "model_type", None))
+    get_model_class(
+        list(getattr(hf_config, "architectures", None) or []), getattr(hf_config, "model_type", None)
+    )

@@ -10,9 +10,20 @@ interpolated), ``llama3`` divides the low frequencies by ``factor``, keeps the h
 in between (Llama 3.1's long-context recipe), ``yarn`` blends interpolated and extrapolated
 frequencies along a linear ramp over the dimensions and scales cos and sin by an attention factor
 (Peng et al. 2023, "YaRN"; the factor lives in the cached cos/sin, so every kernel that reads the
-cache follows). Types whose frequencies depend on the running sequence length as Hugging Face
-applies them (``dynamic``, ``longrope``) are refused: keys cached under earlier lengths keep their
-old rotation there, which a per-token table cannot reproduce exactly.
+cache follows, the fused Triton rotary kernel included).
+
+Two types change with the sequence length in Hugging Face's ``dynamic_rope_update``:
+
+* ``dynamic`` (NTK-aware) raises the base only for sequences longer than
+  ``max_position_embeddings``; the engine never runs past it (max_model_len is bounded by it), so
+  here it is exactly the default table.
+* ``longrope`` (Phi-3's) divides the frequencies by ``short_factor`` up to
+  ``original_max_position_embeddings`` and by ``long_factor`` past it, and scales cos/sin by
+  ``sqrt(1 + log(factor) / log(original))``. We switch per position (the table's rows from
+  ``original`` on use the long factors), as vLLM does; Hugging Face switches per forward call on
+  its largest position, so the two agree whenever a prompt fits in ``original`` (its decode steps
+  then switch at the same position) and differ for prompts longer than that, whose first positions
+  Hugging Face also rotates with the long factors.
 """
 
 from __future__ import annotations
@@ -102,11 +113,29 @@ def _yarn_attention_factor(params: dict[str, Any]) -> float:
     return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
 
 
+def _longrope_inv_freq(head_size: int, params: dict[str, Any], long: bool = False) -> torch.Tensor:
+    factors = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float32)
+    exponents = torch.arange(0, head_size, 2, dtype=torch.int64).to(torch.float32) / head_size
+    return 1.0 / (factors * params["rope_theta"] ** exponents)
+
+
+def _longrope_attention_factor(params: dict[str, Any], max_position: int) -> float:
+    if params.get("attention_factor") is not None:
+        return params["attention_factor"]
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 _INV_FREQ_FUNCTIONS: dict[str, Callable[[int, dict[str, Any]], torch.Tensor]] = {
     "default": _default_inv_freq,
     "linear": _linear_inv_freq,
     "llama3": _llama3_inv_freq,
     "yarn": _yarn_inv_freq,
+    # Within max_position_embeddings (see the module docstring).
+    "dynamic": _default_inv_freq,
+    # The short factors; RotaryEmbedding switches to the long ones past the original length.
+    "longrope": _longrope_inv_freq,
 }
 
 
@@ -114,7 +143,9 @@ def check_rope_parameters(rope_parameters: dict[str, Any]) -> None:
     """ValueError naming the field for what these rotary embeddings cannot reproduce."""
     rope_type = rope_parameters["rope_type"]
     if rope_type not in _INV_FREQ_FUNCTIONS:
-        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {sorted(_INV_FREQ_FUNCTIONS)}")
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported; supported: {sorted(_INV_FREQ_FUNCTIONS)}"
+        )
     if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
         # No family implemented here rotates part of a head in Hugging Face's modeling code.
         raise ValueError(
@@ -128,9 +159,25 @@ def compute_inv_freq(head_size: int, rope_parameters: dict[str, Any]) -> torch.T
     return _INV_FREQ_FUNCTIONS[rope_parameters["rope_type"]](head_size, rope_parameters)
 
 
-def attention_factor(rope_parameters: dict[str, Any]) -> float:
-    """The factor by which cos and sin are scaled (1 except for yarn)."""
-    return _yarn_attention_factor(rope_parameters) if rope_parameters["rope_type"] == "yarn" else 1.0
+def attention_factor(rope_parameters: dict[str, Any], max_position: int) -> float:
+    """The factor by which cos and sin are scaled (1 except for yarn and longrope)."""
+    rope_type = rope_parameters["rope_type"]
+    if rope_type == "yarn":
+        return _yarn_attention_factor(rope_parameters)
+    if rope_type == "longrope":
+        return _longrope_attention_factor(rope_parameters, max_position)
+    return 1.0
+
+
+def compute_angles(head_size: int, max_position: int, rope_parameters: dict[str, Any]) -> torch.Tensor:
+    """[max_position, head_size // 2] float32: the rotation angle of every position and pair."""
+    positions = torch.arange(max_position, dtype=torch.float32)
+    angles = torch.outer(positions, compute_inv_freq(head_size, rope_parameters))
+    if rope_parameters["rope_type"] == "longrope":
+        original = rope_parameters["original_max_position_embeddings"]
+        long_inv_freq = _longrope_inv_freq(head_size, rope_parameters, long=True)
+        angles[original:] = torch.outer(positions[original:], long_inv_freq)
+    return angles
 
 
 class RotaryEmbedding(nn.Module):
@@ -146,11 +193,9 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.head_size = head_size
-        inv_freq = compute_inv_freq(head_size, rope_parameters)
-        positions = torch.arange(max_position, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq)  # [max_position, head_size // 2]
-        cache = torch.cat((angles.cos(), angles.sin()), dim=-1) * attention_factor(rope_parameters)
-        cache = cache.to(dtype)
+        angles = compute_angles(head_size, max_position, rope_parameters)
+        cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        cache = (cache * attention_factor(rope_parameters, max_position)).to(dtype)
         # Not persistent: derived from the config, so it is neither saved nor loaded.
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 

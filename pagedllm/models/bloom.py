@@ -64,7 +64,9 @@ class BloomAttention(nn.Module):
             alibi_slopes=slopes.to(torch.get_default_device()),
         )
 
-    def forward(self, hidden_states: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
         q, k, v = self.query_key_value(hidden_states).chunk(3, dim=-1)
         return self.dense(self.attn(q, k, v, kv_cache, attn_metadata))
 
@@ -90,7 +92,9 @@ class BloomBlock(nn.Module):
         # Whether the residual stream continues from the normalized input (BLOOM's option).
         self.residual_from_norm = bool(config.apply_residual_connection_post_layernorm)
 
-    def forward(self, hidden_states: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
         normed = self.input_layernorm(hidden_states)
         residual = normed if self.residual_from_norm else hidden_states
         hidden_states = residual + self.self_attention(normed, kv_cache, attn_metadata)

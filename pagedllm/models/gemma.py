@@ -40,8 +40,10 @@ def _hidden_act(config: PretrainedConfig) -> str:
 def _rope_parameters(config: PretrainedConfig, layer_type: str) -> dict[str, Any]:
     params = get_rope_parameters(config, layer_type)
     local_base = getattr(config, "rope_local_base_freq", None)
-    if layer_type == "sliding_attention" and local_base is not None and "sliding_attention" not in (
-        getattr(config, "rope_parameters", None) or {}
+    if (
+        layer_type == "sliding_attention"
+        and local_base is not None
+        and "sliding_attention" not in (getattr(config, "rope_parameters", None) or {})
     ):
         # Older Gemma 3 configs: one rope_scaling for global layers, a plain local base.
         params = {"rope_type": "default", "rope_theta": local_base}
@@ -158,5 +160,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.lm_head = self.model.embed_tokens
         cap = getattr(config, "final_logit_softcapping", None)
         self.logits_processor = (
-            LogitsProcessor(config.vocab_size) if cap is None else SoftCappedLogitsProcessor(config.vocab_size, cap)
+            LogitsProcessor(config.vocab_size)
+            if cap is None
+            else SoftCappedLogitsProcessor(config.vocab_size, cap)
         )

@@ -49,9 +49,13 @@ class GPT2Attention(nn.Module):
         self.c_attn = QKVParallelLinear(hidden, self.head_dim, num_heads, num_heads, bias=True)
         self.c_proj = RowParallelLinear(hidden, hidden, bias=True)
         self.num_heads = self.c_attn.num_heads  # this rank's
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_heads, attn_backend)
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_heads, attn_backend
+        )
 
-    def forward(self, hidden_states: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
         """hidden_states: [num_tokens, hidden_size] -> same shape."""
         q, k, v = self.c_attn(hidden_states).chunk(3, dim=-1)
         return self.c_proj(self.attn(q, k, v, kv_cache, attn_metadata))
@@ -78,7 +82,9 @@ class GPT2Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=eps)
         self.mlp = GPT2MLP(config)
 
-    def forward(self, hidden_states: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
         hidden_states = hidden_states + self.attn(self.ln_1(hidden_states), kv_cache, attn_metadata)
         return hidden_states + self.mlp(self.ln_2(hidden_states))
 

@@ -69,7 +69,9 @@ class LlamaMLP(nn.Module):
         super().__init__()
         hidden_act = hidden_act or config.hidden_act
         if hidden_act not in _GATED_ACTIVATIONS:
-            raise ValueError(f"hidden_act {hidden_act!r} is not supported; supported: {sorted(_GATED_ACTIVATIONS)}")
+            raise ValueError(
+                f"hidden_act {hidden_act!r} is not supported; supported: {sorted(_GATED_ACTIVATIONS)}"
+            )
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2, bias=bias

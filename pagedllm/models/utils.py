@@ -33,7 +33,9 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
     if layer_types is not None:
         unknown = sorted(set(layer_types) - set(_LAYER_TYPE_SLIDES))
         if unknown:
-            raise ValueError(f"layer_types {unknown} are not supported; supported: {sorted(_LAYER_TYPE_SLIDES)}")
+            raise ValueError(
+                f"layer_types {unknown} are not supported; supported: {sorted(_LAYER_TYPE_SLIDES)}"
+            )
         if len(layer_types) != num_layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
     if window is None:

@@ -381,7 +381,9 @@ def test_variants_decode_and_prefill_match_torch(variant, block_size: int) -> No
     context_lens = [0, 8, 31, 47, 70, 99, 0, 60, 45, 21]
     query_lens = [1] * 6 + [40, 25, 1, 3]
     variants = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in variant(num_heads).items()}
-    batch = make_batch(6, context_lens, query_lens, num_heads, num_kv_heads, head_size, block_size, torch.float32)
+    batch = make_batch(
+        6, context_lens, query_lens, num_heads, num_kv_heads, head_size, block_size, torch.float32
+    )
     ref = oracle(batch, num_heads, num_kv_heads, head_size, **variants)
     out = run_kernels(batch, head_size, max_seq_len=140, launch=Launch(), **variants)
     assert_matches(out, ref, torch.float32)
@@ -396,7 +398,9 @@ def test_random_windows_match_torch(seed: int) -> None:
     num_decodes = int(torch.randint(1, 4, (1,), generator=rng))
     context_lens = torch.randint(0, 110, (num_decodes + 2,), generator=rng).tolist()
     query_lens = [1] * num_decodes + torch.randint(1, 50, (2,), generator=rng).tolist()
-    batch = make_batch(num_decodes, context_lens, query_lens, num_heads, num_kv_heads, 64, 16, torch.float32, seed=seed)
+    batch = make_batch(
+        num_decodes, context_lens, query_lens, num_heads, num_kv_heads, 64, 16, torch.float32, seed=seed
+    )
     ref = oracle(batch, num_heads, num_kv_heads, 64, sliding_window=window)
     out = run_kernels(batch, 64, max_seq_len=160, launch=Launch(), sliding_window=window)
     assert_matches(out, ref, torch.float32)

@@ -20,6 +20,7 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     GPT2Config,
+    LlamaConfig,
     MistralConfig,
     Qwen2Config,
     Qwen3Config,
@@ -30,9 +31,28 @@ from pagedllm import LLM, SamplingParams
 LONG = {"max_position_embeddings": 512}
 HEAD64 = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}
 
-# name: (config class, overrides). Windows 16-32 tokens; prompts below are 100-200 tokens.
+# name: (config class, overrides). Windows of 16-32 tokens; prompts of 112-160 (PROMPT_LENS).
 CASES: dict[str, tuple[type, dict[str, Any]]] = {
-    "mistral-window32": (MistralConfig, {**LONG, **HEAD64, "sliding_window": 32}),
+    "mistral-window32-dynamic": (
+        MistralConfig,
+        {**LONG, **HEAD64, "sliding_window": 32, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}},
+    ),
+    # The 160-token prompt's decode steps cross the original length, where the factors switch (a
+    # prompt longer than it would not match: see rotary_embedding.py).
+    "llama-longrope": (
+        LlamaConfig,
+        {
+            **LONG,
+            **HEAD64,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 164,
+                "short_factor": [1.0 + 0.05 * i for i in range(32)],
+                "long_factor": [1.5 + 0.5 * i for i in range(32)],
+            },
+        },
+    ),
     # Layer 0 global, layer 1 sliding: Qwen2's max_window_layers.
     "qwen2-window16-layer1": (
         Qwen2Config,
@@ -87,9 +107,17 @@ CASES: dict[str, tuple[type, dict[str, Any]]] = {
 MAX_TOKENS = 8
 
 
-def long_prompts(n: int, vocab_size: int, seed: int, lo: int = 100, hi: int = 200) -> list[list[int]]:
+# Prompt lengths: every one longer than the windows; the first two fill whole 16-token blocks (7 and
+# 10), so a cache of 17 blocks admits both and preempts one at their first decode step.
+PROMPT_LENS = (112, 160, 130)
+
+
+def long_prompts(vocab_size: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    prompts = [[rng.randrange(vocab_size) for _ in range(n)] for n in PROMPT_LENS]
+    # The second prompt repeats the first's 96 tokens: prefix caching hits its blocks.
+    prompts[1][:96] = prompts[0][:96]
+    return prompts
 
 
 def hf_greedy(hf_model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
@@ -120,9 +148,7 @@ def case_model(make_tiny_model_for_module: Callable) -> Callable[[str], tuple[st
         if case not in built:
             config_class, overrides = CASES[case]
             hf_model, model_config = make_tiny_model_for_module(config_class, **overrides)
-            prompts = long_prompts(3, model_config.vocab_size, seed=len(built))
-            # The second prompt repeats the first's 96 tokens: prefix caching hits its blocks.
-            prompts[1] = prompts[0][:96] + prompts[1][96:]
+            prompts = long_prompts(model_config.vocab_size, seed=list(CASES).index(case))
             built[case] = (model_config.model, prompts, hf_greedy(hf_model, prompts, MAX_TOKENS))
         return built[case]
 
@@ -130,7 +156,7 @@ def case_model(make_tiny_model_for_module: Callable) -> Callable[[str], tuple[st
 
 
 def generate(model: str, prompts: list[list[int]], **engine_kwargs: Any) -> tuple[LLM, list[list[int]]]:
-    llm = LLM(model, device="cpu", max_model_len=512, **engine_kwargs)
+    llm = LLM(model, device="cpu", **{"max_model_len": 512, **engine_kwargs})
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outputs]
 
@@ -139,9 +165,11 @@ def generate(model: str, prompts: list[list[int]], **engine_kwargs: Any) -> tupl
 # so small that requests are preempted.
 TORCH_CONDITIONS = {
     "b8": dict(block_size=8),
-    "b16-chunked": dict(block_size=16, enable_chunked_prefill=True, max_num_batched_tokens=48),
+    "b16-chunked": dict(
+        block_size=16, enable_chunked_prefill=True, max_num_batched_tokens=48, max_num_seqs=4
+    ),
     "b8-prefix-cached": dict(block_size=8, enable_prefix_caching=True),
-    "b16-preempted": dict(block_size=16, num_kv_blocks=28, swap_space=0.01),
+    "b16-preempted": dict(block_size=16, num_kv_blocks=17, max_model_len=272, swap_space=0.01),
 }
 
 
@@ -168,6 +196,7 @@ def test_triton_backend_greedy_equals_hf(case_model: Callable, case: str) -> Non
         block_size=8,
         enable_chunked_prefill=True,
         max_num_batched_tokens=48,
+        max_num_seqs=4,
         enable_prefix_caching=True,
     )
     assert got == expected[:2]

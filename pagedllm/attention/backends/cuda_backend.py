@@ -102,5 +102,13 @@ class CudaAttentionBackend(TritonAttentionBackend):
             return
         # V1 or V2, from host ints (ops.use_v1).
         paged_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, self.scale, max_seq_len, out, self.alibi_slopes
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            self.scale,
+            max_seq_len,
+            out,
+            self.alibi_slopes,
         )
