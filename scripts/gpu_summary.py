@@ -61,6 +61,13 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
             label = f"K1 {row['implementation']} ctx {row['context']}"
             launch = "default launch" if row in r["rows"] and row["default_launch"] else "best launch"
             table.append((label, f"GB/s (of copy; vs SDPA), {launch}", _k1(row)))
+    r = _load(folder, "k1_window")
+    if r:
+        for row in [row for row in r["rows"] if "sliding_window" in row]:
+            label = f"K1 {row['implementation']} ctx {row['context']}"
+            speedup = row.get("speedup_vs_unwindowed")
+            vs = f", {speedup:.2f}x faster than unwindowed" if speedup else ""
+            table.append((label, "GB/s of window bytes (of copy; vs SDPA)", _k1(row) + vs))
     r = _load(folder, "w4")
     if r:
         for summary in r.get("results", []):
