@@ -16,10 +16,12 @@ Kernel 1, ``_paged_decode_kernel``, grid ``(num_seqs, num_kv_heads, num_partitio
   loads the group's queries ``[BLOCK_H, HEAD_DIM]``, walks its partition's tokens ``BLOCK_N`` at a
   time (full tiles unmasked, one masked tail tile), and writes, per query head, the partition's
   running max ``m_i`` (log2 units), sum ``l_i`` and unnormalized ``acc``. A partition starting at or
-  past ``seq_len`` returns at once and writes nothing. With a single partition (``SINGLE_PARTITION``)
+  past ``seq_len``, or ending before a sliding window's first key ``seq_len - sliding_window``,
+  returns at once and writes nothing; the partition holding that key starts at its tile. With a single partition (``SINGLE_PARTITION``)
   it writes ``acc / l_i`` straight to the output and kernel 2 is skipped.
 Kernel 2, ``_paged_decode_reduce_kernel``, grid ``(num_seqs, num_heads)``:
-  reads the ``cdiv(seq_len, partition_size)`` live partitions of one query head, rescales each by
+  reads the live partitions of one query head (from the window's first, up to
+  ``cdiv(seq_len, partition_size)``), rescales each by
   ``exp2(m_p - max_p m_p)`` and writes ``sum(w_p * acc_p) / sum(w_p * l_p)``.
 
 ``num_partitions = cdiv(max_seq_len, partition_size)`` comes from a host bound, not from the
@@ -32,7 +34,8 @@ num_kv_heads, block_size, head_size]``; block_tables ``[num_seqs, max_blocks]`` 
 HEAD_DIM]``, max_logits/exp_sums ``[num_seqs, num_heads, num_partitions]``.
 
 Bound: memory. Bytes ~ ``2 * sum(seq_lens) * num_kv_heads * head_size * element_size`` (each K/V
-element read once); FLOPs ~ ``4 * sum(seq_lens) * num_heads * head_size``, i.e. ~2 *
+element read once; with a window, ``min(seq_len, sliding_window)`` per sequence plus at most one
+partly masked tile); FLOPs ~ ``4 * sum(seq_lens) * num_heads * head_size``, i.e. ~2 *
 num_queries_per_kv FLOPs per byte at 16 bits, far below any GPU's ridge point. The workspace
 traffic is ``num_partitions * num_heads * head_size * 4`` bytes per sequence, < 1% of the K/V
 bytes at partitions of 512 tokens.
