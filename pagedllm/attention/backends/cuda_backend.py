@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.attention.backends.triton_backend import TritonAttentionBackend, launch_kwargs
+from pagedllm.attention.backends.triton_backend import TritonAttentionBackend
 from pagedllm.kernels.cuda import paged_attention, reshape_and_cache
 from pagedllm.kernels.cuda.build import check_build_requirements
 from pagedllm.kernels.cuda.layout import kv_cache_shape
 from pagedllm.kernels.cuda.ops import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, SUPPORTED_HEAD_SIZES
-from pagedllm.kernels.triton import paged_prefill
 
 
 class CudaAttentionBackend(TritonAttentionBackend):
@@ -84,20 +83,14 @@ class CudaAttentionBackend(TritonAttentionBackend):
             # the window's first tile.
             num_decodes = query.shape[0]
             query_start_loc = torch.arange(num_decodes + 1, dtype=torch.int32, device=query.device)
-            paged_prefill(
+            self._prefill(
                 query,
-                key_cache,
-                value_cache,
+                (key_cache, value_cache),
                 block_tables,
                 seq_lens,
                 query_start_loc,
-                self.scale,
-                0,
-                num_decodes,
-                1,
+                (0, num_decodes, 1),
                 out,
-                **self._variants(),
-                **launch_kwargs(self.head_size, key_cache.dtype)[1],
             )
             return
         # V1 or V2, from host ints (ops.use_v1).

@@ -100,7 +100,7 @@ def decode_partition_size(
 
 
 @functools.cache
-def launch_kwargs(head_size: int, dtype: torch.dtype) -> tuple[dict[str, int], dict[str, int]]:
+def _launch_kwargs(head_size: int, dtype: torch.dtype) -> tuple[dict[str, int], dict[str, int]]:
     """default_launches as keyword dicts, built once per (head_size, dtype) so that forward does
     no more host work than the launches. Read-only: shared by every layer."""
     decode, prefill = default_launches(head_size, dtype)
@@ -158,23 +158,47 @@ class TritonAttentionBackend(AttentionBackend):
                 output[:num_decodes],
             )
         if md.num_prefills:
-            # One kernel for every layout: it reads the Triton and the seeds' caches alike.
-            paged_prefill(
+            self._prefill(
                 query,
-                key_cache,
-                value_cache,
+                (key_cache, value_cache),
                 md.block_tables,
                 md.seq_lens,
                 md.query_start_loc,
-                self.scale,
-                num_decodes,
-                md.num_prefills,
-                md.max_query_len,
+                (num_decodes, md.num_prefills, md.max_query_len),
                 output,
-                **self._variants(),
-                **launch_kwargs(self.head_size, key_cache.dtype)[1],
             )
         return output
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        kv_cache: KVCache,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seqs: tuple[int, int, int],
+        out: torch.Tensor,
+    ) -> None:
+        """paged_prefill for sequences [first, first + count) of the batch, ``seqs = (first,
+        count, max_query_len)``. One kernel for every layout: it reads the Triton and the seeds'
+        caches alike."""
+        key_cache, value_cache = kv_cache
+        first_seq, num_seqs, max_query_len = seqs
+        paged_prefill(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            self.scale,
+            first_seq,
+            num_seqs,
+            max_query_len,
+            out,
+            **self._variants(),
+            **_launch_kwargs(self.head_size, key_cache.dtype)[1],
+        )
 
     def _write_cache(
         self,
@@ -197,7 +221,7 @@ class TritonAttentionBackend(AttentionBackend):
         out: torch.Tensor,
     ) -> None:
         """query, out: [num_decodes, num_heads, head_size]; one new token per sequence."""
-        launch = launch_kwargs(self.head_size, key_cache.dtype)[0]
+        launch = _launch_kwargs(self.head_size, key_cache.dtype)[0]
         partition_size = decode_partition_size(
             query.shape[0], self.num_kv_heads, max_seq_len, launch, query.device
         )

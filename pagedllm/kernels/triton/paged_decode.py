@@ -17,8 +17,9 @@ Kernel 1, ``_paged_decode_kernel``, grid ``(num_seqs, num_kv_heads, num_partitio
   time (full tiles unmasked, one masked tail tile), and writes, per query head, the partition's
   running max ``m_i`` (log2 units), sum ``l_i`` and unnormalized ``acc``. A partition starting at or
   past ``seq_len``, or ending before a sliding window's first key ``seq_len - sliding_window``,
-  returns at once and writes nothing; the partition holding that key starts at its tile. With a single partition (``SINGLE_PARTITION``)
-  it writes ``acc / l_i`` straight to the output and kernel 2 is skipped.
+  returns at once and writes nothing; the partition holding that key starts at its tile. With a
+  single partition (``SINGLE_PARTITION``) it writes ``acc / l_i`` straight to the output and kernel
+  2 is skipped.
 Kernel 2, ``_paged_decode_reduce_kernel``, grid ``(num_seqs, num_heads)``:
   reads the live partitions of one query head (from the window's first, up to
   ``cdiv(seq_len, partition_size)``), rescales each by
