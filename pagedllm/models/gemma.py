@@ -103,7 +103,9 @@ class GemmaModel(nn.Module):
             raise ValueError("use_bidirectional_attention is not supported (a causal LM attends causally)")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # The reference rounds the scale to the model dtype before multiplying.
-        self.normalizer = torch.tensor(config.hidden_size**0.5, dtype=torch.get_default_dtype()).item()
+        # (On the CPU: the model may be built on the meta device to measure it.)
+        scale = torch.tensor(config.hidden_size**0.5, dtype=torch.get_default_dtype(), device="cpu")
+        self.normalizer = scale.item()
         windows = layer_sliding_windows(config)
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * len(windows)
         # One cos/sin table per layer type (they differ in Gemma 3, and may in Gemma 2 configs).
