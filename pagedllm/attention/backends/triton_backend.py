@@ -222,8 +222,11 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         """query, out: [num_decodes, num_heads, head_size]; one new token per sequence."""
         launch = _launch_kwargs(self.head_size, key_cache.dtype)[0]
+        # A windowed layer reads at most a window per sequence: size the partitions for that, so
+        # that its few live partitions still fill the GPU (the others exit at once).
+        attended_len = min(max_seq_len, self.sliding_window or max_seq_len)
         partition_size = decode_partition_size(
-            query.shape[0], self.num_kv_heads, max_seq_len, launch, query.device
+            query.shape[0], self.num_kv_heads, attended_len, launch, query.device
         )
         paged_decode(
             query,
