@@ -2,10 +2,11 @@
 # The one command for the GPU machine, run from the source tree (the device tool runs it in the
 # repository root): the GPU tests, then the benchmarks, then a table of every figure, last.
 #
-#   scripts/gpu_check.sh                 tests, K1, W1, W3 (the short set)
-#   scripts/gpu_check.sh tests k1 k1-sweep w1 w1-profile w2 w3 hf w4 w5 moe moe-sweep cuda sanitize tp (tp-tests, tp-bench)
+#   scripts/gpu_check.sh                 tests, K1, K1 windowed, W1, W3 (the short set)
+#   scripts/gpu_check.sh tests k1 k1-sweep k1-window w1 w1-profile w2 w3 hf w4 w5 moe moe-sweep cuda sanitize tp (tp-tests, tp-bench)
 #
-# Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too), w1 / w2
+# Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too; k1-window:
+# the Triton decode with a 1024-token sliding window beside itself unwindowed), w1 / w2
 # (bench throughput; w1-profile: W1 with 5 steps torch-profiled in each phase, its timing then
 # includes the profiler), w3 (bench latency, profiled), hf (benchmarks/compare_hf.py: W1 through
 # transformers too), w4 (bench serve against pagedllm serve), w5 (bench throughput of the
@@ -20,7 +21,7 @@ export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/gpu_check}"
 mkdir -p "$OUT"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(tests k1 w1 w3)
+[ ${#stages[@]} -eq 0 ] && stages=(tests k1 k1-window w1 w3)
 failed=()
 
 # What the GPU image lacks (the server's packages) travels as wheels in the ignored .whl/.
@@ -59,6 +60,10 @@ for stage in "${stages[@]}"; do
     k1) run k1 python3 -m pagedllm bench kernels --output-json "$OUT/k1.json" --output-png "$OUT/k1.png" ;;
     k1-sweep)
         run k1 python3 -m pagedllm bench kernels --sweep --output-json "$OUT/k1.json" --output-png "$OUT/k1.png"
+        ;;
+    k1-window)
+        run k1_window python3 -m pagedllm bench kernels --implementations triton --sliding-window 1024 \
+            --output-json "$OUT/k1_window.json"
         ;;
     w1) run w1 python3 -m pagedllm bench throughput --workload W1 --output-json "$OUT/w1.json" --output-png "$OUT/w1.png" ;;
     w1-profile)

@@ -72,6 +72,13 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
             )
             if "best_ms" in row:
                 table.append((f"MoE {row['num_tokens']} tokens", "best launch ms (ratio)", _moe_best(row)))
+    r = _load(folder, "k1_window")
+    if r:
+        for row in [row for row in r["rows"] if "sliding_window" in row]:
+            label = f"K1 {row['implementation']} ctx {row['context']}"
+            speedup = row.get("speedup_vs_unwindowed")
+            vs = f", {speedup:.2f}x faster than unwindowed" if speedup else ""
+            table.append((label, "GB/s of window bytes (of copy; vs SDPA)", _k1(row) + vs))
     r = _load(folder, "w4")
     if r:
         for summary in r.get("results", []):

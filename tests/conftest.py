@@ -22,7 +22,20 @@ from typing import Any
 
 import pytest
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    BloomConfig,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from pagedllm.attention import AttentionMetadata
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
@@ -175,16 +188,13 @@ def prefill_then_decode_match_hf() -> Callable[..., None]:
     return assert_prefill_then_decode_match_hf
 
 
-@pytest.fixture
-def make_tiny_model(tmp_path: Path) -> Callable[..., tuple[PreTrainedModel, ModelConfig]]:
-    """make(config_class, **overrides) -> (HF model, ModelConfig of its saved directory); each
-    call saves to its own directory under tmp_path."""
+def _tiny_model_factory(directory: Path) -> Callable[..., tuple[PreTrainedModel, ModelConfig]]:
     count = 0
 
     def make(config_class: type[PretrainedConfig], **overrides: Any) -> tuple[PreTrainedModel, ModelConfig]:
         nonlocal count
         count += 1
-        return _make_tiny_model(config_class, tmp_path / f"model{count}", **overrides)
+        return _make_tiny_model(config_class, directory / f"model{count}", **overrides)
 
     return make
 
@@ -193,13 +203,24 @@ def make_tiny_model(tmp_path: Path) -> Callable[..., tuple[PreTrainedModel, Mode
 def make_tiny_model_once(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Callable[..., tuple[PreTrainedModel, ModelConfig]]:
-    """make_tiny_model for module- and session-scoped engines: each call saves to its own directory
-    under the session's temporary directory."""
+    """make_tiny_model for session-scoped engines: each call saves to its own directory under the
+    session's temporary directory."""
+    return _tiny_model_factory(tmp_path_factory.mktemp("tiny_models_session"))
 
-    def make(config_class: type[PretrainedConfig], **overrides: Any) -> tuple[PreTrainedModel, ModelConfig]:
-        return _make_tiny_model(config_class, tmp_path_factory.mktemp("model"), **overrides)
 
-    return make
+@pytest.fixture
+def make_tiny_model(tmp_path: Path) -> Callable[..., tuple[PreTrainedModel, ModelConfig]]:
+    """make(config_class, **overrides) -> (HF model, ModelConfig of its saved directory); each
+    call saves to its own directory under tmp_path."""
+    return _tiny_model_factory(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def make_tiny_model_for_module(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[..., tuple[PreTrainedModel, ModelConfig]]:
+    """make_tiny_model for module-scoped fixtures (a model shared by a module's tests)."""
+    return _tiny_model_factory(tmp_path_factory.mktemp("tiny_models"))
 
 
 @pytest.fixture
@@ -247,3 +268,145 @@ def smollm2_hf_model(smollm2_gguf: str) -> PreTrainedModel:
     assert hf_model.load_state_dict(tensors, strict=False).missing_keys == ["lm_head.weight"]
     hf_model.tie_weights()
     return hf_model
+
+
+# Long-context families: tiny random models whose windows (16-32 tokens) are shorter than their
+# prompts, with head_dim 64 so that every attention backend takes them. name: (config class,
+# overrides). Tests take a case through the long_context_case parameter (pytest_generate_tests).
+_LONG = {"max_position_embeddings": 512}
+_HEAD64 = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}
+
+# name: (config class, overrides). Windows of 16-32 tokens; prompts of 112-160 (PROMPT_LENS).
+LONG_CONTEXT_CASES: dict[str, tuple[type, dict[str, Any]]] = {
+    "mistral-window32-dynamic": (
+        MistralConfig,
+        {
+            **_LONG,
+            **_HEAD64,
+            "sliding_window": 32,
+            "rope_parameters": {"rope_type": "dynamic", "factor": 2.0},
+        },
+    ),
+    # The 160-token prompt's decode steps cross the original length, where the factors switch (a
+    # prompt longer than it would not match: see rotary_embedding.py).
+    "llama-longrope": (
+        LlamaConfig,
+        {
+            **_LONG,
+            **_HEAD64,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 164,
+                "short_factor": [1.0 + 0.05 * i for i in range(32)],
+                "long_factor": [1.5 + 0.5 * i for i in range(32)],
+            },
+        },
+    ),
+    # Layer 0 global, layer 1 sliding: Qwen2's max_window_layers.
+    "qwen2-window16-layer1": (
+        Qwen2Config,
+        {**_LONG, **_HEAD64, "use_sliding_window": True, "sliding_window": 16, "max_window_layers": 1},
+    ),
+    "qwen3-window24-yarn": (
+        Qwen3Config,
+        {
+            **_LONG,
+            **_HEAD64,
+            "use_sliding_window": True,
+            "sliding_window": 24,
+            "max_window_layers": 0,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    # Caps small enough to bite on random weights.
+    "gemma2-window16-softcap": (
+        Gemma2Config,
+        {
+            **_LONG,
+            **_HEAD64,
+            "sliding_window": 16,
+            "query_pre_attn_scalar": 32,
+            "attn_logit_softcapping": 1.5,
+            "final_logit_softcapping": 3.0,
+        },
+    ),
+    "gemma3-window16-local-rope": (
+        Gemma3TextConfig,
+        {
+            **_LONG,
+            **_HEAD64,
+            "sliding_window": 16,
+            "query_pre_attn_scalar": 64,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+            },
+        },
+    ),
+    "gpt2": (GPT2Config, {**_LONG, "hidden_size": 128, "num_attention_heads": 2}),
+    "bloom-alibi": (BloomConfig, {**_LONG, "hidden_size": 128, "num_attention_heads": 2}),
+}
+
+# Prompt lengths: every one longer than the windows; the first two fill whole 16-token blocks (7 and
+# 10), so a cache of 17 blocks admits both and preempts one at their first decode step.
+_PROMPT_LENS = (112, 160, 130)
+
+
+def _long_prompts(vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab_size) for _ in range(n)] for n in _PROMPT_LENS]
+    # The second prompt repeats the first's 96 tokens: prefix caching hits its blocks.
+    prompts[1][:96] = prompts[0][:96]
+    return prompts
+
+
+def hf_greedy(
+    hf_model: PreTrainedModel, prompts: list[list[int]], max_tokens: int, device: str
+) -> list[list[int]]:
+    """HF ``generate``'s greedy continuation of each prompt (no EOS), one prompt at a time."""
+    hf_model = hf_model.to(device)
+    hf_model.generation_config.eos_token_id = None
+    outputs = []
+    for prompt in prompts:
+        input_ids = torch.tensor([prompt], device=device)
+        ids = hf_model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        outputs.append(ids[0, len(prompt) :].tolist())
+    return outputs
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "long_context_case" in metafunc.fixturenames:
+        metafunc.parametrize("long_context_case", list(LONG_CONTEXT_CASES))
+
+
+@pytest.fixture(scope="module")
+def long_context_model(
+    make_tiny_model_for_module: Callable,
+) -> Callable[[str, int, str], tuple[str, list[list[int]], list[list[int]]]]:
+    """get(case, max_tokens, device) -> (model directory, prompts, HF greedy outputs), each case
+    built once per module."""
+    built: dict[tuple[str, int, str], tuple[str, list[list[int]], list[list[int]]]] = {}
+
+    def get(case: str, max_tokens: int, device: str) -> tuple[str, list[list[int]], list[list[int]]]:
+        if (case, max_tokens, device) not in built:
+            config_class, overrides = LONG_CONTEXT_CASES[case]
+            hf_model, model_config = make_tiny_model_for_module(config_class, **overrides)
+            prompts = _long_prompts(model_config.vocab_size, seed=list(LONG_CONTEXT_CASES).index(case))
+            expected = hf_greedy(hf_model, prompts, max_tokens, device)
+            built[case, max_tokens, device] = (model_config.model, prompts, expected)
+        return built[case, max_tokens, device]
+
+    return get

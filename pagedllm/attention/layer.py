@@ -23,14 +23,27 @@ class Attention(nn.Module):
         scale: float,
         num_kv_heads: int,
         backend: type[AttentionBackend],
+        *,
+        sliding_window: int | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        logits_soft_cap: float | None = None,
     ) -> None:
+        """The keyword arguments are this layer's attention variants (``AttentionBackend.__init__``)."""
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
-        self.impl = backend(num_heads, head_size, scale, num_kv_heads)
+        self.impl = backend(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            sliding_window=sliding_window,
+            alibi_slopes=alibi_slopes,
+            logits_soft_cap=logits_soft_cap,
+        )
 
     def forward(
         self,

@@ -277,4 +277,6 @@ def load_hf_config(model_path: str, gguf_file: str | None) -> PretrainedConfig:
 def check_architecture(hf_config: PretrainedConfig) -> None:
     from pagedllm.models import get_model_class
 
-    get_model_class(list(getattr(hf_config, "architectures", None) or []))
+    get_model_class(
+        list(getattr(hf_config, "architectures", None) or []), getattr(hf_config, "model_type", None)
+    )

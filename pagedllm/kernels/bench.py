@@ -13,6 +13,10 @@ median time of ``triton.testing.do_bench``, which flushes L2 before each run. On
   (flash, else memory-efficient for float32), so a silent fallback to the math backend cannot
   pass for the bar.
 
+With ``DecodeShape.sliding_window`` the same measure covers windowed decode (Mistral, Gemma's local
+layers): the kernel should read only the window's blocks, so its bytes are the window's and the
+bar is SDPA over each sequence's last ``sliding_window`` tokens.
+
 Each implementation is one entry of ``DECODE_IMPLS``: a function with ``paged_decode``'s arguments,
 the cache layout it reads (converted from the Triton layout), the launch parameters the engine
 uses, and those ``pagedllm bench kernels --sweep`` tries. Adding a kernel (the CUDA PagedAttention
@@ -51,11 +55,21 @@ class DecodeShape:
     head_size: int
     block_size: int
     dtype: torch.dtype
+    # Each query sees its context's last sliding_window tokens (None: all of them).
+    sliding_window: int | None = None
+
+    @property
+    def attended_lens(self) -> tuple[int, ...]:
+        """Tokens each query attends to: the context, or its last sliding_window tokens."""
+        window = self.sliding_window
+        return self.seq_lens if window is None else tuple(min(n, window) for n in self.seq_lens)
 
     @property
     def bytes_moved(self) -> int:
-        """Every K/V element read once, the query read and the output written once."""
-        kv_elements = 2 * sum(self.seq_lens) * self.num_kv_heads * self.head_size
+        """Every attended K/V element read once, the query read and the output written once (a
+        windowed kernel that reads only the window's blocks moves these bytes, plus at most one
+        partial block per sequence)."""
+        kv_elements = 2 * sum(self.attended_lens) * self.num_kv_heads * self.head_size
         query_out_elements = 2 * len(self.seq_lens) * self.num_heads * self.head_size
         return (kv_elements + query_out_elements) * (torch.finfo(self.dtype).bits // 8)
 
@@ -68,6 +82,7 @@ class DecodeImpl:
     cache_layout: CacheLayout
     default_launch: Callable[[DecodeShape], dict[str, int]]  # what the engine launches
     sweep_space: Mapping[str, tuple[int, ...]]  # --sweep tries every combination; {}: nothing to tune
+    supports_sliding_window: bool = False  # takes sliding_window= (DecodeShape.sliding_window)
 
     def launches(self, shape: DecodeShape, sweep: bool) -> list[dict[str, int]]:
         """The launch parameters to time: the engine's, then (with ``sweep``) every other combination."""
@@ -130,6 +145,7 @@ DECODE_IMPLS: dict[str, DecodeImpl] = {
             "num_warps": (4, 8),
             "num_stages": (2, 3),
         },
+        supports_sliding_window=True,
     ),
     # The seeds' kernels: their thread-group layout is fixed by the block size; nothing to sweep.
     "cuda-v1": DecodeImpl(_load_cuda_v1, _cuda_layout, _no_launch_parameters, {}),
@@ -184,22 +200,24 @@ class ContiguousSdpa:
         shape = inputs.shape
         num_seqs, group = len(shape.seq_lens), shape.num_heads // shape.num_kv_heads
         self.num_seqs, self.scale = num_seqs, inputs.scale
-        self.ragged = len(set(shape.seq_lens)) > 1
         # [num_seqs, num_kv_heads, group, head_size]: query head h is KV head h // group's row h % group.
         query = inputs.query.view(num_seqs, shape.num_kv_heads, group, shape.head_size)
-        # [sum(seq_lens), num_kv_heads, head_size] each: token-major, flash-attention's own layout.
+        # [sum(attended_lens), num_kv_heads, head_size] each: token-major, flash-attention's own
+        # layout; with a window, only its tokens (the windowed bar attends to exactly those).
+        attended = shape.attended_lens
+        self.ragged = len(set(attended)) > 1
         keys, values = (
-            _packed_context(cache, inputs.block_tables, shape.seq_lens)
+            _packed_context(cache, inputs.block_tables, shape.seq_lens, attended)
             for cache in (inputs.key_cache, inputs.value_cache)
         )
         if self.ragged:
             token_major = query.transpose(1, 2).reshape(-1, shape.num_kv_heads, shape.head_size)
             self.query = _jagged(token_major, [group] * num_seqs)
-            self.key, self.value = (_jagged(t, shape.seq_lens) for t in (keys, values))
+            self.key, self.value = (_jagged(t, attended) for t in (keys, values))
         else:
             self.query = query
             self.key, self.value = (
-                t.view(num_seqs, shape.seq_lens[0], shape.num_kv_heads, shape.head_size).transpose(1, 2)
+                t.view(num_seqs, attended[0], shape.num_kv_heads, shape.head_size).transpose(1, 2)
                 for t in (keys, values)
             )
 
@@ -214,14 +232,18 @@ class ContiguousSdpa:
         return out.flatten(1, 2)
 
 
-def _packed_context(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: Sequence[int]) -> torch.Tensor:
-    """[num_blocks, num_kv_heads, block_size, head_size] paged -> [sum(seq_lens), num_kv_heads,
-    head_size], the sequences' tokens one after another."""
+def _packed_context(
+    cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: Sequence[int], attended_lens: Sequence[int]
+) -> torch.Tensor:
+    """[num_blocks, num_kv_heads, block_size, head_size] paged -> [sum(attended_lens), num_kv_heads,
+    head_size]: each sequence's last attended_lens tokens, one sequence after another."""
     num_kv_heads, block_size, head_size = cache.shape[1:]
     parts = []
-    for table, seq_len in zip(block_tables, seq_lens):
+    for table, seq_len, attended in zip(block_tables, seq_lens, attended_lens):
         blocks = cache[table[: -(-seq_len // block_size)].long()]  # [blocks, kv_heads, block_size, d]
-        parts.append(blocks.transpose(1, 2).reshape(-1, num_kv_heads, head_size)[:seq_len])
+        parts.append(
+            blocks.transpose(1, 2).reshape(-1, num_kv_heads, head_size)[seq_len - attended : seq_len]
+        )
     return torch.cat(parts)
 
 
@@ -266,6 +288,10 @@ def bench_decode(
     measured once for all of them. Launches that do not fit the device are logged and skipped."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if shape.sliding_window is not None:
+        unsupported = [name for name in runs if not DECODE_IMPLS[name].supports_sliding_window]
+        if unsupported:
+            raise ValueError(f"sliding_window: implementations {unsupported} take no window")
     inputs = DecodeInputs.random(shape, torch.device("cuda"), seed)
     sdpa = ContiguousSdpa(inputs)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
@@ -312,6 +338,8 @@ def _time_launch(
     # Poisoned: an element the kernel leaves unwritten makes the error NaN.
     out = torch.full_like(inputs.query, float("nan"))
     max_seq_len = max(inputs.shape.seq_lens)
+    window = inputs.shape.sliding_window
+    variants = {} if window is None else {"sliding_window": window}
 
     def call() -> None:
         fn(
@@ -322,6 +350,7 @@ def _time_launch(
             inputs.scale,
             max_seq_len,
             out,
+            **variants,
             **launch,
         )
 

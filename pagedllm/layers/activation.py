@@ -28,3 +28,13 @@ class SiluAndMul(nn.Module):
         from pagedllm.kernels.triton.activation import silu_and_mul
 
         return silu_and_mul(x)
+
+
+class GeluAndMul(nn.Module):
+    """GeGLU's gate with the tanh approximation (Gemma's ``gelu_pytorch_tanh``):
+    ``gelu_tanh(gate) * up`` for ``x = [gate | up]``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [num_tokens, 2 * d] -> [num_tokens, d]."""
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate="tanh").mul_(x[..., d:])

@@ -63,3 +63,19 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's ``(1 + weight) * x / sqrt(mean(x^2) + eps)``, as Hugging Face's GemmaRMSNorm: the
+    checkpoint stores the weight's offset from 1, and the product is taken in float32 before the
+    cast back (Llama's casts first). Torch path only: the fused kernel has Llama's order."""
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return self.forward_torch(x, residual)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x_fp32 = x.float()
+        normed = x_fp32 * torch.rsqrt(x_fp32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)

@@ -5,9 +5,25 @@ Neox style rotates the pair ``(x[i], x[i + d/2])`` of each head by ``position * 
 every position up to ``max_position`` and indexed by each token's position at run time, so a step
 costs a gather and four multiplies.
 
-Scaling types change only ``inv_freq``: ``linear`` divides it by ``factor`` (positions are
+Scaling types change ``inv_freq``: ``linear`` divides it by ``factor`` (positions are
 interpolated), ``llama3`` divides the low frequencies by ``factor``, keeps the high ones and blends
-in between (Llama 3.1's long-context recipe).
+in between (Llama 3.1's long-context recipe), ``yarn`` blends interpolated and extrapolated
+frequencies along a linear ramp over the dimensions and scales cos and sin by an attention factor
+(Peng et al. 2023, "YaRN"; the factor lives in the cached cos/sin, so every kernel that reads the
+cache follows, the fused Triton rotary kernel included).
+
+Two types change with the sequence length in Hugging Face's ``dynamic_rope_update``:
+
+* ``dynamic`` (NTK-aware) raises the base only for sequences longer than
+  ``max_position_embeddings``; the engine never runs past it (max_model_len is bounded by it), so
+  here it is exactly the default table.
+* ``longrope`` (Phi-3's) divides the frequencies by ``short_factor`` up to
+  ``original_max_position_embeddings`` and by ``long_factor`` past it, and scales cos/sin by
+  ``sqrt(1 + log(factor) / log(original))``. We switch per position (the table's rows from
+  ``original`` on use the long factors), as vLLM does; Hugging Face switches per forward call on
+  its largest position, so the two agree whenever a prompt fits in ``original`` (its decode steps
+  then switch at the same position) and differ for prompts longer than that, whose first positions
+  Hugging Face also rotates with the long factors.
 """
 
 from __future__ import annotations
@@ -22,13 +38,17 @@ from torch import nn
 from pagedllm.layers.utils import use_triton
 
 
-def get_rope_parameters(config: Any) -> dict[str, Any]:
+def get_rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The config's rope parameters as one dict with ``rope_type`` and ``rope_theta``.
 
-    transformers 5 keeps them in ``config.rope_parameters``; older configs split them between
-    ``rope_scaling`` (whose type key was once ``type``) and ``rope_theta``.
+    transformers 5 keeps them in ``config.rope_parameters``, one dict per layer type for models
+    whose layer types rotate differently (Gemma 3: ``sliding_attention`` / ``full_attention``);
+    older configs split them between ``rope_scaling`` (whose type key was once ``type``) and
+    ``rope_theta``.
     """
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     return params
@@ -62,23 +82,102 @@ def _llama3_inv_freq(head_size: int, params: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_inv_freq(head_size: int, params: dict[str, Any]) -> torch.Tensor:
+    base, factor = params["rope_theta"], params["factor"]
+    original_len = params["original_max_position_embeddings"]
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        # The dimension whose wavelength turns num_rotations times over the original context.
+        return head_size * math.log(original_len / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_size - 1)
+    high = high + 0.001 if low == high else high  # a one-dimension ramp
+    ramp = ((torch.arange(head_size // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    inv_freq = _default_inv_freq(head_size, params)
+    # Fast dimensions (ramp 0) keep their frequency, slow ones (ramp 1) are interpolated.
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def _yarn_attention_factor(params: dict[str, Any]) -> float:
+    if params.get("attention_factor") is not None:
+        return params["attention_factor"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor, m, m_all = params["factor"], params.get("mscale"), params.get("mscale_all_dim")
+    return mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+
+def _longrope_inv_freq(head_size: int, params: dict[str, Any], long: bool = False) -> torch.Tensor:
+    factors = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float32)
+    exponents = torch.arange(0, head_size, 2, dtype=torch.int64).to(torch.float32) / head_size
+    return 1.0 / (factors * params["rope_theta"] ** exponents)
+
+
+def _longrope_attention_factor(params: dict[str, Any], max_position: int) -> float:
+    if params.get("attention_factor") is not None:
+        return params["attention_factor"]
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor") or max_position / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
 _INV_FREQ_FUNCTIONS: dict[str, Callable[[int, dict[str, Any]], torch.Tensor]] = {
     "default": _default_inv_freq,
     "linear": _linear_inv_freq,
     "llama3": _llama3_inv_freq,
+    "yarn": _yarn_inv_freq,
+    # Within max_position_embeddings (see the module docstring).
+    "dynamic": _default_inv_freq,
+    # The short factors; RotaryEmbedding switches to the long ones past the original length.
+    "longrope": _longrope_inv_freq,
 }
+
+
+def check_rope_parameters(rope_parameters: dict[str, Any]) -> None:
+    """ValueError naming the field for what these rotary embeddings cannot reproduce."""
+    rope_type = rope_parameters["rope_type"]
+    if rope_type not in _INV_FREQ_FUNCTIONS:
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported; supported: {sorted(_INV_FREQ_FUNCTIONS)}"
+        )
+    if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
+        # No family implemented here rotates part of a head in Hugging Face's modeling code.
+        raise ValueError(
+            f"partial_rotary_factor {rope_parameters['partial_rotary_factor']} is not supported; only 1.0 is"
+        )
 
 
 def compute_inv_freq(head_size: int, rope_parameters: dict[str, Any]) -> torch.Tensor:
     """[head_size // 2] float32 inverse frequencies for ``rope_parameters`` (see get_rope_parameters)."""
+    check_rope_parameters(rope_parameters)
+    return _INV_FREQ_FUNCTIONS[rope_parameters["rope_type"]](head_size, rope_parameters)
+
+
+def attention_factor(rope_parameters: dict[str, Any], max_position: int) -> float:
+    """The factor by which cos and sin are scaled (1 except for yarn and longrope)."""
     rope_type = rope_parameters["rope_type"]
-    if rope_type not in _INV_FREQ_FUNCTIONS:
-        raise NotImplementedError(
-            f"rope_type {rope_type!r} is not supported; supported: {sorted(_INV_FREQ_FUNCTIONS)}"
-        )
-    if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
-        raise NotImplementedError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
-    return _INV_FREQ_FUNCTIONS[rope_type](head_size, rope_parameters)
+    if rope_type == "yarn":
+        return _yarn_attention_factor(rope_parameters)
+    if rope_type == "longrope":
+        return _longrope_attention_factor(rope_parameters, max_position)
+    return 1.0
+
+
+def compute_angles(head_size: int, max_position: int, rope_parameters: dict[str, Any]) -> torch.Tensor:
+    """[max_position, head_size // 2] float32: the rotation angle of every position and pair."""
+    positions = torch.arange(max_position, dtype=torch.float32)
+    angles = torch.outer(positions, compute_inv_freq(head_size, rope_parameters))
+    if rope_parameters["rope_type"] == "longrope":
+        original = rope_parameters["original_max_position_embeddings"]
+        long_inv_freq = _longrope_inv_freq(head_size, rope_parameters, long=True)
+        angles[original:] = torch.outer(positions[original:], long_inv_freq)
+    return angles
 
 
 class RotaryEmbedding(nn.Module):
@@ -94,10 +193,9 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.head_size = head_size
-        inv_freq = compute_inv_freq(head_size, rope_parameters)
-        positions = torch.arange(max_position, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq)  # [max_position, head_size // 2]
-        cache = torch.cat((angles.cos(), angles.sin()), dim=-1).to(dtype)
+        angles = compute_angles(head_size, max_position, rope_parameters)
+        cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        cache = (cache * attention_factor(rope_parameters, max_position)).to(dtype)
         # Not persistent: derived from the config, so it is neither saved nor loaded.
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 

@@ -26,7 +26,7 @@ def get_model(
     load_format: "safetensors" (HF directory), "gguf", "dummy" (random), or "auto" (gguf when the
     config names a GGUF file, else safetensors).
     """
-    model_class = get_model_class(model_config.architectures)
+    model_class = get_model_class(model_config.architectures, model_config.hf_config.model_type)
     # Parameters are created directly on the device in the run dtype: no float32 CPU copy of an
     # 8B model on the way.
     with _default_dtype(model_config.dtype), torch.device(device):
@@ -50,7 +50,7 @@ def _release_freed_heap() -> None:
 
 def estimate_model_bytes(model_config: ModelConfig, attn_backend: type[AttentionBackend]) -> int:
     """Bytes the model's parameters take in the run dtype, measured on the meta device (no memory)."""
-    model_class = get_model_class(model_config.architectures)
+    model_class = get_model_class(model_config.architectures, model_config.hf_config.model_type)
     with _default_dtype(model_config.dtype), torch.device("meta"):
         model = model_class(model_config.hf_config, attn_backend)
     return sum(p.numel() * p.element_size() for p in model.parameters())

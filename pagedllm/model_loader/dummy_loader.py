@@ -10,15 +10,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.layernorm import GemmaRMSNorm, RMSNorm
 
 
 @torch.no_grad()
 def initialize_dummy_weights(model: nn.Module, initializer_range: float = 0.02) -> None:
-    """Fill every parameter in place: norm weights 1, biases 0, the rest N(0, initializer_range²)."""
+    """Fill every parameter in place: norm scales 1, biases 0, the rest N(0, initializer_range²)."""
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
-            if isinstance(module, RMSNorm):
+            if isinstance(module, GemmaRMSNorm):
+                param.zero_()  # Gemma's norms scale by 1 + weight
+            elif isinstance(module, RMSNorm) or (isinstance(module, nn.LayerNorm) and name == "weight"):
                 param.fill_(1.0)
             elif name == "bias":
                 param.zero_()

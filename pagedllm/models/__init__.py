@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from pagedllm.models.bloom import BloomForCausalLM
+from pagedllm.models.gemma import GemmaForCausalLM
+from pagedllm.models.gpt2 import GPT2LMHeadModel
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -16,16 +19,39 @@ _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+    "BloomForCausalLM": BloomForCausalLM,
+}
+
+# config.model_type -> the architecture it means, for configs without ``architectures`` (as
+# transformers' AutoModelForCausalLM maps them).
+_MODEL_TYPE_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "bloom": "BloomForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
-def get_model_class(architectures: list[str]) -> type[nn.Module]:
-    """The implementation of the first supported name in ``architectures``."""
+def get_model_class(architectures: list[str], model_type: str | None = None) -> type[nn.Module]:
+    """The implementation of the first supported name in ``architectures``; when the config has
+    none, the one its ``model_type`` stands for."""
+    if not architectures and model_type in _MODEL_TYPE_ARCHITECTURES:
+        architectures = [_MODEL_TYPE_ARCHITECTURES[model_type]]
     for architecture in architectures:
         if architecture in _MODEL_REGISTRY:
             return _MODEL_REGISTRY[architecture]
     raise ValueError(
-        f"model architectures {architectures} are not supported; supported: {get_supported_architectures()}"
+        f"model architectures {architectures} (model_type {model_type!r}) are not supported; "
+        f"supported: {get_supported_architectures()}"
     )
 
 
@@ -34,6 +60,9 @@ def get_supported_architectures() -> list[str]:
 
 
 __all__ = [
+    "BloomForCausalLM",
+    "GPT2LMHeadModel",
+    "GemmaForCausalLM",
     "LlamaForCausalLM",
     "MixtralForCausalLM",
     "Qwen3MoeForCausalLM",

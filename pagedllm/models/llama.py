@@ -6,7 +6,10 @@ MLP) and differ in a few switches read from the config:
 * Qwen2: bias on q/k/v, none on o_proj.
 * Qwen3: RMSNorm over each head's q and k (``q_norm``, ``k_norm``) before the rotary embedding.
 * Llama: ``attention_bias`` (q/k/v and o) and ``mlp_bias``.
-* Mistral: a sliding window, which this implementation does not apply (see _warn_sliding_window).
+* Mistral: a sliding window on every layer; Qwen2/Qwen3: on the layers that ``layer_types`` (from
+  ``use_sliding_window`` and ``max_window_layers``) marks as sliding (``layer_sliding_windows``).
+
+Gemma 2/3 (``gemma.py``) build their layers from this file's attention and MLP blocks.
 
 The file reads as single-device code: tensor parallelism lives in the linear layers, which hold
 this rank's heads and features, and in their weight loaders.
@@ -14,8 +17,7 @@ this rank's heads and features, and in their weight loaders.
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -25,48 +27,58 @@ from transformers import PretrainedConfig
 
 from pagedllm.attention import Attention, AttentionMetadata
 from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
-from pagedllm.layers.utils import default_weight_loader
 from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-
-logger = logging.getLogger(__name__)
+from pagedllm.models.utils import CausalLM, layer_sliding_windows
 
 
 @dataclass(frozen=True)
-class _AttentionOptions:
+class AttentionOptions:
     """The per-family switches of the attention block."""
 
     qkv_bias: bool
     o_bias: bool
     qk_norm: bool
+    # Softmax scale; None: head_dim ** -0.5.
+    scale: float | None = None
+    logits_soft_cap: float | None = None
+    # The norm over each head's q and k when qk_norm (Gemma's adds 1 to its weight).
+    norm_class: type[RMSNorm] = RMSNorm
 
     @classmethod
-    def from_config(cls, config: PretrainedConfig) -> _AttentionOptions:
+    def from_config(cls, config: PretrainedConfig) -> AttentionOptions:
         if config.model_type == "qwen2":
             return cls(qkv_bias=True, o_bias=False, qk_norm=False)
         bias = getattr(config, "attention_bias", False)
         return cls(qkv_bias=bias, o_bias=bias, qk_norm=config.model_type in ("qwen3", "qwen3_moe"))
 
 
-def _head_dim(config: PretrainedConfig) -> int:
+def head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+# Gated MLP activations by the config's name for them.
+_GATED_ACTIVATIONS: dict[str, type[nn.Module]] = {"silu": SiluAndMul, "gelu_pytorch_tanh": GeluAndMul}
+
+
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, hidden_act: str | None = None) -> None:
         super().__init__()
-        if config.hidden_act != "silu":
-            raise NotImplementedError(f"hidden_act {config.hidden_act!r} is not supported; only 'silu' is")
+        hidden_act = hidden_act or config.hidden_act
+        if hidden_act not in _GATED_ACTIVATIONS:
+            raise ValueError(
+                f"hidden_act {hidden_act!r} is not supported; supported: {sorted(_GATED_ACTIVATIONS)}"
+            )
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2, bias=bias
         )
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = _GATED_ACTIVATIONS[hidden_act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, hidden_size] -> [num_tokens, hidden_size]."""
@@ -75,11 +87,16 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: PretrainedConfig, rotary_emb: RotaryEmbedding, attn_backend: type[AttentionBackend]
+        self,
+        config: PretrainedConfig,
+        rotary_emb: RotaryEmbedding,
+        attn_backend: type[AttentionBackend],
+        sliding_window: int | None = None,
+        options: AttentionOptions | None = None,
     ) -> None:
         super().__init__()
-        options = _AttentionOptions.from_config(config)
-        self.head_dim = _head_dim(config)
+        options = options or AttentionOptions.from_config(config)
+        self.head_dim = head_dim(config)
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
             self.head_dim,
@@ -94,10 +111,20 @@ class LlamaAttention(nn.Module):
         num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = num_heads * self.head_dim
         self.kv_size = num_kv_heads * self.head_dim
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
+        norm = options.norm_class
+        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
+        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
         self.rotary_emb = rotary_emb
-        self.attn = Attention(num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads, attn_backend)
+        scale = options.scale if options.scale is not None else self.head_dim**-0.5
+        self.attn = Attention(
+            num_heads,
+            self.head_dim,
+            scale,
+            num_kv_heads,
+            attn_backend,
+            sliding_window=sliding_window,
+            logits_soft_cap=options.logits_soft_cap,
+        )
 
     def forward(
         self,
@@ -128,10 +155,11 @@ class LlamaDecoderLayer(nn.Module):
         config: PretrainedConfig,
         rotary_emb: RotaryEmbedding,
         attn_backend: type[AttentionBackend],
+        sliding_window: int | None,
         mlp: nn.Module,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb, attn_backend)
+        self.self_attn = LlamaAttention(config, rotary_emb, attn_backend, sliding_window)
         self.mlp = mlp  # LlamaMLP, or a mixture of experts (models/moe.py): [num_tokens, hidden] -> same
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -168,14 +196,14 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin cache shared by every layer: it is the same table, and can be large.
         rotary_emb = RotaryEmbedding(
-            _head_dim(config),
+            head_dim(config),
             config.max_position_embeddings,
             get_rope_parameters(config),
             torch.get_default_dtype(),
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, attn_backend, make_mlp(config, i))
-            for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, rotary_emb, attn_backend, window, make_mlp(config, i))
+            for i, window in enumerate(layer_sliding_windows(config))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -194,19 +222,18 @@ class LlamaModel(nn.Module):
         return hidden_states
 
 
-class LlamaForCausalLM(nn.Module):
-    """The engine's model interface: forward over a flattened batch, logits of chosen rows, load."""
+class LlamaForCausalLM(CausalLM):
+    """The engine's model interface (``CausalLM``) over the Llama decoder."""
 
-    # Checkpoint projections that live packed in one of our parameters: packed name -> the
-    # checkpoint names, in shard order, and their shard ids.
     packed_modules_mapping: ClassVar[dict[str, tuple[tuple[str, int | str], ...]]] = {
         "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
         "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
     }
+    # inv_freq is a buffer older checkpoints saved; we derive it from the config.
+    skipped_checkpoint_names = ("rotary_emb.inv_freq",)
 
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()
-        _warn_sliding_window(config)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = LlamaModel(config, attn_backend, self.make_mlp)
         if self.tie_word_embeddings:
@@ -220,82 +247,3 @@ class LlamaForCausalLM(nn.Module):
         """The feed-forward block of layer ``layer_index``: the SwiGLU MLP in every layer here;
         mixture-of-experts subclasses choose per layer."""
         return LlamaMLP(config)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] int64; kv_caches: one per layer.
-        Returns the final hidden states: [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """hidden_states: [num_rows, hidden_size] -> [num_rows, vocab_size] float32."""
-        return self.logits_processor(self.lm_head, hidden_states)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load Hugging Face-named checkpoint tensors; returns the names of the loaded parameters.
-
-        Raises ValueError for a checkpoint tensor that no parameter takes, and for a parameter (or
-        a shard of a packed one) that the checkpoint never provided.
-        """
-        params = dict(self.named_parameters())
-        loaded_shards: dict[str, set[int | str | None]] = {name: set() for name in params}
-        for ckpt_name, tensor in weights:
-            if self._is_skipped(ckpt_name):
-                continue
-            name, shard_id = self._param_name(ckpt_name)
-            if name not in params:
-                model = type(self).__name__
-                raise ValueError(f"checkpoint weight {ckpt_name!r} matches no parameter of {model}")
-            param = params[name]
-            weight_loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                weight_loader(param, tensor, shard_id)
-            except ValueError as e:
-                raise ValueError(f"cannot load checkpoint weight {ckpt_name!r}: {e}") from e
-            loaded_shards[name].add(shard_id)
-        missing = [m for name in params if (m := self._describe_missing(name, loaded_shards[name]))]
-        if missing:
-            raise ValueError(f"the checkpoint has no weights for: {', '.join(missing)}")
-        return set(params)
-
-    def _is_skipped(self, ckpt_name: str) -> bool:
-        # inv_freq is a buffer older checkpoints saved; we derive it from the config. A tied
-        # checkpoint may still carry the LM head, a copy of the embedding.
-        is_tied_head = self.tie_word_embeddings and ckpt_name == "lm_head.weight"
-        return is_tied_head or "rotary_emb.inv_freq" in ckpt_name
-
-    def _param_name(self, ckpt_name: str) -> tuple[str, int | str | None]:
-        """The parameter taking checkpoint tensor ``ckpt_name``, and its shard id there."""
-        for packed, sources in self.packed_modules_mapping.items():
-            for source, shard_id in sources:
-                if f".{source}." in ckpt_name:
-                    return ckpt_name.replace(f".{source}.", f".{packed}."), shard_id
-        return ckpt_name, None
-
-    def _describe_missing(self, name: str, loaded: set[int | str | None]) -> str | None:
-        """None when parameter ``name`` is fully loaded, else what it lacks."""
-        for packed, sources in self.packed_modules_mapping.items():
-            if f".{packed}." in name:
-                if None in loaded:  # the checkpoint stored the projections already packed
-                    return None
-                absent = [source for source, shard_id in sources if shard_id not in loaded]
-                return f"{name} (from {', '.join(absent)})" if absent else None
-        return None if loaded else name
-
-
-def _warn_sliding_window(config: PretrainedConfig) -> None:
-    sliding_window = getattr(config, "sliding_window", None)
-    max_len = config.max_position_embeddings
-    if sliding_window is not None and sliding_window < max_len:
-        logger.warning(
-            "%s: sliding_window=%d is not applied; every layer attends to the whole context, so outputs "
-            "past %d tokens differ from the reference",
-            config.model_type,
-            sliding_window,
-            sliding_window,
-        )

@@ -81,13 +81,21 @@ def test_bytes_moved_counts_kv_once_plus_query_and_output() -> None:
     assert shape.bytes_moved == (2 * 4196 * 8 * 128 + 2 * 2 * 32 * 128) * 2
 
 
+def test_windowed_bytes_count_only_the_window() -> None:
+    shape = DecodeShape((4096, 100), 32, 8, 128, 16, torch.bfloat16, sliding_window=1024)
+    assert shape.attended_lens == (1024, 100)
+    assert shape.bytes_moved == (2 * 1124 * 8 * 128 + 2 * 2 * 32 * 128) * 2
+
+
 def _naive_decode(inputs: DecodeInputs) -> torch.Tensor:
-    """Each query head's softmax attention over its sequence's tokens, gathered slot by slot."""
+    """Each query head's softmax attention over its sequence's tokens (its last sliding_window
+    ones with a window), gathered slot by slot."""
     shape = inputs.shape
     group = shape.num_heads // shape.num_kv_heads
     outs = []
     for i, seq_len in enumerate(shape.seq_lens):
-        positions = torch.arange(seq_len)
+        window = shape.sliding_window or seq_len
+        positions = torch.arange(max(0, seq_len - window), seq_len)
         blocks = inputs.block_tables[i, positions // shape.block_size].long()
         # [seq_len, num_kv_heads, head_size] -> one KV head per query head.
         keys, values = (
@@ -99,14 +107,30 @@ def _naive_decode(inputs: DecodeInputs) -> torch.Tensor:
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("seq_lens", [(40, 40, 40), (1, 37, 16, 70)], ids=["uniform", "ragged"])
-def test_contiguous_sdpa_computes_the_paged_attention(seq_lens: tuple[int, ...]) -> None:
+@pytest.mark.parametrize(
+    "seq_lens, window",
+    [
+        ((40, 40, 40), None),
+        ((1, 37, 16, 70), None),
+        ((40, 40, 40), 19),
+        ((1, 37, 16, 70), 30),
+        ((50, 60), 20),
+    ],
+    ids=["uniform", "ragged", "uniform-window", "ragged-window", "ragged-window-uniform"],
+)
+def test_contiguous_sdpa_computes_the_paged_attention(seq_lens: tuple[int, ...], window: int | None) -> None:
     shape = DecodeShape(
-        seq_lens, num_heads=8, num_kv_heads=2, head_size=32, block_size=16, dtype=torch.float32
+        seq_lens,
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=32,
+        block_size=16,
+        dtype=torch.float32,
+        sliding_window=window,
     )
     inputs = DecodeInputs.random(shape, torch.device("cpu"), seed=0)
     sdpa = ContiguousSdpa(inputs)
-    assert sdpa.ragged == (len(set(seq_lens)) > 1)
+    assert sdpa.ragged == (len(set(shape.attended_lens)) > 1)
     torch.testing.assert_close(sdpa.heads(sdpa()), _naive_decode(inputs), atol=1e-5, rtol=1e-5)
 
 

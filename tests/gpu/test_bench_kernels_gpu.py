@@ -42,3 +42,19 @@ def test_small_run_with_a_sweep(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     assert len(report["best"]) == 2
     assert json.loads(json_path.read_text()) == report
     assert png_path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_windowed_rows_beside_the_unwindowed_ones() -> None:
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser)
+    argv = ["--contexts", "8192", "1-4096", "--batch-size", "16", "--sliding-window", "512"]
+    report = main(parser.parse_args([*argv, "--implementations", "triton", "cuda-v1"]))
+    windowed = [row for row in report["rows"] if "sliding_window" in row]
+    assert [(row["implementation"], row["context"]) for row in windowed] == [
+        ("triton (window 512)", "8192"),
+        ("triton (window 512)", "1-4096"),
+    ]
+    for row in windowed:
+        assert row["rel_err"] < 2e-2, row  # against SDPA over the same window
+    # Reading 512 of 8192 tokens must be much faster than reading all of them.
+    assert windowed[0]["speedup_vs_unwindowed"] > 4, windowed[0]

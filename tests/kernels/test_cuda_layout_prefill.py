@@ -9,6 +9,7 @@ the output is NaN-poisoned, so a wrong index or an unwritten row fails loudly.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -223,12 +224,12 @@ def make_step(
     )
 
 
-def oracle(step: Step, num_heads: int, num_kv_heads: int, head_size: int) -> torch.Tensor:
-    backend = TorchAttentionBackend(num_heads, head_size, head_size**-0.5, num_kv_heads)
+def oracle(step: Step, num_heads: int, num_kv_heads: int, head_size: int, **variants: object) -> torch.Tensor:
+    backend = TorchAttentionBackend(num_heads, head_size, head_size**-0.5, num_kv_heads, **variants)
     return backend.forward(step.query, step.key, step.value, step.torch_caches, step.md)
 
 
-def run_prefill(step: Step, head_size: int) -> torch.Tensor:
+def run_prefill(step: Step, head_size: int, **variants: object) -> torch.Tensor:
     """The reference cache write of the step's K/V, then the prefill kernel into a NaN output."""
     md = step.md
     reshape_and_cache_reference(step.key, step.value, *step.seeds_caches, md.slot_mapping)
@@ -246,6 +247,7 @@ def run_prefill(step: Step, head_size: int) -> torch.Tensor:
         out,
         block_m=16,
         block_n=16,
+        **variants,
     )
     return out
 
@@ -318,6 +320,26 @@ def test_random_ragged_prefill_chunks(seed: int) -> None:
     out = run_prefill(step, head_size)[: step.num_real_tokens]
     assert not out.isnan().any()
     torch.testing.assert_close(out, ref[: step.num_real_tokens], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "variants",
+    [{"sliding_window": 7}, {"sliding_window": 24, "logits_soft_cap": 3.0}, {"logits_soft_cap": 2.0}],
+    ids=["window7", "window24-softcap", "softcap"],
+)
+def test_windowed_decode_rows_over_the_seeds_layout(variants: dict) -> None:
+    """The cuda backend decodes a windowed or soft-capped layer with paged_prefill, one query per
+    sequence (query_len 1, first_seq 0): the same kernel on the seeds' layout, checked here."""
+    context_lens = [0, 9, 30, 47, 70]
+    step = make_step(5, context_lens, [1] * 5, 8, 2, 64, 16, torch.float32)
+    ref = oracle(step, 8, 2, 64, **variants)
+    out = run_prefill(
+        dataclasses.replace(step, md=dataclasses.replace(step.md, num_decodes=0, num_prefills=5)),
+        64,
+        **variants,
+    )
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -127,9 +127,12 @@ def make_batch(
     return PagedBatch(query, key, value, key_cache.to(DEVICE), value_cache.to(DEVICE), md)
 
 
-def oracle(batch: PagedBatch, num_heads: int, num_kv_heads: int, head_size: int) -> torch.Tensor:
-    """The torch backend's output for the batch's real tokens (its caches are copies)."""
-    backend = TorchAttentionBackend(num_heads, head_size, head_size**-0.5, num_kv_heads)
+def oracle(
+    batch: PagedBatch, num_heads: int, num_kv_heads: int, head_size: int, **variants: object
+) -> torch.Tensor:
+    """The torch backend's output for the batch's real tokens (its caches are copies); variants
+    are the backends' keyword arguments (sliding_window, alibi_slopes, logits_soft_cap)."""
+    backend = TorchAttentionBackend(num_heads, head_size, head_size**-0.5, num_kv_heads, **variants)
     out = backend.forward(batch.query, batch.key, batch.value, batch.torch_caches(), batch.md)
     return out[: int(batch.md.query_start_loc_cpu[-1])]
 
@@ -144,7 +147,9 @@ class Launch:
     prefill_block_n: int = 16
 
 
-def run_kernels(batch: PagedBatch, head_size: int, max_seq_len: int, launch: Launch) -> torch.Tensor:
+def run_kernels(
+    batch: PagedBatch, head_size: int, max_seq_len: int, launch: Launch, **variants: object
+) -> torch.Tensor:
     """Cache write, then the decode and prefill kernels into a NaN-poisoned output."""
     md = batch.md
     scale = head_size**-0.5
@@ -163,6 +168,7 @@ def run_kernels(batch: PagedBatch, head_size: int, max_seq_len: int, launch: Lau
             out[:nd],
             partition_size=launch.partition_size,
             block_n=launch.decode_block_n,
+            **variants,
         )
     paged_prefill(
         batch.query,
@@ -178,6 +184,7 @@ def run_kernels(batch: PagedBatch, head_size: int, max_seq_len: int, launch: Lau
         out,
         block_m=launch.block_m,
         block_n=launch.prefill_block_n,
+        **variants,
     )
     return out[: int(md.query_start_loc_cpu[-1])]
 
@@ -343,6 +350,90 @@ def test_random_ragged_batches_match_torch(seed: int) -> None:
     ref = oracle(batch, num_heads, num_kv_heads, head_size)
     out = run_kernels(batch, head_size, max_seq_len=128, launch=Launch())
     assert_matches(out, ref, torch.float32)
+
+
+def _variant_cases() -> list:
+    """(id, variants as functions of num_heads): windows smaller than a tile, a block, a
+    partition, and larger than most contexts; ALiBi; soft caps that bite; and a mix."""
+    slopes = lambda h: torch.linspace(0.05, 0.5, h)  # noqa: E731 - a table of small lambdas
+    return [
+        ("window1", lambda h: {"sliding_window": 1}),
+        ("window5", lambda h: {"sliding_window": 5}),
+        ("window16", lambda h: {"sliding_window": 16}),
+        ("window37", lambda h: {"sliding_window": 37}),
+        ("window200", lambda h: {"sliding_window": 200}),
+        ("alibi", lambda h: {"alibi_slopes": slopes(h)}),
+        ("softcap", lambda h: {"logits_soft_cap": 2.0}),
+        ("window-softcap", lambda h: {"sliding_window": 19, "logits_soft_cap": 5.0}),
+        ("window-alibi", lambda h: {"sliding_window": 23, "alibi_slopes": slopes(h)}),
+    ]
+
+
+VARIANT_CASES = _variant_cases()
+
+
+@pytest.mark.parametrize("variant", [c[1] for c in VARIANT_CASES], ids=[c[0] for c in VARIANT_CASES])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_variants_decode_and_prefill_match_torch(variant, block_size: int) -> None:
+    num_heads, num_kv_heads, head_size = 8, 2, 64
+    # Decodes with several partitions (windows starting in the first, a middle and the last one),
+    # a fresh prompt, chunks after a cached prefix longer than the windows, a one-token chunk.
+    context_lens = [0, 8, 31, 47, 70, 99, 0, 60, 45, 21]
+    query_lens = [1] * 6 + [40, 25, 1, 3]
+    variants = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in variant(num_heads).items()}
+    batch = make_batch(
+        6, context_lens, query_lens, num_heads, num_kv_heads, head_size, block_size, torch.float32
+    )
+    ref = oracle(batch, num_heads, num_kv_heads, head_size, **variants)
+    out = run_kernels(batch, head_size, max_seq_len=140, launch=Launch(), **variants)
+    assert_matches(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_windows_match_torch(seed: int) -> None:
+    rng = torch.Generator().manual_seed(100 + seed)
+    num_kv_heads = int(torch.randint(1, 3, (1,), generator=rng))
+    num_heads = num_kv_heads * int(torch.randint(1, 5, (1,), generator=rng))
+    window = int(torch.randint(1, 70, (1,), generator=rng))
+    num_decodes = int(torch.randint(1, 4, (1,), generator=rng))
+    context_lens = torch.randint(0, 110, (num_decodes + 2,), generator=rng).tolist()
+    query_lens = [1] * num_decodes + torch.randint(1, 50, (2,), generator=rng).tolist()
+    batch = make_batch(
+        num_decodes, context_lens, query_lens, num_heads, num_kv_heads, 64, 16, torch.float32, seed=seed
+    )
+    ref = oracle(batch, num_heads, num_kv_heads, 64, sliding_window=window)
+    out = run_kernels(batch, 64, max_seq_len=160, launch=Launch(), sliding_window=window)
+    assert_matches(out, ref, torch.float32)
+
+
+def test_windowed_decode_reads_only_the_window() -> None:
+    # Poison every cached token before the window: a kernel that reads them returns NaN.
+    window, context = 20, 99
+    batch = make_batch(1, [context], [1], 4, 2, 64, 16, torch.float32)
+    ref = oracle(batch, 4, 2, 64, sliding_window=window)
+    seq_len = context + 1
+    table = batch.md.block_tables[0].cpu()
+    for pos in range(seq_len - window):
+        block, slot = int(table[pos // 16]), pos % 16
+        batch.key_cache[block, :, slot] = float("nan")
+        batch.value_cache[block, :, slot] = float("nan")
+    out = run_kernels(batch, 64, max_seq_len=140, launch=Launch(), sliding_window=window)
+    assert_matches(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "variants, match",
+    [
+        ({"sliding_window": 0}, "sliding_window"),
+        ({"sliding_window": -4}, "sliding_window"),
+        ({"logits_soft_cap": 0.0}, "logits_soft_cap"),
+        ({"alibi_slopes": torch.ones(3)}, "alibi_slopes"),
+    ],
+)
+def test_bad_variants_are_refused(variants: dict, match: str) -> None:
+    for backend in (TorchAttentionBackend, TritonAttentionBackend):
+        with pytest.raises(ValueError, match=match):
+            backend(4, 64, 0.125, 2, **variants)
 
 
 def test_kv_cache_shape_keeps_block_first() -> None:

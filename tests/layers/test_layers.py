@@ -103,9 +103,66 @@ def test_rope_parameters_from_pre_transformers_5_config() -> None:
     assert get_rope_parameters(SimpleNamespace()) == {"rope_type": "default", "rope_theta": 10000.0}
 
 
+# Long-context types, with lengths short enough that the scaling changes every table row we test.
+YARN_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+YARN_MSCALE_ROPE = {**YARN_ROPE, "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16, "truncate": False}
+DYNAMIC_ROPE = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "original_max_position_embeddings": 64,
+    "short_factor": [1.0 + 0.1 * i for i in range(32)],
+    "long_factor": [2.0 + 0.5 * i for i in range(32)],
+}
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [YARN_ROPE, YARN_MSCALE_ROPE, DYNAMIC_ROPE, LONGROPE],
+    ids=["yarn", "yarn-mscale", "dynamic", "longrope"],
+)
+def test_long_context_rope_table_matches_transformers(rope: dict) -> None:
+    """Every row of our cos/sin table against transformers' frequencies and attention factor at
+    that position (longrope: short factors before the original length, long ones from it)."""
+    max_position = 256
+    config = LlamaConfig(
+        hidden_size=256, num_attention_heads=4, max_position_embeddings=max_position, rope_parameters=rope
+    )
+    rotary = RotaryEmbedding(64, max_position, get_rope_parameters(config), torch.float32)
+    init = ROPE_INIT_FUNCTIONS[rope["rope_type"]]
+    for position in (0, 1, 63, 64, 65, 200, 255):
+        # transformers' dynamic update computes the frequencies for a forward call whose largest
+        # position is this one.
+        inv_freq, factor = init(config, torch.device("cpu"), seq_len=position + 1)
+        angles = position * inv_freq
+        expected = torch.cat([angles.cos(), angles.sin()]) * factor
+        torch.testing.assert_close(rotary.cos_sin_cache[position], expected, atol=1e-6, rtol=0)
+
+
 def test_unsupported_rope_type_is_named() -> None:
-    with pytest.raises(NotImplementedError, match=r"'yarn'.*supported.*'default', 'linear', 'llama3'"):
-        compute_inv_freq(64, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0})
+    with pytest.raises(ValueError, match=r"rope_type 'ntk-by-parts'.*supported.*'default', 'dynamic'"):
+        compute_inv_freq(64, {"rope_type": "ntk-by-parts", "rope_theta": 10000.0, "factor": 4.0})
+
+
+def test_partial_rotary_factor_is_refused() -> None:
+    with pytest.raises(ValueError, match="partial_rotary_factor"):
+        compute_inv_freq(64, {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+
+
+def test_rope_parameters_per_layer_type() -> None:
+    config = SimpleNamespace(
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        }
+    )
+    assert get_rope_parameters(config, "sliding_attention") == {"rope_type": "default", "rope_theta": 10000.0}
+    assert get_rope_parameters(config, "full_attention")["rope_theta"] == 1e6
 
 
 def test_silu_and_mul() -> None:

@@ -22,12 +22,40 @@ class AttentionBackend(ABC):
     # so that a decode step can be captured in a CUDA graph.
     supports_cuda_graphs: ClassVar[bool] = False
 
-    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        *,
+        sliding_window: int | None = None,
+        alibi_slopes: torch.Tensor | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        """Per-layer attention variants (None: off):
+
+        sliding_window: a query at position p attends to keys at positions > p - sliding_window
+            (Hugging Face's ``sliding_window_overlay``: the window holds the query and the
+            sliding_window - 1 keys before it).
+        alibi_slopes: [num_heads] float32, this rank's heads: score(p, n) += slope * (n - p)
+            (Press et al. 2022; softmax is shift-invariant, so BLOOM's slope * n is the same).
+        logits_soft_cap: scores become cap * tanh(scores / cap) before ALiBi and masking (Gemma 2).
+        """
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
+        if alibi_slopes is not None and tuple(alibi_slopes.shape) != (num_heads,):
+            raise ValueError(f"alibi_slopes must have shape [{num_heads}], got {tuple(alibi_slopes.shape)}")
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
         self.num_kv_heads = num_kv_heads
         self.num_queries_per_kv = num_heads // num_kv_heads
+        self.sliding_window = sliding_window
+        self.alibi_slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()
+        self.logits_soft_cap = logits_soft_cap
 
     @staticmethod
     @abstractmethod

@@ -77,5 +77,31 @@ class CudaAttentionBackend(TritonAttentionBackend):
         max_seq_len: int,
         out: torch.Tensor,
     ) -> None:
+        if self.sliding_window is not None or self.logits_soft_cap is not None:
+            # The seeds' kernels know ALiBi only: a windowed or soft-capped layer decodes with the
+            # Triton prefill kernel (one query per sequence), which reads this layout and starts at
+            # the window's first tile.
+            num_decodes = query.shape[0]
+            query_start_loc = torch.arange(num_decodes + 1, dtype=torch.int32, device=query.device)
+            self._prefill(
+                query,
+                (key_cache, value_cache),
+                block_tables,
+                seq_lens,
+                query_start_loc,
+                (0, num_decodes, 1),
+                out,
+            )
+            return
         # V1 or V2, from host ints (ops.use_v1).
-        paged_attention(query, key_cache, value_cache, block_tables, seq_lens, self.scale, max_seq_len, out)
+        paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            self.scale,
+            max_seq_len,
+            out,
+            self.alibi_slopes,
+        )

@@ -11,13 +11,14 @@ order, flattened and cut at ``seq_len``.
 Decodes (one query each) are computed together: their contexts are gathered into a padded
 ``[num_decodes, max_len, ...]`` tensor and masked past each ``seq_len``. Prefill chunks are
 computed one sequence at a time with a causal mask aligned to the end of the context (the chunk's
-queries are the last ``query_len`` positions). Cost is linear in the number of sequences.
+queries are the last ``query_len`` positions). Both go through one written-out softmax
+(``_attend``) that applies the layer's variants the way their papers define them: soft-capping,
+ALiBi, the sliding window. Cost is linear in the number of sequences.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.attention.metadata import AttentionMetadata
@@ -100,18 +101,12 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks = (max_len + block_size - 1) // block_size
         block_tables = md.block_tables[:num_decodes, :num_blocks].long()
         # [num_decodes, num_blocks * block_size, num_kv_heads, head_size]
-        keys = key_cache[block_tables].flatten(1, 2).float()
-        values = value_cache[block_tables].flatten(1, 2).float()
-        positions = torch.arange(keys.shape[1], device=query.device)
-        valid = positions[None, :] < seq_lens[:, None]  # [num_decodes, max_len]
-        # Slots past seq_len may hold anything, NaN included: select, never multiply, them away.
-        values = torch.where(valid[:, :, None, None], values, 0.0)
-        q = query.float().view(num_decodes, self.num_kv_heads, self.num_queries_per_kv, self.head_size)
-        scores = torch.einsum("bhgd,blhd->bhgl", q, keys) * self.scale
-        scores = torch.where(valid[:, None, None, :], scores, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("bhgl,blhd->bhgd", probs, values)
-        return out.reshape(num_decodes, self.num_heads, self.head_size).to(query.dtype)
+        keys = key_cache[block_tables].flatten(1, 2)
+        values = value_cache[block_tables].flatten(1, 2)
+        k_pos = torch.arange(keys.shape[1], device=query.device)
+        q_pos = (seq_lens - 1)[:, None]  # [num_decodes, 1]: each query is its context's last token
+        out = self._attend(query[:, None], keys, values, q_pos, k_pos, k_pos[None, :] < seq_lens[:, None])
+        return out[:, 0]
 
     def _prefill(
         self,
@@ -123,18 +118,43 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """query: [query_len, num_heads, head_size], the last query_len positions of the context."""
         query_len = query.shape[0]
-        keys = gather_context(key_cache, block_table, seq_len)
-        values = gather_context(value_cache, block_table, seq_len)
-        # Query i sits at position seq_len - query_len + i and sees keys up to that position.
-        q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
+        keys = gather_context(key_cache, block_table, seq_len)[None]
+        values = gather_context(value_cache, block_table, seq_len)[None]
+        # Query i sits at position seq_len - query_len + i.
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)[None]
         k_pos = torch.arange(seq_len, device=query.device)
-        mask = k_pos[None, :] <= q_pos[:, None]
-        out = F.scaled_dot_product_attention(
-            query.transpose(0, 1).float(),
-            keys.transpose(0, 1).float(),
-            values.transpose(0, 1).float(),
-            attn_mask=mask,
-            scale=self.scale,
-            enable_gqa=self.num_queries_per_kv > 1,
-        )
-        return out.transpose(0, 1).to(query.dtype)
+        valid = torch.ones(1, seq_len, dtype=torch.bool, device=query.device)
+        return self._attend(query[None], keys, values, q_pos, k_pos, valid)[0]
+
+    def _attend(
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        q_pos: torch.Tensor,
+        k_pos: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> torch.Tensor:
+        """Softmax attention in float32 with every variant, written out.
+
+        query: [batch, num_queries, num_heads, head_size]; keys, values: [batch, num_keys,
+        num_kv_heads, head_size]; q_pos: [batch, num_queries] and k_pos: [num_keys] context
+        positions; valid: [batch, num_keys], the keys that exist. Returns the shape of query.
+        """
+        group = self.num_queries_per_kv
+        q = query.float().unflatten(2, (self.num_kv_heads, group))  # [b, q, kvh, g, d]
+        # Slots that do not exist may hold anything, NaN included: select, never multiply, them away.
+        values = torch.where(valid[:, :, None, None], values.float(), 0.0)
+        scores = torch.einsum("bqhgd,bkhd->bhgqk", q, keys.float()) * self.scale
+        if self.logits_soft_cap is not None:
+            scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
+        distance = k_pos[None, None, :] - q_pos[:, :, None]  # [b, q, k]: key minus query position
+        if self.alibi_slopes is not None:
+            slopes = self.alibi_slopes.view(self.num_kv_heads, group)
+            scores = scores + slopes[None, :, :, None, None] * distance[:, None, None].float()
+        visible = valid[:, None, :] & (distance <= 0)
+        if self.sliding_window is not None:
+            visible &= distance > -self.sliding_window
+        scores = torch.where(visible[:, None, None], scores, float("-inf"))
+        out = torch.einsum("bhgqk,bkhd->bqhgd", torch.softmax(scores, dim=-1), values)
+        return out.flatten(2, 3).to(query.dtype)

@@ -121,22 +121,47 @@ class TritonAttentionBackend(AttentionBackend):
                 output[:num_decodes],
             )
         if md.num_prefills:
-            # One kernel for every layout: it reads the Triton and the seeds' caches alike.
-            paged_prefill(
+            self._prefill(
                 query,
-                key_cache,
-                value_cache,
+                (key_cache, value_cache),
                 md.block_tables,
                 md.seq_lens,
                 md.query_start_loc,
-                self.scale,
-                num_decodes,
-                md.num_prefills,
-                md.max_query_len,
+                (num_decodes, md.num_prefills, md.max_query_len),
                 output,
-                **_launch_kwargs(self.head_size, key_cache.dtype)[1],
             )
         return output
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        kv_cache: KVCache,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seqs: tuple[int, int, int],
+        out: torch.Tensor,
+    ) -> None:
+        """paged_prefill for sequences [first, first + count) of the batch, ``seqs = (first,
+        count, max_query_len)``. One kernel for every layout: it reads the Triton and the seeds'
+        caches alike."""
+        key_cache, value_cache = kv_cache
+        first_seq, num_seqs, max_query_len = seqs
+        paged_prefill(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            self.scale,
+            first_seq,
+            num_seqs,
+            max_query_len,
+            out,
+            **self._variants(),
+            **_launch_kwargs(self.head_size, key_cache.dtype)[1],
+        )
 
     def _write_cache(
         self,
@@ -160,8 +185,11 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         """query, out: [num_decodes, num_heads, head_size]; one new token per sequence."""
         launch = _launch_kwargs(self.head_size, key_cache.dtype)[0]
+        # A windowed layer reads at most a window per sequence: size the partitions for that, so
+        # that its few live partitions still fill the GPU (the others exit at once).
+        attended_len = min(max_seq_len, self.sliding_window or max_seq_len)
         partition_size = decode_partition_size(
-            query.shape[0], self.num_kv_heads, max_seq_len, launch, query.device
+            query.shape[0], self.num_kv_heads, attended_len, launch, query.device
         )
         paged_decode(
             query,
@@ -172,5 +200,14 @@ class TritonAttentionBackend(AttentionBackend):
             self.scale,
             max_seq_len,
             out,
+            **self._variants(),
             **{**launch, "partition_size": partition_size},
         )
+
+    def _variants(self) -> dict:
+        """This layer's attention variants, as the kernels take them."""
+        return {
+            "sliding_window": self.sliding_window,
+            "alibi_slopes": self.alibi_slopes,
+            "logits_soft_cap": self.logits_soft_cap,
+        }

@@ -14,6 +14,7 @@ Needs a CUDA device to run; parsing the arguments imports only torch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
@@ -89,6 +90,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--sweep", action="store_true", help="also time every launch of the sweep space; report the best"
     )
+    parser.add_argument(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="also time windowed decode (window-capable implementations, default launch) with this window",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds the lengths and the random K/V")
     parser.add_argument("--output-json", help="write the report (every row) here")
     parser.add_argument("--output-png", help="draw achieved bandwidth per context here (needs matplotlib)")
@@ -116,6 +123,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         print(f"context {context.label}: {sum(map(len, runs.values()))} runs", file=sys.stderr, flush=True)
         for result in bench_decode(shape, runs, args.seed):
             rows.append(_row(context, result, is_default=result.launch == runs[result.implementation][0]))
+        if args.sliding_window is not None:
+            rows += _windowed_rows(context, shape, args, rows)
     report = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -136,6 +145,32 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def _windowed_rows(
+    context: ContextRange, shape: DecodeShape, args: argparse.Namespace, rows: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The window-capable implementations' default launches with ``--sliding-window``, each with
+    its speed-up over the same implementation unwindowed on the same context."""
+    from pagedllm.kernels.bench import bench_decode
+
+    windowed = dataclasses.replace(shape, sliding_window=args.sliding_window)
+    names = [name for name in args.implementations if DECODE_IMPLS[name].supports_sliding_window]
+    runs = {name: DECODE_IMPLS[name].launches(windowed, sweep=False) for name in names}
+    unwindowed_ms = {
+        row["implementation"]: row["median_ms"]
+        for row in rows
+        if row["context"] == context.label and row["default_launch"]
+    }
+    out = []
+    for result in bench_decode(windowed, runs, args.seed):
+        row = _row(context, result, is_default=True)
+        row["implementation"] = f"{result.implementation} (window {args.sliding_window})"
+        row["sliding_window"] = args.sliding_window
+        if result.implementation in unwindowed_ms:
+            row["speedup_vs_unwindowed"] = unwindowed_ms[result.implementation] / result.median_ms
+        out.append(row)
+    return out
+
+
 def _row(context: ContextRange, result: DecodeResult, is_default: bool) -> dict[str, Any]:
     return {
         "context": context.label,
@@ -147,7 +182,17 @@ def _row(context: ContextRange, result: DecodeResult, is_default: bool) -> dict[
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("batch_size", "num_heads", "num_kv_heads", "head_size", "block_size", "dtype", "sweep", "seed")
+    names = (
+        "batch_size",
+        "num_heads",
+        "num_kv_heads",
+        "head_size",
+        "block_size",
+        "dtype",
+        "sweep",
+        "seed",
+        "sliding_window",
+    )
     return {
         "contexts": [context.label for context in args.contexts],
         **{name: getattr(args, name) for name in names},
@@ -182,6 +227,10 @@ _COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("SDPA GB/s", lambda row: f"{row['sdpa_gbps']:.0f}"),
     ("vs SDPA", lambda row: f"{row['vs_sdpa']:.2f}x"),
     ("rel err", lambda row: f"{row['rel_err']:.1e}"),
+    (
+        "vs unwindowed",
+        lambda row: f"{row['speedup_vs_unwindowed']:.2f}x" if "speedup_vs_unwindowed" in row else "",
+    ),
 )
 
 

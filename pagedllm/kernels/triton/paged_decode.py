@@ -16,10 +16,13 @@ Kernel 1, ``_paged_decode_kernel``, grid ``(num_seqs, num_kv_heads, num_partitio
   loads the group's queries ``[BLOCK_H, HEAD_DIM]``, walks its partition's tokens ``BLOCK_N`` at a
   time (full tiles unmasked, one masked tail tile), and writes, per query head, the partition's
   running max ``m_i`` (log2 units), sum ``l_i`` and unnormalized ``acc``. A partition starting at or
-  past ``seq_len`` returns at once and writes nothing. With a single partition (``SINGLE_PARTITION``)
-  it writes ``acc / l_i`` straight to the output and kernel 2 is skipped.
+  past ``seq_len``, or ending before a sliding window's first key ``seq_len - sliding_window``,
+  returns at once and writes nothing; the partition holding that key starts at its tile. With a
+  single partition (``SINGLE_PARTITION``) it writes ``acc / l_i`` straight to the output and kernel
+  2 is skipped.
 Kernel 2, ``_paged_decode_reduce_kernel``, grid ``(num_seqs, num_heads)``:
-  reads the ``cdiv(seq_len, partition_size)`` live partitions of one query head, rescales each by
+  reads the live partitions of one query head (from the window's first, up to
+  ``cdiv(seq_len, partition_size)``), rescales each by
   ``exp2(m_p - max_p m_p)`` and writes ``sum(w_p * acc_p) / sum(w_p * l_p)``.
 
 ``num_partitions = cdiv(max_seq_len, partition_size)`` comes from a host bound, not from the
@@ -32,7 +35,8 @@ num_kv_heads, block_size, head_size]``; block_tables ``[num_seqs, max_blocks]`` 
 HEAD_DIM]``, max_logits/exp_sums ``[num_seqs, num_heads, num_partitions]``.
 
 Bound: memory. Bytes ~ ``2 * sum(seq_lens) * num_kv_heads * head_size * element_size`` (each K/V
-element read once); FLOPs ~ ``4 * sum(seq_lens) * num_heads * head_size``, i.e. ~2 *
+element read once; with a window, ``min(seq_len, sliding_window)`` per sequence plus at most one
+partly masked tile); FLOPs ~ ``4 * sum(seq_lens) * num_heads * head_size``, i.e. ~2 *
 num_queries_per_kv FLOPs per byte at 16 bits, far below any GPU's ridge point. The workspace
 traffic is ``num_partitions * num_heads * head_size * 4`` bytes per sequence, < 1% of the K/V
 bytes at partitions of 512 tokens.
@@ -51,7 +55,13 @@ from pagedllm.kernels.triton.paged_tiles import attend_paged_range, check_paged_
 _REDUCE_BLOCK_P = 32
 
 
-@triton.jit(do_not_specialize=["partition_size"])
+@triton.jit
+def _window_start(seq_len, sliding_window):
+    """The first key a sequence's last token sees: seq_len - sliding_window (0 without a window)."""
+    return tl.maximum(seq_len - sliding_window, 0) * (sliding_window > 0)
+
+
+@triton.jit(do_not_specialize=["partition_size", "sliding_window"])
 def _paged_decode_kernel(
     out_ptr,
     partial_out_ptr,
@@ -62,7 +72,10 @@ def _paged_decode_kernel(
     value_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    alibi_slopes_ptr,  # [num_heads] float32, read when ALIBI
     qk_scale,
+    sliding_window,  # 0: no window
+    soft_cap,  # the logit cap * log2(e), read when SOFT_CAP
     stride_q_seq,
     stride_q_head,
     stride_q_dim,
@@ -94,6 +107,8 @@ def _paged_decode_kernel(
     partition_size,
     BLOCK_N: tl.constexpr,
     SINGLE_PARTITION: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # partition_size (a multiple of BLOCK_N: tiles never straddle two partitions, asserted by the
@@ -103,11 +118,19 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    # The single query sits at seq_len - 1 and sees keys >= window_start (all with no window).
+    window_start = _window_start(seq_len, sliding_window)
     start = part * partition_size
-    if start >= seq_len:
-        return
     end = tl.minimum(start + partition_size, seq_len)
-    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    if start >= seq_len or end <= window_start:
+        return
+    # The window's first tile (the only one cut by its lower edge) is masked on its own; the
+    # tiles before it are never read.
+    lo = tl.maximum(start, window_start // BLOCK_N * BLOCK_N)
+    head_end = lo
+    if window_start > start:
+        head_end = tl.minimum(lo + BLOCK_N, end)
+    full_end = tl.maximum(start + (end - start) // BLOCK_N * BLOCK_N, head_end)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -120,6 +143,11 @@ def _paged_decode_kernel(
         mask=row_mask,
         other=0.0,
     ).to(key_cache_ptr.dtype.element_ty)
+    q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + seq_len - 1
+    alibi_row = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if ALIBI:
+        slopes = tl.load(alibi_slopes_ptr + heads, mask=offs_h < NUM_QUERIES_PER_KV, other=0.0)
+        alibi_row += slopes * 1.4426950408889634  # log2(e): base-2 scores
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -127,47 +155,25 @@ def _paged_decode_kernel(
     k_head_ptr = key_cache_ptr + kv_head * stride_k_head
     v_head_ptr = value_cache_ptr + kv_head * stride_v_head
     block_table_ptr = block_tables_ptr + seq * stride_bt_seq
-    # Full tiles first, without per-token masks; then at most one tile cut by seq_len. Not causal:
-    # the single query sits at seq_len - 1 and sees the whole context (offs_h fills q_pos).
+    # The window's first tile, masked below window_start (and at seq_len); then full tiles
+    # without per-token masks; then at most one tile cut by seq_len. Not causal: the query is the
+    # context's last token.
     acc, l_i, m_i = attend_paged_range(
         acc,
         l_i,
         m_i,
         q,
-        offs_h,
+        q_pos,
         k_head_ptr,
         v_head_ptr,
         block_table_ptr,
-        start,
-        full_end,
+        lo,
+        head_end,
+        window_start,
         qk_scale,
-        stride_bt_blk,
-        stride_k_block,
-        stride_k_slot,
-        k_dim_offs,
-        stride_v_block,
-        stride_v_slot,
-        v_dim_offs,
-        HEAD_SIZE,
-        HEAD_DIM,
-        BLOCK_SIZE,
-        BLOCK_N,
-        MASK_TAIL=False,
-        CAUSAL=False,
-        DOT_PRECISION=DOT_PRECISION,
-    )
-    acc, l_i, m_i = attend_paged_range(
-        acc,
-        l_i,
-        m_i,
-        q,
-        offs_h,
-        k_head_ptr,
-        v_head_ptr,
-        block_table_ptr,
-        full_end,
-        end,
-        qk_scale,
+        sliding_window,
+        soft_cap,
+        alibi_row,
         stride_bt_blk,
         stride_k_block,
         stride_k_slot,
@@ -181,6 +187,77 @@ def _paged_decode_kernel(
         BLOCK_N,
         MASK_TAIL=True,
         CAUSAL=False,
+        WINDOW=False,
+        SOFT_CAP=SOFT_CAP,
+        ALIBI=ALIBI,
+        DOT_PRECISION=DOT_PRECISION,
+    )
+    acc, l_i, m_i = attend_paged_range(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_head_ptr,
+        v_head_ptr,
+        block_table_ptr,
+        head_end,
+        full_end,
+        head_end,
+        qk_scale,
+        sliding_window,
+        soft_cap,
+        alibi_row,
+        stride_bt_blk,
+        stride_k_block,
+        stride_k_slot,
+        k_dim_offs,
+        stride_v_block,
+        stride_v_slot,
+        v_dim_offs,
+        HEAD_SIZE,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        BLOCK_N,
+        MASK_TAIL=False,
+        CAUSAL=False,
+        WINDOW=False,
+        SOFT_CAP=SOFT_CAP,
+        ALIBI=ALIBI,
+        DOT_PRECISION=DOT_PRECISION,
+    )
+    acc, l_i, m_i = attend_paged_range(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q_pos,
+        k_head_ptr,
+        v_head_ptr,
+        block_table_ptr,
+        full_end,
+        end,
+        full_end,
+        qk_scale,
+        sliding_window,
+        soft_cap,
+        alibi_row,
+        stride_bt_blk,
+        stride_k_block,
+        stride_k_slot,
+        k_dim_offs,
+        stride_v_block,
+        stride_v_slot,
+        v_dim_offs,
+        HEAD_SIZE,
+        HEAD_DIM,
+        BLOCK_SIZE,
+        BLOCK_N,
+        MASK_TAIL=True,
+        CAUSAL=False,
+        WINDOW=False,
+        SOFT_CAP=SOFT_CAP,
+        ALIBI=ALIBI,
         DOT_PRECISION=DOT_PRECISION,
     )
 
@@ -207,7 +284,7 @@ def _paged_decode_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["partition_size"])
+@triton.jit(do_not_specialize=["partition_size", "sliding_window"])
 def _paged_decode_reduce_kernel(
     out_ptr,
     partial_out_ptr,
@@ -225,14 +302,18 @@ def _paged_decode_reduce_kernel(
     stride_ml_head,
     stride_ml_part,
     partition_size,
+    sliding_window,
     HEAD_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    # Only the partitions kernel 1 wrote: the rest of the workspace is uninitialized.
-    num_parts = tl.cdiv(tl.load(seq_lens_ptr + seq), partition_size)
+    # Only the partitions kernel 1 wrote, [first_part, num_parts): the rest of the workspace is
+    # uninitialized.
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_parts = tl.cdiv(seq_len, partition_size)
+    first_part = _window_start(seq_len, sliding_window) // partition_size
     offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, HEAD_DIM)
     ml_ptr = max_logits_ptr + seq * stride_ml_seq + head * stride_ml_head
@@ -240,7 +321,7 @@ def _paged_decode_reduce_kernel(
     po_ptr = partial_out_ptr + seq * stride_po_seq + head * stride_po_head
 
     running_max = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
-    for p0 in range(0, num_parts, BLOCK_P):
+    for p0 in range(first_part, num_parts, BLOCK_P):
         parts = p0 + offs_p
         m = tl.load(ml_ptr + parts * stride_ml_part, mask=parts < num_parts, other=float("-inf"))
         running_max = tl.maximum(running_max, m)
@@ -248,7 +329,7 @@ def _paged_decode_reduce_kernel(
 
     acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
     denom = tl.zeros([BLOCK_P], dtype=tl.float32)
-    for p0 in range(0, num_parts, BLOCK_P):
+    for p0 in range(first_part, num_parts, BLOCK_P):
         parts = p0 + offs_p
         part_mask = parts < num_parts
         m = tl.load(ml_ptr + parts * stride_ml_part, mask=part_mask, other=float("-inf"))
@@ -279,6 +360,9 @@ def paged_decode(
     max_seq_len: int,
     out: torch.Tensor,
     *,
+    sliding_window: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    logits_soft_cap: float | None = None,
     partition_size: int = 512,
     block_n: int = 64,
     num_warps: int = 4,
@@ -290,6 +374,8 @@ def paged_decode(
     num_kv_heads, block_size, head_size]; block_tables: [num_seqs, max_blocks] int32; seq_lens:
     [num_seqs] int32, each in [1, max_seq_len]. ``max_seq_len`` is a host-side bound (e.g.
     max_model_len under CUDA graphs) that sets the number of partitions; no device value is read.
+    The variants (sliding_window, alibi_slopes [num_heads] float32, logits_soft_cap) are
+    ``AttentionBackend``'s; with a window, partitions wholly before it exit at once.
     """
     layout = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
     assert layout.key_chunk == 0, "paged_decode reads the Triton layout (the cuda backend has its own decode)"
@@ -323,7 +409,10 @@ def paged_decode(
         value_cache,
         block_tables,
         seq_lens,
+        query if alibi_slopes is None else alibi_slopes,  # a pointer never read without ALiBi
         scale * math.log2(math.e),
+        sliding_window or 0,
+        (logits_soft_cap or 0.0) * math.log2(math.e),
         *query.stride(),
         *out.stride(),
         *partial_out.stride(),
@@ -339,6 +428,8 @@ def paged_decode(
         partition_size=partition_size,
         BLOCK_N=block_n,
         SINGLE_PARTITION=single_partition,
+        SOFT_CAP=logits_soft_cap is not None,
+        ALIBI=alibi_slopes is not None,
         DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32),
         num_warps=num_warps,
         num_stages=num_stages,
@@ -354,6 +445,7 @@ def paged_decode(
             *partial_out.stride(),
             *max_logits.stride(),
             partition_size=partition_size,
+            sliding_window=sliding_window or 0,
             HEAD_SIZE=head_size,
             HEAD_DIM=head_dim,
             # One tile width for any number of partitions: masked lanes cost nothing here, and a

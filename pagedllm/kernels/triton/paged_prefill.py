@@ -48,7 +48,8 @@ from pagedllm.kernels.triton.paged_tiles import (
 
 # first_seq (how many decodes precede the prefills) changes every step: specialised, as Triton
 # specialises ints equal to 1 or divisible by 16, it would compile new kernels mid-serving.
-@triton.jit(do_not_specialize=["first_seq"])
+# sliding_window varies per layer (Gemma): one kernel for every value, as for first_seq.
+@triton.jit(do_not_specialize=["first_seq", "sliding_window"])
 def _paged_prefill_kernel(
     out_ptr,
     query_ptr,
@@ -57,8 +58,11 @@ def _paged_prefill_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     query_start_loc_ptr,
+    alibi_slopes_ptr,  # [num_heads] float32, read when ALIBI
     qk_scale,
     first_seq,
+    sliding_window,  # read when WINDOW
+    soft_cap,  # the logit cap * log2(e), read when SOFT_CAP
     stride_q_tok,
     stride_q_head,
     stride_q_dim,
@@ -83,6 +87,9 @@ def _paged_prefill_kernel(
     K_CHUNK: tl.constexpr,  # elements per contiguous run of a key row (the seeds' x); 0: one run
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
+    ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     m_block = tl.program_id(0)
@@ -109,11 +116,24 @@ def _paged_prefill_kernel(
     ).to(key_cache_ptr.dtype.element_ty)
     q_pos = context_len + offs_m
 
+    alibi_row = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if ALIBI:
+        alibi_row += tl.load(alibi_slopes_ptr + head) * 1.4426950408889634  # log2(e): base-2 scores
+
     # Keys <= the tile's first query position are visible to all its rows (first_pos < seq_len
     # because the tile holds at least one real row); the tiles after that straddle the diagonal.
     first_pos = context_len + m_block * BLOCK_M
+    unmasked_lo = 0
     unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
     kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)
+    kv_lo = unmasked_end
+    if WINDOW:
+        # Only keys > first_pos - sliding_window are visible to any row: start at that key's
+        # tile, and mask every tile (the window's lower edge moves with the row, like the
+        # diagonal). Keys before kv_lo are not even loaded: their blocks may be gone.
+        kv_lo = tl.maximum(first_pos - sliding_window + 1, 0)
+        unmasked_lo = kv_lo // BLOCK_N * BLOCK_N
+        unmasked_end = unmasked_lo
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -130,9 +150,13 @@ def _paged_prefill_kernel(
         k_head_ptr,
         v_head_ptr,
         block_table_ptr,
-        0,
+        unmasked_lo,
         unmasked_end,
+        unmasked_lo,
         qk_scale,
+        sliding_window,
+        soft_cap,
+        alibi_row,
         stride_bt_blk,
         stride_k_block,
         stride_k_slot,
@@ -146,10 +170,14 @@ def _paged_prefill_kernel(
         BLOCK_N,
         MASK_TAIL=False,
         CAUSAL=False,
+        WINDOW=False,
+        SOFT_CAP=SOFT_CAP,
+        ALIBI=ALIBI,
         DOT_PRECISION=DOT_PRECISION,
     )
-    # If the unmasked stage was empty this one starts at key 0, which every row sees: no row is
-    # fully masked in its first tile.
+    # If the unmasked stage was empty this one starts at key 0, or the window's first tile: without
+    # a window every row sees key 0, so no row is fully masked in its first tile; with one,
+    # attend_paged_range keeps such rows NaN-free.
     acc, l_i, m_i = attend_paged_range(
         acc,
         l_i,
@@ -161,7 +189,11 @@ def _paged_prefill_kernel(
         block_table_ptr,
         unmasked_end,
         kv_end,
+        kv_lo,
         qk_scale,
+        sliding_window,
+        soft_cap,
+        alibi_row,
         stride_bt_blk,
         stride_k_block,
         stride_k_slot,
@@ -175,6 +207,9 @@ def _paged_prefill_kernel(
         BLOCK_N,
         MASK_TAIL=True,
         CAUSAL=True,
+        WINDOW=WINDOW,
+        SOFT_CAP=SOFT_CAP,
+        ALIBI=ALIBI,
         DOT_PRECISION=DOT_PRECISION,
     )
 
@@ -199,6 +234,9 @@ def paged_prefill(
     max_query_len: int,
     out: torch.Tensor,
     *,
+    sliding_window: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    logits_soft_cap: float | None = None,
     block_m: int = 64,
     block_n: int = 64,
     num_warps: int = 4,
@@ -212,7 +250,8 @@ def paged_prefill(
     num_kv_heads, head_size / x, block_size, x], V [num_blocks, num_kv_heads, head_size,
     block_size]); block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
     query_start_loc: [num_seqs + 1] int32. ``max_query_len`` (host int) bounds every query_len of
-    those sequences and sets the grid.
+    those sequences and sets the grid. The variants (sliding_window, alibi_slopes [num_heads]
+    float32, logits_soft_cap) are ``AttentionBackend``'s.
     """
     layout = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
     assert query_start_loc.dtype == torch.int32 and query_start_loc.shape[0] == seq_lens.shape[0] + 1
@@ -229,8 +268,11 @@ def paged_prefill(
         block_tables,
         seq_lens,
         query_start_loc,
+        query if alibi_slopes is None else alibi_slopes,  # a pointer never read without ALiBi
         scale * math.log2(math.e),
         first_seq,
+        sliding_window or 0,
+        (logits_soft_cap or 0.0) * math.log2(math.e),
         *query.stride(),
         *out.stride(),
         *layout.key_strides,
@@ -243,6 +285,9 @@ def paged_prefill(
         K_CHUNK=layout.key_chunk,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        WINDOW=sliding_window is not None,
+        SOFT_CAP=logits_soft_cap is not None,
+        ALIBI=alibi_slopes is not None,
         DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -25,8 +25,15 @@ each block is one contiguous ``block_size * head_size`` run and the offsets are 
 (16-byte vector loads). ``HEAD_DIM`` is ``head_size`` rounded up to a power of two, the padding
 columns masked to zero so they add nothing to ``q @ k^T`` or the output.
 
-Every row must see at least one unmasked key in the first tile it processes (otherwise
-``exp2(-inf - -inf)`` is NaN); both callers guarantee it.
+Variants (each a constexpr switch, so the plain kernels compile as before): a logit soft cap
+(``s = cap * tanh(s / cap)``, Gemma 2), ALiBi (``s += slope * (key_pos - q_pos)``, Press et al.
+2022) and a sliding window (row ``r`` sees keys ``> q_pos[r] - sliding_window``, Hugging Face's
+convention). The callers start the loop at the window's first tile, so a windowed layer reads only
+the window's blocks.
+
+Without WINDOW, every row must see at least one unmasked key in the first tile it processes
+(otherwise ``exp2(-inf - -inf)`` is NaN); the callers guarantee it. With WINDOW a fully masked row
+keeps ``m_i = -inf, l_i = 0`` until it meets its first visible key.
 """
 
 from __future__ import annotations
@@ -44,13 +51,17 @@ def attend_paged_range(
     l_i,
     m_i,  # running state: [ROWS, HEAD_DIM], [ROWS], [ROWS] float32
     q,  # [ROWS, HEAD_DIM] in the cache dtype, padding columns zero
-    q_pos,  # [ROWS] context position of each query row (read only when CAUSAL)
+    q_pos,  # [ROWS] context position of each query row (read when CAUSAL, WINDOW or ALIBI)
     k_head_ptr,
     v_head_ptr,  # key/value cache base, already offset to this program's KV head
     block_table_ptr,  # this sequence's block table row
     lo,
-    hi,  # the context tokens [lo, hi) to attend to; lo is a multiple of BLOCK_N
+    hi,  # the context tokens [lo, hi) to attend to
+    kv_lo,  # with MASK_TAIL, tokens < kv_lo are masked too (pass lo when none are)
     qk_scale,  # softmax scale * log2(e)
+    sliding_window,  # read when WINDOW: row r sees keys > q_pos[r] - sliding_window
+    soft_cap,  # read when SOFT_CAP: the cap * log2(e)
+    alibi_row,  # [ROWS] ALiBi slope of each row * log2(e), read when ALIBI
     stride_bt_blk,
     stride_k_block,
     stride_k_slot,
@@ -62,8 +73,11 @@ def attend_paged_range(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    MASK_TAIL: tl.constexpr,  # hi may fall inside a tile: mask tokens >= hi
+    MASK_TAIL: tl.constexpr,  # the range's ends may fall inside a tile: mask tokens outside [kv_lo, hi)
     CAUSAL: tl.constexpr,  # mask keys past each row's q_pos
+    WINDOW: tl.constexpr,  # mask keys at or before each row's q_pos - sliding_window
+    SOFT_CAP: tl.constexpr,
+    ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     offs_d = tl.arange(0, HEAD_DIM)
@@ -72,7 +86,7 @@ def attend_paged_range(
         offs_n = tile_start + tl.arange(0, BLOCK_N)
         bt_ptrs = block_table_ptr + (offs_n // BLOCK_SIZE) * stride_bt_blk
         if MASK_TAIL:
-            token_mask = offs_n < hi
+            token_mask = (offs_n >= kv_lo) & (offs_n < hi)
             block_ids = tl.load(bt_ptrs, mask=token_mask, other=0)
             kv_mask = token_mask[:, None] & dim_mask[None, :]
         else:
@@ -82,8 +96,8 @@ def attend_paged_range(
         # int64: block * stride_block overflows int32 for caches past 2^31 elements.
         block_ids = block_ids.to(tl.int64)
         slots = offs_n % BLOCK_SIZE
-        # In a tail tile the mask also keeps whatever the slots past hi hold (stale values, NaN)
-        # out of the dots.
+        # In a masked tile the mask also keeps whatever the slots outside [kv_lo, hi) hold (stale
+        # values, NaN) out of the dots.
         k = tl.load(
             k_head_ptr
             + block_ids[:, None] * stride_k_block
@@ -93,13 +107,25 @@ def attend_paged_range(
             other=0.0,
         )
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFT_CAP:
+            # cap * tanh(s / cap) in log2 units: both s and the cap carry the factor log2(e).
+            s = soft_cap * _tanh(s / soft_cap)
+        if ALIBI:
+            s += alibi_row[:, None] * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)
         if MASK_TAIL:
             s = tl.where(token_mask[None, :], s, float("-inf"))
         if CAUSAL:
             s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+        if WINDOW:
+            s = tl.where(offs_n[None, :] > q_pos[:, None] - sliding_window, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        m_ref = m_new
+        if WINDOW:
+            # A row may see no key of a tile its neighbours need: subtract 0, not -inf, so that
+            # its p and alpha are exp2(-inf) = 0 instead of exp2(-inf - -inf) = NaN.
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(
             v_head_ptr
@@ -112,6 +138,14 @@ def attend_paged_range(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _tanh(x):
+    """tanh from one exp2 of a non-positive argument (no overflow, no cancellation for large |x|)."""
+    e = tl.exp2(-2.885390081777927 * tl.abs(x))  # exp(-2|x|); 2.885... = 2 * log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
 
 
 @triton.jit

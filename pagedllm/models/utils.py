@@ -1,0 +1,141 @@
+"""What every model family shares: the engine's model interface (forward, logits, weight loading)
+and the per-layer sliding windows read from a Hugging Face config."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from pagedllm.attention import AttentionMetadata
+from pagedllm.attention.backends.abstract import KVCache
+from pagedllm.layers.logits_processor import LogitsProcessor
+from pagedllm.layers.utils import default_weight_loader
+
+# Hugging Face layer types (config.layer_types) and whether they attend through a window.
+_LAYER_TYPE_SLIDES = {"full_attention": False, "sliding_attention": True}
+
+
+def layer_sliding_windows(config: Any) -> list[int | None]:
+    """Each layer's sliding window (None: global attention), as Hugging Face's modeling applies it.
+
+    ``config.sliding_window`` is the window; ``config.layer_types``, where the config has it, says
+    which layers use it (Gemma 2/3 alternate; Qwen2/Qwen3 configs derive it from
+    ``use_sliding_window`` and ``max_window_layers``: layers ``>= max_window_layers`` slide, and
+    ``sliding_window`` is None when ``use_sliding_window`` is off). Without ``layer_types`` every
+    layer slides (Mistral).
+    """
+    num_layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        unknown = sorted(set(layer_types) - set(_LAYER_TYPE_SLIDES))
+        if unknown:
+            raise ValueError(
+                f"layer_types {unknown} are not supported; supported: {sorted(_LAYER_TYPE_SLIDES)}"
+            )
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    if window is None:
+        return [None] * num_layers
+    if window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {window}")
+    max_len = getattr(config, "max_position_embeddings", None)
+    if max_len is not None and window > max_len:
+        raise ValueError(f"sliding_window {window} is larger than max_position_embeddings {max_len}")
+    if layer_types is None:
+        return [window] * num_layers
+    return [window if _LAYER_TYPE_SLIDES[t] else None for t in layer_types]
+
+
+class CausalLM(nn.Module):
+    """The engine's model interface, shared by every family: forward over a flattened batch,
+    logits of chosen rows, and loading Hugging Face-named checkpoint tensors.
+
+    A family sets ``self.model`` (forward(input_ids, positions, kv_caches, attn_metadata) ->
+    hidden states), ``self.lm_head`` and ``self.logits_processor``, and may override
+    ``_checkpoint_tensors`` to rename, transpose or split what its checkpoints store.
+    """
+
+    # Checkpoint projections that live packed in one of our parameters: packed name -> the
+    # checkpoint names, in shard order, and their shard ids.
+    packed_modules_mapping: ClassVar[dict[str, tuple[tuple[str, int | str], ...]]] = {}
+    # Substrings of checkpoint names that carry nothing we load (buffers derived from the config).
+    skipped_checkpoint_names: ClassVar[tuple[str, ...]] = ()
+
+    model: nn.Module
+    lm_head: nn.Module
+    logits_processor: LogitsProcessor
+    tie_word_embeddings: bool = False
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] int64; kv_caches: one per layer.
+        Returns the final hidden states: [num_tokens, hidden_size]."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states: [num_rows, hidden_size] -> [num_rows, vocab_size] float32."""
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load Hugging Face-named checkpoint tensors; returns the names of the loaded parameters.
+
+        Raises ValueError for a checkpoint tensor that no parameter takes, and for a parameter (or
+        a shard of a packed one) that the checkpoint never provided.
+        """
+        params = dict(self.named_parameters())
+        loaded_shards: dict[str, set[int | str | None]] = {name: set() for name in params}
+        for ckpt_name, name, shard_id, tensor in self._checkpoint_tensors(weights):
+            if name not in params:
+                model = type(self).__name__
+                raise ValueError(f"checkpoint weight {ckpt_name!r} matches no parameter of {model}")
+            param = params[name]
+            weight_loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                weight_loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"cannot load checkpoint weight {ckpt_name!r}: {e}") from e
+            loaded_shards[name].add(shard_id)
+        missing = [m for name in params if (m := self._describe_missing(name, loaded_shards[name]))]
+        if missing:
+            raise ValueError(f"the checkpoint has no weights for: {', '.join(missing)}")
+        return set(params)
+
+    def _checkpoint_tensors(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, str, int | str | None, torch.Tensor]]:
+        """(checkpoint name, parameter name, shard id, tensor) for each tensor to load."""
+        for ckpt_name, tensor in weights:
+            if not self._is_skipped(ckpt_name):
+                yield ckpt_name, *self._param_name(ckpt_name), tensor
+
+    def _is_skipped(self, ckpt_name: str) -> bool:
+        # A tied checkpoint may still carry the LM head, a copy of the embedding.
+        is_tied_head = self.tie_word_embeddings and ckpt_name == "lm_head.weight"
+        return is_tied_head or any(s in ckpt_name for s in self.skipped_checkpoint_names)
+
+    def _param_name(self, ckpt_name: str) -> tuple[str, int | str | None]:
+        """The parameter taking checkpoint tensor ``ckpt_name``, and its shard id there."""
+        for packed, sources in self.packed_modules_mapping.items():
+            for source, shard_id in sources:
+                if f".{source}." in ckpt_name:
+                    return ckpt_name.replace(f".{source}.", f".{packed}."), shard_id
+        return ckpt_name, None
+
+    def _describe_missing(self, name: str, loaded: set[int | str | None]) -> str | None:
+        """None when parameter ``name`` is fully loaded, else what it lacks."""
+        for packed, sources in self.packed_modules_mapping.items():
+            if f".{packed}." in name:
+                if None in loaded:  # the checkpoint stored the projections already packed
+                    return None
+                absent = [source for source, shard_id in sources if shard_id not in loaded]
+                return f"{name} (from {', '.join(absent)})" if absent else None
+        return None if loaded else name
