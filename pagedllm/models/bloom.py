@@ -25,7 +25,7 @@ from pagedllm.distributed import get_tensor_model_parallel_rank
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from pagedllm.models.utils import CausalLM
+from pagedllm.models.utils import CausalLM, read_whole
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -143,6 +143,7 @@ class BloomForCausalLM(CausalLM):
             name = name if name.startswith("transformer.") else f"transformer.{name}"
             if ".query_key_value." in name:
                 # [num_heads, 3, head_dim, ...] rows -> [3, num_heads, head_dim, ...]: q | k | v.
+                tensor = read_whole(tensor)
                 rest = tensor.shape[1:]
                 tensor = tensor.view(self.num_heads, 3, -1, *rest).transpose(0, 1).reshape(-1, *rest)
             yield ckpt_name, name, shard_id, tensor

@@ -21,7 +21,7 @@ from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from pagedllm.models.utils import CausalLM
+from pagedllm.models.utils import CausalLM, read_whole
 
 # config.activation_function -> the GELU variant (Hugging Face's ACT2FN names).
 _GELU_APPROXIMATION = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu": "none"}
@@ -131,5 +131,5 @@ class GPT2LMHeadModel(CausalLM):
             # Bare GPT2Model checkpoints name the blocks without the "transformer." prefix.
             name = name if name.startswith("transformer.") else f"transformer.{name}"
             if name.endswith(_CONV1D_WEIGHTS):
-                tensor = tensor.t()
+                tensor = read_whole(tensor).t()
             yield ckpt_name, name, shard_id, tensor

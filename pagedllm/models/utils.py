@@ -12,7 +12,7 @@ from torch import nn
 from pagedllm.attention import AttentionMetadata
 from pagedllm.attention.backends.abstract import KVCache
 from pagedllm.layers.logits_processor import LogitsProcessor
-from pagedllm.layers.utils import default_weight_loader
+from pagedllm.layers.utils import CheckpointSlice, CheckpointTensor, default_weight_loader
 
 # Hugging Face layer types (config.layer_types) and whether they attend through a window.
 _LAYER_TYPE_SLIDES = {"full_attention": False, "sliding_attention": True}
@@ -139,3 +139,10 @@ class CausalLM(nn.Module):
                 absent = [source for source, shard_id in sources if shard_id not in loaded]
                 return f"{name} (from {', '.join(absent)})" if absent else None
         return None if loaded else name
+
+
+def read_whole(tensor: CheckpointTensor) -> torch.Tensor:
+    """The whole checkpoint tensor, read, for a loader that rearranges it before sharding (a
+    transposed Conv1D, a regrouped fused QKV)."""
+    return tensor.read() if isinstance(tensor, CheckpointSlice) else tensor
+
