@@ -210,3 +210,13 @@ def smollm2_hf_model(smollm2_gguf: str) -> PreTrainedModel:
     assert hf_model.load_state_dict(tensors, strict=False).missing_keys == ["lm_head.weight"]
     hf_model.tie_weights()
     return hf_model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama (vocabulary 160, no tokenizer) saved once per session."""
+    from transformers import LlamaConfig
+
+    model_dir = tmp_path_factory.mktemp("tiny-llama")
+    _make_tiny_model(LlamaConfig, model_dir, num_attention_heads=4, num_key_value_heads=2)
+    return str(model_dir)

@@ -23,8 +23,10 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stop_checker import StopChecker
 from pagedllm.executor.uniproc_executor import UniProcExecutor
 from pagedllm.outputs import RequestOutput
+from pagedllm.request_validation import validate_request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.tokenizer import get_eos_token_ids, get_tokenizer
 from pagedllm.worker.execute_request import ExecuteModelRequest, ScheduledSequence, SequenceGroupMetadata
 
@@ -74,6 +76,11 @@ class LLMEngine:
             enable_prefix_caching=config.cache_config.enable_prefix_caching,
         )
         self.eos_token_ids = get_eos_token_ids(model_config, self.tokenizer)
+        self.structured_output_manager = (
+            None
+            if self.tokenizer is None
+            else StructuredOutputManager(self.tokenizer, model_config.vocab_size, self.eos_token_ids)
+        )
         self._seq_counter = itertools.count()
         self.output_processor = OutputProcessor(
             self.scheduler,
@@ -129,6 +136,15 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = sampling_params or SamplingParams()
         token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
+        token_ids = validate_request(
+            params,
+            token_ids,
+            self.config,
+            self.num_gpu_blocks,
+            len(self.eos_token_ids),
+            self.tokenizer,
+            self.structured_output_manager,
+        )
         seq = Sequence(next(self._seq_counter), token_ids, self.config.cache_config.block_size)
         if self.tokenizer is not None:
             init_detokenizer_state(seq)
@@ -155,14 +171,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer (skip_tokenizer_init): give prompt_token_ids")
             prompt_token_ids = self.tokenizer(prompt)["input_ids"]
-        token_ids = list(prompt_token_ids)
-        if not token_ids:
-            raise ValueError("prompt is empty: give at least one token")
-        vocab_size = self.config.model_config.vocab_size
-        for token_id in token_ids:
-            if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < vocab_size:
-                raise ValueError(f"prompt token id {token_id!r} is outside the vocabulary [0, {vocab_size})")
-        return token_ids
+        return prompt_token_ids
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """End requests wherever they are; their blocks are free when this returns."""

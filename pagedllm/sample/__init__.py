@@ -1,0 +1,1 @@
+"""Sampling: what turns a step's logits into the next tokens, row by row."""
