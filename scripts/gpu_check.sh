@@ -3,13 +3,14 @@
 # repository root): the GPU tests, then the benchmarks, then a table of every figure, last.
 #
 #   scripts/gpu_check.sh                 tests, K1, W1, W3 (the short set)
-#   scripts/gpu_check.sh tests k1 k1-sweep w1 w1-profile w2 w3 hf w4 cuda sanitize
+#   scripts/gpu_check.sh tests k1 k1-sweep w1 w1-profile w2 w3 hf w4 cuda sanitize so
 #
 # Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too), w1 / w2
 # (bench throughput; w1-profile: W1 with 5 steps torch-profiled in each phase, its timing then
 # includes the profiler), w3 (bench latency, profiled), hf (benchmarks/compare_hf.py: W1 through
 # transformers too), w4 (bench serve against pagedllm serve), cuda (W1 on the cuda backend),
-# sanitize (compute-sanitizer on the CUDA kernels). Results go to $OUT (the device tool's output
+# sanitize (compute-sanitizer on the CUDA kernels), so (benchmarks/structured_output.py: 32
+# json_schema requests against 32 unconstrained). Results go to $OUT (the device tool's output
 # folder) or /tmp/gpu_check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +24,8 @@ failed=()
 # What the GPU image lacks (the server's packages) travels as wheels in the ignored .whl/.
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic 2>&1 | tail -1
+    # Structured outputs (xgrammar and its apache-tvm-ffi, cp312 wheels).
+    python3 -m pip install -q --no-index --find-links .whl xgrammar 2>&1 | tail -1
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
@@ -65,6 +68,7 @@ for stage in "${stages[@]}"; do
         run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/cuda_sanitize.py
         ;;
     w4) run w4 scripts/serve_bench.sh "$OUT" ;;
+    so) run so python3 benchmarks/structured_output.py --device cuda --output-json "$OUT/so.json" ;;
     *) echo "unknown stage $stage" && failed+=("$stage") ;;
     esac
 done

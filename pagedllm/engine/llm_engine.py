@@ -29,6 +29,7 @@ from pagedllm.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.tokenizer import get_eos_token_ids, get_tokenizer
 from pagedllm.worker.execute_request import ExecuteModelRequest, ScheduledSequence, SequenceGroupMetadata
+from pagedllm.worker.request_logits import has_logits_processors
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +253,7 @@ class LLMEngine:
             params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0
             or params.repetition_penalty != 1.0
+            or has_logits_processors(params)
         )
         seqs = []
         for seq in seq_group.seqs:

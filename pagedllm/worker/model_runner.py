@@ -17,6 +17,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from pagedllm.worker.execute_request import ModelRunnerOutput, ScheduledSequence, SequenceGroupMetadata
 from pagedllm.worker.input_buffers import InputBuffers
+from pagedllm.worker.request_logits import RequestLogitsProcessors
 from pagedllm.worker.sampling_rows import (
     PromptLogprobRequest,
     prompt_logprob_rows,
@@ -60,6 +61,7 @@ class ModelRunner:
         self.attn_backend = attn_backend
         self.model: nn.Module | None = None
         self.sampler = Sampler()
+        self.logits_processors = RequestLogitsProcessors()
         scheduler_config = config.scheduler_config
         self.max_model_len = config.model_config.max_model_len
         self.use_cuda_graphs = (
@@ -214,6 +216,8 @@ class ModelRunner:
             return ModelRunnerOutput(samples={})
         logits = self.model.compute_logits(hidden_states[model_input.logits_indices])
         num_sample_rows = model_input.num_sample_rows
+        if num_sample_rows:
+            self.logits_processors(logits[:num_sample_rows], model_input.sampling_groups)
         samples = (
             self.sampler(logits[:num_sample_rows], model_input.sampling_groups) if num_sample_rows else {}
         )

@@ -110,6 +110,7 @@ class Worker:
         assert self.cache_engine is not None, "initialize_cache() first"
         for request_id in request.finished_request_ids:
             self.generators.pop(request_id, None)
+        self.model_runner.logits_processors.drop(request.finished_request_ids)
         self.cache_engine.run_cache_ops(
             request.blocks_to_swap_out, request.blocks_to_swap_in, request.blocks_to_copy
         )
