@@ -61,7 +61,11 @@ _TOKEN_ID_KEYS = {
 def open_gguf(path: str) -> gguf.GGUFReader:
     """The file's reader, parsed once per process: parsing walks every vocabulary string and takes
     seconds, and the config and the weights both need it."""
-    return gguf.GGUFReader(path)
+    try:
+        return gguf.GGUFReader(path)
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        # gguf's errors (bad magic, a truncated file) name no file.
+        raise ValueError(f"cannot read the GGUF file {path!r}: {e}") from e
 
 
 def _field(reader: gguf.GGUFReader, key: str) -> Any:

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
@@ -46,6 +46,10 @@ def iterate_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Ten
     """(Hugging Face name, CPU tensor) of every checkpoint tensor, one at a time, so that peak
     memory is one tensor, not the checkpoint."""
     for path in find_safetensors_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                yield name, f.get_tensor(name)
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    yield name, f.get_tensor(name)
+        except (OSError, RuntimeError, SafetensorError) as e:
+            # safetensors' own errors (a truncated or corrupt header) name no file.
+            raise ValueError(f"cannot read the weights file {path!r}: {e}") from e
