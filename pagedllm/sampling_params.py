@@ -3,11 +3,25 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import json
+import math
+import numbers
+import operator
+from dataclasses import dataclass, field
+from typing import Any
 
 # Temperatures below this are greedy: dividing logits by them would overflow.
 _GREEDY_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
+# What torch.Generator.manual_seed takes (a signed or an unsigned 64-bit integer).
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1
+# Stop strings are searched in every step's new text, and bad words' prefixes matched each step:
+# bounded so that one request cannot make every step slow.
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+MAX_BAD_WORDS = 256
+# OpenAI's range for a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
 
 
 class SamplingType(enum.IntEnum):
@@ -19,7 +33,137 @@ class SamplingType(enum.IntEnum):
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
     if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+        raise ValueError(f"{name} must be {allowed}, got {_short_repr(value)}")
+
+
+def _short_repr(value: object) -> str:
+    # A hostile value can be huge: the message quotes its start only.
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def as_int(value: object, name: str) -> int:
+    """``value`` as a Python int: ints, numpy and torch integers (never bools, floats or strings)."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ValueError(
+            f"{name} must be an integer, got {type(value).__name__} {_short_repr(value)}"
+        ) from None
+
+
+def as_float(value: object, name: str) -> float:
+    """``value`` as a finite Python float (ints and numpy floats too; never bools, inf or nan)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__} {_short_repr(value)}")
+    result = float(value)
+    if not math.isfinite(result):
+        raise ValueError(f"{name} must be finite, got {result}")
+    return result
+
+
+def as_int_list(value: object, name: str) -> list[int]:
+    if isinstance(value, (str, bytes, dict)) or not hasattr(value, "__iter__"):
+        raise ValueError(f"{name} must be a list of integers, got {type(value).__name__}")
+    return [as_int(item, name) for item in value]
+
+
+def as_str_list(value: object, name: str, max_items: int, max_chars: int) -> list[str]:
+    """A list of non-empty strings, at most ``max_items`` of at most ``max_chars`` characters."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        raise ValueError(f"{name} must be a string or a list of strings, got {type(value).__name__}")
+    _check(len(items) <= max_items, name, f"at most {max_items} strings", f"{len(items)} strings")
+    for item in items:
+        _check(isinstance(item, str) and item != "", name, "non-empty strings", item)
+        _check(len(item) <= max_chars, name, f"strings of at most {max_chars} characters", f"{len(item)}")
+    return list(items)
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrains a request's output to a formal language (vLLM's ``StructuredOutputsParams``).
+
+    Exactly one is set:
+        json: a JSON schema (a dict, or its JSON text); the output is a JSON value it accepts.
+        regex: the output matches this regular expression.
+        choice: the output is one of these strings.
+        grammar: the output is a sentence of this EBNF grammar (GBNF, as llama.cpp writes it).
+        json_object: the output is any JSON object (OpenAI's ``response_format`` json_object).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # The grammar compiled for the engine's tokenizer (an xgrammar CompiledGrammar), set when the
+    # engine validates the request; shared by requests with the same constraint.
+    compiled_grammar: Any = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        _check(
+            len(given) == 1,
+            "structured_outputs",
+            "exactly one of json, regex, choice, grammar, json_object",
+            given,
+        )
+        if self.json is not None:
+            self.json = _json_schema_text(self.json)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(
+                value is None or (isinstance(value, str) and value != ""),
+                f"structured_outputs.{name}",
+                "a non-empty string",
+                value,
+            )
+        if self.choice is not None:
+            self.choice = as_str_list(self.choice, "structured_outputs.choice", 1024, 4096)
+            _check(bool(self.choice), "structured_outputs.choice", "a non-empty list", self.choice)
+        _check(
+            self.json_object in (None, True, False),
+            "structured_outputs.json_object",
+            "a boolean",
+            self.json_object,
+        )
+
+    @property
+    def kind(self) -> str:
+        """Which of the fields is set."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The set field as text (the compiled-grammar cache's key, with ``kind``)."""
+        value = getattr(self, self.kind)
+        return json.dumps(value) if self.kind == "choice" else str(value)
+
+
+def _json_schema_text(schema: object) -> str:
+    if isinstance(schema, str):
+        try:
+            parsed = json.loads(schema)
+        except ValueError as e:
+            raise ValueError(f"structured_outputs.json must be a JSON schema, and is not JSON: {e}") from None
+    else:
+        parsed = schema
+    _check(
+        isinstance(parsed, (dict, bool)),
+        "structured_outputs.json",
+        "a JSON schema (an object)",
+        type(parsed).__name__,
+    )
+    try:
+        return json.dumps(parsed)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"structured_outputs.json must be JSON-serialisable: {e}") from None
 
 
 @dataclass
@@ -52,6 +196,12 @@ class SamplingParams:
         skip_special_tokens: drop special tokens from the output text.
         spaces_between_special_tokens: put spaces between special tokens in the output text.
         include_stop_str_in_output: keep the matched stop string in the text.
+        bad_words: words never generated: each is tokenized with and without a leading space; a
+            one-token word is banned everywhere, a longer one's last token after its other tokens.
+        allowed_token_ids: only these tokens may be generated.
+        logit_bias: token id -> value in [-100, 100] added to its logit before sampling.
+        truncate_prompt_tokens: keep only the prompt's last k tokens.
+        structured_outputs: constrain the output to a JSON schema, regex, choice or grammar.
     """
 
     n: int = 1
@@ -77,17 +227,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    logit_bias: dict[int, float] | None = None
+    truncate_prompt_tokens: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    # bad_words as token-id sequences, set by the engine's request validation (it has the tokenizer).
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.best_of is None:
-            self.best_of = self.n
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._normalize()
         if self.top_k == 0:
             self.top_k = -1
         if self.temperature < _GREEDY_TEMPERATURE and not self.use_beam_search:
@@ -100,6 +249,71 @@ class SamplingParams:
             self._verify_non_beam_search()
             if self.temperature < _GREEDY_TEMPERATURE:
                 self._verify_greedy()
+
+    def _normalize(self) -> None:
+        """Coerce numpy/torch numbers to Python's and containers to lists; wrong types raise
+        ValueError naming the field."""
+        self._normalize_scalars()
+        if self.best_of is None:
+            self.best_of = self.n
+        self._normalize_lists()
+
+    def _normalize_scalars(self) -> None:
+        for name in ("n", "top_k", "min_tokens"):
+            setattr(self, name, as_int(getattr(self, name), name))
+        for name in (
+            "best_of",
+            "seed",
+            "max_tokens",
+            "logprobs",
+            "prompt_logprobs",
+            "truncate_prompt_tokens",
+        ):
+            if getattr(self, name) is not None:
+                setattr(self, name, as_int(getattr(self, name), name))
+        for name in (
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "temperature",
+            "top_p",
+            "min_p",
+            "length_penalty",
+        ):
+            setattr(self, name, as_float(getattr(self, name), name))
+        for name in (
+            "use_beam_search",
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+        ):
+            _check(isinstance(getattr(self, name), bool), name, "a boolean", getattr(self, name))
+
+    def _normalize_lists(self) -> None:
+        self.stop = (
+            []
+            if self.stop is None
+            else as_str_list(self.stop, "stop", MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS)
+        )
+        self.stop_token_ids = (
+            [] if self.stop_token_ids is None else as_int_list(self.stop_token_ids, "stop_token_ids")
+        )
+        if self.bad_words is not None:
+            self.bad_words = as_str_list(self.bad_words, "bad_words", MAX_BAD_WORDS, MAX_STOP_STRING_CHARS)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = as_int_list(self.allowed_token_ids, "allowed_token_ids")
+            _check(bool(self.allowed_token_ids), "allowed_token_ids", "None or a non-empty list", [])
+        if self.logit_bias is not None:
+            self.logit_bias = _logit_bias(self.logit_bias)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        _check(
+            self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+            "structured_outputs",
+            "None or a StructuredOutputsParams",
+            self.structured_outputs,
+        )
 
     def _verify_args(self) -> None:
         _check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
@@ -123,7 +337,12 @@ class SamplingParams:
             self.top_k,
         )
         _check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
-        _check(self.seed is None or isinstance(self.seed, int), "seed", "None or an integer", self.seed)
+        _check(
+            self.seed is None or MIN_SEED <= self.seed <= MAX_SEED,
+            "seed",
+            f"None or an integer in [{MIN_SEED}, {MAX_SEED}]",
+            self.seed,
+        )
         _check(
             self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
             "max_tokens",
@@ -148,13 +367,26 @@ class SamplingParams:
                 f"None or an integer in [0, {MAX_LOGPROBS}]",
                 value,
             )
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "non-empty strings", self.stop)
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            _check(
+                all(t >= 0 for t in getattr(self, name) or []),
+                name,
+                "non-negative integers",
+                getattr(self, name),
+            )
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-            "stop_token_ids",
-            "non-negative integers",
-            self.stop_token_ids,
+            self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+            "truncate_prompt_tokens",
+            "None or an integer >= 1",
+            self.truncate_prompt_tokens,
         )
+        if self.structured_outputs is not None:
+            _check(
+                not self.use_beam_search,
+                "structured_outputs",
+                "None with beam search",
+                self.structured_outputs.kind,
+            )
 
     def _verify_beam_search(self) -> None:
         _check(self.best_of > 1, "best_of", "> 1 with beam search (it is the beam width)", self.best_of)
@@ -198,6 +430,15 @@ class SamplingParams:
         )
 
     @property
+    def token_id_fields(self) -> dict[str, list[int]]:
+        """Every token id the request names, by field: the engine checks them against the vocabulary."""
+        return {
+            "stop_token_ids": self.stop_token_ids,
+            "allowed_token_ids": self.allowed_token_ids or [],
+            "logit_bias": list(self.logit_bias or {}),
+        }
+
+    @property
     def sampling_type(self) -> SamplingType:
         if self.use_beam_search:
             return SamplingType.BEAM
@@ -214,3 +455,27 @@ class SamplingParams:
     @property
     def max_stop_string_len(self) -> int:
         return max((len(s) for s in self.stop), default=0)
+
+
+def _logit_bias(logit_bias: object) -> dict[int, float]:
+    """Token id (an int, or its decimal string as JSON keys are) -> finite bias in [-100, 100]."""
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(logit_bias).__name__}")
+    result = {}
+    for key, value in logit_bias.items():
+        if isinstance(key, str):
+            _check(
+                key.strip().lstrip("-").isdigit() and len(key) <= 20, "logit_bias", "keyed by token ids", key
+            )
+            key = int(key)
+        token_id = as_int(key, "logit_bias")
+        _check(token_id >= 0, "logit_bias", "keyed by non-negative token ids", token_id)
+        bias = as_float(value, "logit_bias")
+        _check(
+            -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+            "logit_bias",
+            f"in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            bias,
+        )
+        result[token_id] = bias
+    return result

@@ -36,6 +36,9 @@ def get_tokenizer(model_config: ModelConfig) -> Tokenizer | None:
         return None
     if model_config.gguf_file is not None:
         return _load_gguf_tokenizer(model_config.gguf_file)
+    if model_config.tokenizer != model_config.model and not has_tokenizer_files(model_config.tokenizer):
+        # A tokenizer the caller named must exist: running on token ids instead would be a surprise.
+        raise ValueError(f"tokenizer {model_config.tokenizer!r} is not a directory with tokenizer files")
     if not has_tokenizer_files(model_config.tokenizer):
         logger.warning(
             "no tokenizer files in %s: running on token ids only (prompts must be token ids, outputs carry "

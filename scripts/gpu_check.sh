@@ -3,7 +3,7 @@
 # repository root): the GPU tests, then the benchmarks, then a table of every figure, last.
 #
 #   scripts/gpu_check.sh                 tests, K1, K1 windowed, W1, W3 (the short set)
-#   scripts/gpu_check.sh tests k1 k1-sweep k1-window w1 w1-profile w2 w3 hf w4 w5 moe moe-sweep cuda sanitize tp (tp-tests, tp-bench)
+#   scripts/gpu_check.sh tests k1 k1-sweep k1-window w1 w1-profile w2 w3 hf w4 w5 moe moe-sweep cuda sanitize so tp (tp-tests, tp-bench)
 #
 # Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too; k1-window:
 # the Triton decode with a 1024-token sliding window beside itself unwindowed), w1 / w2
@@ -13,8 +13,9 @@
 # Qwen3-30B-A3B mixture of experts, against its floor), moe (bench moe: the fused MoE kernel against
 # the per-expert torch reference; moe-sweep: every launch too), cuda (W1 on the cuda backend),
 # sanitize (compute-sanitizer on the CUDA kernels), tp (two GPUs: the tensor-parallel GPU tests,
-# then W2 and W3 at tensor_parallel_size 1 and 2; the table gives TP=2 over TP=1). Results go to
-# $OUT (the device tool's output folder) or /tmp/gpu_check.
+# then W2 and W3 at tensor_parallel_size 1 and 2; the table gives TP=2 over TP=1), so
+# (benchmarks/structured_output.py: 32 json_schema requests against 32 unconstrained). Results go
+# to $OUT (the device tool's output folder) or /tmp/gpu_check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
@@ -27,6 +28,8 @@ failed=()
 # What the GPU image lacks (the server's packages) travels as wheels in the ignored .whl/.
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic 2>&1 | tail -1
+    # Structured outputs (xgrammar and its apache-tvm-ffi, cp312 wheels).
+    python3 -m pip install -q --no-index --find-links .whl xgrammar 2>&1 | tail -1
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
@@ -95,6 +98,7 @@ for stage in "${stages[@]}"; do
         ;;
     tp-tests) tp_tests ;;
     tp-bench) tp_bench ;;
+    so) run so python3 benchmarks/structured_output.py --device cuda --output-json "$OUT/so.json" ;;
     *) echo "unknown stage $stage" && failed+=("$stage") ;;
     esac
 done

@@ -270,6 +270,16 @@ def smollm2_hf_model(smollm2_gguf: str) -> PreTrainedModel:
     return hf_model
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Llama (vocabulary 160, no tokenizer) saved once per session."""
+    from transformers import LlamaConfig
+
+    model_dir = tmp_path_factory.mktemp("tiny-llama")
+    _make_tiny_model(LlamaConfig, model_dir, num_attention_heads=4, num_key_value_heads=2)
+    return str(model_dir)
+
+
 # Long-context families: tiny random models whose windows (16-32 tokens) are shorter than their
 # prompts, with head_dim 64 so that every attention backend takes them. name: (config class,
 # overrides). Tests take a case through the long_context_case parameter (pytest_generate_tests).

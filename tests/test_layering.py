@@ -17,16 +17,28 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
 
 # Lowest first. A module may import its own layer and the layers below it.
 LAYERS: list[tuple[str, ...]] = [
-    ("pagedllm.config", "pagedllm.sampling_params", "pagedllm.distributed", "pagedllm.cpu_info"),
+    (
+        "pagedllm.config",
+        "pagedllm.sampling_params",
+        "pagedllm.distributed",
+        "pagedllm.cpu_info",
+        "pagedllm.tokenizer",
+    ),
     ("pagedllm.kernels",),
     ("pagedllm.attention",),
-    ("pagedllm.layers", "pagedllm.sample"),
+    ("pagedllm.layers", "pagedllm.sample", "pagedllm.structured_output"),
     ("pagedllm.models",),
     ("pagedllm.model_loader",),
     ("pagedllm.worker",),
     ("pagedllm.executor",),
     ("pagedllm.core",),
-    ("pagedllm.tokenizer", "pagedllm.detokenizer", "pagedllm.outputs", "pagedllm.engine", "pagedllm.metrics"),
+    (
+        "pagedllm.detokenizer",
+        "pagedllm.outputs",
+        "pagedllm.request_validation",
+        "pagedllm.engine",
+        "pagedllm.metrics",
+    ),
     ("pagedllm.entrypoints", "pagedllm.__main__", "pagedllm"),
 ]
 

@@ -251,6 +251,16 @@ class AsyncLLMEngine:
         if live and self._dead_error is None:
             self._ops.put(lambda: self._abort_on_engine_thread(live))
 
+    def fail_all_requests(self, message: str) -> None:
+        """End every open stream with an error saying ``message`` (the server is going away), and
+        abort the requests."""
+        error = AsyncEngineDeadError(message)
+        live = list(self._streams)
+        for request_id in live:
+            self._streams.pop(request_id).put(error)
+        if live and self._dead_error is None:
+            self._ops.put(lambda: self._abort_on_engine_thread(live))
+
     def _check_alive(self) -> None:
         if self._dead_error is not None:
             raise self._dead_error

@@ -34,7 +34,9 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stop_checker import StopChecker
 from pagedllm.executor import get_executor_class
 from pagedllm.outputs import RequestOutput
+from pagedllm.request_validation import validate_request
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.tokenizer import get_eos_token_ids, get_tokenizer
 from pagedllm.worker.model_runner import StepOutput
 from pagedllm.worker.step_io import ModelRunnerOutput, SchedulerOutput
@@ -85,6 +87,11 @@ class LLMEngine:
             enable_prefix_caching=config.cache_config.enable_prefix_caching,
         )
         self.eos_token_ids = get_eos_token_ids(model_config, self.tokenizer)
+        self.structured_output_manager = (
+            None
+            if self.tokenizer is None
+            else StructuredOutputManager(self.tokenizer, model_config.vocab_size, self.eos_token_ids)
+        )
         self.stop_checker = StopChecker(model_config.max_model_len, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.stop_checker)
         self.async_scheduling = config.async_scheduling
@@ -134,13 +141,15 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = sampling_params or SamplingParams()
-        max_num_seqs = self.config.scheduler_config.max_num_seqs
-        if params.best_of > max_num_seqs:
-            raise ValueError(
-                f"best_of (or n) must be at most max_num_seqs ({max_num_seqs}), got {params.best_of}: "
-                "its sequences could never run together"
-            )
-        token_ids = self._prompt_token_ids(prompt, prompt_token_ids)
+        token_ids = validate_request(
+            params,
+            self._prompt_token_ids(prompt, prompt_token_ids),
+            self.config,
+            self.num_gpu_blocks,
+            len(self.eos_token_ids),
+            self.tokenizer,
+            self.structured_output_manager,
+        )
         arrival_time = arrival_time or time.time()
         request = Request(
             self.scheduler.new_req_id(), token_ids, params, self.config.cache_config.block_size, arrival_time
@@ -169,14 +178,7 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer (skip_tokenizer_init): give prompt_token_ids")
             prompt_token_ids = self.tokenizer(prompt)["input_ids"]
-        token_ids = list(prompt_token_ids)
-        if not token_ids:
-            raise ValueError("prompt is empty: give at least one token")
-        vocab_size = self.config.model_config.vocab_size
-        for token_id in token_ids:
-            if not isinstance(token_id, int) or isinstance(token_id, bool) or not 0 <= token_id < vocab_size:
-                raise ValueError(f"prompt token id {token_id!r} is outside the vocabulary [0, {vocab_size})")
-        return token_ids
+        return prompt_token_ids
 
     def _min_tokens_stop_ids(self, params: SamplingParams) -> list[int]:
         if not params.min_tokens:

@@ -80,13 +80,17 @@ def cmd_generate(args: argparse.Namespace) -> None:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
     else:
         outputs = llm.generate(prompts, params, use_tqdm=False)
+    num_failed = 0
     for prompt, output in zip(prompts, outputs):
         if len(prompts) > 1:
             print(f"=== {prompt}")
         if output.error:
+            num_failed += 1
             print(f"error: {output.error}", file=sys.stderr)
         for completion in output.outputs:
             print(completion.text.strip() if args.chat else completion.text)
+    if num_failed:
+        raise SystemExit(f"pagedllm generate: {num_failed} of {len(prompts)} prompts failed")
 
 
 def cmd_chat(args: argparse.Namespace) -> None:

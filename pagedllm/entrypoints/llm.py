@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import time
 from collections.abc import Sequence as SequenceABC
 from typing import Any
@@ -40,6 +41,14 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.llm_engine.tokenizer
+
+    def abort(self, request_id: str | SequenceABC[str]) -> None:
+        """End requests (their ``RequestOutput.request_id``) and free their blocks."""
+        self.llm_engine.abort_request(request_id)
+
+    def abort_all(self) -> None:
+        """End every unfinished request, e.g. after a ``generate`` interrupted from outside."""
+        self.llm_engine.abort_request(list(self.llm_engine.requests))
 
     def generate(
         self,
@@ -115,6 +124,18 @@ class LLM:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(request_ids), desc="Processed prompts", unit="req", disable=not use_tqdm)
+        try:
+            self._step_until_done(finished, progress)
+        except BaseException:
+            # Interrupted (Ctrl-C, an engine error): none of this call's requests stays queued.
+            engine.abort_request([r for r in request_ids if r not in finished])
+            raise
+        finally:
+            progress.close()
+        return [finished[request_id] for request_id in request_ids]
+
+    def _step_until_done(self, finished: dict[str, RequestOutput], progress: tqdm) -> None:
+        engine = self.llm_engine
         start = time.perf_counter()
         num_output_tokens = 0
         while engine.has_unfinished_requests():
@@ -129,8 +150,6 @@ class LLM:
                 progress.set_postfix_str(
                     f"output {num_output_tokens / (time.perf_counter() - start):.1f} tok/s"
                 )
-        progress.close()
-        return [finished[request_id] for request_id in request_ids]
 
 
 def _normalize_prompts(
@@ -138,8 +157,13 @@ def _normalize_prompts(
 ) -> list[dict[str, Any]]:
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
-    if prompt_token_ids is not None and prompt_token_ids and isinstance(prompt_token_ids[0], int):
-        prompt_token_ids = [prompt_token_ids]
+    if prompts is not None and not isinstance(prompts, SequenceABC):
+        raise ValueError(f"prompts must be a string, a dict or a list of them, got {type(prompts).__name__}")
+    if prompt_token_ids is not None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError("prompt_token_ids is empty: give at least one token")
+        if _is_token_id(prompt_token_ids[0]):
+            prompt_token_ids = [prompt_token_ids]
     if prompts is None and prompt_token_ids is None:
         raise ValueError("give prompts or prompt_token_ids")
     if prompts is not None and prompt_token_ids is not None and len(prompts) != len(prompt_token_ids):
@@ -156,6 +180,15 @@ def _normalize_prompts(
             request["prompt_token_ids"] = prompt_token_ids[i]
         requests.append(request)
     return requests
+
+
+def _is_token_id(value: object) -> bool:
+    # Python, numpy and torch integers (a 0-d tensor too), but not a list of them.
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return not isinstance(value, bool)
 
 
 def _per_prompt_params(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import struct
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -80,7 +81,11 @@ _TOKEN_ID_KEYS = {
 def open_gguf(path: str) -> GGUFFile:
     """The file's metadata and tensor table, parsed once per process (the config and the weights
     both need it)."""
-    return GGUFFile(path)
+    try:
+        return GGUFFile(path)
+    except (OSError, ValueError, KeyError, IndexError, struct.error) as e:
+        # A bad magic or a truncated header: name the file.
+        raise ValueError(f"cannot read the GGUF file {path!r}: {e}") from e
 
 
 def _field(reader: GGUFFile, key: str) -> Any:

@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import Iterator
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from pagedllm.layers.utils import CheckpointSlice
 
@@ -49,7 +49,11 @@ def iterate_safetensors_weights(model_dir: str) -> Iterator[tuple[str, Checkpoin
     (safetensors' ``get_slice``), so a tensor-parallel rank never reads the whole tensor. Each
     slice must be used before the next one is drawn (its file is closed after its last tensor)."""
     for path in find_safetensors_files(model_dir):
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                tensor_slice = f.get_slice(name)
-                yield name, CheckpointSlice(tuple(tensor_slice.get_shape()), tensor_slice.__getitem__)
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    tensor_slice = f.get_slice(name)
+                    yield name, CheckpointSlice(tuple(tensor_slice.get_shape()), tensor_slice.__getitem__)
+        except (OSError, RuntimeError, SafetensorError) as e:
+            # safetensors' own errors (a truncated or corrupt header) name no file.
+            raise ValueError(f"cannot read the weights file {path!r}: {e}") from e

@@ -23,6 +23,7 @@ import torch
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.input_buffers import to_device
+from pagedllm.worker.request_logits import has_logits_processors
 from pagedllm.worker.step_io import NewRequestData
 
 # Columns of the per-row float parameters, gathered for a step in one array.
@@ -75,6 +76,8 @@ class InputBatch:
         self.min_tokens_stop_ids: list[list[int]] = [[] for _ in range(max_num_rows)]
         self.group_ids = np.zeros(max_num_rows, dtype=np.int64)
         self.has_penalty = np.zeros(max_num_rows, dtype=bool)
+        # Rows with per-request logits processors (worker/request_logits.py).
+        self.has_processors = np.zeros(max_num_rows, dtype=bool)
         # Seeded generators by group (siblings draw from one), kept while a member lives.
         self.generators: dict[int, torch.Generator] = {}
         self._group_members: dict[int, set[int]] = {}
@@ -124,6 +127,7 @@ class InputBatch:
         self._group_members.setdefault(data.group_id, set()).add(data.req_id)
         if p.seed is not None and data.group_id not in self.generators:
             self.generators[data.group_id] = torch.Generator(device=self.device).manual_seed(p.seed)
+        self.has_processors[row] = has_logits_processors(p)
         self.has_penalty[row] = (
             p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
         )
@@ -238,6 +242,12 @@ class InputBatch:
         if ban_rows:
             metadata.banned_rows = to_device(ban_rows, self.device, torch.int64)
             metadata.banned_token_ids = to_device(ban_ids, self.device, torch.int64)
+
+    def output_token_ids(self, row: int) -> list[int]:
+        """The generated tokens the host sent with the row (current for requests resent every step)."""
+        tokens = self.host_token_ids[row]
+        assert tokens is not None
+        return tokens[int(self.num_prompt_tokens[row]) :].tolist()
 
     def record_samples(self, rows: np.ndarray, sample_index: torch.Tensor, token_ids: torch.Tensor) -> None:
         """After sampling: each sampled request's newest token (its first sample) becomes its next

@@ -23,6 +23,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import InputBuffers, to_device
+from pagedllm.worker.request_logits import RequestLogitsProcessors
 from pagedllm.worker.step_io import ModelRunnerOutput, NewRequestData, PromptLogprobsOutput, SchedulerOutput
 
 
@@ -148,6 +149,7 @@ class ModelRunner:
         self.input_batch = InputBatch(
             2 * scheduler_config.max_num_seqs, max_blocks_per_req, config.model_config.vocab_size, self.device
         )
+        self.logits_processors = RequestLogitsProcessors()
         self.graph_runner: CudaGraphRunner | None = None
 
     def load_model(self) -> None:
@@ -200,6 +202,7 @@ class ModelRunner:
             batch.remove_request(req_id, finished=True)
         for req_id in scheduler_output.preempted_req_ids:
             batch.remove_request(req_id, finished=False)
+        self.logits_processors.drop(scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids)
         for data in scheduler_output.scheduled_new_reqs:
             batch.add_request(data)
         cached = scheduler_output.scheduled_cached_reqs
@@ -372,7 +375,15 @@ class ModelRunner:
         sampled = None
         top_rows: list[int] = []
         if num_sample_rows:
-            metadata = batch.sampling_metadata(model_input.sample_rows)
+            rows = model_input.sample_rows
+            if batch.has_processors[rows].any():
+                self.logits_processors(
+                    logits[:num_sample_rows],
+                    model_input.sample_req_ids,
+                    [batch.params[row] for row in rows.tolist()],
+                    [batch.output_token_ids(row) for row in rows.tolist()],
+                )
+            metadata = batch.sampling_metadata(rows)
             sampled = self.sampler(logits[:num_sample_rows], metadata)
             first = to_device(model_input.first_sample_index, self.device)
             batch.record_samples(model_input.sampling_req_rows, first, sampled.token_ids)

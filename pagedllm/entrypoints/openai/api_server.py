@@ -11,6 +11,7 @@ import contextlib
 import copy
 import hmac
 import logging
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -30,18 +31,26 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import REQUEST_ID_HEADER, APIError
+from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.metrics import ServerMetrics, StatsLogger
 
 logger = logging.getLogger(__name__)
 
 # Seconds uvicorn waits for open responses on shutdown before cancelling them.
 GRACEFUL_SHUTDOWN_SECONDS = 5
+# A client gets this long between the parts of its request body before a 408 (slow-body attacks).
+BODY_READ_TIMEOUT_S = 30.0
+# The most bytes of request line and headers uvicorn buffers (h11's limit).
+MAX_HEADER_BYTES = 64 * 1024
 
 
 # Seconds between checks that the engine still serves; a dead one stops the server.
@@ -56,6 +65,10 @@ class ServerSettings:
     max_request_body_bytes: int = 1 << 20
     # Seconds between stats log lines; 0 turns them off.
     stats_interval: float = 10.0
+    # Render chat templates that requests bring (chat_template): off, they are refused.
+    trust_request_chat_template: bool = False
+    # The tool-call parser for tool_choice "auto" (None: auto is refused).
+    tool_call_parser: str | None = None
 
 
 def error_response(error: APIError) -> Response:
@@ -65,17 +78,18 @@ def error_response(error: APIError) -> Response:
 
 
 class ApiKeyMiddleware:
-    """401 for a /v1 request without the right bearer token, before its body is even read."""
+    """401 for a /v1 request without the right bearer token, before its body is even read. The
+    scheme is case-insensitive (RFC 7235)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             # Constant time, so the key cannot be guessed byte by byte from response times.
-            if not hmac.compare_digest(given, self.expected):
+            if not (hmac.compare_digest(token.strip(), self.expected) and scheme.lower() == b"bearer"):
                 error = APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
                 await error_response(error)(scope, receive, send)
                 return
@@ -99,10 +113,18 @@ class BodySizeLimitMiddleware:
             await error_response(self._error())(scope, receive, send)
             return
         num_bytes = 0
+        body_done = False
 
         async def limited_receive() -> Message:
-            nonlocal num_bytes
-            message = await receive()
+            nonlocal num_bytes, body_done
+            if body_done:
+                # After the body, the next message is the disconnect: waiting for it is not slow.
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), BODY_READ_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                raise HTTPException(408, f"no request body for {BODY_READ_TIMEOUT_S:g} s") from None
+            body_done = message["type"] != "http.request" or not message.get("more_body", False)
             num_bytes += len(message.get("body", b""))
             if num_bytes > self.max_bytes:
                 # FastAPI passes HTTPExceptions raised while reading the body on to the handlers.
@@ -129,7 +151,15 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     # The handlers tokenize on the event loop while the engine thread detokenizes: each gets its own.
     tokenizer = copy.deepcopy(engine.tokenizer)
     completions = OpenAIServingCompletion(async_engine, settings.model_name, tokenizer)
-    chat = OpenAIServingChat(async_engine, settings.model_name, tokenizer)
+    tool_parser = TOOL_PARSERS[settings.tool_call_parser]() if settings.tool_call_parser else None
+    chat = OpenAIServingChat(
+        async_engine,
+        settings.model_name,
+        tokenizer,
+        trust_request_chat_template=settings.trust_request_chat_template,
+        tool_parser=tool_parser,
+    )
+    tokenization = OpenAIServingTokenization(async_engine, settings.model_name, tokenizer, chat=chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -145,13 +175,14 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
             await async_engine.shutdown()
 
     app = FastAPI(title="pagedllm", version=__version__, lifespan=lifespan)
+    app.state.async_engine = async_engine
     # The last middleware added runs first: the key is checked before any byte of the body is read.
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     _add_error_handlers(app)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not async_engine.is_healthy:
             return error_response(APIError(503, "the engine is not running", code="engine_unavailable"))
@@ -165,14 +196,29 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    # The served name only: the weights' path on this machine is nobody else's business.
+    card = ModelCard(
+        id=settings.model_name,
+        root=settings.model_name,
+        max_model_len=engine.config.model_config.max_model_len,
+    )
+
     @app.get("/v1/models")
     async def models() -> Response:
-        card = ModelCard(
-            id=settings.model_name,
-            root=engine.config.model_config.model,
-            max_model_len=engine.config.model_config.max_model_len,
-        )
         return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        completions.check_model(model_id)
+        return Response(card.model_dump_json(), media_type="application/json")
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> Response:
+        return _respond(await tokenization.tokenize(request), None)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> Response:
+        return _respond(await tokenization.detokenize(request), None)
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -187,8 +233,8 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def _respond(result: BaseModel | AsyncIterator[str], raw_request: Request) -> Response:
-    request_id = raw_request.headers.get(REQUEST_ID_HEADER)
+def _respond(result: BaseModel | AsyncIterator[str], raw_request: Request | None) -> Response:
+    request_id = None if raw_request is None else raw_request.headers.get(REQUEST_ID_HEADER)
     headers = {REQUEST_ID_HEADER: request_id} if request_id else None
     if isinstance(result, AsyncIterator):
         return StreamingResponse(result, media_type="text/event-stream", headers=headers)
@@ -208,8 +254,17 @@ def _add_error_handlers(app: FastAPI) -> None:
             return error_response(APIError(400, f"the request body is not valid JSON: {first['msg']}"))
         path = [str(part) for part in first["loc"] if part != "body"]
         param = path[0] if path else None
+        if first["type"] == "extra_forbidden":
+            message = f"Unsupported parameter: {'.'.join(path)} (this server does not implement it)"
+            return error_response(APIError(400, message, param=param, code="unsupported_parameter"))
         message = f"{'.'.join(path)}: {first['msg']}" if path else first["msg"]
         return error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> Response:
+        # Whatever escaped still answers as OpenAI does, with JSON.
+        logger.exception("request failed")
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> Response:
@@ -237,22 +292,51 @@ def default_model_name(args: argparse.Namespace) -> str:
     if args.served_model_name:
         return args.served_model_name
     if args.model:
-        return args.model
+        # The directory's or file's name, not its path on this machine.
+        return os.path.basename(os.path.normpath(args.model)) or args.model
     # The embedded model's name without its quantization and extension.
     return EMBEDDED_MODEL_FILE.split(".")[0]
 
 
+def configure_logging(log_level: str) -> None:
+    """pagedllm's loggers at ``log_level`` with their own handler: uvicorn and other libraries
+    configure the root logger their own way, which must not silence ours."""
+    level = log_level.upper()
+    package_logger = logging.getLogger("pagedllm")
+    package_logger.setLevel(level)
+    if not package_logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        package_logger.addHandler(handler)
+    package_logger.propagate = False
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, ending open streams with an error event as shutdown begins (rather than
+    cutting them when the grace period ends)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine) -> None:
+        super().__init__(config)
+        self.engine = engine
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        self.engine.fail_all_requests("the server is shutting down")
+        await super().shutdown(sockets)
+
+
 def run_server(args: argparse.Namespace) -> None:
     """Build the engine from the EngineArgs flags in ``args``, then serve until interrupted."""
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(args.log_level)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("pagedllm serve: --enable-auto-tool-choice needs --tool-call-parser")
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     settings = ServerSettings(
         model_name=default_model_name(args),
         api_key=args.api_key,
         max_request_body_bytes=args.max_request_body_bytes,
         stats_interval=args.stats_interval,
+        trust_request_chat_template=args.trust_request_chat_template,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     app = build_app(engine, settings)
     config = uvicorn.Config(
@@ -262,8 +346,11 @@ def run_server(args: argparse.Namespace) -> None:
         log_level=args.log_level,
         access_log=args.access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+        timeout_keep_alive=args.timeout_keep_alive,
+        limit_concurrency=args.limit_concurrency,
+        h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
-    server = uvicorn.Server(config)
+    server = _Server(config, app.state.async_engine)
     engine_died = False
 
     def on_engine_dead() -> None:

@@ -9,6 +9,7 @@ import argparse
 import os
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 
@@ -50,7 +51,35 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     server.add_argument(
         "--access-log", action=argparse.BooleanOptionalAction, default=True, help="log every request"
     )
+    server.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="render chat templates that requests bring (off: such requests get a 400)",
+    )
+    server.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model choose to call tools (tool_choice "auto"); needs --tool-call-parser',
+    )
+    server.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the format the model writes tool calls in",
+    )
+    server.add_argument(
+        "--timeout-keep-alive", type=float, default=5.0, help="seconds an idle connection stays open"
+    )
+    server.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=1024,
+        help="most connections at once; more get 503",
+    )
     EngineArgs.add_cli_args(parser)
+    # A server serves streams: chunked prefill keeps a long prompt from stalling them for more
+    # than one step (of max_num_batched_tokens tokens).
+    parser.set_defaults(enable_chunked_prefill=True)
     return parser
 
 

@@ -1,7 +1,8 @@
 """The OpenAI API's request and response bodies (pydantic), with vLLM's extra sampling fields.
 
 Requests check types only: value ranges are SamplingParams' to check (one place), and its
-ValueErrors become 400 answers naming the field.
+ValueErrors become 400 answers naming the field. A request field this server does not know is a
+400 naming it (``extra="forbid"``), never silently ignored.
 """
 
 from __future__ import annotations
@@ -9,24 +10,78 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class OpenAIBaseModel(BaseModel):
-    # Fields this server does not know (newer OpenAI options) are ignored, as vLLM does.
     model_config = ConfigDict(extra="ignore")
+
+
+class RequestModel(BaseModel):
+    # An option this server does not honour must not pass unnoticed: the 400 names it.
+    model_config = ConfigDict(extra="forbid")
+
+
+class TopLevelRequest(RequestModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        # JSON may escape half a UTF-16 pair ("\ud800"); Python keeps it, and no tokenizer or
+        # encoder takes it later.
+        path = _lone_surrogate_path(data, ())
+        if path is not None:
+            raise ValueError(f"{'.'.join(map(str, path)) or 'body'} has a lone UTF-16 surrogate")
+        return data
+
+
+def _lone_surrogate_path(value: Any, path: tuple) -> tuple | None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and _lone_surrogate_path(key, ()) is not None:
+            return (*path, "key")
+        found = _lone_surrogate_path(item, (*path, key))
+        if found is not None:
+            return found
+    return None
 
 
 # --- requests ---------------------------------------------------------------------------------
 
 
-class StreamOptions(OpenAIBaseModel):
+class StreamOptions(RequestModel):
     include_usage: bool | None = False
+    # vLLM's: usage in every chunk, not only the last.
+    continuous_usage_stats: bool | None = False
 
 
-class SamplingRequest(OpenAIBaseModel):
+class JsonSchemaFormat(RequestModel):
+    name: str = "response"
+    description: str | None = None
+    # "schema" shadows a BaseModel attribute: the field is json_schema, "schema" in JSON.
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+# Fields OpenAI clients send that change nothing here (bookkeeping on OpenAI's side).
+_BOOKKEEPING_FIELDS = ("user", "metadata", "store", "service_tier")
+
+
+class SamplingRequest(TopLevelRequest):
     """The fields completions and chat completions share. ``None`` (JSON null) means the default."""
 
     model: str | None = None
@@ -41,7 +96,11 @@ class SamplingRequest(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = None
     top_p: float | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
     # vLLM's extras.
     best_of: int | None = None
     top_k: int | None = None
@@ -55,6 +114,16 @@ class SamplingRequest(OpenAIBaseModel):
     include_stop_str_in_output: bool | None = False
     use_beam_search: bool | None = False
     length_penalty: float | None = None
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    return_tokens_as_token_ids: bool | None = False
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def to_sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -82,16 +151,71 @@ class SamplingRequest(OpenAIBaseModel):
                 "include_stop_str_in_output",
                 "use_beam_search",
                 "length_penalty",
+                "bad_words",
+                "allowed_token_ids",
+                "logit_bias",
+                "truncate_prompt_tokens",
             )
             if getattr(self, name) is not None
         }
+        if self.prompt_logprobs is not None:
+            prompt_logprobs = self.prompt_logprobs
         return SamplingParams(
-            max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **given
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            structured_outputs=self.structured_outputs_params(),
+            **given,
         )
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The one output constraint asked for, whichever field asked; ValueError naming the field
+        when several did."""
+        constraints: dict[str, StructuredOutputsParams] = {}
+        if self.structured_outputs is not None:
+            try:
+                constraints["structured_outputs"] = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs has an unknown key: {e}") from None
+        for field, key in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
+            if getattr(self, field) is not None:
+                constraints[field] = StructuredOutputsParams(**{key: getattr(self, field)})
+        if self.response_format is not None and self.response_format.type != "text":
+            constraints["response_format"] = response_format_constraint(self.response_format)
+        if len(constraints) > 1:
+            raise ValueError(f"{' and '.join(constraints)} both constrain the output: give one")
+        return next(iter(constraints.values()), None)
+
+    @property
+    def structured_outputs_field(self) -> str | None:
+        """The request field that asked for an output constraint."""
+        for field in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, field) is not None:
+                return field
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        return None
 
     @property
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.include_usage_in_stream and self.stream_options.continuous_usage_stats)
+
+
+def response_format_constraint(response_format: ResponseFormat) -> StructuredOutputsParams:
+    if response_format.type == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if response_format.json_schema is None or response_format.json_schema.json_schema is None:
+        raise ValueError("response_format must give json_schema.schema with type json_schema")
+    return StructuredOutputsParams(json=response_format.json_schema.json_schema)
 
 
 class CompletionRequest(SamplingRequest):
@@ -103,11 +227,48 @@ class CompletionRequest(SamplingRequest):
     suffix: str | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    # JSON text, as OpenAI sends it.
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessageParam(OpenAIBaseModel):
-    role: str
+    # Clients send back assistant messages as they got them (refusal, annotations, audio: null):
+    # unknown keys of a message are ignored, unlike the request's own.
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     # A string, or content parts ([{"type": "text", "text": ...}]).
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(RequestModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(RequestModel):
+    name: str
+
+
+class NamedToolChoice(RequestModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -115,8 +276,14 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool | None = False
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's extras.
     add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    echo: bool | None = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -166,6 +333,8 @@ class CompletionResponseChoice(OpenAIBaseModel):
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
+    # vLLM's: per prompt token (None for the first), token id -> its logprob and text.
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -205,6 +374,7 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -222,11 +392,26 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    # vLLM's, with ``prompt_logprobs`` asked for (see CompletionResponseChoice).
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:
@@ -259,3 +444,32 @@ def sse_event(chunk: BaseModel, include_usage: bool) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+# --- tokenizer endpoints (vLLM's) -------------------------------------------------------------
+
+
+class TokenizeRequest(TopLevelRequest):
+    model: str | None = None
+    # A prompt, or chat messages rendered through the chat template.
+    prompt: str | None = None
+    messages: list[ChatMessageParam] | None = None
+    add_special_tokens: bool | None = True
+    add_generation_prompt: bool | None = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeResponse(OpenAIBaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(TopLevelRequest):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIBaseModel):
+    prompt: str

@@ -1,12 +1,15 @@
-"""POST /v1/chat/completions: messages through the model's chat template, ``n`` choices."""
+"""POST /v1/chat/completions: messages through the model's chat template, ``n`` choices, tools."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import json
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 
@@ -23,7 +26,10 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionStreamResponse,
     ChatMessage,
     ChatMessageParam,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    ToolCall,
     UsageInfo,
     sse_event,
 )
@@ -35,20 +41,44 @@ from pagedllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     clamp_logprob,
     new_request_id,
+    prompt_logprobs_json,
     sse_error,
     top_logprobs,
     usage_info,
 )
+from pagedllm.entrypoints.openai.tool_parsers import ToolParser
+from pagedllm.entrypoints.openai.tools import extract_tool_calls, tool_constraint, tool_mode
 from pagedllm.outputs import CompletionOutput, RequestOutput
 from pagedllm.sampling_params import MAX_LOGPROBS
-from pagedllm.tokenizer import apply_chat_template
 
 if TYPE_CHECKING:
     from starlette.requests import Request
 
     from pagedllm.engine.async_engine import RequestStream
+    from pagedllm.tokenizer import Tokenizer
 
 ASSISTANT = "assistant"
+# Longest a chat template may take to render; it runs in a thread, so the event loop never waits.
+RENDER_TIMEOUT_S = 10.0
+# Keys apply_chat_template sets itself: chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "padding",
+        "truncation",
+        "max_length",
+    }
+)
 
 
 @dataclasses.dataclass
@@ -58,9 +88,28 @@ class _ChoiceProgress:
     num_chars: int = 0
     num_tokens: int = 0
     finished: bool = False
+    # With tools: the text is held back (it may be a call) until the choice ends.
+    holding: bool = False
 
 
 class OpenAIServingChat(OpenAIServing):
+    """Args (beyond OpenAIServing's):
+    trust_request_chat_template: allow a request's own ``chat_template``; off, it is a 400.
+    tool_parser: reads tool calls for ``tool_choice`` auto; None turns auto off.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        trust_request_chat_template: bool = False,
+        tool_parser: ToolParser | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.trust_request_chat_template = trust_request_chat_template
+        self.tool_parser = tool_parser
+        self._render_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chat-template")
+
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> ChatCompletionResponse | AsyncIterator[str]:
@@ -68,6 +117,39 @@ class OpenAIServingChat(OpenAIServing):
         arrival_time = time.time()
         self.check_model(request.model)
         self.check_request_options(request)
+        self._check_logprobs(request)
+        try:
+            mode = tool_mode(request, self.tool_parser)
+            constraint = tool_constraint(request, mode)
+        except ValueError as e:
+            raise APIError(400, str(e), param="tool_choice") from e
+        token_ids = await self.render(request)
+        if request.truncate_prompt_tokens is not None and request.truncate_prompt_tokens >= 1:
+            token_ids = token_ids[-request.truncate_prompt_tokens :]
+        prompt = EnginePrompt(token_ids)
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        self.check_lengths(len(prompt.token_ids), max_tokens, "messages")
+        logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = await self.sampling_params(request, max_tokens, logprobs)
+        if constraint is not None:
+            if params.structured_outputs is not None:
+                raise APIError(
+                    400,
+                    f"tool_choice {mode!r} and {request.structured_outputs_field} both constrain the output",
+                    param="tool_choice",
+                )
+            params.structured_outputs = constraint
+            await self.compile_structured_outputs(params, "tools")
+        request_id = "chatcmpl-" + new_request_id(raw_request)
+        [stream], guard = await self.add_requests(request_id, [prompt], params, arrival_time, raw_request)
+        if request.stream:
+            return self._stream(request, mode, guard, request_id, stream, params.n)
+        with guard:
+            [final] = await self.collect([stream])
+        return self._response(request, mode, request_id, final)
+
+    @staticmethod
+    def _check_logprobs(request: ChatCompletionRequest) -> None:
         if request.top_logprobs is not None and not request.logprobs:
             raise APIError(400, "top_logprobs needs logprobs set to true", param="top_logprobs")
         if request.top_logprobs is not None and not 0 <= request.top_logprobs <= MAX_LOGPROBS:
@@ -76,54 +158,96 @@ class OpenAIServingChat(OpenAIServing):
                 f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {request.top_logprobs}",
                 param="top_logprobs",
             )
-        prompt = EnginePrompt(self._render(request))
-        max_tokens = request.max_completion_tokens or request.max_tokens
-        self.check_lengths(len(prompt.token_ids), max_tokens, "messages")
-        logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self.sampling_params(request, max_tokens, logprobs)
-        request_id = "chatcmpl-" + new_request_id(raw_request)
-        [stream] = await self.add_requests(request_id, [prompt], params, arrival_time)
-        guard = self.abort_on_disconnect(raw_request, [stream])
-        if request.stream:
-            return self._stream(request, guard, request_id, stream, params.n)
-        with guard:
-            [final] = await self.collect([stream])
-        return self._response(request, request_id, final)
 
-    def _render(self, request: ChatCompletionRequest) -> list[int]:
-        """The prompt's token ids: the messages rendered by the model's chat template."""
-        if self.tokenizer is None:
+    # --- the prompt -------------------------------------------------------------------------
+
+    async def render(self, request: ChatCompletionRequest) -> list[int]:
+        """The prompt's token ids: the messages rendered by the chat template in a worker thread
+        (bounded in time), then tokenized here (the tokenizer is not shared between threads)."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions")
         messages = [_message_dict(i, message) for i, message in enumerate(request.messages)]
+        kwargs = self._template_kwargs(request)
+        loop = asyncio.get_running_loop()
         try:
-            return apply_chat_template(
-                self.tokenizer,
-                messages,
-                bool(request.add_generation_prompt),
-                **(request.chat_template_kwargs or {}),
+            text = await asyncio.wait_for(
+                loop.run_in_executor(self._render_pool, lambda: _render_text(tokenizer, messages, kwargs)),
+                RENDER_TIMEOUT_S,
             )
-        except (ValueError, jinja2.TemplateError) as e:
+        except asyncio.TimeoutError as e:
+            raise APIError(
+                400, f"the chat template took over {RENDER_TIMEOUT_S:g} s", param="messages"
+            ) from e
+        except (ValueError, TypeError, KeyError, IndexError, jinja2.TemplateError) as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _template_kwargs(self, request: ChatCompletionRequest) -> dict[str, Any]:
+        extra = dict(request.chat_template_kwargs or {})
+        clashing = sorted(_RESERVED_TEMPLATE_KWARGS & set(extra))
+        if clashing:
+            raise APIError(
+                400, f"chat_template_kwargs may not set {', '.join(clashing)}", param="chat_template_kwargs"
+            )
+        template = extra.pop("chat_template", None) or request.chat_template
+        if template is not None and not self.trust_request_chat_template:
+            raise APIError(
+                400,
+                "this server does not render request-supplied chat templates (start it with "
+                "--trust-request-chat-template to allow them)",
+                param="chat_template",
+            )
+        if request.continue_final_message and request.add_generation_prompt:
+            raise APIError(
+                400,
+                "continue_final_message needs add_generation_prompt set to false",
+                param="continue_final_message",
+            )
+        kwargs = {
+            **extra,
+            "add_generation_prompt": bool(request.add_generation_prompt),
+            "continue_final_message": bool(request.continue_final_message),
+        }
+        if template is not None:
+            kwargs["chat_template"] = template
+        if request.tools and request.tool_choice != "none":
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in request.tools]
+        return kwargs
+
+    # --- responses --------------------------------------------------------------------------
 
     def _response(
-        self, request: ChatCompletionRequest, request_id: str, final: RequestOutput
+        self, request: ChatCompletionRequest, mode: str, request_id: str, final: RequestOutput
     ) -> ChatCompletionResponse:
-        choices = [
-            ChatCompletionResponseChoice(
-                index=output.index,
-                message=ChatMessage(role=ASSISTANT, content=output.text),
-                logprobs=self._logprobs(request, output.token_ids, output.logprobs),
-                finish_reason=output.finish_reason,
+        choices = []
+        for output in final.outputs:
+            content, tool_calls = extract_tool_calls(request, mode, self.tool_parser, output.text)
+            message = ChatMessage(
+                role=ASSISTANT, content=_echo(request) + (content or ""), tool_calls=tool_calls
             )
-            for output in final.outputs
-        ]
+            if content is None and not _echo(request):
+                message.content = None
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=output.index,
+                    message=message,
+                    logprobs=self._logprobs(request, output.token_ids, output.logprobs),
+                    finish_reason=_finish_reason(output.finish_reason, tool_calls),
+                )
+            )
         return ChatCompletionResponse(
-            id=request_id, model=self.model_name, choices=choices, usage=usage_info([final])
+            id=request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=usage_info([final]),
+            prompt_logprobs=prompt_logprobs_json(self, final, request.return_tokens_as_token_ids),
         )
 
     async def _stream(
         self,
         request: ChatCompletionRequest,
+        mode: str,
         guard: DisconnectGuard,
         request_id: str,
         stream: RequestStream,
@@ -142,19 +266,20 @@ class OpenAIServingChat(OpenAIServing):
         final = None
         with guard:
             try:
-                # OpenAI opens each choice with the role and empty content.
+                # OpenAI opens each choice with the role and empty content (vLLM's echo: the
+                # final assistant message's text).
                 for index in range(n):
-                    role = DeltaMessage(role=ASSISTANT, content="")
+                    role = DeltaMessage(role=ASSISTANT, content=_echo(request))
                     yield chunk([ChatCompletionResponseStreamChoice(index=index, delta=role)])
                 async for output in stream:
                     choices = []
                     for completion in output.outputs:
-                        choice = self._stream_choice(request, completion, progress[completion.index])
+                        choice = self._stream_choice(request, mode, completion, progress[completion.index])
                         if choice is not None:
                             choices.append(choice)
-                    if choices:
-                        yield chunk(choices)
                     final = output
+                    if choices:
+                        yield chunk(choices, usage_info([output]) if request.continuous_usage else None)
             except Exception as e:
                 yield sse_error(e)
                 yield SSE_DONE
@@ -164,28 +289,61 @@ class OpenAIServingChat(OpenAIServing):
         yield SSE_DONE
 
     def _stream_choice(
-        self, request: ChatCompletionRequest, completion: CompletionOutput, progress: _ChoiceProgress
+        self,
+        request: ChatCompletionRequest,
+        mode: str,
+        completion: CompletionOutput,
+        progress: _ChoiceProgress,
     ) -> ChatCompletionResponseStreamChoice | None:
-        """The choice's new content since its last chunk, or None when there is nothing to send."""
+        """The choice's new content since its last chunk, or None when there is nothing to send.
+
+        With tools, text that may be a call is held back; when the choice ends its calls go out
+        whole, one delta each (clients join a call's deltas by index).
+        """
         if progress.finished:
             return None
-        delta_text = completion.text[progress.num_chars :]
+        finish_reason = completion.finish_reason
+        if mode in ("required", "named") or (
+            mode == "auto" and self.tool_parser.may_start_call(completion.text[progress.num_chars :])
+        ):
+            progress.holding = True
+        tool_calls: list[ToolCall] = []
+        if progress.holding:
+            if finish_reason is None:
+                return None
+            content, tool_calls = extract_tool_calls(
+                request, mode, self.tool_parser, completion.text[progress.num_chars :]
+            )
+            delta_text = content or ""
+        else:
+            delta_text = completion.text[progress.num_chars :]
         new_token_ids = completion.token_ids[progress.num_tokens :]
         logprobs = None
         if request.logprobs and new_token_ids:
             logprobs = self._logprobs(
                 request, new_token_ids, (completion.logprobs or [])[progress.num_tokens :]
             )
-        if not (delta_text or logprobs or completion.finish_reason):
+        if not (delta_text or logprobs or finish_reason or tool_calls):
             return None
         progress.num_chars, progress.num_tokens = len(completion.text), len(completion.token_ids)
-        progress.finished = completion.finish_reason is not None
+        progress.finished = finish_reason is not None
+        delta = DeltaMessage(content=delta_text if delta_text or logprobs else None)
+        if tool_calls:
+            delta.tool_calls = [
+                DeltaToolCall(
+                    index=i,
+                    id=call.id,
+                    type="function",
+                    function=DeltaFunctionCall(name=call.function.name, arguments=call.function.arguments),
+                )
+                for i, call in enumerate(tool_calls)
+            ]
         return ChatCompletionResponseStreamChoice(
             index=completion.index,
             # The closing chunk of a choice has an empty delta unless text came with it.
-            delta=DeltaMessage(content=delta_text if delta_text or logprobs else None),
+            delta=delta,
             logprobs=logprobs,
-            finish_reason=completion.finish_reason,
+            finish_reason=_finish_reason(finish_reason, tool_calls),
         )
 
     def _logprobs(
@@ -193,24 +351,44 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionLogProbs | None:
         if not request.logprobs:
             return None
+        as_ids = bool(request.return_tokens_as_token_ids)
         content = []
         for token_id, step in zip(token_ids, logprobs or []):
-            chosen = self._entry(token_id, step.get(token_id))
-            top = [self._entry(i, lp) for i, lp in top_logprobs(step, request.top_logprobs or 0)]
+            chosen = self._entry(token_id, step.get(token_id), as_ids)
+            top = [self._entry(i, lp, as_ids) for i, lp in top_logprobs(step, request.top_logprobs or 0)]
             content.append(ChatCompletionLogProbsContent(**chosen.model_dump(), top_logprobs=top))
         return ChatCompletionLogProbs(content=content)
 
-    def _entry(self, token_id: int, logprob: Logprob | None) -> ChatCompletionLogProb:
-        token = self.decode_token(token_id, logprob)
+    def _entry(self, token_id: int, logprob: Logprob | None, as_token_id: bool) -> ChatCompletionLogProb:
+        token = self.decode_token(token_id, logprob, as_token_id)
         return ChatCompletionLogProb(
             token=token,
             logprob=MIN_LOGPROB if logprob is None else clamp_logprob(logprob.logprob),
-            bytes=list(token.encode()),
+            bytes=list(token.encode(errors="replace")),
         )
 
 
-def _message_dict(index: int, message: ChatMessageParam) -> dict[str, str]:
-    """A message as chat templates take it: content parts joined into one string."""
+def _render_text(tokenizer: Tokenizer, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+    if kwargs.get("chat_template") is None and tokenizer.chat_template is None:
+        raise ValueError("this model's tokenizer has no chat template: use /v1/completions")
+    return tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
+
+
+def _echo(request: ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the final assistant message's text, which the output continues."""
+    last = request.messages[-1]
+    if not request.echo or last.role != ASSISTANT or not isinstance(last.content, str):
+        return ""
+    return last.content
+
+
+def _finish_reason(finish_reason: str | None, tool_calls: list[ToolCall]) -> str | None:
+    return "tool_calls" if tool_calls and finish_reason == "stop" else finish_reason
+
+
+def _message_dict(index: int, message: ChatMessageParam) -> dict[str, Any]:
+    """A message as chat templates take it: content parts joined into one string, tool calls'
+    arguments as objects (templates write them with ``tojson``)."""
     content = message.content
     if isinstance(content, list):
         texts = []
@@ -221,7 +399,30 @@ def _message_dict(index: int, message: ChatMessageParam) -> dict[str, str]:
                 )
             texts.append(part["text"])
         content = "\n".join(texts)
-    result = {"role": message.role, "content": content or ""}
+    result: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.name is not None:
         result["name"] = message.name
+    if message.tool_call_id is not None:
+        result["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        result["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {
+                    "name": call.function.name,
+                    "arguments": _arguments(index, call.function.arguments),
+                },
+            }
+            for call in message.tool_calls
+        ]
     return result
+
+
+def _arguments(index: int, arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError as e:
+        raise APIError(
+            400, f"tool call arguments must be JSON: {e}", param=f"messages[{index}].tool_calls"
+        ) from None

@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     clamp_logprob,
     merge_streams,
     new_request_id,
+    prompt_logprobs_json,
     sse_error,
     top_logprobs,
     usage_info,
@@ -64,14 +65,17 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         prompts = self._engine_prompts(request.prompt)
+        if request.truncate_prompt_tokens is not None and request.truncate_prompt_tokens >= 1:
+            # Cut here, so the length check sees what the engine will run.
+            keep = request.truncate_prompt_tokens
+            prompts = [EnginePrompt(p.token_ids[-keep:]) if len(p.token_ids) > keep else p for p in prompts]
         for prompt in prompts:
             self.check_lengths(len(prompt.token_ids), request.max_tokens, "prompt")
         # Echoed prompts come with their own logprobs, as OpenAI's do.
         prompt_logprobs = request.logprobs if request.echo else None
-        params = self.sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs)
+        params = await self.sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs)
         request_id = "cmpl-" + new_request_id(raw_request)
-        streams = await self.add_requests(request_id, prompts, params, arrival_time)
-        guard = self.abort_on_disconnect(raw_request, streams)
+        streams, guard = await self.add_requests(request_id, prompts, params, arrival_time, raw_request)
         if request.stream:
             return self._stream(request, guard, request_id, prompts, streams)
         with guard:
@@ -126,6 +130,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 progress = self._progress(request, prompt, final)
                 choice = self._choice_delta(request, prompt_index * n + output.index, output, progress)
                 assert choice is not None
+                if request.prompt_logprobs is not None:
+                    choice.prompt_logprobs = prompt_logprobs_json(
+                        self, final, bool(request.return_tokens_as_token_ids)
+                    )
                 choices.append(choice)
         return CompletionResponse(
             id=request_id, model=self.model_name, choices=choices, usage=usage_info(finals)
@@ -161,7 +169,11 @@ class OpenAIServingCompletion(OpenAIServing):
                         finals.append(output)
                     if choices:
                         chunk = CompletionStreamResponse(
-                            id=request_id, created=created, model=self.model_name, choices=choices
+                            id=request_id,
+                            created=created,
+                            model=self.model_name,
+                            choices=choices,
+                            usage=usage_info([output]) if request.continuous_usage else None,
                         )
                         yield sse_event(chunk, include_usage)
             except Exception as e:
@@ -195,6 +207,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 progress.echo_logprobs + (completion.logprobs or [])[progress.num_tokens :],
                 request.logprobs,
                 progress.text_offset,
+                bool(request.return_tokens_as_token_ids),
             )
         text = progress.echo + delta_text
         progress.echo, progress.echo_token_ids, progress.echo_logprobs = "", [], []
@@ -211,20 +224,21 @@ class OpenAIServingCompletion(OpenAIServing):
         logprobs: list[dict[int, Logprob] | None],
         num_top: int,
         text_offset: int,
+        as_token_ids: bool,
     ) -> CompletionLogProbs:
         """OpenAI's completion logprobs of ``token_ids``, whose text starts at ``text_offset``; a
         position without logprobs (a prompt's first token) has None."""
         result = CompletionLogProbs()
         for token_id, step in zip(token_ids, logprobs):
             chosen = None if step is None else step.get(token_id)
-            token = self.decode_token(token_id, chosen)
+            token = self.decode_token(token_id, chosen, as_token_ids)
             result.tokens.append(token)
             result.token_logprobs.append(None if chosen is None else clamp_logprob(chosen.logprob))
             top = top_logprobs(step, num_top) if step is not None and num_top else None
             result.top_logprobs.append(
                 None
                 if top is None
-                else {self.decode_token(i, lp): clamp_logprob(lp.logprob) for i, lp in top}
+                else {self.decode_token(i, lp, as_token_ids): clamp_logprob(lp.logprob) for i, lp in top}
             )
             result.text_offset.append(text_offset)
             text_offset += len(token)

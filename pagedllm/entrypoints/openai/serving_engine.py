@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
 import math
 import uuid
 from collections.abc import AsyncIterator, Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.core.request import Logprob
 from pagedllm.engine.async_engine import AsyncEngineDeadError, AsyncLLMEngine, RequestStream
@@ -27,6 +28,11 @@ logger = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 # JSON has no -inf: the floor vLLM and OpenAI report for impossible tokens.
 MIN_LOGPROB = -9999.0
+# Longest wait for a request's grammar to compile before the request is refused.
+COMPILE_TIMEOUT_S = 30.0
+# Engine request ids are internal and unique: a counter ahead of whatever the client sent, so
+# two requests with the same X-Request-Id never clash.
+_engine_request_counter = itertools.count()
 
 
 class APIError(Exception):
@@ -118,30 +124,53 @@ class OpenAIServing:
     def check_request_options(request: SamplingRequest) -> None:
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-        if request.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias")
 
-    @staticmethod
-    def sampling_params(
+    async def sampling_params(
+        self,
         request: SamplingRequest,
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
     ) -> SamplingParams:
+        """The request's SamplingParams, its output constraint compiled (in a worker thread)."""
         try:
             params = request.to_sampling_params(max_tokens, logprobs, prompt_logprobs)
         except ValueError as e:
-            raise APIError(400, str(e), param=_named_field(str(e), type(request).model_fields)) from e
+            fields = (*type(request).model_fields, "structured_outputs.json", "structured_outputs.regex")
+            raise APIError(400, str(e), param=_named_field(str(e), fields)) from e
         if request.stream and params.best_of != params.n:
             raise APIError(400, "best_of must equal n when streaming", param="best_of")
+        await self.compile_structured_outputs(params, request.structured_outputs_field)
         return params
+
+    async def compile_structured_outputs(self, params: SamplingParams, field: str | None) -> None:
+        """Compile the output constraint off the event loop (the engine then finds it compiled);
+        400 naming ``field`` when it does not compile in time."""
+        structured = params.structured_outputs
+        if structured is None:
+            return
+        manager = self.engine.engine.structured_output_manager
+        if manager is None:
+            raise APIError(400, "structured outputs need a tokenizer, and this model has none", param=field)
+        try:
+            structured.compiled_grammar = await asyncio.wait_for(
+                asyncio.wrap_future(manager.compile(structured)), COMPILE_TIMEOUT_S
+            )
+        except ValueError as e:
+            raise APIError(400, str(e), param=field) from e
+        except asyncio.TimeoutError as e:
+            raise APIError(
+                400, f"the output constraint did not compile in {COMPILE_TIMEOUT_S:g} s", param=field
+            ) from e
 
     def tokenize(self, text: str, param: str) -> list[int]:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: give the prompt as token ids", param=param)
         return self.tokenizer(text)["input_ids"]
 
-    def decode_token(self, token_id: int, logprob: Logprob | None) -> str:
+    def decode_token(self, token_id: int, logprob: Logprob | None, as_token_id: bool = False) -> str:
+        if as_token_id:
+            return f"token_id:{token_id}"
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         if self.tokenizer is None:
@@ -156,15 +185,20 @@ class OpenAIServing:
         prompts: list[EnginePrompt],
         params: SamplingParams,
         arrival_time: float,
-    ) -> list[RequestStream]:
-        """Queue one engine request per prompt (ids ``{request_id}-{i}`` when several).
+        raw_request: Request,
+    ) -> tuple[list[RequestStream], DisconnectGuard]:
+        """Queue one engine request per prompt; the guard aborts them all when the client leaves,
+        even while the later ones are still being queued.
 
         Refusals become APIErrors before anything streams; a refused prompt withdraws the others.
         """
+        engine_ids = [f"{request_id}-{next(_engine_request_counter)}" for _ in prompts]
+        guard = DisconnectGuard(self.engine, raw_request, engine_ids)
         streams: list[RequestStream] = []
         try:
-            for i, prompt in enumerate(prompts):
-                engine_request_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            for engine_request_id, prompt in zip(engine_ids, prompts):
+                if guard.disconnected:
+                    raise APIError(499, "the client disconnected", code="client_disconnected")
                 streams.append(
                     await self.engine.add_request(
                         engine_request_id,
@@ -175,19 +209,14 @@ class OpenAIServing:
                     )
                 )
         except BaseException as e:
-            self.engine.abort([stream.request_id for stream in streams])
+            guard.close()
             if isinstance(e, ValueError):
-                raise APIError(400, str(e), param=_named_field(str(e), ("prompt",))) from e
-            if isinstance(e, NotImplementedError):
-                raise APIError(501, str(e), code="not_implemented") from e
+                fields = ("prompt", *SamplingParams.__dataclass_fields__)
+                raise APIError(400, str(e), param=_named_field(str(e), fields)) from e
             if isinstance(e, AsyncEngineDeadError):
                 raise APIError(503, str(e), code="engine_unavailable") from e
             raise
-        return streams
-
-    def abort_on_disconnect(self, raw_request: Request, streams: list[RequestStream]) -> DisconnectGuard:
-        """Start watching for the client's disconnect right away (see DisconnectGuard)."""
-        return DisconnectGuard(self.engine, raw_request, [stream.request_id for stream in streams])
+        return streams, guard
 
     @staticmethod
     async def collect(streams: list[RequestStream]) -> list[RequestOutput]:
@@ -218,6 +247,7 @@ class DisconnectGuard:
     def __init__(self, engine: AsyncLLMEngine, raw_request: Request, request_ids: list[str]) -> None:
         self.engine = engine
         self.request_ids = request_ids
+        self.disconnected = False
         self._watcher = asyncio.ensure_future(_wait_for_disconnect(raw_request))
         self._watcher.add_done_callback(self._on_disconnect)
 
@@ -225,6 +255,7 @@ class DisconnectGuard:
         if watcher.cancelled():
             return
         if watcher.exception() is None:
+            self.disconnected = True
             logger.info("client disconnected: aborting %s", ", ".join(self.request_ids))
         self.engine.abort(self.request_ids)
 
@@ -273,8 +304,33 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
 
 
 def new_request_id(raw_request: Request) -> str:
-    """The client's X-Request-Id when given (so its logs and ours match), else a random one."""
-    return raw_request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+    """The client's X-Request-Id when given (so its logs and ours match; at most 128 printable
+    characters kept), else a random one. Engine ids add a counter to it, so they never clash."""
+    given = raw_request.headers.get(REQUEST_ID_HEADER, "")
+    given = "".join(c for c in given[:128] if c.isprintable())
+    return given or uuid.uuid4().hex
+
+
+def prompt_logprobs_json(
+    serving: OpenAIServing, final: RequestOutput, as_token_ids: bool
+) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token (None for the first), token id -> logprob,
+    rank and text."""
+    if final.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if step is None
+        else {
+            str(token_id): {
+                "logprob": clamp_logprob(logprob.logprob),
+                "rank": logprob.rank,
+                "decoded_token": serving.decode_token(token_id, logprob, as_token_ids),
+            }
+            for token_id, logprob in step.items()
+        }
+        for step in final.prompt_logprobs
+    ]
 
 
 def usage_info(finals: list[RequestOutput]) -> UsageInfo:
@@ -296,6 +352,8 @@ def sse_error(error: Exception) -> str:
 def _named_field(message: str, fields: Iterable[str]) -> str | None:
     """The field a ValueError names: SamplingParams' and the engine's messages start with it."""
     first_word = message.split(" ", 1)[0]
+    if first_word.startswith("structured_outputs."):
+        return "structured_outputs"
     return first_word if first_word in fields else None
 
 

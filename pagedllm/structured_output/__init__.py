@@ -1,0 +1,13 @@
+"""Structured outputs: grammars compiled off the critical path, a matcher per request, and the
+token bitmask that keeps each row's next token inside its grammar (through xgrammar)."""
+
+from pagedllm.structured_output.bitmask import allocate_token_bitmask, apply_token_bitmask
+from pagedllm.structured_output.grammar import StructuredOutputGrammar
+from pagedllm.structured_output.manager import StructuredOutputManager
+
+__all__ = [
+    "StructuredOutputGrammar",
+    "StructuredOutputManager",
+    "allocate_token_bitmask",
+    "apply_token_bitmask",
+]

@@ -1,0 +1,44 @@
+"""One request's grammar state: which tokens may come next, advanced by each sampled token."""
+
+from __future__ import annotations
+
+import torch
+import xgrammar as xgr
+
+
+class StructuredOutputGrammar:
+    """A request's matcher over its compiled grammar (vLLM's ``StructuredOutputGrammar``).
+
+    Args:
+        compiled: the grammar, compiled for this engine's tokenizer.
+    """
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self.num_processed_tokens = 0
+
+    def accept_tokens(self, token_ids: list[int]) -> bool:
+        """Advance over ``token_ids``; False (and the grammar left after the last accepted one)
+        when one is outside the grammar, which a masked sampler never produces."""
+        for token_id in token_ids:
+            if self._matcher.is_terminated() or not self._matcher.accept_token(token_id):
+                return False
+            self.num_processed_tokens += 1
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` accepted tokens (speculative decoding rejects drafts)."""
+        self._matcher.rollback(num_tokens)
+        self.num_processed_tokens -= num_tokens
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into ``bitmask[row]`` (a host int32 bitmask)."""
+        self._matcher.fill_next_token_bitmask(bitmask, row)
+
+    def is_terminated(self) -> bool:
+        """The output is complete: the grammar accepted a stop token."""
+        return self._matcher.is_terminated()
+
+    def reset(self) -> None:
+        self._matcher.reset()
+        self.num_processed_tokens = 0

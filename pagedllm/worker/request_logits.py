@@ -1,0 +1,80 @@
+"""The per-request logits processors of a step's sample rows: allowed_token_ids, logit_bias,
+bad_words and structured outputs' grammar bitmask, applied before the sampler.
+
+Grammar state lives here, one matcher per request (a forked request gets its own), caught up each
+step with the tokens its request generated since the last. Requests that need their output history
+here (a grammar, bad words) are sent in full every step (``Request.needs_output_history``), so the
+persistent batch holds those tokens on the host. Compilation happened when the request was
+validated (``compiled_grammar``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+
+from pagedllm.sample.logits_processors import apply_allowed_token_ids, apply_bad_words, apply_logit_bias
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import StructuredOutputGrammar, allocate_token_bitmask, apply_token_bitmask
+
+logger = logging.getLogger(__name__)
+
+
+def has_logits_processors(params: SamplingParams) -> bool:
+    return bool(
+        params.allowed_token_ids
+        or params.logit_bias
+        or params.bad_words_token_ids
+        or params.structured_outputs
+    )
+
+
+class RequestLogitsProcessors:
+    def __init__(self) -> None:
+        # req_id -> its grammar (None once its output left the grammar).
+        self._grammars: dict[int, StructuredOutputGrammar | None] = {}
+
+    def drop(self, req_ids: Iterable[int]) -> None:
+        for req_id in req_ids:
+            self._grammars.pop(req_id, None)
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        req_ids: list[int],
+        params: list[SamplingParams],
+        output_token_ids: list[list[int]],
+    ) -> None:
+        """logits: [num_rows, vocab_size], edited in place; the lists give each row's request,
+        parameters and generated tokens."""
+        apply_allowed_token_ids(logits, [p.allowed_token_ids for p in params])
+        apply_logit_bias(logits, [p.logit_bias for p in params])
+        apply_bad_words(logits, [p.bad_words_token_ids for p in params], output_token_ids)
+        grammars = [self._grammar(*row) for row in zip(req_ids, params, output_token_ids)]
+        if any(grammar is not None for grammar in grammars):
+            bitmask = allocate_token_bitmask(len(grammars), logits.shape[1])
+            for row, grammar in enumerate(grammars):
+                if grammar is not None and not grammar.is_terminated():
+                    grammar.fill_bitmask(bitmask, row)
+            apply_token_bitmask(logits, bitmask)
+
+    def _grammar(
+        self, req_id: int, params: SamplingParams, output_token_ids: list[int]
+    ) -> StructuredOutputGrammar | None:
+        structured = params.structured_outputs
+        if structured is None or structured.compiled_grammar is None:
+            return None
+        if req_id not in self._grammars:
+            self._grammars[req_id] = StructuredOutputGrammar(structured.compiled_grammar)
+        grammar = self._grammars[req_id]
+        if grammar is None:
+            return None
+        new_tokens = output_token_ids[grammar.num_processed_tokens :]
+        if new_tokens and not grammar.accept_tokens(new_tokens):
+            # Only a token the mask did not allow (e.g. EOS forced by max_tokens) gets here.
+            logger.warning("request %d: output left its grammar; no longer constrained", req_id)
+            self._grammars[req_id] = None
+            return None
+        return grammar

@@ -1,0 +1,87 @@
+"""Structured outputs and logits processors end to end through ``LLM`` on the embedded model."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.tokenizer import apply_chat_template
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "country": {"enum": ["France", "Spain", "Italy"]},
+        "capital": {"type": "boolean"},
+    },
+    "required": ["city", "country", "capital"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_gguf) -> LLM:
+    return LLM(device="cpu", max_model_len=512)
+
+
+def _chat(llm: LLM, text: str, params: SamplingParams) -> list[str]:
+    [output] = llm.chat([{"role": "user", "content": text}], params, use_tqdm=False)
+    return [completion.text for completion in output.outputs]
+
+
+def test_json_schema_output_parses_and_conforms_with_n_and_sampling(llm):
+    structured = StructuredOutputsParams(json=SCHEMA)
+    params = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=40, structured_outputs=structured)
+    for text in _chat(llm, "Describe Paris as JSON.", params):
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_choice_regex_and_greedy_in_one_batch(llm):
+    tokenizer = llm.get_tokenizer()
+    choice = StructuredOutputsParams(choice=["positive", "negative"])
+    regex = StructuredOutputsParams(regex=r"[0-9]{3}-[0-9]{4}")
+    prompts = [
+        {"prompt_token_ids": apply_chat_template(tokenizer, [{"role": "user", "content": p}])}
+        for p in ("Is 'I love it' positive or negative?", "Give a phone number.", "Say hi.")
+    ]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10, structured_outputs=choice),
+        SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=regex),
+        SamplingParams(temperature=0.0, max_tokens=5),
+    ]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert outputs[0].outputs[0].text in ("positive", "negative")
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", outputs[1].outputs[0].text)
+    assert outputs[2].outputs[0].text
+
+
+def test_allowed_token_ids_bad_words_and_logit_bias(llm):
+    tokenizer = llm.get_tokenizer()
+    allowed = tokenizer(" yes no maybe", add_special_tokens=False)["input_ids"]
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=8, allowed_token_ids=allowed, ignore_eos=True)
+    [output] = llm.generate("Answer:", params, use_tqdm=False)
+    assert set(output.outputs[0].token_ids) <= set(allowed)
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    [plain] = _chat(llm, "What is the capital of France?", greedy)
+    assert "Paris" in plain
+    banned = SamplingParams(temperature=0.0, max_tokens=12, bad_words=["Paris"])
+    [text] = _chat(llm, "What is the capital of France?", banned)
+    assert "Paris" not in text
+
+    forced = tokenizer(" banana", add_special_tokens=False)["input_ids"][0]
+    biased = SamplingParams(temperature=0.0, max_tokens=3, logit_bias={forced: 100.0})
+    [output] = llm.generate("Fruit:", biased, use_tqdm=False)
+    assert output.outputs[0].token_ids == [forced] * 3
+
+
+def test_a_grammar_that_does_not_compile_is_refused_before_it_runs(llm):
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(("))
+    with pytest.raises(ValueError, match=r"structured_outputs\.regex does not compile"):
+        llm.generate("x", params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()

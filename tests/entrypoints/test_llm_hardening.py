@@ -1,0 +1,86 @@
+"""The Python API under misuse: interrupted generate, abort, wrong tokenizer path, corrupt weights."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_llama_dir) -> str:
+    return tiny_llama_dir
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir) -> LLM:
+    return LLM(model_dir, device="cpu", max_model_len=64, num_kv_blocks=16)
+
+
+def _all_blocks_free(llm: LLM) -> bool:
+    engine = llm.llm_engine
+    return engine.scheduler.block_manager.get_num_free_gpu_blocks() == engine.num_gpu_blocks
+
+
+def test_an_interrupted_generate_leaves_nothing_queued(llm, monkeypatch):
+    engine = llm.llm_engine
+    real_step = engine.step
+    calls = []
+
+    def step_then_interrupt():
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step_then_interrupt)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompt_token_ids=[[1, 2, 3], [4, 5]], sampling_params=params, use_tqdm=False)
+    monkeypatch.undo()
+    assert not engine.has_unfinished_requests() and _all_blocks_free(llm)
+    [output] = llm.generate(
+        prompt_token_ids=[1, 2], sampling_params=SamplingParams(max_tokens=2), use_tqdm=False
+    )
+    assert len(output.outputs[0].token_ids) == 2
+
+
+def test_abort_ends_requests_and_frees_their_blocks(llm):
+    engine = llm.llm_engine
+    engine.add_request("a", prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=30))
+    engine.add_request("b", prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=30))
+    engine.step()
+    llm.abort("a")
+    assert set(engine.requests) == {"b"}
+    llm.abort_all()
+    assert not engine.has_unfinished_requests() and _all_blocks_free(llm)
+
+
+def test_a_wrong_tokenizer_path_is_refused_at_start(model_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"tokenizer .* is not a directory with tokenizer files"):
+        LLM(model_dir, tokenizer=str(tmp_path / "missing"), device="cpu", max_model_len=64, num_kv_blocks=16)
+
+
+def test_a_corrupt_safetensors_file_is_named(model_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(model_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(ValueError, match=r"model\.safetensors"):
+        LLM(str(broken), device="cpu", max_model_len=64, num_kv_blocks=16)
+
+
+def test_a_corrupt_gguf_file_is_named(tmp_path):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
+    with pytest.raises(ValueError, match=r"broken\.gguf"):
+        LLM(str(path), device="cpu")
+
+
+def test_prompts_of_the_wrong_type_name_the_argument(llm):
+    with pytest.raises(ValueError, match="prompts must be"):
+        llm.generate(prompts=42, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params must be a SamplingParams"):
+        llm.generate(prompt_token_ids=[1], sampling_params=[{"temperature": 0}], use_tqdm=False)
