@@ -89,6 +89,14 @@ def _priority(request: Request) -> tuple[float, int]:
     return request.arrival_time, request.req_id
 
 
+def sibling_seed(seed: int | None, output_index: int) -> int | None:
+    """The seed of the generator of a request's ``output_index``-th sequence: the user's seed for
+    the first, a distinct one derived from it (hash of the pair) for each sibling."""
+    if seed is None or output_index == 0:
+        return seed
+    return hash((seed, output_index)) & (2**63 - 1)
+
+
 def max_running_seqs(request: Request) -> int:
     """Rows the request's group may hold at once: best_of before its first sample forks it (and
     always, for beam search), then its live siblings."""
@@ -358,7 +366,7 @@ class Scheduler:
                 out.scheduled_new_reqs.append(
                     NewRequestData(
                         req_id=req_id,
-                        group_id=request.siblings[0].req_id if request.siblings else req_id,
+                        seed=sibling_seed(request.sampling_params.seed, request.output_index),
                         prompt_token_ids=request.prompt_token_ids,
                         output_token_ids=request.output_token_ids.copy(),
                         sampling_params=request.sampling_params,

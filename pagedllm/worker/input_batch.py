@@ -74,13 +74,11 @@ class InputBatch:
         self.wants_logprobs = np.zeros(max_num_rows, dtype=bool)
         self.min_tokens = np.zeros(max_num_rows, dtype=np.int64)
         self.min_tokens_stop_ids: list[list[int]] = [[] for _ in range(max_num_rows)]
-        self.group_ids = np.zeros(max_num_rows, dtype=np.int64)
         self.has_penalty = np.zeros(max_num_rows, dtype=bool)
         # Rows with per-request logits processors (worker/request_logits.py).
         self.has_processors = np.zeros(max_num_rows, dtype=bool)
-        # Seeded generators by group (siblings draw from one), kept while a member lives.
+        # Seeded requests' generators, by request id: kept across preemption, dropped at the end.
         self.generators: dict[int, torch.Generator] = {}
-        self._group_members: dict[int, set[int]] = {}
         self.output_counts: torch.Tensor | None = None
         self.prompt_mask: torch.Tensor | None = None
 
@@ -123,10 +121,8 @@ class InputBatch:
         self.wants_logprobs[row] = p.logprobs is not None or data.num_top_tokens > 0
         self.min_tokens[row] = p.min_tokens
         self.min_tokens_stop_ids[row] = data.min_tokens_stop_ids
-        self.group_ids[row] = data.group_id
-        self._group_members.setdefault(data.group_id, set()).add(data.req_id)
-        if p.seed is not None and data.group_id not in self.generators:
-            self.generators[data.group_id] = torch.Generator(device=self.device).manual_seed(p.seed)
+        if data.seed is not None and data.req_id not in self.generators:
+            self.generators[data.req_id] = torch.Generator(device=self.device).manual_seed(data.seed)
         self.has_processors[row] = has_logits_processors(p)
         self.has_penalty[row] = (
             p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
@@ -148,8 +144,8 @@ class InputBatch:
         self.prompt_mask[row] = torch.bincount(prompt, minlength=self.vocab_size) > 0
 
     def remove_request(self, req_id: int, finished: bool) -> None:
-        """Free the request's row; a finished request also lets go of its seeded generator once
-        none of its siblings remains."""
+        """Free the request's row; a finished request also lets go of its seeded generator (a
+        preempted one keeps it: it comes back)."""
         row = self.row_of.pop(req_id, None)
         if row is not None:
             self.req_ids[row] = None
@@ -157,13 +153,7 @@ class InputBatch:
             self.params[row] = None
             self._free_rows.append(row)
         if finished:
-            for group_id, members in list(self._group_members.items()):
-                if req_id in members:
-                    members.discard(req_id)
-                    if not members:
-                        del self._group_members[group_id]
-                        self.generators.pop(group_id, None)
-                    break
+            self.generators.pop(req_id, None)
 
     def set_block_ids(self, row: int, start: int, block_ids: list[int]) -> None:
         end = start + len(block_ids)
@@ -202,7 +192,7 @@ class InputBatch:
             if (self.float_params[_MIN_P, rows] > 0.0).any():
                 metadata.min_p = floats[_MIN_P]
             for i, row in enumerate(rows.tolist()):
-                generator = self.generators.get(int(self.group_ids[row]))
+                generator = self.generators.get(self.req_ids[row])
                 if generator is not None and not greedy[i]:
                     metadata.generators[i] = generator
         if self.has_penalty[rows].any():

@@ -175,7 +175,7 @@ class ModelRunner:
             prompt_len = min(num_tokens // num_reqs + (i < num_tokens % num_reqs), self.max_model_len)
             num_blocks = -(-prompt_len // self.block_size)
             out.scheduled_new_reqs.append(
-                NewRequestData(i, i, [0] * prompt_len, [], params, [0] * num_blocks, 0, 1, [], 0)
+                NewRequestData(i, None, [0] * prompt_len, [], params, [0] * num_blocks, 0, 1, [], 0)
             )
             out.num_scheduled_tokens[i] = prompt_len
             out.total_num_scheduled_tokens += prompt_len

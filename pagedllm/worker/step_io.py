@@ -20,8 +20,9 @@ class NewRequestData:
     """A request the workers have no row for, in full."""
 
     req_id: int
-    # Requests sampled together (siblings of one user request) share one seeded generator.
-    group_id: int
+    # Seed of the request's own generator (None: the global one). Siblings get distinct seeds
+    # derived from the user's, so each one's tokens do not depend on how the others are scheduled.
+    seed: int | None
     prompt_token_ids: list[int]
     # Tokens generated so far (a resumed or forked request); the next input continues after them.
     output_token_ids: list[int]

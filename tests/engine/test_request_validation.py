@@ -53,7 +53,7 @@ def test_refused_requests_name_the_field_and_leave_the_engine_usable(llm, prompt
         use_tqdm=False,
     )
     assert len(output.outputs[0].token_ids) == 3
-    assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == engine.num_gpu_blocks
+    assert engine.scheduler.kv_cache_manager.get_num_free_gpu_blocks() == engine.num_gpu_blocks
 
 
 def test_sampling_params_of_another_type_is_refused(llm):

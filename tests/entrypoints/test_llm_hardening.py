@@ -21,7 +21,7 @@ def llm(model_dir) -> LLM:
 
 def _all_blocks_free(llm: LLM) -> bool:
     engine = llm.llm_engine
-    return engine.scheduler.block_manager.get_num_free_gpu_blocks() == engine.num_gpu_blocks
+    return engine.scheduler.kv_cache_manager.get_num_free_gpu_blocks() == engine.num_gpu_blocks
 
 
 def test_an_interrupted_generate_leaves_nothing_queued(llm, monkeypatch):
