@@ -259,8 +259,11 @@ class Scheduler:
                         out.blocks_to_copy.append(appended)
                     decodes.append(request)
                     break
-                # Requests already kept have higher priority: victims come from the tail.
+                # Requests already kept have higher priority: victims come from the tail (one
+                # preempted already, as a sibling of an earlier victim, frees nothing more).
                 victim = queue.pop() if queue else request
+                if victim is not request and victim.status != RequestStatus.RUNNING:
+                    continue
                 self._preempt(victim, out, decodes, prefills)
                 if victim is request or request.status != RequestStatus.RUNNING:
                     break
@@ -491,6 +494,8 @@ class Scheduler:
         self, request: Request, out: SchedulerOutput, decodes: list[Request], prefills: list[Request]
     ) -> None:
         group = [r for r in request.siblings if r.status == RequestStatus.RUNNING]
+        if not group:
+            return
         kv = self.kv_cache_manager
         mode = PreemptionMode.RECOMPUTE if len(group) == 1 else PreemptionMode.SWAP
         if mode == PreemptionMode.SWAP and not kv.can_swap_out(group):

@@ -28,7 +28,7 @@ def test_triton_backend_matches_torch_end_to_end(make_tiny_model, block_size):
     common = dict(
         device="cpu",
         block_size=block_size,
-        num_kv_blocks=64 // block_size,
+        num_kv_blocks=96 // block_size,
         max_model_len=64,
         enable_chunked_prefill=True,
         max_num_batched_tokens=32,
