@@ -246,8 +246,10 @@ class Scheduler:
             request = queue.popleft()
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted with a sibling of lower priority
-            if request.num_output_placeholders and request.needs_host_between_steps:
-                continue  # its next step waits for the host to see its sample
+            if request.num_output_placeholders and (
+                request.needs_host_between_steps or self._ends_with_samples_in_flight(request)
+            ):
+                continue  # its next step waits for the host to see its sample, or never comes
             num_new_tokens = request.num_uncomputed_tokens
             if num_new_tokens > 1 or not (request.output_token_ids or request.num_output_placeholders):
                 prefills.append(request)  # its blocks were allocated at admission
@@ -268,6 +270,15 @@ class Scheduler:
                 if victim is request or request.status != RequestStatus.RUNNING:
                     break
         return decodes, prefills
+
+    def _ends_with_samples_in_flight(self, request: Request) -> bool:
+        """Whether the samples in flight take the request to its length limit (max_tokens or the
+        context): no step after them is needed, and a token past the context has no slot."""
+        max_tokens = request.sampling_params.max_tokens
+        num_outputs = request.num_output_tokens + request.num_output_placeholders
+        return request.num_computed_tokens >= self.config.max_model_len or (
+            max_tokens is not None and num_outputs >= max_tokens
+        )
 
     def _schedule_swapped(self, budget: _Budget, out: SchedulerOutput, scheduled: list[Request]) -> None:
         kv = self.kv_cache_manager

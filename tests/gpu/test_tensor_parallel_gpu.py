@@ -29,7 +29,10 @@ def token_ids(outputs) -> list[list[int]]:
     "config_class, overrides",
     [
         # One KV head replicated on both ranks, biases, an untied head.
-        (LlamaConfig, {"num_attention_heads": 4, "num_key_value_heads": 1, "attention_bias": True}),
+        (
+            LlamaConfig,
+            {"num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64, "attention_bias": True},
+        ),
         # GQA split over the ranks, per-head norms, head size 128, a vocabulary that splits unevenly.
         (
             Qwen3Config,
@@ -42,11 +45,13 @@ def token_ids(outputs) -> list[list[int]]:
 def test_two_gpus_give_the_greedy_tokens_of_one(make_tiny_model, config_class, overrides, enforce_eager):
     _, model_config = make_tiny_model(config_class, **overrides)
     prompts = prompts_for(model_config.vocab_size, 12)
-    kwargs = dict(device="cuda", dtype="float32", enforce_eager=enforce_eager, gpu_memory_utilization=0.3)
+    # A fixed cache: profiling would count the first engine's cached memory against the second.
+    kwargs = dict(device="cuda", dtype="float32", enforce_eager=enforce_eager, num_kv_blocks=512)
     one = LLM(model_config.model, **kwargs)
     expected = token_ids(one.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False))
     one.llm_engine.shutdown()
     del one
+    torch.cuda.empty_cache()
 
     two = LLM(model_config.model, tensor_parallel_size=2, **kwargs)
     try:
