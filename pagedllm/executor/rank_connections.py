@@ -156,6 +156,8 @@ class RemoteExecutor(Executor):
     ranks: RankConnections
     worker_pids: list[int]
     _finalizer: Callable[[], Any]
+    # The step sent last whose answer has not been read yet.
+    _pending: list[PendingStep] = []  # noqa: RUF012 (replaced, never mutated in place)
 
     def collective_rpc(
         self,
@@ -166,15 +168,23 @@ class RemoteExecutor(Executor):
         return self._call(method, args, kwargs, None, None)
 
     def execute_model(self, msg: Any) -> PendingStep:
-        """Send the step to every rank and return at once; ``get()`` on the result waits for
-        rank 0's samples. The engine may send the next step before it asks for this one's: the
-        ranks run them in order, and answers come back in order."""
+        """Send the step to every rank and return; ``get()`` on the result gives rank 0's samples.
+
+        The engine schedules step N + 1 while step N runs on the ranks; before the next step is
+        sent, the previous one's answer is read. Otherwise both sides could block writing to each
+        other: a large message fills the rank's pipe while the rank waits to send its answer.
+        """
         try:
+            self.ranks.check()
+            for pending in self._pending:
+                pending.fetch()
             self.ranks.send("execute_model_and_wait", (msg,), None, 0)
         except BaseException:
             self.shutdown()
             raise
-        return PendingStep(self)
+        step = PendingStep(self)
+        self._pending = [step]
+        return step
 
     def _call(
         self,
@@ -198,17 +208,27 @@ class RemoteExecutor(Executor):
 
 
 class PendingStep:
-    """A step sent to the ranks whose samples have not been read yet."""
+    """A step sent to the ranks; its samples are read once, by ``get()`` or before the next send."""
 
     def __init__(self, executor: RemoteExecutor) -> None:
         self._executor = executor
+        self._result: Any = None
+        self._fetched = False
 
-    def get(self) -> Any:
+    def fetch(self) -> None:
+        if self._fetched:
+            return
+        self._fetched = True
         try:
-            return self._executor.ranks.receive(0, "execute_model", EXECUTE_MODEL_TIMEOUT_S)
+            self._executor.ranks.check()
+            self._result = self._executor.ranks.receive(0, "execute_model", EXECUTE_MODEL_TIMEOUT_S)
         except BaseException:
             self._executor.shutdown()
             raise
+
+    def get(self) -> Any:
+        self.fetch()
+        return self._result
 
 
 def _method_name(method: WorkerCall) -> str:
