@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PROMPTS_FILE = Path(__file__).with_name("c1_prompts.json")  # BENCHMARKS.md's C1 prompts
+PROMPTS_FILE = Path(__file__).with_name("c1_prompts.json")  # benchmarks/README.md's C1 prompts
 MAX_TOKENS = 64
 ENGINES = ("pagedllm-bf16", "pagedllm-q4", "pagedllm-f32", "hf-bf16", "hf-f32", "llamacpp", "vllm-bf16")
 

@@ -12,7 +12,7 @@ class AttentionMetadata:
     """Where each sequence's new tokens sit in the flattened batch, and where its K/V live.
 
     The batch holds ``num_seqs`` sequences; their new tokens are concatenated (CSR layout, as in
-    seed 003). Sequences with a single new token (decodes) come first::
+    the flattened batch of continuous batching). Sequences with a single new token (decodes) come first::
 
         tokens      [ d0 | d1 | d2 | p0 p0 p0 p0 | p1 p1 ]     num_decodes = 3, num_prefills = 2
         query_start_loc = [0, 1, 2, 3, 7, 9]

@@ -41,9 +41,7 @@ class StopChecker:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
-    def status_if_appended(
-        self, seq: Request, token_id: int, params: SamplingParams
-    ) -> RequestStatus | None:
+    def status_if_appended(self, seq: Request, token_id: int, params: SamplingParams) -> RequestStatus | None:
         """How the sequence would finish if ``token_id`` came next, by token and length alone (beam
         search weighs candidates before any is appended; it takes no stop strings)."""
         num_output_tokens = seq.num_output_tokens + 1

@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     openai_cli.add_cli_args(serve)
     serve.set_defaults(func=openai_cli.main)
 
-    bench = sub.add_parser("bench", help="benchmarks (BENCHMARKS.md's workloads)")
+    bench = sub.add_parser("bench", help="benchmarks (benchmarks/README.md's workloads)")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True)
     for name, module, help_text in (
         ("throughput", bench_throughput, "offline throughput: W1, W2, W5"),

@@ -1,4 +1,4 @@
-"""Decode attention bandwidth (BENCHMARKS.md, K1): paged implementations against SDPA on a
+"""Decode attention bandwidth (benchmarks/README.md, K1): paged implementations against SDPA on a
 contiguous cache and against a plain copy, on CUDA.
 
 Decode reads every cached K/V element once and does ~2 * num_queries_per_kv FLOPs per byte, so its
@@ -124,7 +124,7 @@ def _load_cuda_v2() -> DecodeFn:
 
 
 def _cuda_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The seeds' layout: K [blocks, kv_heads, head_size / x, block_size, x], V [.., head_size, bs]."""
+    """vLLM's original layout: K [blocks, kv_heads, head_size / x, block_size, x], V [.., head_size, bs]."""
     from pagedllm.kernels.cuda.layout import from_triton_layout
 
     return from_triton_layout(key_cache, value_cache)
@@ -147,7 +147,7 @@ DECODE_IMPLS: dict[str, DecodeImpl] = {
         },
         supports_sliding_window=True,
     ),
-    # The seeds' kernels: their thread-group layout is fixed by the block size; nothing to sweep.
+    # vLLM's original kernels: their thread-group layout is fixed by the block size; nothing to sweep.
     "cuda-v1": DecodeImpl(_load_cuda_v1, _cuda_layout, _no_launch_parameters, {}),
     "cuda-v2": DecodeImpl(_load_cuda_v2, _cuda_layout, _no_launch_parameters, {}),
 }

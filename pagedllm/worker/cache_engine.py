@@ -22,7 +22,7 @@ class KVCacheSpec:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes one block takes over all layers, K and V (seed 000's get_cache_block_size)."""
+        """Bytes one block takes over all layers, K and V (vLLM's get_cache_block_size)."""
         element_size = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * element_size
 

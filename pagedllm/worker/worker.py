@@ -87,7 +87,7 @@ class Worker:
             )
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
-        """(device blocks, CPU swap blocks) that fit the memory budget (seed 000's
+        """(device blocks, CPU swap blocks) that fit the memory budget (vLLM's design's
         profile_num_available_blocks).
 
         On a GPU, one forward pass at the scheduler's largest step (max_num_batched_tokens) finds

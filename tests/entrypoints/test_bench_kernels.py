@@ -40,7 +40,7 @@ def test_defaults_are_k1() -> None:
         16,
     )
     assert args.dtype == "bfloat16" and not args.sweep
-    # One table compares the Triton kernel with the seeds' CUDA V1 and V2 (issue 5).
+    # One table compares the Triton kernel with vLLM's original CUDA V1 and V2.
     assert args.implementations == ["triton", "cuda-v1", "cuda-v2"]
 
 

@@ -1,6 +1,6 @@
 """The CUDA kernels and the cuda backend on the GPU, against the torch backend.
 
-reshape_and_cache, PagedAttention V1 and V2 over the issue's grid (dtype {fp16, bf16, fp32} x head
+reshape_and_cache, PagedAttention V1 and V2 over the supported grid (dtype {fp16, bf16, fp32} x head
 size {64, 80, 96, 112, 128, 256} x block size {8, 16, 32}) on ragged batches with GQA; ALiBi against
 a torch reference with slopes; V1 and V2 on contexts spanning many partitions (and V1 past the
 default 48 KB of shared memory); the backend's forward on a mixed decode + prefill batch, and a
@@ -48,13 +48,13 @@ def _grid_id(case: tuple) -> str:
 
 @dataclass
 class Batch:
-    """A step's inputs with each sequence's first ``filled_len`` tokens already cached, in the seeds'
+    """A step's inputs with each sequence's first ``filled_len`` tokens already cached, in vLLM's original
     layout (for the kernels) and the torch layout (for the oracle); NaN in every other slot."""
 
     query: torch.Tensor  # [num_tokens, num_heads, head_size], a view of a fused QKV projection
     key: torch.Tensor  # [num_tokens, num_kv_heads, head_size], the same
     value: torch.Tensor
-    caches: tuple[torch.Tensor, torch.Tensor]  # seeds' layout
+    caches: tuple[torch.Tensor, torch.Tensor]  # vLLM's original layout
     torch_caches: tuple[torch.Tensor, torch.Tensor]  # [num_blocks, block_size, num_kv_heads, head_size]
     md: AttentionMetadata
     num_heads: int
@@ -308,7 +308,7 @@ def test_paged_attention_runs_the_version_use_v1_picks(monkeypatch: pytest.Monke
 @pytest.mark.parametrize("dtype", ops.SUPPORTED_DTYPES)
 def test_backend_forward_on_a_mixed_batch(dtype: torch.dtype) -> None:
     """Decodes, then prefill chunks (a fresh prompt, chunks after cached prefixes), then CUDA-graph
-    padding tokens: the cache write, V1/V2 and the Triton prefill over the seeds' layout."""
+    padding tokens: the cache write, V1/V2 and the Triton prefill over vLLM's original layout."""
     gen = torch.Generator().manual_seed(5)
     num_decodes = 12
     context_lens = torch.randint(0, 3000, (num_decodes + 3,), generator=gen).tolist()

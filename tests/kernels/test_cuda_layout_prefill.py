@@ -1,4 +1,4 @@
-"""The cuda backend's pieces that run without a GPU: the seeds' cache layout (shapes, the reference
+"""The cuda backend's pieces that run without a GPU: vLLM's original cache layout (shapes, the reference
 cache write, conversions), the Triton prefill kernel reading that layout, the V1/V2 choice, and
 the backend's and the build's error messages.
 
@@ -53,7 +53,7 @@ def test_x_is_sixteen_bytes_and_shapes_keep_block_first() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_reference_write_follows_the_seeds_index_math(dtype: torch.dtype) -> None:
-    """Seed 000's reshape_and_cache targets, element by element, as flat cache offsets."""
+    """vLLM's reshape_and_cache targets, element by element, as flat cache offsets."""
     gen = torch.Generator().manual_seed(0)
     num_blocks, block_size, num_kv_heads, head_size, num_tokens = 6, 8, 3, 32, 11
     x = cache_x(dtype)
@@ -118,7 +118,7 @@ def test_layout_conversions_agree_with_the_writes(dtype: torch.dtype) -> None:
 
 
 def test_paged_kv_layout_addresses_every_element() -> None:
-    """PagedKVLayout's formula finds element (b, h, s, d) of the seeds' caches in their storage."""
+    """PagedKVLayout's formula finds element (b, h, s, d) of vLLM's original caches in their storage."""
     gen = torch.Generator().manual_seed(2)
     triton_caches = [torch.randn(4, 3, 8, 32, generator=gen) for _ in range(2)]
     key_cache, value_cache = from_triton_layout(*triton_caches)
@@ -135,7 +135,7 @@ def test_paged_kv_layout_addresses_every_element() -> None:
 
 @dataclass
 class Step:
-    """One step's inputs, its context already cached in both the seeds' layout (for the kernel)
+    """One step's inputs, its context already cached in both vLLM's original layout (for the kernel)
     and the torch layout (for the oracle); NaN in every slot no sequence owns."""
 
     query: torch.Tensor  # [num_tokens, num_heads, head_size]
@@ -329,7 +329,7 @@ def test_random_ragged_prefill_chunks(seed: int) -> None:
 )
 def test_windowed_decode_rows_over_the_seeds_layout(variants: dict) -> None:
     """The cuda backend decodes a windowed or soft-capped layer with paged_prefill, one query per
-    sequence (query_len 1, first_seq 0): the same kernel on the seeds' layout, checked here."""
+    sequence (query_len 1, first_seq 0): the same kernel on vLLM's original layout, checked here."""
     context_lens = [0, 9, 30, 47, 70]
     step = make_step(5, context_lens, [1] * 5, 8, 2, 64, 16, torch.float32)
     ref = oracle(step, 8, 2, 64, **variants)

@@ -1,6 +1,6 @@
-"""The CUDA attention backend: the seeds' PagedAttention kernels in CUDA C++, over their cache layout.
+"""The CUDA attention backend: vLLM's original PagedAttention kernels in CUDA C++, over their cache layout.
 
-Cache layout (per layer), as seed 000's ``reshape_and_cache`` writes it and its kernels read it::
+Cache layout (per layer), as vLLM's ``reshape_and_cache`` writes it and its kernels read it::
 
     key_cache   [num_blocks, num_kv_heads, head_size / x, block_size, x]     x = 16 bytes / element size
     value_cache [num_blocks, num_kv_heads, head_size, block_size]
@@ -11,7 +11,7 @@ so the cache engine swaps and copies blocks as for every backend.
 A step runs three kernels: ``reshape_and_cache`` (CUDA) writes this step's K/V; PagedAttention V1 or
 V2 (CUDA, chosen per step by ``ops.use_v1`` from host ints) attends for the decodes, sequences
 ``[0, num_decodes)``; the prefill chunks after them run the Triton ``paged_prefill``, which reads
-this layout as well as its own (``paged_tiles.PagedKVLayout``). The seeds' kernels are decode-only:
+this layout as well as its own (``paged_tiles.PagedKVLayout``). vLLM's original kernels are decode-only:
 their prompt path ran xformers over the step's un-paged K/V, which cannot see a cached prefix, so
 chunked prefill and prefix caching need a kernel that attends over the paged cache, and one
 FlashAttention-style kernel serves both backends. Like the Triton backend, forward never syncs
@@ -30,7 +30,7 @@ from pagedllm.kernels.cuda.ops import SUPPORTED_BLOCK_SIZES, SUPPORTED_DTYPES, S
 
 
 class CudaAttentionBackend(TritonAttentionBackend):
-    """The Triton backend's step (and its prefill kernel) with the seeds' layout, cache write and
+    """The Triton backend's step (and its prefill kernel) with vLLM's original layout, cache write and
     decode kernels. Decode reads only host ints, so it is captured in CUDA graphs too."""
 
     name = "cuda"
@@ -78,7 +78,7 @@ class CudaAttentionBackend(TritonAttentionBackend):
         out: torch.Tensor,
     ) -> None:
         if self.sliding_window is not None or self.logits_soft_cap is not None:
-            # The seeds' kernels know ALiBi only: a windowed or soft-capped layer decodes with the
+            # vLLM's original kernels know ALiBi only: a windowed or soft-capped layer decodes with the
             # Triton prefill kernel (one query per sequence), which reads this layout and starts at
             # the window's first tile.
             num_decodes = query.shape[0]

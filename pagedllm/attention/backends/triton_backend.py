@@ -143,7 +143,7 @@ class TritonAttentionBackend(AttentionBackend):
         out: torch.Tensor,
     ) -> None:
         """paged_prefill for sequences [first, first + count) of the batch, ``seqs = (first,
-        count, max_query_len)``. One kernel for every layout: it reads the Triton and the seeds'
+        count, max_query_len)``. One kernel for every layout: it reads the Triton and vLLM's original
         caches alike."""
         key_cache, value_cache = kv_cache
         first_seq, num_seqs, max_query_len = seqs

@@ -1,4 +1,4 @@
-"""``pagedllm bench kernels``: decode attention bandwidth, BENCHMARKS.md's K1.
+"""``pagedllm bench kernels``: decode attention bandwidth, benchmarks/README.md's K1.
 
 For each context -- one length for every sequence, or a ragged range drawn with Python's
 ``random`` seeded as the workloads draw theirs -- each implementation of
@@ -54,7 +54,7 @@ class ContextRange:
         return str(self.lo) if self.lo == self.hi else f"{self.lo}-{self.hi}"
 
     def seq_lens(self, batch_size: int, seed: int) -> tuple[int, ...]:
-        """One length per sequence, from Python's ``random`` seeded with ``seed`` (BENCHMARKS.md)."""
+        """One length per sequence, from Python's ``random`` seeded with ``seed`` (benchmarks/README.md)."""
         rng = random.Random(seed)
         return tuple(rng.randint(self.lo, self.hi) for _ in range(batch_size))
 
@@ -69,7 +69,7 @@ K1_CONTEXTS = (
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """The K1 shape by default (BENCHMARKS.md); every dimension can be changed."""
+    """The K1 shape by default (benchmarks/README.md); every dimension can be changed."""
     parser.add_argument(
         "--contexts",
         nargs="+",

@@ -1,8 +1,8 @@
-"""``pagedllm bench latency``: one request's per-token latency, BENCHMARKS.md's W3.
+"""``pagedllm bench latency``: one request's per-token latency, benchmarks/README.md's W3.
 
 A single request (128 prompt tokens, 256 output tokens, greedy, EOS ignored) on dummy weights,
 with CUDA graphs and, for comparison, eagerly. The floor is reading every weight once per token
-at the device's measured copy bandwidth (bytes read + written over time, as BENCHMARKS.md
+at the device's measured copy bandwidth (bytes read + written over time, as benchmarks/README.md
 measures it): the per-token latency over that floor is the gap.
 """
 

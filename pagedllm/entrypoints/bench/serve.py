@@ -1,6 +1,6 @@
 """``pagedllm bench serve``: the online-serving workload W4 against an OpenAI-compatible server.
 
-W4 (shared BENCHMARKS.md): with ``random.seed(0)``, 500 prompts of random token ids
+W4 (shared benchmarks/README.md): with ``random.seed(0)``, 500 prompts of random token ids
 (``[random.randint(0, 10000) for _ in range(random.randint(100, 1024))]``), then 500 output
 lengths uniform in [32, 512], drawn after the prompts. Each prompt goes to /v1/completions as
 token ids, streamed, with ``max_tokens`` = its output length, ``ignore_eos`` and temperature 0.

@@ -1,4 +1,4 @@
-"""The offline workloads of BENCHMARKS.md, drawn exactly as it specifies."""
+"""The offline workloads of benchmarks/README.md, drawn exactly as it specifies."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""CUDA C++ kernels for the ``cuda`` attention backend (DESIGN.md section 5): the seeds'
-PagedAttention V1 and V2 and their cache write, over the seeds' cache layout (``layout.py``).
+"""CUDA C++ kernels for the ``cuda`` attention backend (DESIGN.md section 5): vLLM's original
+PagedAttention V1 and V2 and their cache write, over vLLM's original cache layout (``layout.py``).
 
 Sources are in ``csrc/`` (one .cu file per kernel family, plain C++ launchers in ``ops.h``, the
 torch binding in ``binding.cpp``); ``build.load`` compiles them on first use. Importing this

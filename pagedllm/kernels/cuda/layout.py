@@ -1,11 +1,11 @@
-"""The seeds' paged KV cache layout in PyTorch: its shapes, a reference cache write, conversions.
+"""vLLM's original paged KV cache layout in PyTorch: its shapes, a reference cache write, conversions.
 
-Per layer (seed 000's ``reshape_and_cache``, seed 001's tensor shapes)::
+Per layer (vLLM's ``reshape_and_cache``, vLLM's tensor shapes)::
 
     key_cache   [num_blocks, num_kv_heads, head_size / x, block_size, x]     x = 16 bytes / element size
     value_cache [num_blocks, num_kv_heads, head_size, block_size]
 
-Why they differ (seed 001): in the QK pass the thread groups of a warp each take one token of a
+Why they differ (vLLM's original kernel): in the QK pass the thread groups of a warp each take one token of a
 block and read the same ``x``-element (16-byte) piece of their tokens' keys, so putting
 ``block_size`` below ``head_size / x`` makes that read one contiguous run, and each group's dot
 product lands in a different logit. In the PV pass a lane reads 16 bytes of one head dimension for
@@ -49,7 +49,7 @@ def reshape_and_cache_reference(
     ``slot // block_size``, offset ``slot % block_size``; element ``d`` of its key to piece
     ``d // x``, position ``d % x``; element ``d`` of its value to row ``d``. Slots < 0 are padding.
 
-    key, value: [num_tokens, num_kv_heads, head_size]; caches in the seeds' layout;
+    key, value: [num_tokens, num_kv_heads, head_size]; caches in vLLM's original layout;
     slot_mapping: [num_tokens].
     """
     valid = slot_mapping >= 0
@@ -66,7 +66,7 @@ def from_triton_layout(
     key_cache: torch.Tensor, value_cache: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Copies of caches in the Triton backend's layout (both ``[num_blocks, num_kv_heads,
-    block_size, head_size]``) in the seeds' layout: the same blocks, the same block tables."""
+    block_size, head_size]``) in vLLM's original layout: the same blocks, the same block tables."""
     num_blocks, num_kv_heads, block_size, head_size = key_cache.shape
     x = cache_x(key_cache.dtype)
     key = key_cache.view(num_blocks, num_kv_heads, block_size, head_size // x, x).permute(0, 1, 3, 2, 4)
@@ -74,7 +74,7 @@ def from_triton_layout(
 
 
 def to_triton_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inverse of ``from_triton_layout``: seeds'-layout caches as ``[num_blocks,
+    """The inverse of ``from_triton_layout``: vLLM-layout caches as ``[num_blocks,
     num_kv_heads, block_size, head_size]`` copies (for the torch oracle, permute those)."""
     num_blocks, num_kv_heads, num_chunks, block_size, x = key_cache.shape
     key = key_cache.permute(0, 1, 3, 2, 4).reshape(num_blocks, num_kv_heads, block_size, num_chunks * x)

@@ -13,7 +13,7 @@ import torch
 
 from pagedllm.kernels.cuda.build import load
 
-# What the kernels are instantiated for (csrc/dispatch_utils.cuh): the issue's grid, nothing more,
+# What the kernels are instantiated for (csrc/dispatch_utils.cuh): the supported grid, nothing more,
 # since every combination costs build time.
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
@@ -22,13 +22,13 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Tokens per V2 partition: kPartitionSize in csrc/ops.h (the built module's PARTITION_SIZE).
 PARTITION_SIZE = 512
 
-# V1 or V2, vLLM's rule as its code states it (seed 001 shortens it to "V1 under 8192 tokens or
+# V1 or V2, vLLM's rule as its code states it (write-ups shorten it to "V1 under 8192 tokens or
 # when num_seqs * num_heads > 512"): V1 when no sequence is longer than V1_MAX_SEQ_LEN and either a
 # single partition covers every context (V2 would only add its reduce) or the batch has more than
 # V1_MIN_SEQS_X_HEADS (sequence, head) thread blocks to fill the GPU with. Otherwise a small batch
 # of long contexts needs V2's split to occupy every SM. Checked against K1 on an H200 (2026-11-21,
 # benchmarks/RESULTS.md): V1 is faster at contexts 512, 4096 and ragged 1-8192 and V2 at 16384,
-# as this rule chooses; seed 001's shortened form would have chosen V1 there (64 x 32 > 512).
+# as this rule chooses; vLLM's shortened form would have chosen V1 there (64 x 32 > 512).
 V1_MAX_SEQ_LEN = 8192
 V1_MIN_SEQS_X_HEADS = 512
 
@@ -72,7 +72,7 @@ def paged_attention_v1(
     (query head, sequence); writes and returns ``out``.
 
     query, out: [num_seqs, num_heads, head_size] (query: any token stride, 16-byte aligned rows;
-    out contiguous); caches in the seeds' layout; block_tables: [num_seqs, max_blocks] int32;
+    out contiguous); caches in vLLM's original layout; block_tables: [num_seqs, max_blocks] int32;
     seq_lens: [num_seqs] int32, each in [1, max_seq_len]: ``max_seq_len`` (a host int, e.g.
     max_model_len under CUDA graphs) sizes the shared memory, so it must bound every seq_len;
     alibi_slopes: [num_heads] float32, or None.

@@ -1,6 +1,6 @@
 """Paged decode attention: one new query token per sequence, split along the context.
 
-Algorithm: FlashDecoding (Dao et al. 2023; the seeds' PagedAttention "V2", seed 001). Each
+Algorithm: FlashDecoding (Dao et al. 2023; vLLM's original PagedAttention "V2", vLLM's design). Each
 sequence's context is cut into partitions of ``partition_size`` tokens (a runtime value: the
 backend sizes it per launch, see ``decode_partition_size``); every partition runs the
 online softmax of ``paged_tiles.attend_paged_range`` independently, then a second kernel merges the
@@ -9,7 +9,7 @@ contexts are long, which V1 (one program per sequence and head) cannot.
 
 GQA/MQA: a program owns one *KV head* and computes all ``num_queries_per_kv`` query heads that share
 it, as the rows of its ``tl.dot`` (padded to ``BLOCK_H`` >= 16, the tensor-core minimum). Each K/V
-tile is read from memory once per group instead of once per query head: the re-read seed 001 names
+tile is read from memory once per group instead of once per query head, fixing the re-read known
 as PagedAttention V1's weakness on GQA models.
 
 Kernel 1, ``_paged_decode_kernel``, grid ``(num_seqs, num_kv_heads, num_partitions)``:

@@ -18,7 +18,7 @@ K/V run together and share it through L2.
 
 Layouts: query/out ``[num_tokens, num_heads, head_size]`` (flattened batch, rows located by
 ``query_start_loc``); key_cache/value_cache in either layout of ``paged_tiles.PagedKVLayout``: the
-Triton backend's ``[num_blocks, num_kv_heads, block_size, head_size]``, or the seeds' (the cuda
+Triton backend's ``[num_blocks, num_kv_heads, block_size, head_size]``, or vLLM's original (the cuda
 backend's: K ``[num_blocks, num_kv_heads, head_size / x, block_size, x]``, V ``[num_blocks,
 num_kv_heads, head_size, block_size]``), one kernel for both through the row offsets of
 ``paged_tiles.dim_offsets``; block_tables ``[num_seqs, max_blocks]`` int32; seq_lens ``[num_seqs]``
@@ -84,7 +84,7 @@ def _paged_prefill_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
-    K_CHUNK: tl.constexpr,  # elements per contiguous run of a key row (the seeds' x); 0: one run
+    K_CHUNK: tl.constexpr,  # elements per contiguous run of a key row (vLLM's original x); 0: one run
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -246,7 +246,7 @@ def paged_prefill(
     context (cached prefix + the chunk itself); writes their rows of ``out``.
 
     query, out: [num_tokens, num_heads, head_size]; key_cache, value_cache: the Triton layout
-    (both [num_blocks, num_kv_heads, block_size, head_size]) or the seeds' (K [num_blocks,
+    (both [num_blocks, num_kv_heads, block_size, head_size]) or vLLM's original (K [num_blocks,
     num_kv_heads, head_size / x, block_size, x], V [num_blocks, num_kv_heads, head_size,
     block_size]); block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
     query_start_loc: [num_seqs + 1] int32. ``max_query_len`` (host int) bounds every query_len of

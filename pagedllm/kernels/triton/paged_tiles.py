@@ -151,7 +151,7 @@ def _tanh(x):
 @triton.jit
 def dim_offsets(offs_d, stride_chunk, stride_dim, CHUNK: tl.constexpr):
     """Offsets of a row's elements ``offs_d`` from the row's start: runs of ``CHUNK`` contiguous
-    elements ``stride_chunk`` apart (the seeds' K, ``CHUNK = x``), or, with ``CHUNK = 0``, one
+    elements ``stride_chunk`` apart (vLLM's original K, ``CHUNK = x``), or, with ``CHUNK = 0``, one
     run of stride ``stride_dim`` (every other layout: no division on the common path)."""
     if CHUNK == 0:
         offs = offs_d * stride_dim
@@ -169,7 +169,7 @@ class PagedKVLayout:
 
     with ``key_strides = (kb, kh, ks, kc, kd)`` and ``value_strides = (vb, vh, vs, vd)``. Two layouts
     have this form: the Triton backend's (K and V both ``[num_blocks, num_kv_heads, block_size,
-    head_size]``, ``key_chunk = 0``) and the seeds' (K ``[num_blocks, num_kv_heads, head_size / x,
+    head_size]``, ``key_chunk = 0``) and vLLM's original (K ``[num_blocks, num_kv_heads, head_size / x,
     block_size, x]``, ``key_chunk = x``; V ``[num_blocks, num_kv_heads, head_size, block_size]``,
     ``vs = 1``, ``vd = block_size``), told apart by the key cache's rank.
     """

@@ -1,4 +1,4 @@
-"""Write this step's K/V into the paged cache at each token's slot (seed 000's ``reshape_and_cache``).
+"""Write this step's K/V into the paged cache at each token's slot (vLLM's ``reshape_and_cache``).
 
 Algorithm: token ``t`` goes to slot ``slot_mapping[t]``, i.e. block ``slot // block_size``,
 position ``slot % block_size``; a negative slot marks a padding token (CUDA-graph batches are padded

@@ -39,7 +39,7 @@ void check_on(const Tensor& t, const Tensor& like, const char* name) {
   TORCH_CHECK(t.device() == like.device(), name, " is on ", t.device(), ", expected ", like.device());
 }
 
-// The seeds' layout: K [num_blocks, num_kv_heads, head_size / x, block_size, x] and V [num_blocks,
+// vLLM's original layout: K [num_blocks, num_kv_heads, head_size / x, block_size, x] and V [num_blocks,
 // num_kv_heads, head_size, block_size], x = 16 / element size, both contiguous, so the two share
 // the block and KV-head strides the kernels take.
 struct CacheGeometry {
@@ -201,7 +201,7 @@ void paged_attention_v2(const Tensor& query, const Tensor& key_cache, const Tens
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "pagedllm's PagedAttention CUDA kernels (the seeds' cache layout); see pagedllm.kernels.cuda";
+  m.doc() = "pagedllm's PagedAttention CUDA kernels (vLLM's original cache layout); see pagedllm.kernels.cuda";
   m.attr("PARTITION_SIZE") = pagedllm::kPartitionSize;
   m.def("reshape_and_cache", &reshape_and_cache, "Write K/V into the paged cache at slot_mapping",
         py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"));

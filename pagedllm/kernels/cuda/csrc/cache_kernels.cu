@@ -1,4 +1,4 @@
-// reshape_and_cache (seed 000): write this step's K and V into the paged cache at each token's slot.
+// reshape_and_cache (vLLM's original kernel): write this step's K and V into the paged cache at each token's slot.
 //
 // Grid (num_tokens,), min(num_kv_heads * head_size, 512) threads. A thread block copies one token:
 // its slot is slot_mapping[token] (block slot / block_size, offset slot % block_size; a negative

@@ -42,7 +42,7 @@ void dispatch_int(int value, const char* what, F&& f) {
   }
 }
 
-// The head sizes and block sizes of the issue's grid: every instantiation costs build time, so
+// The head sizes and block sizes of the supported grid: every instantiation costs build time, so
 // nothing beyond them (pagedllm.kernels.cuda.ops lists the same sets for its checks).
 template <typename F>
 void dispatch_head_size(int head_size, F&& f) {

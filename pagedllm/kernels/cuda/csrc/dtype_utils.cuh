@@ -1,4 +1,4 @@
-// Vector types and float conversions for the three cache dtypes (seed 000's Vec, FloatVec and
+// Vector types and float conversions for the three cache dtypes (vLLM's Vec, FloatVec and
 // from_float, written over CUDA's own half and __nv_bfloat16 types).
 //
 // A Vec<T, N> is N elements held as one aligned register tuple: a thread that dereferences a

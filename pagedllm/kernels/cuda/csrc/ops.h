@@ -11,7 +11,7 @@ namespace pagedllm {
 
 enum class ScalarType { kFloat32, kFloat16, kBFloat16 };
 
-// Threads per attention thread block (4 warps, as in the seeds).
+// Threads per attention thread block (4 warps, as in vLLM's original kernels).
 constexpr int kNumThreads = 128;
 // Tokens per V2 partition (ops.py's PARTITION_SIZE reads it from the built module).
 constexpr int kPartitionSize = 512;

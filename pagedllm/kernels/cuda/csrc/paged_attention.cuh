@@ -1,7 +1,7 @@
 // PagedAttention for decode: the attention of one new query token per sequence over its paged K/V
-// cache. This is the body both launchers share: V1 (paged_attention_v1.cu, seed 000's kernel and
-// seed 004's single_query_cached_kv_attention) runs it over the whole context, V2
-// (paged_attention_v2.cu, seed 001) over one partition of PARTITION_SIZE tokens.
+// cache. This is the body both launchers share: V1 (paged_attention_v1.cu, vLLM's kernel and
+// vLLM's single_query_cached_kv_attention) runs it over the whole context, V2
+// (paged_attention_v2.cu, vLLM's design) over one partition of PARTITION_SIZE tokens.
 //
 // Grid (num_heads, num_seqs, num_partitions), NUM_THREADS threads = NUM_WARPS warps per block; V1
 // has one partition. A thread block computes one query head of one sequence over its partition:
@@ -32,15 +32,15 @@
 //             the same piece of BLOCK_SIZE consecutive tokens, i.e. one contiguous, coalesced run.
 //   v_cache   [num_blocks, num_kv_heads, head_size, block_size]: a row (one head dimension, all
 //             tokens of the block) is contiguous, so a lane reads V_VEC_SIZE tokens' values at once.
-//   block_tables [num_seqs, max_num_blocks_per_seq], seq_lens [num_seqs] (the seeds' context_lens).
+//   block_tables [num_seqs, max_num_blocks_per_seq], seq_lens [num_seqs] (vLLM's original context_lens).
 //   out       [num_seqs, num_heads, num_partitions, head_size] (V1: num_partitions = 1).
 // Both caches have block strides kv_block_stride and KV-head strides kv_head_stride. GQA/MQA: query
-// head h reads KV head h / num_queries_per_kv (the seeds' head_mapping, as arithmetic: heads of one
+// head h reads KV head h / num_queries_per_kv (vLLM's original head_mapping, as arithmetic: heads of one
 // KV group are adjacent, as Llama-family checkpoints lay them out).
 //
 // Bound: memory. Each block reads seq_len * head_size * sizeof(scalar_t) bytes of K and as many of
 // V, and does 4 * seq_len * head_size FLOPs (~1 FLOP per byte at 16 bits). A KV head is read once
-// per query head of its group: the GQA re-read seed 001 points out (the Triton backend's decode
+// per query head of its group: the GQA re-read of vLLM's original V1 kernel (the Triton backend's decode
 // kernel reads it once per group instead).
 #pragma once
 
@@ -54,7 +54,7 @@
 namespace pagedllm {
 
 // Q . K over a thread group: each thread multiplies its N pieces lane by lane (VEC_SIZE
-// independent FMA chains, the seeds' mul/fma on the float vector), sums the lanes, then the group
+// independent FMA chains, vLLM's original mul/fma on the float vector), sums the lanes, then the group
 // sums across its threads; every thread of the group returns the full dot product.
 template <int THREAD_GROUP_SIZE, typename T, int VEC_SIZE, int N>
 __device__ __forceinline__ float qk_dot(const Vec<T, VEC_SIZE> (&q)[N], const Vec<T, VEC_SIZE> (&k)[N]) {
@@ -110,7 +110,7 @@ __device__ __forceinline__ void paged_attention_kernel(
     const int kv_block_stride,
     const int kv_head_stride) {
   // With blocks of at most a warp's size each thread group owns exactly one token of its warp's
-  // block (the seeds' NUM_TOKENS_PER_THREAD_GROUP is 1 for every block size built here).
+  // block (vLLM's original NUM_TOKENS_PER_THREAD_GROUP is 1 for every block size built here).
   static_assert(BLOCK_SIZE <= WARP_SIZE && WARP_SIZE % BLOCK_SIZE == 0, "block size must divide the warp");
   static_assert(NUM_THREADS % WARP_SIZE == 0, "whole warps");
   constexpr bool USE_PARTITIONING = PARTITION_SIZE > 0;

@@ -1,4 +1,4 @@
-// PagedAttention V1 (seed 000, seed 004): one thread block per (query head, sequence) over the
+// PagedAttention V1 (vLLM's original kernel): one thread block per (query head, sequence) over the
 // sequence's whole context; the kernel body is paged_attention.cuh.
 //
 // Grid (num_heads, num_seqs), kNumThreads threads. Dynamic shared memory holds a float logit for

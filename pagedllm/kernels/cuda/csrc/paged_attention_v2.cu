@@ -1,4 +1,4 @@
-// PagedAttention V2 (seed 001): the context split into partitions of kPartitionSize tokens, each
+// PagedAttention V2 (vLLM's original kernel): the context split into partitions of kPartitionSize tokens, each
 // computed by its own thread block, then a reduce kernel merging the partitions (FlashDecoding's
 // split-KV). It keeps the GPU busy when num_seqs * num_heads thread blocks are too few to fill it
 // and contexts are long, and bounds shared memory at one partition's logits whatever the length.

@@ -1,5 +1,5 @@
-// Butterfly reductions over a warp and over a thread block (seed 003's warpReduceSum and
-// blockReduceSum; seed 000's qk_max reduction).
+// Butterfly reductions over a warp and over a thread block (vLLM's warpReduceSum and
+// blockReduceSum; vLLM's qk_max reduction).
 //
 // __shfl_xor_sync(mask) hands each lane the value of the lane whose index differs in that one bit,
 // so after the masks WARP_SIZE/2, ..., LOWEST_MASK every lane holds the reduction over the lanes
