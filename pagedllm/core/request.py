@@ -130,9 +130,10 @@ class Request:
         # Whether the worker needs its generated tokens on the host every step (a grammar to
         # advance, bad words to match): it is then resent in full after each sample.
         self.needs_output_history = bool(
-            getattr(sampling_params, "structured_outputs", None)
-            or getattr(sampling_params, "bad_words_token_ids", None)
+            sampling_params.structured_outputs or sampling_params.bad_words_token_ids
         )
+        # Beam search and output history need the host after every sample (read once a step).
+        self._host_after_each_sample = sampling_params.use_beam_search or self.needs_output_history
         # Set when the request must be resent in full to the workers (new, resumed, forked, or
         # its next token chosen on the host rather than by the worker's sampler).
         self.resend = True
@@ -204,7 +205,7 @@ class Request:
         """Whether its next step depends on the host seeing this step's token first: the fork
         after a best_of request's first sample, beam search's choice of continuations, and the
         output history a grammar or bad words need on the worker."""
-        return self.num_samples > 1 or self.sampling_params.use_beam_search or self.needs_output_history
+        return self.num_samples > 1 or self._host_after_each_sample
 
     def fork(self, req_id: int) -> Request:
         """A sibling with the same tokens and progress (its blocks are shared by the KV cache

@@ -206,7 +206,7 @@ class Scheduler:
 
     def has_requests_needing_host(self) -> bool:
         """Whether a running request's next step waits on the host seeing its newest sample."""
-        return any(r.needs_host_between_steps and r.num_output_placeholders for r in self.running)
+        return any(r.num_output_placeholders and r.needs_host_between_steps for r in self.running)
 
     # --- scheduling -----------------------------------------------------------------------
 

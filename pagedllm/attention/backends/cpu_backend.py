@@ -86,24 +86,25 @@ class CpuAttentionBackend(AttentionBackend):
         head_size: int,
         scale: float,
         num_kv_heads: int,
+        *,
         sliding_window: int | None = None,
         alibi_slopes: torch.Tensor | None = None,
         logits_soft_cap: float | None = None,
     ) -> None:
-        super().__init__(num_heads, head_size, scale, num_kv_heads)
-        if sliding_window is not None and sliding_window < 1:
-            raise ValueError(f"sliding_window must be None or >= 1, got {sliding_window!r}")
-        if alibi_slopes is not None and tuple(alibi_slopes.shape) != (num_heads,):
-            raise ValueError(f"alibi_slopes must have shape ({num_heads},), got {tuple(alibi_slopes.shape)}")
-        if logits_soft_cap is not None and not logits_soft_cap > 0:
-            raise ValueError(f"logits_soft_cap must be None or > 0, got {logits_soft_cap!r}")
-        self.sliding_window = sliding_window
-        self.logits_soft_cap = logits_soft_cap
+        super().__init__(
+            num_heads,
+            head_size,
+            scale,
+            num_kv_heads,
+            sliding_window=sliding_window,
+            alibi_slopes=alibi_slopes,
+            logits_soft_cap=logits_soft_cap,
+        )
         # [num_kv_heads, group, 1, 1]: query head h = kv_head * group + g, as the model lays them out.
         self.alibi_slopes = (
             None
-            if alibi_slopes is None
-            else alibi_slopes.float().view(num_kv_heads, self.num_queries_per_kv, 1, 1)
+            if self.alibi_slopes is None
+            else self.alibi_slopes.view(num_kv_heads, self.num_queries_per_kv, 1, 1)
         )
 
     # The reference's layout: caches, swaps and tests are shared with it.
