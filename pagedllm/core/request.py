@@ -161,7 +161,7 @@ class Request:
 
     @property
     def num_tokens_with_placeholders(self) -> int:
-        return self.num_tokens + self.num_output_placeholders
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_output_placeholders
 
     def get_token_ids_slice(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output, without building the whole list."""
@@ -194,7 +194,13 @@ class Request:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens_with_placeholders - self.num_computed_tokens
+        # Read several times per request and step: spelled out rather than built on the others.
+        return (
+            len(self.prompt_token_ids)
+            + len(self.output_token_ids)
+            + self.num_output_placeholders
+            - self.num_computed_tokens
+        )
 
     @property
     def is_finished(self) -> bool:
@@ -253,4 +259,4 @@ class RequestState:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
 
     def is_finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
+        return all(seq.status >= _FIRST_FINISHED for seq in self.seqs)

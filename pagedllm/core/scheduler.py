@@ -218,8 +218,13 @@ class Scheduler:
         budget.num_seqs = sum(max_running_seqs(r) for r in {id(r.siblings): r for r in self.running}.values())
         scheduled: list[Request] = []
         decodes, prefills = self._schedule_running(out)
+        # A decode is one token: those within the budget run (the rest keep their new slot).
+        del decodes[max(budget.remaining_tokens, 0) :]
+        num_scheduled_tokens = out.num_scheduled_tokens
         for request in decodes:
-            self._schedule_tokens(request, budget, out, scheduled)
+            num_scheduled_tokens[request.req_id] = 1
+        budget.num_batched_tokens += len(decodes)
+        scheduled += decodes
         for request in prefills:
             if not self._schedule_tokens(request, budget, out, scheduled):
                 break
@@ -372,6 +377,8 @@ class Scheduler:
         that reaches its end holds a placeholder for the token the step samples."""
         kv = self.kv_cache_manager
         cached = out.scheduled_cached_reqs
+        num_scheduled_tokens = out.num_scheduled_tokens
+        now = time.time()
         for request in scheduled:
             req_id = request.req_id
             if request.resend:
@@ -396,14 +403,18 @@ class Scheduler:
                 cached.req_ids.append(req_id)
                 cached.block_table_diffs.append(kv.take_block_table_diff(request))
                 cached.num_computed_tokens.append(request.num_computed_tokens)
-            num_new_tokens = out.num_scheduled_tokens[req_id]
-            if num_new_tokens > 1 or request.num_computed_tokens < request.num_prompt_tokens:
+            num_new_tokens = num_scheduled_tokens[req_id]
+            num_computed_tokens = request.num_computed_tokens
+            num_prompt_tokens = len(request.prompt_token_ids)
+            if num_new_tokens > 1 or num_computed_tokens < num_prompt_tokens:
                 self.num_prefill_tokens += num_new_tokens
-            request.num_computed_tokens += num_new_tokens
-            if request.num_computed_tokens == request.num_tokens_with_placeholders:
+            num_computed_tokens += num_new_tokens
+            request.num_computed_tokens = num_computed_tokens
+            num_known_tokens = num_prompt_tokens + len(request.output_token_ids)
+            if num_computed_tokens == num_known_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1
             if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.time()
+                request.first_scheduled_time = now
 
     # --- after the step -------------------------------------------------------------------
 
@@ -425,6 +436,7 @@ class Scheduler:
         logprobs = output.logprobs
         req_ids = output.req_ids
         num_rows = len(req_ids)
+        appended = result.appended
         row = 0
         while row < num_rows:
             request = requests.get(req_ids[row])
@@ -433,6 +445,12 @@ class Scheduler:
                 continue
             request.num_output_placeholders -= 1
             self.num_generation_tokens += 1
+            if not request.needs_host_between_steps:
+                # The common case: one token for one request.
+                request.append_output_token(token_ids[row], logprobs[row])
+                appended.append((request, row))
+                row += 1
+                continue
             if request.sampling_params.use_beam_search:
                 result.beams.append((request, row))
                 row += 1
@@ -448,7 +466,7 @@ class Scheduler:
                     result.forked.append((request, child))
             for i, sampler in enumerate(samplers):
                 sampler.append_output_token(token_ids[row + i], logprobs[row + i])
-                result.appended.append((sampler, row + i))
+                appended.append((sampler, row + i))
                 if sampler.needs_output_history:
                     sampler.resend = True
             self.num_generation_tokens += num_samples - 1

@@ -18,26 +18,27 @@ class StopChecker:
         trimming its text), or None.
 
         ``new_char_count`` is how many characters the newest token added to ``seq.output_text``.
+        Runs for every sampled token: written flat, without helper calls.
         """
-        last_token_id = seq.get_last_token_id()
-        if self._stops_on_token(last_token_id, seq.num_output_tokens, params):
-            # The stop token's own text (when special tokens are kept) is not part of the answer.
-            if new_char_count and not params.include_stop_str_in_output:
-                seq.output_text = seq.output_text[:-new_char_count]
-            seq.stop_reason = None if last_token_id in self._eos(params) else last_token_id
-            return RequestStatus.FINISHED_STOPPED
-        stop = (
-            self._find_stop_string(seq, new_char_count, params)
-            if seq.num_output_tokens >= params.min_tokens
-            else None
-        )
-        if stop is not None:
-            stop_str, index = stop
-            end = index + len(stop_str) if params.include_stop_str_in_output else index
-            seq.output_text = seq.output_text[:end]
-            seq.stop_reason = stop_str
-            return RequestStatus.FINISHED_STOPPED
-        if self._at_length_limit(seq.num_tokens, seq.num_output_tokens, params):
+        output_token_ids = seq.output_token_ids
+        num_output_tokens = len(output_token_ids)
+        if num_output_tokens >= params.min_tokens:
+            token_id = output_token_ids[-1]
+            is_eos = not params.ignore_eos and token_id in self.eos_token_ids
+            if is_eos or token_id in params.stop_token_ids:
+                # The stop token's own text (when special tokens are kept) is not part of the answer.
+                if new_char_count and not params.include_stop_str_in_output:
+                    seq.output_text = seq.output_text[:-new_char_count]
+                seq.stop_reason = None if is_eos else token_id
+                return RequestStatus.FINISHED_STOPPED
+            stop = self._find_stop_string(seq, new_char_count, params) if params.stop else None
+            if stop is not None:
+                stop_str, index = stop
+                end = index + len(stop_str) if params.include_stop_str_in_output else index
+                seq.output_text = seq.output_text[:end]
+                seq.stop_reason = stop_str
+                return RequestStatus.FINISHED_STOPPED
+        if self._at_length_limit(len(seq.prompt_token_ids) + num_output_tokens, num_output_tokens, params):
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 
