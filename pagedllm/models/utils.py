@@ -145,4 +145,3 @@ def read_whole(tensor: CheckpointTensor) -> torch.Tensor:
     """The whole checkpoint tensor, read, for a loader that rearranges it before sharding (a
     transposed Conv1D, a regrouped fused QKV)."""
     return tensor.read() if isinstance(tensor, CheckpointSlice) else tensor
-

@@ -367,4 +367,3 @@ def run_server(args: argparse.Namespace) -> None:
         engine.shutdown()
     if engine_died:
         raise SystemExit("pagedllm serve: the engine died (see the log above); the server stopped")
-
