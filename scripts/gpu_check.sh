@@ -3,9 +3,10 @@
 # repository root): the GPU tests, then the benchmarks, then a table of every figure, last.
 #
 #   scripts/gpu_check.sh                 tests, K1, K1 windowed, W1, W3 (the short set)
-#   scripts/gpu_check.sh tests k1 k1-sweep k1-window w1 w1-profile w2 w3 hf w4 w5 moe moe-sweep cuda sanitize so tp (tp-tests, tp-bench)
+#   scripts/gpu_check.sh tests k1 k1-sweep k1-w1 k1-window w1 w1-profile w2 w3 hf w4 w5 moe moe-sweep cuda sanitize so tp (tp-tests, tp-bench)
 #
-# Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too; k1-window:
+# Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too; k1-w1: the
+# sweep at W1's decode shape; k1-window:
 # the Triton decode with a 1024-token sliding window beside itself unwindowed), w1 / w2
 # (bench throughput; w1-profile: W1 with 5 steps torch-profiled in each phase, its timing then
 # includes the profiler), w3 (bench latency, profiled), hf (benchmarks/compare_hf.py: W1 through
@@ -27,7 +28,7 @@ failed=()
 
 # What the GPU image lacks (the server's packages) travels as wheels in the ignored .whl/.
 if [ -d .whl ]; then
-    python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic 2>&1 | tail -1
+    python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic prometheus-client aiohttp 2>&1 | tail -1
     # Structured outputs (xgrammar and its apache-tvm-ffi, cp312 wheels).
     python3 -m pip install -q --no-index --find-links .whl xgrammar 2>&1 | tail -1
 fi
@@ -63,6 +64,10 @@ for stage in "${stages[@]}"; do
     k1) run k1 python3 -m pagedllm bench kernels --output-json "$OUT/k1.json" --output-png "$OUT/k1.png" ;;
     k1-sweep)
         run k1 python3 -m pagedllm bench kernels --sweep --output-json "$OUT/k1.json" --output-png "$OUT/k1.png"
+        ;;
+    k1-w1)  # W1's decode step: 256 sequences of 100-1280 tokens, Qwen3-0.6B's 16 query / 8 KV heads
+        run k1_w1 python3 -m pagedllm bench kernels --implementations triton --sweep --contexts 100-1280 \
+            --batch-size 256 --num-heads 16 --num-kv-heads 8 --output-json "$OUT/k1_w1.json"
         ;;
     k1-window)
         run k1_window python3 -m pagedllm bench kernels --implementations triton --sliding-window 1024 \

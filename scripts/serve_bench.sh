@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # W4 on the GPU: `pagedllm serve` (Qwen3-0.6B architecture, dummy bf16 weights) on loopback, then
-# `pagedllm bench serve` at 8, 16, 32 and 64 requests per second. Results go to the folder given.
+# `pagedllm bench serve` at 8, 16, 32 and 64 requests per second (RATES overrides). Results go to
+# the folder given; arguments after it go to the server (e.g. --no-async-scheduling).
 set -uo pipefail
 OUT=${1:-/tmp/gpu_check}
+[ $# -gt 0 ] && shift
+RATES=${RATES:-8 16 32 64}
 PORT=18000
 python3 -m pagedllm serve benchmarks/configs/qwen3-0.6b --load-format dummy --max-model-len 1536 \
-    --enable-chunked-prefill --max-num-batched-tokens 4096 --port "$PORT" >"$OUT/w4_server.log" 2>&1 &
+    --enable-chunked-prefill --max-num-batched-tokens 4096 --port "$PORT" "$@" >"$OUT/w4_server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
 for _ in $(seq 300); do
@@ -13,5 +16,5 @@ for _ in $(seq 300); do
     kill -0 $server 2>/dev/null || { echo "server died:"; tail -20 "$OUT/w4_server.log"; exit 1; }
     sleep 1
 done
-python3 -m pagedllm bench serve --base-url "http://127.0.0.1:$PORT" --request-rate 8 16 32 64 \
+python3 -m pagedllm bench serve --base-url "http://127.0.0.1:$PORT" --request-rate $RATES \
     --result-file "$OUT/w4.json" --plot-file "$OUT/w4.png"
