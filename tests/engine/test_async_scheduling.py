@@ -187,3 +187,42 @@ def test_a_decode_step_message_is_small(model_dir):
     engine.executor.execute_model = execute
     engine.abort_request([str(i) for i in range(256)])
     engine.step()
+
+
+def test_decode_steps_overlap_and_prompt_steps_are_waited_for(model_dir):
+    """Async scheduling launches the next step before applying a decode step's samples; after a
+    step that computed prompt tokens (long) it applies them first, so a request added meanwhile
+    runs in the very next step."""
+    engine = make_llm(model_dir, True).llm_engine
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    events: list[tuple[str, bool]] = []
+    execute = engine.executor.execute_model
+    update = engine.scheduler.update_from_output
+
+    def record_launch(scheduler_output):
+        events.append(("launch", _computes_prompt(scheduler_output)))
+        return execute(scheduler_output)
+
+    def record_update(scheduler_output, runner_output):
+        events.append(("update", _computes_prompt(scheduler_output)))
+        return update(scheduler_output, runner_output)
+
+    engine.executor.execute_model = record_launch
+    engine.scheduler.update_from_output = record_update
+    engine.add_request("a", sampling_params=params, prompt_token_ids=prompts(1)[0])
+    engine.step()  # a's prompt: launched, in flight
+    engine.add_request("b", sampling_params=params, prompt_token_ids=prompts(1, seed=1)[0])
+    engine.step()
+    # a's prompt step was applied before the next launch, which carries b's prompt.
+    assert events == [("launch", True), ("update", True), ("launch", True)]
+    engine.step()  # b's prompt step is applied first again; then a decode step is launched
+    engine.step()
+    # Decode steps: the next launch comes before the in-flight step's update.
+    assert events[3:] == [("update", True), ("launch", False), ("launch", False), ("update", False)]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_blocks_free(engine)
+
+
+def _computes_prompt(scheduler_output: SchedulerOutput) -> bool:
+    return scheduler_output.total_num_scheduled_tokens > len(scheduler_output.num_scheduled_tokens)

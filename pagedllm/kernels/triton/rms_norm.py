@@ -10,9 +10,11 @@ multiplies it (HF's order: in bf16 it changes the rounding). Unfused, torch make
 the row (add, square-and-mean, scale, cast, weight); here each input is read once and each result
 written once.
 
-Grid: ``(num_rows,)``. Each program owns one row of ``HIDDEN_SIZE`` elements, loaded whole as a
-``BLOCK_N``-wide vector (``HIDDEN_SIZE`` rounded up to a power of two, the tail masked): rows are
-at most a few thousand elements, which fit in registers, so there is no second loop over the row.
+Grid: ``(cdiv(num_rows, BLOCK_R),)``. Each program owns ``BLOCK_R`` consecutive rows of
+``HIDDEN_SIZE`` elements (one row from 2,048 elements up, 16 rows of 128), loaded whole as a
+``[BLOCK_R, BLOCK_N]`` tile (``HIDDEN_SIZE`` rounded up to a power of two, the tail and the rows
+past the end masked): rows are at most a few thousand elements, which fit in registers, so there
+is no second loop over a row.
 
 Layouts: x, residual and out are ``[outer, inner, hidden_size]`` with any strides but a contiguous
 last dimension; a row is addressed by two strides so that a ``[num_tokens, num_heads, head_size]``
@@ -31,6 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
+# Elements a program normalizes: rows shorter than this are packed several to a program.
+_ELEMENTS_PER_PROGRAM = 2048
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -38,6 +43,7 @@ def _rms_norm_kernel(
     x_ptr,
     residual_ptr,
     weight_ptr,
+    num_rows,
     num_inner,
     eps,
     stride_x_outer,
@@ -48,19 +54,22 @@ def _rms_norm_kernel(
     stride_o_inner,
     HIDDEN_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
 ):
     # int64: row * stride overflows int32 past 2^31 elements (long prefills of wide models).
-    row = tl.program_id(0).to(tl.int64)
-    outer = row // num_inner
-    inner = row % num_inner
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    outer = rows // num_inner
+    inner = rows % num_inner
     offs = tl.arange(0, BLOCK_N)
-    mask = offs < HIDDEN_SIZE
+    mask = (rows[:, None] < num_rows) & (offs[None, :] < HIDDEN_SIZE)
     dtype = x_ptr.dtype.element_ty
 
-    x = tl.load(x_ptr + outer * stride_x_outer + inner * stride_x_inner + offs, mask=mask, other=0.0)
+    x_ptrs = x_ptr + (outer * stride_x_outer + inner * stride_x_inner)[:, None] + offs[None, :]
+    x = tl.load(x_ptrs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
-        residual_ptrs = residual_ptr + outer * stride_r_outer + inner * stride_r_inner + offs
+        residual_rows = outer * stride_r_outer + inner * stride_r_inner
+        residual_ptrs = residual_ptr + residual_rows[:, None] + offs[None, :]
         residual = tl.load(residual_ptrs, mask=mask, other=0.0)
         # Round the sum to the input dtype first: torch's ``x + residual`` does, and both the norm
         # and the next layer's residual stream start from the rounded value.
@@ -68,15 +77,12 @@ def _rms_norm_kernel(
         tl.store(residual_ptrs, x, mask=mask)
 
     x_fp32 = x.to(tl.float32)
-    variance = tl.sum(x_fp32 * x_fp32, 0) / HIDDEN_SIZE
-    normed = (x_fp32 * tl.math.rsqrt(variance + eps)).to(dtype)
-    weight = tl.load(weight_ptr + offs, mask=mask, other=0.0)
-    out = normed.to(tl.float32) * weight.to(tl.float32)
-    tl.store(
-        out_ptr + outer * stride_o_outer + inner * stride_o_inner + offs,
-        out.to(out_ptr.dtype.element_ty),
-        mask=mask,
-    )
+    variance = tl.sum(x_fp32 * x_fp32, 1) / HIDDEN_SIZE
+    normed = (x_fp32 * tl.math.rsqrt(variance + eps)[:, None]).to(dtype)
+    weight = tl.load(weight_ptr + offs, mask=offs < HIDDEN_SIZE, other=0.0)
+    out = normed.to(tl.float32) * weight.to(tl.float32)[None, :]
+    out_ptrs = out_ptr + (outer * stride_o_outer + inner * stride_o_inner)[:, None] + offs[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
@@ -132,14 +138,20 @@ def _launch(
     num_outer, num_inner = x.shape[:2]
     if num_outer * num_inner == 0:
         return
+    num_rows = num_outer * num_inner
     block_n = triton.next_power_of_2(hidden_size)
+    # Short rows (Qwen3's per-head norms: 128 elements, 16 heads per token) are packed several to
+    # a program, about 2,048 elements each: one row per program would leave each program too
+    # little work to hide its own start and a prefill's hundreds of thousands of them queueing.
+    block_r = max(_ELEMENTS_PER_PROGRAM // block_n, 1)
     # Without a residual, x stands in for it: the kernel never touches it then.
     residual_arg = x if residual is None else residual
-    _rms_norm_kernel[(num_outer * num_inner,)](
+    _rms_norm_kernel[(triton.cdiv(num_rows, block_r),)](
         out,
         x,
         residual_arg,
         weight,
+        num_rows,
         num_inner,
         eps,
         *x.stride()[:2],
@@ -147,7 +159,8 @@ def _launch(
         *out.stride()[:2],
         HIDDEN_SIZE=hidden_size,
         BLOCK_N=block_n,
+        BLOCK_R=block_r,
         HAS_RESIDUAL=residual is not None,
         # One warp per 256 elements (8 per thread: 16-byte vectors at 16 bits), 1 to 8 warps.
-        num_warps=min(max(block_n // 256, 1), 8),
+        num_warps=min(max(block_r * block_n // 256, 1), 8),
     )
