@@ -472,11 +472,21 @@ class Scheduler:
             self.num_generation_tokens += num_samples - 1
             row += num_samples
         if kv.enable_prefix_caching:
-            for req_id in scheduler_output.num_scheduled_tokens:
-                request = requests.get(req_id)
-                if request is not None and request.status == RequestStatus.RUNNING:
-                    kv.cache_blocks(request)
+            self._cache_computed_blocks(scheduler_output)
         return result
+
+    def _cache_computed_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """Register the blocks the step filled in the prefix cache. Only now, and only up to what
+        this step computed: with asynchronous scheduling the next step is already launched, and
+        were it dropped its blocks must not be found by anyone."""
+        kv = self.kv_cache_manager
+        computed = {data.req_id: data.num_computed_tokens for data in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                kv.cache_blocks(request, computed[req_id] + num_tokens)
 
     def _fork(self, parent: Request) -> Request:
         """A running sibling of ``parent`` sharing its blocks."""

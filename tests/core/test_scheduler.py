@@ -336,3 +336,23 @@ def test_a_request_preempted_with_a_sample_in_flight_waits_for_it():
     assert resumed.num_scheduled_tokens == {ra.req_id: 7}  # prompt + its sample, recomputed
     (new,) = resumed.scheduled_new_reqs
     assert new.output_token_ids == [5] and new.num_computed_tokens == 0
+
+
+def test_a_block_is_cached_once_the_step_that_filled_it_is_applied():
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
+    scheduler = Scheduler(config, BLOCK_SIZE, 16, 0, enable_prefix_caching=True)
+    request = Request(0, [1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=4), BLOCK_SIZE)
+    scheduler.add_request(request)
+    allocator = scheduler.kv_cache_manager.gpu_allocator
+    first = scheduler.schedule()  # the prompt; samples token 8
+    second = scheduler.schedule()  # launched before the first's sample arrives: computes token 8
+    runner_output = ModelRunnerOutput(req_ids=[0], sampled_token_ids=[8], logprobs=[0.0])
+    scheduler.update_from_output(first, runner_output)
+    first_block, second_block = request.update_block_hashes()
+    assert allocator.peek(first_block) is not None
+    # Tokens 5-8 are known, but token 8's K/V comes from the second step, still in flight.
+    assert allocator.peek(second_block) is None
+    scheduler.update_from_output(
+        second, ModelRunnerOutput(req_ids=[0], sampled_token_ids=[9], logprobs=[0.0])
+    )
+    assert allocator.peek(second_block) is not None
