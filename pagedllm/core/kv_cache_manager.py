@@ -269,6 +269,14 @@ class KVCacheManager:
             allocator = self.gpu_allocator if block.device == Device.DEVICE else self.cpu_allocator
             allocator.free(block)
 
+    def holders(self, block_numbers: set[int], device: Device) -> list[int]:
+        """Ids of the requests holding one of these blocks of ``device``."""
+        return [
+            req_id
+            for req_id, table in self._tables.items()
+            if any(block.device == device and block.block_number in block_numbers for block in table)
+        ]
+
     # --- what the workers see -------------------------------------------------------------
 
     def get_block_ids(self, request: Request) -> list[int]:
