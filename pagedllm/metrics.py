@@ -120,7 +120,10 @@ class EngineCollector(Collector):
                 "Requests aborted while running or queued",
                 self.engine.num_aborted_requests,
             ),
-            "num_failed_requests": ("Requests failed by an engine error", self.engine.num_failed_requests),
+            "num_failed_requests": (
+                "Requests failed because a model step raised whenever they ran",
+                self.engine.num_failed_requests,
+            ),
         }
         for name, (documentation, value) in gauges.items():
             family = GaugeMetricFamily(PREFIX + name, documentation, labels=["model_name"])

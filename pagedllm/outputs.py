@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.core.request import PromptLogprobs, Request, RequestMetrics, RequestState, SampleLogprobs
+from pagedllm.core.request import (
+    PromptLogprobs,
+    Request,
+    RequestMetrics,
+    RequestState,
+    RequestStatus,
+    SampleLogprobs,
+)
 
 
 @dataclass
@@ -18,7 +25,8 @@ class CompletionOutput:
         cumulative_logprob: sum of the generated tokens' logprobs.
         logprobs: per generated token, the chosen and top-k tokens' logprobs (when asked for).
         finish_reason: None while running; "stop" (EOS, stop string or stop token), "length"
-            (max_tokens or the context limit) or "abort".
+            (max_tokens or the context limit), "abort", or "error" (the engine failed the
+            request: see ``RequestOutput.error``).
         stop_reason: the stop string or stop token id that ended it, None for EOS or length.
     """
 
@@ -38,8 +46,11 @@ class CompletionOutput:
 class RequestOutput:
     """A request's state after a step: the prompt and each output sequence.
 
-    ``error`` says why a request finished without running (e.g. its prompt is longer than the
-    model's context); such a request has one empty output with ``finish_reason="length"``.
+    ``error`` says why a request finished without running to its end: its prompt is longer than
+    the model's context (one empty output with ``finish_reason="length"``), or the engine failed
+    it because a model step raised whenever it ran (``failed``: the sequences it was running end
+    with ``finish_reason="error"`` and keep their tokens so far; with best_of > n every sequence
+    is returned, unranked).
     """
 
     request_id: str
@@ -51,13 +62,19 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
 
+    @property
+    def failed(self) -> bool:
+        """Whether the engine failed the request (see ``error``)."""
+        return any(output.finish_reason == "error" for output in self.outputs)
+
     @classmethod
     def from_state(cls, state: RequestState) -> RequestOutput:
         params = state.sampling_params
         finished = state.is_finished()
         holdback = 0 if finished else max(params.max_stop_string_len - 1, 0)
         with_logprobs = params.logprobs is not None
-        if finished and len(state.seqs) > params.n:
+        failed = any(seq.status == RequestStatus.FINISHED_ERROR for seq in state.seqs)
+        if finished and len(state.seqs) > params.n and not failed:
             # best_of > n: the n best sequences, best first (beam search has ranked its
             # hypotheses by length-penalised score; sampling ranks by cumulative logprob).
             best = state.seqs

@@ -11,8 +11,9 @@ the worker copies the block before the forward pass (copy-on-write). A preempted
 live siblings is swapped out to the CPU space and back in with them, block by block; shared
 blocks move once.
 
-With prefix caching, every full block whose tokens are computed is registered under its prefix
-hash (``Request.block_hashes``). A new request starts with the longest run of its full blocks
+With prefix caching, every full block whose tokens are computed, by a step whose outputs have
+been applied, is registered under its prefix hash (``Request.block_hashes``): a step that failed
+and was dropped leaves nothing shared behind. A new request starts with the longest run of its full blocks
 found there (shared, ``ref_count`` + 1) and computes only the rest; blocks nobody holds stay
 cached until a fresh block is needed, the least recently freed (and, among a request's, the
 deepest) first.
@@ -122,8 +123,9 @@ class KVCacheManager:
             blocks.append(block)
         return blocks
 
-    def cache_blocks(self, request: Request) -> None:
-        """Register the request's full blocks whose tokens are known and computed."""
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+        """Register the request's full blocks among its first ``num_computed_tokens`` tokens
+        (computed by steps already applied) that are known."""
         if not self.enable_prefix_caching or request.req_id not in self._tables:
             return
         allocator = self.gpu_allocator
@@ -131,7 +133,7 @@ class KVCacheManager:
         table = self._tables[request.req_id]
         if table and table[0].device != Device.DEVICE:
             return
-        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        num_full = min(num_computed_tokens, request.num_tokens) // self.block_size
         first = self._num_cached_blocks[request.req_id]
         if num_full <= first:
             return
@@ -266,6 +268,14 @@ class KVCacheManager:
         for block in reversed(table):
             allocator = self.gpu_allocator if block.device == Device.DEVICE else self.cpu_allocator
             allocator.free(block)
+
+    def holders(self, block_numbers: set[int], device: Device) -> list[int]:
+        """Ids of the requests holding one of these blocks of ``device``."""
+        return [
+            req_id
+            for req_id, table in self._tables.items()
+            if any(block.device == device and block.block_number in block_numbers for block in table)
+        ]
 
     # --- what the workers see -------------------------------------------------------------
 

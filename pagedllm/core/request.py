@@ -35,6 +35,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
+    # Failed by the engine: a model step it took part in raised, and raised again when it ran
+    # alone (``Request.error`` holds the step's error).
+    FINISHED_ERROR = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -52,6 +55,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -125,7 +129,8 @@ class Request:
         self.block_hashes: list[int] = []
         self.cumulative_logprob = 0.0
         self.first_scheduled_time: float | None = None
-        # Why the scheduler ended it early (it can never fit in the cache), if it did.
+        # Why the scheduler ended it early (it can never fit in the cache, or it fails the model
+        # step), if it did.
         self.error: str | None = None
         # Whether the worker needs its generated tokens on the host every step (a grammar to
         # advance, bad words to match): it is then resent in full after each sample.
@@ -249,7 +254,8 @@ class RequestState:
     stream: bool = True
     arrival_time: float = field(default_factory=time.time)
     prompt_logprobs: PromptLogprobs | None = None
-    # Why the request ended without running to its end (e.g. it can never fit in the cache).
+    # Why the request ended without running to its end (e.g. it can never fit in the cache, or a
+    # model step fails whenever it runs).
     error: str | None = None
     # Beam search's scores and kept hypotheses (engine/beam_search.py), for beam requests.
     beam_state: object | None = None

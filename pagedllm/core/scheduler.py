@@ -27,6 +27,17 @@ reach the host, and the worker feeds the placeholder from the device.
 ``update_from_output()`` applies a step's samples: appends tokens, forks a best_of request after
 its first sample, registers computed blocks in the prefix cache. Only the scheduler changes a
 request's progress or blocks; the engine reads requests and asks the scheduler to finish them.
+
+Isolation (``isolate_failure()``): when a model step raises, the engine drops it (and the step in
+flight with it) and the scheduler looks for the user request responsible, so that only that one
+fails. Every request the dropped steps computed becomes a suspect and is preempted by RECOMPUTE
+(it keeps its tokens; the samples in flight are gone). Suspects are tested in *probes*: while one
+runs, its requests are the only ones scheduled (the others wait, and may be preempted to make room)
+until each has sampled once, which clears them. A failure whose requests all belong to the running
+probe and to one user request convicts it: its sequences finish with FINISHED_ERROR. A failure of
+several user requests splits them into two probes, run first (binary search: k bad requests among
+n cost about k log2 n probes, not n), so a request that fails alone is always found and one that
+does not is never blamed.
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
+from pagedllm.core.block_pool import Device
 from pagedllm.core.kv_cache_manager import AllocStatus, KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.worker.step_io import (
@@ -83,6 +95,14 @@ class _Budget:
 
     def can_add_seqs(self, num_seqs: int) -> bool:
         return self.num_seqs + num_seqs <= self.max_num_seqs
+
+
+@dataclass
+class _Probe:
+    """Suspects run together with no other request, until each has sampled once."""
+
+    req_ids: set[int]
+    unsampled: set[int]
 
 
 def _priority(request: Request) -> tuple[float, int]:
@@ -146,6 +166,8 @@ class Scheduler:
         # Requests the scheduler ended without running them to their end (``Request.error`` says
         # why), until the engine takes them.
         self.stopped: list[Request] = []
+        # Suspects of failed steps, in the order they are tested; the first probe is running.
+        self._probes: deque[_Probe] = deque()
         # Requests preempted by the last schedule() and how (for stats and tests).
         self.last_preemptions: dict[int, PreemptionMode] = {}
         # Cumulative preemption counts, for stats and for tests that must see both modes.
@@ -192,6 +214,11 @@ class Scheduler:
             request.siblings.remove(request)
         self._finished_req_ids.add(request.req_id)
         self._preempted_req_ids.discard(request.req_id)
+        if self._probes:
+            for probe in self._probes:
+                probe.req_ids.discard(request.req_id)
+                probe.unsampled.discard(request.req_id)
+            self._end_passed_probes()
 
     def _remove_swapped(self, request: Request) -> None:
         for group in self.swapped:
@@ -203,6 +230,11 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def is_isolating(self) -> bool:
+        """Whether suspects of a failed step are being tested (see the module docstring)."""
+        return bool(self._probes)
 
     def has_requests_needing_host(self) -> bool:
         """Whether a running request's next step waits on the host seeing its newest sample."""
@@ -217,7 +249,8 @@ class Scheduler:
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         budget.num_seqs = sum(max_running_seqs(r) for r in {id(r.siblings): r for r in self.running}.values())
         scheduled: list[Request] = []
-        decodes, prefills = self._schedule_running(out)
+        probe = self._probes[0].req_ids if self._probes else None
+        decodes, prefills = self._schedule_running(out, budget, probe)
         # A decode is one token: those within the budget run (the rest keep their new slot).
         del decodes[max(budget.remaining_tokens, 0) :]
         num_scheduled_tokens = out.num_scheduled_tokens
@@ -228,22 +261,29 @@ class Scheduler:
         for request in prefills:
             if not self._schedule_tokens(request, budget, out, scheduled):
                 break
-        if not out.blocks_to_swap_out:
-            self._schedule_swapped(budget, out, scheduled)
-        if not self.swapped:
-            self._schedule_waiting(budget, out, scheduled)
+        if probe is not None:
+            # Swapped groups hold no suspect (suspects are never swapped): they wait for the end.
+            self._schedule_waiting(budget, out, scheduled, probe)
+        else:
+            if not out.blocks_to_swap_out:
+                self._schedule_swapped(budget, out, scheduled)
+            if not self.swapped:
+                self._schedule_waiting(budget, out, scheduled)
         out.total_num_scheduled_tokens = budget.num_batched_tokens
         out.preempted_req_ids = self._preempted_req_ids
         self._preempted_req_ids = set()
         self._describe(scheduled, out)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput) -> tuple[list[Request], list[Request]]:
-        """Reserve slots for decoding requests, preempting from the lowest priority up."""
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: _Budget, probe: set[int] | None
+    ) -> tuple[list[Request], list[Request]]:
+        """Reserve slots for decoding requests, preempting from the lowest priority up. While a
+        probe runs, only its requests are considered, and the others are preempted first."""
         if not self._running_sorted:
             self.running.sort(key=_priority)
             self._running_sorted = True
-        queue = deque(self.running)
+        queue = deque(self.running if probe is None else [r for r in self.running if r.req_id in probe])
         decodes: list[Request] = []
         prefills: list[Request] = []
         kv = self.kv_cache_manager
@@ -266,6 +306,8 @@ class Scheduler:
                         out.blocks_to_copy.append(appended)
                     decodes.append(request)
                     break
+                if probe is not None and self._preempt_outside_probe(probe, budget, out):
+                    continue
                 # Requests already kept have higher priority: victims come from the tail (one
                 # preempted already, as a sibling of an earlier victim, frees nothing more).
                 victim = queue.pop() if queue else request
@@ -312,29 +354,45 @@ class Scheduler:
                     self._append_slots(request, out)
                 self._schedule_tokens(request, budget, out, scheduled)
 
-    def _schedule_waiting(self, budget: _Budget, out: SchedulerOutput, scheduled: list[Request]) -> None:
+    def _schedule_waiting(
+        self, budget: _Budget, out: SchedulerOutput, scheduled: list[Request], probe: set[int] | None = None
+    ) -> None:
+        """Admit waiting requests, FCFS. While a probe runs, only its requests, preempting the
+        others to make room for them."""
         kv = self.kv_cache_manager
-        while self.waiting:
-            request = self.waiting[0]
-            if request.req_id in self._preempted_req_ids or request.num_output_placeholders:
+        queue = self.waiting if probe is None else deque(r for r in self.waiting if r.req_id in probe)
+        while queue:
+            request = queue[0]
+            if request.req_id in self.last_preemptions or request.num_output_placeholders:
                 break  # preempted by this step, or its last sample is still in flight
             status = kv.can_allocate(request)
+            num_seqs = max_running_seqs(request) if not self._group_running(request) else 0
+            if probe is not None:
+                while (
+                    status == AllocStatus.LATER or not budget.can_add_seqs(num_seqs)
+                ) and self._preempt_outside_probe(probe, budget, out):
+                    status = kv.can_allocate(request)
             if status == AllocStatus.NEVER:
-                self.waiting.popleft()
+                self._pop_waiting(queue)
                 self._ignore(request)
                 continue
             if status == AllocStatus.LATER:
                 break
-            num_seqs = max_running_seqs(request) if not self._group_running(request) else 0
             if not budget.can_add_seqs(num_seqs) or not self._fits(request, budget):
                 break
-            self.waiting.popleft()
+            self._pop_waiting(queue)
             kv.allocate(request)
             request.status = RequestStatus.RUNNING
             request.resend = True
             budget.num_seqs += num_seqs
             self._add_running(request)
             self._schedule_tokens(request, budget, out, scheduled)
+
+    def _pop_waiting(self, queue: deque[Request]) -> None:
+        """Take the head of ``queue`` (the waiting queue, or a probe's view of it) off both."""
+        request = queue.popleft()
+        if queue is not self.waiting:
+            self.waiting.remove(request)
 
     def _add_running(self, request: Request) -> None:
         if self.running and _priority(request) < _priority(self.running[-1]):
@@ -472,11 +530,24 @@ class Scheduler:
             self.num_generation_tokens += num_samples - 1
             row += num_samples
         if kv.enable_prefix_caching:
-            for req_id in scheduler_output.num_scheduled_tokens:
-                request = requests.get(req_id)
-                if request is not None and request.status == RequestStatus.RUNNING:
-                    kv.cache_blocks(request)
+            self._cache_computed_blocks(scheduler_output)
+        if self._probes:
+            self._probes[0].unsampled.difference_update(req_ids)
+            self._end_passed_probes()
         return result
+
+    def _cache_computed_blocks(self, scheduler_output: SchedulerOutput) -> None:
+        """Register the blocks the step filled in the prefix cache. Only now, and only up to what
+        this step computed: with asynchronous scheduling the next step is already launched, and
+        were it dropped its blocks must not be found by anyone."""
+        kv = self.kv_cache_manager
+        computed = {data.req_id: data.num_computed_tokens for data in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                kv.cache_blocks(request, computed[req_id] + num_tokens)
 
     def _fork(self, parent: Request) -> Request:
         """A running sibling of ``parent`` sharing its blocks."""
@@ -526,7 +597,9 @@ class Scheduler:
         if not group:
             return
         kv = self.kv_cache_manager
-        mode = PreemptionMode.RECOMPUTE if len(group) == 1 else PreemptionMode.SWAP
+        # While isolating, preemption recomputes: swapped groups come back only once it is over,
+        # and a probe's requests must not wait for that.
+        mode = PreemptionMode.RECOMPUTE if len(group) == 1 or self._probes else PreemptionMode.SWAP
         if mode == PreemptionMode.SWAP and not kv.can_swap_out(group):
             logger.warning(
                 "request %d: CPU swap space is full, recomputing its %d sequences instead; "
@@ -554,6 +627,95 @@ class Scheduler:
                 member.status = RequestStatus.SWAPPED
             self.swapped.append(group)
         self.num_preemptions[mode] += 1
+
+    def _preempt_outside_probe(self, probe: set[int], budget: _Budget, out: SchedulerOutput) -> bool:
+        """Preempt the lowest-priority running group with no request in the probe (it would wait
+        for the probe anyway), to make room for the probe; False when there is none."""
+        for request in reversed(self.running):
+            if not any(sibling.req_id in probe for sibling in request.siblings):
+                budget.num_seqs -= max_running_seqs(request)
+                self._preempt(request, out, [], [])
+                return True
+        return False
+
+    # --- isolation of a failing request ---------------------------------------------------
+
+    def isolate_failure(self, dropped: list[SchedulerOutput], error: str) -> None:
+        """Take back steps that raised, and narrow down the user request responsible.
+
+        ``dropped``: the steps whose samples will never come (the one that raised and, with
+        asynchronous scheduling, the other one launched). Every live request they computed is a
+        suspect; requests holding blocks they were to swap lost their copy. Both are preempted
+        by RECOMPUTE. When the suspects are all in the running probe and are one user request,
+        it is the culprit: its live sequences finish with FINISHED_ERROR and ``error``, and are
+        reported through ``stopped``. Otherwise the suspects form two probes (one, for a single
+        user request), tested before anything else runs.
+        """
+        requests = self.requests
+        suspect_ids: dict[int, None] = {}
+        swapped_in: set[int] = set()
+        swapped_out: set[int] = set()
+        for out in dropped:
+            # The workers may not have applied these: they come again with the next step.
+            self._finished_req_ids |= out.finished_req_ids
+            self._preempted_req_ids |= {req_id for req_id in out.preempted_req_ids if req_id in requests}
+            suspect_ids.update(dict.fromkeys(r for r in out.num_scheduled_tokens if r in requests))
+            swapped_in.update(dst for _, dst in out.blocks_to_swap_in)
+            swapped_out.update(dst for _, dst in out.blocks_to_swap_out)
+        kv = self.kv_cache_manager
+        lost = set(kv.holders(swapped_in, Device.DEVICE)) | set(kv.holders(swapped_out, Device.CPU))
+        lost_copies = [requests[req_id] for req_id in lost if req_id not in suspect_ids]
+        suspects = sorted((requests[req_id] for req_id in suspect_ids), key=_priority)
+        by_user_request: dict[int, list[Request]] = {}
+        for request in suspects:
+            by_user_request.setdefault(id(request.siblings), []).append(request)
+        groups = list(by_user_request.values())
+        running_probe = self._probes[0].req_ids if self._probes else set()
+        convicted = len(groups) == 1 and suspect_ids.keys() <= running_probe
+        for probe in self._probes:
+            # Suspects are tested again below; requests of the running probe that sampled passed.
+            probe.unsampled -= suspect_ids.keys()
+            probe.req_ids &= probe.unsampled
+        self._probes = deque(probe for probe in self._probes if probe.req_ids)
+        if convicted:
+            culprits = list(groups[0][0].siblings)
+            for request in culprits:
+                request.error = error
+            self.stopped.extend(culprits)
+            self.finish_requests(culprits, RequestStatus.FINISHED_ERROR)
+            self._requeue(lost_copies)
+            return
+        half = len(groups) // 2
+        for part in reversed([groups[:half], groups[half:]] if half else [groups]):
+            req_ids = {r.req_id for group in part for r in group}
+            if req_ids:
+                self._probes.appendleft(_Probe(req_ids, set(req_ids)))
+        self._requeue(suspects + lost_copies)
+
+    def _requeue(self, requests: list[Request]) -> None:
+        """Preempt by RECOMPUTE wherever they are, without their samples in flight (their steps
+        were dropped): they keep their tokens, wait at the front of the queue in priority order,
+        and the workers drop their rows until they are sent again in full."""
+        if not requests:
+            return
+        req_ids = {r.req_id for r in requests}
+        self.running = [r for r in self.running if r.req_id not in req_ids]
+        self.waiting = deque(r for r in self.waiting if r.req_id not in req_ids)
+        for request in requests:
+            if request.status == RequestStatus.SWAPPED:
+                self._remove_swapped(request)
+            self.kv_cache_manager.free(request)
+            request.num_computed_tokens = 0
+            request.num_output_placeholders = 0
+            request.status = RequestStatus.WAITING
+            self._preempted_req_ids.add(request.req_id)
+        self.waiting.extendleft(sorted(requests, key=_priority, reverse=True))
+
+    def _end_passed_probes(self) -> None:
+        """End the running probe once each of its requests has sampled or finished: they rejoin
+        normal batching, and the next probe runs."""
+        while self._probes and not self._probes[0].unsampled:
+            self._probes.popleft()
 
     def _stop_for_lack_of_memory(self, group: list[Request]) -> None:
         """End a group whose requests together outgrew the whole cache: waiting for memory would

@@ -14,11 +14,13 @@ aborts are queued as operations that the thread applies before its next step, an
 back to the event loop through ``loop.call_soon_threadsafe``. The model's kernels release the GIL,
 so the event loop keeps serving HTTP while a step computes.
 
-Failures: when a step raises, the requests it touched (those running, and any whose output the
-step lost) are aborted and their streams raise ``RequestFailedError``; the others keep being
-served. When steps keep failing, when a worker dies (tensor parallelism), or when anything else
-on the engine thread raises, the engine is broken: ``is_healthy`` turns False, every stream and
-every pending operation gets ``AsyncEngineDeadError``, and new requests are refused with it.
+Failures: when a model step raises, the LLMEngine finds the request responsible and fails only
+that one: its stream raises ``RequestFailedError`` with the step's error, and every other stream
+goes on as if nothing happened. When the engine gives up (a worker gone, a device fault, steps
+failing whatever runs in them: ``LLMEngine.step`` raises ExecutorDeadError) or anything else on
+the engine thread raises, the engine is dead: ``is_healthy`` turns False, every stream and every
+pending operation gets ``AsyncEngineDeadError``, and new requests are refused with it (the server
+then exits non-zero, for its supervisor to restart it).
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import threading
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
-from pagedllm.core.request import RequestStatus
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import EngineStats, LLMEngine
 from pagedllm.executor.abstract import ExecutorDeadError
@@ -40,17 +41,13 @@ from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Steps failing one after another, with no success between, that mean the engine itself is broken
-# rather than one batch's requests.
-MAX_CONSECUTIVE_STEP_FAILURES = 3
-
 
 class AsyncEngineDeadError(RuntimeError):
     """The engine stopped serving: its thread failed, or it was shut down."""
 
 
 class RequestFailedError(RuntimeError):
-    """A step that this request took part in raised; the request was aborted."""
+    """The engine failed this request: a model step raised whenever it ran (even alone)."""
 
 
 class RequestStream:
@@ -130,7 +127,6 @@ class AsyncLLMEngine:
         self._pending: set[asyncio.Future[None]] = set()
         self._dead_error: AsyncEngineDeadError | None = None
         self._stopping = False
-        self._num_consecutive_failures = 0
         # Written by the engine thread only; a reference swap is atomic, so readers need no lock.
         self.stats: EngineStats = engine.get_stats()
         self.num_aborted_requests = 0
@@ -298,17 +294,15 @@ class AsyncLLMEngine:
             stream = self._streams.get(output.request_id)
             if stream is None:
                 continue  # aborted by the caller meanwhile
+            if output.failed:
+                del self._streams[output.request_id]
+                stream.put(RequestFailedError(output.error))
+                continue
             stream.put(output)
             if output.finished:
                 del self._streams[output.request_id]
                 if self.on_request_finished is not None:
                     self.on_request_finished(output)
-
-    def _fail_streams(self, request_ids: list[str], error: BaseException) -> None:
-        for request_id in request_ids:
-            stream = self._streams.pop(request_id, None)
-            if stream is not None:
-                stream.put(error)
 
     def _set_dead(self, error: AsyncEngineDeadError) -> None:
         if self._dead_error is None:
@@ -349,39 +343,15 @@ class AsyncLLMEngine:
         self.stats = self.engine.get_stats()
 
     def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except ExecutorDeadError:
-            raise  # the workers are gone: no later step can succeed
-        except Exception as e:
-            self._num_consecutive_failures += 1
-            if self._num_consecutive_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
-                raise
-            logger.exception("an engine step failed; aborting the requests it touched")
-            self._fail_step(e)
-            return
-        self._num_consecutive_failures = 0
+        outputs = self.engine.step()
         for output in outputs:
             if output.finished:
                 self._active.discard(output.request_id)
+                if output.failed:
+                    self.num_failed_requests += 1
         # Stats first, so that a client who sees its request finish then sees its blocks free.
         self.stats = self.engine.get_stats()
         self._call_in_loop(self._dispatch, outputs)
-
-    def _fail_step(self, error: Exception) -> None:
-        self.engine.drop_in_flight_step()
-        requests = self.engine.requests
-        failed = [
-            request_id
-            for request_id in self._active
-            if request_id not in requests
-            or any(seq.status == RequestStatus.RUNNING for seq in requests[request_id].seqs)
-        ]
-        self.engine.abort_request(failed)
-        self._active.difference_update(failed)
-        self.num_failed_requests += len(failed)
-        self.stats = self.engine.get_stats()
-        self._call_in_loop(self._fail_streams, failed, RequestFailedError(f"engine step failed: {error!r}"))
 
     def _add_on_engine_thread(self, request_id: str, kwargs: dict[str, Any]) -> None:
         self.engine.add_request(request_id, **kwargs)

@@ -18,14 +18,28 @@ before it schedules the next. So does a step that computes prompt tokens: such a
 and a request arriving while it runs would otherwise miss the step already scheduled behind it
 and wait a whole further step for its first token; waiting costs the host time of one step.
 Decode steps are short: those overlap.
+
+A model step that raises (``execute_model`` or the wait for its samples) fails only the request
+responsible: the engine drops it, and the step in flight with it, and the scheduler tests their
+requests again, in probes that run alone (``Scheduler.isolate_failure``), until one user request
+fails alone. That one finishes with FINISHED_ERROR and ``RequestOutput.error``; the others are
+recomputed and lose nothing (greedy outputs are the ones of a run without the failure). The engine
+gives up, raising ExecutorDeadError from then on, only when nothing can run: the workers are gone,
+the device reported a fault (after an illegal memory access its context is unusable), or a step
+fails after MAX_REQUESTS_FAILED_IN_A_ROW requests were failed with no step succeeding between
+(steps fail whatever runs in them: a broken model or device). An error anywhere else in a step
+(scheduling, applying its samples) is a bug whose damage is unknown: it propagates as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+
+import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import Request, RequestState, RequestStatus
@@ -36,6 +50,7 @@ from pagedllm.engine.beam_search import BeamSearchState, PendingHypothesis, beam
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stop_checker import StopChecker
 from pagedllm.executor import get_executor_class
+from pagedllm.executor.abstract import ExecutorDeadError
 from pagedllm.outputs import RequestOutput
 from pagedllm.request_validation import validate_request
 from pagedllm.sampling_params import SamplingParams
@@ -45,6 +60,34 @@ from pagedllm.worker.model_runner import StepOutput
 from pagedllm.worker.step_io import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+# User requests failed one after another, with no model step succeeding between, after which a
+# failed step makes the engine give up. Bad requests among good ones leave successes between
+# their verdicts (a probe of good ones succeeds), so such a run means that steps fail whatever
+# runs in them (a broken model or device), unless that many bad requests came back to back. Runs
+# of failed steps are bounded without a count of their own: a failed probe convicts one request
+# or halves a set, so at most about log2(max_num_seqs) + 2 steps fail between two verdicts.
+MAX_REQUESTS_FAILED_IN_A_ROW = 4
+
+
+class _StepFailed(Exception):
+    """A model step raised ``error``: launching it, or waiting for its samples."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(repr(error))
+        self.error = error
+
+
+@contextlib.contextmanager
+def _model_step() -> Iterator[None]:
+    """Marks what the engine can isolate: an error of the workers' step. Dead workers are not
+    (the executor stays dead, and says so)."""
+    try:
+        yield
+    except ExecutorDeadError:
+        raise
+    except Exception as error:
+        raise _StepFailed(error) from error
 
 
 @dataclass
@@ -105,6 +148,10 @@ class LLMEngine:
         self._finished_at_once: list[RequestState] = []
         # The step launched but not yet applied (asynchronous scheduling).
         self._in_flight: tuple[SchedulerOutput, StepOutput] | None = None
+        # User requests failed since the last model step that succeeded.
+        self._num_failed_in_a_row = 0
+        # Set once the engine gave up: why (every later step raises ExecutorDeadError with it).
+        self._dead_reason: str | None = None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> LLMEngine:
@@ -210,10 +257,6 @@ class LLMEngine:
         state = self._state_of.get(req_id)
         return None if state is None else state.request_id
 
-    def drop_in_flight_step(self) -> None:
-        """Forget the step in flight (after a failed step, whose requests are then aborted)."""
-        self._in_flight = None
-
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self._finished_at_once or self._in_flight)
 
@@ -222,41 +265,80 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration of continuous batching.
 
-        Returns an output for each request that finished, and for each streaming request
-        (``add_request(stream=True)``) that got new tokens, since the last call.
+        Returns an output for each request that finished (failed ones included: see the module
+        docstring), and for each streaming request (``add_request(stream=True)``) that got new
+        tokens, since the last call. Raises ExecutorDeadError once the engine gave up.
         """
+        if self._dead_reason is not None:
+            raise ExecutorDeadError(self._dead_reason)
         outputs = [RequestOutput.from_state(s) for s in self._finished_at_once]
         self._finished_at_once.clear()
-        if self._in_flight is not None and (
-            not self.async_scheduling
-            or self.scheduler.has_requests_needing_host()
-            or _computes_prompts(self._in_flight[0])
-        ):
-            outputs += self._apply(*self._in_flight)
-            self._in_flight = None
-        scheduler_output = self.scheduler.schedule()
-        outputs += self._report_stopped()
-        launched = None
-        if (
-            scheduler_output.has_forward
-            or _has_cache_ops(scheduler_output)
-            or scheduler_output.finished_req_ids
-        ):
-            launched = self.executor.execute_model(scheduler_output)
-        if self._in_flight is not None:
-            outputs += self._apply(*self._in_flight)
-            self._in_flight = None
-        if launched is not None and scheduler_output.has_forward:
-            if self.async_scheduling:
-                self._in_flight = (scheduler_output, launched)
-            else:
-                outputs += self._apply(scheduler_output, launched)
+        scheduler_output = None
+        try:
+            if self._in_flight is not None and (
+                not self.async_scheduling
+                or self.scheduler.has_requests_needing_host()
+                or _computes_prompts(self._in_flight[0])
+            ):
+                outputs += self._apply(*self._in_flight)
+                self._in_flight = None
+            scheduler_output = self.scheduler.schedule()
+            outputs += self._report_stopped()
+            launched = None
+            if (
+                scheduler_output.has_forward
+                or _has_cache_ops(scheduler_output)
+                or scheduler_output.finished_req_ids
+            ):
+                with _model_step():
+                    launched = self.executor.execute_model(scheduler_output)
+            if self._in_flight is not None:
+                outputs += self._apply(*self._in_flight)
+                self._in_flight = None
+            if launched is not None and scheduler_output.has_forward:
+                if self.async_scheduling:
+                    self._in_flight = (scheduler_output, launched)
+                else:
+                    outputs += self._apply(scheduler_output, launched)
+        except _StepFailed as failure:
+            # Neither the step that raised nor the other one launched is applied: their
+            # requests' progress since the last applied step is gone.
+            dropped = [] if scheduler_output is None else [scheduler_output]
+            if self._in_flight is not None:
+                dropped.append(self._in_flight[0])
+                self._in_flight = None
+            outputs += self._handle_failed_step(failure.error, dropped)
+        return outputs
+
+    def _handle_failed_step(self, error: Exception, dropped: list[SchedulerOutput]) -> list[RequestOutput]:
+        """After a failed model step: give up on a real fault, else hand the dropped steps to the
+        scheduler's isolation and report the requests it convicted."""
+        if isinstance(error, torch.AcceleratorError):
+            self._dead_reason = f"the device reported a fault: {error}"
+        elif self._num_failed_in_a_row >= MAX_REQUESTS_FAILED_IN_A_ROW:
+            self._dead_reason = (
+                f"model steps fail whatever runs in them: {self._num_failed_in_a_row} requests failed "
+                f"in a row, and the next step failed too: {error!r}"
+            )
+        if self._dead_reason is not None:
+            logger.error("the engine gives up: %s", self._dead_reason)
+            raise ExecutorDeadError(self._dead_reason) from error
+        logger.warning("a model step failed (%r): its requests run again, apart, to find the culprit", error)
+        self.scheduler.isolate_failure(
+            dropped, f"a model step with this request in it failed, and failed again with it alone: {error!r}"
+        )
+        outputs = self._report_stopped()
+        for output in outputs:
+            logger.error("request %s failed: %s", output.request_id, output.error)
+        self._num_failed_in_a_row += len(outputs)
         return outputs
 
     def _apply(self, scheduler_output: SchedulerOutput, launched: StepOutput) -> list[RequestOutput]:
         """A step's samples: into the requests, through detokenization and stop checks, out as
         the outputs of the requests they extended or ended."""
-        runner_output = launched.get()
+        with _model_step():
+            runner_output = launched.get()
+        self._num_failed_in_a_row = 0
         sampled = self.scheduler.update_from_output(scheduler_output, runner_output)
         now = time.time()
         touched: dict[str, RequestState] = {}
@@ -367,7 +449,9 @@ class LLMEngine:
             self._state_of.pop(seq.req_id, None)
 
     def check_health(self) -> None:
-        """Raise ExecutorDeadError when a worker is gone."""
+        """Raise ExecutorDeadError when a worker is gone or the engine gave up."""
+        if self._dead_reason is not None:
+            raise ExecutorDeadError(self._dead_reason)
         self.executor.check_health()
 
     def shutdown(self) -> None:

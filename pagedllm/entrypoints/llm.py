@@ -59,6 +59,13 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generate for each prompt; outputs come back in prompt order.
 
+        A request that makes the model step fail (it fails again when it runs alone) comes back
+        finished with ``RequestOutput.error`` set (``failed``; its sequences end with
+        finish_reason "error", keeping their tokens so far); the other requests are unaffected,
+        even those that shared its steps. When the engine gives up (its workers are gone, the
+        device reported a fault, or steps fail whatever runs in them), this raises
+        ExecutorDeadError, and none of its requests stays queued; the LLM is unusable after.
+
         Args:
             prompts: a prompt or a list of them (strings, or dicts with "prompt" or
                 "prompt_token_ids").
@@ -144,7 +151,7 @@ class LLM:
                     continue
                 finished[output.request_id] = output
                 num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
-                if output.error:
+                if output.error and not output.failed:  # the engine logs the failed ones
                     logger.warning("request %s failed: %s", output.request_id, output.error)
                 progress.update(1)
                 progress.set_postfix_str(

@@ -1,4 +1,5 @@
-"""Scheduler policy: FCFS admission, budgets, chunked prefill, preemption by RECOMPUTE and SWAP.
+"""Scheduler policy: FCFS admission, budgets, chunked prefill, preemption by RECOMPUTE and SWAP,
+isolation of a request that fails the model step.
 
 The model is not run: ``step`` below schedules, then feeds ``update_from_output`` a sample for
 every request the step completes (token 1000 + its id) and finishes requests at max_tokens, as
@@ -64,13 +65,27 @@ def add(h: Harness, prompt_len: int, max_tokens: int = 8, best_of: int = 1, t: f
 
 
 def step(h: Harness) -> SchedulerOutput:
+    return apply(h, schedule(h))
+
+
+def schedule(h: Harness) -> SchedulerOutput:
     scheduler = h.scheduler
     out = scheduler.schedule()
     h.preempted = {h.group_of[r].request_id: mode for r, mode in scheduler.last_preemptions.items()}
     h.ignored = [h.group_of[r.req_id] for r in scheduler.stopped]
-    for request in scheduler.stopped:
+    take_stopped(h)
+    return out
+
+
+def take_stopped(h: Harness) -> None:
+    for request in h.scheduler.stopped:
         h.group_of[request.req_id].error = request.error
-    scheduler.stopped.clear()
+    h.scheduler.stopped.clear()
+
+
+def apply(h: Harness, out: SchedulerOutput) -> SchedulerOutput:
+    """Sample for every request of ``out`` that reaches its end, as a worker would."""
+    scheduler = h.scheduler
     runner_output = ModelRunnerOutput()
     for req_id in out.num_scheduled_tokens:
         request = scheduler.requests[req_id]
@@ -336,3 +351,111 @@ def test_a_request_preempted_with_a_sample_in_flight_waits_for_it():
     assert resumed.num_scheduled_tokens == {ra.req_id: 7}  # prompt + its sample, recomputed
     (new,) = resumed.scheduled_new_reqs
     assert new.output_token_ids == [5] and new.num_computed_tokens == 0
+
+
+# --- isolation of a request that fails the model step -------------------------------------
+
+
+def probe_ids(h: Harness) -> set[int]:
+    """The user requests of the running probe (empty when not isolating)."""
+    probes = h.scheduler._probes
+    return {h.group_of[r].request_id for r in probes[0].req_ids} if probes else set()
+
+
+def test_a_failing_request_is_found_by_probes_that_run_alone():
+    h = make_scheduler(num_gpu_blocks=64, max_num_batched_tokens=64)
+    scheduler = h.scheduler
+    groups = [add(h, 3 + i % 4, max_tokens=6, best_of=1 + (i == 2)) for i in range(8)]
+    poison = groups[5]
+    failures = []
+    for _ in range(200):
+        if not scheduler.has_unfinished_requests():
+            break
+        probe = probe_ids(h)
+        out = schedule(h)
+        ran = set(scheduled_ids(h, out))
+        if probe:  # a probe's steps run nothing else
+            assert ran <= probe
+        if poison.request_id in ran and poison.seqs[0].num_output_tokens >= 2:
+            failures.append(ran)
+            scheduler.isolate_failure([out], "boom")
+            take_stopped(h)
+        else:
+            apply(h, out)
+    else:
+        raise AssertionError("the scheduler made no progress")
+    assert poison.seqs[0].status == RequestStatus.FINISHED_ERROR and poison.error == "boom"
+    assert poison.seqs[0].num_output_tokens == 2
+    # The whole batch, then the halves holding it, down to the verdict: it fails alone.
+    assert [len(ran) for ran in failures] == [8, 4, 2, 1]
+    for group in groups:
+        if group is not poison:
+            assert group.error is None
+            assert all(seq.num_output_tokens == 6 for seq in group.seqs)
+    assert len(groups[2].seqs) == 2
+    bm = scheduler.kv_cache_manager
+    assert bm.get_num_free_gpu_blocks() == bm.num_total_gpu_blocks and not scheduler.is_isolating
+
+
+def test_a_probe_preempts_requests_outside_it_to_make_room():
+    h = make_scheduler(num_gpu_blocks=9)
+    scheduler = h.scheduler
+    a, b = add(h, 12, max_tokens=8), add(h, 8, max_tokens=8, best_of=2)
+    for _ in range(3):
+        step(h)
+    assert len(b.seqs) == 2 and scheduler.kv_cache_manager.get_num_free_gpu_blocks() == 1
+    # A step with only b's sequences in it failed. Recomputed apart, they no longer share their
+    # prompt's blocks: 6 blocks where they held 4, so a (not a suspect) must make room.
+    failed = SchedulerOutput(num_scheduled_tokens={seq.req_id: 1 for seq in b.seqs})
+    scheduler.isolate_failure([failed], "boom")
+    assert all(seq.status == RequestStatus.WAITING and seq.num_computed_tokens == 0 for seq in b.seqs)
+    assert probe_ids(h) == {b.request_id}
+    out = schedule(h)
+    assert h.preempted == {a.request_id: PreemptionMode.RECOMPUTE}
+    assert set(scheduled_ids(h, out)) == {b.request_id}
+    assert {seq.req_id for seq in b.seqs} <= out.preempted_req_ids  # the workers drop their rows
+    apply(h, out)
+    assert not scheduler.is_isolating  # each sampled: b is cleared, and a comes back
+    run_to_completion(h)
+    assert a.seqs[0].num_output_tokens == 8 and [s.num_output_tokens for s in b.seqs] == [8, 8]
+    assert a.error is None and b.error is None
+
+
+def test_requests_whose_swap_a_dropped_step_carried_are_recomputed():
+    h = make_scheduler(num_gpu_blocks=8, num_cpu_blocks=16)
+    scheduler = h.scheduler
+    a = add(h, 8, max_tokens=12)
+    b = add(h, 3, max_tokens=8, best_of=2)
+    for _ in range(100):
+        out = schedule(h)
+        if out.blocks_to_swap_out:
+            break
+        apply(h, out)
+    assert h.preempted == {b.request_id: PreemptionMode.SWAP}
+    # The step that was to copy b's blocks to the CPU failed: b's copy there is worthless.
+    scheduler.isolate_failure([out], "boom")
+    assert all(seq.status == RequestStatus.WAITING and seq.num_computed_tokens == 0 for seq in b.seqs)
+    assert scheduler.kv_cache_manager.get_num_free_cpu_blocks() == 16 and not scheduler.swapped
+    assert probe_ids(h) == {a.request_id}  # b did not run in it: it is no suspect
+    run_to_completion(h)
+    assert a.seqs[0].num_output_tokens == 12 and [s.num_output_tokens for s in b.seqs] == [8, 8]
+
+
+def test_a_block_is_cached_once_the_step_that_filled_it_is_applied():
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
+    scheduler = Scheduler(config, BLOCK_SIZE, 16, 0, enable_prefix_caching=True)
+    request = Request(0, [1, 2, 3, 4, 5, 6, 7], SamplingParams(max_tokens=4), BLOCK_SIZE)
+    scheduler.add_request(request)
+    allocator = scheduler.kv_cache_manager.gpu_allocator
+    first = scheduler.schedule()  # the prompt; samples token 8
+    second = scheduler.schedule()  # launched before the first's sample arrives: computes token 8
+    runner_output = ModelRunnerOutput(req_ids=[0], sampled_token_ids=[8], logprobs=[0.0])
+    scheduler.update_from_output(first, runner_output)
+    first_block, second_block = request.update_block_hashes()
+    assert allocator.peek(first_block) is not None
+    # Tokens 5-8 are known, but token 8's K/V comes from the second step, still in flight.
+    assert allocator.peek(second_block) is None
+    scheduler.update_from_output(
+        second, ModelRunnerOutput(req_ids=[0], sampled_token_ids=[9], logprobs=[0.0])
+    )
+    assert allocator.peek(second_block) is not None

@@ -1,6 +1,6 @@
 """AsyncLLMEngine: per-request streams from a background engine thread, aborts that free blocks,
-and failures that end the affected requests (or, when the engine is broken, all of them) without
-leaving anyone waiting."""
+and failures that end only the request responsible (or, when the engine is broken, all of them)
+without leaving anyone waiting."""
 
 from __future__ import annotations
 
@@ -144,6 +144,42 @@ def test_a_failing_step_fails_its_requests_and_the_engine_serves_the_rest(make_e
         assert len(outputs[-1].outputs[0].token_ids) == 4
         assert engine.is_healthy and engine.num_failed_requests == 1
         assert all_blocks_free(engine)
+        await engine.shutdown()
+
+    run(main())
+
+
+def test_a_poison_request_fails_alone_and_the_streams_beside_it_finish_whole(make_engine, monkeypatch):
+    prompts = {f"r{i}": [1 + i, 2, 3, 4, 5] for i in range(4)}
+    reference = make_engine(attention_backend="torch")
+    for request_id, prompt in prompts.items():
+        reference.add_request(request_id, prompt_token_ids=prompt, sampling_params=params(12))
+    expected: dict[str, list[int]] = {}
+    while reference.has_unfinished_requests():
+        expected.update({o.request_id: o.outputs[0].token_ids for o in reference.step() if o.finished})
+
+    async def stream(engine: AsyncLLMEngine, request_id: str, prompt: list[int]) -> list[list[int]]:
+        return [
+            output.outputs[0].token_ids
+            async for output in engine.generate(request_id, None, params(12), prompt_token_ids=prompt)
+        ]
+
+    async def main() -> None:
+        llm_engine = make_engine(attention_backend="torch")
+        fail_steps_of(llm_engine, monkeypatch, {"poison"})
+        engine = AsyncLLMEngine(llm_engine)
+        engine.start()
+        victims = [asyncio.ensure_future(stream(engine, rid, prompt)) for rid, prompt in prompts.items()]
+        await wait_for(lambda: engine.stats.num_running == len(prompts), "the victims to run")
+        # Joins their batch mid-stream: every step it takes part in raises.
+        with pytest.raises(RequestFailedError, match="injected step failure"):
+            await collect(engine, "poison", [9, 8, 7], max_tokens=12)
+        for request_id, streamed in zip(prompts, await asyncio.gather(*victims)):
+            assert streamed[-1] == expected[request_id]
+            # Nothing streamed is ever taken back.
+            assert all(tokens == expected[request_id][: len(tokens)] for tokens in streamed)
+        assert engine.is_healthy and engine.num_failed_requests == 1
+        assert all_blocks_free(engine) and engine.num_unfinished_requests == 0
         await engine.shutdown()
 
     run(main())

@@ -108,9 +108,15 @@ def _lower_keys(headers: Any) -> dict[str, str]:
     return {key.lower(): value for key, value in headers.items()}
 
 
-def start_server(args: list[str], log_path: Path, api_key: str | None = None) -> Server:
+def start_server(
+    args: list[str],
+    log_path: Path,
+    api_key: str | None = None,
+    python_args: tuple[str, ...] = ("-m", "pagedllm"),
+) -> Server:
+    """``python PYTHON_ARGS serve ARGS``: the user's command unless a test runs its own entry."""
     port = _free_port()
-    command = [sys.executable, "-m", "pagedllm", "serve", *args]
+    command = [sys.executable, *python_args, "serve", *args]
     command += ["--port", str(port), "--stats-interval", "0", "--no-access-log"]
     env = {**os.environ, "PAGEDLLM_API_KEY": api_key} if api_key else dict(os.environ)
     with open(log_path, "wb") as log:
@@ -133,12 +139,13 @@ def start_server(args: list[str], log_path: Path, api_key: str | None = None) ->
 
 @pytest.fixture(scope="module")
 def launch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Server]]:
-    """launch(args, api_key=None) -> Server; every server launched is stopped after the module."""
+    """launch(args, api_key=None, python_args=("-m", "pagedllm")) -> Server; every server
+    launched is stopped after the module."""
     servers: list[Server] = []
 
-    def launch(args: list[str], api_key: str | None = None) -> Server:
+    def launch(args: list[str], api_key: str | None = None, **kwargs: Any) -> Server:
         log_path = tmp_path_factory.mktemp("server") / "server.log"
-        servers.append(start_server(args, log_path, api_key))
+        servers.append(start_server(args, log_path, api_key, **kwargs))
         return servers[-1]
 
     yield launch

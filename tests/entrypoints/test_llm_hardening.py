@@ -47,6 +47,34 @@ def test_an_interrupted_generate_leaves_nothing_queued(llm, monkeypatch):
     assert len(output.outputs[0].token_ids) == 2
 
 
+def test_a_request_that_fails_the_model_step_comes_back_failed_beside_the_others(model_dir):
+    llm = LLM(model_dir, device="cpu", attention_backend="torch", max_model_len=64, num_kv_blocks=32)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12, 13, 14]]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    expected = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    engine = llm.llm_engine
+    execute_model = engine.executor.execute_model
+
+    def fail_steps_of_the_third_prompt(scheduler_output):
+        scheduled = [engine.scheduler.requests[r] for r in scheduler_output.num_scheduled_tokens]
+        if any(request.prompt_token_ids == prompts[2] for request in scheduled):
+            raise RuntimeError("injected step failure")
+        return execute_model(scheduler_output)
+
+    engine.executor.execute_model = fail_steps_of_the_third_prompt
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    engine.executor.execute_model = execute_model
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    failed = outputs[2]
+    assert failed.finished and failed.failed and "injected step failure" in failed.error
+    assert [c.finish_reason for c in failed.outputs] == ["error"]
+    for i in (0, 1, 3):
+        assert not outputs[i].failed and outputs[i].outputs[0].token_ids == expected[i].outputs[0].token_ids
+    assert not engine.has_unfinished_requests() and _all_blocks_free(llm)
+    again = llm.generate(prompt_token_ids=prompts[2], sampling_params=params, use_tqdm=False)
+    assert again[0].outputs[0].token_ids == expected[2].outputs[0].token_ids
+
+
 def test_abort_ends_requests_and_frees_their_blocks(llm):
     engine = llm.llm_engine
     engine.add_request("a", prompt_token_ids=[1, 2, 3], sampling_params=SamplingParams(max_tokens=30))
