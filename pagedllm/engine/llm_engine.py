@@ -14,10 +14,11 @@ so the host's work for one step overlaps the device's work for the other. A requ
 at step N may then have had one more token computed by step N + 1: it is dropped, never returned
 or counted. Requests whose next step depends on their newest token on the host (beam search, a
 best_of request's first sample, which forks it) make the engine wait for the step in flight
-before it schedules the next. So does a step that computes prompt tokens: such a step is long,
-and a request arriving while it runs would otherwise miss the step already scheduled behind it
-and wait a whole further step for its first token; waiting costs the host time of one step.
-Decode steps are short: those overlap.
+before it schedules the next.
+
+The price is latency: the next step is scheduled before a request arriving now can join it, so
+its first token comes about one step later. Offline runs (``LLM``, the benchmarks) take the
+throughput; ``pagedllm serve`` is synchronous unless asked (``--async-scheduling``).
 
 A model step that raises (``execute_model`` or the wait for its samples) fails only the request
 responsible: the engine drops it, and the step in flight with it, and the scheduler tests their
@@ -276,9 +277,7 @@ class LLMEngine:
         scheduler_output = None
         try:
             if self._in_flight is not None and (
-                not self.async_scheduling
-                or self.scheduler.has_requests_needing_host()
-                or _computes_prompts(self._in_flight[0])
+                not self.async_scheduling or self.scheduler.has_requests_needing_host()
             ):
                 outputs += self._apply(*self._in_flight)
                 self._in_flight = None
@@ -481,11 +480,6 @@ class LLMEngine:
 
 def _live(state: RequestState) -> list[Request]:
     return [seq for seq in state.seqs if not seq.is_finished]
-
-
-def _computes_prompts(scheduler_output: SchedulerOutput) -> bool:
-    """Whether the step computes several tokens of some request (a prompt, or a chunk of one)."""
-    return scheduler_output.total_num_scheduled_tokens > len(scheduler_output.num_scheduled_tokens)
 
 
 def _has_cache_ops(scheduler_output: SchedulerOutput) -> bool:

@@ -173,6 +173,18 @@ def test_completion_logprobs(client, model):
     assert [o for lp in streamed for o in lp.text_offset] == logprobs.text_offset
 
 
+def test_completion_top_logprobs_list_the_sampled_token_too(client, model):
+    """As vLLM's: a sampled token outside the top ``logprobs`` is added to them."""
+    completion = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=24, temperature=2.0, seed=7, logprobs=1
+    )
+    logprobs = completion.choices[0].logprobs
+    for token, token_logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+        assert top[token] == pytest.approx(token_logprob) and len(top) <= 2
+    # At temperature 2 some sampled tokens are not the most likely: those positions list two.
+    assert any(len(top) == 2 for top in logprobs.top_logprobs)
+
+
 def test_echo_returns_the_prompt_with_its_logprobs(client, model):
     kwargs = {"model": model, "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "echo": True}
     plain = client.completions.create(**{**kwargs, "echo": False})

@@ -41,3 +41,9 @@ def test_the_served_name_is_never_the_weights_path():
 def test_serve_turns_chunked_prefill_on_unless_told_not_to():
     assert _args().enable_chunked_prefill is True
     assert _args("--no-enable-chunked-prefill").enable_chunked_prefill is False
+
+
+def test_serve_schedules_synchronously_unless_told_otherwise():
+    # Latency first: a request arriving during an asynchronous step waits one more step.
+    assert _args().async_scheduling is False
+    assert _args("--async-scheduling").async_scheduling is True

@@ -235,6 +235,9 @@ class OpenAIServingCompletion(OpenAIServing):
             result.tokens.append(token)
             result.token_logprobs.append(None if chosen is None else clamp_logprob(chosen.logprob))
             top = top_logprobs(step, num_top) if step is not None and num_top else None
+            if top is not None and chosen is not None and all(i != token_id for i, _ in top):
+                # vLLM's completions list the sampled token too, even outside the top ones.
+                top.append((token_id, chosen))
             result.top_logprobs.append(
                 None
                 if top is None
