@@ -2,6 +2,7 @@
 the same batch unconstrained.
 
     PYTHONPATH=. python benchmarks/structured_output.py [--model M] [--num-requests 32] [--device cuda]
+        [--load-format dummy]
 
 Both runs use the same chat prompts, temperature 0.8 and seeds, and the same max_tokens; the
 constrained run's extra cost is the grammar's bitmask (filled on the host each step, applied on
@@ -60,11 +61,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--device", default="auto")
+    parser.add_argument(
+        "--load-format", default="auto", help="dummy: random weights (the grammar costs the same)"
+    )
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
-    llm = LLM(args.model, device=args.device, max_model_len=1024)
+    llm = LLM(args.model, device=args.device, max_model_len=1024, load_format=args.load_format)
     result = {}
     for constrained in (False, True):
         _run(llm, min(args.num_requests, 4), 8, constrained)  # warm-up

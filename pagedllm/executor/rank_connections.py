@@ -99,7 +99,10 @@ class RankConnections:
         deadline = None if timeout is None else time.monotonic() + timeout
         rank_of = {id(conn): rank for rank, conn in enumerate(self.conns)}
         while len(answers) < len(ranks):
-            ready = wait(self.conns, POLL_INTERVAL_S)
+            # A rank that answered is not read again: its next frame answers the next call.
+            ready = wait(
+                [conn for rank, conn in enumerate(self.conns) if rank not in answers], POLL_INTERVAL_S
+            )
             for conn in ready:
                 rank = rank_of[id(conn)]
                 answers[rank] = self._read(conn, rank, what, expected=rank in ranks)
@@ -195,6 +198,10 @@ class RemoteExecutor(Executor):
         timeout: float | None,
     ) -> list[Any]:
         try:
+            # A step's answer still unread (one that only told the ranks which requests finished
+            # is never waited for) comes first on rank 0's connection: read it off before the call.
+            for pending in self._pending:
+                pending.fetch()
             return self.ranks.call(method, args, kwargs, reply_rank, timeout)
         except BaseException:
             self.shutdown()

@@ -65,12 +65,24 @@ def test_two_ranks_give_the_tokens_of_one(
     one = LLM(model_config.model, device="cpu", swap_space=0.01)
     expected = one.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
 
-    two = LLM(model_config.model, device="cpu", swap_space=0.01, tensor_parallel_size=2)
+    # Asynchronous scheduling, as on GPUs: a step is sent before the previous one's answer is read.
+    two = LLM(
+        model_config.model, device="cpu", swap_space=0.01, tensor_parallel_size=2, async_scheduling=True
+    )
     try:
         assert two.llm_engine.config.parallel_config.distributed_executor_backend == "mp"
         outputs = two.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
         assert token_ids(outputs) == token_ids(expected)
         assert_every_block_free(two.llm_engine)
+        # A request aborted in flight: the last step only tells the ranks it finished, and its
+        # answer, never waited for, must not be taken for the next call's.
+        engine = two.llm_engine
+        engine.add_request("aborted", sampling_params=GREEDY, prompt_token_ids=prompts[0])
+        engine.step()
+        engine.abort_request("aborted")
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.executor.ranks.conns[0].poll(10), "rank 0's answer to that step is unread"
         # Each rank holds a shard: less than the whole model, together at least all of it.
         whole = model_weight_bytes(one.llm_engine.executor.worker)
         shards = two.llm_engine.executor.collective_rpc(model_weight_bytes)
