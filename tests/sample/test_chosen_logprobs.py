@@ -1,12 +1,11 @@
-"""The sampler's logprobs: the chosen tokens' log_softmax of the raw logits, whatever path
-computed them (a full log_softmax when top tokens are asked for, logsumexp otherwise)."""
+"""The sampler's logprobs: the chosen tokens' log_softmax of the raw logits, before penalties
+and min_tokens bans (which edit the logits in place), as vLLM reports them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from pagedllm.sample import sampler
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler
 
@@ -30,16 +29,11 @@ def metadata(
     return md
 
 
-@pytest.mark.parametrize("full_log_softmax", [True, False])
 @pytest.mark.parametrize("greedy", [True, False])
 @pytest.mark.parametrize("top", [0, 3])
 @pytest.mark.parametrize("penalties", [False, True])
 @pytest.mark.parametrize("ban", [False, True])
-def test_chosen_logprobs_are_the_raw_logits_log_softmax(
-    greedy, top, penalties, ban, full_log_softmax, monkeypatch
-) -> None:
-    if not full_log_softmax:  # the GPU's way: logsumexp unless top tokens are asked for
-        monkeypatch.setattr(sampler, "_needs_log_softmax", lambda logits, md: bool(md.max_num_top_tokens))
+def test_chosen_logprobs_are_the_raw_logits_log_softmax(greedy, top, penalties, ban) -> None:
     torch.manual_seed(0)
     num_rows, vocab = 6, 50
     logits = torch.randn(num_rows, vocab) * 4
