@@ -2,10 +2,11 @@
 token bitmask that keeps each row's next token inside its grammar (through xgrammar)."""
 
 from pagedllm.structured_output.bitmask import allocate_token_bitmask, apply_token_bitmask
-from pagedllm.structured_output.grammar import StructuredOutputGrammar
+from pagedllm.structured_output.grammar import GrammarBatch, StructuredOutputGrammar
 from pagedllm.structured_output.manager import StructuredOutputManager
 
 __all__ = [
+    "GrammarBatch",
     "StructuredOutputGrammar",
     "StructuredOutputManager",
     "allocate_token_bitmask",

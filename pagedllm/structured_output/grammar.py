@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import xgrammar as xgr
+
+from pagedllm.structured_output.bitmask import allocate_token_bitmask
 
 
 class StructuredOutputGrammar:
@@ -42,3 +46,25 @@ class StructuredOutputGrammar:
     def reset(self) -> None:
         self._matcher.reset()
         self.num_processed_tokens = 0
+
+
+class GrammarBatch:
+    """Fills many requests' bitmask rows in one call, on xgrammar's own threads.
+
+    A matcher's fill holds the GIL, so Python threads would fill rows one after another; inside a
+    JSON string a fill takes tens of microseconds per row (60-400 us measured at SmolLM2's 49,152
+    tokens), which a batch of 32 grammar requests turns into milliseconds per step.
+    """
+
+    def __init__(self) -> None:
+        self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+
+    def bitmask(self, grammars: Sequence[StructuredOutputGrammar | None], vocab_size: int) -> torch.Tensor:
+        """The batch's bitmask [num_rows, ceil(vocab_size / 32)] on the host: a row per sampled
+        sequence, all ones where it has no grammar or its grammar has terminated."""
+        bitmask = allocate_token_bitmask(len(grammars), vocab_size)
+        rows = [row for row, g in enumerate(grammars) if g is not None and not g.is_terminated()]
+        if rows:
+            matchers = [grammars[row]._matcher for row in rows]
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        return bitmask

@@ -20,8 +20,7 @@ import torch
 import xgrammar as xgr
 
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.bitmask import allocate_token_bitmask
-from pagedllm.structured_output.grammar import StructuredOutputGrammar
+from pagedllm.structured_output.grammar import GrammarBatch, StructuredOutputGrammar
 from pagedllm.tokenizer import Tokenizer
 
 # Compiled grammars kept for reuse; a JSON schema's takes tens of KiB.
@@ -49,6 +48,7 @@ class StructuredOutputManager:
             collections.OrderedDict()
         )
         self._lock = threading.Lock()
+        self._grammar_batch = GrammarBatch()
         self.vocab_size = vocab_size
 
     def compile(self, params: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
@@ -80,13 +80,8 @@ class StructuredOutputManager:
         return result
 
     def fill_bitmask(self, grammars: Sequence[StructuredOutputGrammar | None]) -> torch.Tensor:
-        """The batch's bitmask [num_rows, ceil(vocab_size / 32)] on the host: a row per sampled
-        sequence, all ones where it has no grammar or its grammar has terminated."""
-        bitmask = allocate_token_bitmask(len(grammars), self.vocab_size)
-        for row, grammar in enumerate(grammars):
-            if grammar is not None and not grammar.is_terminated():
-                grammar.fill_bitmask(bitmask, row)
-        return bitmask
+        """The batch's bitmask [num_rows, ceil(vocab_size / 32)] on the host (``GrammarBatch``)."""
+        return self._grammar_batch.bitmask(grammars, self.vocab_size)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

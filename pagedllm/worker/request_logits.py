@@ -17,7 +17,7 @@ import torch
 
 from pagedllm.sample.logits_processors import apply_allowed_token_ids, apply_bad_words, apply_logit_bias
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output import StructuredOutputGrammar, allocate_token_bitmask, apply_token_bitmask
+from pagedllm.structured_output import GrammarBatch, StructuredOutputGrammar, apply_token_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class RequestLogitsProcessors:
     def __init__(self) -> None:
         # req_id -> its grammar (None once its output left the grammar).
         self._grammars: dict[int, StructuredOutputGrammar | None] = {}
+        self._grammar_batch: GrammarBatch | None = None  # made at the first grammar
 
     def drop(self, req_ids: Iterable[int]) -> None:
         for req_id in req_ids:
@@ -54,11 +55,9 @@ class RequestLogitsProcessors:
         apply_bad_words(logits, [p.bad_words_token_ids for p in params], output_token_ids)
         grammars = [self._grammar(*row) for row in zip(req_ids, params, output_token_ids)]
         if any(grammar is not None for grammar in grammars):
-            bitmask = allocate_token_bitmask(len(grammars), logits.shape[1])
-            for row, grammar in enumerate(grammars):
-                if grammar is not None and not grammar.is_terminated():
-                    grammar.fill_bitmask(bitmask, row)
-            apply_token_bitmask(logits, bitmask)
+            if self._grammar_batch is None:
+                self._grammar_batch = GrammarBatch()
+            apply_token_bitmask(logits, self._grammar_batch.bitmask(grammars, logits.shape[1]))
 
     def _grammar(
         self, req_id: int, params: SamplingParams, output_token_ids: list[int]
