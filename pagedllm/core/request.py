@@ -132,13 +132,10 @@ class Request:
         # Why the scheduler ended it early (it can never fit in the cache, or it fails the model
         # step), if it did.
         self.error: str | None = None
-        # Whether the worker needs its generated tokens on the host every step (a grammar to
-        # advance, bad words to match): it is then resent in full after each sample.
-        self.needs_output_history = bool(
-            sampling_params.structured_outputs or sampling_params.bad_words_token_ids
-        )
-        # Beam search and output history need the host after every sample (read once a step).
-        self._host_after_each_sample = sampling_params.use_beam_search or self.needs_output_history
+        # Beam search needs the host after every sample (read once a step): the engine chooses
+        # the continuations. (A grammar or bad words need the output history too, but on the
+        # worker, which keeps it from its own samples: no wait for the host.)
+        self._host_after_each_sample = sampling_params.use_beam_search
         # Set when the request must be resent in full to the workers (new, resumed, forked, or
         # its next token chosen on the host rather than by the worker's sampler).
         self.resend = True
@@ -214,8 +211,7 @@ class Request:
     @property
     def needs_host_between_steps(self) -> bool:
         """Whether its next step depends on the host seeing this step's token first: the fork
-        after a best_of request's first sample, beam search's choice of continuations, and the
-        output history a grammar or bad words need on the worker."""
+        after a best_of request's first sample, and beam search's choice of continuations."""
         return self.num_samples > 1 or self._host_after_each_sample
 
     def fork(self, req_id: int) -> Request:

@@ -525,8 +525,6 @@ class Scheduler:
             for i, sampler in enumerate(samplers):
                 sampler.append_output_token(token_ids[row + i], logprobs[row + i])
                 appended.append((sampler, row + i))
-                if sampler.needs_output_history:
-                    sampler.resend = True
             self.num_generation_tokens += num_samples - 1
             row += num_samples
         if kv.enable_prefix_caching:

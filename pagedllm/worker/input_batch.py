@@ -55,6 +55,9 @@ class InputBatch:
         self.num_tokens = np.zeros(max_num_rows, dtype=np.int64)
         # Token ids the host sent per row (prompt, then the outputs it knew when it sent them).
         self.host_token_ids: list[np.ndarray | None] = [None] * max_num_rows
+        # Rows with logits processors: the worker's own samples since, once they reach the host
+        # (a grammar or bad words read the output history; the host does not resend it).
+        self.sampled_output_ids: list[list[int]] = [[] for _ in range(max_num_rows)]
         self.block_table = np.zeros((max_num_rows, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_rows, dtype=np.int64)
         self.block_table_device = (
@@ -97,6 +100,7 @@ class InputBatch:
         self.num_output_tokens[row] = len(data.output_token_ids)
         tokens = np.asarray(data.prompt_token_ids + data.output_token_ids, dtype=np.int64)
         self.host_token_ids[row] = tokens
+        self.sampled_output_ids[row] = []
         self.num_host_tokens[row] = self.num_tokens[row] = len(tokens)
         self.set_block_ids(row, 0, data.block_ids)
         self._add_sampling(row, data)
@@ -234,10 +238,23 @@ class InputBatch:
             metadata.banned_token_ids = to_device(ban_ids, self.device, torch.int64)
 
     def output_token_ids(self, row: int) -> list[int]:
-        """The generated tokens the host sent with the row (current for requests resent every step)."""
+        """The row's generated tokens on the host: those the host sent, then the samples appended
+        since (``append_sampled``; rows with logits processors only)."""
         tokens = self.host_token_ids[row]
         assert tokens is not None
-        return tokens[int(self.num_prompt_tokens[row]) :].tolist()
+        return tokens[int(self.num_prompt_tokens[row]) :].tolist() + self.sampled_output_ids[row]
+
+    def append_sampled(self, req_id: int, output_index: int, token_id: int) -> None:
+        """Record the request's ``output_index``-th generated token, once it reaches the host,
+        unless the host already sent it (a request resent in full knows its outputs) or the
+        request has left the batch."""
+        row = self.row_of.get(req_id)
+        if row is None:
+            return
+        sampled = self.sampled_output_ids[row]
+        num_known = int(self.num_host_tokens[row] - self.num_prompt_tokens[row]) + len(sampled)
+        if num_known == output_index:
+            sampled.append(token_id)
 
     def record_samples(self, rows: np.ndarray, sample_index: torch.Tensor, token_ids: torch.Tensor) -> None:
         """After sampling: each sampled request's newest token (its first sample) becomes its next

@@ -84,6 +84,12 @@ class StepOutput:
         else:
             self._host = tensors
 
+    def sampled_token_ids(self) -> list[int]:
+        """The sampled ids of the step's sample rows, once they are on the host."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host[0].tolist() if self._host else []
+
     def get(self) -> ModelRunnerOutput:
         output = ModelRunnerOutput()
         if self._event is not None:
@@ -150,6 +156,9 @@ class ModelRunner:
             2 * scheduler_config.max_num_seqs, max_blocks_per_req, config.model_config.vocab_size, self.device
         )
         self.logits_processors = RequestLogitsProcessors()
+        # The last step's samples of rows with logits processors, not yet in their output history:
+        # (step, [(req_id, output index, sample row)]).
+        self._unrecorded_samples: tuple[StepOutput, list[tuple[int, int, int]]] | None = None
         self.graph_runner: CudaGraphRunner | None = None
 
     def load_model(self) -> None:
@@ -373,10 +382,12 @@ class ModelRunner:
         num_sample_rows = len(model_input.sample_rows)
         batch = self.input_batch
         sampled = None
+        history: list[tuple[int, int, int]] = []
         top_rows: list[int] = []
         if num_sample_rows:
             rows = model_input.sample_rows
             if batch.has_processors[rows].any():
+                self._record_output_history()
                 self.logits_processors(
                     logits[:num_sample_rows],
                     model_input.sample_req_ids,
@@ -385,13 +396,41 @@ class ModelRunner:
                 )
             metadata = batch.sampling_metadata(rows)
             sampled = self.sampler(logits[:num_sample_rows], metadata)
+            history = self._processor_samples(model_input)
             first = to_device(model_input.first_sample_index, self.device)
             batch.record_samples(model_input.sampling_req_rows, first, sampled.token_ids)
             if metadata.max_num_top_tokens:
                 top_rows = np.flatnonzero(batch.wants_logprobs[model_input.sample_rows]).tolist()
         prompt_logprobs = self._score_prompts(logits[num_sample_rows:], model_input)
         num_top_tokens = batch.num_top_tokens[model_input.sample_rows[top_rows]].tolist() if top_rows else []
-        return StepOutput(model_input, sampled, top_rows, prompt_logprobs, self.device, num_top_tokens)
+        step = StepOutput(model_input, sampled, top_rows, prompt_logprobs, self.device, num_top_tokens)
+        if history:
+            self._record_output_history()
+            self._unrecorded_samples = (step, history)
+        return step
+
+    def _processor_samples(self, model_input: ModelInput) -> list[tuple[int, int, int]]:
+        """(req_id, output index, sample row) of this step's first sample of every request with
+        logits processors (read before ``record_samples`` counts it)."""
+        batch = self.input_batch
+        rows = model_input.sampling_req_rows
+        first = model_input.first_sample_index
+        return [
+            (batch.req_ids[rows[i]], int(batch.num_output_tokens[rows[i]]), int(first[i]))
+            for i in np.flatnonzero(batch.has_processors[rows]).tolist()
+        ]
+
+    def _record_output_history(self) -> None:
+        """Append the last step's samples to the output history of the requests with logits
+        processors (a grammar advances over them); waits for those samples to reach the host,
+        which a step already launched behind them does not delay."""
+        if self._unrecorded_samples is None:
+            return
+        step, history = self._unrecorded_samples
+        self._unrecorded_samples = None
+        token_ids = step.sampled_token_ids()
+        for req_id, output_index, row in history:
+            self.input_batch.append_sampled(req_id, output_index, token_ids[row])
 
     def _score_prompts(
         self, logits: torch.Tensor, model_input: ModelInput

@@ -2,10 +2,10 @@
 bad_words and structured outputs' grammar bitmask, applied before the sampler.
 
 Grammar state lives here, one matcher per request (a forked request gets its own), caught up each
-step with the tokens its request generated since the last. Requests that need their output history
-here (a grammar, bad words) are sent in full every step (``Request.needs_output_history``), so the
-persistent batch holds those tokens on the host. Compilation happened when the request was
-validated (``compiled_grammar``).
+step with the tokens its request generated since the last. The output history a grammar or bad
+words read is the persistent batch's: the tokens the host sent, then the worker's own samples
+(``InputBatch.append_sampled``), so these requests need no resend and no wait for the host between
+steps. Compilation happened when the request was validated (``compiled_grammar``).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.worker.step_io import SchedulerOutput
 
 
@@ -112,6 +113,46 @@ def test_n_best_of_seeded_and_beam_search(model_dir):
     beams = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0, max_tokens=8)
     sync_out, async_out, _ = run_both(model_dir, beams, ids)
     assert summary(sync_out) == summary(async_out)
+
+
+def test_grammars_and_bad_words_change_nothing_and_need_no_wait(model_dir):
+    """The worker keeps the output history a grammar or bad words read from its own samples: the
+    engine does not wait for the host between their steps, and the outputs are the synchronous
+    ones (also through preemption, which resends a request in full)."""
+    ids = prompts(8, seed=5)
+    choice = StructuredOutputsParams(choice=["alpha beta", "gamma", "delta epsilon zeta"])
+    params = []
+    for i in range(len(ids)):
+        kind = i % 4
+        params.append(
+            SamplingParams(
+                temperature=0.9,
+                seed=i,
+                max_tokens=24,
+                n=2 if i == 4 else 1,
+                structured_outputs=(
+                    StructuredOutputsParams(json_object=True) if kind == 0 else choice if kind == 1 else None
+                ),
+                bad_words=["the", "a"] if kind == 2 else None,
+            )
+        )
+    sync_out, async_out, llms = run_both(
+        model_dir, params, ids, block_size=4, num_kv_blocks=60, max_model_len=128
+    )
+    assert summary(sync_out) == summary(async_out)
+    assert llms[1].llm_engine.get_stats().num_preemptions_recompute > 0
+    for output, p in zip(async_out, params):
+        for completion in output.outputs:
+            if p.structured_outputs is choice:
+                assert completion.text in choice.choice
+    engine = llms[1].llm_engine
+    engine.add_request("grammar", sampling_params=params[0], prompt_token_ids=ids[0])
+    for _ in range(3):
+        engine.step()
+        assert not engine.scheduler.has_requests_needing_host()
+    engine.abort_request("grammar")
+    while engine.has_unfinished_requests():
+        engine.step()
 
 
 @pytest.mark.parametrize("num_cpu_blocks_gib", [0.0, 1.0])
