@@ -59,10 +59,20 @@ class GrammarBatch:
     def __init__(self) -> None:
         self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
 
-    def bitmask(self, grammars: Sequence[StructuredOutputGrammar | None], vocab_size: int) -> torch.Tensor:
+    def bitmask(
+        self,
+        grammars: Sequence[StructuredOutputGrammar | None],
+        vocab_size: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The batch's bitmask [num_rows, ceil(vocab_size / 32)] on the host: a row per sampled
-        sequence, all ones where it has no grammar or its grammar has terminated."""
-        bitmask = allocate_token_bitmask(len(grammars), vocab_size)
+        sequence, all ones where it has no grammar or its grammar has terminated. Written into the
+        first rows of ``out`` when given (a reused buffer), else into a new tensor."""
+        if out is None:
+            bitmask = allocate_token_bitmask(len(grammars), vocab_size)
+        else:
+            bitmask = out[: len(grammars)]
+            bitmask.fill_(-1)
         rows = [row for row, g in enumerate(grammars) if g is not None and not g.is_terminated()]
         if rows:
             matchers = [grammars[row]._matcher for row in rows]

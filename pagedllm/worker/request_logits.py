@@ -17,7 +17,12 @@ import torch
 
 from pagedllm.sample.logits_processors import apply_allowed_token_ids, apply_bad_words, apply_logit_bias
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.structured_output import GrammarBatch, StructuredOutputGrammar, apply_token_bitmask
+from pagedllm.structured_output import (
+    GrammarBatch,
+    StructuredOutputGrammar,
+    allocate_token_bitmask,
+    apply_token_bitmask,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +41,8 @@ class RequestLogitsProcessors:
         # req_id -> its grammar (None once its output left the grammar).
         self._grammars: dict[int, StructuredOutputGrammar | None] = {}
         self._grammar_batch: GrammarBatch | None = None  # made at the first grammar
+        # On CUDA: two pinned host bitmasks used in turn, each with the event of its last copy.
+        self._pinned: list[tuple[torch.Tensor, torch.cuda.Event]] = []
 
     def drop(self, req_ids: Iterable[int]) -> None:
         for req_id in req_ids:
@@ -57,7 +64,30 @@ class RequestLogitsProcessors:
         if any(grammar is not None for grammar in grammars):
             if self._grammar_batch is None:
                 self._grammar_batch = GrammarBatch()
-            apply_token_bitmask(logits, self._grammar_batch.bitmask(grammars, logits.shape[1]))
+            vocab_size = logits.shape[1]
+            if logits.device.type != "cuda":
+                apply_token_bitmask(logits, self._grammar_batch.bitmask(grammars, vocab_size))
+                return
+            buffer = self._pinned_buffer(len(grammars), vocab_size)
+            apply_token_bitmask(logits, self._grammar_batch.bitmask(grammars, vocab_size, out=buffer))
+            event = torch.cuda.Event()
+            event.record()
+            self._pinned.append((buffer, event))
+
+    def _pinned_buffer(self, num_rows: int, vocab_size: int) -> torch.Tensor:
+        """A pinned host bitmask of at least ``num_rows`` rows whose last copy to the device is done.
+
+        From pinned memory the copy is asynchronous; from pageable memory it would wait for the
+        device to reach it, i.e. for the step's forward pass, and the host's work would stop
+        overlapping the device's. Two buffers in turn: the one filled now may still be read by
+        the step in flight.
+        """
+        if len(self._pinned) == 2:
+            buffer, event = self._pinned.pop(0)
+            event.synchronize()
+            if buffer.shape[0] >= num_rows:
+                return buffer
+        return allocate_token_bitmask(max(num_rows, 64), vocab_size, pin_memory=True)
 
     def _grammar(
         self, req_id: int, params: SamplingParams, output_token_ids: list[int]
