@@ -9,6 +9,7 @@ timeout raises ExecutorDeadError within a second, naming the rank.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import pickle
@@ -18,11 +19,15 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from pagedllm.config import EngineConfig
 from pagedllm.executor.abstract import Executor, ExecutorDeadError, WorkerCall
 from pagedllm.executor.worker_loop import SHUTDOWN_FRAME, encode_call
 
 # Seconds between liveness checks while a wait has nothing to read.
 POLL_INTERVAL_S = 0.5
+# Step messages up to this size are sent before the previous step's answer is read: far below
+# the smallest socket buffer of a local connection, so writing one never blocks.
+PIPELINED_FRAME_BYTES = 32 * 1024
 # Seconds a step may take before the engine gives up on its workers (a hung collective).
 EXECUTE_MODEL_TIMEOUT_S = float(os.environ.get("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S", "300"))
 
@@ -65,8 +70,11 @@ class RankConnections:
         self, method: WorkerCall, args: tuple[Any, ...], kwargs: dict[str, Any] | None, reply_rank: int | None
     ) -> None:
         """Broadcast a call without waiting for its answers (``receive`` them, in call order)."""
+        self.send_frame(encode_call(method, args, kwargs, reply_rank))
+
+    def send_frame(self, frame: bytes) -> None:
+        """Broadcast an encoded call (``encode_call``)."""
         self.check()
-        frame = encode_call(method, args, kwargs, reply_rank)
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(frame)
@@ -159,8 +167,11 @@ class RemoteExecutor(Executor):
     ranks: RankConnections
     worker_pids: list[int]
     _finalizer: Callable[[], Any]
-    # The step sent last whose answer has not been read yet.
-    _pending: list[PendingStep] = []  # noqa: RUF012 (replaced, never mutated in place)
+
+    def __init__(self, config: EngineConfig) -> None:
+        # Steps sent whose answers have not been read yet, oldest first (rank 0 answers in order).
+        self._pending: collections.deque[PendingStep] = collections.deque()
+        super().__init__(config)
 
     def collective_rpc(
         self,
@@ -173,21 +184,34 @@ class RemoteExecutor(Executor):
     def execute_model(self, msg: Any) -> PendingStep:
         """Send the step to every rank and return; ``get()`` on the result gives rank 0's samples.
 
-        The engine schedules step N + 1 while step N runs on the ranks; before the next step is
-        sent, the previous one's answer is read. Otherwise both sides could block writing to each
-        other: a large message fills the rank's pipe while the rank waits to send its answer.
+        The engine schedules step N + 1 while step N runs on the ranks, and sends it before it
+        reads step N's answer: the ranks find it waiting when they finish N, and the driver's
+        round trip (reading the answer, applying it, scheduling) stays off their critical path.
+        A large message (a new batch's prompts) is sent only after the answers before it are
+        read: both sides could otherwise block writing to each other, the message filling the
+        rank's socket while the rank waits to send its answer. A small one fits in the socket's
+        buffer, so its write never blocks.
         """
         try:
-            self.ranks.check()
-            for pending in self._pending:
-                pending.fetch()
-            self.ranks.send("execute_model_and_wait", (msg,), None, 0)
+            frame = encode_call("execute_model_and_wait", (msg,), None, 0)
+            if len(frame) > PIPELINED_FRAME_BYTES:
+                self._read_pending()
+            self.ranks.send_frame(frame)
         except BaseException:
             self.shutdown()
             raise
         step = PendingStep(self)
-        self._pending = [step]
+        self._pending.append(step)
         return step
+
+    def _read_pending(self, until: PendingStep | None = None) -> None:
+        """Read the answers of the steps sent, oldest first, up to ``until`` (all when None)."""
+        pending = self._pending
+        while pending:
+            step = pending.popleft()
+            step.receive()
+            if step is until:
+                return
 
     def _call(
         self,
@@ -200,8 +224,7 @@ class RemoteExecutor(Executor):
         try:
             # A step's answer still unread (one that only told the ranks which requests finished
             # is never waited for) comes first on rank 0's connection: read it off before the call.
-            for pending in self._pending:
-                pending.fetch()
+            self._read_pending()
             return self.ranks.call(method, args, kwargs, reply_rank, timeout)
         except BaseException:
             self.shutdown()
@@ -215,17 +238,19 @@ class RemoteExecutor(Executor):
 
 
 class PendingStep:
-    """A step sent to the ranks; its samples are read once, by ``get()`` or before the next send."""
+    """A step sent to the ranks; its samples are read once, by ``get()`` or by a later call that
+    must read past them (answers come in the order the steps were sent)."""
 
     def __init__(self, executor: RemoteExecutor) -> None:
         self._executor = executor
         self._result: Any = None
-        self._fetched = False
+        self._received = False
 
-    def fetch(self) -> None:
-        if self._fetched:
+    def receive(self) -> None:
+        """Read this step's answer, the oldest unread on rank 0's connection."""
+        if self._received:
             return
-        self._fetched = True
+        self._received = True
         try:
             self._executor.ranks.check()
             self._result = self._executor.ranks.receive(0, "execute_model", EXECUTE_MODEL_TIMEOUT_S)
@@ -234,7 +259,8 @@ class PendingStep:
             raise
 
     def get(self) -> Any:
-        self.fetch()
+        if not self._received:
+            self._executor._read_pending(until=self)
         return self._result
 
 

@@ -142,3 +142,39 @@ def test_a_killed_rank_fails_the_requests_within_seconds_and_stops_every_rank(
         llm.llm_engine.check_health()
     with pytest.raises(ExecutorDeadError):
         llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+def test_small_step_messages_go_out_before_the_previous_answer_is_read(
+    pipelined, make_tiny_model_once, random_prompts, monkeypatch
+):
+    """A decode step's message is sent while the step before it is unanswered (rank 0's answers
+    are then read in order); a message above the threshold waits for the answers first."""
+    from pagedllm.executor import rank_connections
+
+    if not pipelined:
+        monkeypatch.setattr(rank_connections, "PIPELINED_FRAME_BYTES", 0)
+    _, model_config = make_tiny_model_once(LlamaConfig, num_attention_heads=4, num_key_value_heads=2)
+    prompts = random_prompts(4, model_config.vocab_size)
+    expected = LLM(model_config.model, device="cpu", swap_space=0.01).generate(
+        prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False
+    )
+    two = LLM(
+        model_config.model, device="cpu", swap_space=0.01, tensor_parallel_size=2, async_scheduling=True
+    )
+    executor = two.llm_engine.executor
+    unanswered: list[int] = []
+    execute = executor.execute_model
+
+    def record(msg):
+        step = execute(msg)
+        unanswered.append(len(executor._pending))
+        return step
+
+    executor.execute_model = record
+    try:
+        outputs = two.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        assert token_ids(outputs) == token_ids(expected)
+        assert max(unanswered) == (2 if pipelined else 1)
+    finally:
+        two.llm_engine.shutdown()
