@@ -22,7 +22,7 @@ class StopChecker:
         """
         output_token_ids = seq.output_token_ids
         num_output_tokens = len(output_token_ids)
-        if num_output_tokens >= params.min_tokens:
+        if output_token_ids and num_output_tokens >= params.min_tokens:
             token_id = output_token_ids[-1]
             is_eos = not params.ignore_eos and token_id in self.eos_token_ids
             if is_eos or token_id in params.stop_token_ids:
