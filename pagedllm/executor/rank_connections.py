@@ -196,6 +196,10 @@ class RemoteExecutor(Executor):
             frame = encode_call("execute_model_and_wait", (msg,), None, 0)
             if len(frame) > PIPELINED_FRAME_BYTES:
                 self._read_pending()
+            while len(self._pending) > 1:
+                # One answer outstanding is all the overlap needs; unread answers piling up (steps
+                # nobody waits for) could fill the sockets.
+                self._pending.popleft().receive()
             self.ranks.send_frame(frame)
         except BaseException:
             self.shutdown()
