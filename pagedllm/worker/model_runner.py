@@ -386,7 +386,8 @@ class ModelRunner:
         top_rows: list[int] = []
         if num_sample_rows:
             rows = model_input.sample_rows
-            if batch.has_processors[rows].any():
+            with_processors = bool(batch.has_processors[rows].any())
+            if with_processors:
                 self._record_output_history()
                 self.logits_processors(
                     logits[:num_sample_rows],
@@ -396,7 +397,8 @@ class ModelRunner:
                 )
             metadata = batch.sampling_metadata(rows)
             sampled = self.sampler(logits[:num_sample_rows], metadata)
-            history = self._processor_samples(model_input)
+            if with_processors:
+                history = self._processor_samples(model_input)
             first = to_device(model_input.first_sample_index, self.device)
             batch.record_samples(model_input.sampling_req_rows, first, sampled.token_ids)
             if metadata.max_num_top_tokens:
@@ -405,7 +407,7 @@ class ModelRunner:
         num_top_tokens = batch.num_top_tokens[model_input.sample_rows[top_rows]].tolist() if top_rows else []
         step = StepOutput(model_input, sampled, top_rows, prompt_logprobs, self.device, num_top_tokens)
         if history:
-            self._record_output_history()
+            # The logits processors ran this step, and recorded the samples before these first.
             self._unrecorded_samples = (step, history)
         return step
 
