@@ -6,9 +6,12 @@ Each row of the logits is one sample to draw (the worker repeats a request's row
 ``SamplingMetadata``. Everything stays on the device: the results go back to the host in one
 copy, which the worker may leave in flight while the next step is scheduled.
 
-Sampling uses the exponential race: with ``q ~ Exp(1)`` i.i.d. per token,
-``argmax(p / q)`` is distributed as ``p``. It needs no cumulative sums, and a seeded row just
-draws its ``q`` from its own generator, so its tokens do not depend on the rest of the batch.
+Sampling uses the exponential race: with ``q ~ Exp(1)`` i.i.d. per token, ``argmax(p / q)`` is
+distributed as ``p``; taken in logits, ``argmax(x / T - log q)`` (the Gumbel-max trick), it needs
+no softmax and no cumulative sums, and a seeded row just draws its ``q`` from its own generator,
+so its tokens do not depend on the rest of the batch. On the GPU the last pass (race or argmax,
+and the chosen token's logprob) is one split reduction over each row
+(kernels/triton/sampling.py).
 
 Logprobs are those of the model (log_softmax of the raw logits), whatever penalties and
 truncation did to the sampling distribution, as vLLM reports them.
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedllm.layers.utils import use_triton
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.penalties import apply_penalties, ban_tokens
 
@@ -41,13 +45,25 @@ class SamplerOutput:
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [num_rows, vocab_size] float32."""
-        logprobs = torch.log_softmax(logits, dim=-1)
-        logits = apply_penalties(logits, metadata)
-        ban_tokens(logits, metadata)
-        token_ids = logits.argmax(dim=-1)
+        # Top tokens need every logprob; otherwise only the chosen tokens' are needed, which the
+        # fused pass on the GPU computes without a [rows, vocab] log_softmax.
+        fused = use_triton(logits) and not metadata.max_num_top_tokens
+        logprobs = None if fused else torch.log_softmax(logits, dim=-1)
+        x = apply_penalties(logits, metadata)
+        if fused and x is logits and metadata.banned_rows is not None:
+            x = logits.clone()  # the bans must not reach the logits the logprobs come from
+        ban_tokens(x, metadata)
+        noise = inv_temperature = None
         if not metadata.all_greedy:
-            sampled = _sample_random(logits, metadata)
-            token_ids = torch.where(metadata.greedy, token_ids, sampled)
+            x, inv_temperature = _truncate(x, metadata)
+            noise = _exponential_noise(x, metadata)
+        if fused:
+            from pagedllm.kernels.triton.sampling import sample_tokens
+
+            token_ids, chosen = sample_tokens(logits, x, noise, inv_temperature, metadata.greedy)
+            return SamplerOutput(token_ids=token_ids, logprobs=chosen)
+        assert logprobs is not None
+        token_ids = _race(x, noise, inv_temperature, metadata.greedy)
         chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
         output = SamplerOutput(token_ids=token_ids, logprobs=chosen)
         if metadata.max_num_top_tokens:
@@ -69,17 +85,46 @@ def _beam_scores(logprobs: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     return torch.where(metadata.beam[:, None], scores, logprobs)
 
 
-def _sample_random(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    logits = logits / metadata.temperature[:, None]
+def _truncate(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the sampled rows draw from, and the inverse temperature still to apply to it.
+
+    Top-k, top-p and min-p act on the tempered distribution, so rows are scaled first when any
+    applies (inverse temperature 1 is then left); otherwise the scaling is left to the race. Greedy
+    rows (temperature 1 here) keep their argmax: every truncation keeps the most likely token.
+    """
+    inv_temperature = 1.0 / metadata.temperature
+    if metadata.top_k is None and metadata.top_p is None and metadata.min_p is None:
+        return logits, inv_temperature
+    logits = logits * inv_temperature[:, None]
     if metadata.top_k is not None or metadata.top_p is not None:
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-    probs = torch.softmax(logits, dim=-1)
     if metadata.min_p is not None:
-        probs = apply_min_p(probs, metadata.min_p)
-    q = torch.empty_like(probs).exponential_()
+        logits = apply_min_p(logits, metadata.min_p)
+    return logits, torch.ones_like(inv_temperature)
+
+
+def _exponential_noise(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Exp(1) noise for the race, a seeded row's from its own generator."""
+    noise = torch.empty_like(logits).exponential_()
     for row, generator in metadata.generators.items():
-        q[row].exponential_(generator=generator)
-    return (probs / q).argmax(dim=-1)
+        noise[row].exponential_(generator=generator)
+    return noise
+
+
+def _race(
+    logits: torch.Tensor,
+    noise: torch.Tensor | None,
+    inv_temperature: torch.Tensor | None,
+    greedy: torch.Tensor | None,
+) -> torch.Tensor:
+    """Each row's token: the argmax for greedy rows; for sampled rows the exponential race,
+    ``argmax(softmax(x / T) / q) = argmax(x / T - log q)`` (no normalisation needed)."""
+    token_ids = logits.argmax(dim=-1)
+    if noise is None:
+        return token_ids
+    assert inv_temperature is not None and greedy is not None
+    sampled = (logits * inv_temperature[:, None] - noise.log()).argmax(dim=-1)
+    return torch.where(greedy, token_ids, sampled)
 
 
 def apply_top_k_top_p(
@@ -103,7 +148,8 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, sorted_idx, sorted_logits)
 
 
-def apply_min_p(probs: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
-    """Zero tokens less likely than min_p times the row's most likely one. probs: [rows, vocab]."""
-    threshold = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
-    return probs.masked_fill(probs < threshold, 0.0)
+def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf tokens less likely than min_p times the row's most likely one: in logit space,
+    below the row's max plus log(min_p) (min_p 0: none). logits: [rows, vocab], tempered."""
+    threshold = logits.max(dim=-1, keepdim=True).values + torch.log(min_ps)[:, None]
+    return logits.masked_fill(logits < threshold, float("-inf"))

@@ -16,7 +16,10 @@ BITS_PER_WORD = 32
 def allocate_token_bitmask(num_rows: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
     """An all-allowed bitmask [num_rows, ceil(vocab_size / 32)] (int32) on the host."""
     num_words = -(-vocab_size // BITS_PER_WORD)
-    return torch.full((num_rows, num_words), -1, dtype=torch.int32, pin_memory=pin_memory)
+    bitmask = torch.empty((num_rows, num_words), dtype=torch.int32, pin_memory=pin_memory)
+    # Filled through numpy, on this thread: torch's fill would wake its OpenMP pool.
+    bitmask.numpy().fill(-1)
+    return bitmask
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

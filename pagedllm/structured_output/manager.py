@@ -1,11 +1,10 @@
-"""Compiles requests' grammars in a thread pool, caches them, and fills a batch's bitmask.
+"""Compiles requests' grammars in a thread pool and caches them.
 
-A request with ``structured_outputs`` gets ``grammar_init(params)``: a Future the scheduler waits
-on (without blocking the step) before it schedules the request. Compilation runs in a worker
-thread, because a JSON schema can take milliseconds to seconds; requests with the same
-constraint share one compilation (an LRU of Futures). Each step, ``fill_bitmask`` writes the rows'
-allowed tokens into a host bitmask, which the sampler copies to the device and applies
-(``apply_token_bitmask``).
+A request with ``structured_outputs`` is compiled when it is validated (``compile``: a Future, so
+the server awaits it off its event loop). Compilation runs in a worker thread, because a JSON
+schema can take milliseconds to seconds; requests with the same constraint share one compilation
+(an LRU of Futures). The worker then keeps a matcher per request over the compiled grammar and
+fills the batch's bitmask each step (worker/request_logits.py).
 """
 
 from __future__ import annotations
@@ -16,11 +15,9 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import torch
 import xgrammar as xgr
 
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output.grammar import GrammarBatch, StructuredOutputGrammar
 from pagedllm.tokenizer import Tokenizer
 
 # Compiled grammars kept for reuse; a JSON schema's takes tens of KiB.
@@ -48,7 +45,6 @@ class StructuredOutputManager:
             collections.OrderedDict()
         )
         self._lock = threading.Lock()
-        self._grammar_batch = GrammarBatch()
         self.vocab_size = vocab_size
 
     def compile(self, params: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
@@ -64,24 +60,6 @@ class StructuredOutputManager:
                     self._cache.popitem(last=False)
             self._cache.move_to_end(key)
             return future
-
-    def grammar_init(self, params: StructuredOutputsParams) -> Future[StructuredOutputGrammar]:
-        """A new matcher for one request, once its grammar is compiled."""
-        result: Future[StructuredOutputGrammar] = Future()
-
-        def done(compiled: Future[xgr.CompiledGrammar]) -> None:
-            error = compiled.exception()
-            if error is not None:
-                result.set_exception(error)
-            else:
-                result.set_result(StructuredOutputGrammar(compiled.result()))
-
-        self.compile(params).add_done_callback(done)
-        return result
-
-    def fill_bitmask(self, grammars: Sequence[StructuredOutputGrammar | None]) -> torch.Tensor:
-        """The batch's bitmask [num_rows, ceil(vocab_size / 32)] on the host (``GrammarBatch``)."""
-        return self._grammar_batch.bitmask(grammars, self.vocab_size)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -58,10 +58,11 @@ def test_top_k_top_p_keep_exactly_the_expected_tokens():
     assert torch.isfinite(masked[0]).all()
 
 
-def test_min_p_zeroes_unlikely_tokens():
-    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    kept = apply_min_p(probs, torch.tensor([0.2]))  # threshold 0.1
-    assert torch.equal(kept, torch.tensor([[0.5, 0.3, 0.15, 0.0]]))
+def test_min_p_masks_unlikely_tokens():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
+    kept = apply_min_p(logits, torch.tensor([0.2, 0.0]))  # row 0: below 0.1 goes; row 1: none
+    assert torch.isfinite(kept).tolist() == [[True, True, True, False], [True] * 4]
+    assert torch.equal(kept[0, :3], logits[0, :3])
 
 
 def test_random_sampling_follows_the_distribution():

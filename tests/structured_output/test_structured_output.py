@@ -12,7 +12,13 @@ import torch
 import xgrammar as xgr
 
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.structured_output import StructuredOutputManager, allocate_token_bitmask, apply_token_bitmask
+from pagedllm.structured_output import (
+    GrammarBatch,
+    StructuredOutputGrammar,
+    StructuredOutputManager,
+    allocate_token_bitmask,
+    apply_token_bitmask,
+)
 
 MAX_STEPS = 400
 SCHEMA = {
@@ -35,14 +41,22 @@ def manager(smollm2_tokenizer) -> StructuredOutputManager:
     manager.shutdown()
 
 
+def _grammar(manager, params: StructuredOutputsParams) -> StructuredOutputGrammar:
+    return StructuredOutputGrammar(manager.compile(params).result(timeout=60))
+
+
+def _bitmask(manager, grammars, out=None) -> torch.Tensor:
+    return GrammarBatch().bitmask(grammars, manager.vocab_size, out=out)
+
+
 def _decode(manager, tokenizer, params: StructuredOutputsParams, seed: int) -> str:
     """Greedy over random logits, masked by the grammar, until it accepts EOS."""
-    grammar = manager.grammar_init(params).result(timeout=60)
+    grammar = _grammar(manager, params)
     generator = torch.Generator().manual_seed(seed)
     token_ids = []
     for _ in range(MAX_STEPS):
         logits = torch.randn((1, manager.vocab_size), generator=generator)
-        apply_token_bitmask(logits, manager.fill_bitmask([grammar]))
+        apply_token_bitmask(logits, _bitmask(manager, [grammar]))
         token_id = int(logits.argmax())
         assert grammar.accept_tokens([token_id])
         if grammar.is_terminated():
@@ -61,7 +75,7 @@ def test_json_schema_output_parses_and_conforms(manager, smollm2_tokenizer, seed
 def test_json_object_accepts_objects_only(manager, smollm2_tokenizer):
     # Random logits would nest objects without end: check what it accepts instead.
     def accepts(text: str) -> bool:
-        grammar = manager.grammar_init(StructuredOutputsParams(json_object=True)).result(timeout=60)
+        grammar = _grammar(manager, StructuredOutputsParams(json_object=True))
         ids = smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]
         return grammar.accept_tokens([*ids, smollm2_tokenizer.eos_token_id]) and grammar.is_terminated()
 
@@ -94,7 +108,7 @@ def test_regex_choice_and_grammar_outputs_match(manager, smollm2_tokenizer, seed
 )
 def test_constraints_that_do_not_compile_fail_their_future(manager, params, message):
     with pytest.raises(ValueError, match=message):
-        manager.grammar_init(params).result(timeout=60)
+        _grammar(manager, params)
 
 
 def test_same_constraint_compiles_once(manager):
@@ -103,16 +117,33 @@ def test_same_constraint_compiles_once(manager):
 
 
 def test_rollback_restores_the_mask(manager, smollm2_tokenizer):
-    grammar = manager.grammar_init(StructuredOutputsParams(choice=["alpha", "beta"])).result(timeout=60)
-    grammar_with_rollback = manager.grammar_init(StructuredOutputsParams(choice=["alpha", "beta"])).result()
-    before = manager.fill_bitmask([grammar_with_rollback])
+    grammar = _grammar(manager, StructuredOutputsParams(choice=["alpha", "beta"]))
+    grammar_with_rollback = _grammar(manager, StructuredOutputsParams(choice=["alpha", "beta"]))
+    before = _bitmask(manager, [grammar_with_rollback])
     token = smollm2_tokenizer("alpha", add_special_tokens=False)["input_ids"][0]
     assert grammar_with_rollback.accept_tokens([token])
-    assert not torch.equal(manager.fill_bitmask([grammar_with_rollback]), before)
+    assert not torch.equal(_bitmask(manager, [grammar_with_rollback]), before)
     grammar_with_rollback.rollback(1)
-    assert torch.equal(manager.fill_bitmask([grammar_with_rollback]), before)
+    assert torch.equal(_bitmask(manager, [grammar_with_rollback]), before)
     # A token outside the grammar is refused.
     assert not grammar.accept_tokens(smollm2_tokenizer("zzz", add_special_tokens=False)["input_ids"][:1])
+
+
+def test_batch_bitmask_rewrites_every_row_of_a_reused_buffer(manager, smollm2_tokenizer):
+    # Rows: no grammar, a live grammar, a terminated one, another live one at a later state.
+    choice = StructuredOutputsParams(choice=["alpha", "beta"])
+    live, terminated, advanced = (_grammar(manager, choice) for _ in range(3))
+    alpha = smollm2_tokenizer("alpha", add_special_tokens=False)["input_ids"]
+    assert terminated.accept_tokens([*alpha, smollm2_tokenizer.eos_token_id]) and terminated.is_terminated()
+    assert advanced.accept_tokens(alpha[:1])
+    grammars = [None, live, terminated, advanced]
+    fresh = _bitmask(manager, grammars)
+    assert (fresh[0] == -1).all() and (fresh[2] == -1).all()
+    assert not (fresh[1] == -1).all() and not torch.equal(fresh[1], fresh[3])
+    # A buffer with stale contents and spare rows: the first rows equal the fresh mask.
+    dirty = torch.zeros((6, fresh.shape[1]), dtype=torch.int32)
+    assert torch.equal(_bitmask(manager, grammars, out=dirty), fresh)
+    assert torch.equal(dirty[:4], fresh)
 
 
 @pytest.mark.parametrize("vocab_size", [1, 31, 32, 33, 100, 49152])

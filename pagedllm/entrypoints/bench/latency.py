@@ -63,7 +63,7 @@ def measure(
     runs = sorted(time_request(engine, prompt, output_len) for _ in range(num_iters))
     profiled = None
     if profile_steps:
-        params = SamplingParams(max_tokens=profile_steps + 2, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=profile_steps + 2, ignore_eos=True)
         engine.add_request("profiled", sampling_params=params, prompt_token_ids=prompt)
         engine.step()  # the prompt: profile decode steps only
         profiled = profile_steps_of(engine, profile_steps)

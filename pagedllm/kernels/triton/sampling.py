@@ -1,0 +1,186 @@
+"""The sampler's last pass: each row's token (greedy argmax or the exponential race) and the model's
+logprob of it, from one read of the logits, split across the row.
+
+For each row ``r``::
+
+    score[r, v] = x[r, v]                                        greedy row
+    score[r, v] = x[r, v] * inv_temperature[r] - log(q[r, v])    sampled row, q ~ Exp(1)
+    token[r]    = argmax_v score[r, v]        (the first on ties, as torch.argmax)
+    logprob[r]  = raw[r, token[r]] - logsumexp_v raw[r, v]
+
+``argmax(x / T - log q)`` is ``argmax(softmax(x / T) / q)``, the exponential race (Gumbel-max), with
+no softmax: the row needs no normalisation to be sampled. ``x`` is the logits after penalties and
+bans (and, for rows truncated by top-k/top-p/min-p, already scaled and truncated, with
+``inv_temperature`` 1); ``raw`` the model's logits, whose logprobs are reported.
+
+Why a kernel: torch reduces a row (``argmax``, ``log_softmax``) in one thread block, which leaves
+the GPU idle for one or a few rows of a large vocabulary (27 and 29 us for one row of Llama-3's
+128,256 tokens on an H200); and ``log_softmax`` writes a ``[rows, vocab]`` float32 tensor that only
+one element per row is read from.
+
+Grid: ``_partials_kernel`` runs ``(num_rows, cdiv(vocab, CHUNK))`` programs; program ``(r, c)`` reads
+``CHUNK`` elements of row ``r`` of ``raw``, ``x`` (when it is not ``raw``) and ``q`` (when sampled),
+and writes four float32/int32 partials: its best score and where it is, the max of ``raw`` and the
+sum of ``exp(raw - max)``. ``_merge_kernel`` runs one program per row over that row's partials
+(at most a few hundred) and writes the token (int64) and its logprob (float32).
+
+Layouts: ``raw``, ``x``, ``q``: ``[num_rows, vocab]`` float32, contiguous rows (any row stride).
+Bound: memory, ``(1 + (x is not raw) + sampled) * 4`` bytes per element read, nothing of the
+vocabulary's size written; a few FLOPs per element (one exp, one log per sampled element).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _partials_kernel(
+    raw_ptr,
+    x_ptr,
+    q_ptr,
+    inv_temperature_ptr,
+    greedy_ptr,
+    part_score_ptr,
+    part_index_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    vocab_size,
+    num_chunks,
+    stride_raw,
+    stride_x,
+    stride_q,
+    CHUNK: tl.constexpr,
+    X_IS_RAW: tl.constexpr,
+    HAS_Q: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    in_vocab = cols < vocab_size
+    raw = tl.load(raw_ptr + row * stride_raw + cols, mask=in_vocab, other=float("-inf"))
+    # The chunk's share of logsumexp(raw): its max and sum(exp(raw - max)); a chunk of -inf
+    # (masked, or banned everywhere) adds 0 with a finite stand-in for its max.
+    raw_max = tl.max(raw, axis=0)
+    shift = tl.where(raw_max == float("-inf"), 0.0, raw_max)
+    raw_sum = tl.sum(tl.exp(raw - shift), axis=0)
+    if X_IS_RAW:
+        score = raw
+    else:
+        score = tl.load(x_ptr + row * stride_x + cols, mask=in_vocab, other=float("-inf"))
+    if HAS_Q:  # noqa: SIM102 (a constexpr, then a runtime test: Triton folds the first alone)
+        if tl.load(greedy_ptr + row) == 0:
+            q = tl.load(q_ptr + row * stride_q + cols, mask=in_vocab, other=1.0)
+            score = score * tl.load(inv_temperature_ptr + row) - tl.log(q)
+    best, index = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    out = row * num_chunks + chunk
+    tl.store(part_score_ptr + out, best)
+    tl.store(part_index_ptr + out, chunk * CHUNK + index)
+    tl.store(part_max_ptr + out, raw_max)
+    tl.store(part_sum_ptr + out, raw_sum)
+
+
+@triton.jit
+def _merge_kernel(
+    raw_ptr,
+    part_score_ptr,
+    part_index_ptr,
+    part_max_ptr,
+    part_sum_ptr,
+    token_ids_ptr,
+    logprobs_ptr,
+    num_chunks,
+    stride_raw,
+    BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_C)
+    valid = cols < num_chunks
+    parts = row * num_chunks + cols
+    scores = tl.load(part_score_ptr + parts, mask=valid, other=float("-inf"))
+    indices = tl.load(part_index_ptr + parts, mask=valid, other=0)
+    # The leftmost chunk holding the row's best score: the first maximum, as torch.argmax.
+    _, best_chunk = tl.max(scores, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    token = tl.sum(tl.where(cols == best_chunk, indices, 0), axis=0)
+    maxes = tl.load(part_max_ptr + parts, mask=valid, other=float("-inf"))
+    sums = tl.load(part_sum_ptr + parts, mask=valid, other=0.0)
+    row_max = tl.max(maxes, axis=0)
+    shift = tl.where(row_max == float("-inf"), 0.0, row_max)
+    maxes = tl.where(maxes == float("-inf"), shift, maxes)  # their sums are 0
+    logsumexp = shift + tl.log(tl.sum(sums * tl.exp(maxes - shift), axis=0))
+    chosen = tl.load(raw_ptr + row * stride_raw + token)
+    tl.store(token_ids_ptr + row, token.to(tl.int64))
+    tl.store(logprobs_ptr + row, chosen - logsumexp)
+
+
+def _chunk_size(num_rows: int) -> int:
+    # A few rows split into small chunks so the programs cover the GPU; a batch already does.
+    return 1024 if num_rows < 32 else 4096
+
+
+def sample_tokens(
+    raw: torch.Tensor,
+    x: torch.Tensor,
+    q: torch.Tensor | None = None,
+    inv_temperature: torch.Tensor | None = None,
+    greedy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's token and the logprob of it under ``raw`` (see the module docstring).
+
+    Args:
+        raw: [num_rows, vocab] float32, the model's logits.
+        x: [num_rows, vocab] float32, what is sampled from (``raw`` itself when nothing changed it).
+        q: [num_rows, vocab] float32 Exp(1) noise, or None when every row is greedy.
+        inv_temperature: [num_rows] float32, with ``q``.
+        greedy: [num_rows] bool, with ``q``: rows that take the argmax of ``x``.
+    Returns:
+        token ids [num_rows] int64 and their logprobs [num_rows] float32.
+    """
+    num_rows, vocab_size = raw.shape
+    assert raw.dtype == x.dtype == torch.float32 and raw.stride(1) == x.stride(1) == 1
+    has_q = q is not None
+    if has_q:
+        assert (
+            q.shape == raw.shape and q.stride(1) == 1 and inv_temperature is not None and greedy is not None
+        )
+    chunk = _chunk_size(num_rows)
+    num_chunks = triton.cdiv(vocab_size, chunk)
+    partials = torch.empty((3, num_rows, num_chunks), dtype=torch.float32, device=raw.device)
+    part_index = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=raw.device)
+    # Unused pointers (no noise) take raw's: the kernel never reads them.
+    _partials_kernel[(num_rows, num_chunks)](
+        raw,
+        x,
+        q if has_q else raw,
+        inv_temperature if has_q else raw,
+        greedy if has_q else raw,
+        partials[0],
+        part_index,
+        partials[1],
+        partials[2],
+        vocab_size,
+        num_chunks,
+        raw.stride(0),
+        x.stride(0),
+        q.stride(0) if has_q else 0,
+        CHUNK=chunk,
+        X_IS_RAW=x is raw,
+        HAS_Q=has_q,
+    )
+    token_ids = torch.empty(num_rows, dtype=torch.int64, device=raw.device)
+    logprobs = torch.empty(num_rows, dtype=torch.float32, device=raw.device)
+    _merge_kernel[(num_rows,)](
+        raw,
+        partials[0],
+        part_index,
+        partials[1],
+        partials[2],
+        token_ids,
+        logprobs,
+        num_chunks,
+        raw.stride(0),
+        BLOCK_C=triton.next_power_of_2(num_chunks),
+    )
+    return token_ids, logprobs

@@ -1,0 +1,86 @@
+"""The sampler's fused last pass (kernels/triton/sampling.py) against the sampler's torch path:
+the same tokens (the first maximum on ties) and the same logprobs, for greedy and sampled rows,
+ties, banned tokens, vocabularies of one element to many chunks, and noise given per row.
+
+Runs on the CPU under TRITON_INTERPRET=1 (set by conftest.py when there is no GPU), else on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the fused sampling kernel needs the triton package")
+
+from pagedllm.kernels.triton.sampling import sample_tokens
+from pagedllm.sample.sampler import _race
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+
+
+def _reference(raw, x, noise, inv_temperature, greedy):
+    tokens = _race(x, noise, inv_temperature, greedy)
+    return tokens, torch.log_softmax(raw, dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _check(raw, x, noise=None, inv_temperature=None, greedy=None):
+    tokens, logprobs = sample_tokens(raw, x, noise, inv_temperature, greedy)
+    expected_tokens, expected_logprobs = _reference(raw, x, noise, inv_temperature, greedy)
+    # Sampled rows compute x / T - log q on both sides, where rounding may differ in the last
+    # bit: where the reference's best two scores are that close, either of them is right.
+    scores = (
+        x if noise is None else torch.where(greedy[:, None], x, x * inv_temperature[:, None] - noise.log())
+    )
+    for row in range(raw.shape[0]):
+        token, expected = int(tokens[row]), int(expected_tokens[row])
+        if token != expected:
+            assert greedy is not None and not greedy[row], f"row {row}: greedy rows must agree exactly"
+            assert scores[row, token] >= scores[row, expected] - 1e-5 * scores[row, expected].abs()
+    torch.testing.assert_close(logprobs, raw.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1))
+    torch.testing.assert_close(
+        logprobs[tokens == expected_tokens], expected_logprobs[tokens == expected_tokens]
+    )
+    assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 40])
+@pytest.mark.parametrize("vocab_size", [1, 7, 1024, 1025, 5000])
+def test_greedy_rows_take_the_first_maximum_and_its_logprob(num_rows, vocab_size):
+    generator = torch.Generator().manual_seed(num_rows * 10_000 + vocab_size)
+    # Integer logits: many exact ties, where torch.argmax takes the first.
+    raw = torch.randint(-3, 4, (num_rows, vocab_size), generator=generator).float().to(DEVICE)
+    _check(raw, raw)
+    # Penalised or banned logits differ from the raw ones the logprobs come from.
+    x = raw.clone()
+    x[:, : vocab_size // 2] = float("-inf")
+    _check(raw, x)
+
+
+@pytest.mark.parametrize("num_rows, vocab_size", [(1, 1000), (5, 3000), (33, 4097), (2, 50_000)])
+def test_sampled_and_greedy_rows_mixed(num_rows, vocab_size):
+    generator = torch.Generator().manual_seed(num_rows + vocab_size)
+    raw = (4 * torch.randn((num_rows, vocab_size), generator=generator)).to(DEVICE)
+    noise = torch.empty((num_rows, vocab_size)).exponential_(generator=generator).to(DEVICE)
+    inv_temperature = (0.2 + 2 * torch.rand(num_rows, generator=generator)).to(DEVICE)
+    greedy = (torch.arange(num_rows) % 3 == 0).to(DEVICE)
+    _check(raw, raw, noise, inv_temperature, greedy)
+    x = raw.clone()
+    x[:, ::5] = float("-inf")  # top-k / min-p truncation leaves -inf holes
+    _check(raw, x, noise, inv_temperature, greedy)
+
+
+def test_a_fully_banned_chunk_and_a_row_stride():
+    # Rows of a wider buffer (the sampler's logits are a slice of the scored rows).
+    wide = torch.randn((4, 3000), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    raw = wide[:, :2500]
+    x = raw.clone()
+    x[:, :2048] = float("-inf")  # two whole chunks of -inf
+    _check(raw, x)
+    greedy = torch.tensor([True, False, False, True], device=DEVICE)
+    noise = torch.ones_like(raw)  # log q = 0: the sampled rows' argmax of x / T
+    _check(raw, raw, noise, torch.full((4,), 0.5, device=DEVICE), greedy)
