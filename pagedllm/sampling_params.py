@@ -102,8 +102,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
-    # The grammar compiled for the engine's tokenizer (an xgrammar CompiledGrammar), set when the
-    # engine validates the request; shared by requests with the same constraint.
+    # The grammar compiled for the engine's tokenizer (structured_output's CompiledGrammar: an
+    # llguidance matcher at its start), set when the engine validates the request; shared by
+    # requests with the same constraint.
     compiled_grammar: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

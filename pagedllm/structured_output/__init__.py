@@ -1,5 +1,5 @@
 """Structured outputs: grammars compiled off the critical path, a matcher per request, and the
-token bitmask that keeps each row's next token inside its grammar (through xgrammar)."""
+token bitmask that keeps each row's next token inside its grammar (through llguidance)."""
 
 from pagedllm.structured_output.bitmask import allocate_token_bitmask, apply_token_bitmask
 from pagedllm.structured_output.grammar import GrammarBatch, StructuredOutputGrammar

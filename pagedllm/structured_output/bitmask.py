@@ -1,6 +1,6 @@
 """The token bitmask: one bit per vocabulary token and row, set when the row may sample it.
 
-Layout (xgrammar's, so its matchers fill it directly): int32 ``[num_rows, ceil(vocab_size / 32)]``;
+Layout (llguidance's, so its matchers fill it directly): int32 ``[num_rows, ceil(vocab_size / 32)]``;
 token ``t`` of row ``r`` is allowed iff ``(bitmask[r, t // 32] >> (t % 32)) & 1``. A row of all
 ones (-1) leaves its logits alone. 32x smaller than a boolean mask, so the host-to-device copy of a
 batch's mask is ``num_rows * vocab_size / 8`` bytes (6 KiB per row at a 49,152-token vocabulary).

@@ -3,8 +3,8 @@
 A request with ``structured_outputs`` is compiled when it is validated (``compile``: a Future, so
 the server awaits it off its event loop). Compilation runs in a worker thread, because a JSON
 schema can take milliseconds to seconds; requests with the same constraint share one compilation
-(an LRU of Futures). The worker then keeps a matcher per request over the compiled grammar and
-fills the batch's bitmask each step (worker/request_logits.py).
+(an LRU of Futures). The worker then keeps a matcher per request, copied from the compiled one,
+and fills the batch's bitmask each step (worker/request_logits.py).
 """
 
 from __future__ import annotations
@@ -14,19 +14,49 @@ import json
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
-import xgrammar as xgr
+import llguidance
+import llguidance.hf
+import numpy as np
+from llguidance.gbnf_to_lark import any_to_lark
 
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.tokenizer import Tokenizer
 
-# Compiled grammars kept for reuse; a JSON schema's takes tens of KiB.
+# Compiled grammars kept for reuse; each holds a matcher at the grammar's start.
 CACHE_SIZE = 256
+
+# JSON is written with json.dumps' separators and no other whitespace: with free whitespace a weak
+# model can emit spaces forever. Overrides, so a schema's "x-guidance" cannot turn it back on.
+JSON_OVERRIDES = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Keywords the compiler does not implement (uniqueItems, say) are ignored rather than refused.
+JSON_DEFAULTS = {"lenient": True}
+
+# Keywords whose value is a schema, a list of schemas, or a map from names to schemas.
+_SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "propertyNames")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledGrammar:
+    """A validated grammar for this engine's tokenizer.
+
+    Attributes:
+        matcher: a matcher at the grammar's start, never advanced: a request's matcher is its copy
+            (under a microsecond, where building one from the grammar takes about 0.4 ms).
+        stop_token_ids: the tokens that end a complete output.
+    """
+
+    matcher: llguidance.LLMatcher
+    stop_token_ids: frozenset[int]
 
 
 class StructuredOutputManager:
     """Args:
-    tokenizer: the engine's tokenizer.
+    tokenizer: the engine's tokenizer (a fast Hugging Face tokenizer).
     vocab_size: the model's vocabulary (logits width), which may exceed the tokenizer's.
     stop_token_ids: tokens that end the output once the grammar is complete (EOS).
     max_workers: compile threads.
@@ -35,19 +65,18 @@ class StructuredOutputManager:
     def __init__(
         self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: Sequence[int], max_workers: int = 2
     ) -> None:
-        tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
+        self._stop_token_ids = frozenset(stop_token_ids)
+        self._tokenizer = llguidance.hf.from_tokenizer(
+            tokenizer, n_vocab=vocab_size, eos_token=sorted(self._stop_token_ids)
         )
-        # Our own cache of Futures replaces xgrammar's: it also merges compilations in flight.
-        self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=1, cache_enabled=False)
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
-        self._cache: collections.OrderedDict[tuple[str, str], Future[xgr.CompiledGrammar]] = (
+        self._cache: collections.OrderedDict[tuple[str, str], Future[CompiledGrammar]] = (
             collections.OrderedDict()
         )
         self._lock = threading.Lock()
         self.vocab_size = vocab_size
 
-    def compile(self, params: StructuredOutputsParams) -> Future[xgr.CompiledGrammar]:
+    def compile(self, params: StructuredOutputsParams) -> Future[CompiledGrammar]:
         """The compiled grammar, shared by every request with the same constraint. The Future
         raises ValueError naming the field when the constraint does not compile."""
         key = (params.kind, params.spec)
@@ -64,23 +93,75 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
+    def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        def fail(reason: str) -> ValueError:
+            return ValueError(f"structured_outputs.{params.kind} does not compile: {reason}")
+
         try:
-            if params.kind == "json":
-                # Compact JSON only: with free whitespace a weak model can emit spaces forever.
-                return self._compiler.compile_json_schema(params.json, any_whitespace=False)
-            if params.kind == "json_object":
-                # OpenAI's json_object: any object (not any JSON value).
-                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-            if params.kind == "regex":
-                return self._compiler.compile_regex(params.regex)
-            if params.kind == "choice":
-                # EBNF string literals take JSON's escapes.
-                return self._compiler.compile_grammar(
-                    "root ::= " + " | ".join(json.dumps(c) for c in params.choice)
-                )
-            return self._compiler.compile_grammar(params.grammar)
-        except RuntimeError as e:
-            # xgrammar's message leads with its source location: keep the reason only.
-            reason = str(e).split("] ", 1)[-1].split(": ", 1)[-1].strip()
-            raise ValueError(f"structured_outputs.{params.kind} does not compile: {reason}") from None
+            grammar = _grammar(params)
+        except Exception as e:  # the GBNF converter raises bare Exceptions
+            raise fail(str(e)) from None
+        # The grammar is only checked when a matcher is built: this one is every request's start.
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise fail(_short(matcher.get_error()))
+        # An empty rule body, say ("root ::= "): a request could only stop at once.
+        mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.flatnonzero(np.unpackbits(mask, bitorder="little"))
+        if self._stop_token_ids.issuperset(allowed.tolist()):
+            raise fail("it matches only the empty output")
+        return CompiledGrammar(matcher, self._stop_token_ids)
+
+
+def _grammar(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar for the constraint (not yet checked)."""
+    if params.kind == "json":
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            _closed_objects(json.loads(params.json)), defaults=JSON_DEFAULTS, overrides=JSON_OVERRIDES
+        )
+    if params.kind == "json_object":
+        # OpenAI's json_object: any object (not any JSON value).
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            {"type": "object"}, defaults=JSON_DEFAULTS, overrides=JSON_OVERRIDES
+        )
+    if params.kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(params.regex)
+    if params.kind == "choice":
+        # Lark string literals take JSON's escapes.
+        return llguidance.LLMatcher.grammar_from_lark(
+            "start: " + " | ".join(json.dumps(c) for c in params.choice)
+        )
+    # GBNF (llama.cpp's EBNF) is converted to Lark; a grammar already in Lark passes through.
+    return llguidance.LLMatcher.grammar_from_lark(any_to_lark(params.grammar))
+
+
+def _closed_objects(schema: Any) -> Any:
+    """The schema with ``additionalProperties: false`` wherever it lists properties and says
+    nothing of others: a model that may add keys of its own tends to go on adding them.
+    (JSON Schema's default allows them; OpenAI's strict mode and the previous backend did not.)"""
+    if schema is True:
+        return {}
+    if not isinstance(schema, dict):
+        return schema
+    closed = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(closed.get(key), dict):
+            closed[key] = _closed_objects(closed[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(closed.get(key), list):
+            closed[key] = [_closed_objects(s) for s in closed[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(closed.get(key), dict):
+            closed[key] = {name: _closed_objects(s) for name, s in closed[key].items()}
+    if ("properties" in closed or "patternProperties" in closed) and "additionalProperties" not in closed:
+        closed["additionalProperties"] = False
+    return closed
+
+
+def _short(error: str) -> str:
+    """llguidance's error without its source location and grammar excerpt: the first line, and
+    the reason of a regex parse error ("unclosed group"), which follows on a later line."""
+    lines = error.strip().splitlines()
+    first = lines[0].split("): ", 1)[-1] if lines[0].startswith("at ") else lines[0]
+    reason = next((line[len("error: ") :] for line in lines[1:] if line.startswith("error: ")), None)
+    return f"{first} {reason}" if reason else first
