@@ -43,6 +43,13 @@ class SamplerOutput:
 
 
 class Sampler(nn.Module):
+    def warm_up(self, vocab_size: int, device: torch.device) -> None:
+        """Compile the GPU's fused pass for every case a step can launch."""
+        if device.type == "cuda" and use_triton(torch.empty(0, device=device)):
+            from pagedllm.kernels.triton.sampling import warm_up
+
+            warm_up(vocab_size, device)
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [num_rows, vocab_size] float32."""
         # Top tokens need every logprob; otherwise only the chosen tokens' are needed, which the

@@ -191,6 +191,7 @@ class ModelRunner:
         self.execute_model(out, kv_caches).get()
         for i in range(num_reqs):
             self.input_batch.remove_request(i, finished=True)
+        self.sampler.warm_up(self.config.model_config.vocab_size, self.device)
         torch.cuda.synchronize(self.device)
 
     def capture_model(self, kv_caches: list[KVCache]) -> None:
@@ -409,6 +410,7 @@ class ModelRunner:
         if history:
             # The logits processors ran this step, and recorded the samples before these first.
             self._unrecorded_samples = (step, history)
+            self.logits_processors.fill_ahead(step.sampled_token_ids, history)
         return step
 
     def _processor_samples(self, model_input: ModelInput) -> list[tuple[int, int, int]]:
