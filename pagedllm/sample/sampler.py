@@ -130,7 +130,9 @@ def _race(
     if noise is None:
         return token_ids
     assert inv_temperature is not None and greedy is not None
-    sampled = (logits * inv_temperature[:, None] - noise.log()).argmax(dim=-1)
+    # Exp(1) draws can round to 0: log 0 against a banned token's -inf would be NaN, and win.
+    log_noise = noise.clamp(min=torch.finfo(noise.dtype).tiny).log()
+    sampled = (logits * inv_temperature[:, None] - log_noise).argmax(dim=-1)
     return torch.where(greedy, token_ids, sampled)
 
 

@@ -106,3 +106,18 @@ def test_apply_token_bitmask_bans_exactly_the_zero_bits(vocab_size):
     out = wide.to(DEVICE)[:, :vocab_size]
     apply_token_bitmask(out, bitmask.to(DEVICE))
     assert torch.equal(out.cpu(), expected)
+
+
+def test_zero_noise_never_picks_a_banned_token():
+    # q rounds to 0 now and then; a banned token (-inf) with q = 0 must still lose.
+    raw = torch.randn((2, 3000), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    x = raw.clone()
+    x[:, 100:200] = float("-inf")
+    noise = torch.ones_like(raw)
+    noise[:, 150] = 0.0
+    greedy = torch.tensor([False, False], device=DEVICE)
+    inv_temperature = torch.ones(2, device=DEVICE)
+    tokens, _ = sample_tokens(raw, x, noise, inv_temperature, greedy)
+    expected = _race(x, noise, inv_temperature, greedy)
+    assert tokens.tolist() == expected.tolist()
+    assert not ((tokens >= 100) & (tokens < 200)).any()

@@ -72,7 +72,8 @@ def _partials_kernel(
         score = tl.load(x_ptr + row * stride_x + cols, mask=in_vocab, other=float("-inf"))
     if HAS_Q:  # noqa: SIM102 (a constexpr, then a runtime test: Triton folds the first alone)
         if tl.load(greedy_ptr + row) == 0:
-            q = tl.load(q_ptr + row * stride_q + cols, mask=in_vocab, other=1.0)
+            # Exp(1) draws can round to 0: log 0 against a banned token's -inf would be NaN.
+            q = tl.maximum(tl.load(q_ptr + row * stride_q + cols, mask=in_vocab, other=1.0), 1.1754944e-38)
             score = score * tl.load(inv_temperature_ptr + row) - tl.log(q)
     best, index = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
     out = row * num_chunks + chunk
