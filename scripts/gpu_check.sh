@@ -3,7 +3,8 @@
 # repository root): the GPU tests, then the benchmarks, then a table of every figure, last.
 #
 #   scripts/gpu_check.sh                 tests, K1, K1 windowed, W1, W3 (the short set)
-#   scripts/gpu_check.sh tests k1 k1-sweep k1-w1 k1-window w1 w1-profile w2 w3 hf w4 w5 moe moe-sweep cuda sanitize so tp (tp-tests, tp-bench)
+#   scripts/gpu_check.sh tests k1 k1-sweep k1-w1 k1-window w1 w1-profile w2 w3 hf w4 w5 moe moe-sweep cuda sanitize so sampler
+#       tp (tp-tests, tp-bench)
 #
 # Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too; k1-w1: the
 # sweep at W1's decode shape; k1-window:
@@ -15,7 +16,8 @@
 # the per-expert torch reference; moe-sweep: every launch too), cuda (W1 on the cuda backend),
 # sanitize (compute-sanitizer on the CUDA kernels), tp (two GPUs: the tensor-parallel GPU tests,
 # then W2 and W3 at tensor_parallel_size 1 and 2; the table gives TP=2 over TP=1), so
-# (benchmarks/structured_output.py: 32 json_schema requests against 32 unconstrained). Results go
+# (benchmarks/structured_output.py: 32 json_schema requests against 32 unconstrained), sampler
+# (benchmarks/sampler.py: the fused last sampling pass against the torch path). Results go
 # to $OUT (the device tool's output folder) or /tmp/gpu_check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -84,6 +86,7 @@ for stage in "${stages[@]}"; do
             --profile-steps 20
         ;;
     w5) run w5 python3 -m pagedllm bench throughput --workload W5 --output-json "$OUT/w5.json" --output-png "$OUT/w5.png" ;;
+    sampler) run sampler python3 benchmarks/sampler.py --output-json "$OUT/sampler.json" ;;
     moe) run moe python3 -m pagedllm bench moe --output-json "$OUT/moe.json" ;;
     moe-sweep) run moe python3 -m pagedllm bench moe --sweep --output-json "$OUT/moe.json" ;;
     hf) run hf python3 benchmarks/compare_hf.py --output-json "$OUT/hf.json" ;;

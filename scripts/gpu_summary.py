@@ -79,6 +79,19 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
             speedup = row.get("speedup_vs_unwindowed")
             vs = f", {speedup:.2f}x faster than unwindowed" if speedup else ""
             table.append((label, "GB/s of window bytes (of copy; vs SDPA)", _k1(row) + vs))
+    r = _load(folder, "so")
+    if r:
+        for name, run in r.items():
+            cell = f"{run['tokens_per_s']:.0f}" + (
+                f" ({run['slowdown']:.1%} slower)" if "slowdown" in run else ""
+            )
+            table.append((f"SO {name}", "output tok/s (target: at most 10% slower)", cell))
+    r = _load(folder, "sampler")
+    if r:
+        for name, runs in r.items():
+            for how, run in runs.items() if isinstance(runs, dict) else ():
+                cell = f"{run['fused_us']:.1f} / {run['torch_us']:.1f} ({run['speedup']:.2f}x)"
+                table.append((f"sampler {name}", f"fused / torch us, {how}", cell))
     r = _load(folder, "w4")
     if r:
         for summary in r.get("results", []):

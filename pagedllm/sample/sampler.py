@@ -43,6 +43,13 @@ class SamplerOutput:
 
 
 class Sampler(nn.Module):
+    def warm_up(self, vocab_size: int, device: torch.device) -> None:
+        """Compile the GPU's fused pass for every case a step can launch."""
+        if device.type == "cuda" and use_triton(torch.empty(0, device=device)):
+            from pagedllm.kernels.triton.sampling import warm_up
+
+            warm_up(vocab_size, device)
+
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [num_rows, vocab_size] float32."""
         # Top tokens need every logprob; otherwise only the chosen tokens' are needed, which the
@@ -123,7 +130,9 @@ def _race(
     if noise is None:
         return token_ids
     assert inv_temperature is not None and greedy is not None
-    sampled = (logits * inv_temperature[:, None] - noise.log()).argmax(dim=-1)
+    # Exp(1) draws can round to 0: log 0 against a banned token's -inf would be NaN, and win.
+    log_noise = noise.clamp(min=torch.finfo(noise.dtype).tiny).log()
+    sampled = (logits * inv_temperature[:, None] - log_noise).argmax(dim=-1)
     return torch.where(greedy, token_ids, sampled)
 
 

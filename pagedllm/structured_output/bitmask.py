@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.layers.utils import use_triton
+
 BITS_PER_WORD = 32
 
 
@@ -36,6 +38,11 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
             f"got {bitmask.dtype} {tuple(bitmask.shape)}"
         )
     words = bitmask.to(logits.device, non_blocking=True)
+    if use_triton(logits):
+        from pagedllm.kernels.triton.sampling import apply_token_bitmask as apply_on_gpu
+
+        apply_on_gpu(logits, words)
+        return
     shifts = torch.arange(BITS_PER_WORD, device=logits.device, dtype=torch.int32)
     # [num_rows, num_words, 32] -> [num_rows, num_words * 32]: bit i of word w is token 32 * w + i.
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab_size]

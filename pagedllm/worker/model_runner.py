@@ -191,6 +191,7 @@ class ModelRunner:
         self.execute_model(out, kv_caches).get()
         for i in range(num_reqs):
             self.input_batch.remove_request(i, finished=True)
+        self.sampler.warm_up(self.config.model_config.vocab_size, self.device)
         torch.cuda.synchronize(self.device)
 
     def capture_model(self, kv_caches: list[KVCache]) -> None:

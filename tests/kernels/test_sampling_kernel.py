@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton", reason="the fused sampling kernel needs the triton package")
 
-from pagedllm.kernels.triton.sampling import sample_tokens
+from pagedllm.kernels.triton.sampling import apply_token_bitmask, sample_tokens
 from pagedllm.sample.sampler import _race
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -84,3 +84,40 @@ def test_a_fully_banned_chunk_and_a_row_stride():
     greedy = torch.tensor([True, False, False, True], device=DEVICE)
     noise = torch.ones_like(raw)  # log q = 0: the sampled rows' argmax of x / T
     _check(raw, raw, noise, torch.full((4,), 0.5, device=DEVICE), greedy)
+
+
+@pytest.mark.parametrize("vocab_size", [1, 31, 32, 33, 1000, 5000])
+def test_apply_token_bitmask_bans_exactly_the_zero_bits(vocab_size):
+    generator = torch.Generator().manual_seed(vocab_size)
+    num_rows = 3
+    words = torch.randint(
+        -(2**31), 2**31, (num_rows, -(-vocab_size // 32)), generator=generator, dtype=torch.int64
+    )
+    bitmask = words.to(torch.int32)
+    logits = torch.randn((num_rows, vocab_size), generator=generator)
+    expected = logits.clone()
+    for row in range(num_rows):
+        for token in range(vocab_size):
+            if not (int(bitmask[row, token // 32]) >> (token % 32)) & 1:
+                expected[row, token] = float("-inf")
+    # Rows of a wider buffer: the logits' row stride is not the vocabulary's.
+    wide = torch.full((num_rows, vocab_size + 7), 5.0)
+    wide[:, :vocab_size] = logits
+    out = wide.to(DEVICE)[:, :vocab_size]
+    apply_token_bitmask(out, bitmask.to(DEVICE))
+    assert torch.equal(out.cpu(), expected)
+
+
+def test_zero_noise_never_picks_a_banned_token():
+    # q rounds to 0 now and then; a banned token (-inf) with q = 0 must still lose.
+    raw = torch.randn((2, 3000), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    x = raw.clone()
+    x[:, 100:200] = float("-inf")
+    noise = torch.ones_like(raw)
+    noise[:, 150] = 0.0
+    greedy = torch.tensor([False, False], device=DEVICE)
+    inv_temperature = torch.ones(2, device=DEVICE)
+    tokens, _ = sample_tokens(raw, x, noise, inv_temperature, greedy)
+    expected = _race(x, noise, inv_temperature, greedy)
+    assert tokens.tolist() == expected.tolist()
+    assert not ((tokens >= 100) & (tokens < 200)).any()

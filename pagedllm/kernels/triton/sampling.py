@@ -72,7 +72,8 @@ def _partials_kernel(
         score = tl.load(x_ptr + row * stride_x + cols, mask=in_vocab, other=float("-inf"))
     if HAS_Q:  # noqa: SIM102 (a constexpr, then a runtime test: Triton folds the first alone)
         if tl.load(greedy_ptr + row) == 0:
-            q = tl.load(q_ptr + row * stride_q + cols, mask=in_vocab, other=1.0)
+            # Exp(1) draws can round to 0: log 0 against a banned token's -inf would be NaN.
+            q = tl.maximum(tl.load(q_ptr + row * stride_q + cols, mask=in_vocab, other=1.0), 1.1754944e-38)
             score = score * tl.load(inv_temperature_ptr + row) - tl.log(q)
     best, index = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
     out = row * num_chunks + chunk
@@ -117,6 +118,7 @@ def _merge_kernel(
 
 def _chunk_size(num_rows: int) -> int:
     # A few rows split into small chunks so the programs cover the GPU; a batch already does.
+    # (warm_up compiles both sizes.)
     return 1024 if num_rows < 32 else 4096
 
 
@@ -184,3 +186,48 @@ def sample_tokens(
         BLOCK_C=triton.next_power_of_2(num_chunks),
     )
     return token_ids, logprobs
+
+
+def warm_up(vocab_size: int, device: torch.device) -> None:
+    """Compile every variant a step can launch (chunk sizes, greedy or sampled, ``x`` the logits
+    or not, and the grammar bitmask's) before the first request, so that none compiles inside a
+    step (about a second each on a cold cache)."""
+    for num_rows in (1, 32):
+        raw = torch.zeros((num_rows, vocab_size), dtype=torch.float32, device=device)
+        noise = torch.ones_like(raw)
+        inv_temperature = torch.ones(num_rows, device=device)
+        greedy = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        for x in (raw, raw.clone()):
+            sample_tokens(raw, x)
+            sample_tokens(raw, x, noise, inv_temperature, greedy)
+        # Structured outputs' mask, as its first grammar request would apply it.
+        apply_token_bitmask(
+            raw, torch.full((num_rows, triton.cdiv(vocab_size, 32)), -1, device=device, dtype=torch.int32)
+        )
+
+
+@triton.jit
+def _apply_bitmask_kernel(
+    logits_ptr, bitmask_ptr, vocab_size, stride_logits, stride_bitmask, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    in_vocab = cols < vocab_size
+    words = tl.load(bitmask_ptr + row * stride_bitmask + cols // 32, mask=in_vocab, other=-1)
+    banned = ((words >> (cols % 32)) & 1) == 0
+    tl.store(logits_ptr + row * stride_logits + cols, float("-inf"), mask=in_vocab & banned)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set ``logits[r, t]`` to -inf where bit ``t % 32`` of ``bitmask[r, t // 32]`` is 0, in place.
+
+    Grid ``(num_rows, cdiv(vocab, 1024))``: each program reads 32 int32 words and writes the
+    banned logits of its 1,024 tokens. One launch where the elementwise unpacking in torch takes
+    eight, with a ``[rows, words, 32]`` intermediate. logits: [rows, vocab] float32, contiguous
+    rows; bitmask: [rows, ceil(vocab / 32)] int32 on the logits' device.
+    """
+    num_rows, vocab_size = logits.shape
+    block = 1024
+    _apply_bitmask_kernel[(num_rows, triton.cdiv(vocab_size, block))](
+        logits, bitmask, vocab_size, logits.stride(0), bitmask.stride(0), BLOCK=block
+    )
