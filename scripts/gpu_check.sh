@@ -31,8 +31,8 @@ failed=()
 # What the GPU image lacks (the server's packages) travels as wheels in the ignored .whl/.
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic prometheus-client aiohttp 2>&1 | tail -1
-    # Structured outputs (xgrammar and its apache-tvm-ffi, cp312 wheels).
-    python3 -m pip install -q --no-index --find-links .whl xgrammar 2>&1 | tail -1
+    # Structured outputs (llguidance, an abi3 wheel).
+    python3 -m pip install -q --no-index --find-links .whl llguidance 2>&1 | tail -1
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
