@@ -410,7 +410,6 @@ class ModelRunner:
         if history:
             # The logits processors ran this step, and recorded the samples before these first.
             self._unrecorded_samples = (step, history)
-            self.logits_processors.fill_ahead(step.sampled_token_ids, history)
         return step
 
     def _processor_samples(self, model_input: ModelInput) -> list[tuple[int, int, int]]:
