@@ -8,6 +8,9 @@ batch's mask is ``num_rows * vocab_size / 8`` bytes (6 KiB per row at a 49,152-t
 
 from __future__ import annotations
 
+import sys
+
+import numpy as np
 import torch
 
 from pagedllm.layers.utils import use_triton
@@ -42,6 +45,13 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         from pagedllm.kernels.triton.sampling import apply_token_bitmask as apply_on_gpu
 
         apply_on_gpu(logits, words)
+        return
+    if logits.device.type == "cpu" and sys.byteorder == "little":
+        # The words' bytes, least significant first, unpacked least significant bit first: bit i
+        # of word w is token 32 * w + i. One numpy pass, a third of the elementwise ops' time.
+        bits = np.unpackbits(words.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
+        bits = bits[:, :vocab_size]
+        logits.masked_fill_(torch.from_numpy(bits) == 0, float("-inf"))
         return
     shifts = torch.arange(BITS_PER_WORD, device=logits.device, dtype=torch.int32)
     # [num_rows, num_words, 32] -> [num_rows, num_words * 32]: bit i of word w is token 32 * w + i.
