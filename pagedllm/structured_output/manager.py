@@ -138,7 +138,7 @@ def _grammar(params: StructuredOutputsParams) -> str:
 def _closed_objects(schema: Any) -> Any:
     """The schema with ``additionalProperties: false`` wherever it lists properties and says
     nothing of others: a model that may add keys of its own tends to go on adding them.
-    (JSON Schema's default allows them; OpenAI's strict mode and the previous backend did not.)"""
+    (JSON Schema's default allows them; OpenAI's strict mode and xgrammar's do not.)"""
     if schema is True:
         return {}
     if not isinstance(schema, dict):
