@@ -59,9 +59,29 @@ class ModelConfig:
     # "auto", "gguf" or "none": whether a GGUF's quantized linear weights stay quantized
     # (pagedllm/layers/quantization/__init__.py says when "auto" keeps them).
     quantization: str = "auto"
+    # A window for every layer, overriding the checkpoint's windows (None: the checkpoint's).
+    sliding_window: int | None = None
+    # StreamingLLM's attention sinks: leading tokens kept past the window; generation may then run
+    # past max_model_len, in bounded memory.
+    attention_sinks: int = 0
 
     def __post_init__(self) -> None:
         _require(self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
+        window = self.sliding_window
+        _require(window is None or window >= 1, "sliding_window", ">= 1 or None", window)
+        if window is not None:
+            _require(
+                window <= self.max_model_len,
+                "sliding_window",
+                f"<= max_model_len ({self.max_model_len})",
+                window,
+            )
+        _require(self.attention_sinks >= 0, "attention_sinks", ">= 0", self.attention_sinks)
+        if self.attention_sinks and window is None:
+            raise ValueError(
+                f"attention_sinks={self.attention_sinks} needs a sliding_window: the sinks are kept beside "
+                "the window's last tokens"
+            )
         q = self.quantization
         _require(q in QUANTIZATIONS, "quantization", f"one of {QUANTIZATIONS}", q)
         if self.quantization == "gguf" and self.gguf_file is None and not self.model.endswith(".gguf"):
@@ -74,6 +94,11 @@ class ModelConfig:
                 f"<= {derived} (the model's max_position_embeddings)",
                 self.max_model_len,
             )
+
+    @property
+    def max_context_len(self) -> int | None:
+        """The most tokens a sequence may reach: max_model_len, or None with attention sinks."""
+        return None if self.attention_sinks else self.max_model_len
 
     @property
     def architectures(self) -> list[str]:

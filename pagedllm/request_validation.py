@@ -108,14 +108,21 @@ def _check_lengths(
     params: SamplingParams, num_prompt_tokens: int, config: EngineConfig, num_gpu_blocks: int
 ) -> None:
     max_model_len = config.model_config.max_model_len
-    # A prompt over max_model_len is not refused here: the engine finishes it with an error.
-    if params.min_tokens and num_prompt_tokens <= max_model_len < num_prompt_tokens + params.min_tokens:
+    # A prompt over max_model_len is not refused here: the engine finishes it with an error. With
+    # attention sinks, generation runs past it.
+    limited = config.model_config.max_context_len is not None
+    if (
+        limited
+        and params.min_tokens
+        and num_prompt_tokens <= max_model_len < num_prompt_tokens + params.min_tokens
+    ):
         raise ValueError(
             f"min_tokens must be at most {max(max_model_len - num_prompt_tokens, 0)} (max_model_len "
             f"{max_model_len} minus {num_prompt_tokens} prompt tokens); got {params.min_tokens}"
         )
     if params.best_of == 1:
         return  # the engine checked at start that one full-length sequence fits the cache
+    # No sequence holds more blocks than one of max_model_len tokens (with sinks, far fewer).
     max_len = min(num_prompt_tokens + (params.max_tokens or max_model_len), max_model_len)
     block_size = config.cache_config.block_size
     # The prompt's full blocks are shared by every sequence; each holds its own blocks after them.

@@ -18,6 +18,22 @@ found there (shared, ``ref_count`` + 1) and computes only the rest; blocks nobod
 cached until a fresh block is needed, the least recently freed (and, among a request's, the
 deepest) first.
 
+With a sliding window on every layer (``sliding_window``), a request needs the KV of its last
+``sliding_window`` tokens only, plus, with attention sinks (StreamingLLM, Xiao et al. 2023), its
+first ``num_sink_tokens``: before each step ``slide_window`` frees the blocks that fell wholly
+out of the window and drops them from the table, so a decoding request holds at most
+``ceil(num_sink_tokens / block_size) + ceil(sliding_window / block_size) + 1`` blocks however long
+it runs. The table then reads [sink blocks][window blocks]::
+
+    logical blocks      [s0][ 1 ][ 2 ][ 3 ][ 4 ][ 5 ]       num_sink_tokens 4, block_size 4
+    block table         [s0]           [ 3 ][ 4 ][ 5 ]      2 blocks dropped: 8 tokens
+
+and the attention kernels see a shorter context in *cache positions*: a token at position p >= the
+dropped blocks' end sits at ``p - num_dropped_tokens``. Distances between the window's tokens, and
+so the window's mask, are unchanged; blocks are dropped only once every query of the step is at
+least ``sliding_window`` past the sink blocks' last slot, so the sink blocks' tail (tokens past
+``num_sink_tokens``) always falls outside the window.
+
 The scheduler asks questions (``can_allocate``, ``try_append_slot``, ``can_swap_in``) and gives
 orders; it never reads the tables. Workers hold a copy of every running request's table: the
 manager records which entries changed since they were last sent (``take_block_table_diff``).
@@ -49,6 +65,9 @@ class KVCacheManager:
         watermark: fraction of device blocks kept free at admission, so that running requests
             can grow a few steps without immediately preempting one another.
         enable_prefix_caching: share the computed blocks of equal prompt prefixes.
+        sliding_window: the window when every layer attends through one (the largest, if they
+            differ), so that blocks behind it can be freed; None keeps every block.
+        num_sink_tokens: leading tokens kept whatever the window (attention sinks).
     """
 
     def __init__(
@@ -58,8 +77,14 @@ class KVCacheManager:
         num_cpu_blocks: int,
         watermark: float = 0.01,
         enable_prefix_caching: bool = False,
+        sliding_window: int | None = None,
+        num_sink_tokens: int = 0,
     ) -> None:
+        if num_sink_tokens and sliding_window is None:
+            raise ValueError("num_sink_tokens needs a sliding_window")
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        self.num_sink_blocks = -(-num_sink_tokens // block_size)
         self.num_total_gpu_blocks = num_gpu_blocks
         self.num_total_cpu_blocks = num_cpu_blocks
         self.watermark_blocks = int(watermark * num_gpu_blocks)
@@ -74,6 +99,12 @@ class KVCacheManager:
         self._first_unsent: dict[int, int | None] = {}
         # Per request, how many of its leading blocks are registered in the prefix cache.
         self._num_cached_blocks: dict[int, int] = {}
+        # Per request, window blocks freed (see slide_window): logical block b >= num_sink_blocks
+        # is table entry b - num_dropped.
+        self._num_dropped: dict[int, int] = {}
+        # Copies-on-write given this step, not yet done by the workers: req_id -> (table index,
+        # the shared block, the private copy), so that preempting the request can take one back.
+        self._copies: dict[int, tuple[int, PhysicalTokenBlock, PhysicalTokenBlock]] = {}
         # Prefix-cache lookups and hits, in tokens, since start.
         self.num_cache_queried_tokens = 0
         self.num_cache_hit_tokens = 0
@@ -99,6 +130,7 @@ class KVCacheManager:
         num_fresh = self._num_blocks_for(request.num_tokens) - len(cached)
         self._set_table(request.req_id, cached + [self.gpu_allocator.allocate() for _ in range(num_fresh)])
         self._num_cached_blocks[request.req_id] = len(cached)
+        self._num_dropped[request.req_id] = 0
         request.num_computed_tokens = len(cached) * self.block_size
         if self.enable_prefix_caching:
             self.num_cache_queried_tokens += request.num_tokens
@@ -139,7 +171,9 @@ class KVCacheManager:
             return
         hashes = request.update_block_hashes()
         for index in range(first, num_full):
-            allocator.register(table[index], hashes[index])
+            position = self._table_index(request.req_id, index)
+            if position is not None:  # dropped before its step was applied: nothing to share
+                allocator.register(table[position], hashes[index])
         self._num_cached_blocks[request.req_id] = num_full
 
     def get_prefix_cache_hit_rate(self) -> float:
@@ -150,10 +184,11 @@ class KVCacheManager:
     def num_blocks_to_grow(self, request: Request, num_new_tokens: int) -> int:
         """Blocks the request needs to compute ``num_new_tokens`` more tokens: new logical blocks,
         plus one when its first new token goes into a shared block (copy-on-write)."""
-        table = self._tables[request.req_id]
-        num_required = max(self._num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(table), 0)
-        index = request.num_computed_tokens // self.block_size
-        if index < len(table) and table[index].ref_count > 1:
+        num_required = max(
+            self._num_blocks_for(request.num_computed_tokens + num_new_tokens) - self._num_logical(request), 0
+        )
+        block = self._block_at(request, request.num_computed_tokens)
+        if block is not None and block.ref_count > 1:
             num_required += 1
         return num_required
 
@@ -165,9 +200,8 @@ class KVCacheManager:
         The common case, a token that lands in a private block the request already holds, is
         answered without touching the allocator.
         """
-        table = self._tables[request.req_id]
-        index = request.num_computed_tokens // self.block_size
-        if index < len(table) and table[index].ref_count == 1:
+        block = self._block_at(request, request.num_computed_tokens)
+        if block is not None and block.ref_count == 1:
             return True
         if self.num_blocks_to_grow(request, 1) > self.gpu_allocator.get_num_free_blocks():
             return False
@@ -184,27 +218,81 @@ class KVCacheManager:
         table = self._tables[req_id]
         block_ids = self._block_ids[req_id]
         cow = None
-        index = request.num_computed_tokens // self.block_size
-        if index < len(table) and table[index].ref_count > 1:
+        index = self._table_index(req_id, request.num_computed_tokens // self.block_size)
+        if index is not None and index < len(table) and table[index].ref_count > 1:
             shared = table[index]
             table[index] = self.gpu_allocator.allocate()
             block_ids[index] = table[index].block_number
             self.gpu_allocator.free(shared)
             self._mark_unsent(req_id, index)
             cow = (shared.block_number, table[index].block_number)
-        for _ in range(self._num_blocks_for(request.num_computed_tokens + num_new_tokens) - len(table)):
+            self._copies[req_id] = (index, shared, table[index])
+        num_logical = self._num_logical(request)
+        for _ in range(self._num_blocks_for(request.num_computed_tokens + num_new_tokens) - num_logical):
             self._mark_unsent(req_id, len(table))
             table.append(self.gpu_allocator.allocate())
             block_ids.append(table[-1].block_number)
         return cow
+
+    def start_step(self) -> None:
+        """A new step is being scheduled: the last one's copies are the workers' now."""
+        self._copies.clear()
+
+    def undo_copy_on_write(self, request: Request) -> tuple[int, int] | None:
+        """Take back the copy-on-write given to the request this step (it is being preempted,
+        and a swap out would move the copy before the workers make it): the request shares the
+        block again. Returns the ``(src, dst)`` pair to drop from the step, or None."""
+        entry = self._copies.pop(request.req_id, None)
+        if entry is None:
+            return None
+        index, shared, private = entry
+        req_id = request.req_id
+        self._tables[req_id][index] = shared
+        self._block_ids[req_id][index] = shared.block_number
+        shared.ref_count += 1
+        self.gpu_allocator.free(private)
+        self._mark_unsent(req_id, index)
+        return shared.block_number, private.block_number
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent."""
         table = self._tables[parent.req_id]
         self._set_table(child.req_id, table.copy())
         self._num_cached_blocks[child.req_id] = self._num_cached_blocks[parent.req_id]
+        self._num_dropped[child.req_id] = self._num_dropped[parent.req_id]
         for block in table:
             block.ref_count += 1
+
+    def slide_window(self, request: Request) -> bool:
+        """Free the request's window blocks that no query from its next token on can see (every
+        slot before ``num_computed_tokens - sliding_window + 1``); True when some were freed.
+
+        Called before each step's tokens are scheduled. A step still in flight may read a block
+        freed here; the block's next owner writes it in a later step, after that read on the
+        device's stream.
+        """
+        if self.sliding_window is None:
+            return False
+        req_id = request.req_id
+        table = self._tables[req_id]
+        first_visible = request.num_computed_tokens - self.sliding_window + 1
+        first_kept = self.num_sink_blocks + self._num_dropped[req_id]
+        num_free = min(first_visible // self.block_size - first_kept, len(table) - self.num_sink_blocks)
+        if num_free <= 0:
+            return False
+        start = self.num_sink_blocks
+        allocator = self.gpu_allocator if table[start].device == Device.DEVICE else self.cpu_allocator
+        for block in reversed(table[start : start + num_free]):
+            allocator.free(block)
+        del table[start : start + num_free], self._block_ids[req_id][start : start + num_free]
+        self._num_dropped[req_id] += num_free
+        self._mark_unsent(req_id, start)
+        return True
+
+    def get_num_dropped_tokens(self, request: Request) -> int:
+        """Tokens of the request's dropped blocks: a token at position p past them sits at cache
+        position p - this (0 without a sliding window)."""
+        return self._num_dropped[request.req_id] * self.block_size
 
     # --- swapping -------------------------------------------------------------------------
 
@@ -218,7 +306,7 @@ class KVCacheManager:
     def can_swap_in(self, requests: list[Request]) -> AllocStatus:
         # Back on the device, the requests also grow by their next tokens.
         num_required = len(self._unique_blocks(requests)) + sum(
-            self._num_blocks_for(r.num_tokens) - len(self._tables[r.req_id]) for r in requests
+            self._num_blocks_for(r.num_tokens) - self._num_logical(r) for r in requests
         )
         num_required += len(requests)  # the first write of each may copy a shared block
         if self.num_total_gpu_blocks - num_required < self.watermark_blocks:
@@ -263,7 +351,8 @@ class KVCacheManager:
         if table is None:
             return
         del self._num_cached_blocks[request.req_id], self._block_ids[request.req_id]
-        del self._first_unsent[request.req_id]
+        del self._first_unsent[request.req_id], self._num_dropped[request.req_id]
+        self._copies.pop(request.req_id, None)
         # Deepest first: with prefix caching, they are evicted first, keeping shared roots longer.
         for block in reversed(table):
             allocator = self.gpu_allocator if block.device == Device.DEVICE else self.cpu_allocator
@@ -297,6 +386,9 @@ class KVCacheManager:
         self._first_unsent[request.req_id] = None
         return first, self._block_ids[request.req_id][first:]
 
+    def has_unsent_blocks(self, request: Request) -> bool:
+        return self._first_unsent[request.req_id] is not None
+
     def mark_sent(self, request: Request) -> None:
         """The workers have been sent the request's whole table."""
         self._first_unsent[request.req_id] = None
@@ -311,6 +403,23 @@ class KVCacheManager:
         return self.cpu_allocator.get_num_free_blocks()
 
     # --- helpers --------------------------------------------------------------------------
+
+    def _table_index(self, req_id: int, logical: int) -> int | None:
+        """Table entry of logical block ``logical``: None when it was dropped."""
+        if logical < self.num_sink_blocks:
+            return logical
+        index = logical - self._num_dropped[req_id]
+        return index if index >= self.num_sink_blocks else None
+
+    def _block_at(self, request: Request, position: int) -> PhysicalTokenBlock | None:
+        """The block holding token ``position``, if the table has it."""
+        index = self._table_index(request.req_id, position // self.block_size)
+        table = self._tables[request.req_id]
+        return table[index] if index is not None and index < len(table) else None
+
+    def _num_logical(self, request: Request) -> int:
+        """Logical blocks the request has had: those held plus those dropped."""
+        return len(self._tables[request.req_id]) + self._num_dropped[request.req_id]
 
     def _num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

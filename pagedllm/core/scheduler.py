@@ -131,6 +131,9 @@ class Scheduler:
     Args:
         scheduler_config: the token and sequence budgets, chunked prefill.
         block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching: the KV cache.
+        sliding_window, num_sink_tokens: the window every layer attends through (None: some layer
+            is global) and the attention sinks kept beside it; blocks behind the window are freed
+            and, with sinks, a request's length is not bounded by max_model_len.
         min_tokens_stop_ids: the tokens a request may not sample before ``min_tokens`` (EOS unless
             ``ignore_eos``, plus its ``stop_token_ids``), given its parameters.
         num_top_tokens: how many top tokens a request's samples return (logprobs, beam width).
@@ -143,11 +146,19 @@ class Scheduler:
         num_gpu_blocks: int,
         num_cpu_blocks: int,
         enable_prefix_caching: bool = False,
+        sliding_window: int | None = None,
+        num_sink_tokens: int = 0,
     ) -> None:
         self.config = scheduler_config
         self.kv_cache_manager = KVCacheManager(
-            block_size, num_gpu_blocks, num_cpu_blocks, enable_prefix_caching=enable_prefix_caching
+            block_size,
+            num_gpu_blocks,
+            num_cpu_blocks,
+            enable_prefix_caching=enable_prefix_caching,
+            sliding_window=sliding_window,
+            num_sink_tokens=num_sink_tokens,
         )
+        self.max_context_len = None if num_sink_tokens else scheduler_config.max_model_len
         self.block_size = block_size
         self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -246,6 +257,7 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
         self.last_preemptions = {}
+        self.kv_cache_manager.start_step()
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         budget.num_seqs = sum(max_running_seqs(r) for r in {id(r.siblings): r for r in self.running}.values())
         scheduled: list[Request] = []
@@ -295,6 +307,7 @@ class Scheduler:
                 request.needs_host_between_steps or self._ends_with_samples_in_flight(request)
             ):
                 continue  # its next step waits for the host to see its sample, or never comes
+            kv.slide_window(request)
             num_new_tokens = request.num_uncomputed_tokens
             if num_new_tokens > 1 or not (request.output_token_ids or request.num_output_placeholders):
                 prefills.append(request)  # its blocks were allocated at admission
@@ -323,7 +336,8 @@ class Scheduler:
         context): no step after them is needed, and a token past the context has no slot."""
         max_tokens = request.sampling_params.max_tokens
         num_outputs = request.num_output_tokens + request.num_output_placeholders
-        return request.num_computed_tokens >= self.config.max_model_len or (
+        max_context_len = self.max_context_len
+        return (max_context_len is not None and request.num_computed_tokens >= max_context_len) or (
             max_tokens is not None and num_outputs >= max_tokens
         )
 
@@ -437,8 +451,13 @@ class Scheduler:
         cached = out.scheduled_cached_reqs
         num_scheduled_tokens = out.num_scheduled_tokens
         now = time.time()
+        windowed = kv.sliding_window is not None
         for request in scheduled:
             req_id = request.req_id
+            if windowed:
+                kv.slide_window(request)
+                if request.resend or kv.has_unsent_blocks(request):
+                    out.num_dropped_tokens[req_id] = kv.get_num_dropped_tokens(request)
             if request.resend:
                 request.resend = False
                 min_tokens_stop_ids, num_top_tokens = self._sampling_info[req_id]
@@ -596,8 +615,10 @@ class Scheduler:
             return
         kv = self.kv_cache_manager
         # While isolating, preemption recomputes: swapped groups come back only once it is over,
-        # and a probe's requests must not wait for that.
-        mode = PreemptionMode.RECOMPUTE if len(group) == 1 or self._probes else PreemptionMode.SWAP
+        # and a probe's requests must not wait for that. Behind a sliding window a request holds
+        # a few blocks but would need all of its tokens' again to recompute: it swaps.
+        alone = len(group) == 1 and kv.sliding_window is None
+        mode = PreemptionMode.RECOMPUTE if alone or self._probes else PreemptionMode.SWAP
         if mode == PreemptionMode.SWAP and not kv.can_swap_out(group):
             logger.warning(
                 "request %d: CPU swap space is full, recomputing its %d sequences instead; "
@@ -607,6 +628,10 @@ class Scheduler:
             )
             mode = PreemptionMode.RECOMPUTE
         for member in group:
+            # A copy-on-write given this step is not made yet: a swap out would move the empty copy.
+            copy = kv.undo_copy_on_write(member)
+            if copy is not None:
+                out.blocks_to_copy.remove(copy)
             self.running.remove(member)
             for scheduled in (decodes, prefills):
                 if member in scheduled:

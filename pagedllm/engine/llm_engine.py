@@ -52,6 +52,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.stop_checker import StopChecker
 from pagedllm.executor import get_executor_class
 from pagedllm.executor.abstract import ExecutorDeadError
+from pagedllm.models.utils import kv_cache_window
 from pagedllm.outputs import RequestOutput
 from pagedllm.request_validation import validate_request
 from pagedllm.sampling_params import SamplingParams
@@ -132,6 +133,8 @@ class LLMEngine:
             num_gpu_blocks,
             num_cpu_blocks,
             enable_prefix_caching=config.cache_config.enable_prefix_caching,
+            sliding_window=kv_cache_window(model_config.hf_config),
+            num_sink_tokens=model_config.attention_sinks,
         )
         self.eos_token_ids = get_eos_token_ids(model_config, self.tokenizer)
         self.structured_output_manager = (
@@ -139,7 +142,7 @@ class LLMEngine:
             if self.tokenizer is None
             else StructuredOutputManager(self.tokenizer, model_config.vocab_size, self.eos_token_ids)
         )
-        self.stop_checker = StopChecker(model_config.max_model_len, self.eos_token_ids)
+        self.stop_checker = StopChecker(model_config.max_context_len, self.eos_token_ids)
         self.output_processor = OutputProcessor(self.tokenizer, self.stop_checker)
         self.async_scheduling = config.async_scheduling
         # Live requests, by the caller's id; and the request each sequence belongs to.
@@ -391,7 +394,8 @@ class LLMEngine:
         assert isinstance(beam_state, BeamSearchState)
         num_eos = 0 if params.ignore_eos else len(self.eos_token_ids)
         # The most tokens a beam can reach: it bounds how much a live beam can still improve.
-        room = self.config.model_config.max_model_len - len(state.prompt_token_ids)
+        max_context_len = self.config.model_config.max_context_len or self.config.model_config.max_model_len
+        room = max_context_len - len(state.prompt_token_ids)
         max_new_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         decision = beam_search_step(
             beam_state,

@@ -9,7 +9,8 @@ from pagedllm.sampling_params import SamplingParams
 class StopChecker:
     """EOS, stop tokens, stop strings (matched across token boundaries), max_tokens, context length."""
 
-    def __init__(self, max_model_len: int, eos_token_ids: set[int]) -> None:
+    def __init__(self, max_model_len: int | None, eos_token_ids: set[int]) -> None:
+        """max_model_len: the context limit (None: none, with attention sinks)."""
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
 
@@ -61,7 +62,7 @@ class StopChecker:
         return token_id in self._eos(params) or token_id in params.stop_token_ids
 
     def _at_length_limit(self, seq_len: int, num_output_tokens: int, params: SamplingParams) -> bool:
-        if seq_len >= self.max_model_len:
+        if self.max_model_len is not None and seq_len >= self.max_model_len:
             return True
         return params.max_tokens is not None and num_output_tokens >= params.max_tokens
 

@@ -15,8 +15,8 @@ cache follows, the fused Triton rotary kernel included).
 Two types change with the sequence length in Hugging Face's ``dynamic_rope_update``:
 
 * ``dynamic`` (NTK-aware) raises the base only for sequences longer than
-  ``max_position_embeddings``; the engine never runs past it (max_model_len is bounded by it), so
-  here it is exactly the default table.
+  ``max_position_embeddings``; the engine never attends past it (max_model_len is bounded by it,
+  and with attention sinks the cache holds fewer tokens), so here it is exactly the default table.
 * ``longrope`` (Phi-3's) divides the frequencies by ``short_factor`` up to
   ``original_max_position_embeddings`` and by ``long_factor`` past it, and scales cos/sin by
   ``sqrt(1 + log(factor) / log(original))``. We switch per position (the table's rows from
@@ -186,18 +186,53 @@ class RotaryEmbedding(nn.Module):
     ``cos_sin_cache: [max_position, head_size]`` holds ``[cos | sin]`` of every position's angles,
     computed in float32 and stored in ``dtype``: the reference casts cos and sin to the activations'
     dtype before multiplying, so storing them cast gives the same numbers with no per-step cast.
+
+    ``unbounded`` is for positions past ``max_position`` (attention sinks let generation run on
+    with the relative distances still within it): cos and sin are then computed for each step's
+    positions from float64 angles, exact however large the position, and no table is kept.
     """
 
     def __init__(
-        self, head_size: int, max_position: int, rope_parameters: dict[str, Any], dtype: torch.dtype
+        self,
+        head_size: int,
+        max_position: int,
+        rope_parameters: dict[str, Any],
+        dtype: torch.dtype,
+        unbounded: bool = False,
     ) -> None:
         super().__init__()
         self.head_size = head_size
-        angles = compute_angles(head_size, max_position, rope_parameters)
-        cache = torch.cat((angles.cos(), angles.sin()), dim=-1)
-        cache = (cache * attention_factor(rope_parameters, max_position)).to(dtype)
+        self.scale = attention_factor(rope_parameters, max_position)
+        self.unbounded = unbounded
+        if unbounded:
+            # float64 frequencies, and per position the long ones past the original length for
+            # longrope (the table's rule); angles are computed per step from these.
+            inv_freq = compute_inv_freq(head_size, rope_parameters).double()
+            long_inv_freq = inv_freq
+            self.original_max_position = None
+            if rope_parameters["rope_type"] == "longrope":
+                long_inv_freq = _longrope_inv_freq(head_size, rope_parameters, long=True).double()
+                self.original_max_position = rope_parameters["original_max_position_embeddings"]
+            self.register_buffer("inv_freq", inv_freq, persistent=False)
+            self.register_buffer("long_inv_freq", long_inv_freq, persistent=False)
+            cache = torch.empty(0, head_size, dtype=dtype)
+        else:
+            angles = compute_angles(head_size, max_position, rope_parameters)
+            cache = (torch.cat((angles.cos(), angles.sin()), dim=-1) * self.scale).to(dtype)
         # Not persistent: derived from the config, so it is neither saved nor loaded.
         self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def _cos_sin_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table, index): the cos/sin rows of ``positions`` are ``table[index]``."""
+        if not self.unbounded:
+            return self.cos_sin_cache, positions
+        positions_f64 = positions.to(torch.float64)[:, None]
+        angles = positions_f64 * self.inv_freq
+        if self.original_max_position is not None:
+            long = positions_f64 >= self.original_max_position
+            angles = torch.where(long, positions_f64 * self.long_inv_freq, angles)
+        rows = (torch.cat((angles.cos(), angles.sin()), dim=-1) * self.scale).to(self.cos_sin_cache.dtype)
+        return rows, torch.arange(positions.shape[0], device=positions.device)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -213,13 +248,22 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The reference path (any device); leaves its inputs unchanged."""
-        num_tokens = positions.shape[0]
-        cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
-        # [num_tokens, 1, head_size // 2]: broadcast over the heads.
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        query = _rotate(query.view(num_tokens, -1, self.head_size), cos, sin)
-        key = _rotate(key.view(num_tokens, -1, self.head_size), cos, sin)
-        return query.view(num_tokens, -1), key.view(num_tokens, -1)
+        cos, sin = self._cos_sin(positions)
+        return self._rotate_flat(query, cos, sin), self._rotate_flat(key, cos, sin)
+
+    def rotate_query(self, positions: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """The query alone, rotated to ``positions`` (a new tensor; the input is unchanged)."""
+        return self._rotate_flat(query, *self._cos_sin(positions))
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_tokens, 1, head_size // 2] cos and sin: broadcast over the heads."""
+        table, index = self._cos_sin_rows(positions)
+        cos, sin = table.index_select(0, index).chunk(2, dim=-1)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def _rotate_flat(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        return _rotate(x.view(num_tokens, -1, self.head_size), cos, sin).view(num_tokens, -1)
 
     def forward_triton(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
@@ -227,7 +271,8 @@ class RotaryEmbedding(nn.Module):
         """One kernel for query and key, in place."""
         from pagedllm.kernels.triton.rotary import rotary_embedding
 
-        rotary_embedding(positions, query, key, self.cos_sin_cache, self.head_size)
+        table, index = self._cos_sin_rows(positions)
+        rotary_embedding(index, query, key, table, self.head_size)
         return query, key
 
 

@@ -30,7 +30,7 @@ from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
 from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from pagedllm.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim
-from pagedllm.models.utils import layer_sliding_windows
+from pagedllm.models.utils import attention_sinks, layer_sliding_windows
 
 
 def _hidden_act(config: PretrainedConfig) -> str:
@@ -115,6 +115,7 @@ class GemmaModel(nn.Module):
                 config.max_position_embeddings,
                 _rope_parameters(config, layer_type),
                 torch.get_default_dtype(),
+                unbounded=attention_sinks(config) > 0,
             )
             for layer_type in sorted(set(layer_types))
         }

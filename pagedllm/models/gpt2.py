@@ -112,6 +112,7 @@ class GPT2Model(nn.Module):
 
 
 class GPT2LMHeadModel(CausalLM):
+    rotary = False  # learned position embeddings
     # Causal-mask buffers that older checkpoints saved.
     skipped_checkpoint_names = (".attn.bias", ".attn.masked_bias")
 

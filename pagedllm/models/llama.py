@@ -33,7 +33,7 @@ from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
 from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import CausalLM, layer_sliding_windows
+from pagedllm.models.utils import CausalLM, attention_sinks, layer_sliding_windows
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,13 @@ class LlamaAttention(nn.Module):
         self.q_norm = norm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
         self.k_norm = norm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
         self.rotary_emb = rotary_emb
+        # With attention sinks (StreamingLLM), keys are cached rotated at their own positions, so
+        # distances within the window are the true ones; a sink must sit where StreamingLLM's
+        # cache puts the query, at most num_sinks + window - 1 past it. The sinks' scores
+        # therefore use the query rotated once more, to min(position, num_sinks + window - 1):
+        # one extra rotation of the query instead of re-rotating cached keys as the window moves.
+        self.num_sinks = attention_sinks(config)
+        self.max_sink_distance = self.num_sinks + (sliding_window or 0) - 1
         scale = options.scale if options.scale is not None else self.head_dim**-0.5
         self.attn = Attention(
             num_heads,
@@ -124,6 +131,7 @@ class LlamaAttention(nn.Module):
             attn_backend,
             sliding_window=sliding_window,
             logits_soft_cap=options.logits_soft_cap,
+            attention_sinks=self.num_sinks,
         )
 
     def forward(
@@ -138,8 +146,11 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             q, k = self._norm_heads(q, k)
+        sink_q = None
+        if self.num_sinks:
+            sink_q = self.rotary_emb.rotate_query(positions.clamp(max=self.max_sink_distance), q)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata, sink_query=sink_q))
 
     def _norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Qwen3's per-head RMSNorm. q: [num_tokens, q_size]; k: [num_tokens, kv_size]."""
@@ -200,6 +211,7 @@ class LlamaModel(nn.Module):
             config.max_position_embeddings,
             get_rope_parameters(config),
             torch.get_default_dtype(),
+            unbounded=attention_sinks(config) > 0,
         )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotary_emb, attn_backend, window, make_mlp(config, i))

@@ -17,6 +17,12 @@ from pagedllm.layers.utils import CheckpointSlice, CheckpointTensor, default_wei
 # Hugging Face layer types (config.layer_types) and whether they attend through a window.
 _LAYER_TYPE_SLIDES = {"full_attention": False, "sliding_attention": True}
 
+# Config attributes the engine sets from its own options (``sliding_window`` and
+# ``attention_sinks``): a window for every layer, and StreamingLLM's sink tokens. The checkpoint's
+# fields keep their meaning; these take precedence over them.
+ENGINE_SLIDING_WINDOW = "engine_sliding_window"
+ENGINE_ATTENTION_SINKS = "engine_attention_sinks"
+
 
 def layer_sliding_windows(config: Any) -> list[int | None]:
     """Each layer's sliding window (None: global attention), as Hugging Face's modeling applies it.
@@ -25,10 +31,11 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
     which layers use it (Gemma 2/3 alternate; Qwen2/Qwen3 configs derive it from
     ``use_sliding_window`` and ``max_window_layers``: layers ``>= max_window_layers`` slide, and
     ``sliding_window`` is None when ``use_sliding_window`` is off). Without ``layer_types`` every
-    layer slides (Mistral).
+    layer slides (Mistral). The engine's ``sliding_window`` option puts every layer in one window.
     """
     num_layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
+    override = getattr(config, ENGINE_SLIDING_WINDOW, None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         unknown = sorted(set(layer_types) - set(_LAYER_TYPE_SLIDES))
@@ -38,6 +45,8 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
             )
         if len(layer_types) != num_layers:
             raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+    if override is not None:
+        return [override] * num_layers
     if window is None:
         return [None] * num_layers
     if window < 1:
@@ -48,6 +57,18 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
     if layer_types is None:
         return [window] * num_layers
     return [window if _LAYER_TYPE_SLIDES[t] else None for t in layer_types]
+
+
+def kv_cache_window(config: Any) -> int | None:
+    """The window behind which no layer reads the KV cache (the largest window, when every layer
+    has one), so that blocks falling behind it can be freed; None when some layer is global."""
+    windows = layer_sliding_windows(config)
+    return None if None in windows else max(windows)
+
+
+def attention_sinks(config: Any) -> int:
+    """Leading tokens every layer keeps attending to past its window (0: none)."""
+    return getattr(config, ENGINE_ATTENTION_SINKS, 0) or 0
 
 
 class CausalLM(nn.Module):
@@ -61,6 +82,8 @@ class CausalLM(nn.Module):
 
     # Checkpoint projections that live packed in one of our parameters: packed name -> the
     # checkpoint names, in shard order, and their shard ids.
+    # Whether positions enter through rotary embeddings (what attention sinks re-position).
+    rotary: ClassVar[bool] = True
     packed_modules_mapping: ClassVar[dict[str, tuple[tuple[str, int | str], ...]]] = {}
     # Substrings of checkpoint names that carry nothing we load (buffers derived from the config).
     skipped_checkpoint_names: ClassVar[tuple[str, ...]] = ()

@@ -6,7 +6,8 @@ step writes only what changed:
 - ``num_computed_tokens`` and the tokens the host sent (prompt, and outputs of a resumed request);
   tokens the worker sampled itself never go to the host and back: the next input of a decoding
   request is read from ``last_token_ids`` on the device;
-- the block table, on the host and on the device, changed only where the scheduler's diff says;
+- the block table, on the host and on the device, changed only where the scheduler's diff says,
+  and behind a sliding window the tokens whose blocks it dropped;
 - the sampling parameters as arrays, gathered per step into ``SamplingMetadata`` tensors;
 - penalty counts on the device ([rows, vocab], allocated on first use), grown by one scatter of
   the sampled tokens per step.
@@ -59,7 +60,9 @@ class InputBatch:
         # (a grammar or bad words read the output history; the host does not resend it).
         self.sampled_output_ids: list[list[int]] = [[] for _ in range(max_num_rows)]
         self.block_table = np.zeros((max_num_rows, max_blocks_per_req), dtype=np.int32)
-        self.num_blocks = np.zeros(max_num_rows, dtype=np.int64)
+        # Tokens whose blocks left the row's table behind a sliding window: the attention kernels
+        # see position p at cache position p - this.
+        self.num_dropped_tokens = np.zeros(max_num_rows, dtype=np.int64)
         self.block_table_device = (
             torch.from_numpy(self.block_table)
             if device.type == "cpu"
@@ -102,6 +105,7 @@ class InputBatch:
         self.host_token_ids[row] = tokens
         self.sampled_output_ids[row] = []
         self.num_host_tokens[row] = self.num_tokens[row] = len(tokens)
+        self.num_dropped_tokens[row] = 0
         self.set_block_ids(row, 0, data.block_ids)
         self._add_sampling(row, data)
         return row
@@ -162,7 +166,6 @@ class InputBatch:
     def set_block_ids(self, row: int, start: int, block_ids: list[int]) -> None:
         end = start + len(block_ids)
         self.block_table[row, start:end] = block_ids
-        self.num_blocks[row] = max(int(self.num_blocks[row]), end) if start else end
         self._dirty_rows.add(row)
 
     def sync_block_table(self) -> None:

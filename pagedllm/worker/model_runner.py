@@ -223,6 +223,8 @@ class ModelRunner:
             for row, diff in zip(rows.tolist(), cached.block_table_diffs):
                 if diff is not None:
                     batch.set_block_ids(row, diff[0], diff[1])
+        for req_id, num_dropped in scheduler_output.num_dropped_tokens.items():
+            batch.num_dropped_tokens[batch.row_of[req_id]] = num_dropped
         batch.sync_block_table()
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInput:
@@ -251,13 +253,18 @@ class ModelRunner:
         query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(counts, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
+        # Attention reads cache positions: behind a sliding window, positions less the dropped
+        # blocks' tokens (rotary embeddings take the positions themselves).
+        dropped = batch.num_dropped_tokens[rows]
         if num_decodes == num_tokens:
             positions = starts.copy()
             token_rows = rows
+            cache_positions = positions - dropped
         else:
             token_rows = np.repeat(rows, counts)
             positions = np.repeat(starts - query_start_loc[:-1], counts) + np.arange(num_tokens)
-        slot_mapping = compute_slot_mapping(batch.block_table[token_rows], positions, block_size)
+            cache_positions = positions - np.repeat(dropped, counts)
+        slot_mapping = compute_slot_mapping(batch.block_table[token_rows], cache_positions, block_size)
 
         # Input ids: tokens the host sent, except each decoding request's newest sample, which
         # only the device has (last_token_ids).
@@ -289,7 +296,7 @@ class ModelRunner:
             graph_num_seqs = num_reqs
             pad_to = self.graph_runner.padded_size(num_reqs)
             query_start_loc = np.arange(pad_to + 1)
-        seq_lens = ends.astype(np.int32)
+        seq_lens = (ends - dropped).astype(np.int32)
         put = self.buffers.put
         input_ids_t = put("input_ids", input_ids, pad_to)
         if len(device_rows):
@@ -302,9 +309,9 @@ class ModelRunner:
             slot_mapping=put("slot_mapping", slot_mapping, pad_to, -1),
             query_start_loc=put("query_start_loc", query_start_loc.astype(np.int32)),
             seq_lens=put("seq_lens", seq_lens, pad_to, 1),
-            block_tables=self._block_tables(rows, int(ends.max()), pad_to),
+            block_tables=self._block_tables(rows, int(seq_lens.max()), pad_to),
             max_query_len=int(counts.max()),
-            max_seq_len=int(ends.max()),
+            max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=torch.from_numpy(query_start_loc.astype(np.int32)),
             seq_lens_cpu=torch.from_numpy(seq_lens),
         )

@@ -65,6 +65,10 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Behind a sliding window: req_id -> tokens whose blocks left the table (their count changed,
+    # or the request is sent in full). The attention kernels see a token at position p (past
+    # them) at cache position p - this; rotary embeddings still see p.
+    num_dropped_tokens: dict[int, int] = field(default_factory=dict)
 
     @property
     def has_forward(self) -> bool:

@@ -205,3 +205,123 @@ def test_block_table_diffs_report_appends_and_copy_on_write_once():
     assert bm.take_block_table_diff(child) is None
     append_token(bm, child)  # token 8 starts block 2
     assert bm.take_block_table_diff(child) == (2, bm.get_block_ids(child)[2:])
+
+
+# --- sliding windows and attention sinks ------------------------------------------------------
+
+
+def decode_in_window(bm: KVCacheManager, request: Request) -> None:
+    """A decode step as the scheduler runs it: free what fell behind the window, then a slot."""
+    request.append_output_token(7, 0.0)
+    request.num_computed_tokens = request.num_tokens - 1
+    bm.slide_window(request)
+    assert bm.try_append_slot(request) is True
+    request.num_computed_tokens = request.num_tokens
+
+
+def check_window_visible(bm: KVCacheManager, request: Request, window: int, num_sinks: int) -> None:
+    """Every slot the next query sees is in the table, at its cache position; the sinks' blocks
+    are the first ones, untouched."""
+    table = bm.get_block_ids(request)
+    dropped = bm.get_num_dropped_tokens(request)
+    query = request.num_computed_tokens - 1
+    for position in range(max(query - window + 1, 0), query + 1):
+        assert (position - dropped) // BLOCK_SIZE < len(table)
+        assert position - dropped >= -(-num_sinks // BLOCK_SIZE) * BLOCK_SIZE or dropped == 0
+    for position in range(min(num_sinks, query + 1)):
+        assert position // BLOCK_SIZE < len(table)
+
+
+@pytest.mark.parametrize("window, num_sinks", [(10, 0), (8, 0), (1, 0), (9, 5), (12, 4)])
+def test_blocks_behind_the_window_are_freed_and_the_bound_holds(window, num_sinks):
+    bm = KVCacheManager(BLOCK_SIZE, 40, 0, sliding_window=window, num_sink_tokens=num_sinks)
+    request = make_request(3)
+    bm.allocate(request)
+    request.num_computed_tokens = 3
+    sink_blocks = bm.get_block_ids(request)[: -(-num_sinks // BLOCK_SIZE)] if num_sinks else []
+    bound = -(-num_sinks // BLOCK_SIZE) + -(-window // BLOCK_SIZE) + 1
+    for _ in range(200):
+        decode_in_window(bm, request)
+        assert len(bm.get_blocks(request)) <= bound
+        check_window_visible(bm, request, window, num_sinks)
+        check_ref_counts(bm, [request])
+        if num_sinks and request.num_tokens > num_sinks:
+            assert bm.get_block_ids(request)[: len(sink_blocks)] == sink_blocks
+    assert bm.get_num_dropped_tokens(request) > 0
+    bm.free(request)
+    assert bm.get_num_free_gpu_blocks() == 40
+
+
+def test_a_long_prompt_drops_its_head_once_computed():
+    bm = KVCacheManager(BLOCK_SIZE, 40, 0, sliding_window=6)
+    request = make_request(30)  # 8 blocks at admission
+    bm.allocate(request)
+    assert len(bm.get_blocks(request)) == 8
+    assert not bm.slide_window(request)  # nothing computed yet: every block is still ahead
+    request.num_computed_tokens = 30
+    assert bm.slide_window(request)
+    # The next query (position 30) sees 25..30: blocks 6 and 7; block 7 gets position 30's slot.
+    assert bm.get_num_dropped_tokens(request) == 24
+    assert len(bm.get_blocks(request)) == 2
+    assert bm.get_num_free_gpu_blocks() == 38
+    assert bm.take_block_table_diff(request) == (0, bm.get_block_ids(request))
+
+
+def test_siblings_share_window_blocks_until_both_leave_them():
+    bm = KVCacheManager(BLOCK_SIZE, 40, 0, sliding_window=5)
+    parent = make_request(8, best_of=2)
+    bm.allocate(parent)
+    parent.num_computed_tokens = 8
+    child = fork(bm, parent)
+    for _ in range(3):
+        decode_in_window(bm, parent)
+    check_ref_counts(bm, [parent, child])
+    # The parent left block 0 behind; the child (still at position 8) holds it alone.
+    assert bm.get_num_dropped_tokens(parent) > bm.get_num_dropped_tokens(child) == 0
+    for _ in range(3):
+        decode_in_window(bm, child)
+    check_ref_counts(bm, [parent, child])
+    bm.free(parent)
+    bm.free(child)
+    assert bm.get_num_free_gpu_blocks() == 40
+
+
+def test_swapping_keeps_the_dropped_count():
+    bm = KVCacheManager(BLOCK_SIZE, 20, 20, sliding_window=6, num_sink_tokens=2)
+    request = make_request(20)
+    bm.allocate(request)
+    request.num_computed_tokens = 20
+    decode_in_window(bm, request)
+    dropped, num_held = bm.get_num_dropped_tokens(request), len(bm.get_blocks(request))
+    bm.swap_out([request])
+    assert bm.can_swap_in([request]) == AllocStatus.OK
+    bm.swap_in([request])
+    assert (bm.get_num_dropped_tokens(request), len(bm.get_blocks(request))) == (dropped, num_held)
+    decode_in_window(bm, request)
+    check_window_visible(bm, request, 6, 2)
+    check_ref_counts(bm, [request])
+
+
+def test_sinks_need_a_window():
+    with pytest.raises(ValueError, match="num_sink_tokens"):
+        KVCacheManager(BLOCK_SIZE, 10, 0, num_sink_tokens=4)
+
+
+def test_a_copy_on_write_taken_back_shares_the_block_again():
+    """A request preempted in the step that gave it a copy-on-write gives the copy back: a swap
+    out would otherwise move the copy before the workers fill it."""
+    bm = KVCacheManager(BLOCK_SIZE, 10, 10)
+    parent = make_request(6, best_of=2)
+    bm.allocate(parent)
+    parent.num_computed_tokens = 6
+    child = fork(bm, parent)
+    bm.start_step()
+    shared = bm.get_block_ids(parent)[1]
+    src, dst = append_token(bm, parent)
+    assert src == shared != dst
+    assert bm.undo_copy_on_write(parent) == (src, dst)
+    assert bm.get_block_ids(parent)[1] == shared
+    check_ref_counts(bm, [parent, child])
+    assert bm.undo_copy_on_write(parent) is None
+    bm.swap_out([parent, child])
+    assert bm.get_num_free_gpu_blocks() == 10

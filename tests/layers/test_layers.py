@@ -232,3 +232,47 @@ def test_tensor_parallel_layers_over_two_gloo_ranks(tmp_path: Path) -> None:
     outputs = [proc.communicate(timeout=120)[0] for proc in procs]
     for rank, (proc, output) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0, f"rank {rank} failed:\n{output}"
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        None,
+        LLAMA3_ROPE,
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+        {
+            "rope_type": "longrope",
+            "original_max_position_embeddings": 512,
+            "short_factor": [1.0 + 0.05 * i for i in range(32)],
+            "long_factor": [1.5 + 0.5 * i for i in range(32)],
+        },
+    ],
+    ids=["default", "llama3", "yarn", "longrope"],
+)
+def test_unbounded_rotary_equals_the_table_and_keeps_relative_rotations_far_past_it(
+    rope: dict | None,
+) -> None:
+    """Attention sinks run past max_position: cos/sin computed per step equal the table where it
+    exists, and far past it a query and a key still score by their distance alone."""
+    config = LlamaConfig(
+        hidden_size=128, num_attention_heads=2, max_position_embeddings=2048, rope_parameters=rope
+    )
+    params = get_rope_parameters(config)
+    table = RotaryEmbedding(64, 2048, params, torch.float32)
+    unbounded = RotaryEmbedding(64, 2048, params, torch.float32, unbounded=True)
+    positions = torch.tensor([0, 7, 511, 512, 1500, 2047])
+    q, k = torch.randn(6, 128), torch.randn(6, 64)
+    # The table's angles are float32 products (as the reference's): ~1e-4 rad off at 2047.
+    for expected, got in zip(table(positions, q, k), unbounded(positions, q.clone(), k.clone())):
+        torch.testing.assert_close(got, expected, atol=5e-4, rtol=0)
+    torch.testing.assert_close(
+        unbounded.rotate_query(positions, q), table(positions, q, k)[0], atol=5e-4, rtol=0
+    )
+
+    def score(query_position: int, key_position: int) -> torch.Tensor:
+        qr = unbounded.rotate_query(torch.tensor([query_position]), q[:1])
+        _, kr = unbounded(torch.tensor([key_position]), q[:1], k[:1])
+        return (qr.view(2, 64) * kr.view(1, 64)).sum(-1)
+
+    far = 10_000_000
+    torch.testing.assert_close(score(far + 37, far), score(1037, 1000), atol=1e-3, rtol=0)

@@ -51,7 +51,10 @@ def test_torch_backend_greedy_equals_hf(case_model: Callable, long_context_case:
     kwargs = TORCH_CONDITIONS[condition]
     llm, got = generate(model, prompts, attention_backend="torch", **kwargs)
     assert got == expected
-    if "num_kv_blocks" in kwargs:
+    # A model whose every layer slides frees its blocks behind the window, so one greedy sequence
+    # per prompt never outgrows the cache; tests/models/test_streaming.py preempts such models
+    # with forking siblings.
+    if "num_kv_blocks" in kwargs and llm.llm_engine.scheduler.kv_cache_manager.sliding_window is None:
         stats = llm.llm_engine.get_stats()
         assert stats.num_preemptions_recompute + stats.num_preemptions_swap > 0
 

@@ -91,6 +91,8 @@ class OpenAIServing:
         self.model_name = model_name
         self.tokenizer = tokenizer
         self.max_model_len = engine.engine.config.model_config.max_model_len
+        # None with attention sinks: the completion may run past max_model_len.
+        self.max_context_len = engine.engine.config.model_config.max_context_len
 
     # --- checks -----------------------------------------------------------------------------
 
@@ -109,7 +111,11 @@ class OpenAIServing:
                 param=prompt_param,
                 code="context_length_exceeded",
             )
-        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+        if (
+            self.max_context_len is not None
+            and max_tokens is not None
+            and num_prompt_tokens + max_tokens > self.max_model_len
+        ):
             raise APIError(
                 400,
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "
