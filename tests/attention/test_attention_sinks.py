@@ -308,7 +308,7 @@ def test_zero_sinks_ignore_a_sink_query(backend_cls: type) -> None:
     "variants, match",
     [
         ({"attention_sinks": -1, "sliding_window": 16}, "attention_sinks"),
-        ({"attention_sinks": 4}, "attention_sinks.*sliding_window"),
+        ({"attention_sinks": 4}, r"attention_sinks.*sliding_window"),
         ({"attention_sinks": 2.5, "sliding_window": 16}, "attention_sinks"),
     ],
 )
