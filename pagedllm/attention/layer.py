@@ -27,6 +27,7 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         alibi_slopes: torch.Tensor | None = None,
         logits_soft_cap: float | None = None,
+        attention_sinks: int = 0,
     ) -> None:
         """The keyword arguments are this layer's attention variants (``AttentionBackend.__init__``)."""
         super().__init__()
@@ -43,6 +44,7 @@ class Attention(nn.Module):
             sliding_window=sliding_window,
             alibi_slopes=alibi_slopes,
             logits_soft_cap=logits_soft_cap,
+            attention_sinks=attention_sinks,
         )
 
     def forward(
@@ -52,15 +54,20 @@ class Attention(nn.Module):
         value: torch.Tensor,
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
+        sink_query: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query: [num_tokens, num_heads * head_size]; key, value: [num_tokens, num_kv_heads *
-        head_size]. Returns [num_tokens, num_heads * head_size]."""
+        head_size]; sink_query (with attention_sinks): like query, the query that scores the sinks
+        outside its window. Returns [num_tokens, num_heads * head_size]."""
         num_tokens = query.shape[0]
+        if sink_query is not None:
+            sink_query = sink_query.view(num_tokens, self.num_heads, self.head_size)
         output = self.impl.forward(
             query.view(num_tokens, self.num_heads, self.head_size),
             key.view(num_tokens, self.num_kv_heads, self.head_size),
             value.view(num_tokens, self.num_kv_heads, self.head_size),
             kv_cache,
             attn_metadata,
+            sink_query=sink_query,
         )
         return output.view(num_tokens, self.num_heads * self.head_size)

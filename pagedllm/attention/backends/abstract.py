@@ -32,8 +32,9 @@ class AttentionBackend(ABC):
         sliding_window: int | None = None,
         alibi_slopes: torch.Tensor | None = None,
         logits_soft_cap: float | None = None,
+        attention_sinks: int = 0,
     ) -> None:
-        """Per-layer attention variants (None: off):
+        """Per-layer attention variants (None, or 0 for attention_sinks: off):
 
         sliding_window: a query at position p attends to keys at positions > p - sliding_window
             (Hugging Face's ``sliding_window_overlay``: the window holds the query and the
@@ -41,6 +42,15 @@ class AttentionBackend(ABC):
         alibi_slopes: [num_heads] float32, this rank's heads: score(p, n) += slope * (n - p)
             (Press et al. 2022; softmax is shift-invariant, so BLOOM's slope * n is the same).
         logits_soft_cap: scores become cap * tanh(scores / cap) before ALiBi and masking (Gemma 2).
+        attention_sinks: S > 0 keeps the context's first S tokens visible to every later query on
+            top of its sliding window (StreamingLLM, Xiao et al. 2023, "Efficient Streaming
+            Language Models with Attention Sinks"): key k is visible to query position q iff
+            ``k <= q and (k > q - sliding_window or k < S)``. A sink the window has passed
+            (``k <= q - sliding_window``) is scored with ``forward``'s ``sink_query``, the same
+            query rotated at another rotary position (the model computes it: the positions a
+            sink should see are the model's choice, not the kernel's); every other visible key
+            with ``query``. Scale, soft cap, ALiBi (distance k - q) and one softmax over all
+            visible keys apply as for any key. Needs a sliding_window.
         """
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
@@ -48,6 +58,13 @@ class AttentionBackend(ABC):
             raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
         if alibi_slopes is not None and tuple(alibi_slopes.shape) != (num_heads,):
             raise ValueError(f"alibi_slopes must have shape [{num_heads}], got {tuple(alibi_slopes.shape)}")
+        if isinstance(attention_sinks, bool) or not isinstance(attention_sinks, int) or attention_sinks < 0:
+            raise ValueError(f"attention_sinks must be an int >= 0, got {attention_sinks!r}")
+        if attention_sinks > 0 and sliding_window is None:
+            raise ValueError(
+                f"attention_sinks ({attention_sinks}) needs a sliding_window: without one every key "
+                "is visible already"
+            )
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = scale
@@ -56,6 +73,7 @@ class AttentionBackend(ABC):
         self.sliding_window = sliding_window
         self.alibi_slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()
         self.logits_soft_cap = logits_soft_cap
+        self.attention_sinks = attention_sinks
 
     @staticmethod
     @abstractmethod
@@ -79,7 +97,25 @@ class AttentionBackend(ABC):
         value: torch.Tensor,
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
+        sink_query: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_size]; key, value: [num_tokens, num_kv_heads,
         head_size]. Writes key/value into ``kv_cache`` at ``attn_metadata.slot_mapping``, then
-        returns attention over each sequence's context: [num_tokens, num_heads, head_size]."""
+        returns attention over each sequence's context: [num_tokens, num_heads, head_size].
+
+        sink_query: [num_tokens, num_heads, head_size], the query that scores the sinks its
+        window has passed; required with attention_sinks > 0, ignored otherwise
+        (``_check_sink_query``)."""
+
+    def _check_sink_query(self, query: torch.Tensor, sink_query: torch.Tensor | None) -> torch.Tensor | None:
+        """The sink query forward should use: None without sinks (whatever was passed), else
+        ``sink_query`` after checking its shape (host metadata only: no device sync)."""
+        if self.attention_sinks == 0:
+            return None
+        if sink_query is None:
+            raise ValueError(f"sink_query is required with attention_sinks={self.attention_sinks}")
+        if sink_query.shape != query.shape:
+            raise ValueError(
+                f"sink_query must have the query's shape {tuple(query.shape)}, got {tuple(sink_query.shape)}"
+            )
+        return sink_query

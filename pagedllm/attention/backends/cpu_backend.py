@@ -24,6 +24,13 @@ per layer, so the two share caches and swap code), computed the way a CPU is fas
 ALiBi (Press et al., 2022: bias ``slope_h * (key_pos - query_pos)``) and logit soft-capping (Gemma
 2: ``cap * tanh(score / cap)``) change the scores themselves, so with either one prefill chunks
 also take the explicit path (matmul, cap, bias, mask, float32 softmax, matmul).
+
+Attention sinks (StreamingLLM, Xiao et al. 2023) score the first ``attention_sinks`` keys with a
+second query (``sink_query``) for the rows whose window has passed them, which SDPA cannot: a
+layer with sinks always takes the explicit path, with one extra ``[rows, attention_sinks]``
+matmul for the sink scores, selected into the first columns. Its mask keeps the sinks visible past
+the window; the context between the sinks and the window may be freed blocks (NaN), so values no
+row sees are zeroed.
 """
 
 from __future__ import annotations
@@ -90,6 +97,7 @@ class CpuAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         alibi_slopes: torch.Tensor | None = None,
         logits_soft_cap: float | None = None,
+        attention_sinks: int = 0,
     ) -> None:
         super().__init__(
             num_heads,
@@ -99,6 +107,7 @@ class CpuAttentionBackend(AttentionBackend):
             sliding_window=sliding_window,
             alibi_slopes=alibi_slopes,
             logits_soft_cap=logits_soft_cap,
+            attention_sinks=attention_sinks,
         )
         # [num_kv_heads, group, 1, 1]: query head h = kv_head * group + g, as the model lays them out.
         self.alibi_slopes = (
@@ -124,16 +133,19 @@ class CpuAttentionBackend(AttentionBackend):
         value: torch.Tensor,
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
+        sink_query: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        sink_query = self._check_sink_query(query, sink_query)
         key_cache, value_cache = kv_cache
         md = attn_metadata
         write_to_paged_cache_indexed(key, value, key_cache, value_cache, md.slot_mapping)
         num_decodes = md.num_decodes
         if num_decodes == query.shape[0]:  # decodes only, no padding tokens: no output copy
-            return self._decode(query, key_cache, value_cache, md)
+            return self._decode(query, sink_query, key_cache, value_cache, md)
         output = torch.empty_like(query)
         if num_decodes:
-            output[:num_decodes] = self._decode(query[:num_decodes], key_cache, value_cache, md)
+            decode_sinks = None if sink_query is None else sink_query[:num_decodes]
+            output[:num_decodes] = self._decode(query[:num_decodes], decode_sinks, key_cache, value_cache, md)
         query_start_loc = md.query_start_loc_cpu.tolist()
         seq_lens = md.seq_lens_cpu.tolist()
         for i in range(num_decodes, md.num_seqs):
@@ -143,16 +155,24 @@ class CpuAttentionBackend(AttentionBackend):
             else:
                 k, v = self._gather(key_cache, value_cache, md, i, i + 1)
             q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, query_len, head_size]
-            output[start:end] = self._attend(q, k, v, md.seq_lens_cpu[i : i + 1])[0].transpose(0, 1)
+            sq = None if sink_query is None else sink_query[start:end].transpose(0, 1)[None]
+            output[start:end] = self._attend(q, k, v, md.seq_lens_cpu[i : i + 1], sq)[0].transpose(0, 1)
         return output
 
     def _decode(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, md: AttentionMetadata
+        self,
+        query: torch.Tensor,
+        sink_query: torch.Tensor | None,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: AttentionMetadata,
     ) -> torch.Tensor:
-        """query: [num_decodes, num_heads, head_size], one token per sequence -> same shape."""
+        """query (and sink_query, None without sinks): [num_decodes, num_heads, head_size], one
+        token per sequence -> same shape."""
         num_decodes = query.shape[0]
         keys, values = self._gather(key_cache, value_cache, md, 0, num_decodes)
-        out = self._attend(query[:, :, None], keys, values, md.seq_lens_cpu[:num_decodes])
+        sinks = None if sink_query is None else sink_query[:, :, None]
+        out = self._attend(query[:, :, None], keys, values, md.seq_lens_cpu[:num_decodes], sinks)
         return out.view(num_decodes, self.num_heads, self.head_size)
 
     @staticmethod
@@ -166,34 +186,54 @@ class CpuAttentionBackend(AttentionBackend):
         return gather_contexts(key_cache, table, seq_lens), gather_contexts(value_cache, table, seq_lens)
 
     def _attend(
-        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_lens: torch.Tensor
+        self,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        seq_lens: torch.Tensor,
+        sink_query: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Each sequence's queries are the last ``query_len`` positions of its ``seq_lens[b]``.
 
-        query: [num_seqs, num_heads, query_len, head_size]; keys, values: [num_seqs,
-        num_kv_heads, ctx_len, head_size] (ctx_len >= every seq_len; slots past it are ignored).
-        Returns [num_seqs, num_heads, query_len, head_size].
+        query (and sink_query, None without sinks): [num_seqs, num_heads, query_len, head_size];
+        keys, values: [num_seqs, num_kv_heads, ctx_len, head_size] (ctx_len >= every seq_len;
+        slots past it are ignored). Returns [num_seqs, num_heads, query_len, head_size].
         """
         num_seqs, _, query_len, head_size = query.shape
         group, ctx_len = self.num_queries_per_kv, keys.shape[2]
         key_pos = torch.arange(ctx_len)
         query_pos = seq_lens.long()[:, None] - query_len + torch.arange(query_len)  # [num_seqs, query_len]
         mask = key_pos <= query_pos[:, :, None]  # [num_seqs, query_len, ctx_len]
+        sink_mask = None
         if self.sliding_window is not None:
-            mask &= key_pos > query_pos[:, :, None] - self.sliding_window
-        # Fold each KV head's query group into the query axis: [num_seqs, kv_heads, group * query_len, head].
-        # (A cache in another dtype than the activations computes in the cache's.)
-        q = query.to(keys.dtype).reshape(num_seqs, self.num_kv_heads, group * query_len, head_size)
-        if query_len == 1:  # one mask row per sequence, broadcast over the group
-            mask = mask[:, None]
-        else:
-            mask = (
-                mask[:, None, None]
-                .expand(-1, 1, group, -1, -1)
-                .reshape(num_seqs, 1, group * query_len, ctx_len)
-            )
+            in_window = key_pos > query_pos[:, :, None] - self.sliding_window
+            if sink_query is not None:
+                # The sinks each row's window has passed (k <= q - window < q: causal too).
+                sink_mask = ~in_window[:, :, : self.attention_sinks]
+                mask &= in_window | (key_pos < self.attention_sinks)
+                # Keys no row sees may be freed blocks holding NaN: zero their values (a masked
+                # probability is 0, and 0 * NaN = NaN); their scores are masked below.
+                values = torch.where(mask.any(dim=1)[:, None, :, None], values, 0)
+            else:
+                mask &= in_window
+
+        def fold(q: torch.Tensor) -> torch.Tensor:
+            # Fold each KV head's query group into the query axis: [num_seqs, kv_heads,
+            # group * query_len, head]. (A cache in another dtype than the activations computes in
+            # the cache's.)
+            return q.to(keys.dtype).reshape(num_seqs, self.num_kv_heads, group * query_len, head_size)
+
+        def fold_mask(m: torch.Tensor) -> torch.Tensor:
+            if query_len == 1:  # one mask row per sequence, broadcast over the group
+                return m[:, None]
+            return m[:, None, None].expand(-1, 1, group, -1, -1).reshape(num_seqs, 1, group * query_len, -1)
+
+        q, mask = fold(query), fold_mask(mask)
         few_rows = query_len > 1 or num_seqs <= SDPA_MAX_DECODES
-        if few_rows and self.alibi_slopes is None and self.logits_soft_cap is None:
+        if sink_query is not None:
+            sinks = (fold(sink_query), fold_mask(sink_mask))
+            out = self._attend_explicit(q, keys, values, mask, query_pos, key_pos, sinks)
+        elif few_rows and self.alibi_slopes is None and self.logits_soft_cap is None:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         else:
             out = self._attend_explicit(q, keys, values, mask, query_pos, key_pos)
@@ -207,11 +247,20 @@ class CpuAttentionBackend(AttentionBackend):
         mask: torch.Tensor,
         query_pos: torch.Tensor,
         key_pos: torch.Tensor,
+        sinks: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Scores by matmul (in the run dtype), then cap, bias, mask and a float32 softmax; shapes as
-        in SDPA. Masking replaces the scores, so NaN-free keys are not needed here."""
+        in SDPA. Masking replaces the scores, so NaN-free keys are not needed here.
+
+        sinks: (sink_q like q, sink_mask [num_seqs, 1, rows, n <= attention_sinks]): the first n
+        scores of the rows whose window has passed those keys come from sink_q instead."""
         num_seqs, num_kv_heads, rows, ctx_len = mask.shape[0], q.shape[1], q.shape[2], key_pos.shape[0]
         scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale
+        if sinks is not None:
+            sink_q, sink_mask = sinks
+            num_sinks = sink_mask.shape[-1]
+            sink_scores = torch.matmul(sink_q, keys[:, :, :num_sinks].transpose(-1, -2)).float() * self.scale
+            scores[..., :num_sinks] = torch.where(sink_mask, sink_scores, scores[..., :num_sinks])
         if self.logits_soft_cap is not None:
             scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
         if self.alibi_slopes is not None:

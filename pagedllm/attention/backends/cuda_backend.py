@@ -70,6 +70,7 @@ class CudaAttentionBackend(TritonAttentionBackend):
     def _decode(
         self,
         query: torch.Tensor,
+        sink_query: torch.Tensor | None,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         block_tables: torch.Tensor,
@@ -77,14 +78,16 @@ class CudaAttentionBackend(TritonAttentionBackend):
         max_seq_len: int,
         out: torch.Tensor,
     ) -> None:
-        if self.sliding_window is not None or self.logits_soft_cap is not None:
-            # vLLM's original kernels know ALiBi only: a windowed or soft-capped layer decodes with the
-            # Triton prefill kernel (one query per sequence), which reads this layout and starts at
-            # the window's first tile.
+        if self.sliding_window is not None or self.logits_soft_cap is not None or self.attention_sinks:
+            # vLLM's original kernels know ALiBi only: a windowed, soft-capped or sink-keeping layer
+            # decodes with the Triton prefill kernel (one query per sequence), which reads this
+            # layout, starts at the window's first tile and scores the sinks with sink_query.
+            # Graph-capturable as the Triton decode is: the grid comes from host ints only.
             num_decodes = query.shape[0]
             query_start_loc = torch.arange(num_decodes + 1, dtype=torch.int32, device=query.device)
             self._prefill(
                 query,
+                sink_query,
                 (key_cache, value_cache),
                 block_tables,
                 seq_lens,

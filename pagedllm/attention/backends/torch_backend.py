@@ -13,7 +13,8 @@ Decodes (one query each) are computed together: their contexts are gathered into
 computed one sequence at a time with a causal mask aligned to the end of the context (the chunk's
 queries are the last ``query_len`` positions). Both go through one written-out softmax
 (``_attend``) that applies the layer's variants the way their papers define them: soft-capping,
-ALiBi, the sliding window. Cost is linear in the number of sequences.
+ALiBi, the sliding window, attention sinks (StreamingLLM: the first ``attention_sinks`` keys stay
+visible past the window, scored with a second query). Cost is linear in the number of sequences.
 """
 
 from __future__ import annotations
@@ -74,26 +75,45 @@ class TorchAttentionBackend(AttentionBackend):
         value: torch.Tensor,
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
+        sink_query: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        sink_query = self._check_sink_query(query, sink_query)
         key_cache, value_cache = kv_cache
         write_to_paged_cache(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
         output = torch.empty_like(query)
         num_decodes = attn_metadata.num_decodes
         if num_decodes:
-            output[:num_decodes] = self._decode(query[:num_decodes], key_cache, value_cache, attn_metadata)
+            output[:num_decodes] = self._decode(
+                query[:num_decodes],
+                None if sink_query is None else sink_query[:num_decodes],
+                key_cache,
+                value_cache,
+                attn_metadata,
+            )
         query_start_loc = attn_metadata.query_start_loc_cpu.tolist()
         seq_lens = attn_metadata.seq_lens_cpu.tolist()
         for i in range(num_decodes, attn_metadata.num_seqs):
             start, end = query_start_loc[i], query_start_loc[i + 1]
             output[start:end] = self._prefill(
-                query[start:end], key_cache, value_cache, attn_metadata.block_tables[i], seq_lens[i]
+                query[start:end],
+                None if sink_query is None else sink_query[start:end],
+                key_cache,
+                value_cache,
+                attn_metadata.block_tables[i],
+                seq_lens[i],
             )
         return output
 
     def _decode(
-        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, md: AttentionMetadata
+        self,
+        query: torch.Tensor,
+        sink_query: torch.Tensor | None,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: AttentionMetadata,
     ) -> torch.Tensor:
-        """query: [num_decodes, num_heads, head_size], one token per sequence."""
+        """query (and sink_query, None without sinks): [num_decodes, num_heads, head_size], one
+        token per sequence."""
         num_decodes = query.shape[0]
         block_size = key_cache.shape[1]
         seq_lens = md.seq_lens[:num_decodes].long()
@@ -105,12 +125,15 @@ class TorchAttentionBackend(AttentionBackend):
         values = value_cache[block_tables].flatten(1, 2)
         k_pos = torch.arange(keys.shape[1], device=query.device)
         q_pos = (seq_lens - 1)[:, None]  # [num_decodes, 1]: each query is its context's last token
-        out = self._attend(query[:, None], keys, values, q_pos, k_pos, k_pos[None, :] < seq_lens[:, None])
+        valid = k_pos[None, :] < seq_lens[:, None]
+        sinks = None if sink_query is None else sink_query[:, None]
+        out = self._attend(query[:, None], sinks, keys, values, q_pos, k_pos, valid)
         return out[:, 0]
 
     def _prefill(
         self,
         query: torch.Tensor,
+        sink_query: torch.Tensor | None,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         block_table: torch.Tensor,
@@ -124,11 +147,13 @@ class TorchAttentionBackend(AttentionBackend):
         q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)[None]
         k_pos = torch.arange(seq_len, device=query.device)
         valid = torch.ones(1, seq_len, dtype=torch.bool, device=query.device)
-        return self._attend(query[None], keys, values, q_pos, k_pos, valid)[0]
+        sinks = None if sink_query is None else sink_query[None]
+        return self._attend(query[None], sinks, keys, values, q_pos, k_pos, valid)[0]
 
     def _attend(
         self,
         query: torch.Tensor,
+        sink_query: torch.Tensor | None,
         keys: torch.Tensor,
         values: torch.Tensor,
         q_pos: torch.Tensor,
@@ -139,22 +164,44 @@ class TorchAttentionBackend(AttentionBackend):
 
         query: [batch, num_queries, num_heads, head_size]; keys, values: [batch, num_keys,
         num_kv_heads, head_size]; q_pos: [batch, num_queries] and k_pos: [num_keys] context
-        positions; valid: [batch, num_keys], the keys that exist. Returns the shape of query.
+        positions; valid: [batch, num_keys], the keys that exist; sink_query: like query, or None
+        without sinks. Returns the shape of query.
+
+        Visible: the keys that exist, ``k <= q``, and with a window ``k > q - sliding_window`` or
+        (attention sinks) ``k < attention_sinks``. A visible sink outside the window is scored with
+        sink_query, every other key with query; one softmax over them all.
         """
         group = self.num_queries_per_kv
-        q = query.float().unflatten(2, (self.num_kv_heads, group))  # [b, q, kvh, g, d]
-        # Slots that do not exist may hold anything, NaN included: select, never multiply, them away.
-        values = torch.where(valid[:, :, None, None], values.float(), 0.0)
-        scores = torch.einsum("bqhgd,bkhd->bhgqk", q, keys.float()) * self.scale
-        if self.logits_soft_cap is not None:
-            scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
         distance = k_pos[None, None, :] - q_pos[:, :, None]  # [b, q, k]: key minus query position
+        # Slots no query sees -- past seq_len, or between the sinks and the window, whose blocks
+        # the engine may have freed -- may hold anything, NaN included: select, never multiply,
+        # them away (a masked probability is 0, and 0 * NaN is NaN). Zeroed keys keep NaN out of
+        # the scores as well, so the selections below never meet one.
+        in_window = distance <= 0
+        if self.sliding_window is not None:
+            in_window &= distance > -self.sliding_window
+        # The sinks the window has passed (none without sinks; attention_sinks implies a window).
+        sink = torch.zeros_like(in_window)
+        if self.attention_sinks:
+            sink = (distance <= -self.sliding_window) & (k_pos < self.attention_sinks)
+        visible = valid[:, None, :] & (in_window | sink)
+        seen = visible.any(dim=1)[:, :, None, None]  # [b, k, 1, 1]: visible to some query
+        keys = torch.where(seen, keys.float(), 0.0)
+        values = torch.where(seen, values.float(), 0.0)
+
+        def scores_of(q: torch.Tensor) -> torch.Tensor:
+            q = q.float().unflatten(2, (self.num_kv_heads, group))  # [b, q, kvh, g, d]
+            scores = torch.einsum("bqhgd,bkhd->bhgqk", q, keys) * self.scale
+            if self.logits_soft_cap is not None:
+                scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
+            return scores
+
+        scores = scores_of(query)
+        if sink_query is not None:
+            scores = torch.where(sink[:, None, None], scores_of(sink_query), scores)
         if self.alibi_slopes is not None:
             slopes = self.alibi_slopes.view(self.num_kv_heads, group)
             scores = scores + slopes[None, :, :, None, None] * distance[:, None, None].float()
-        visible = valid[:, None, :] & (distance <= 0)
-        if self.sliding_window is not None:
-            visible &= distance > -self.sliding_window
         scores = torch.where(visible[:, None, None], scores, float("-inf"))
         out = torch.einsum("bhgqk,bkhd->bqhgd", torch.softmax(scores, dim=-1), values)
         return out.flatten(2, 3).to(query.dtype)

@@ -19,6 +19,10 @@ for the decodes (sequences ``[0, num_decodes)``, FlashDecoding split over the co
 ``paged_prefill`` for the prefill chunks after them (causal over cached prefix + chunk). Grids come
 from host ints in the metadata (``max_seq_len``, ``max_query_len``): forward never syncs with the
 device, and with ``max_seq_len`` pinned to ``max_model_len`` a decode step is CUDA-graph capturable.
+
+Attention sinks (StreamingLLM, Xiao et al. 2023) are one more stage in each kernel, scoring the sinks
+a window has passed with ``sink_query`` (see each kernel's header); a layer without them launches the
+kernels compiled before sinks existed (``SINKS`` is a constexpr).
 """
 
 from __future__ import annotations
@@ -114,7 +118,9 @@ class TritonAttentionBackend(AttentionBackend):
         value: torch.Tensor,
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
+        sink_query: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        sink_query = self._check_sink_query(query, sink_query)
         key_cache, value_cache = kv_cache
         md = attn_metadata
         self._write_cache(key, value, key_cache, value_cache, md.slot_mapping)
@@ -125,6 +131,7 @@ class TritonAttentionBackend(AttentionBackend):
         if num_decodes:
             self._decode(
                 query[:num_decodes],
+                None if sink_query is None else sink_query[:num_decodes],
                 key_cache,
                 value_cache,
                 md.block_tables[:num_decodes],
@@ -135,6 +142,7 @@ class TritonAttentionBackend(AttentionBackend):
         if md.num_prefills:
             self._prefill(
                 query,
+                sink_query,
                 (key_cache, value_cache),
                 md.block_tables,
                 md.seq_lens,
@@ -147,6 +155,7 @@ class TritonAttentionBackend(AttentionBackend):
     def _prefill(
         self,
         query: torch.Tensor,
+        sink_query: torch.Tensor | None,
         kv_cache: KVCache,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
@@ -156,7 +165,7 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> None:
         """paged_prefill for sequences [first, first + count) of the batch, ``seqs = (first,
         count, max_query_len)``. One kernel for every layout: it reads the Triton and vLLM's original
-        caches alike."""
+        caches alike. sink_query: the shape of query, None without sinks."""
         key_cache, value_cache = kv_cache
         first_seq, num_seqs, max_query_len = seqs
         paged_prefill(
@@ -171,6 +180,7 @@ class TritonAttentionBackend(AttentionBackend):
             num_seqs,
             max_query_len,
             out,
+            sink_query=sink_query,
             **self._variants(),
             **_launch_kwargs(self.head_size, key_cache.dtype)[1],
         )
@@ -188,6 +198,7 @@ class TritonAttentionBackend(AttentionBackend):
     def _decode(
         self,
         query: torch.Tensor,
+        sink_query: torch.Tensor | None,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         block_tables: torch.Tensor,
@@ -195,10 +206,12 @@ class TritonAttentionBackend(AttentionBackend):
         max_seq_len: int,
         out: torch.Tensor,
     ) -> None:
-        """query, out: [num_decodes, num_heads, head_size]; one new token per sequence."""
+        """query, out (and sink_query, None without sinks): [num_decodes, num_heads, head_size];
+        one new token per sequence."""
         launch = _launch_kwargs(self.head_size, key_cache.dtype)[0]
         # A windowed layer reads at most a window per sequence: size the partitions for that, so
-        # that its few live partitions still fill the GPU (the others exit at once).
+        # that its few live partitions still fill the GPU (the others exit at once). Its sinks
+        # are a few more tiles in the window's first partition, not worth a partition of their own.
         attended_len = min(max_seq_len, self.sliding_window or max_seq_len)
         partition_size = decode_partition_size(
             query.shape[0], self.num_kv_heads, attended_len, launch, query.device
@@ -212,6 +225,7 @@ class TritonAttentionBackend(AttentionBackend):
             self.scale,
             max_seq_len,
             out,
+            sink_query=sink_query,
             **self._variants(),
             **{**launch, "partition_size": partition_size},
         )
@@ -222,4 +236,5 @@ class TritonAttentionBackend(AttentionBackend):
             "sliding_window": self.sliding_window,
             "alibi_slopes": self.alibi_slopes,
             "logits_soft_cap": self.logits_soft_cap,
+            "attention_sinks": self.attention_sinks,
         }

@@ -20,6 +20,12 @@ Kernel 1, ``_paged_decode_kernel``, grid ``(num_seqs, num_kv_heads, num_partitio
   returns at once and writes nothing; the partition holding that key starts at its tile. With a
   single partition (``SINGLE_PARTITION``) it writes ``acc / l_i`` straight to the output and kernel
   2 is skipped.
+  With attention sinks (``SINKS``; StreamingLLM, Xiao et al. 2023) the window's first partition
+  (the one holding ``window_start``; exactly one is live and starts at or before it) first runs one
+  more stage: the sinks the window has passed, keys ``[0, min(attention_sinks, window_start))``,
+  scored with the group's rows of ``sink_query`` into the same running state. The partitions and
+  the reduce are unchanged: the sinks are part of that partition's ``m_i``, ``l_i`` and ``acc``.
+  Nothing between the sinks and the window is read (those blocks may be freed: NaN).
 Kernel 2, ``_paged_decode_reduce_kernel``, grid ``(num_seqs, num_heads)``:
   reads the live partitions of one query head (from the window's first, up to
   ``cdiv(seq_len, partition_size)``), rescales each by
@@ -29,17 +35,18 @@ Kernel 2, ``_paged_decode_reduce_kernel``, grid ``(num_seqs, num_heads)``:
 device's ``seq_lens``, so a CUDA graph captured with ``max_seq_len = max_model_len`` stays valid
 for every replay; the programs past a sequence's end exit immediately.
 
-Layouts: query/output ``[num_seqs, num_heads, head_size]``; key_cache/value_cache ``[num_blocks,
-num_kv_heads, block_size, head_size]``; block_tables ``[num_seqs, max_blocks]`` int32; seq_lens
-``[num_seqs]`` int32; workspace (float32) partial_out ``[num_seqs, num_heads, num_partitions,
-HEAD_DIM]``, max_logits/exp_sums ``[num_seqs, num_heads, num_partitions]``.
+Layouts: query/output (and sink_query) ``[num_seqs, num_heads, head_size]``; key_cache/value_cache
+``[num_blocks, num_kv_heads, block_size, head_size]``; block_tables ``[num_seqs, max_blocks]``
+int32; seq_lens ``[num_seqs]`` int32; workspace (float32) partial_out ``[num_seqs, num_heads,
+num_partitions, HEAD_DIM]``, max_logits/exp_sums ``[num_seqs, num_heads, num_partitions]``.
 
 Bound: memory. Bytes ~ ``2 * sum(seq_lens) * num_kv_heads * head_size * element_size`` (each K/V
 element read once; with a window, ``min(seq_len, sliding_window)`` per sequence plus at most one
-partly masked tile); FLOPs ~ ``4 * sum(seq_lens) * num_heads * head_size``, i.e. ~2 *
-num_queries_per_kv FLOPs per byte at 16 bits, far below any GPU's ridge point. The workspace
-traffic is ``num_partitions * num_heads * head_size * 4`` bytes per sequence, < 1% of the K/V
-bytes at partitions of 512 tokens.
+partly masked tile; with sinks, ``min(attention_sinks, window_start)`` more in ``cdiv(
+attention_sinks, BLOCK_N)`` masked tiles, and one more query row per KV head); FLOPs ~ ``4 *
+sum(seq_lens) * num_heads * head_size``, i.e. ~2 * num_queries_per_kv FLOPs per byte at 16 bits,
+far below any GPU's ridge point. The workspace traffic is ``num_partitions * num_heads *
+head_size * 4`` bytes per sequence, < 1% of the K/V bytes at partitions of 512 tokens.
 """
 
 from __future__ import annotations
@@ -61,13 +68,15 @@ def _window_start(seq_len, sliding_window):
     return tl.maximum(seq_len - sliding_window, 0) * (sliding_window > 0)
 
 
-@triton.jit(do_not_specialize=["partition_size", "sliding_window"])
+# attention_sinks is a runtime value for the reason sliding_window is: it may differ per layer.
+@triton.jit(do_not_specialize=["partition_size", "sliding_window", "attention_sinks"])
 def _paged_decode_kernel(
     out_ptr,
     partial_out_ptr,
     max_logits_ptr,
     exp_sums_ptr,
     query_ptr,
+    sink_query_ptr,  # [num_seqs, num_heads, head_size], read when SINKS
     key_cache_ptr,
     value_cache_ptr,
     block_tables_ptr,
@@ -75,10 +84,14 @@ def _paged_decode_kernel(
     alibi_slopes_ptr,  # [num_heads] float32, read when ALIBI
     qk_scale,
     sliding_window,  # 0: no window
+    attention_sinks,  # read when SINKS
     soft_cap,  # the logit cap * log2(e), read when SOFT_CAP
     stride_q_seq,
     stride_q_head,
     stride_q_dim,
+    stride_sq_seq,
+    stride_sq_head,
+    stride_sq_dim,
     stride_o_seq,
     stride_o_head,
     stride_o_dim,
@@ -109,6 +122,7 @@ def _paged_decode_kernel(
     SINGLE_PARTITION: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     ALIBI: tl.constexpr,
+    SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # partition_size (a multiple of BLOCK_N: tiles never straddle two partitions, asserted by the
@@ -155,6 +169,56 @@ def _paged_decode_kernel(
     k_head_ptr = key_cache_ptr + kv_head * stride_k_head
     v_head_ptr = value_cache_ptr + kv_head * stride_v_head
     block_table_ptr = block_tables_ptr + seq * stride_bt_seq
+    if SINKS:
+        # The sinks the window has passed, [0, sink_end), for the window's first partition only
+        # (sink_end = 0 elsewhere: no tile, and the sink query is not even loaded). They end at or
+        # before window_start, so they never overlap the window's tiles below; the stage is the
+        # first this program runs and every row sees key 0, so no row starts fully masked.
+        sink_end = tl.minimum(attention_sinks, window_start) * (start <= window_start)
+        sink_q = tl.load(
+            sink_query_ptr
+            + seq * stride_sq_seq
+            + heads[:, None] * stride_sq_head
+            + offs_d[None, :] * stride_sq_dim,
+            # (sink_end broadcast by hand: Triton's interpreter refuses a scalar in a block mask)
+            mask=row_mask & (offs_h[:, None] * 0 + sink_end > 0),
+            other=0.0,
+        ).to(key_cache_ptr.dtype.element_ty)
+        acc, l_i, m_i = attend_paged_range(
+            acc,
+            l_i,
+            m_i,
+            sink_q,
+            q_pos,
+            k_head_ptr,
+            v_head_ptr,
+            block_table_ptr,
+            0,
+            sink_end,
+            0,
+            qk_scale,
+            sliding_window,
+            soft_cap,
+            alibi_row,
+            stride_bt_blk,
+            stride_k_block,
+            stride_k_slot,
+            k_dim_offs,
+            stride_v_block,
+            stride_v_slot,
+            v_dim_offs,
+            HEAD_SIZE,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            BLOCK_N,
+            MASK_TAIL=True,
+            CAUSAL=False,
+            WINDOW=False,
+            SINK=False,
+            SOFT_CAP=SOFT_CAP,
+            ALIBI=ALIBI,
+            DOT_PRECISION=DOT_PRECISION,
+        )
     # The window's first tile, masked below window_start (and at seq_len); then full tiles
     # without per-token masks; then at most one tile cut by seq_len. Not causal: the query is the
     # context's last token.
@@ -188,6 +252,7 @@ def _paged_decode_kernel(
         MASK_TAIL=True,
         CAUSAL=False,
         WINDOW=False,
+        SINK=False,
         SOFT_CAP=SOFT_CAP,
         ALIBI=ALIBI,
         DOT_PRECISION=DOT_PRECISION,
@@ -222,6 +287,7 @@ def _paged_decode_kernel(
         MASK_TAIL=False,
         CAUSAL=False,
         WINDOW=False,
+        SINK=False,
         SOFT_CAP=SOFT_CAP,
         ALIBI=ALIBI,
         DOT_PRECISION=DOT_PRECISION,
@@ -256,6 +322,7 @@ def _paged_decode_kernel(
         MASK_TAIL=True,
         CAUSAL=False,
         WINDOW=False,
+        SINK=False,
         SOFT_CAP=SOFT_CAP,
         ALIBI=ALIBI,
         DOT_PRECISION=DOT_PRECISION,
@@ -363,6 +430,8 @@ def paged_decode(
     sliding_window: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
     logits_soft_cap: float | None = None,
+    attention_sinks: int = 0,
+    sink_query: torch.Tensor | None = None,
     partition_size: int = 512,
     block_n: int = 64,
     num_warps: int = 4,
@@ -375,11 +444,16 @@ def paged_decode(
     [num_seqs] int32, each in [1, max_seq_len]. ``max_seq_len`` is a host-side bound (e.g.
     max_model_len under CUDA graphs) that sets the number of partitions; no device value is read.
     The variants (sliding_window, alibi_slopes [num_heads] float32, logits_soft_cap) are
-    ``AttentionBackend``'s; with a window, partitions wholly before it exit at once.
+    ``AttentionBackend``'s; with a window, partitions wholly before it exit at once. With
+    ``attention_sinks > 0`` (and a window), ``sink_query`` (the shape of ``query``) scores the
+    sinks outside each sequence's window.
     """
     layout = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
     assert layout.key_chunk == 0, "paged_decode reads the Triton layout (the cuda backend has its own decode)"
     assert block_tables.shape[0] == seq_lens.shape[0] == query.shape[0], "one query per sequence"
+    sinks = attention_sinks > 0
+    assert not sinks or (sliding_window is not None and sink_query is not None), "sinks need both"
+    assert not sinks or (sink_query.shape == query.shape and sink_query.stride(2) == 1)
     num_seqs, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_cache.shape[1:3]
     assert partition_size % block_n == 0 and partition_size % block_size == 0, (
@@ -405,6 +479,7 @@ def paged_decode(
         max_logits,
         exp_sums,
         query,
+        sink_query if sinks else query,  # a pointer never read without sinks
         key_cache,
         value_cache,
         block_tables,
@@ -412,8 +487,10 @@ def paged_decode(
         query if alibi_slopes is None else alibi_slopes,  # a pointer never read without ALiBi
         scale * math.log2(math.e),
         sliding_window or 0,
+        attention_sinks,
         (logits_soft_cap or 0.0) * math.log2(math.e),
         *query.stride(),
+        *(sink_query if sinks else query).stride(),
         *out.stride(),
         *partial_out.stride(),
         *max_logits.stride(),
@@ -430,6 +507,7 @@ def paged_decode(
         SINGLE_PARTITION=single_partition,
         SOFT_CAP=logits_soft_cap is not None,
         ALIBI=alibi_slopes is not None,
+        SINKS=sinks,
         DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -14,20 +14,34 @@ tokens of one sequence and one query head; programs whose rows start past the se
 last row's position + 1)`` in two stages: keys before the tile's first query position are visible to
 every row and need no mask; the remaining (diagonal) tiles apply the causal mask. The query-block
 index is the fastest grid axis and heads of one KV group are adjacent, so programs that read the same
-K/V run together and share it through L2.
+K/V run together and share it through L2. With a sliding window both stages start at the window's
+first tile of the program's first row (keys before it are not even loaded: their blocks may be
+freed) and mask every tile, since the window's lower edge moves with the row like the diagonal.
 
-Layouts: query/out ``[num_tokens, num_heads, head_size]`` (flattened batch, rows located by
-``query_start_loc``); key_cache/value_cache in either layout of ``paged_tiles.PagedKVLayout``: the
-Triton backend's ``[num_blocks, num_kv_heads, block_size, head_size]``, or vLLM's original (the cuda
-backend's: K ``[num_blocks, num_kv_heads, head_size / x, block_size, x]``, V ``[num_blocks,
-num_kv_heads, head_size, block_size]``), one kernel for both through the row offsets of
-``paged_tiles.dim_offsets``; block_tables ``[num_seqs, max_blocks]`` int32; seq_lens ``[num_seqs]``
-int32; query_start_loc ``[num_seqs + 1]`` int32. Only the rows of sequences
-``[first_seq, first_seq + num_prefills)`` are written.
+Attention sinks (``SINKS``; StreamingLLM, Xiao et al. 2023) add one stage before those, over the
+tile(s) of keys ``[0, min(attention_sinks, kv_end - sliding_window))``: the sinks the window of the
+program's last row has passed. It scores them with the rows of ``sink_query`` and keeps, per row,
+only the keys that row's window has passed (``<= q_pos - sliding_window``); the windowed stages
+keep the complement (``> q_pos - sliding_window``), so every visible (row, key) is scored once,
+with the right query, into one online softmax. Keys between the sinks and the window are not
+read. A program whose rows' windows have passed no sink (sink stage bound 0) runs no extra tile
+and does not load ``sink_query``.
+
+Layouts: query/out (and sink_query) ``[num_tokens, num_heads, head_size]`` (flattened batch, rows
+located by ``query_start_loc``); key_cache/value_cache in either layout of
+``paged_tiles.PagedKVLayout``: the Triton backend's ``[num_blocks, num_kv_heads, block_size,
+head_size]``, or vLLM's original (the cuda backend's: K ``[num_blocks, num_kv_heads, head_size / x,
+block_size, x]``, V ``[num_blocks, num_kv_heads, head_size, block_size]``), one kernel for both
+through the row offsets of ``paged_tiles.dim_offsets``; block_tables ``[num_seqs, max_blocks]``
+int32; seq_lens ``[num_seqs]`` int32; query_start_loc ``[num_seqs + 1]`` int32. Only the rows of
+sequences ``[first_seq, first_seq + num_prefills)`` are written.
 
 Bound: compute for long chunks. FLOPs ~ ``4 * num_heads * head_size * sum_s(query_len *
 (context_len + query_len / 2))``; bytes ~ ``2 * num_kv_heads * head_size * element_size *
-sum_s(seq_len * cdiv(query_len, BLOCK_M))`` before L2 reuse across the GQA group and query blocks.
+sum_s(seq_len * cdiv(query_len, BLOCK_M))`` before L2 reuse across the GQA group and query blocks
+(with a window, ``min(seq_len, sliding_window + BLOCK_M)`` in place of ``seq_len``; with sinks,
+``cdiv(attention_sinks, BLOCK_N) * BLOCK_N`` more keys at most, plus the program's ``sink_query``
+rows: ``BLOCK_M * head_size * element_size``).
 """
 
 from __future__ import annotations
@@ -48,11 +62,13 @@ from pagedllm.kernels.triton.paged_tiles import (
 
 # first_seq (how many decodes precede the prefills) changes every step: specialised, as Triton
 # specialises ints equal to 1 or divisible by 16, it would compile new kernels mid-serving.
-# sliding_window varies per layer (Gemma): one kernel for every value, as for first_seq.
-@triton.jit(do_not_specialize=["first_seq", "sliding_window"])
+# sliding_window varies per layer (Gemma): one kernel for every value, as for first_seq; so may
+# attention_sinks.
+@triton.jit(do_not_specialize=["first_seq", "sliding_window", "attention_sinks"])
 def _paged_prefill_kernel(
     out_ptr,
     query_ptr,
+    sink_query_ptr,  # [num_tokens, num_heads, head_size], read when SINKS
     key_cache_ptr,
     value_cache_ptr,
     block_tables_ptr,
@@ -62,10 +78,14 @@ def _paged_prefill_kernel(
     qk_scale,
     first_seq,
     sliding_window,  # read when WINDOW
+    attention_sinks,  # read when SINKS
     soft_cap,  # the logit cap * log2(e), read when SOFT_CAP
     stride_q_tok,
     stride_q_head,
     stride_q_dim,
+    stride_sq_tok,
+    stride_sq_head,
+    stride_sq_dim,
     stride_o_tok,
     stride_o_head,
     stride_o_dim,
@@ -90,6 +110,7 @@ def _paged_prefill_kernel(
     WINDOW: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     ALIBI: tl.constexpr,
+    SINKS: tl.constexpr,  # needs WINDOW
     DOT_PRECISION: tl.constexpr,
 ):
     m_block = tl.program_id(0)
@@ -141,6 +162,55 @@ def _paged_prefill_kernel(
     k_head_ptr = key_cache_ptr + kv_head * stride_k_head
     v_head_ptr = value_cache_ptr + kv_head * stride_v_head
     block_table_ptr = block_tables_ptr + seq * stride_bt_seq
+    if SINKS:
+        # The sinks the last row's window has passed: [0, sink_end). Each row keeps those its own
+        # window has passed (SINK); a row that has passed none stays m_i = -inf, l_i = 0 until the
+        # windowed stage, whose WINDOW guard handles such rows.
+        sink_end = tl.maximum(tl.minimum(attention_sinks, kv_end - sliding_window), 0)
+        sink_q = tl.load(
+            sink_query_ptr
+            + tokens[:, None] * stride_sq_tok
+            + head * stride_sq_head
+            + offs_d[None, :] * stride_sq_dim,
+            # (sink_end broadcast by hand: Triton's interpreter refuses a scalar in a block mask)
+            mask=io_mask & (offs_m[:, None] * 0 + sink_end > 0),
+            other=0.0,
+        ).to(key_cache_ptr.dtype.element_ty)
+        acc, l_i, m_i = attend_paged_range(
+            acc,
+            l_i,
+            m_i,
+            sink_q,
+            q_pos,
+            k_head_ptr,
+            v_head_ptr,
+            block_table_ptr,
+            0,
+            sink_end,
+            0,
+            qk_scale,
+            sliding_window,
+            soft_cap,
+            alibi_row,
+            stride_bt_blk,
+            stride_k_block,
+            stride_k_slot,
+            k_dim_offs,
+            stride_v_block,
+            stride_v_slot,
+            v_dim_offs,
+            HEAD_SIZE,
+            HEAD_DIM,
+            BLOCK_SIZE,
+            BLOCK_N,
+            MASK_TAIL=True,
+            CAUSAL=False,
+            WINDOW=False,
+            SINK=True,
+            SOFT_CAP=SOFT_CAP,
+            ALIBI=ALIBI,
+            DOT_PRECISION=DOT_PRECISION,
+        )
     acc, l_i, m_i = attend_paged_range(
         acc,
         l_i,
@@ -171,6 +241,7 @@ def _paged_prefill_kernel(
         MASK_TAIL=False,
         CAUSAL=False,
         WINDOW=False,
+        SINK=False,
         SOFT_CAP=SOFT_CAP,
         ALIBI=ALIBI,
         DOT_PRECISION=DOT_PRECISION,
@@ -208,6 +279,7 @@ def _paged_prefill_kernel(
         MASK_TAIL=True,
         CAUSAL=True,
         WINDOW=WINDOW,
+        SINK=False,
         SOFT_CAP=SOFT_CAP,
         ALIBI=ALIBI,
         DOT_PRECISION=DOT_PRECISION,
@@ -237,6 +309,8 @@ def paged_prefill(
     sliding_window: int | None = None,
     alibi_slopes: torch.Tensor | None = None,
     logits_soft_cap: float | None = None,
+    attention_sinks: int = 0,
+    sink_query: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int = 64,
     num_warps: int = 4,
@@ -251,11 +325,15 @@ def paged_prefill(
     block_size]); block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32;
     query_start_loc: [num_seqs + 1] int32. ``max_query_len`` (host int) bounds every query_len of
     those sequences and sets the grid. The variants (sliding_window, alibi_slopes [num_heads]
-    float32, logits_soft_cap) are ``AttentionBackend``'s.
+    float32, logits_soft_cap) are ``AttentionBackend``'s. With ``attention_sinks > 0`` (and a
+    window), ``sink_query`` (the shape of ``query``) scores the sinks outside each row's window.
     """
     layout = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
     assert query_start_loc.dtype == torch.int32 and query_start_loc.shape[0] == seq_lens.shape[0] + 1
     assert first_seq >= 0 and first_seq + num_prefills <= seq_lens.shape[0]
+    sinks = attention_sinks > 0
+    assert not sinks or (sliding_window is not None and sink_query is not None), "sinks need both"
+    assert not sinks or (sink_query.shape == query.shape and sink_query.stride(2) == 1)
     _, num_heads, head_size = query.shape
     if num_prefills == 0 or max_query_len == 0:
         return out
@@ -263,6 +341,7 @@ def paged_prefill(
     _paged_prefill_kernel[grid](
         out,
         query,
+        sink_query if sinks else query,  # a pointer never read without sinks
         key_cache,
         value_cache,
         block_tables,
@@ -272,8 +351,10 @@ def paged_prefill(
         scale * math.log2(math.e),
         first_seq,
         sliding_window or 0,
+        attention_sinks,
         (logits_soft_cap or 0.0) * math.log2(math.e),
         *query.stride(),
+        *(sink_query if sinks else query).stride(),
         *out.stride(),
         *layout.key_strides,
         *layout.value_strides,
@@ -288,6 +369,7 @@ def paged_prefill(
         WINDOW=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
         ALIBI=alibi_slopes is not None,
+        SINKS=sinks,
         DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -31,9 +31,15 @@ Variants (each a constexpr switch, so the plain kernels compile as before): a lo
 convention). The callers start the loop at the window's first tile, so a windowed layer reads only
 the window's blocks.
 
-Without WINDOW, every row must see at least one unmasked key in the first tile it processes
-(otherwise ``exp2(-inf - -inf)`` is NaN); the callers guarantee it. With WINDOW a fully masked row
-keeps ``m_i = -inf, l_i = 0`` until it meets its first visible key.
+Attention sinks (StreamingLLM, Xiao et al. 2023) are one more call of this loop per program, over
+the tile(s) of keys ``[0, attention_sinks)`` with the *sink query* as ``q``; with SINK the loop
+keeps, per row, only the keys its window has passed (``<= q_pos[r] - sliding_window``: the exact
+complement of WINDOW's mask, so the sink stage and the window stages never score a (row, key)
+twice). The running state carries across calls, so the softmax is one over the union.
+
+Without WINDOW or SINK, every row must see at least one unmasked key in the first tile it processes
+(otherwise ``exp2(-inf - -inf)`` is NaN); the callers guarantee it. With WINDOW or SINK a fully
+masked row keeps ``m_i = -inf, l_i = 0`` until it meets its first visible key.
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ def attend_paged_range(
     hi,  # the context tokens [lo, hi) to attend to
     kv_lo,  # with MASK_TAIL, tokens < kv_lo are masked too (pass lo when none are)
     qk_scale,  # softmax scale * log2(e)
-    sliding_window,  # read when WINDOW: row r sees keys > q_pos[r] - sliding_window
+    sliding_window,  # read when WINDOW or SINK: row r's window holds keys > q_pos[r] - sliding_window
     soft_cap,  # read when SOFT_CAP: the cap * log2(e)
     alibi_row,  # [ROWS] ALiBi slope of each row * log2(e), read when ALIBI
     stride_bt_blk,
@@ -76,6 +82,7 @@ def attend_paged_range(
     MASK_TAIL: tl.constexpr,  # the range's ends may fall inside a tile: mask tokens outside [kv_lo, hi)
     CAUSAL: tl.constexpr,  # mask keys past each row's q_pos
     WINDOW: tl.constexpr,  # mask keys at or before each row's q_pos - sliding_window
+    SINK: tl.constexpr,  # the opposite: mask keys after each row's q_pos - sliding_window (in its window)
     SOFT_CAP: tl.constexpr,
     ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -118,9 +125,11 @@ def attend_paged_range(
             s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
         if WINDOW:
             s = tl.where(offs_n[None, :] > q_pos[:, None] - sliding_window, s, float("-inf"))
+        if SINK:
+            s = tl.where(offs_n[None, :] <= q_pos[:, None] - sliding_window, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = m_new
-        if WINDOW:
+        if WINDOW or SINK:
             # A row may see no key of a tile its neighbours need: subtract 0, not -inf, so that
             # its p and alpha are exp2(-inf) = 0 instead of exp2(-inf - -inf) = NaN.
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
