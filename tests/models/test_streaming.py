@@ -136,7 +136,7 @@ def test_windowed_requests_preempt_without_changing_outputs(make_tiny_model: Any
 def test_bad_window_and_sinks_are_refused_naming_the_field(
     make_tiny_model: Any, config_class: type, kwargs: dict, match: str
 ) -> None:
-    overrides = {"n_positions": 256} if config_class is GPT2Config else {}
-    _, model_config = make_tiny_model(config_class, **overrides)
+    overrides = {} if config_class is LlamaConfig else {"hidden_size": 128, "num_attention_heads": 2}
+    _, model_config = make_tiny_model(config_class, max_position_embeddings=256, **overrides)
     with pytest.raises(ValueError, match=match):
         EngineArgs(model=model_config.model, device="cpu", **kwargs).create_engine_config()
