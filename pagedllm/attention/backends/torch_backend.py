@@ -173,10 +173,6 @@ class TorchAttentionBackend(AttentionBackend):
         """
         group = self.num_queries_per_kv
         distance = k_pos[None, None, :] - q_pos[:, :, None]  # [b, q, k]: key minus query position
-        # Slots no query sees -- past seq_len, or between the sinks and the window, whose blocks
-        # the engine may have freed -- may hold anything, NaN included: select, never multiply,
-        # them away (a masked probability is 0, and 0 * NaN is NaN). Zeroed keys keep NaN out of
-        # the scores as well, so the selections below never meet one.
         in_window = distance <= 0
         if self.sliding_window is not None:
             in_window &= distance > -self.sliding_window
@@ -185,6 +181,10 @@ class TorchAttentionBackend(AttentionBackend):
         if self.attention_sinks:
             sink = (distance <= -self.sliding_window) & (k_pos < self.attention_sinks)
         visible = valid[:, None, :] & (in_window | sink)
+        # Slots no query sees -- past seq_len, or between the sinks and the window, whose blocks
+        # the engine may have freed -- may hold anything, NaN included: select, never multiply,
+        # them away (a masked probability is 0, and 0 * NaN is NaN). Zeroed keys keep NaN out of
+        # the scores as well, so the selections below never meet one.
         seen = visible.any(dim=1)[:, :, None, None]  # [b, k, 1, 1]: visible to some query
         keys = torch.where(seen, keys.float(), 0.0)
         values = torch.where(seen, values.float(), 0.0)
