@@ -71,7 +71,11 @@ def _make_tiny_model(
     mode, the ModelConfig of the directory, read back from config.json as the engine reads it)."""
     config = config_class(**{**TINY_CONFIG, **overrides})
     torch.manual_seed(0)
-    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # Eager attention is the reference implementation: transformers' SDPA path drops Gemma 2's
+    # attention soft-capping, and which path it defaults to depends on its version and device.
+    hf_model = AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     _randomize(hf_model)
     hf_model.save_pretrained(model_dir)
     hf_config = AutoConfig.from_pretrained(model_dir)

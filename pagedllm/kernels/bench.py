@@ -102,9 +102,14 @@ def _load_triton() -> DecodeFn:
 
 
 def _triton_default_launch(shape: DecodeShape) -> dict[str, int]:
-    from pagedllm.kernels.triton.launch import default_launches
+    """The backend's launch: the table's, with the partition sized for this batch (and window)."""
+    from pagedllm.kernels.triton.launch import decode_partition_size, default_launches
 
-    return dataclasses.asdict(default_launches(shape.head_size, shape.dtype)[0])
+    launch = dataclasses.asdict(default_launches(shape.head_size, shape.dtype)[0])
+    launch["partition_size"] = decode_partition_size(
+        len(shape.seq_lens), shape.num_kv_heads, max(shape.attended_lens), launch, torch.device("cuda")
+    )
+    return launch
 
 
 def _triton_layout(key_cache: torch.Tensor, value_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -127,6 +127,7 @@ class BloomModel(nn.Module):
 
 class BloomForCausalLM(CausalLM):
     rotary = False  # ALiBi
+
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()
         self.tie_word_embeddings = True

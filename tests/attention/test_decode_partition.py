@@ -1,4 +1,4 @@
-"""How the Triton backend splits decode contexts into partitions, per batch and GPU size (the
+"""How the Triton decode launch splits decode contexts into partitions, per batch and GPU size (the
 kernels themselves are tested in tests/kernels)."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.attention.backends import triton_backend
-from pagedllm.attention.backends.triton_backend import decode_partition_size
+from pagedllm.kernels.triton import launch
+from pagedllm.kernels.triton.launch import decode_partition_size
 
 LAUNCH = {"partition_size": 1024, "block_n": 64}
 CUDA = torch.device("cuda")  # a device object only: nothing runs on it
@@ -15,7 +15,7 @@ CUDA = torch.device("cuda")  # a device object only: nothing runs on it
 
 @pytest.fixture
 def sms(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(triton_backend, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(launch, "_num_sms", lambda device: 132)
 
 
 def test_a_batch_that_fills_the_gpu_gets_one_partition(sms) -> None:

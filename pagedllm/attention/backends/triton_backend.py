@@ -36,46 +36,11 @@ import torch
 from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kernels.triton import paged_decode, paged_prefill, reshape_and_cache
-from pagedllm.kernels.triton.launch import default_launches
+from pagedllm.kernels.triton.launch import decode_partition_size, default_launches
 
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
 SUPPORTED_BLOCK_SIZES = (8, 16, 32)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-# (sequence, KV head) pairs per SM from which a decode batch is left unsplit.
-_UNSPLIT_PAIRS_PER_SM = 8
-
-
-def decode_partition_size(
-    num_seqs: int, num_kv_heads: int, max_seq_len: int, launch: dict[str, int], device: torch.device
-) -> int:
-    """Context tokens per decode program.
-
-    A large batch has enough (sequence, KV head) pairs to fill the GPU by itself: splitting its
-    contexts would only add the reduce pass and its float32 partials, so one partition covers
-    ``max_seq_len`` (K1 at W1's shape, 2,048 pairs on 132 SMs, contexts up to 1,280: 5% faster
-    than 1,024-token partitions and their reduce). A small batch has few pairs: unsplit, a single
-    request's decode runs on a handful of SMs and each layer's attention waits on the latency of
-    one long loop, so the partition (at most ``launch["partition_size"]``) is halved until every
-    SM has about two programs.
-    """
-    partition = launch["partition_size"]
-    floor = launch["block_n"]
-    num_pairs = num_seqs * num_kv_heads
-    if device.type != "cuda":
-        return partition
-    num_sms = _num_sms(device)
-    if num_pairs >= _UNSPLIT_PAIRS_PER_SM * num_sms:
-        return max(partition, -(-max_seq_len // floor) * floor)
-    while partition > floor and num_pairs * -(-max_seq_len // partition) < 2 * num_sms:
-        partition //= 2
-    return max(partition, floor)
 
 
 @functools.cache
