@@ -68,6 +68,8 @@ class KVCacheManager:
         sliding_window: the window when every layer attends through one (the largest, if they
             differ), so that blocks behind it can be freed; None keeps every block.
         num_sink_tokens: leading tokens kept whatever the window (attention sinks).
+        max_blocks_per_request: the workers' block table width; with sinks a request may outgrow
+            it in tokens, and is then never given all of its blocks at once (recomputed).
     """
 
     def __init__(
@@ -79,12 +81,14 @@ class KVCacheManager:
         enable_prefix_caching: bool = False,
         sliding_window: int | None = None,
         num_sink_tokens: int = 0,
+        max_blocks_per_request: int | None = None,
     ) -> None:
         if num_sink_tokens and sliding_window is None:
             raise ValueError("num_sink_tokens needs a sliding_window")
         self.block_size = block_size
         self.sliding_window = sliding_window
         self.num_sink_blocks = -(-num_sink_tokens // block_size)
+        self.max_blocks_per_request = max_blocks_per_request
         self.num_total_gpu_blocks = num_gpu_blocks
         self.num_total_cpu_blocks = num_cpu_blocks
         self.watermark_blocks = int(watermark * num_gpu_blocks)
@@ -117,6 +121,8 @@ class KVCacheManager:
         in_use = [b for b in self._cached_prefix(request, peek=True) if b.ref_count > 0]
         num_required = self._num_blocks_for(request.num_tokens) - len(in_use)
         if self.num_total_gpu_blocks - num_required < self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.max_blocks_per_request is not None and num_required > self.max_blocks_per_request:
             return AllocStatus.NEVER
         if self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks:
             return AllocStatus.OK

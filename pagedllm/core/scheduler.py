@@ -157,6 +157,7 @@ class Scheduler:
             enable_prefix_caching=enable_prefix_caching,
             sliding_window=sliding_window,
             num_sink_tokens=num_sink_tokens,
+            max_blocks_per_request=-(-scheduler_config.max_model_len // block_size),
         )
         self.max_context_len = None if num_sink_tokens else scheduler_config.max_model_len
         self.block_size = block_size
@@ -762,6 +763,14 @@ class Scheduler:
             f"request needs {num_blocks} KV cache blocks but the cache has "
             f"{kv.num_total_gpu_blocks - kv.watermark_blocks} to give (num_kv_blocks / memory too small)"
         )
+        if request.num_tokens > self.config.max_model_len:
+            # Only attention sinks let a request grow past max_model_len; recomputing it would
+            # need every block of its history at once.
+            error = (
+                f"stopped after {request.num_output_tokens} tokens: preempted past max_model_len="
+                f"{self.config.max_model_len}, it could only resume by swapping, and the CPU swap space "
+                "was full; raise swap_space"
+            )
         logger.warning("request %d ignored: %s", request.req_id, error)
         request.error = error
         self.stopped.append(request)

@@ -325,3 +325,11 @@ def test_a_copy_on_write_taken_back_shares_the_block_again():
     assert bm.undo_copy_on_write(parent) is None
     bm.swap_out([parent, child])
     assert bm.get_num_free_gpu_blocks() == 10
+
+
+def test_a_request_longer_than_the_block_table_is_never_given_all_its_blocks():
+    """With attention sinks a request outgrows max_model_len; recomputing it would need a table
+    wider than the workers'."""
+    bm = KVCacheManager(BLOCK_SIZE, 40, 0, sliding_window=8, num_sink_tokens=4, max_blocks_per_request=4)
+    assert bm.can_allocate(make_request(16)) == AllocStatus.OK
+    assert bm.can_allocate(make_request(17)) == AllocStatus.NEVER
