@@ -55,10 +55,12 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
         sink_query: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """query: [num_tokens, num_heads * head_size]; key, value: [num_tokens, num_kv_heads *
         head_size]; sink_query (with attention_sinks): like query, the query that scores the sinks
-        outside its window. Returns [num_tokens, num_heads * head_size]."""
+        outside its window; rotary (only where ``fuses_rotary``): ``(cos_sin, index)``, query and
+        key not yet rotated. Returns [num_tokens, num_heads * head_size]."""
         num_tokens = query.shape[0]
         if sink_query is not None:
             sink_query = sink_query.view(num_tokens, self.num_heads, self.head_size)
@@ -69,5 +71,11 @@ class Attention(nn.Module):
             kv_cache,
             attn_metadata,
             sink_query=sink_query,
+            **({} if rotary is None else {"rotary": rotary}),
         )
         return output.view(num_tokens, self.num_heads * self.head_size)
+
+    @property
+    def fuses_rotary(self) -> bool:
+        """Whether forward takes ``rotary`` (the backend rotates as it writes the cache)."""
+        return self.impl.fuses_rotary

@@ -222,8 +222,9 @@ class RotaryEmbedding(nn.Module):
         # Not persistent: derived from the config, so it is neither saved nor loaded.
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def _cos_sin_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(table, index): the cos/sin rows of ``positions`` are ``table[index]``."""
+    def cos_sin_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table, index): the ``[cos | sin]`` rows of ``positions`` are ``table[index]`` (what an
+        attention backend that rotates as it writes the cache takes)."""
         if not self.unbounded:
             return self.cos_sin_cache, positions
         positions_f64 = positions.to(torch.float64)[:, None]
@@ -257,7 +258,7 @@ class RotaryEmbedding(nn.Module):
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens, 1, head_size // 2] cos and sin: broadcast over the heads."""
-        table, index = self._cos_sin_rows(positions)
+        table, index = self.cos_sin_rows(positions)
         cos, sin = table.index_select(0, index).chunk(2, dim=-1)
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
@@ -271,7 +272,7 @@ class RotaryEmbedding(nn.Module):
         """One kernel for query and key, in place."""
         from pagedllm.kernels.triton.rotary import rotary_embedding
 
-        table, index = self._cos_sin_rows(positions)
+        table, index = self.cos_sin_rows(positions)
         rotary_embedding(index, query, key, table, self.head_size)
         return query, key
 

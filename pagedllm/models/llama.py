@@ -149,6 +149,9 @@ class LlamaAttention(nn.Module):
         sink_q = None
         if self.num_sinks:
             sink_q = self.rotary_emb.rotate_query(positions.clamp(max=self.max_sink_distance), q)
+        if self.attn.fuses_rotary:  # rotated by the cache write: one kernel, not two
+            rotary = self.rotary_emb.cos_sin_rows(positions)
+            return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata, sink_query=sink_q, rotary=rotary))
         q, k = self.rotary_emb(positions, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata, sink_query=sink_q))
 

@@ -1,5 +1,5 @@
-"""The fused Triton kernels (RMSNorm with and without the residual add, rotary, SiLU-and-multiply)
-against their layers' torch paths.
+"""The fused Triton kernels (RMSNorm with and without the residual add, rotary, rotary fused into
+the KV cache write, SiLU-and-multiply) against their layers' torch paths.
 
 Runs on the CPU under TRITON_INTERPRET=1 (set by conftest.py when there is no GPU), else on CUDA.
 Outputs the kernels allocate are passed in poisoned with NaN, so an element left unwritten fails;
@@ -18,7 +18,9 @@ import torch
 
 pytest.importorskip("triton", reason="the fused kernels need the triton package")
 
+from pagedllm.attention.backends.torch_backend import write_to_paged_cache
 from pagedllm.kernels.triton.activation import silu_and_mul
+from pagedllm.kernels.triton.reshape_and_cache import reshape_and_cache
 from pagedllm.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from pagedllm.kernels.triton.rotary import rotary_embedding
 from pagedllm.layers.activation import SiluAndMul
@@ -139,6 +141,49 @@ def test_rotary_in_place_on_qkv_views(
         # Same roundings in the same order: bit-identical under the interpreter (a compiled kernel may
         # fuse a product into its sum: tests/gpu compares within an ulp).
         assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size, num_heads, num_kv_heads", ROTARY_SHAPES[:3] + ROTARY_SHAPES[4:])
+def test_rotary_fused_into_the_cache_write(
+    head_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
+) -> None:
+    """Query rotated in place and key rotated into the cache, in one kernel: what the rotary layer's
+    torch path and a plain cache write give, padding slots skipped (their query left as it was)."""
+    gen = torch.Generator().manual_seed(head_size)
+    num_tokens, block_size, num_blocks = 9, 8, 6
+    rope = RotaryEmbedding(head_size, 512, {"rope_type": "default", "rope_theta": 10000.0}, dtype).to(DEVICE)
+    q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+    qkv = _randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, gen=gen)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    positions = torch.randint(0, 512, (num_tokens,), generator=gen).to(DEVICE)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(DEVICE)
+    slots[3] = -1  # a CUDA-graph padding token
+    ref_q, ref_k = rope.forward_torch(positions, q.clone(), k.clone())
+    ref_q[3] = q[3]
+    shape = (num_blocks, num_kv_heads, block_size, head_size)
+    ref_caches = [torch.full(shape, float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)]
+    # The torch backend's layout is [blocks, block_size, heads, head]: write there, then transpose.
+    torch_caches = [c.transpose(1, 2).contiguous() for c in ref_caches]
+    kv_shape = (num_tokens, num_kv_heads, head_size)
+    write_to_paged_cache(ref_k.view(kv_shape), v.view(kv_shape), *torch_caches, slots)
+    ref_caches = [c.transpose(1, 2) for c in torch_caches]
+    caches = [torch.full(shape, float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)]
+
+    table, index = rope.cos_sin_rows(positions)
+    query = q.view(num_tokens, num_heads, head_size)
+    reshape_and_cache(k.view(kv_shape), v.view(kv_shape), *caches, slots, rotary=(query, table, index))
+
+    written = ~ref_caches[0].isnan()
+    for cache, ref in zip(caches, ref_caches):
+        assert torch.equal(cache.isnan(), ref.isnan()), "slots written differ"
+    if dtype == torch.float32:
+        _assert_close(q, ref_q)
+        for cache, ref in zip(caches, ref_caches):
+            _assert_close(cache[written], ref[written])
+    else:  # the same roundings in the same order (see test_rotary_in_place_on_qkv_views)
+        assert torch.equal(q, ref_q)
+        assert all(torch.equal(c[written], r[written]) for c, r in zip(caches, ref_caches))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -21,6 +21,9 @@ class AttentionBackend(ABC):
     # Whether forward() is free of host syncs and data-dependent shapes on decode-only batches,
     # so that a decode step can be captured in a CUDA graph.
     supports_cuda_graphs: ClassVar[bool] = False
+    # Whether forward also takes ``rotary=(cos_sin, index)`` and rotates query and key (neox
+    # style) as it writes the cache, so that the model skips its own rotary pass.
+    fuses_rotary: ClassVar[bool] = False
 
     def __init__(
         self,

@@ -34,6 +34,8 @@ class CudaAttentionBackend(TritonAttentionBackend):
     decode kernels. Decode reads only host ints, so it is captured in CUDA graphs too."""
 
     name = "cuda"
+    # vLLM's original cache layout is written by its own kernel, which does not rotate.
+    fuses_rotary = False
 
     @staticmethod
     def get_kv_cache_shape(
@@ -64,7 +66,9 @@ class CudaAttentionBackend(TritonAttentionBackend):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
+        assert rotary is None, "the cuda backend does not fuse the rotary embedding"
         reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def _decode(

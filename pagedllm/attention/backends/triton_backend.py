@@ -54,6 +54,7 @@ def _launch_kwargs(head_size: int, dtype: torch.dtype) -> tuple[dict[str, int], 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
+    fuses_rotary = True
 
     @staticmethod
     def get_kv_cache_shape(
@@ -84,11 +85,15 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
         sink_query: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """rotary: ``(cos_sin, index)``, the rotary embedding to apply on the way (``fuses_rotary``):
+        the cache write rotates query in place and key into the cache, one kernel for both."""
         sink_query = self._check_sink_query(query, sink_query)
         key_cache, value_cache = kv_cache
         md = attn_metadata
-        self._write_cache(key, value, key_cache, value_cache, md.slot_mapping)
+        rotary_inputs = None if rotary is None else (query, *rotary)
+        self._write_cache(key, value, key_cache, value_cache, md.slot_mapping, rotary_inputs)
         # Contiguous whatever the query's strides (it is a view of the fused QKV): the kernels
         # write rows of num_heads * head_size.
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -157,8 +162,9 @@ class TritonAttentionBackend(AttentionBackend):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
-        reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, rotary)
 
     def _decode(
         self,

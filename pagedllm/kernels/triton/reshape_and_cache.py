@@ -15,6 +15,13 @@ head_size]`` with ``head_size`` contiguous.
 
 Bound: pure copy, ``4 * num_tokens * num_kv_heads * head_size * element_size`` bytes (read + write,
 K and V); nothing to compute. For a decode batch this is ~1/seq_len of the attention's traffic.
+
+With ``rotary`` the same program also applies the rotary embedding (neox style, ``rotary.py``'s
+rounding): it rotates the token's query heads in place and its key heads on the way to the cache,
+from the token's ``[cos | sin]`` row. One launch and one read of K instead of the rotary kernel's
+read and write of q and k followed by this copy: at a decode step of one sequence the launches are
+most of the cost (W3's profile on an H200: 117 us per token for the two kernels over 32 layers).
+Padding tokens (slot < 0) are skipped whole, their query left unrotated (its output is unused).
 """
 
 from __future__ import annotations
@@ -22,6 +29,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.kernels.triton.rotary import heads_per_tile, rotate_heads, rotate_pair
 
 
 @triton.jit
@@ -31,6 +40,11 @@ def _reshape_and_cache_kernel(
     key_cache_ptr,
     value_cache_ptr,
     slot_mapping_ptr,
+    query_ptr,  # read when ROTARY: [num_tokens, NUM_HEADS * HEAD_SIZE] rows, rotated in place
+    cos_sin_ptr,  # read when ROTARY: [rows, HEAD_SIZE] = [cos | sin]
+    cos_sin_index_ptr,  # read when ROTARY: [num_tokens], each token's row of cos_sin
+    stride_q_tok,
+    stride_cos_sin,
     stride_k_tok,
     stride_k_head,
     stride_k_dim,
@@ -50,8 +64,12 @@ def _reshape_and_cache_kernel(
     HEAD_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    ROTARY: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    HALF_DIM: tl.constexpr,
+    BLOCK_H_Q: tl.constexpr,
 ):
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
         return
@@ -61,21 +79,35 @@ def _reshape_and_cache_kernel(
     offs_h = tl.arange(0, NUM_KV_HEADS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     mask = (offs_h[:, None] < NUM_KV_HEADS) & (offs_d[None, :] < HEAD_SIZE)
-
-    k = tl.load(
-        key_ptr + token * stride_k_tok + offs_h[:, None] * stride_k_head + offs_d[None, :] * stride_k_dim,
-        mask=mask,
-    )
-    v = tl.load(
-        value_ptr + token * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :] * stride_v_dim,
-        mask=mask,
-    )
-    kc = (
+    k_row = key_ptr + token * stride_k_tok + offs_h[:, None] * stride_k_head
+    kc_row = (
         key_cache_ptr
         + block * stride_kc_block
         + block_offset * stride_kc_slot
         + offs_h[:, None] * stride_kc_head
-        + offs_d[None, :] * stride_kc_dim
+    )
+    cache_dtype = key_cache_ptr.dtype.element_ty
+    if ROTARY:
+        offs_half = tl.arange(0, HALF_DIM)
+        half_mask = offs_half < HEAD_SIZE // 2
+        cos_sin_row = cos_sin_ptr + tl.load(cos_sin_index_ptr + token).to(tl.int64) * stride_cos_sin
+        cos = tl.load(cos_sin_row + offs_half, mask=half_mask, other=0.0).to(tl.float32)
+        sin = tl.load(cos_sin_row + HEAD_SIZE // 2 + offs_half, mask=half_mask, other=0.0).to(tl.float32)
+        rotate_heads(query_ptr + token * stride_q_tok, cos, sin, NUM_HEADS, HEAD_SIZE, HALF_DIM, BLOCK_H_Q)
+        k_mask = (offs_h[:, None] < NUM_KV_HEADS) & half_mask[None, :]
+        k1 = tl.load(k_row + offs_half[None, :] * stride_k_dim, mask=k_mask, other=0.0)
+        k2 = tl.load(k_row + (HEAD_SIZE // 2 + offs_half[None, :]) * stride_k_dim, mask=k_mask, other=0.0)
+        k1, k2 = rotate_pair(k1, k2, cos, sin, key_ptr.dtype.element_ty)
+        tl.store(kc_row + offs_half[None, :] * stride_kc_dim, k1.to(cache_dtype), mask=k_mask)
+        tl.store(
+            kc_row + (HEAD_SIZE // 2 + offs_half[None, :]) * stride_kc_dim, k2.to(cache_dtype), mask=k_mask
+        )
+    else:
+        k = tl.load(k_row + offs_d[None, :] * stride_k_dim, mask=mask)
+        tl.store(kc_row + offs_d[None, :] * stride_kc_dim, k.to(cache_dtype), mask=mask)
+    v = tl.load(
+        value_ptr + token * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :] * stride_v_dim,
+        mask=mask,
     )
     vc = (
         value_cache_ptr
@@ -84,7 +116,6 @@ def _reshape_and_cache_kernel(
         + offs_h[:, None] * stride_vc_head
         + offs_d[None, :] * stride_vc_dim
     )
-    tl.store(kc, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(vc, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -94,11 +125,16 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Store each token's K/V at its slot; slots < 0 are padding and are skipped.
 
     key, value: [num_tokens, num_kv_heads, head_size]; key_cache, value_cache: [num_blocks,
     num_kv_heads, block_size, head_size]; slot_mapping: [num_tokens] int32 or int64.
+
+    rotary: ``(query, cos_sin, index)`` to rotate query (in place) and key (into the cache) first:
+    query [num_tokens, num_heads, head_size] with each token's heads contiguous; cos_sin [rows,
+    head_size] = ``[cos | sin]`` in key's dtype; index [num_tokens], each token's row of it.
     """
     num_tokens, num_kv_heads, head_size = key.shape
     assert value.shape == key.shape, f"value {tuple(value.shape)} != key {tuple(key.shape)}"
@@ -110,12 +146,27 @@ def reshape_and_cache(
     assert slot_mapping.dtype in (torch.int32, torch.int64), f"slot_mapping dtype {slot_mapping.dtype}"
     if num_tokens == 0:
         return
+    query, cos_sin, index = rotary if rotary is not None else (key, key, slot_mapping)
+    num_heads = query.shape[1]
+    if rotary is not None:
+        assert query.shape == (num_tokens, num_heads, head_size) and query.stride(2) == 1, (
+            f"query {tuple(query.shape)} strides {query.stride()}"
+        )
+        assert query.stride(1) == head_size, "a token's query heads must be contiguous"
+        assert cos_sin.shape[1] == head_size and cos_sin.dtype == key.dtype == query.dtype
+        assert index.shape == (num_tokens,), f"index {tuple(index.shape)}"
+    half_dim = triton.next_power_of_2(head_size // 2)
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
         value,
         key_cache,
         value_cache,
         slot_mapping,
+        query,
+        cos_sin,
+        index,
+        query.stride(0),
+        cos_sin.stride(0),
         *key.stride(),
         *value.stride(),
         *key_cache.stride(),
@@ -125,4 +176,8 @@ def reshape_and_cache(
         HEAD_SIZE=head_size,
         HEAD_DIM=triton.next_power_of_2(head_size),
         BLOCK_SIZE=key_cache.shape[2],
+        ROTARY=rotary is not None,
+        NUM_HEADS=num_heads,
+        HALF_DIM=half_dim,
+        BLOCK_H_Q=heads_per_tile(num_heads, half_dim),
     )

@@ -33,7 +33,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(
+def rotate_heads(
     x_ptr,  # this token's row: NUM_HEADS heads of HEAD_SIZE, contiguous
     cos,
     sin,  # [HALF_DIM] float32, this token's angles (padding zero)
@@ -49,15 +49,25 @@ def _rotate_heads(
         mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_SIZE // 2)
         first_ptrs = x_ptr + offs_h[:, None] * HEAD_SIZE + offs_d[None, :]
         second_ptrs = first_ptrs + HEAD_SIZE // 2
-        x1 = tl.load(first_ptrs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(second_ptrs, mask=mask, other=0.0).to(tl.float32)
-        # Round each product to the dtype before the sum, as the torch path's separate ops do.
-        x1_cos = (x1 * cos[None, :]).to(dtype).to(tl.float32)
-        x2_sin = (x2 * sin[None, :]).to(dtype).to(tl.float32)
-        x2_cos = (x2 * cos[None, :]).to(dtype).to(tl.float32)
-        x1_sin = (x1 * sin[None, :]).to(dtype).to(tl.float32)
-        tl.store(first_ptrs, (x1_cos - x2_sin).to(dtype), mask=mask)
-        tl.store(second_ptrs, (x2_cos + x1_sin).to(dtype), mask=mask)
+        x1 = tl.load(first_ptrs, mask=mask, other=0.0)
+        x2 = tl.load(second_ptrs, mask=mask, other=0.0)
+        out1, out2 = rotate_pair(x1, x2, cos, sin, dtype)
+        tl.store(first_ptrs, out1, mask=mask)
+        tl.store(second_ptrs, out2, mask=mask)
+
+
+@triton.jit
+def rotate_pair(x1, x2, cos, sin, dtype: tl.constexpr):
+    """The halves ``[rows, HALF_DIM]`` of heads rotated by ``cos``/``sin`` ``[HALF_DIM]`` float32,
+    returned in ``dtype``. Each product is rounded to the dtype before the sum, as the torch path's
+    separate ops do."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    x1_cos = (x1 * cos[None, :]).to(dtype).to(tl.float32)
+    x2_sin = (x2 * sin[None, :]).to(dtype).to(tl.float32)
+    x2_cos = (x2 * cos[None, :]).to(dtype).to(tl.float32)
+    x1_sin = (x1 * sin[None, :]).to(dtype).to(tl.float32)
+    return (x1_cos - x2_sin).to(dtype), (x2_cos + x1_sin).to(dtype)
 
 
 @triton.jit
@@ -84,8 +94,8 @@ def _rotary_kernel(
     cache_row = cos_sin_cache_ptr + position * stride_cache_pos
     cos = tl.load(cache_row + offs_d, mask=d_mask, other=0.0).to(tl.float32)
     sin = tl.load(cache_row + HEAD_SIZE // 2 + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    _rotate_heads(query_ptr + token * stride_q_tok, cos, sin, NUM_HEADS, HEAD_SIZE, HALF_DIM, BLOCK_H_Q)
-    _rotate_heads(key_ptr + token * stride_k_tok, cos, sin, NUM_KV_HEADS, HEAD_SIZE, HALF_DIM, BLOCK_H_K)
+    rotate_heads(query_ptr + token * stride_q_tok, cos, sin, NUM_HEADS, HEAD_SIZE, HALF_DIM, BLOCK_H_Q)
+    rotate_heads(key_ptr + token * stride_k_tok, cos, sin, NUM_KV_HEADS, HEAD_SIZE, HALF_DIM, BLOCK_H_K)
 
 
 def rotary_embedding(
@@ -133,12 +143,12 @@ def rotary_embedding(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_SIZE=head_size,
         HALF_DIM=half_dim,
-        BLOCK_H_Q=_heads_per_tile(num_heads, half_dim),
-        BLOCK_H_K=_heads_per_tile(num_kv_heads, half_dim),
+        BLOCK_H_Q=heads_per_tile(num_heads, half_dim),
+        BLOCK_H_K=heads_per_tile(num_kv_heads, half_dim),
     )
 
 
-def _heads_per_tile(num_heads: int, half_dim: int) -> int:
+def heads_per_tile(num_heads: int, half_dim: int) -> int:
     """Heads per ``[BLOCK_H, HALF_DIM]`` tile: up to 2048 elements per half, 16 per thread at the
     default 4 warps, enough loads in flight without spilling the four float32 products."""
     return min(triton.next_power_of_2(num_heads), max(1, 2048 // half_dim))
