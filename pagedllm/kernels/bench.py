@@ -145,7 +145,7 @@ DECODE_IMPLS: dict[str, DecodeImpl] = {
         cache_layout=_triton_layout,
         default_launch=_triton_default_launch,
         sweep_space={
-            "partition_size": (512, 1024, 2048),
+            "partition_size": (128, 256, 512, 1024, 2048),
             "block_n": (32, 64, 128),
             "num_warps": (4, 8),
             "num_stages": (2, 3),
