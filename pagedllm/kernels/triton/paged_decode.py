@@ -15,9 +15,10 @@ as PagedAttention V1's weakness on GQA models.
 Kernel 1, ``_paged_decode_kernel``, grid ``(num_seqs, num_kv_heads, num_partitions)``:
   loads the group's queries ``[BLOCK_H, HEAD_DIM]``, walks its partition's tokens ``BLOCK_N`` at a
   time (full tiles unmasked, one masked tail tile), and writes, per query head, the partition's
-  running max ``m_i`` (log2 units), sum ``l_i`` and unnormalized ``acc``. A partition starting at or
-  past ``seq_len``, or ending before a sliding window's first key ``seq_len - sliding_window``,
-  returns at once and writes nothing; the partition holding that key starts at its tile. With a
+  running max ``m_i`` (log2 units), sum ``l_i`` and unnormalized ``acc``. Partitions count from the
+  tile holding a sliding window's first key ``seq_len - sliding_window`` (from key 0 without a
+  window), so a windowed layer launches partitions for its window, not its context; a partition
+  starting at or past ``seq_len`` returns at once and writes nothing. With a
   single partition (``SINGLE_PARTITION``) it writes ``acc / l_i`` straight to the output and kernel
   2 is skipped.
   With attention sinks (``SINKS``; StreamingLLM, Xiao et al. 2023) the window's first partition
@@ -27,13 +28,14 @@ Kernel 1, ``_paged_decode_kernel``, grid ``(num_seqs, num_kv_heads, num_partitio
   the reduce are unchanged: the sinks are part of that partition's ``m_i``, ``l_i`` and ``acc``.
   Nothing between the sinks and the window is read (those blocks may be freed: NaN).
 Kernel 2, ``_paged_decode_reduce_kernel``, grid ``(num_seqs, num_heads)``:
-  reads the live partitions of one query head (from the window's first, up to
-  ``cdiv(seq_len, partition_size)``), rescales each by
+  reads the live partitions of one query head (``cdiv(seq_len - first tile's key,
+  partition_size)`` of them), rescales each by
   ``exp2(m_p - max_p m_p)`` and writes ``sum(w_p * acc_p) / sum(w_p * l_p)``.
 
-``num_partitions = cdiv(max_seq_len, partition_size)`` comes from a host bound, not from the
-device's ``seq_lens``, so a CUDA graph captured with ``max_seq_len = max_model_len`` stays valid
-for every replay; the programs past a sequence's end exit immediately.
+``num_partitions = cdiv(max_seq_len, partition_size)`` (with a window, ``cdiv(min(max_seq_len,
+sliding_window + BLOCK_N - 1), partition_size)``) comes from a host bound, not from the device's
+``seq_lens``, so a CUDA graph captured with ``max_seq_len = max_model_len`` stays valid for every
+replay; the programs past a sequence's end exit immediately.
 
 Layouts: query/output (and sink_query) ``[num_seqs, num_heads, head_size]``; key_cache/value_cache
 ``[num_blocks, num_kv_heads, block_size, head_size]``; block_tables ``[num_seqs, max_blocks]``
@@ -133,14 +135,16 @@ def _paged_decode_kernel(
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     # The single query sits at seq_len - 1 and sees keys >= window_start (all with no window).
+    # Partitions count from the window's first tile, so a windowed layer's grid spans the window,
+    # not the context.
     window_start = _window_start(seq_len, sliding_window)
-    start = part * partition_size
+    start = window_start // BLOCK_N * BLOCK_N + part * partition_size
     end = tl.minimum(start + partition_size, seq_len)
-    if start >= seq_len or end <= window_start:
+    if start >= seq_len:
         return
-    # The window's first tile (the only one cut by its lower edge) is masked on its own; the
-    # tiles before it are never read.
-    lo = tl.maximum(start, window_start // BLOCK_N * BLOCK_N)
+    # The window's first tile (the only one cut by its lower edge, in partition 0) is masked on its
+    # own; the tiles before it are never read.
+    lo = start
     head_end = lo
     if window_start > start:
         head_end = tl.minimum(lo + BLOCK_N, end)
@@ -372,15 +376,16 @@ def _paged_decode_reduce_kernel(
     sliding_window,
     HEAD_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    # Only the partitions kernel 1 wrote, [first_part, num_parts): the rest of the workspace is
-    # uninitialized.
+    # Only the partitions kernel 1 wrote, [0, num_parts) from the window's first tile: the rest of
+    # the workspace is uninitialized.
     seq_len = tl.load(seq_lens_ptr + seq)
-    num_parts = tl.cdiv(seq_len, partition_size)
-    first_part = _window_start(seq_len, sliding_window) // partition_size
+    first_key = _window_start(seq_len, sliding_window) // BLOCK_N * BLOCK_N
+    num_parts = tl.cdiv(seq_len - first_key, partition_size)
     offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, HEAD_DIM)
     ml_ptr = max_logits_ptr + seq * stride_ml_seq + head * stride_ml_head
@@ -388,7 +393,7 @@ def _paged_decode_reduce_kernel(
     po_ptr = partial_out_ptr + seq * stride_po_seq + head * stride_po_head
 
     running_max = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
-    for p0 in range(first_part, num_parts, BLOCK_P):
+    for p0 in range(0, num_parts, BLOCK_P):
         parts = p0 + offs_p
         m = tl.load(ml_ptr + parts * stride_ml_part, mask=parts < num_parts, other=float("-inf"))
         running_max = tl.maximum(running_max, m)
@@ -396,7 +401,7 @@ def _paged_decode_reduce_kernel(
 
     acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
     denom = tl.zeros([BLOCK_P], dtype=tl.float32)
-    for p0 in range(first_part, num_parts, BLOCK_P):
+    for p0 in range(0, num_parts, BLOCK_P):
         parts = p0 + offs_p
         part_mask = parts < num_parts
         m = tl.load(ml_ptr + parts * stride_ml_part, mask=part_mask, other=float("-inf"))
@@ -463,7 +468,9 @@ def paged_decode(
         return out
     num_queries_per_kv = num_heads // num_kv_heads
     head_dim = triton.next_power_of_2(head_size)
-    num_partitions = triton.cdiv(max_seq_len, partition_size)
+    # A window's keys start within a tile of its first tile: it spans at most window + block_n - 1.
+    attended_bound = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + block_n - 1)
+    num_partitions = triton.cdiv(attended_bound, partition_size)
     single_partition = num_partitions == 1
     # float32 scratch for kernel 1's per-partition state; a [.., 1, ..] stub when it is unused.
     workspace_parts = 1 if single_partition else num_partitions
@@ -526,6 +533,7 @@ def paged_decode(
             sliding_window=sliding_window or 0,
             HEAD_SIZE=head_size,
             HEAD_DIM=head_dim,
+            BLOCK_N=block_n,
             # One tile width for any number of partitions: masked lanes cost nothing here, and a
             # width per count would compile a kernel per count.
             BLOCK_P=_REDUCE_BLOCK_P,
