@@ -72,7 +72,7 @@ def test_launches_start_with_the_engines_then_sweep_the_grid() -> None:
     # The engine's launch: partitions of up to 1024 tokens, the sweep's best at K1 (RESULTS.md).
     assert default == {"partition_size": 1024, "block_n": 64, "num_warps": 4, "num_stages": 2}
     swept = triton_impl.launches(shape, sweep=True)
-    assert swept[0] == default and len(swept) == 3 * 3 * 2 * 2
+    assert swept[0] == default and len(swept) == 5 * 3 * 2 * 2
     assert len({tuple(launch.items()) for launch in swept}) == len(swept)
 
 
