@@ -252,6 +252,9 @@ class KVCacheManager:
         if entry is None:
             return None
         index, shared, private = entry
+        # Only siblings share a block a request writes into, and they are preempted together,
+        # each taking its copy back before any frees: the shared block is still held.
+        assert shared.ref_count > 0, f"{shared} was freed before its copy-on-write was taken back"
         req_id = request.req_id
         self._tables[req_id][index] = shared
         self._block_ids[req_id][index] = shared.block_number

@@ -75,13 +75,36 @@ def streaming_llm_greedy(
     return tokens[len(prompt) :]
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_sinks_equal_streaming_llm_past_max_model_len(make_tiny_model: Any, backend: str) -> None:
+@pytest.mark.parametrize(
+    "backend, engine_kwargs",
+    [
+        ("torch", {}),
+        (
+            "torch",
+            {
+                "enable_chunked_prefill": True,
+                "max_num_batched_tokens": 16,
+                "max_num_seqs": 4,
+                "enable_prefix_caching": True,
+            },
+        ),
+        ("triton", {}),
+    ],
+    ids=["torch", "torch-chunked-prefix-cached", "triton"],
+)
+def test_sinks_equal_streaming_llm_past_max_model_len(
+    make_tiny_model: Any, backend: str, engine_kwargs: dict
+) -> None:
     sinks, window, max_model_len, num_tokens = 4, 24, 64, 150
     hf_model, model_config = make_tiny_model(
         LlamaConfig, num_hidden_layers=1, head_dim=64, num_attention_heads=2, num_key_value_heads=1
     )
-    prompts = [[(7 * i + 3) % 160 for i in range(40)], [5, 9, 2]]
+    # The third prompt repeats the first's first 32 tokens: a prefix-cache hit when caching.
+    prompts = [
+        [(7 * i + 3) % 160 for i in range(40)],
+        [5, 9, 2],
+        [(7 * i + 3) % 160 for i in range(32)] + [1, 2],
+    ]
     expected = [streaming_llm_greedy(hf_model, p, num_tokens, sinks, window) for p in prompts]
     llm = LLM(
         model_config.model,
@@ -91,6 +114,7 @@ def test_sinks_equal_streaming_llm_past_max_model_len(make_tiny_model: Any, back
         max_model_len=max_model_len,
         sliding_window=window,
         attention_sinks=sinks,
+        **engine_kwargs,
     )
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     # One sink block (of 8), the window's 3 blocks and the one being filled.
