@@ -27,10 +27,12 @@ V1/V2) is adding an entry. Kernels are imported lazily: listing the entries need
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import itertools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +86,11 @@ class DecodeImpl:
     default_launch: Callable[[DecodeShape], dict[str, int]]  # what the engine launches
     sweep_space: Mapping[str, tuple[int, ...]]  # --sweep tries every combination; {}: nothing to tune
     supports_sliding_window: bool = False  # takes sliding_window= (DecodeShape.sliding_window)
+    package: str | None = None  # a peer's package, timed only where it is installed
+
+    @property
+    def available(self) -> bool:
+        return self.package is None or importlib.util.find_spec(self.package) is not None
 
     def launches(self, shape: DecodeShape, sweep: bool) -> list[dict[str, int]]:
         """The launch parameters to time: the engine's, then (with ``sweep``) every other combination."""
@@ -142,6 +149,61 @@ def _no_launch_parameters(shape: DecodeShape) -> dict[str, int]:
     return {}
 
 
+def _load_flashinfer() -> DecodeFn:
+    """FlashInfer's paged batch decode (the peer vLLM and SGLang use), on the Triton layout itself
+    (FlashInfer's ``HND``: [pages, kv_heads, page_size, head_size]). Its ``plan`` (host work: page
+    lists, split sizes) runs once per batch, on the first call, as an engine plans once per step
+    for every layer; the timed call is ``run``."""
+    import flashinfer
+
+    planned: dict[str, Any] = {}
+
+    def decode(
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        max_seq_len: int,
+        out: torch.Tensor,
+        use_tensor_cores: int = 0,
+    ) -> None:
+        key = (block_tables.data_ptr(), seq_lens.data_ptr(), use_tensor_cores)
+        if planned.get("key") != key:
+            block_size = key_cache.shape[2]
+            lens = seq_lens.tolist()
+            pages = [-(-n // block_size) for n in lens]
+            device = query.device
+            workspace = torch.zeros(128 * 2**20, dtype=torch.uint8, device=device)
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, kv_layout="HND", use_tensor_cores=bool(use_tensor_cores)
+            )
+            wrapper.plan(
+                torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32, device=device),
+                torch.cat([block_tables[i, :n] for i, n in enumerate(pages)]).to(torch.int32),
+                torch.tensor(
+                    [n - (p - 1) * block_size for n, p in zip(lens, pages)], dtype=torch.int32, device=device
+                ),
+                query.shape[1],
+                key_cache.shape[1],
+                query.shape[2],
+                block_size,
+                q_data_type=query.dtype,
+                kv_data_type=key_cache.dtype,
+                sm_scale=scale,
+            )
+            planned.update(key=key, wrapper=wrapper)
+        planned["wrapper"].run(query, (key_cache, value_cache), out=out)
+
+    return decode
+
+
+def _flashinfer_default_launch(shape: DecodeShape) -> dict[str, int]:
+    # vLLM's rule for FlashInfer decode: tensor cores from GQA groups of more than 4 query heads.
+    return {"use_tensor_cores": int(shape.num_heads // shape.num_kv_heads > 4)}
+
+
 DECODE_IMPLS: dict[str, DecodeImpl] = {
     "triton": DecodeImpl(
         load=_load_triton,
@@ -158,6 +220,14 @@ DECODE_IMPLS: dict[str, DecodeImpl] = {
     # vLLM's original kernels: their thread-group layout is fixed by the block size; nothing to sweep.
     "cuda-v1": DecodeImpl(_load_cuda_v1, _cuda_layout, _no_launch_parameters, {}),
     "cuda-v2": DecodeImpl(_load_cuda_v2, _cuda_layout, _no_launch_parameters, {}),
+    # A peer, not an engine path: needs the flashinfer package (JIT-compiled on first use).
+    "flashinfer": DecodeImpl(
+        _load_flashinfer,
+        _triton_layout,
+        _flashinfer_default_launch,
+        {"use_tensor_cores": (0, 1)},
+        package="flashinfer",
+    ),
 }
 
 

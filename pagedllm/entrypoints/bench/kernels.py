@@ -85,7 +85,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     parser.add_argument(
-        "--implementations", nargs="+", choices=list(DECODE_IMPLS), default=list(DECODE_IMPLS)
+        "--implementations",
+        nargs="+",
+        choices=list(DECODE_IMPLS),
+        default=[name for name, impl in DECODE_IMPLS.items() if impl.available],
+        help="default: every implementation whose package is installed (FlashInfer is a peer)",
     )
     parser.add_argument(
         "--sweep", action="store_true", help="also time every launch of the sweep space; report the best"
