@@ -31,13 +31,8 @@ request's progress or blocks; the engine reads requests and asks the scheduler t
 Isolation (``isolate_failure()``): when a model step raises, the engine drops it (and the step in
 flight with it) and the scheduler looks for the user request responsible, so that only that one
 fails. Every request the dropped steps computed becomes a suspect and is preempted by RECOMPUTE
-(it keeps its tokens; the samples in flight are gone). Suspects are tested in *probes*: while one
-runs, its requests are the only ones scheduled (the others wait, and may be preempted to make room)
-until each has sampled once, which clears them. A failure whose requests all belong to the running
-probe and to one user request convicts it: its sequences finish with FINISHED_ERROR. A failure of
-several user requests splits them into two probes, run first (binary search: k bad requests among
-n cost about k log2 n probes, not n), so a request that fails alone is always found and one that
-does not is never blamed.
+(it keeps its tokens; the samples in flight are gone); ``isolation.Probes`` tests the suspects
+apart from everything else until one user request is convicted or all are cleared.
 """
 
 from __future__ import annotations
@@ -52,6 +47,7 @@ from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
 from pagedllm.core.block_pool import Device
+from pagedllm.core.isolation import Probes
 from pagedllm.core.kv_cache_manager import AllocStatus, KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.worker.step_io import (
@@ -95,14 +91,6 @@ class _Budget:
 
     def can_add_seqs(self, num_seqs: int) -> bool:
         return self.num_seqs + num_seqs <= self.max_num_seqs
-
-
-@dataclass
-class _Probe:
-    """Suspects run together with no other request, until each has sampled once."""
-
-    req_ids: set[int]
-    unsampled: set[int]
 
 
 def _priority(request: Request) -> tuple[float, int]:
@@ -179,7 +167,7 @@ class Scheduler:
         # why), until the engine takes them.
         self.stopped: list[Request] = []
         # Suspects of failed steps, in the order they are tested; the first probe is running.
-        self._probes: deque[_Probe] = deque()
+        self._probes = Probes()
         # Requests preempted by the last schedule() and how (for stats and tests).
         self.last_preemptions: dict[int, PreemptionMode] = {}
         # Cumulative preemption counts, for stats and for tests that must see both modes.
@@ -226,11 +214,7 @@ class Scheduler:
             request.siblings.remove(request)
         self._finished_req_ids.add(request.req_id)
         self._preempted_req_ids.discard(request.req_id)
-        if self._probes:
-            for probe in self._probes:
-                probe.req_ids.discard(request.req_id)
-                probe.unsampled.discard(request.req_id)
-            self._end_passed_probes()
+        self._probes.discard(request.req_id)
 
     def _remove_swapped(self, request: Request) -> None:
         for group in self.swapped:
@@ -262,7 +246,7 @@ class Scheduler:
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         budget.num_seqs = sum(max_running_seqs(r) for r in {id(r.siblings): r for r in self.running}.values())
         scheduled: list[Request] = []
-        probe = self._probes[0].req_ids if self._probes else None
+        probe = self._probes.running()
         decodes, prefills = self._schedule_running(out, budget, probe)
         # A decode is one token: those within the budget run (the rest keep their new slot).
         del decodes[max(budget.remaining_tokens, 0) :]
@@ -549,9 +533,7 @@ class Scheduler:
             row += num_samples
         if kv.enable_prefix_caching:
             self._cache_computed_blocks(scheduler_output)
-        if self._probes:
-            self._probes[0].unsampled.difference_update(req_ids)
-            self._end_passed_probes()
+        self._probes.sampled(req_ids)
         return result
 
     def _cache_computed_blocks(self, scheduler_output: SchedulerOutput) -> None:
@@ -694,14 +676,7 @@ class Scheduler:
         for request in suspects:
             by_user_request.setdefault(id(request.siblings), []).append(request)
         groups = list(by_user_request.values())
-        running_probe = self._probes[0].req_ids if self._probes else set()
-        convicted = len(groups) == 1 and suspect_ids.keys() <= running_probe
-        for probe in self._probes:
-            # Suspects are tested again below; requests of the running probe that sampled passed.
-            probe.unsampled -= suspect_ids.keys()
-            probe.req_ids &= probe.unsampled
-        self._probes = deque(probe for probe in self._probes if probe.req_ids)
-        if convicted:
+        if self._probes.after_failure([[r.req_id for r in group] for group in groups]):
             culprits = list(groups[0][0].siblings)
             for request in culprits:
                 request.error = error
@@ -709,11 +684,6 @@ class Scheduler:
             self.finish_requests(culprits, RequestStatus.FINISHED_ERROR)
             self._requeue(lost_copies)
             return
-        half = len(groups) // 2
-        for part in reversed([groups[:half], groups[half:]] if half else [groups]):
-            req_ids = {r.req_id for group in part for r in group}
-            if req_ids:
-                self._probes.appendleft(_Probe(req_ids, set(req_ids)))
         self._requeue(suspects + lost_copies)
 
     def _requeue(self, requests: list[Request]) -> None:
@@ -734,12 +704,6 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self._preempted_req_ids.add(request.req_id)
         self.waiting.extendleft(sorted(requests, key=_priority, reverse=True))
-
-    def _end_passed_probes(self) -> None:
-        """End the running probe once each of its requests has sampled or finished: they rejoin
-        normal batching, and the next probe runs."""
-        while self._probes and not self._probes[0].unsampled:
-            self._probes.popleft()
 
     def _stop_for_lack_of_memory(self, group: list[Request]) -> None:
         """End a group whose requests together outgrew the whole cache: waiting for memory would

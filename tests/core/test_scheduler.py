@@ -358,8 +358,8 @@ def test_a_request_preempted_with_a_sample_in_flight_waits_for_it():
 
 def probe_ids(h: Harness) -> set[int]:
     """The user requests of the running probe (empty when not isolating)."""
-    probes = h.scheduler._probes
-    return {h.group_of[r].request_id for r in probes[0].req_ids} if probes else set()
+    running = h.scheduler._probes.running()
+    return {h.group_of[r].request_id for r in running} if running else set()
 
 
 def test_a_failing_request_is_found_by_probes_that_run_alone():
