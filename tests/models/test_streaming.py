@@ -88,9 +88,10 @@ def streaming_llm_greedy(
                 "enable_prefix_caching": True,
             },
         ),
+        ("torch", {"async_scheduling": True}),
         ("triton", {}),
     ],
-    ids=["torch", "torch-chunked-prefix-cached", "triton"],
+    ids=["torch", "torch-chunked-prefix-cached", "torch-async", "triton"],
 )
 def test_sinks_equal_streaming_llm_past_max_model_len(
     make_tiny_model: Any, backend: str, engine_kwargs: dict
