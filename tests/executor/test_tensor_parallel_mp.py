@@ -178,3 +178,25 @@ def test_small_step_messages_go_out_before_the_previous_answer_is_read(
         assert max(unanswered) == (2 if pipelined else 1)
     finally:
         two.llm_engine.shutdown()
+
+
+def test_a_sliding_window_with_sinks_at_two_ranks_gives_the_tokens_of_one(
+    make_tiny_model_once, random_prompts, assert_every_block_free
+):
+    """Behind a window the ranks read cache positions (the dropped tokens reach them in the step
+    message); with sinks, generation runs past max_model_len on both."""
+    _, model_config = make_tiny_model_once(LlamaConfig, num_attention_heads=4, num_key_value_heads=2)
+    prompts = random_prompts(4, model_config.vocab_size, lo=5, hi=40, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    options = dict(device="cpu", block_size=4, max_model_len=64, sliding_window=16, attention_sinks=4)
+    expected = LLM(model_config.model, swap_space=0.01, **options).generate(
+        prompt_token_ids=prompts, sampling_params=params, use_tqdm=False
+    )
+    two = LLM(model_config.model, swap_space=0.01, tensor_parallel_size=2, async_scheduling=True, **options)
+    try:
+        outputs = two.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        assert token_ids(outputs) == token_ids(expected)
+        assert all(len(o.outputs[0].token_ids) == 100 for o in outputs)
+        assert_every_block_free(two.llm_engine)
+    finally:
+        two.llm_engine.shutdown()
