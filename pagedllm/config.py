@@ -40,6 +40,10 @@ def _require(ok: bool, field: str, allowed: str, value: Any) -> None:
         raise ValueError(f"{field} must be {allowed}, got {value!r}")
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The model to run and how: weights location, dtype, context length.
@@ -68,7 +72,12 @@ class ModelConfig:
     def __post_init__(self) -> None:
         _require(self.max_model_len >= 1, "max_model_len", ">= 1", self.max_model_len)
         window = self.sliding_window
-        _require(window is None or window >= 1, "sliding_window", ">= 1 or None", window)
+        _require(
+            window is None or (_is_int(window) and window >= 1),
+            "sliding_window",
+            "an int >= 1 or None",
+            window,
+        )
         if window is not None:
             _require(
                 window <= self.max_model_len,
@@ -76,7 +85,8 @@ class ModelConfig:
                 f"<= max_model_len ({self.max_model_len})",
                 window,
             )
-        _require(self.attention_sinks >= 0, "attention_sinks", ">= 0", self.attention_sinks)
+        sinks = self.attention_sinks
+        _require(_is_int(sinks) and sinks >= 0, "attention_sinks", "an int >= 0", sinks)
         if self.attention_sinks and window is None:
             raise ValueError(
                 f"attention_sinks={self.attention_sinks} needs a sliding_window: the sinks are kept beside "
