@@ -193,8 +193,9 @@ class KVCacheManager:
         num_required = max(
             self._num_blocks_for(request.num_computed_tokens + num_new_tokens) - self._num_logical(request), 0
         )
-        block = self._block_at(request, request.num_computed_tokens)
-        if block is not None and block.ref_count > 1:
+        index = self._write_index(request)
+        table = self._tables[request.req_id]
+        if index < len(table) and table[index].ref_count > 1:
             num_required += 1
         return num_required
 
@@ -206,8 +207,9 @@ class KVCacheManager:
         The common case, a token that lands in a private block the request already holds, is
         answered without touching the allocator.
         """
-        block = self._block_at(request, request.num_computed_tokens)
-        if block is not None and block.ref_count == 1:
+        table = self._tables[request.req_id]
+        index = request.num_computed_tokens // self.block_size - self._num_dropped[request.req_id]
+        if index < len(table) and table[index].ref_count == 1:
             return True
         if self.num_blocks_to_grow(request, 1) > self.gpu_allocator.get_num_free_blocks():
             return False
@@ -224,8 +226,8 @@ class KVCacheManager:
         table = self._tables[req_id]
         block_ids = self._block_ids[req_id]
         cow = None
-        index = self._table_index(req_id, request.num_computed_tokens // self.block_size)
-        if index is not None and index < len(table) and table[index].ref_count > 1:
+        index = self._write_index(request)
+        if index < len(table) and table[index].ref_count > 1:
             shared = table[index]
             table[index] = self.gpu_allocator.allocate()
             block_ids[index] = table[index].block_number
@@ -420,11 +422,11 @@ class KVCacheManager:
         index = logical - self._num_dropped[req_id]
         return index if index >= self.num_sink_blocks else None
 
-    def _block_at(self, request: Request, position: int) -> PhysicalTokenBlock | None:
-        """The block holding token ``position``, if the table has it."""
-        index = self._table_index(request.req_id, position // self.block_size)
-        table = self._tables[request.req_id]
-        return table[index] if index is not None and index < len(table) else None
+    def _write_index(self, request: Request) -> int:
+        """Table entry of the block the request's next token goes into (``len(table)`` or more
+        when it is still to be allocated). That token is past every dropped block, hence past the
+        sink blocks too, so the dropped count is all there is to subtract."""
+        return request.num_computed_tokens // self.block_size - self._num_dropped[request.req_id]
 
     def _num_logical(self, request: Request) -> int:
         """Logical blocks the request has had: those held plus those dropped."""

@@ -284,6 +284,7 @@ class Scheduler:
         decodes: list[Request] = []
         prefills: list[Request] = []
         kv = self.kv_cache_manager
+        windowed = kv.sliding_window is not None
         while queue:
             request = queue.popleft()
             if request.status != RequestStatus.RUNNING:
@@ -292,7 +293,8 @@ class Scheduler:
                 request.needs_host_between_steps or self._ends_with_samples_in_flight(request)
             ):
                 continue  # its next step waits for the host to see its sample, or never comes
-            kv.slide_window(request)
+            if windowed:  # first, so that the blocks it frees can take this step's tokens
+                kv.slide_window(request)
             num_new_tokens = request.num_uncomputed_tokens
             if num_new_tokens > 1 or not (request.output_token_ids or request.num_output_placeholders):
                 prefills.append(request)  # its blocks were allocated at admission
@@ -346,6 +348,7 @@ class Scheduler:
             out.blocks_to_swap_in.extend(kv.swap_in(group).items())
             budget.num_seqs += num_seqs
             for request in group:
+                kv.slide_window(request)
                 request.status = RequestStatus.RUNNING
                 request.resend = True
                 self._add_running(request)
@@ -381,6 +384,7 @@ class Scheduler:
                 break
             self._pop_waiting(queue)
             kv.allocate(request)
+            kv.slide_window(request)  # a prefix-cache hit may start past the window
             request.status = RequestStatus.RUNNING
             request.resend = True
             budget.num_seqs += num_seqs
@@ -439,10 +443,8 @@ class Scheduler:
         windowed = kv.sliding_window is not None
         for request in scheduled:
             req_id = request.req_id
-            if windowed:
-                kv.slide_window(request)
-                if request.resend or kv.has_unsent_blocks(request):
-                    out.num_dropped_tokens[req_id] = kv.get_num_dropped_tokens(request)
+            if windowed and (request.resend or kv.has_unsent_blocks(request)):
+                out.num_dropped_tokens[req_id] = kv.get_num_dropped_tokens(request)
             if request.resend:
                 request.resend = False
                 min_tokens_stop_ids, num_top_tokens = self._sampling_info[req_id]
