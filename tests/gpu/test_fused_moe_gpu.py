@@ -7,6 +7,7 @@ end at a small size. (test_fused_gpu.py runs Qwen3-MoE and Mixtral on CUDA again
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 
 import pytest
@@ -17,7 +18,7 @@ if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 pytest.importorskip("triton", reason="the fused MoE kernel needs the triton package")
 
 from pagedllm.entrypoints.bench import moe as bench_moe
-from pagedllm.kernels.triton.fused_moe import fused_moe
+from pagedllm.kernels.triton.fused_moe import _launch_gemm, default_launch, fused_moe, moe_align_block_size
 from pagedllm.layers.fused_moe import FusedMoE, fused_experts_torch, select_experts
 
 pytestmark = pytest.mark.gpu
@@ -62,6 +63,34 @@ def test_bfloat16_is_as_accurate_as_the_torch_path(shape: tuple) -> None:
     scale = exact.abs().max().item()
     torch.testing.assert_close(out, exact, atol=2e-2 * scale, rtol=2e-2)
     assert (out - exact).abs().mean() <= 1.25 * (ref - exact).abs().mean() + 1e-6
+
+
+@pytest.mark.parametrize("num_tokens", [256, 8192])
+def test_output_is_the_same_bits_for_any_order_within_an_expert(num_tokens: int) -> None:
+    """The placement's atomics order each expert's pairs arbitrarily: both GEMMs give the same
+    bits when every run is reversed, so the order cannot change a token's output."""
+    x, w13, w2, weights, ids = _inputs(num_tokens, 128, 8, 2048, 768, torch.bfloat16, seed=5)
+    num_pairs = ids.numel()
+    launch = default_launch(num_pairs, 128, x.dtype)
+    sorted_ids, expert_ids, num_post_padded = moe_align_block_size(ids, launch.block_m, 128)
+    reversed_ids = sorted_ids.clone()
+    runs = torch.cat([expert_ids.repeat_interleave(launch.block_m), expert_ids.new_tensor([-1])])
+    starts = [0, *(torch.nonzero(runs[1:] != runs[:-1]).flatten() + 1).tolist()]
+    for start, end in itertools.pairwise(starts):
+        run = sorted_ids[start:end]
+        real = run[run < num_pairs]
+        assert real.numel() > 0 or start >= int(num_post_padded)
+        reversed_ids[start : start + real.numel()] = real.flip(0)
+    outs = []
+    for order in (sorted_ids, reversed_ids):
+        act = x.new_empty(num_pairs, 768)
+        out = x.new_empty(num_pairs, 2048)
+        aligned = (order, expert_ids, num_post_padded)
+        _launch_gemm(x, w13, act, weights.contiguous(), *aligned, 8, True, launch)
+        _launch_gemm(act, w2, out, weights.contiguous(), *aligned, 1, False, launch)
+        outs.append(out)
+    assert not torch.equal(sorted_ids, reversed_ids)
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_layer_replays_in_a_cuda_graph() -> None:

@@ -15,15 +15,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="the fused MoE kernel needs the triton package")
 
-from pagedllm.kernels.triton.fused_moe import (
-    ALIGN_KERNEL_MAX_PAIRS,
-    MoeLaunch,
-    _align_torch,
-    default_launch,
-    fused_moe,
-    max_num_sorted,
-    moe_align_block_size,
-)
+from pagedllm.kernels.triton.fused_moe import MoeLaunch, default_launch, fused_moe, moe_align_block_size
 from pagedllm.layers.fused_moe import fused_experts_torch, select_experts
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -105,8 +97,11 @@ def test_torch_path_matches_the_per_token_definition() -> None:
     torch.testing.assert_close(fused_experts_torch(x, w13, w2, weights, ids), expected, atol=1e-5, rtol=1e-5)
 
 
+# Past 1,024 pairs the count and place kernels run several programs; (3, 300, 2, 32) has more
+# experts than pairs; (700, 4, 2, 128) one expert's run long enough that padding fills span programs.
 @pytest.mark.parametrize(
-    "num_tokens,num_experts,top_k,block_m", [(1, 4, 1, 16), (37, 8, 2, 16), (50, 64, 8, 32)]
+    "num_tokens,num_experts,top_k,block_m",
+    [(1, 4, 1, 16), (37, 8, 2, 16), (50, 64, 8, 32), (3, 300, 2, 32), (300, 128, 8, 16), (700, 4, 2, 128)],
 )
 def test_align_block_size_sorts_and_pads_each_expert(num_tokens, num_experts, top_k, block_m) -> None:
     _, _, _, _, ids = _inputs(num_tokens, num_experts, top_k, 16, 16, torch.float32, seed=num_tokens)
@@ -126,8 +121,8 @@ def test_align_block_size_sorts_and_pads_each_expert(num_tokens, num_experts, to
     for expert in range(num_experts):
         run = sorted_list[start : start + padded[expert]]
         pairs = [p for p in run if p != num_pairs]
-        # This expert's pairs, in their original order, then padding to the tile.
-        assert pairs == [p for p in range(num_pairs) if flat[p] == expert]
+        # This expert's pairs, each once, in any order, then padding to the tile.
+        assert sorted(pairs) == [p for p in range(num_pairs) if flat[p] == expert]
         assert run[len(pairs) :] == [num_pairs] * (padded[expert] - len(pairs))
         assert expert_ids[start // block_m : (start + padded[expert]) // block_m].tolist() == [expert] * (
             padded[expert] // block_m
@@ -136,24 +131,12 @@ def test_align_block_size_sorts_and_pads_each_expert(num_tokens, num_experts, to
     assert set(sorted_list[start:]) <= {num_pairs}
 
 
-@pytest.mark.parametrize(
-    "num_tokens,num_experts,top_k,block_m",
-    [(1, 4, 1, 16), (93, 64, 8, 16), (40, 128, 8, 64), (3, 300, 2, 32)],
-)
-def test_align_kernel_equals_the_torch_ops(num_tokens, num_experts, top_k, block_m) -> None:
-    """Both sort-and-pad paths are stable sorts: their outputs are equal, index for index."""
-    _, _, _, _, ids = _inputs(num_tokens, num_experts, top_k, 16, 16, torch.float32, seed=7)
-    assert ids.numel() <= ALIGN_KERNEL_MAX_PAIRS  # moe_align_block_size takes the kernel
-    num_sorted = max_num_sorted(ids.numel(), num_experts, block_m)
-    expected = _align_torch(ids.flatten(), block_m, num_experts, num_sorted)
-    for out, ref in zip(moe_align_block_size(ids, block_m, num_experts), expected, strict=True):
-        assert out.dtype == ref.dtype and torch.equal(out, ref)
-
-
 def test_default_launch_by_pairs_per_expert() -> None:
-    # Decode (64 tokens, top-8 of 128: 4 pairs per expert) takes 16-row tiles; prefill 64.
+    # Decode (64 tokens, top-8 of 128: 4 pairs per expert) takes 16-row tiles, 256 tokens 32-row
+    # ones; a prefill chunk of 8,192 tokens 128-row ones.
     assert default_launch(64 * 8, 128, torch.bfloat16).block_m == 16
-    assert default_launch(8192 * 8, 128, torch.bfloat16).block_m == 64
+    assert default_launch(256 * 8, 128, torch.bfloat16).block_m == 32
+    assert default_launch(8192 * 8, 128, torch.bfloat16).block_m == 128
     assert (
         default_launch(8192 * 8, 128, torch.float32).block_k
         == default_launch(8192 * 8, 128, torch.bfloat16).block_k // 2

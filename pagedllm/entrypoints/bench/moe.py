@@ -5,8 +5,10 @@ size (64 tokens) and a prefill size (8192 tokens): random router logits, the sam
 both. The reference is the torch path (``fused_experts_torch``: tokens sorted by expert, two
 matmuls per expert that got tokens). Reports each one's median time, the ratio, and the fused
 kernel's weight bandwidth (bytes of the experts touched over time; the decode bound) and TFLOP/s
-(the prefill bound). ``--sweep`` also times every launch of ``SWEEP`` and reports the best, so
-that tuning takes one call on the device. Prints a table last; ``--output-json`` writes the rows.
+(the prefill bound). ``--sweep`` also times the launches worth trying at each size (short tiles
+at decode sizes, large ones at prefill sizes), the whole MoE and each GEMM on its own, and reports
+the best, so that tuning takes one call on the device. Prints a table last; ``--output-json``
+writes the rows.
 """
 
 from __future__ import annotations
@@ -37,14 +39,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-json", default=None)
 
 
-def _sweep_space() -> list[Any]:
+def _sweep_space(pairs_per_expert: float) -> list[Any]:
+    """Launches worth timing at a size: short tiles and long K steps at decode sizes (a few pairs
+    per expert, the weights the bound), square-ish tiles and deep pipelines at prefill sizes."""
     from pagedllm.kernels.triton.fused_moe import MoeLaunch
 
-    # Grouping only matters with several tiles per expert (it shares weight tiles in L2).
-    return [
-        MoeLaunch(m, n, k, 1 if m == 16 else 8, w, s)
-        for m, n, k, w, s in itertools.product((16, 32, 64), (64, 128), (64, 128), (4, 8), (3, 4))
-    ]
+    if pairs_per_expert <= 48:
+        space = [
+            MoeLaunch(m, n, k, 1 if m == 16 else 16, 4, s)
+            for m, n, k, s in itertools.product((16, 32), (64, 128), (128, 256), (2, 3, 4))
+        ]
+        space += [MoeLaunch(m, 128, 128, 1 if m == 16 else 16, 8, 2) for m in (16, 32)]
+    else:
+        space = [
+            MoeLaunch(m, n, k, 16, w, s)
+            for m, n, k, w, s in itertools.product((64, 128), (64, 128), (64, 128), (4, 8), (3, 4))
+        ]
+    # Shared memory holds num_stages x (x tile + gate and up tiles) at 16 bits; 227 KiB on Hopper.
+    return [c for c in space if c.num_stages * (c.block_m + 2 * c.block_n) * c.block_k * 2 <= 224 * 1024]
 
 
 def _time_ms(fn: Any) -> float:
@@ -80,17 +92,52 @@ def bench_size(num_tokens: int, args: argparse.Namespace, sweep: bool) -> dict[s
         "fused_tflops": flops / (fused_ms * 1e-3) / 1e12,
     }
     if sweep:
-        timed = []
-        for candidate in _sweep_space():
-            try:
-                timed.append(
-                    (_time_ms(lambda c=candidate: fused_moe(x, w13, w2, weights, ids, c)), candidate)
-                )
-            except Exception as exc:  # a launch that does not fit the device (shared memory): skip it
-                print(f"skipped {candidate}: {type(exc).__name__}")
-        best_ms, best = min(timed, key=lambda t: t[0])
-        row.update(best_ms=best_ms, best_launch=asdict(best), best_speedup=torch_ms / best_ms)
+        row.update(_sweep(x, w13, w2, weights, ids, torch_ms))
     return row
+
+
+def _sweep(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    torch_ms: float,
+) -> dict[str, Any]:
+    """Every launch of the size's space: the whole fused MoE, and each GEMM on its own (they may
+    want different tiles: K is the hidden size in the first, the expert width in the second)."""
+    from pagedllm.kernels.triton.fused_moe import _launch_gemm, fused_moe, moe_align_block_size
+
+    num_tokens, top_k = ids.shape
+    e, two_i, _ = w13.shape
+    num_pairs = num_tokens * top_k
+    flat_weights = weights.contiguous()
+    intermediate = x.new_empty(num_pairs, two_i // 2)
+    out = x.new_empty(num_pairs, x.shape[1])
+    timed = []
+    for c in _sweep_space(num_pairs / e):
+        try:
+            aligned = moe_align_block_size(ids, c.block_m, e)
+            whole = _time_ms(lambda c=c: fused_moe(x, w13, w2, weights, ids, c))
+            gate_up = _time_ms(
+                lambda c=c, a=aligned: _launch_gemm(x, w13, intermediate, flat_weights, *a, top_k, True, c)
+            )
+            down = _time_ms(
+                lambda c=c, a=aligned: _launch_gemm(intermediate, w2, out, flat_weights, *a, 1, False, c)
+            )
+        except Exception as exc:  # a launch that does not fit the device (shared memory): skip it
+            print(f"skipped {c}: {type(exc).__name__}")
+            continue
+        timed.append({"launch": asdict(c), "ms": whole, "gate_up_ms": gate_up, "down_ms": down})
+    best = min(timed, key=lambda t: t["ms"])
+    return {
+        "best_ms": best["ms"],
+        "best_launch": best["launch"],
+        "best_speedup": torch_ms / best["ms"],
+        "best_gate_up": min(timed, key=lambda t: t["gate_up_ms"]),
+        "best_down": min(timed, key=lambda t: t["down_ms"]),
+        "sweep": sorted(timed, key=lambda t: t["ms"]),
+    }
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -107,6 +154,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         )
         if "best_ms" in row:
             line += f"; best launch {row['best_ms']:.3f} ms ({row['best_speedup']:.1f}x) {row['best_launch']}"
+            for gemm in ("gate_up", "down"):
+                best = row[f"best_{gemm}"]
+                line += f"; best {gemm} {best[gemm + '_ms']:.3f} ms {best['launch']}"
         print(line)
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -3,15 +3,15 @@
 Algorithm (the sorted, block-aligned formulation of vLLM's ``fused_moe`` and MegaBlocks, Gale et
 al. 2022), for ``num_pairs = num_tokens * top_k`` routed pairs:
 
-1. ``moe_align_block_size`` (on the device, no host sync: one program of ``_moe_align_kernel`` at
-   decode sizes, torch ops past them): sort the pairs by expert
+1. ``moe_align_block_size`` (on the device, no host sync: three small kernels -- a histogram, the
+   runs' offsets, a placement by atomic cursors): group the pairs by expert
    and pad each expert's run to a multiple of ``BLOCK_M``, so that every ``BLOCK_M`` tile of the
    sorted list belongs to one expert. Padding entries hold ``num_pairs`` (masked everywhere).
    The buffers have a fixed size given ``num_pairs`` -- ``num_pairs + min(E, num_pairs) *
    (BLOCK_M - 1)`` rounded up to a tile -- so a decode step captures in a CUDA graph::
 
        topk_ids (flat)    2 0 2 1 0 2            (E = 3, BLOCK_M = 4)
-       sorted_token_ids   1 4 . . | 3 . . . | 0 2 5 .      (. = padding)
+       sorted_token_ids   1 4 . . | 3 . . . | 0 2 5 .      (. = padding; order within a run free)
        expert_ids         0       | 1       | 2
 
 2. GEMM 1 (``GATED``): for each tile, ``act = silu(x @ gate_e^T) * (x @ up_e^T)``, with the gate
@@ -43,7 +43,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The pair counts change every step: specialising on their divisibility would compile mid-run.
+@triton.jit(do_not_specialize=["num_pairs", "num_sorted"])
 def _moe_gemm_kernel(
     a_ptr,
     b_ptr,
@@ -130,17 +131,25 @@ class MoeLaunch:
 
 
 def default_launch(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeLaunch:
-    """Tiles for H100/H200: at decode sizes (few pairs per expert) 16-row tiles waste the least
-    padding and long K tiles keep enough weight bytes in flight; at prefill sizes 64x128 tiles
-    reuse each loaded weight tile over 64 rows. K tiles shrink for float32 so that the
-    ``num_stages`` buffers of x, gate and up tiles fit in shared memory."""
+    """Tiles for H100/H200, from ``pagedllm bench moe --sweep`` on an H200 (Qwen3-30B-A3B's layer).
+
+    At decode sizes the weights of the touched experts are the bound: 16-row tiles waste the least
+    padding while experts get a few pairs each (64 tokens at top-8 of 128: 4), 32-row tiles read
+    each expert's weights once when they get a dozen or more (256 tokens: 16 on average, 0.31 ms
+    for both GEMMs against 0.33 with 16-row tiles), and long K tiles keep weight bytes in flight.
+    At prefill sizes (hundreds of pairs per expert) 128 x 128 tiles on 8 warps reuse each weight
+    tile over 128 rows: 1.47 ms at 8,192 tokens against 1.71 with the best 64-row tiles. K tiles shrink
+    for float32 so that the ``num_stages`` buffers of x, gate and up tiles fit in shared memory.
+    """
     scale = torch.finfo(dtype).bits // 16  # 1 for 16-bit, 2 for float32
     pairs_per_expert = num_pairs / num_experts
-    if pairs_per_expert <= 16:
+    if pairs_per_expert < 12:
         return MoeLaunch(16, 64, 128 // scale, 1, 4, 3)
     if pairs_per_expert <= 48:
-        return MoeLaunch(32, 64, 128 // scale, 4, 4, 3)
-    return MoeLaunch(64, 128, 64 // scale, 8, 8, 3)
+        return MoeLaunch(32, 64, 128 // scale, 16, 4, 3)
+    if pairs_per_expert < 192:
+        return MoeLaunch(64, 128, 64 // scale, 16, 4, 3)
+    return MoeLaunch(128, 128, 64 // scale, 16, 8, 3)
 
 
 def max_num_sorted(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -150,118 +159,127 @@ def max_num_sorted(num_pairs: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(padded, block_m) * block_m
 
 
-@triton.jit
-def _moe_align_kernel(
+@triton.jit(do_not_specialize=["num_pairs", "num_sorted"])
+def _moe_count_kernel(
     topk_ids_ptr,
+    counts_ptr,
     sorted_token_ids_ptr,
-    expert_ids_ptr,
-    num_post_padded_ptr,
     num_pairs,
     num_experts,
     num_sorted,
-    BLOCK_M: tl.constexpr,
-    NUM_EXPERTS_P2: tl.constexpr,
+    NUM_BINS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program: count, pad, fill, and place each pair at its expert's start plus the number of
-    earlier pairs of that expert (a one-hot [BLOCK, E] prefix sum per chunk): stable, as argsort."""
-    experts = tl.arange(0, NUM_EXPERTS_P2)
-    counts = tl.zeros([NUM_EXPERTS_P2], dtype=tl.int32)
-    for start in range(0, num_pairs, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=-1)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    """Program p: add the expert histogram of pairs ``[p * BLOCK, (p + 1) * BLOCK)`` to ``counts``
+    (one atomic per expert), and fill its share of the sorted list with the padding value."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    # Pairs past the end go to bin num_experts, which is dropped.
+    ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=num_experts).to(tl.int32)
+    bins = tl.arange(0, NUM_BINS)
+    tl.atomic_add(counts_ptr + bins, tl.histogram(ids, NUM_BINS).to(tl.int32), mask=bins < num_experts)
+    for start in range(pid * BLOCK, num_sorted, tl.num_programs(0) * BLOCK):
+        fill = start + tl.arange(0, BLOCK)
+        tl.store(
+            sorted_token_ids_ptr + fill, tl.full([BLOCK], 0, tl.int32) + num_pairs, mask=fill < num_sorted
+        )
+
+
+@triton.jit(do_not_specialize=["num_tiles"])
+def _moe_offsets_kernel(
+    counts_ptr,
+    cursor_ptr,
+    expert_ids_ptr,
+    num_post_padded_ptr,
+    num_experts,
+    num_tiles,
+    BLOCK_M: tl.constexpr,
+    NUM_BINS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """One program: each expert's run padded to a multiple of BLOCK_M, the runs' starts (the
+    cursors the placement advances), the end of the last run, and each tile's expert."""
+    bins = tl.arange(0, NUM_BINS)
+    counts = tl.load(counts_ptr + bins, mask=bins < num_experts, other=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
+    tl.store(cursor_ptr + bins, ends - padded, mask=bins < num_experts)
     tl.store(num_post_padded_ptr, tl.sum(padded, axis=0))
-    for start in range(0, num_sorted // BLOCK_M, BLOCK):
-        tiles = start + tl.arange(0, BLOCK)
-        # The tile's expert: how many experts' runs end at or before its first row.
-        ended = tl.sum((ends[None, :] <= tiles[:, None] * BLOCK_M).to(tl.int32), axis=1)
-        tl.store(
-            expert_ids_ptr + tiles, tl.minimum(ended, num_experts - 1), mask=tiles < num_sorted // BLOCK_M
+    for start in range(0, num_tiles, BLOCK_T):
+        tiles = start + tl.arange(0, BLOCK_T)
+        # The tile's expert: how many runs end at or before its first row (tiles past the last
+        # run get num_experts - 1, and the GEMMs skip them before reading it).
+        ended = tl.sum(
+            ((ends[None, :] <= tiles[:, None] * BLOCK_M) & (bins[None, :] < num_experts)).to(tl.int32), 1
         )
-    for start in range(0, num_sorted, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        tl.store(
-            sorted_token_ids_ptr + offs, tl.full([BLOCK], 0, tl.int32) + num_pairs, mask=offs < num_sorted
-        )
-    # The padding is written before the pairs land over it (other threads of this program).
-    tl.debug_barrier()
-    cursor = ends - padded
-    for start in range(0, num_pairs, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=-1)
-        one_hot = (ids[:, None] == experts[None, :]).to(tl.int32)  # [BLOCK, NUM_EXPERTS_P2]
-        earlier = tl.cumsum(one_hot, axis=0) - one_hot
-        slots = tl.sum((earlier + cursor[None, :]) * one_hot, axis=1)
-        tl.store(sorted_token_ids_ptr + slots, offs, mask=offs < num_pairs)
-        cursor += tl.sum(one_hot, axis=0)
+        tl.store(expert_ids_ptr + tiles, tl.minimum(ended, num_experts - 1), mask=tiles < num_tiles)
 
 
-# Up to this many pairs (decode sizes: 512 tokens at top-8) the sort-and-pad is one program of
-# _moe_align_kernel; past it, a dozen torch ops (sort included) spread over the GPU are faster.
-ALIGN_KERNEL_MAX_PAIRS = 4096
+@triton.jit(do_not_specialize=["num_pairs"])
+def _moe_place_kernel(topk_ids_ptr, cursor_ptr, sorted_token_ids_ptr, num_pairs, BLOCK: tl.constexpr):
+    """Program p: each pair of its chunk takes the next free slot of its expert's run."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < num_pairs
+    ids = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
+    slots = tl.atomic_add(cursor_ptr + ids, tl.full([BLOCK], 1, tl.int32), mask=mask)
+    tl.store(sorted_token_ids_ptr + slots, offs, mask=mask)
+
+
+# Pairs per program of the count and place kernels.
+_ALIGN_BLOCK = 1024
 
 
 def moe_align_block_size(
     topk_ids: torch.Tensor, block_m: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort the routed pairs by expert (stable), each expert's run padded to a multiple of ``block_m``.
+    """Group the routed pairs by expert, each expert's run padded to a multiple of ``block_m``.
 
     topk_ids: [num_tokens, top_k]. Returns ``sorted_token_ids`` [num_sorted] int32 (flattened pair
     indices, ``num_pairs`` for padding), ``expert_ids`` [num_sorted // block_m] int32 (the expert
     of each tile) and ``num_tokens_post_padded`` [1] int32 (where the tiles in use end), all on the
-    device of topk_ids, computed without a host sync.
+    device of topk_ids, computed without a host sync: a histogram (one atomic per expert and
+    program), one program for the runs' offsets, and a placement by atomic cursors.
+
+    The order of pairs within an expert's run is whichever order the atomics took. Nothing depends
+    on it: each row of a GEMM tile is computed alone and written to its pair's own row, so the
+    MoE's output is the same, bit for bit, for every order.
     """
     flat_ids = topk_ids.flatten()
     num_pairs = flat_ids.numel()
     num_sorted = max_num_sorted(num_pairs, num_experts, block_m)
-    if num_pairs > ALIGN_KERNEL_MAX_PAIRS:
-        return _align_torch(flat_ids, block_m, num_experts, num_sorted)
     device = flat_ids.device
     sorted_token_ids = torch.empty(num_sorted, dtype=torch.int32, device=device)
     expert_ids = torch.empty(num_sorted // block_m, dtype=torch.int32, device=device)
     num_post_padded = torch.empty(1, dtype=torch.int32, device=device)
-    num_experts_p2 = triton.next_power_of_2(num_experts)
-    # A [BLOCK, experts] one-hot of 8K elements: 32 registers a thread at 8 warps.
-    block = max(16, min(256, 8192 // num_experts_p2))
-    _moe_align_kernel[(1,)](
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
+    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
+    num_bins = triton.next_power_of_2(num_experts + 1)  # one bin more, for the masked pairs
+    grid = (triton.cdiv(num_pairs, _ALIGN_BLOCK),)
+    _moe_count_kernel[grid](
         flat_ids,
+        counts,
         sorted_token_ids,
-        expert_ids,
-        num_post_padded,
         num_pairs,
         num_experts,
         num_sorted,
+        NUM_BINS=num_bins,
+        BLOCK=_ALIGN_BLOCK,
+    )
+    _moe_offsets_kernel[(1,)](
+        counts,
+        cursor,
+        expert_ids,
+        num_post_padded,
+        num_experts,
+        expert_ids.numel(),
         BLOCK_M=block_m,
-        NUM_EXPERTS_P2=num_experts_p2,
-        BLOCK=block,
+        NUM_BINS=num_bins,
+        # A [BLOCK_T, NUM_BINS] comparison of 8K elements per iteration.
+        BLOCK_T=max(16, 8192 // num_bins),
         num_warps=8,
     )
+    _moe_place_kernel[grid](flat_ids, cursor, sorted_token_ids, num_pairs, BLOCK=_ALIGN_BLOCK)
     return sorted_token_ids, expert_ids, num_post_padded
-
-
-def _align_torch(
-    flat_ids: torch.Tensor, block_m: int, num_experts: int, num_sorted: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """moe_align_block_size in torch ops, for large pair counts."""
-    num_pairs = flat_ids.numel()
-    device = flat_ids.device
-    # scatter_add_, not bincount: bincount reads the maximum back to the host.
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat_ids, torch.ones_like(flat_ids))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_ends = padded.cumsum(0)
-    order = torch.argsort(flat_ids, stable=True)
-    sorted_experts = flat_ids[order]
-    rank_in_expert = torch.arange(num_pairs, device=device) - (counts.cumsum(0) - counts)[sorted_experts]
-    sorted_token_ids = torch.full((num_sorted,), num_pairs, dtype=torch.int32, device=device)
-    sorted_token_ids[(padded_ends - padded)[sorted_experts] + rank_in_expert] = order.to(torch.int32)
-    tile_starts = torch.arange(0, num_sorted, block_m, device=device)
-    # Tiles past the end get expert num_experts - 1; the kernel skips them before reading it.
-    expert_ids = torch.searchsorted(padded_ends, tile_starts, right=True).clamp_(max=num_experts - 1)
-    return sorted_token_ids, expert_ids.to(torch.int32), padded_ends[-1:].to(torch.int32)
 
 
 def fused_moe(

@@ -18,9 +18,11 @@ Kernel 1, ``_paged_decode_kernel``, grid ``(num_seqs, num_kv_heads, num_partitio
   running max ``m_i`` (log2 units), sum ``l_i`` and unnormalized ``acc``. Partitions count from the
   tile holding a sliding window's first key ``seq_len - sliding_window`` (from key 0 without a
   window), so a windowed layer launches partitions for its window, not its context; a partition
-  starting at or past ``seq_len`` returns at once and writes nothing. With a
-  single partition (``SINGLE_PARTITION``) it writes ``acc / l_i`` straight to the output and kernel
-  2 is skipped.
+  starting at or past ``seq_len`` returns at once and writes nothing. A sequence with one live
+  partition gets ``acc / l_i`` written straight to the output; when that holds for the whole launch
+  (``num_partitions == 1``) kernel 2 is not launched and the workspace is a stub. (Not a constexpr:
+  a variant compiled for one-partition launches would first compile mid-run, at the first step
+  whose longest context fits one partition.)
   With attention sinks (``SINKS``; StreamingLLM, Xiao et al. 2023) the window's first partition
   (the one holding ``window_start``; exactly one is live and starts at or before it) first runs one
   more stage: the sinks the window has passed, keys ``[0, min(attention_sinks, window_start))``,
@@ -29,7 +31,7 @@ Kernel 1, ``_paged_decode_kernel``, grid ``(num_seqs, num_kv_heads, num_partitio
   Nothing between the sinks and the window is read (those blocks may be freed: NaN).
 Kernel 2, ``_paged_decode_reduce_kernel``, grid ``(num_seqs, num_heads)``:
   reads the live partitions of one query head (``cdiv(seq_len - first tile's key,
-  partition_size)`` of them), rescales each by
+  partition_size)`` of them; with one, kernel 1 wrote the output and the program exits), rescales each by
   ``exp2(m_p - max_p m_p)`` and writes ``sum(w_p * acc_p) / sum(w_p * l_p)``.
 
 ``num_partitions = cdiv(max_seq_len, partition_size)`` (with a window, ``cdiv(min(max_seq_len,
@@ -70,8 +72,13 @@ def _window_start(seq_len, sliding_window):
     return tl.maximum(seq_len - sliding_window, 0) * (sliding_window > 0)
 
 
-# attention_sinks is a runtime value for the reason sliding_window is: it may differ per layer.
-@triton.jit(do_not_specialize=["partition_size", "sliding_window", "attention_sinks"])
+# attention_sinks is a runtime value for the reason sliding_window is: it may differ per layer. The
+# workspace's strides follow the number of partitions, which changes from step to step: Triton
+# would otherwise compile a variant whenever one of them turns 1 or a multiple of 16.
+_WORKSPACE_STRIDES = ["stride_po_seq", "stride_po_head", "stride_ml_seq", "stride_ml_head"]
+
+
+@triton.jit(do_not_specialize=["partition_size", "sliding_window", "attention_sinks", *_WORKSPACE_STRIDES])
 def _paged_decode_kernel(
     out_ptr,
     partial_out_ptr,
@@ -121,7 +128,6 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     partition_size,
     BLOCK_N: tl.constexpr,
-    SINGLE_PARTITION: tl.constexpr,
     SOFT_CAP: tl.constexpr,
     ALIBI: tl.constexpr,
     SINKS: tl.constexpr,
@@ -332,7 +338,10 @@ def _paged_decode_kernel(
         DOT_PRECISION=DOT_PRECISION,
     )
 
-    if SINGLE_PARTITION:
+    # A sequence whose context fits one partition (every one when num_partitions is 1; under a CUDA
+    # graph captured for max_model_len, most of them) has nothing to merge: its only program
+    # writes the output, and the reduce pass skips it.
+    if tl.cdiv(seq_len - start, partition_size) == 1 and part == 0:
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :] * stride_o_dim,
@@ -355,7 +364,7 @@ def _paged_decode_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["partition_size", "sliding_window"])
+@triton.jit(do_not_specialize=["partition_size", "sliding_window", *_WORKSPACE_STRIDES])
 def _paged_decode_reduce_kernel(
     out_ptr,
     partial_out_ptr,
@@ -386,6 +395,8 @@ def _paged_decode_reduce_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     first_key = _window_start(seq_len, sliding_window) // BLOCK_N * BLOCK_N
     num_parts = tl.cdiv(seq_len - first_key, partition_size)
+    if num_parts == 1:  # kernel 1 wrote this sequence's output itself
+        return
     offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, HEAD_DIM)
     ml_ptr = max_logits_ptr + seq * stride_ml_seq + head * stride_ml_head
@@ -511,7 +522,6 @@ def paged_decode(
         BLOCK_SIZE=block_size,
         partition_size=partition_size,
         BLOCK_N=block_n,
-        SINGLE_PARTITION=single_partition,
         SOFT_CAP=logits_soft_cap is not None,
         ALIBI=alibi_slopes is not None,
         SINKS=sinks,
