@@ -39,6 +39,9 @@ class AttentionMetadata:
     # Host copies of query_start_loc and seq_lens, for backends that plan on the host.
     query_start_loc_cpu: torch.Tensor
     seq_lens_cpu: torch.Tensor
+    # The shortest decode context (host int), for launches that size work by the spread of
+    # lengths; 0 where unknown (a captured CUDA graph serves every length).
+    min_decode_seq_len: int = 0
 
     @property
     def num_seqs(self) -> int:

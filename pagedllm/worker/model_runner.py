@@ -314,6 +314,7 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()),
             query_start_loc_cpu=torch.from_numpy(query_start_loc.astype(np.int32)),
             seq_lens_cpu=torch.from_numpy(seq_lens),
+            min_decode_seq_len=int(seq_lens[:num_decodes].min()) if num_decodes else 0,
         )
         return ModelInput(
             input_ids=input_ids_t,

@@ -69,11 +69,21 @@ def test_launches_start_with_the_engines_then_sweep_the_grid() -> None:
     triton_impl = DECODE_IMPLS["triton"]
     shape = DecodeShape((4096,) * 64, 32, 8, 128, 16, torch.bfloat16)
     (default,) = triton_impl.launches(shape, sweep=False)
-    # The engine's launch: partitions of up to 1024 tokens, the sweep's best at K1 (RESULTS.md).
+    # The engine's launch table (off a GPU the partition rule has no SMs to count: the table's
+    # 1024 stands; tests/attention/test_decode_partition.py covers the rule).
     assert default == {"partition_size": 1024, "block_n": 64, "num_warps": 4, "num_stages": 2}
     swept = triton_impl.launches(shape, sweep=True)
-    assert swept[0] == default and len(swept) == 5 * 3 * 2 * 2
+    assert swept[0] == default and len(swept) == 6 * 3 * 2 * 2
     assert len({tuple(launch.items()) for launch in swept}) == len(swept)
+
+
+def test_flashinfer_is_timed_with_both_of_its_decodes() -> None:
+    """The peer's bar is the faster of its CUDA-core and tensor-core decodes: both are entries,
+    so that a run without --sweep times both."""
+    shape = DecodeShape((4096,) * 64, 32, 8, 128, 16, torch.bfloat16)
+    assert DECODE_IMPLS["flashinfer"].launches(shape, sweep=True) == [{"use_tensor_cores": 0}]
+    assert DECODE_IMPLS["flashinfer-tc"].launches(shape, sweep=True) == [{"use_tensor_cores": 1}]
+    assert DECODE_IMPLS["flashinfer"].package == DECODE_IMPLS["flashinfer-tc"].package == "flashinfer"
 
 
 def test_bytes_moved_counts_kv_once_plus_query_and_output() -> None:

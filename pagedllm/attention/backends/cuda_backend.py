@@ -79,7 +79,7 @@ class CudaAttentionBackend(TritonAttentionBackend):
         value_cache: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
-        max_seq_len: int,
+        seq_len_range: tuple[int, int],
         out: torch.Tensor,
     ) -> None:
         if self.sliding_window is not None or self.logits_soft_cap is not None or self.attention_sinks:
@@ -108,7 +108,7 @@ class CudaAttentionBackend(TritonAttentionBackend):
             block_tables,
             seq_lens,
             self.scale,
-            max_seq_len,
+            seq_len_range[1],
             out,
             self.alibi_slopes,
         )

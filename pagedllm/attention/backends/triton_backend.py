@@ -106,7 +106,7 @@ class TritonAttentionBackend(AttentionBackend):
                 value_cache,
                 md.block_tables[:num_decodes],
                 md.seq_lens[:num_decodes],
-                md.max_seq_len,
+                (md.min_decode_seq_len, md.max_seq_len),
                 output[:num_decodes],
             )
         if md.num_prefills:
@@ -174,18 +174,25 @@ class TritonAttentionBackend(AttentionBackend):
         value_cache: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
-        max_seq_len: int,
+        seq_len_range: tuple[int, int],
         out: torch.Tensor,
     ) -> None:
         """query, out (and sink_query, None without sinks): [num_decodes, num_heads, head_size];
-        one new token per sequence."""
+        one new token per sequence. seq_len_range: the (min, max) decode context on the host, min
+        0 where unknown."""
         launch = _launch_kwargs(self.head_size, key_cache.dtype)[0]
+        min_seq_len, max_seq_len = seq_len_range
         # A windowed layer reads at most a window per sequence: size the partitions for that, so
         # that its few live partitions still fill the GPU (the others exit at once). Its sinks
         # are a few more tiles in the window's first partition, not worth a partition of their own.
-        attended_len = min(max_seq_len, self.sliding_window or max_seq_len)
+        window = self.sliding_window or max_seq_len
         partition_size = decode_partition_size(
-            query.shape[0], self.num_kv_heads, attended_len, launch, query.device
+            query.shape[0],
+            self.num_kv_heads,
+            min(max_seq_len, window),
+            launch,
+            query.device,
+            min_seq_len=min(min_seq_len, window),
         )
         paged_decode(
             query,

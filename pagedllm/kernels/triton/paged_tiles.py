@@ -89,16 +89,30 @@ def attend_paged_range(
 ):
     offs_d = tl.arange(0, HEAD_DIM)
     dim_mask = offs_d < HEAD_SIZE
+    if not MASK_TAIL:
+        # Full tiles (the bulk of a long context) load their block numbers one tile ahead: a
+        # tile's K and V addresses then never wait on a block-table load issued in the same
+        # iteration. On an H200, K1 at 4,096 tokens in 1,024-token partitions went from 291.5 to
+        # 272.7 us, and at 16,384 tokens in 4,096-token partitions from 1,061.8 to 975.0 us.
+        ahead = lo + tl.arange(0, BLOCK_N)
+        next_block_ids = tl.load(
+            block_table_ptr + (ahead // BLOCK_SIZE) * stride_bt_blk, mask=ahead < hi, other=0
+        )
     for tile_start in range(lo, hi, BLOCK_N):
         offs_n = tile_start + tl.arange(0, BLOCK_N)
-        bt_ptrs = block_table_ptr + (offs_n // BLOCK_SIZE) * stride_bt_blk
         if MASK_TAIL:
             token_mask = (offs_n >= kv_lo) & (offs_n < hi)
-            block_ids = tl.load(bt_ptrs, mask=token_mask, other=0)
+            block_ids = tl.load(
+                block_table_ptr + (offs_n // BLOCK_SIZE) * stride_bt_blk, mask=token_mask, other=0
+            )
             kv_mask = token_mask[:, None] & dim_mask[None, :]
         else:
-            # Full tiles (the bulk of a long context) skip the per-token predicate.
-            block_ids = tl.load(bt_ptrs)
+            # No per-token predicate on K and V (the range holds whole tiles).
+            block_ids = next_block_ids
+            ahead = offs_n + BLOCK_N
+            next_block_ids = tl.load(
+                block_table_ptr + (ahead // BLOCK_SIZE) * stride_bt_blk, mask=ahead < hi, other=0
+            )
             kv_mask = dim_mask[None, :]
         # int64: block * stride_block overflows int32 for caches past 2^31 elements.
         block_ids = block_ids.to(tl.int64)
