@@ -1,0 +1,131 @@
+"""Small calls of every Triton kernel wrapper, covering the variants the engine launches (dtypes,
+attention variants, one or several decode partitions, each MoE tile class). ``sm90_compile.py``
+runs them with launches replaced by compiles for sm_90; the tensors stay on the CPU and no kernel
+runs, so only shapes, dtypes and strides matter here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from pagedllm.kernels.bench import DecodeInputs, DecodeShape
+from pagedllm.kernels.triton.activation import silu_and_mul
+from pagedllm.kernels.triton.fused_moe import fused_moe
+from pagedllm.kernels.triton.paged_decode import paged_decode
+from pagedllm.kernels.triton.paged_prefill import paged_prefill
+from pagedllm.kernels.triton.reshape_and_cache import reshape_and_cache
+from pagedllm.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
+from pagedllm.kernels.triton.rotary import rotary_embedding
+from pagedllm.kernels.triton.sampling import warm_up
+
+CPU = torch.device("cpu")
+DTYPES = (torch.bfloat16, torch.float32)
+NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 2, 128, 16
+
+
+def _variants(num_heads: int, dtype: torch.dtype, query: torch.Tensor) -> list[dict]:
+    return [
+        {},
+        {"sliding_window": 32},
+        {"alibi_slopes": torch.ones(num_heads)},
+        {"logits_soft_cap": 30.0},
+        {"sliding_window": 32, "attention_sinks": 4, "sink_query": torch.empty_like(query)},
+    ]
+
+
+def decode() -> None:
+    for dtype in DTYPES:
+        inputs = DecodeInputs.random(
+            DecodeShape((40, 300), NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype), CPU, seed=0
+        )
+        out = torch.empty_like(inputs.query)
+        for variant in _variants(NUM_HEADS, dtype, inputs.query):
+            # One partition, then several (a host bound past the contexts, as under CUDA graphs).
+            for max_seq_len, partition_size in ((300, 512), (1024, 128)):
+                paged_decode(
+                    inputs.query,
+                    inputs.key_cache,
+                    inputs.value_cache,
+                    inputs.block_tables,
+                    inputs.seq_lens,
+                    inputs.scale,
+                    max_seq_len,
+                    out,
+                    partition_size=partition_size,
+                    block_n=32 if dtype == torch.float32 else 64,
+                    num_warps=8 if dtype == torch.float32 else 4,
+                    **variant,
+                )
+
+
+def prefill() -> None:
+    for dtype in DTYPES:
+        inputs = DecodeInputs.random(
+            DecodeShape((40, 300), NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype), CPU, seed=0
+        )
+        query = torch.empty(50, NUM_HEADS, HEAD_SIZE, dtype=dtype)  # 10 + 40 new tokens
+        query_start_loc = torch.tensor([0, 10, 50], dtype=torch.int32)
+        for variant in _variants(NUM_HEADS, dtype, query):
+            paged_prefill(
+                query,
+                inputs.key_cache,
+                inputs.value_cache,
+                inputs.block_tables,
+                inputs.seq_lens,
+                query_start_loc,
+                inputs.scale,
+                0,
+                2,
+                40,
+                torch.empty_like(query),
+                block_m=32 if dtype == torch.float32 else 64,
+                block_n=16 if dtype == torch.float32 else 64,
+                num_warps=8 if dtype == torch.float32 else 4,
+                **variant,
+            )
+
+
+def cache_write() -> None:
+    for dtype in DTYPES:
+        key = torch.empty(5, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype)
+        cache = torch.empty(4, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE, dtype=dtype)
+        slots = torch.arange(5, dtype=torch.int64)
+        reshape_and_cache(key, key.clone(), cache, cache.clone(), slots)
+        query = torch.empty(5, NUM_HEADS, HEAD_SIZE, dtype=dtype)
+        cos_sin = torch.empty(64, HEAD_SIZE, dtype=dtype)
+        reshape_and_cache(key, key.clone(), cache, cache.clone(), slots, rotary=(query, cos_sin, slots))
+
+
+def moe() -> None:
+    experts, top_k, hidden, width = 128, 8, 64, 32
+    for dtype in DTYPES:
+        w13 = torch.empty(experts, 2 * width, hidden, dtype=dtype)
+        w2 = torch.empty(experts, hidden, width, dtype=dtype)
+        # 16-, 32-, 64- and 128-row tiles: 1, 256, 1,024 and 4,096 tokens at top-8 of 128.
+        for num_tokens in (1, 256, 1024, 4096):
+            x = torch.empty(num_tokens, hidden, dtype=dtype)
+            ids = torch.randint(0, experts, (num_tokens, top_k))
+            fused_moe(x, w13, w2, torch.rand(num_tokens, top_k), ids)
+
+
+def layers() -> None:
+    for dtype in DTYPES:
+        x = torch.empty(3, 576, dtype=dtype)
+        rms_norm(x, torch.empty(576, dtype=dtype), 1e-6)
+        fused_add_rms_norm(x, x.clone(), torch.empty(576, dtype=dtype), 1e-6)
+        heads = torch.empty(3, 16, HEAD_SIZE, dtype=dtype)  # Qwen3's per-head q/k norms
+        rms_norm(heads, torch.empty(HEAD_SIZE, dtype=dtype), 1e-6)
+        positions = torch.arange(3)
+        rotary_embedding(
+            positions,
+            torch.empty(3, NUM_HEADS * HEAD_SIZE, dtype=dtype),
+            torch.empty(3, NUM_KV_HEADS * HEAD_SIZE, dtype=dtype),
+            torch.empty(64, HEAD_SIZE, dtype=dtype),
+            HEAD_SIZE,
+        )
+        silu_and_mul(torch.empty(3, 2 * 1536, dtype=dtype))
+    warm_up(49152, CPU)  # the sampler's variants and the grammar bitmask
+
+
+LAUNCHES: list[Callable[[], None]] = [decode, prefill, cache_write, moe, layers]
