@@ -24,7 +24,8 @@ DTYPES = (torch.bfloat16, torch.float32)
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 2, 128, 16
 
 
-def _variants(num_heads: int, dtype: torch.dtype, query: torch.Tensor) -> list[dict]:
+def _variants(num_heads: int, query: torch.Tensor) -> list[dict]:
+    """The attention variants (AttentionBackend's): none, a window, ALiBi, a soft cap, sinks."""
     return [
         {},
         {"sliding_window": 32},
@@ -40,7 +41,7 @@ def decode() -> None:
             DecodeShape((40, 300), NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype), CPU, seed=0
         )
         out = torch.empty_like(inputs.query)
-        for variant in _variants(NUM_HEADS, dtype, inputs.query):
+        for variant in _variants(NUM_HEADS, inputs.query):
             # One partition, then several (a host bound past the contexts, as under CUDA graphs).
             for max_seq_len, partition_size in ((300, 512), (1024, 128)):
                 paged_decode(
@@ -66,7 +67,7 @@ def prefill() -> None:
         )
         query = torch.empty(50, NUM_HEADS, HEAD_SIZE, dtype=dtype)  # 10 + 40 new tokens
         query_start_loc = torch.tensor([0, 10, 50], dtype=torch.int32)
-        for variant in _variants(NUM_HEADS, dtype, query):
+        for variant in _variants(NUM_HEADS, query):
             paged_prefill(
                 query,
                 inputs.key_cache,
