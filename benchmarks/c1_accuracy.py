@@ -24,7 +24,19 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.tokenizer import apply_chat_template
 
 HERE = Path(__file__).parent
+TEXT = HERE / "data" / "pride_and_prejudice_ch1.txt"
 RUNS = {"float32": ("float32", "none"), "bf16": ("bfloat16", "none"), "bf16-q4": ("bfloat16", "gguf")}
+
+
+def text_logprobs(llm: LLM, text_ids: list[int]) -> list[float]:
+    """The log-probability of each token of the text after the first, given those before it: the
+    prompt log-probabilities of one request (its prefill scores every position)."""
+    scored = llm.generate(
+        prompt_token_ids=[text_ids],
+        sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=0),
+        use_tqdm=False,
+    )[0]
+    return [entry[token].logprob for token, entry in zip(text_ids[1:], scored.prompt_logprobs[1:])]
 
 
 def measure(dtype: str, quantization: str) -> dict:
@@ -34,13 +46,7 @@ def measure(dtype: str, quantization: str) -> dict:
     prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": q}]) for q in questions]
     greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
-    text_ids = tokenizer((HERE / "data" / "pride_and_prejudice_ch1.txt").read_text())["input_ids"]
-    scored = llm.generate(
-        prompt_token_ids=[text_ids],
-        sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=0),
-        use_tqdm=False,
-    )[0]
-    logprobs = [entry[token].logprob for token, entry in zip(text_ids[1:], scored.prompt_logprobs[1:])]
+    logprobs = text_logprobs(llm, tokenizer(TEXT.read_text())["input_ids"])
     return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "logprobs": logprobs}
 
 

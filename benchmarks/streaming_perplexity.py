@@ -19,21 +19,16 @@ import json
 import math
 from pathlib import Path
 
-from pagedllm import LLM, SamplingParams
+from c1_accuracy import TEXT, text_logprobs  # beside this script
 
-TEXT = Path(__file__).parent / "data" / "pride_and_prejudice_ch1.txt"
+from pagedllm import LLM
 
 
 def perplexity(dtype: str, **window: int) -> tuple[float, int]:
     """(perplexity of TEXT, its token count) under the engine options ``window``."""
     llm = LLM(device="cpu", dtype=dtype, quantization="none", max_model_len=1024, **window)
     text_ids = llm.get_tokenizer()(TEXT.read_text())["input_ids"]
-    scored = llm.generate(
-        prompt_token_ids=[text_ids],
-        sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=0),
-        use_tqdm=False,
-    )[0]
-    logprobs = [entry[token].logprob for token, entry in zip(text_ids[1:], scored.prompt_logprobs[1:])]
+    logprobs = text_logprobs(llm, text_ids)
     return math.exp(-sum(logprobs) / len(logprobs)), len(text_ids)
 
 

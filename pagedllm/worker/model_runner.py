@@ -297,6 +297,7 @@ class ModelRunner:
             pad_to = self.graph_runner.padded_size(num_reqs)
             query_start_loc = np.arange(pad_to + 1)
         seq_lens = (ends - dropped).astype(np.int32)
+        max_seq_len = int(seq_lens.max())
         put = self.buffers.put
         input_ids_t = put("input_ids", input_ids, pad_to)
         if len(device_rows):
@@ -309,9 +310,9 @@ class ModelRunner:
             slot_mapping=put("slot_mapping", slot_mapping, pad_to, -1),
             query_start_loc=put("query_start_loc", query_start_loc.astype(np.int32)),
             seq_lens=put("seq_lens", seq_lens, pad_to, 1),
-            block_tables=self._block_tables(rows, int(seq_lens.max()), pad_to),
+            block_tables=self._block_tables(rows, max_seq_len, pad_to),
             max_query_len=int(counts.max()),
-            max_seq_len=int(seq_lens.max()),
+            max_seq_len=max_seq_len,
             query_start_loc_cpu=torch.from_numpy(query_start_loc.astype(np.int32)),
             seq_lens_cpu=torch.from_numpy(seq_lens),
             min_decode_seq_len=int(seq_lens[:num_decodes].min()) if num_decodes else 0,
