@@ -107,6 +107,11 @@ class StructuredOutputsParams:
     # requests with the same constraint.
     compiled_grammar: Any = field(default=None, init=False, repr=False, compare=False)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # A compiled grammar holds a native matcher, and belongs to one process: the receiving
+        # side compiles the constraint for itself.
+        return {**self.__dict__, "compiled_grammar": None}
+
     def __post_init__(self) -> None:
         given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
         _check(

@@ -3,7 +3,8 @@
 # repository root): the GPU tests, then the benchmarks, then a table of every figure, last.
 #
 #   scripts/gpu_check.sh                 tests, K1, K1 windowed, W1, W3 (the short set)
-#   scripts/gpu_check.sh tests k1 k1-sweep k1-w1 k1-window w1 w1-profile w2 w3 hf w4 w5 moe moe-sweep cuda sanitize so sampler
+#   scripts/gpu_check.sh tests k1 k1-sweep k1-w1 k1-window w1 w1-profile w2 w3 hf w4 w4-thread w5 moe moe-sweep cuda
+#       sanitize so sampler
 #       tp (tp-tests, tp-bench)
 #
 # Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too; k1-w1: the
@@ -11,7 +12,8 @@
 # the Triton decode with a 1024-token sliding window beside itself unwindowed), w1 / w2
 # (bench throughput; w1-profile: W1 with 5 steps torch-profiled in each phase, its timing then
 # includes the profiler), w3 (bench latency, profiled), hf (benchmarks/compare_hf.py: W1 through
-# transformers too), w4 (bench serve against pagedllm serve), w5 (bench throughput of the
+# transformers too), w4 (bench serve against pagedllm serve; w4-thread: the server with its engine on a
+# thread of its own process, --no-engine-process), w5 (bench throughput of the
 # Qwen3-30B-A3B mixture of experts, against its floor), moe (bench moe: the fused MoE kernel against
 # the per-expert torch reference; moe-sweep: every launch too), cuda (W1 on the cuda backend),
 # sanitize (compute-sanitizer on the CUDA kernels), tp (two GPUs: the tensor-parallel GPU tests,
@@ -100,6 +102,7 @@ for stage in "${stages[@]}"; do
         run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/cuda_sanitize.py
         ;;
     w4) run w4 scripts/serve_bench.sh "$OUT" ;;
+    w4-thread) W4_NAME=w4_thread run w4_thread scripts/serve_bench.sh "$OUT" --no-engine-process ;;
     tp)
         tp_tests
         tp_bench

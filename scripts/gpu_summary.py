@@ -92,11 +92,11 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
             for how, run in runs.items() if isinstance(runs, dict) else ():
                 cell = f"{run['fused_us']:.1f} / {run['torch_us']:.1f} ({run['speedup']:.2f}x)"
                 table.append((f"sampler {name}", f"fused / torch us, {how}", cell))
-    r = _load(folder, "w4")
-    if r:
-        for summary in r.get("results", []):
+    for name, label in (("w4", "W4"), ("w4_thread", "W4 engine thread")):
+        r = _load(folder, name)
+        for summary in r.get("results", []) if r else ():
             table.append(
-                (f"W4 {summary['request_rate']} req/s", "p99 TTFT / p99 TPOT (ms), failed", _w4(summary))
+                (f"{label} {summary['request_rate']} req/s", "p99 TTFT / p99 TPOT (ms), failed", _w4(summary))
             )
     return table
 

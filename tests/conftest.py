@@ -275,6 +275,28 @@ def smollm2_hf_model(smollm2_gguf: str) -> PreTrainedModel:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_with_tokenizer(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer) -> str:
+    """A tiny random Llama with the embedded model's tokenizer (so outputs have text), saved once
+    per session; 4 query and 2 KV heads, so that it also runs on two tensor-parallel ranks."""
+    config = LlamaConfig(
+        vocab_size=len(smollm2_tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=smollm2_tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+    )
+    path = tmp_path_factory.mktemp("tiny-llama-tokenizer")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    smollm2_tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A tiny random Llama (vocabulary 160, no tokenizer) saved once per session."""
     from transformers import LlamaConfig

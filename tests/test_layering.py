@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
         "pagedllm.distributed",
         "pagedllm.cpu_info",
         "pagedllm.tokenizer",
+        "pagedllm.logger",
     ),
     ("pagedllm.kernels",),
     ("pagedllm.attention",),

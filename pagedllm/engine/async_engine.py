@@ -1,49 +1,77 @@
-"""AsyncLLMEngine: the synchronous LLMEngine stepped by a background thread, for asyncio servers.
+"""AsyncLLMEngine: an engine core served to asyncio code (the server), one stream per request.
 
 ```
-event loop thread                                 engine thread
------------------                                 -------------
-add_request(id, ...)  --op: add_request--------->  apply ops   (add / abort, between steps only)
-    awaits the op's future  <--result or error---  engine.step()
-async for out in stream  <--outputs per step-----  snapshot stats, hand outputs to the loop
-abort(id)             --op: abort_request------->  (next iteration: frees the request's blocks)
+event loop (this object)                        engine core (core.py; a thread or a process)
+------------------------                        --------------------------------------------
+add_request(id, ...)  --AddRequest--------->    applied between steps
+    awaits its AddResult  <--------------------  engine.add_request's verdict (ValueError: 400)
+async for out in stream  <--CoreOutputs-------   after every step: outputs, stats
+abort(id)             --AbortRequests------>    the request's blocks are free before the next step
 ```
 
-Every call into the LLMEngine happens on the engine thread, so nothing needs a lock: requests and
-aborts are queued as operations that the thread applies before its next step, and results come
-back to the event loop through ``loop.call_soon_threadsafe``. The model's kernels release the GIL,
-so the event loop keeps serving HTTP while a step computes.
+The core runs in one of two places (vLLM v1's in-process and multiprocess clients):
+- ``AsyncLLMEngine(engine)``: a thread of this process steps the given LLMEngine. The model's
+  kernels release the GIL, but the host's half of each step shares it with the event loop.
+- ``AsyncLLMEngine.in_engine_process(engine_args)`` (``pagedllm serve``'s default): the engine
+  lives in a process of its own; ops and messages are pickled over a pipe, outputs as deltas.
+  The event loop's HTTP work then never delays a step, nor a step the event loop.
+
+Either way only the core's thread calls the LLMEngine, so nothing needs a lock, and results come
+back to the event loop through ``loop.call_soon_threadsafe``.
 
 Failures: when a model step raises, the LLMEngine finds the request responsible and fails only
 that one: its stream raises ``RequestFailedError`` with the step's error, and every other stream
 goes on as if nothing happened. When the engine gives up (a worker gone, a device fault, steps
-failing whatever runs in them: ``LLMEngine.step`` raises ExecutorDeadError) or anything else on
-the engine thread raises, the engine is dead: ``is_healthy`` turns False, every stream and every
-pending operation gets ``AsyncEngineDeadError``, and new requests are refused with it (the server
-then exits non-zero, for its supervisor to restart it).
+failing whatever runs in them), the core loop raises, or the engine process dies, the engine is
+dead: ``is_healthy`` turns False, every stream and every pending add gets
+``AsyncEngineDeadError``, and new requests are refused with it (the server then exits non-zero,
+for its supervisor to restart it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import copy
+import itertools
 import logging
-import queue
+import multiprocessing
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
+from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.core import (
+    AbortRequests,
+    AddRequest,
+    AddResult,
+    CoreMessage,
+    CoreOp,
+    CoreOutputs,
+    EngineCore,
+    EngineDead,
+    Ready,
+    StartupFailed,
+    run_engine_core_process,
+)
 from pagedllm.engine.llm_engine import EngineStats, LLMEngine
-from pagedllm.executor.abstract import ExecutorDeadError
+from pagedllm.engine.output_delta import OutputDeltaDecoder
+from pagedllm.logger import configured_level
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output import StructuredOutputManager
+from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+# How long shutdown waits for the engine process to exit before it is killed.
+PROCESS_EXIT_TIMEOUT_S = 10.0
+
 
 class AsyncEngineDeadError(RuntimeError):
-    """The engine stopped serving: its thread failed, or it was shut down."""
+    """The engine stopped serving: its loop failed, its process died, or it was shut down."""
 
 
 class RequestFailedError(RuntimeError):
@@ -102,82 +130,89 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    """An LLMEngine served to asyncio code; see the module docstring.
+    """An engine core served to asyncio code; see the module docstring.
 
     Args:
-        engine: the engine to run. From now on only this object's thread may call it.
+        engine: the engine a thread of this process steps. From now on only that thread may call
+            it. (``in_engine_process`` builds one in a process of its own instead.)
         on_request_finished: called on the event loop with each request's finished output
             (metrics hook).
+
+    Attributes:
+        config: the engine's configuration.
+        tokenizer: a tokenizer of the caller's own (the engine's is not shared between threads);
+            None for token-id-only models.
+        structured_output_manager: compiles output constraints, to refuse bad ones before they
+            reach the engine (None without a tokenizer).
     """
 
     def __init__(
         self, engine: LLMEngine, on_request_finished: Callable[[RequestOutput], None] | None = None
     ) -> None:
-        self.engine = engine
-        self.on_request_finished = on_request_finished
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        # Operations for the engine thread; None wakes it to stop.
-        self._ops: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        # Event loop side: the stream of each request not finished yet.
-        self._streams: dict[str, RequestStream] = {}
-        # Engine thread side: requests added and neither finished nor aborted.
-        self._active: set[str] = set()
-        # Futures of queued ops, so that a dying engine fails them rather than leaving them hanging.
-        self._pending: set[asyncio.Future[None]] = set()
-        self._dead_error: AsyncEngineDeadError | None = None
-        self._stopping = False
-        # Written by the engine thread only; a reference swap is atomic, so readers need no lock.
-        self.stats: EngineStats = engine.get_stats()
-        self.num_aborted_requests = 0
-        self.num_failed_requests = 0
+        self._setup(_ThreadCore(engine), on_request_finished)
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLMEngine:
-        return cls(LLMEngine.from_engine_args(engine_args), **kwargs)
+    def in_engine_process(
+        cls, engine_args: EngineArgs, on_request_finished: Callable[[RequestOutput], None] | None = None
+    ) -> AsyncLLMEngine:
+        """Start the engine in a process of its own; return once its model is loaded.
+
+        Raises what building the engine raised there (ValueError for bad arguments).
+        """
+        self = cls.__new__(cls)
+        self._setup(_ProcessCore(engine_args), on_request_finished)
+        return self
+
+    def _setup(
+        self, core: _ThreadCore | _ProcessCore, on_request_finished: Callable[[RequestOutput], None] | None
+    ) -> None:
+        self._core = core
+        self.on_request_finished = on_request_finished
+        self.config: EngineConfig = core.config
+        self.tokenizer: Tokenizer | None = core.tokenizer
+        self.structured_output_manager: StructuredOutputManager | None = core.structured_output_manager
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # Event loop side: the stream of each request not finished yet.
+        self._streams: dict[str, RequestStream] = {}
+        # Adds sent and not answered yet, by op id: a dying engine fails them rather than leaving
+        # them hanging.
+        self._adds: dict[int, asyncio.Future[None]] = {}
+        self._op_ids = itertools.count()
+        self._dead_error: AsyncEngineDeadError | None = None
+        self.stats: EngineStats = core.initial_stats
+        self.num_aborted_requests = 0
+        self.num_failed_requests = 0
 
     # --- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread, delivering results to the running event loop."""
-        if self._thread is not None:
+        """Start the engine loop, delivering results to the running event loop."""
+        if self._loop is not None:
             raise RuntimeError("the engine loop is already running")
         self._loop = asyncio.get_running_loop()
-        # A daemon, so that a step stuck in a kernel never keeps the process from exiting.
-        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
-        self._thread.start()
+        self._core.start(self._deliver)
 
-    async def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the engine thread after its current step; unfinished streams get an error."""
-        if self._thread is None:
-            return
-        self._stopping = True
-        self._ops.put(None)
-        await asyncio.to_thread(self._thread.join, timeout)
+    async def shutdown(self, timeout: float = PROCESS_EXIT_TIMEOUT_S) -> None:
+        """Stop the engine after its current step; unfinished streams get an error."""
+        await asyncio.to_thread(self._core.close, timeout)
         self._set_dead(AsyncEngineDeadError("the engine was shut down"))
+
+    def close(self) -> None:
+        """Stop the engine (and its process or workers) from synchronous code; idempotent."""
+        self._core.close(PROCESS_EXIT_TIMEOUT_S)
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._loop is not None and self._core.is_alive()
 
     @property
     def is_healthy(self) -> bool:
-        if not self.is_running or self._dead_error is not None:
-            return False
-        try:
-            self.engine.check_health()
-        except ExecutorDeadError:
-            return False
-        return True
+        return self.is_running and self._dead_error is None
 
     def dead_reason(self) -> str:
         """Why the engine stopped serving ("" while it is healthy)."""
         if self._dead_error is not None:
             return str(self._dead_error)
-        try:
-            self.engine.check_health()
-        except ExecutorDeadError as e:
-            return str(e)
         return "" if self.is_running else "the engine loop is not running"
 
     @property
@@ -204,21 +239,21 @@ class AsyncLLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = RequestStream(request_id)
         self._streams[request_id] = stream
-        kwargs = {
-            "prompt": prompt,
-            "sampling_params": sampling_params,
-            "prompt_token_ids": prompt_token_ids,
-            "arrival_time": arrival_time,
-        }
+        op_id = next(self._op_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._adds[op_id] = future
         try:
-            await self._call(lambda: self._add_on_engine_thread(request_id, kwargs))
+            self._send(AddRequest(op_id, request_id, prompt, sampling_params, prompt_token_ids, arrival_time))
+            await future
         except asyncio.CancelledError:
-            # The caller left while the op was queued: the request may have been added since.
+            # The caller left while the add was on its way: the request may have been added since.
             self.abort(request_id)
             raise
         except BaseException:
             self._streams.pop(request_id, None)
             raise
+        finally:
+            self._adds.pop(op_id, None)
         return stream
 
     async def generate(
@@ -245,7 +280,7 @@ class AsyncLLMEngine:
         for request_id in live:
             self._streams.pop(request_id).end()
         if live and self._dead_error is None:
-            self._ops.put(lambda: self._abort_on_engine_thread(live))
+            self._send(AbortRequests(live))
 
     def fail_all_requests(self, message: str) -> None:
         """End every open stream with an error saying ``message`` (the server is going away), and
@@ -255,7 +290,7 @@ class AsyncLLMEngine:
         for request_id in live:
             self._streams.pop(request_id).put(error)
         if live and self._dead_error is None:
-            self._ops.put(lambda: self._abort_on_engine_thread(live))
+            self._send(AbortRequests(live))
 
     def _check_alive(self) -> None:
         if self._dead_error is not None:
@@ -263,31 +298,33 @@ class AsyncLLMEngine:
         if not self.is_running:
             raise AsyncEngineDeadError("the engine loop is not running: call start() first")
 
-    async def _call(self, fn: Callable[[], None]) -> None:
-        """Run fn on the engine thread before its next step; raise what it raises."""
-        future = asyncio.get_running_loop().create_future()
-        self._pending.add(future)
-
-        def op() -> None:
-            try:
-                fn()
-            except Exception as e:
-                self._call_in_loop(_settle, future, e)
-            else:
-                self._call_in_loop(_settle, future, None)
-
-        self._ops.put(op)
+    def _send(self, op: CoreOp) -> None:
         try:
-            await future
-        finally:
-            self._pending.discard(future)
+            self._core.send(op)
+        except OSError as e:  # the engine process is gone; its reader reports why
+            raise AsyncEngineDeadError(f"the engine process is gone: {e!r}") from e
 
-    # --- event loop side: results from the engine thread -------------------------------------
+    # --- event loop side: results from the engine core ---------------------------------------
 
-    def _call_in_loop(self, fn: Callable[..., None], *args: Any) -> None:
+    def _deliver(self, message: CoreMessage) -> None:
+        """Called on the core's side (any thread): hand ``message`` to the event loop."""
         assert self._loop is not None
         if not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(fn, *args)
+            self._loop.call_soon_threadsafe(self._handle, message)
+
+    def _handle(self, message: CoreMessage) -> None:
+        if isinstance(message, CoreOutputs):
+            # Stats first, so that a client who sees its request finish then sees its blocks free.
+            self.stats = message.stats
+            self.num_aborted_requests = message.num_aborted_requests
+            self.num_failed_requests = message.num_failed_requests
+            self._dispatch(message.outputs)
+        elif isinstance(message, AddResult):
+            future = self._adds.get(message.op_id)
+            if future is not None:
+                _settle(future, message.error)
+        else:
+            self._set_dead(AsyncEngineDeadError(message.reason))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:
@@ -310,58 +347,131 @@ class AsyncLLMEngine:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             stream.put(self._dead_error)
-        for future in self._pending:
+        for future in self._adds.values():
             _settle(future, self._dead_error)
 
-    # --- engine thread ----------------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            while not self._stopping:
-                self._apply_ops(block=not self.engine.has_unfinished_requests())
-                if not self._stopping and self.engine.has_unfinished_requests():
-                    self._step()
-        except Exception as e:
-            logger.exception("the engine loop failed; no more requests are served")
-            dead = AsyncEngineDeadError(f"the engine failed: {e!r}")
-            dead.__cause__ = e
-            self._call_in_loop(self._set_dead, dead)
+class _ThreadCore:
+    """The engine core on a thread of this process."""
 
-    def _apply_ops(self, block: bool) -> None:
-        """Apply every queued op; when idle, first wait for one."""
-        try:
-            op = self._ops.get(block=block)
-        except queue.Empty:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.config = engine.config
+        # The handlers tokenize on the event loop while the engine thread detokenizes: each its own.
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        # Thread-safe, and its cache then serves both sides.
+        self.structured_output_manager = engine.structured_output_manager
+        self.initial_stats = engine.get_stats()
+        self._core: EngineCore | None = None
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def start(self, deliver: Callable[[CoreMessage], None]) -> None:
+        self._core = EngineCore(self.engine, deliver)
+        # A daemon, so that a step stuck in a kernel never keeps the process from exiting.
+        self._thread = threading.Thread(target=self._core.run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    def send(self, op: CoreOp) -> None:
+        assert self._core is not None
+        self._core.ops.put(op)
+
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def close(self, timeout: float) -> None:
+        if self._closed:
             return
-        while op is not None:
-            op()
+        self._closed = True
+        if self._thread is not None:
+            self.send(None)
+            self._thread.join(timeout)
+        self.engine.shutdown()
+
+
+class _ProcessCore:
+    """The engine core in a process of its own, reached through a pipe.
+
+    The process is spawned, not forked: a fork inherits whatever threads this process started
+    (OpenMP's, a tokenizer's) in whatever state they were, and CUDA cannot run in a child forked
+    after its parent used it. It is not a daemon: with tensor parallelism it starts the ranks'
+    processes itself, which a daemon may not.
+    """
+
+    def __init__(self, engine_args: EngineArgs) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self.process = context.Process(
+            target=run_engine_core_process,
+            args=(engine_args, child_conn, configured_level()),
+            name="pagedllm-engine",
+        )
+        self.process.start()
+        child_conn.close()
+        self._send_lock = threading.Lock()
+        self._closing = False
+        self._reader: threading.Thread | None = None
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            self.process.join()
+            raise RuntimeError(
+                f"the engine process exited with code {self.process.exitcode} while starting"
+            ) from None
+        if isinstance(message, StartupFailed):
+            self.process.join()
+            raise message.error
+        assert isinstance(message, Ready)
+        self.config = message.config
+        self.tokenizer = message.tokenizer
+        self.structured_output_manager = StructuredOutputManager.for_model(
+            message.config.model_config, message.tokenizer
+        )
+        self.initial_stats = message.stats
+
+    def start(self, deliver: Callable[[CoreMessage], None]) -> None:
+        self._reader = threading.Thread(
+            target=self._read, args=(deliver,), name="pagedllm-engine-outputs", daemon=True
+        )
+        self._reader.start()
+
+    def send(self, op: CoreOp) -> None:
+        with self._send_lock:
+            self._conn.send(op)
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive() and self._reader is not None and self._reader.is_alive()
+
+    def close(self, timeout: float) -> None:
+        if self._closing:
+            return
+        self._closing = True
+        if self.process.is_alive():
+            with contextlib.suppress(OSError):
+                self.send(None)
+            self.process.join(timeout)
+        if self.process.is_alive():
+            logger.warning("the engine process did not stop in %g s: killing it", timeout)
+            self.process.kill()
+            self.process.join()
+        self._conn.close()
+
+    def _read(self, deliver: Callable[[CoreMessage], None]) -> None:
+        """Receive the engine's messages, decode outputs (off the event loop), deliver them."""
+        decoder = OutputDeltaDecoder()
+        while True:
             try:
-                op = self._ops.get_nowait()
-            except queue.Empty:
-                break
-        # Aborts free blocks: show it even while no step follows.
-        self.stats = self.engine.get_stats()
-
-    def _step(self) -> None:
-        outputs = self.engine.step()
-        for output in outputs:
-            if output.finished:
-                self._active.discard(output.request_id)
-                if output.failed:
-                    self.num_failed_requests += 1
-        # Stats first, so that a client who sees its request finish then sees its blocks free.
-        self.stats = self.engine.get_stats()
-        self._call_in_loop(self._dispatch, outputs)
-
-    def _add_on_engine_thread(self, request_id: str, kwargs: dict[str, Any]) -> None:
-        self.engine.add_request(request_id, **kwargs)
-        self._active.add(request_id)
-
-    def _abort_on_engine_thread(self, request_ids: list[str]) -> None:
-        live = [request_id for request_id in request_ids if request_id in self._active]
-        self.engine.abort_request(live)
-        self._active.difference_update(live)
-        self.num_aborted_requests += len(live)
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                if not self._closing:
+                    self.process.join(PROCESS_EXIT_TIMEOUT_S)
+                    deliver(EngineDead(f"the engine process died (exit code {self.process.exitcode})"))
+                return
+            if isinstance(message, CoreOutputs):
+                message.outputs = decoder.decode(message.outputs, message.aborted_request_ids)
+            deliver(message)
+            if isinstance(message, EngineDead):
+                return
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:

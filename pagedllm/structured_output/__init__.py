@@ -3,9 +3,10 @@ token bitmask that keeps each row's next token inside its grammar (through llgui
 
 from pagedllm.structured_output.bitmask import allocate_token_bitmask, apply_token_bitmask
 from pagedllm.structured_output.grammar import GrammarBatch, StructuredOutputGrammar
-from pagedllm.structured_output.manager import StructuredOutputManager
+from pagedllm.structured_output.manager import CompiledGrammar, StructuredOutputManager
 
 __all__ = [
+    "CompiledGrammar",
     "GrammarBatch",
     "StructuredOutputGrammar",
     "StructuredOutputManager",

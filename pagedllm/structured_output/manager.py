@@ -22,8 +22,9 @@ import llguidance.hf
 import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark
 
+from pagedllm.config import ModelConfig
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.tokenizer import Tokenizer
+from pagedllm.tokenizer import Tokenizer, get_eos_token_ids
 
 # Compiled grammars kept for reuse; each holds a matcher at the grammar's start.
 CACHE_SIZE = 256
@@ -75,6 +76,15 @@ class StructuredOutputManager:
         )
         self._lock = threading.Lock()
         self.vocab_size = vocab_size
+
+    @classmethod
+    def for_model(
+        cls, model_config: ModelConfig, tokenizer: Tokenizer | None
+    ) -> StructuredOutputManager | None:
+        """The manager for a model's vocabulary and EOS tokens; None without a tokenizer."""
+        if tokenizer is None:
+            return None
+        return cls(tokenizer, model_config.vocab_size, get_eos_token_ids(model_config, tokenizer))
 
     def compile(self, params: StructuredOutputsParams) -> Future[CompiledGrammar]:
         """The compiled grammar, shared by every request with the same constraint. The Future

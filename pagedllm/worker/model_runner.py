@@ -19,7 +19,9 @@ from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
 from pagedllm.sample.sampler import Sampler, SamplerOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.structured_output import CompiledGrammar, StructuredOutputManager
+from pagedllm.tokenizer import get_tokenizer
 from pagedllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import InputBuffers, to_device
@@ -155,11 +157,23 @@ class ModelRunner:
         self.input_batch = InputBatch(
             2 * scheduler_config.max_num_seqs, max_blocks_per_req, config.model_config.vocab_size, self.device
         )
-        self.logits_processors = RequestLogitsProcessors()
+        self.logits_processors = RequestLogitsProcessors(self._compile_grammar)
+        self._structured_output_manager: StructuredOutputManager | None = None
         # The last step's samples of rows with logits processors, not yet in their output history:
         # (step, [(req_id, output index, sample row)]).
         self._unrecorded_samples: tuple[StepOutput, list[tuple[int, int, int]]] | None = None
         self.graph_runner: CudaGraphRunner | None = None
+
+    def _compile_grammar(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        """For a rank in a process of its own: the engine's compiled grammar does not cross
+        processes (a native matcher), so the rank compiles the constraint too, at its first step."""
+        if self._structured_output_manager is None:
+            model_config = self.config.model_config
+            manager = StructuredOutputManager.for_model(model_config, get_tokenizer(model_config))
+            if manager is None:
+                raise ValueError("structured_outputs needs a tokenizer, and this model has none")
+            self._structured_output_manager = manager
+        return self._structured_output_manager.compile(params).result()
 
     def load_model(self) -> None:
         from pagedllm.model_loader import get_model

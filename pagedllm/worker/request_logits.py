@@ -5,19 +5,22 @@ Grammar state lives here, one matcher per request (a forked request gets its own
 step with the tokens its request generated since the last. The output history a grammar or bad
 words read is the persistent batch's: the tokens the host sent, then the worker's own samples
 (``InputBatch.append_sampled``), so these requests need no resend and no wait for the host between
-steps. Compilation happened when the request was validated (``compiled_grammar``).
+steps. Compilation happened when the request was validated (``compiled_grammar``), in the engine's
+process; a rank in a process of its own gets the constraint without its native matcher and
+compiles it once more (``compile_grammar``; cached per constraint).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from pagedllm.sample.logits_processors import apply_allowed_token_ids, apply_bad_words, apply_logit_bias
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output import (
+    CompiledGrammar,
     GrammarBatch,
     StructuredOutputGrammar,
     allocate_token_bitmask,
@@ -37,7 +40,12 @@ def has_logits_processors(params: SamplingParams) -> bool:
 
 
 class RequestLogitsProcessors:
-    def __init__(self) -> None:
+    """Args:
+    compile_grammar: compiles a constraint that arrived without its compiled grammar.
+    """
+
+    def __init__(self, compile_grammar: Callable[[StructuredOutputsParams], CompiledGrammar]) -> None:
+        self._compile_grammar = compile_grammar
         # req_id -> its grammar (None once its output left the grammar).
         self._grammars: dict[int, StructuredOutputGrammar | None] = {}
         self._grammar_batch: GrammarBatch | None = None  # made at the first grammar
@@ -93,9 +101,11 @@ class RequestLogitsProcessors:
         self, req_id: int, params: SamplingParams, output_token_ids: list[int]
     ) -> StructuredOutputGrammar | None:
         structured = params.structured_outputs
-        if structured is None or structured.compiled_grammar is None:
+        if structured is None:
             return None
         if req_id not in self._grammars:
+            if structured.compiled_grammar is None:
+                structured.compiled_grammar = self._compile_grammar(structured)
             self._grammars[req_id] = StructuredOutputGrammar(structured.compiled_grammar)
         grammar = self._grammars[req_id]
         if grammar is None:

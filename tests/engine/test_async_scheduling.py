@@ -12,7 +12,6 @@ import pickle
 import random
 
 import pytest
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.llm_engine import LLMEngine
@@ -21,23 +20,8 @@ from pagedllm.worker.step_io import SchedulerOutput
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, smollm2_tokenizer) -> str:
-    """A tiny random Llama with the embedded model's tokenizer, so stop strings have text."""
-    config = LlamaConfig(
-        vocab_size=len(smollm2_tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=smollm2_tokenizer.eos_token_id,
-        tie_word_embeddings=True,
-    )
-    path = tmp_path_factory.mktemp("async-model")
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
-    smollm2_tokenizer.save_pretrained(path)
-    return str(path)
+def model_dir(tiny_llama_with_tokenizer) -> str:
+    return tiny_llama_with_tokenizer
 
 
 def make_llm(model_dir: str, async_scheduling: bool, **kwargs) -> LLM:

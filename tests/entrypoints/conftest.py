@@ -112,13 +112,15 @@ def start_server(
     args: list[str],
     log_path: Path,
     api_key: str | None = None,
-    python_args: tuple[str, ...] = ("-m", "pagedllm"),
+    env: dict[str, str] | None = None,
 ) -> Server:
-    """``python PYTHON_ARGS serve ARGS``: the user's command unless a test runs its own entry."""
+    """``python -m pagedllm serve ARGS``, the user's command, with ``env`` added to the environment."""
     port = _free_port()
-    command = [sys.executable, *python_args, "serve", *args]
+    command = [sys.executable, "-m", "pagedllm", "serve", *args]
     command += ["--port", str(port), "--stats-interval", "0", "--no-access-log"]
-    env = {**os.environ, "PAGEDLLM_API_KEY": api_key} if api_key else dict(os.environ)
+    env = {**os.environ, **(env or {})}
+    if api_key:
+        env["PAGEDLLM_API_KEY"] = api_key
     with open(log_path, "wb") as log:
         # The log goes to a file: a pipe nobody reads would fill up and block the server.
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -139,8 +141,8 @@ def start_server(
 
 @pytest.fixture(scope="module")
 def launch_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Server]]:
-    """launch(args, api_key=None, python_args=("-m", "pagedllm")) -> Server; every server
-    launched is stopped after the module."""
+    """launch(args, api_key=None, env=None) -> Server; every server launched is stopped after the
+    module."""
     servers: list[Server] = []
 
     def launch(args: list[str], api_key: str | None = None, **kwargs: Any) -> Server:

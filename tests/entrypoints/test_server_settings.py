@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from pagedllm.entrypoints.openai.api_server import configure_logging, default_model_name
+from pagedllm.entrypoints.openai.api_server import default_model_name
 from pagedllm.entrypoints.openai.cli import add_cli_args
+from pagedllm.logger import configure_logging
 
 
 def test_log_level_reaches_pagedllm_loggers_whatever_the_root_logger_says(monkeypatch):

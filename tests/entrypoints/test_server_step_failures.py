@@ -2,25 +2,25 @@
 are served as if nothing happened; when every step fails, the engine gives up and the server
 exits non-zero, for its supervisor to restart it.
 
-The server runs ``pagedllm serve`` through an entry that first makes every step raise that sends
-a prompt holding POISON (the poison request is sent in full at each of its steps: it never gets
-past its first), and every step at all once a prompt holding BREAK was seen.
+The server runs ``pagedllm serve`` with a ``sitecustomize`` module on its path, which every process
+of the server imports at startup (the engine's own process included): it makes every step raise
+that sends a prompt holding POISON (the poison request is sent in full at each of its steps: it
+never gets past its first), and every step at all once a prompt holding BREAK was seen.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import time
+from pathlib import Path
 
 import pytest
 
 POISON = 150
 BREAK = 151
 FAILING_STEPS = f"""
-import sys
-
-from pagedllm.entrypoints.cli import main
 from pagedllm.executor.uniproc_executor import UniProcExecutor
 
 execute_model = UniProcExecutor.execute_model
@@ -37,15 +37,19 @@ def failing(self, scheduler_output):
 
 
 UniProcExecutor.execute_model = failing
-main(sys.argv[1:])
 """
 
 
 @pytest.fixture(scope="module")
-def server(launch_server, tiny_server_args):
+def server(launch_server, tiny_server_args, tmp_path_factory):
+    site = tmp_path_factory.mktemp("failing-steps")
+    (site / "sitecustomize.py").write_text(FAILING_STEPS)
+    # The repository too: sitecustomize runs before ``-m`` puts the working directory on the path.
+    repo = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join(filter(None, [str(site), str(repo), os.environ.get("PYTHONPATH")]))
     # The torch backend: batch invariant, so a request's tokens do not depend on its neighbours.
     args = [*tiny_server_args, "--attention-backend", "torch"]
-    return launch_server(args, python_args=("-c", FAILING_STEPS))
+    return launch_server(args, env={"PYTHONPATH": path})
 
 
 def complete(server, prompt: list[int]) -> tuple[int, dict]:

@@ -21,10 +21,16 @@ def server(launch_server, tiny_server_args):
     return launch_server([*tiny_server_args, "--tensor-parallel-size", "2"])
 
 
+def spawned_children(pid: int) -> list[int]:
+    """The children of ``pid`` that multiprocessing's spawn started."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
 def rank_pids(server_pid: int) -> list[int]:
-    """The server's rank processes: its children started by multiprocessing's spawn."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    return [int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    """The server's rank processes: started by its engine process, which the server started."""
+    (engine_pid,) = spawned_children(server_pid)
+    return spawned_children(engine_pid)
 
 
 def test_completions_equal_one_rank_offline(server, tiny_server_args):

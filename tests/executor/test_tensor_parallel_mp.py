@@ -3,6 +3,8 @@ as one rank, under preemption and prefix caching too; a dead rank fails the engi
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -10,6 +12,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.bench.latency import model_weight_bytes
 from pagedllm.executor.abstract import ExecutorDeadError
+from pagedllm.sampling_params import StructuredOutputsParams
 
 # Every architecture of the registry, with the layouts that shard differently: GQA split over the
 # ranks, one KV head replicated on both, biases (row-parallel o/down add theirs once), tied and
@@ -200,3 +203,25 @@ def test_a_sliding_window_with_sinks_at_two_ranks_gives_the_tokens_of_one(
         assert_every_block_free(two.llm_engine)
     finally:
         two.llm_engine.shutdown()
+
+
+def test_output_constraints_hold_at_two_ranks(tiny_llama_with_tokenizer):
+    """A compiled grammar is a native object that does not cross processes: each rank compiles
+    the constraint it receives, and its sampled tokens stay inside it, as at one rank."""
+    regex = StructuredOutputsParams(regex="(ab|c){1,3}x")
+    choice = StructuredOutputsParams(choice=["alpha beta", "gamma"])
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, structured_outputs=constraint)
+        for constraint in (regex, choice, None)
+    ]
+    prompts = [[10, 11, 12], [40, 41], [7, 8, 9]]
+    one = LLM(tiny_llama_with_tokenizer, device="cpu", swap_space=0.01)
+    expected = one.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    two = LLM(tiny_llama_with_tokenizer, device="cpu", swap_space=0.01, tensor_parallel_size=2)
+    try:
+        outputs = two.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    finally:
+        two.llm_engine.shutdown()
+    assert [o.outputs[0].text for o in outputs] == [o.outputs[0].text for o in expected]
+    assert re.fullmatch("(ab|c){1,3}x", outputs[0].outputs[0].text)
+    assert outputs[1].outputs[0].text in ("alpha beta", "gamma")

@@ -121,3 +121,34 @@ def test_zero_noise_never_picks_a_banned_token():
     expected = _race(x, noise, inv_temperature, greedy)
     assert tokens.tolist() == expected.tolist()
     assert not ((tokens >= 100) & (tokens < 200)).any()
+
+
+def test_every_pointer_is_aligned_whatever_the_row_count(monkeypatch):
+    """Triton compiles a variant per pointer alignment (16 bytes or not): a buffer whose alignment
+    followed the batch's row count compiled new variants seconds into serving. Every tensor the
+    two kernels get starts on a 16-byte boundary, for any number of rows and any vocabulary."""
+    import pagedllm.kernels.triton.sampling as sampling
+
+    misaligned: list[tuple[str, int, int, int]] = []
+
+    class Recorder:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                for position, arg in enumerate(args):
+                    if isinstance(arg, torch.Tensor) and arg.data_ptr() % 16:
+                        misaligned.append((self.name, position, num_rows, vocab_size))
+
+            return launch
+
+    monkeypatch.setattr(sampling, "_partials_kernel", Recorder("partials"))
+    monkeypatch.setattr(sampling, "_merge_kernel", Recorder("merge"))
+    for vocab_size in (151_936, 49_152, 1_000, 7):
+        for num_rows in range(1, 10):
+            raw = torch.zeros((num_rows, vocab_size))
+            noise = torch.ones_like(raw)
+            greedy = torch.zeros(num_rows, dtype=torch.bool)
+            sample_tokens(raw, raw, noise, torch.ones(num_rows), greedy)
+    assert misaligned == []

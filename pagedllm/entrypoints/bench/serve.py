@@ -52,6 +52,8 @@ class RequestResult:
     latency: float | None = None
     # Seconds between consecutive chunks after the first.
     itls: list[float] = dataclasses.field(default_factory=list)
+    # When it was sent, in seconds from the run's start.
+    start: float = 0.0
 
 
 def w4_requests(num_prompts: int = W4_NUM_PROMPTS, vocab_size: int | None = None) -> list[BenchRequest]:
@@ -73,12 +75,12 @@ def w4_requests(num_prompts: int = W4_NUM_PROMPTS, vocab_size: int | None = None
 
 
 async def send_request(
-    session: Any, url: str, model: str, request: BenchRequest, headers: dict[str, str]
+    session: Any, url: str, model: str, request: BenchRequest, headers: dict[str, str], sent_at: float = 0.0
 ) -> RequestResult:
-    """Send one streamed completion; time its chunks."""
+    """Send one streamed completion (``sent_at`` seconds into the run); time its chunks."""
     import aiohttp
 
-    result = RequestResult(len(request.prompt_token_ids), request.output_len)
+    result = RequestResult(len(request.prompt_token_ids), request.output_len, start=sent_at)
     payload = {
         "model": model,
         "prompt": request.prompt_token_ids,
@@ -145,7 +147,11 @@ async def run_at_rate(
         start = time.perf_counter()
         tasks = []
         for request in requests:
-            tasks.append(asyncio.ensure_future(send_request(session, url, model, request, headers)))
+            tasks.append(
+                asyncio.ensure_future(
+                    send_request(session, url, model, request, headers, time.perf_counter() - start)
+                )
+            )
             if math.isfinite(request_rate):
                 await asyncio.sleep(arrivals.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
@@ -182,7 +188,22 @@ def summarize(request_rate: float, results: list[RequestResult], duration: float
         "tpot_ms": _distribution_ms(tpots),
         "itl_ms": _distribution_ms([itl for r in done for itl in r.itls]),
         "errors": [r.error for r in results if r.error][:MAX_ERRORS_KEPT],
+        # Each request in the order sent, to see when the slow ones came: [sent at (s), prompt
+        # tokens, TTFT (ms), latency (s)].
+        "requests": [
+            [
+                round(r.start, 4),
+                r.prompt_len,
+                _round_ms(r.ttft),
+                None if r.latency is None else round(r.latency, 3),
+            ]
+            for r in results
+        ],
     }
+
+
+def _round_ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 2)
 
 
 def format_summary(summary: dict[str, Any]) -> str:

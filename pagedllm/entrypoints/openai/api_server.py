@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import copy
 import hmac
 import logging
 import os
@@ -27,7 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedllm import __version__
 from pagedllm.engine.arg_utils import EMBEDDED_MODEL_FILE, EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine
-from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.llm_engine import LLMEngine, freeze_startup_heap
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -41,6 +40,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_engine import REQUEST_ID_HEADER, APIError
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagedllm.logger import configure_logging
 from pagedllm.metrics import ServerMetrics, StatsLogger
 
 logger = logging.getLogger(__name__)
@@ -139,17 +139,15 @@ class BodySizeLimitMiddleware:
         )
 
 
-def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
+def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     """The server's app; its lifespan starts the engine loop and stops it on shutdown.
 
     When the engine dies (a worker gone), /health answers 503 and ``app.state.on_engine_dead``
     (set by run_server) is called once, to stop the server.
     """
-    async_engine = AsyncLLMEngine(engine)
     metrics = ServerMetrics(async_engine, settings.model_name)
     async_engine.on_request_finished = metrics.observe_finished
-    # The handlers tokenize on the event loop while the engine thread detokenizes: each gets its own.
-    tokenizer = copy.deepcopy(engine.tokenizer)
+    tokenizer = async_engine.tokenizer
     completions = OpenAIServingCompletion(async_engine, settings.model_name, tokenizer)
     tool_parser = TOOL_PARSERS[settings.tool_call_parser]() if settings.tool_call_parser else None
     chat = OpenAIServingChat(
@@ -200,7 +198,7 @@ def build_app(engine: LLMEngine, settings: ServerSettings) -> FastAPI:
     card = ModelCard(
         id=settings.model_name,
         root=settings.model_name,
-        max_model_len=engine.config.model_config.max_model_len,
+        max_model_len=async_engine.config.model_config.max_model_len,
     )
 
     @app.get("/v1/models")
@@ -298,19 +296,6 @@ def default_model_name(args: argparse.Namespace) -> str:
     return EMBEDDED_MODEL_FILE.split(".")[0]
 
 
-def configure_logging(log_level: str) -> None:
-    """pagedllm's loggers at ``log_level`` with their own handler: uvicorn and other libraries
-    configure the root logger their own way, which must not silence ours."""
-    level = log_level.upper()
-    package_logger = logging.getLogger("pagedllm")
-    package_logger.setLevel(level)
-    if not package_logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        package_logger.addHandler(handler)
-    package_logger.propagate = False
-
-
 class _Server(uvicorn.Server):
     """uvicorn's server, ending open streams with an error event as shutdown begins (rather than
     cutting them when the grace period ends)."""
@@ -329,7 +314,11 @@ def run_server(args: argparse.Namespace) -> None:
     configure_logging(args.log_level)
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("pagedllm serve: --enable-auto-tool-choice needs --tool-call-parser")
-    engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    engine_args = EngineArgs.from_cli_args(args)
+    if args.engine_process:
+        async_engine = AsyncLLMEngine.in_engine_process(engine_args)
+    else:
+        async_engine = AsyncLLMEngine(LLMEngine.from_engine_args(engine_args))
     settings = ServerSettings(
         model_name=default_model_name(args),
         api_key=args.api_key,
@@ -338,7 +327,7 @@ def run_server(args: argparse.Namespace) -> None:
         trust_request_chat_template=args.trust_request_chat_template,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
-    app = build_app(engine, settings)
+    app = build_app(async_engine, settings)
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -350,7 +339,9 @@ def run_server(args: argparse.Namespace) -> None:
         limit_concurrency=args.limit_concurrency,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
-    server = _Server(config, app.state.async_engine)
+    server = _Server(config, async_engine)
+    # The server's own heap (FastAPI, pydantic, torch's modules) out of every later collection.
+    freeze_startup_heap()
     engine_died = False
 
     def on_engine_dead() -> None:
@@ -364,6 +355,6 @@ def run_server(args: argparse.Namespace) -> None:
         with contextlib.suppress(KeyboardInterrupt):
             server.run()
     finally:
-        engine.shutdown()
+        async_engine.close()
     if engine_died:
         raise SystemExit("pagedllm serve: the engine died (see the log above); the server stopped")

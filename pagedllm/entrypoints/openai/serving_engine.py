@@ -82,17 +82,17 @@ class OpenAIServing:
     Args:
         engine: the running engine.
         model_name: the name clients must give as ``model`` (or omit).
-        tokenizer: a tokenizer of the server's own: the engine thread detokenizes with the
-            engine's, and a tokenizer is not shared between threads. None for token-id-only models.
+        tokenizer: the server's own (``AsyncLLMEngine.tokenizer``: the engine detokenizes with
+            another, and a tokenizer is not shared between threads). None for token-id-only models.
     """
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str, tokenizer: Tokenizer | None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = tokenizer
-        self.max_model_len = engine.engine.config.model_config.max_model_len
+        self.max_model_len = engine.config.model_config.max_model_len
         # None with attention sinks: the completion may run past max_model_len.
-        self.max_context_len = engine.engine.config.model_config.max_context_len
+        self.max_context_len = engine.config.model_config.max_context_len
 
     # --- checks -----------------------------------------------------------------------------
 
@@ -155,7 +155,7 @@ class OpenAIServing:
         structured = params.structured_outputs
         if structured is None:
             return
-        manager = self.engine.engine.structured_output_manager
+        manager = self.engine.structured_output_manager
         if manager is None:
             raise APIError(400, "structured outputs need a tokenizer, and this model has none", param=field)
         try:

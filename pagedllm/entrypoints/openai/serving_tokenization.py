@@ -47,9 +47,7 @@ class OpenAIServingTokenization(OpenAIServing):
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer", param="tokens")
         try:
-            tokens = check_token_ids(
-                request.tokens, self.engine.engine.config.model_config.vocab_size, "tokens"
-            )
+            tokens = check_token_ids(request.tokens, self.engine.config.model_config.vocab_size, "tokens")
         except ValueError as e:
             raise APIError(400, str(e), param="tokens") from e
         return DetokenizeResponse(prompt=self.tokenizer.decode(tokens))

@@ -149,7 +149,12 @@ def sample_tokens(
         )
     chunk = _chunk_size(num_rows)
     num_chunks = triton.cdiv(vocab_size, chunk)
-    partials = torch.empty((3, num_rows, num_chunks), dtype=torch.float32, device=raw.device)
+    # One allocation each, so every pointer is 16-byte aligned whatever num_rows * num_chunks is:
+    # slices of one buffer would be aligned or not by the batch's row count, and Triton compiles
+    # a variant per alignment (mid-run, seconds into serving).
+    part_score, part_max, part_sum = (
+        torch.empty((num_rows, num_chunks), dtype=torch.float32, device=raw.device) for _ in range(3)
+    )
     part_index = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=raw.device)
     # Unused pointers (no noise) take raw's: the kernel never reads them.
     _partials_kernel[(num_rows, num_chunks)](
@@ -158,10 +163,10 @@ def sample_tokens(
         q if has_q else raw,
         inv_temperature if has_q else raw,
         greedy if has_q else raw,
-        partials[0],
+        part_score,
         part_index,
-        partials[1],
-        partials[2],
+        part_max,
+        part_sum,
         vocab_size,
         num_chunks,
         raw.stride(0),
@@ -175,10 +180,10 @@ def sample_tokens(
     logprobs = torch.empty(num_rows, dtype=torch.float32, device=raw.device)
     _merge_kernel[(num_rows,)](
         raw,
-        partials[0],
+        part_score,
         part_index,
-        partials[1],
-        partials[2],
+        part_max,
+        part_sum,
         token_ids,
         logprobs,
         num_chunks,

@@ -1,0 +1,264 @@
+"""The engine core in a process of its own (``AsyncLLMEngine.in_engine_process``, the server's
+default): it serves what the in-thread core serves, output for output; outputs cross as deltas
+that rebuild every output exactly; grammars compile off the engine loop; a dead engine process
+fails every stream and turns the engine unhealthy; bad arguments fail at startup."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import re
+import signal
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+from pagedllm import EngineArgs, SamplingParams
+from pagedllm.core.request import Logprob, RequestMetrics
+from pagedllm.engine.async_engine import AsyncEngineDeadError, AsyncLLMEngine
+from pagedllm.engine.core import AbortRequests, AddRequest, AddResult, CoreOutputs, EngineCore
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.engine.output_delta import OutputDeltaDecoder, OutputDeltaEncoder
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import StructuredOutputsParams
+
+TIMEOUT_S = 60
+REGEX = "(ab|c)+"
+REGEX = "(ab|c)+"
+
+
+def run(coroutine: Any) -> Any:
+    return asyncio.run(asyncio.wait_for(coroutine, TIMEOUT_S))
+
+
+def engine_args(model_dir: str, **overrides: Any) -> EngineArgs:
+    # The torch backend is batch invariant: a request's tokens do not depend on its neighbours.
+    kwargs = dict(num_kv_blocks=128, block_size=8, max_model_len=256, swap_space=0.01)
+    return EngineArgs(model=model_dir, device="cpu", attention_backend="torch", **{**kwargs, **overrides})
+
+
+# --- deltas -----------------------------------------------------------------------------------
+
+
+def _seq(index: int, tokens: list[int], logprobs: bool, finish: str | None = None) -> CompletionOutput:
+    return CompletionOutput(
+        index=index,
+        text="".join(f"<{t}>" for t in tokens),
+        token_ids=list(tokens),
+        cumulative_logprob=-0.5 * len(tokens),
+        logprobs=[{t: Logprob(-0.5, 1, f"<{t}>")} for t in tokens] if logprobs else None,
+        finish_reason=finish,
+        stop_reason=None,
+    )
+
+
+def _output(request_id: str, seqs: list[CompletionOutput], finished: bool = False) -> RequestOutput:
+    return RequestOutput(
+        request_id=request_id,
+        prompt="p",
+        prompt_token_ids=[1, 2, 3],
+        prompt_logprobs=[None, {2: Logprob(-1.0, 1, "2")}, {3: Logprob(-2.0, 1, "3")}],
+        outputs=seqs,
+        finished=finished,
+        metrics=RequestMetrics(arrival_time=1.0, finished_time=2.0 if finished else None),
+        error=None,
+    )
+
+
+def test_deltas_rebuild_every_output_and_both_sides_forget_ended_requests():
+    """Appends travel as deltas whose size does not grow with the output; a beam replaced, or
+    sequences re-ranked at the end, travel whole; every decoded output equals the engine's."""
+    steps = [
+        [_output("a", [_seq(0, [5], True), _seq(1, [6], True)]), _output("b", [_seq(0, [9], False)])],
+        [
+            _output("a", [_seq(0, [5, 7], True), _seq(1, [6, 8], True)]),
+            _output("b", [_seq(0, [9, 4], False)]),
+        ],
+        # "a": beam 1 replaced by a continuation of beam 0; "c" joins.
+        [
+            _output("a", [_seq(0, [5, 7, 1], True), _seq(1, [5, 7, 2], True)]),
+            _output("b", [_seq(0, [9, 4, 4], False)]),
+            _output("c", [_seq(0, [3], False)]),
+        ],
+        [
+            _output(
+                "a", [_seq(0, [5, 7, 2, 0], True, "stop"), _seq(1, [5, 7, 1], True, "length")], finished=True
+            )
+        ],
+    ]
+    steps += [[_output("b", [_seq(0, [9, 4, 4, *range(10, 10 + n)], False)])] for n in range(1, 40)]
+    encoder, decoder = OutputDeltaEncoder(), OutputDeltaDecoder()
+    sizes = []
+    for i, outputs in enumerate(steps):
+        aborted = ["c"] if i == 4 else []
+        message = pickle.loads(pickle.dumps(encoder.encode(outputs, aborted)))
+        assert decoder.decode(message, aborted) == outputs
+        sizes.append(len(pickle.dumps(message)))
+    # "b" alone, one token more each step: a delta of constant size.
+    assert max(sizes[5:]) == min(sizes[5:]) < 200
+    # "a" finished, "c" aborted: only "b" is remembered, on both sides.
+    assert len(encoder) == len(decoder) == 1
+
+
+def test_a_sequence_that_does_not_just_grow_travels_whole():
+    encoder = OutputDeltaEncoder()
+    encoder.encode([_output("a", [_seq(0, [5, 6], False)])])
+    changed = [_output("a", [_seq(0, [5, 8, 9], False)])]
+    assert encoder.encode(changed) == changed  # whole RequestOutputs, not delta tuples
+
+
+# --- the engine core's loop -------------------------------------------------------------------
+
+
+def test_an_add_waiting_for_its_grammar_is_withdrawn_by_its_abort(tiny_llama_with_tokenizer, monkeypatch):
+    """Grammars compile off the engine loop; an abort that overtakes the compilation must keep
+    the request from ever starting, and the add still gets its answer."""
+    engine = LLMEngine.from_engine_args(engine_args(tiny_llama_with_tokenizer))
+    pending: list[Future] = []
+
+    def compile_never(params: StructuredOutputsParams) -> Future:
+        pending.append(Future())
+        return pending[-1]
+
+    monkeypatch.setattr(engine.structured_output_manager, "compile", compile_never)
+    messages: list[Any] = []
+    core = EngineCore(engine, messages.append)
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
+    core.ops.put(AddRequest(0, "r", None, params, [10, 11, 12], None))
+    core.ops.put(AbortRequests(["r"]))
+    core.ops.put(None)
+    core.run()
+    results = [m for m in messages if isinstance(m, AddResult)]
+    assert len(results) == 1 and "aborted" in str(results[0].error)
+    assert not engine.has_unfinished_requests() and len(pending) == 1
+
+
+def test_an_add_joins_once_its_grammar_compiled(tiny_llama_with_tokenizer):
+    engine = LLMEngine.from_engine_args(engine_args(tiny_llama_with_tokenizer))
+    messages: list[Any] = []
+
+    def emit(message: Any) -> None:
+        messages.append(message)
+        if isinstance(message, CoreOutputs) and any(output.finished for output in message.outputs):
+            core.ops.put(None)
+
+    core = EngineCore(engine, emit)
+    regex = StructuredOutputsParams(regex="[ab]+")
+    params = SamplingParams(max_tokens=6, temperature=0.0, structured_outputs=regex)
+    core.ops.put(AddRequest(0, "r", None, params, [10, 11, 12], None))
+    core.run()
+    assert [m.error for m in messages if isinstance(m, AddResult)] == [None]
+    final = [o for m in messages if isinstance(m, CoreOutputs) for o in m.outputs if o.finished]
+    assert len(final) == 1 and re.fullmatch("[ab]+", final[0].outputs[0].text)
+
+
+# --- the engine process -----------------------------------------------------------------------
+
+
+async def _serve(engine: AsyncLLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict:
+    """Every request at once; per request, its final outputs' (token ids, text, logprobs, finish)."""
+
+    async def one(request_id: str, prompt: list[int], params: SamplingParams) -> list:
+        async for output in engine.generate(request_id, prompt_token_ids=prompt, sampling_params=params):
+            last = output
+        assert last.finished
+        return [_summary(c) for c in last.outputs]
+
+    results = await asyncio.gather(*(one(rid, *request) for rid, request in requests.items()))
+    return dict(zip(requests, results))
+
+
+def _summary(c: CompletionOutput) -> tuple:
+    return (c.token_ids, c.text, c.logprobs, c.finish_reason, c.stop_reason)
+
+
+def _requests() -> dict[str, tuple[list[int], SamplingParams]]:
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    return {
+        "plain": ([10, 20, 30], SamplingParams(max_tokens=12, **greedy)),
+        "logprobs": ([40, 41], SamplingParams(max_tokens=9, logprobs=2, **greedy)),
+        "stop": ([7, 8, 9, 10], SamplingParams(max_tokens=30, stop=["a", "e"], **greedy)),
+        "n2": ([5, 6], SamplingParams(max_tokens=7, n=2, temperature=0.8, seed=3)),
+        "regex": (
+            [11, 12],
+            SamplingParams(
+                max_tokens=8, temperature=0.0, structured_outputs=StructuredOutputsParams(regex=REGEX)
+            ),
+        ),
+    }
+
+
+def test_the_engine_process_serves_what_the_thread_serves(tiny_llama_with_tokenizer):
+    async def serve(engine: AsyncLLMEngine) -> tuple[dict, Any]:
+        engine.start()
+        try:
+            results = await _serve(engine, _requests())
+            for _ in range(100):  # the stats after the last step may trail its outputs
+                if engine.stats.num_free_gpu_blocks == engine.stats.num_gpu_blocks:
+                    break
+                await asyncio.sleep(0.05)
+            return results, engine.stats
+        finally:
+            await engine.shutdown()
+
+    args = engine_args(tiny_llama_with_tokenizer)
+    in_thread, _ = run(serve(AsyncLLMEngine(LLMEngine.from_engine_args(args))))
+    process_engine = AsyncLLMEngine.in_engine_process(args)
+    in_process, stats = run(serve(process_engine))
+    assert in_process == in_thread
+    assert re.fullmatch(REGEX, in_process["regex"][0][1])
+    assert stats.num_free_gpu_blocks == stats.num_gpu_blocks
+    assert not process_engine._core.process.is_alive() and process_engine._core.process.exitcode == 0
+
+
+def test_bad_requests_are_refused_across_the_process_and_aborts_free_blocks(tiny_llama_with_tokenizer):
+    async def body() -> None:
+        engine = AsyncLLMEngine.in_engine_process(engine_args(tiny_llama_with_tokenizer))
+        engine.start()
+        try:
+            with pytest.raises(ValueError, match="prompt token id"):
+                await engine.add_request("bad", prompt_token_ids=[10, 10**9])
+            params = SamplingParams(max_tokens=200, ignore_eos=True)
+            stream = await engine.add_request("long", prompt_token_ids=[1, 2, 3], sampling_params=params)
+            first = await stream.__anext__()
+            assert not first.finished
+            engine.abort("long")
+            for _ in range(200):
+                if engine.stats.num_free_gpu_blocks == engine.stats.num_gpu_blocks:
+                    break
+                await asyncio.sleep(0.05)
+            assert engine.stats.num_free_gpu_blocks == engine.stats.num_gpu_blocks
+            assert engine.num_aborted_requests == 1
+            assert engine.is_healthy
+        finally:
+            await engine.shutdown()
+
+    run(body())
+
+
+def test_a_dead_engine_process_fails_every_stream_and_turns_unhealthy(tiny_llama_with_tokenizer):
+    async def body() -> None:
+        engine = AsyncLLMEngine.in_engine_process(engine_args(tiny_llama_with_tokenizer))
+        engine.start()
+        try:
+            params = SamplingParams(max_tokens=240, ignore_eos=True)
+            stream = await engine.add_request("r", prompt_token_ids=[1, 2, 3], sampling_params=params)
+            await stream.__anext__()
+            os.kill(engine._core.process.pid, signal.SIGKILL)
+            with pytest.raises(AsyncEngineDeadError, match="engine process died"):
+                async for _ in stream:
+                    pass
+            assert not engine.is_healthy and "died" in engine.dead_reason()
+            with pytest.raises(AsyncEngineDeadError):
+                await engine.add_request("late", prompt_token_ids=[1], sampling_params=params)
+        finally:
+            await engine.shutdown()
+
+    run(body())
+
+
+def test_bad_engine_arguments_fail_at_startup_with_their_error(tiny_llama_with_tokenizer):
+    with pytest.raises(ValueError, match="max_model_len"):
+        AsyncLLMEngine.in_engine_process(engine_args(tiny_llama_with_tokenizer, num_kv_blocks=2))
