@@ -175,3 +175,35 @@ def test_start_up_errors(tiny_gpu_model, tmp_path):
         LLM(str(tmp_path / "huge"), device="cuda", load_format="dummy")
     with pytest.raises(ValueError, match="fewer than one sequence of max_model_len"):
         LLM(model_config.model, device="cuda", num_kv_blocks=2, block_size=8, max_model_len=256)
+
+
+def test_the_engine_process_serves_hf_greedy_tokens_on_the_gpu(tiny_gpu_model):
+    """``pagedllm serve``'s engine process (spawned, with CUDA initialised in this one already)
+    runs the model on the GPU and its outputs cross back whole."""
+    import asyncio
+
+    from pagedllm import EngineArgs
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    hf_model, model_config = tiny_gpu_model
+    prompts = prompts_for(model_config.vocab_size, 6, seed=3)
+    args = EngineArgs(model=model_config.model, device="cuda", dtype="float32", num_kv_blocks=256)
+
+    async def serve() -> list[list[int]]:
+        engine = AsyncLLMEngine.in_engine_process(args)
+        engine.start()
+        try:
+
+            async def one(i: int) -> list[int]:
+                async for output in engine.generate(
+                    str(i), prompt_token_ids=prompts[i], sampling_params=GREEDY
+                ):
+                    last = output
+                return last.outputs[0].token_ids
+
+            return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+        finally:
+            await engine.shutdown()
+
+    torch.zeros(1, device="cuda")  # CUDA initialised here: the engine process must still start
+    assert asyncio.run(asyncio.wait_for(serve(), 300)) == hf_greedy(hf_model, prompts, GREEDY.max_tokens)
