@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.bench.throughput import run
+from pagedllm.entrypoints.bench.throughput import OFFLINE_MAX_NUM_BATCHED_TOKENS, run
 from pagedllm.entrypoints.bench.workloads import WORKLOADS
 
 STATIC_BATCH_SIZE = 64
@@ -99,7 +99,7 @@ def pagedllm_w1(
             model=model_dir,
             max_model_len=workload.max_model_len,
             enable_chunked_prefill=True,
-            max_num_batched_tokens=8192,
+            max_num_batched_tokens=OFFLINE_MAX_NUM_BATCHED_TOKENS,
             **engine_kwargs,
         )
     )
