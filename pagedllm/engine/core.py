@@ -153,7 +153,7 @@ class EngineCore:
             logger.exception("the engine loop failed; no more requests are served")
             self._emit(EngineDead(f"the engine failed: {e!r}"))
 
-    def outputs_message(self, outputs: list[RequestOutput]) -> CoreOutputs:
+    def _outputs_message(self, outputs: list[RequestOutput]) -> CoreOutputs:
         aborted, self._aborted = self._aborted, []
         return CoreOutputs(
             outputs, self.engine.get_stats(), self.num_aborted_requests, self.num_failed_requests, aborted
@@ -163,14 +163,11 @@ class EngineCore:
         """Apply every queued op and every add whose grammar compiled. Idle, first wait for an op
         (checking the workers now and then); busy, never wait."""
         changed = False
-        if busy:
-            timeout = None
-        elif self._compiling:
-            timeout = COMPILE_POLL_S
-        else:
-            timeout = HEALTH_CHECK_INTERVAL_S
         try:
-            op = self.ops.get_nowait() if busy else self.ops.get(timeout=timeout)
+            if busy:
+                op = self.ops.get_nowait()
+            else:
+                op = self.ops.get(timeout=COMPILE_POLL_S if self._compiling else HEALTH_CHECK_INTERVAL_S)
             while True:
                 changed = True
                 if op is None:
@@ -188,7 +185,7 @@ class EngineCore:
         changed |= self._add_compiled()
         if changed:
             # Aborts free blocks and adds queue requests: show it even when no step follows.
-            self._emit(self.outputs_message([]))
+            self._emit(self._outputs_message([]))
 
     def _step(self) -> None:
         outputs = self.engine.step()
@@ -197,7 +194,7 @@ class EngineCore:
                 self._active.discard(output.request_id)
                 if output.failed:
                     self.num_failed_requests += 1
-        self._emit(self.outputs_message(outputs))
+        self._emit(self._outputs_message(outputs))
 
     def _add(self, op: AddRequest) -> None:
         structured = None if op.sampling_params is None else op.sampling_params.structured_outputs
