@@ -279,8 +279,7 @@ class AsyncLLMEngine:
         live = [request_id for request_id in ids if request_id in self._streams]
         for request_id in live:
             self._streams.pop(request_id).end()
-        if live and self._dead_error is None:
-            self._send(AbortRequests(live))
+        self._send_abort(live)
 
     def fail_all_requests(self, message: str) -> None:
         """End every open stream with an error saying ``message`` (the server is going away), and
@@ -289,14 +288,19 @@ class AsyncLLMEngine:
         live = list(self._streams)
         for request_id in live:
             self._streams.pop(request_id).put(error)
-        if live and self._dead_error is None:
-            self._send(AbortRequests(live))
+        self._send_abort(live)
 
     def _check_alive(self) -> None:
         if self._dead_error is not None:
             raise self._dead_error
         if not self.is_running:
             raise AsyncEngineDeadError("the engine loop is not running: call start() first")
+
+    def _send_abort(self, request_ids: list[str]) -> None:
+        # A gone engine has nothing left to abort (its reader reports why it went).
+        if request_ids and self._dead_error is None:
+            with contextlib.suppress(AsyncEngineDeadError):
+                self._send(AbortRequests(request_ids))
 
     def _send(self, op: CoreOp) -> None:
         try:
