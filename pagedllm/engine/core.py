@@ -34,12 +34,14 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import EngineStats, LLMEngine, freeze_startup_heap
 from pagedllm.engine.output_delta import OutputDeltaEncoder
 from pagedllm.logger import configure_logging
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +111,8 @@ class EngineDead:
 class Ready:
     """The engine process's first message: what the frontend needs to validate requests."""
 
-    config: Any  # EngineConfig
-    tokenizer: Any  # Tokenizer | None
+    config: EngineConfig
+    tokenizer: Tokenizer | None
     stats: EngineStats
 
 
