@@ -10,7 +10,11 @@ import os
 import pickle
 import re
 import signal
+import subprocess
+import sys
+import time
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -268,3 +272,41 @@ def test_a_dead_engine_process_fails_every_stream_and_turns_unhealthy(tiny_llama
 def test_bad_engine_arguments_fail_at_startup_with_their_error(tiny_llama_with_tokenizer):
     with pytest.raises(ValueError, match="max_model_len"):
         AsyncLLMEngine.in_engine_process(engine_args(tiny_llama_with_tokenizer, num_kv_blocks=2))
+
+
+FRONTEND = """
+import sys, time
+from pagedllm import EngineArgs
+from pagedllm.engine.async_engine import AsyncLLMEngine
+
+if __name__ == "__main__":
+    args = EngineArgs(model=sys.argv[1], device="cpu", swap_space=0.01, num_kv_blocks=64, max_model_len=256)
+    engine = AsyncLLMEngine.in_engine_process(args)
+    print(engine._core.process.pid, flush=True)
+    time.sleep(120)
+"""
+
+
+def test_the_engine_process_exits_when_its_frontend_dies(tiny_llama_with_tokenizer, tmp_path):
+    """A server killed outright (no shutdown) must not leave its engine holding the device."""
+    script = tmp_path / "frontend.py"
+    script.write_text(FRONTEND)
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    command = [sys.executable, str(script), tiny_llama_with_tokenizer]
+    frontend = subprocess.Popen(command, stdout=subprocess.PIPE, env=env)
+    try:
+        engine_pid = int(frontend.stdout.readline())
+    finally:
+        frontend.kill()
+        frontend.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{engine_pid}/stat").read_text().split()[2] == "Z":
+                return  # exited; its parent is gone, so nobody reaped it yet
+        except FileNotFoundError:
+            return
+        time.sleep(0.1)
+    os.kill(engine_pid, signal.SIGKILL)
+    pytest.fail("the engine process outlived its frontend by 20 s")
