@@ -157,7 +157,9 @@ class AsyncLLMEngine:
     ) -> AsyncLLMEngine:
         """Start the engine in a process of its own; return once its model is loaded.
 
-        Raises what building the engine raised there (ValueError for bad arguments).
+        Raises what building the engine raised there (ValueError for bad arguments). The process
+        is spawned, so a script that calls this needs the ``if __name__ == "__main__":`` guard
+        that any spawning program does.
         """
         self = cls.__new__(cls)
         self._setup(_ProcessCore(engine_args), on_request_finished)
