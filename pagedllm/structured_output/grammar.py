@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import llguidance
@@ -67,33 +66,29 @@ class StructuredOutputGrammar:
         self.num_processed_tokens = 0
 
 
-# Live rows from which the parallel fill pays for its dispatch, about 50-70 us a call.
-MIN_PARALLEL_ROWS = 8
+# Live rows from which the batched fill pays for its dispatch, about 50-70 us a call.
+MIN_BATCHED_ROWS = 8
 
 
 class GrammarBatch:
     """Fills a batch's bitmask rows through llguidance, which releases the GIL while it fills.
 
     A row's fill takes from a couple of microseconds (inside a plain string) to milliseconds
-    (inside a string bounded by maxLength); rows of at least ``MIN_PARALLEL_ROWS`` are spread over
-    llguidance's own threads in one call, smaller batches are filled row by row on this thread.
-    Measured on a 2-core CPU (SmolLM2's 49,152 tokens, rows advanced by random allowed tokens,
-    median ms a fill, row by row / in parallel on 1 thread / on 2 threads):
+    (inside a string bounded by maxLength). Batches of at least ``MIN_BATCHED_ROWS`` rows go to
+    llguidance's executor in one call, smaller ones row by row. The executor has one thread: more
+    never paid. Median us to fill 32 rows, each method on its own matchers advanced by the same
+    random allowed tokens (a matcher caches its last mask, so methods must not share one),
+    SmolLM2's 49,152 tokens, llguidance 1.9.1 (``benchmarks/structured_output.py``'s schemas):
 
-        rows  bounded schema       strict schema
-         4    0.17 / 0.27 / 0.27   0.015 / 0.064 / 0.061
-         8    0.38 / 0.41 / 0.31   0.031 / 0.086 / 0.080
-        16    0.76 / 0.81 / 0.67   0.064 / 0.092 / 0.105
-        32    1.94 / 1.88 / 1.41   0.131 / 0.147 / 0.140
-
-    The threads pay off only on costly rows and one thread in parallel never does, so the pool
-    has at most 8 threads and half the cores (torch's OpenMP pool, which spins after each CPU
-    operator, needs the others), and none where that is one thread.
+        CPU                          schema   row by row   1 thread   2      4      8
+        H200 host (16 cores)         strict   175          238        275    275    327
+                                     bounded  4,125        2,648      2,843  2,943  3,570
+        development CPU (2 cores)    strict   166          156        253    194    266
+                                     bounded  2,211        2,175      2,223  2,245  2,351
     """
 
     def __init__(self) -> None:
-        num_threads = min(8, len(os.sched_getaffinity(0)) // 2)
-        self._executor = llguidance.LLExecutor(num_threads=num_threads) if num_threads > 1 else None
+        self._executor = llguidance.LLExecutor(num_threads=1)
 
     def bitmask(
         self,
@@ -127,7 +122,7 @@ class GrammarBatch:
         # emit deprecation warnings.
         matchers = [(grammars[row]._matcher, row) for row in rows]
         row_bytes = bitmask.shape[1] * bitmask.element_size()
-        if self._executor is not None and len(matchers) >= MIN_PARALLEL_ROWS:
+        if len(matchers) >= MIN_BATCHED_ROWS:
             self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
         else:
             for matcher, row in matchers:

@@ -240,12 +240,17 @@ class InputBatch:
             metadata.banned_rows = to_device(ban_rows, self.device, torch.int64)
             metadata.banned_token_ids = to_device(ban_ids, self.device, torch.int64)
 
-    def output_token_ids(self, row: int) -> list[int]:
-        """The row's generated tokens on the host: those the host sent, then the samples appended
-        since (``append_sampled``; rows with logits processors only)."""
+    def output_token_ids(self, row: int, start: int = 0) -> list[int]:
+        """The row's generated tokens on the host from index ``start``: those the host sent, then
+        the samples appended since (``append_sampled``; rows with logits processors only)."""
         tokens = self.host_token_ids[row]
         assert tokens is not None
-        return tokens[int(self.num_prompt_tokens[row]) :].tolist() + self.sampled_output_ids[row]
+        num_sent = int(self.num_host_tokens[row] - self.num_prompt_tokens[row])
+        sampled = self.sampled_output_ids[row]
+        if start >= num_sent:
+            return sampled[start - num_sent :]
+        sent = tokens[int(self.num_prompt_tokens[row]) + start : int(self.num_host_tokens[row])]
+        return sent.tolist() + sampled
 
     def append_sampled(self, req_id: int, output_index: int, token_id: int) -> None:
         """Record the request's ``output_index``-th generated token, once it reaches the host,

@@ -413,11 +413,12 @@ class ModelRunner:
             with_processors = bool(batch.has_processors[rows].any())
             if with_processors:
                 self._record_output_history()
+                row_list = rows.tolist()
                 self.logits_processors(
                     logits[:num_sample_rows],
                     model_input.sample_req_ids,
-                    [batch.params[row] for row in rows.tolist()],
-                    [batch.output_token_ids(row) for row in rows.tolist()],
+                    [batch.params[row] for row in row_list],
+                    lambda i, start: batch.output_token_ids(row_list[i], start),
                 )
             metadata = batch.sampling_metadata(rows)
             sampled = self.sampler(logits[:num_sample_rows], metadata)

@@ -61,14 +61,19 @@ class RequestLogitsProcessors:
         logits: torch.Tensor,
         req_ids: list[int],
         params: list[SamplingParams],
-        output_token_ids: list[list[int]],
+        output_token_ids: Callable[[int, int], list[int]],
     ) -> None:
-        """logits: [num_rows, vocab_size], edited in place; the lists give each row's request,
-        parameters and generated tokens."""
+        """logits: [num_rows, vocab_size], edited in place; the lists give each row's request and
+        parameters, ``output_token_ids(i, start)`` row i's generated tokens from index start (read
+        only as far as needed: a grammar wants the tokens since its last step, not the whole
+        output)."""
         apply_allowed_token_ids(logits, [p.allowed_token_ids for p in params])
         apply_logit_bias(logits, [p.logit_bias for p in params])
-        apply_bad_words(logits, [p.bad_words_token_ids for p in params], output_token_ids)
-        grammars = [self._grammar(*row) for row in zip(req_ids, params, output_token_ids)]
+        bad_words = [p.bad_words_token_ids for p in params]
+        if any(bad_words):
+            past = [output_token_ids(i, 0) if words else () for i, words in enumerate(bad_words)]
+            apply_bad_words(logits, bad_words, past)
+        grammars = [self._grammar(req_id, params[i], i, output_token_ids) for i, req_id in enumerate(req_ids)]
         if any(grammar is not None for grammar in grammars):
             if self._grammar_batch is None:
                 self._grammar_batch = GrammarBatch()
@@ -98,7 +103,11 @@ class RequestLogitsProcessors:
         return allocate_token_bitmask(max(num_rows, 64), vocab_size, pin_memory=True)
 
     def _grammar(
-        self, req_id: int, params: SamplingParams, output_token_ids: list[int]
+        self,
+        req_id: int,
+        params: SamplingParams,
+        index: int,
+        output_token_ids: Callable[[int, int], list[int]],
     ) -> StructuredOutputGrammar | None:
         structured = params.structured_outputs
         if structured is None:
@@ -110,7 +119,7 @@ class RequestLogitsProcessors:
         grammar = self._grammars[req_id]
         if grammar is None:
             return None
-        new_tokens = output_token_ids[grammar.num_processed_tokens :]
+        new_tokens = output_token_ids(index, grammar.num_processed_tokens)
         if new_tokens and not grammar.accept_tokens(new_tokens):
             # Only a token the mask did not allow (e.g. EOS forced by max_tokens) gets here.
             logger.warning("request %d: output left its grammar; no longer constrained", req_id)
