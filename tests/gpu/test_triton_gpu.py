@@ -195,3 +195,12 @@ def test_decode_replays_in_a_cuda_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(graph_out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_hopper_launches_the_step_kernels_with_programmatic_dependent_launch() -> None:
+    """The test above and the engine's graph tests replay these launches; here: they are on where
+    the device has PDL, so those tests cover the kernels' device-side waits."""
+    from pagedllm.kernels.triton.pdl import pdl_options
+
+    on = torch.cuda.get_device_capability()[0] >= 9
+    assert pdl_options(torch.device("cuda", torch.cuda.current_device())) == {"USE_GDC": on, "launch_pdl": on}

@@ -47,7 +47,7 @@ def _arg_type(value: object) -> str:
 
 
 def compile_instead(self: JITFunction, *args: object, grid: object, warmup: bool, **kwargs: object) -> None:
-    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "launch_pdl") if key in kwargs}
     values = dict(zip([p.name for p in self.params], args))
     values.update(kwargs)
     signature, constexprs = {}, {}
@@ -69,6 +69,11 @@ def compile_instead(self: JITFunction, *args: object, grid: object, warmup: bool
 
 def main() -> None:
     JITFunction.run = compile_instead
+    # The launches a Hopper GPU makes: with programmatic dependent launch (the tensors here are on
+    # the CPU, where the wrappers turn it off).
+    import pagedllm.kernels.triton.pdl as pdl
+
+    pdl._supports_pdl = lambda device: True
     import sm90_launches  # beside this script (sys.path[0])
 
     for launch in sm90_launches.LAUNCHES:

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
+
 
 @triton.jit
 def _silu_and_mul_kernel(
@@ -32,7 +34,9 @@ def _silu_and_mul_kernel(
     stride_x_tok,
     stride_o_tok,
     BLOCK_D: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    wait_for_prior_kernel(USE_GDC)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = offs < d
@@ -71,5 +75,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         x2.stride(0),
         out2.stride(0),
         BLOCK_D=block_d,
+        **pdl_options(x.device),
     )
     return out

@@ -62,6 +62,7 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.triton.paged_tiles import attend_paged_range, check_paged_inputs, dot_precision
+from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 
 _REDUCE_BLOCK_P = 32
 
@@ -132,7 +133,9 @@ def _paged_decode_kernel(
     ALIBI: tl.constexpr,
     SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    wait_for_prior_kernel(USE_GDC)
     # partition_size (a multiple of BLOCK_N: tiles never straddle two partitions, asserted by the
     # host) is a runtime value: the engine picks it per launch, and a constexpr would compile a
     # kernel per value in the middle of serving.
@@ -387,7 +390,9 @@ def _paged_decode_reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    wait_for_prior_kernel(USE_GDC)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     # Only the partitions kernel 1 wrote, [0, num_parts) from the window's first tile: the rest of
@@ -528,6 +533,7 @@ def paged_decode(
         DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32),
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl_options(query.device),
     )
     if not single_partition:
         _paged_decode_reduce_kernel[(num_seqs, num_heads)](
@@ -547,5 +553,6 @@ def paged_decode(
             # One tile width for any number of partitions: masked lanes cost nothing here, and a
             # width per count would compile a kernel per count.
             BLOCK_P=_REDUCE_BLOCK_P,
+            **pdl_options(query.device),
         )
     return out

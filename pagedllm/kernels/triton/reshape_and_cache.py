@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 from pagedllm.kernels.triton.rotary import heads_per_tile, rotate_heads, rotate_pair
 
 
@@ -68,7 +69,9 @@ def _reshape_and_cache_kernel(
     NUM_HEADS: tl.constexpr,
     HALF_DIM: tl.constexpr,
     BLOCK_H_Q: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    wait_for_prior_kernel(USE_GDC)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:
@@ -180,4 +183,5 @@ def reshape_and_cache(
         NUM_HEADS=num_heads,
         HALF_DIM=half_dim,
         BLOCK_H_Q=heads_per_tile(num_heads, half_dim),
+        **pdl_options(key.device),
     )

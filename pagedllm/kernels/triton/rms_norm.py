@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
+
 # Elements a program normalizes: rows shorter than this are packed several to a program.
 _ELEMENTS_PER_PROGRAM = 2048
 
@@ -56,7 +58,9 @@ def _rms_norm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    wait_for_prior_kernel(USE_GDC)
     # int64: row * stride overflows int32 past 2^31 elements (long prefills of wide models).
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     outer = rows // num_inner
@@ -163,4 +167,5 @@ def _launch(
         HAS_RESIDUAL=residual is not None,
         # One warp per 256 elements (8 per thread: 16-byte vectors at 16 bits), 1 to 8 warps.
         num_warps=min(max(block_r * block_n // 256, 1), 8),
+        **pdl_options(x.device),
     )
