@@ -63,14 +63,17 @@ def run_pagedllm(prompts: list[list[int]], dtype: str, quantization: str) -> tup
 
 def hf_model(dtype: str):  # -> transformers LlamaForCausalLM
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     from pagedllm.engine.arg_utils import embedded_model_path
     from pagedllm.model_loader.gguf_loader import load_gguf_config
 
     path = embedded_model_path()
-    model = LlamaForCausalLM(load_gguf_config(path)).eval()
+    # A LlamaConfig, not the plain config the engine reads from its cache (HF's model code may
+    # depend on the class's defaults and methods).
+    fields = {k: v for k, v in load_gguf_config(path).to_dict().items() if k != "model_type"}
+    model = LlamaForCausalLM(LlamaConfig(**fields)).eval()
     model.load_state_dict(
         load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"], strict=False
     )

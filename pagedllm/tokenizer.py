@@ -55,7 +55,7 @@ def _load_gguf_tokenizer(gguf_file: str) -> Tokenizer:
     The conversion parses the whole file and rebuilds the BPE model (seconds); loading the saved
     tokenizer.json takes a fraction of that.
     """
-    cache_dir = _gguf_tokenizer_cache_dir(gguf_file)
+    cache_dir = gguf_cache_path(gguf_file, "gguf-tokenizers")
     if os.path.isfile(os.path.join(cache_dir, "tokenizer.json")):
         return AutoTokenizer.from_pretrained(cache_dir)
     directory, name = os.path.split(os.path.abspath(gguf_file))
@@ -70,14 +70,18 @@ def _load_gguf_tokenizer(gguf_file: str) -> Tokenizer:
     return tokenizer
 
 
-def _gguf_tokenizer_cache_dir(gguf_file: str) -> str:
+def gguf_cache_path(gguf_file: str, kind: str, suffix: str = "") -> str:
+    """Where something derived from a GGUF file (its converted tokenizer, its config) is cached:
+    ``<cache>/pagedllm/<kind>/<key><suffix>``, keyed by the file's path, size and modification
+    time and by the transformers version that derived it (``PAGEDLLM_CACHE_DIR`` overrides the
+    root). The directory ``kind`` is created; the path itself may not exist yet."""
     stat = os.stat(gguf_file)
     key = f"{os.path.abspath(gguf_file)}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
     root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm"
     )
-    os.makedirs(os.path.join(root, "gguf-tokenizers"), exist_ok=True)
-    return os.path.join(root, "gguf-tokenizers", hashlib.sha256(key.encode()).hexdigest()[:32])
+    os.makedirs(os.path.join(root, kind), exist_ok=True)
+    return os.path.join(root, kind, hashlib.sha256(key.encode()).hexdigest()[:32] + suffix)
 
 
 def _as_id_set(value: Any) -> set[int]:

@@ -206,9 +206,10 @@ def test_smollm2_gguf_matches_transformers_dequantization(
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 
-def test_gguf_config_matches_transformers_conversion(smollm2_gguf: str) -> None:
+def test_gguf_config_matches_transformers_conversion(smollm2_gguf: str, tmp_path, monkeypatch) -> None:
     from transformers import AutoConfig
 
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))  # derived here, not read from a cache
     ours = load_gguf_config(smollm2_gguf).to_dict()
     directory, name = os.path.split(smollm2_gguf)
     theirs = AutoConfig.from_pretrained(directory, gguf_file=name).to_dict()
