@@ -11,6 +11,7 @@ gguf's own HF -> GGUF name map over the names our model takes.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -105,10 +106,13 @@ def load_gguf_config(path: str) -> PretrainedConfig:
     memory for the embedded model, a third of ``make run``'s start. Only configs whose class adds
     nothing but fields are cached: no attribute aliases (``attribute_map``), no properties.
     """
-    cached = gguf_cache_path(path, "gguf-configs", ".json")
+    cached = gguf_cache_path(path, "gguf-configs", f".{_derivation_key()}.json")
     if os.path.isfile(cached):
-        with open(cached) as f:
-            return PretrainedConfig.from_dict(json.load(f))
+        try:
+            with open(cached) as f:
+                return PretrainedConfig.from_dict(json.load(f))
+        except (OSError, ValueError) as e:  # unreadable or not JSON: derived again, rewritten
+            logger.warning("ignoring the cached config %s (%s)", cached, e)
     config = _derive_gguf_config(path)
     if _fields_only(type(config)):
         try:
@@ -120,6 +124,14 @@ def load_gguf_config(path: str) -> PretrainedConfig:
         except OSError as e:
             logger.info("not caching the GGUF's config (%s)", e)
     return config
+
+
+@functools.cache
+def _derivation_key() -> str:
+    """This module's source, hashed into the cached config's name: a change to the derivation
+    below never meets a config cached by the code before it."""
+    with open(__file__, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:12]
 
 
 def _fields_only(config_class: type) -> bool:

@@ -38,6 +38,16 @@ def test_cached_config_has_every_field_and_skips_the_class_import(smollm2_gguf: 
     assert result.stdout.strip().splitlines()[-1] == "False"
 
 
+def test_a_corrupt_cached_config_is_derived_again(smollm2_gguf: str, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    derived = load_gguf_config(smollm2_gguf)
+    [cached_file] = (tmp_path / "gguf-configs").glob("*.json")
+    cached_file.write_text('{"hidden_size": 5')  # a write cut short
+    again = load_gguf_config(smollm2_gguf)
+    assert isinstance(again, LlamaConfig) and again.to_dict() == derived.to_dict()
+    assert type(load_gguf_config(smollm2_gguf)) is PretrainedConfig  # and cached again
+
+
 def test_only_classes_that_add_nothing_but_fields_are_cached(smollm2_gguf: str, tmp_path, monkeypatch):
     assert _fields_only(LlamaConfig) and _fields_only(Qwen3Config)
     # num_experts is an alias of num_local_experts there: a plain config would lose it.
@@ -45,4 +55,5 @@ def test_only_classes_that_add_nothing_but_fields_are_cached(smollm2_gguf: str, 
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     load_gguf_config(smollm2_gguf)
     assert (tmp_path / "gguf-configs").is_dir()
-    assert gguf_cache_path(smollm2_gguf, "gguf-configs", ".json").startswith(str(tmp_path))
+    assert len(list((tmp_path / "gguf-configs").glob("*.json"))) == 1
+    assert gguf_cache_path(smollm2_gguf, "gguf-configs").startswith(str(tmp_path))
