@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -130,8 +131,11 @@ def load_gguf_config(path: str) -> PretrainedConfig:
 def _derivation_key() -> str:
     """This module's source, hashed into the cached config's name: a change to the derivation
     below never meets a config cached by the code before it."""
-    with open(__file__, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()[:12]
+    try:
+        with open(__file__, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()[:12]
+    except OSError:  # no source beside the module (a zipped install): the package version
+        return f"v{importlib.metadata.version('pagedllm')}"
 
 
 def _fields_only(config_class: type) -> bool:
