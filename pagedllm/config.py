@@ -212,10 +212,12 @@ class ParallelConfig:
     """Tensor parallelism: ``tensor_parallel_size`` ranks, one per device, each holding a
     Megatron-style shard of every layer; ``distributed_executor_backend`` runs them: "uni" (one
     rank, in the engine's process), "mp" (one spawned process per rank on this host) or "ray"
-    (one Ray actor per rank, on the nodes of a Ray cluster)."""
+    (one Ray actor per rank, on the nodes of a Ray cluster). ``disable_custom_all_reduce`` sends
+    every all-reduce through NCCL instead of the one-shot kernel for small messages on GPUs."""
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
+    disable_custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -226,6 +228,12 @@ class ParallelConfig:
             "distributed_executor_backend",
             f"one of {DISTRIBUTED_EXECUTOR_BACKENDS}",
             backend,
+        )
+        _require(
+            isinstance(self.disable_custom_all_reduce, bool),
+            "disable_custom_all_reduce",
+            "a bool",
+            self.disable_custom_all_reduce,
         )
         if backend == "uni":
             _require(

@@ -17,7 +17,8 @@
 # Qwen3-30B-A3B mixture of experts, against its floor), moe (bench moe: the fused MoE kernel against
 # the per-expert torch reference; moe-sweep: every launch too), cuda (W1 on the cuda backend),
 # sanitize (compute-sanitizer on the CUDA kernels), tp (two GPUs: the tensor-parallel GPU tests,
-# then W2 and W3 at tensor_parallel_size 1 and 2; the table gives TP=2 over TP=1), so
+# then all-reduce latency (benchmarks/all_reduce.py: NCCL against the one-shot kernel), W2 and W3
+# at tensor_parallel_size 1 and 2, W3 at 2 with NCCL alone; the table gives TP=2 over TP=1), so
 # (benchmarks/structured_output.py: 32 json_schema requests against 32 unconstrained), sampler
 # (benchmarks/sampler.py: the fused last sampling pass against the torch path). Results go
 # to $OUT (the device tool's output folder) or /tmp/gpu_check.
@@ -50,16 +51,21 @@ run() {  # run NAME COMMAND...: log to $OUT/NAME.log, remember failures
 }
 
 tp_tests() {
-    run tp_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py -ra
+    run tp_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py \
+        tests/gpu/test_symm_mem_all_reduce_gpu.py -ra
 }
 
-tp_bench() {  # W2 and W3 at tensor_parallel_size 1 and 2, in the same call
+tp_bench() {  # W2 and W3 at tensor_parallel_size 1 and 2, in the same call; all-reduce latency
+    run all_reduce python3 benchmarks/all_reduce.py --output-json "$OUT/all_reduce.json"
     for size in 1 2; do
         run "w2_tp$size" python3 -m pagedllm bench throughput --workload W2 --tensor-parallel-size "$size" \
             --output-json "$OUT/w2_tp$size.json"
         run "w3_tp$size" python3 -m pagedllm bench latency --skip-eager --tensor-parallel-size "$size" \
             --output-json "$OUT/w3_tp$size.json"
     done
+    # W3 at TP=2 with NCCL doing every all-reduce: what the one-shot kernel buys.
+    run w3_tp2_nccl python3 -m pagedllm bench latency --skip-eager --tensor-parallel-size 2 \
+        --disable-custom-all-reduce --output-json "$OUT/w3_tp2_nccl.json"
 }
 
 for stage in "${stages[@]}"; do

@@ -121,6 +121,19 @@ def _tensor_parallel_rows(folder: str) -> list[tuple[str, str, str]]:
     if w3[1] and w3[2]:
         ratio = w3[2]["cuda_graphs"]["tpot_ms"] / w3[1]["cuda_graphs"]["tpot_ms"]
         table.append(("W3 TP=2 / TP=1", "ms/token (target <= 0.6x)", f"{ratio:.2f}x"))
+    nccl = _load(folder, "w3_tp2_nccl")
+    if nccl:
+        table.append(("W3 TP=2, NCCL only", "ms/token", f"{nccl['cuda_graphs']['tpot_ms']:.2f}"))
+    all_reduce = _load(folder, "all_reduce")
+    for row in all_reduce["rows"] if all_reduce else ():
+        table.append(
+            (
+                f"all-reduce {row['bytes'] // 1024} KiB",
+                "us: NCCL / one-shot",
+                f"{row['nccl_us']:.1f} / {row['one_shot_us']:.1f} "
+                f"({row['nccl_us'] / row['one_shot_us']:.2f}x)",
+            )
+        )
     return table
 
 

@@ -5,6 +5,7 @@ from pagedllm.distributed.parallel_state import (
     init_distributed_environment,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
+    uses_custom_all_reduce,
 )
 
 __all__ = [
@@ -14,4 +15,5 @@ __all__ = [
     "init_distributed_environment",
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",
+    "uses_custom_all_reduce",
 ]

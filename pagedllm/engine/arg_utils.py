@@ -89,6 +89,13 @@ class EngineArgs:
             "ray (a Ray actor per rank over a Ray cluster); default: uni for 1 rank, else mp"
         },
     )
+    disable_custom_all_reduce: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "on GPUs, send every all-reduce through NCCL (default: messages up to 4 MiB take a "
+            "one-shot kernel over symmetric memory, several times faster at decode sizes)"
+        },
+    )
     block_size: int = dataclasses.field(default=16, metadata={"help": "tokens per KV cache block"})
     gpu_memory_utilization: float = dataclasses.field(
         default=0.9, metadata={"help": "fraction of GPU memory for weights, activations and KV cache"}
@@ -142,6 +149,7 @@ class EngineArgs:
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend
             or ("uni" if self.tensor_parallel_size == 1 else "mp"),
+            disable_custom_all_reduce=self.disable_custom_all_reduce,
         )
         device = resolve_device(self.device, parallel_config)
         model_path, gguf_file = resolve_model_path(self.model)

@@ -193,7 +193,7 @@ class RemoteExecutor(Executor):
         buffer, so its write never blocks.
         """
         try:
-            frame = encode_call("execute_model_and_wait", (msg,), None, 0)
+            frame = encode_call("execute_model_remote", (msg,), None, 0)
             if len(frame) > PIPELINED_FRAME_BYTES:
                 self._read_pending()
             while len(self._pending) > 1:

@@ -12,7 +12,7 @@ from pagedllm.distributed import init_distributed_environment
 from pagedllm.layers.onednn_linear import onednn_available, prepack_dense_weights
 from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
 from pagedllm.worker.model_runner import ModelRunner, StepOutput
-from pagedllm.worker.step_io import ModelRunnerOutput, SchedulerOutput
+from pagedllm.worker.step_io import SchedulerOutput
 
 
 class Worker:
@@ -60,7 +60,13 @@ class Worker:
         tp_size = self.config.parallel_config.tensor_parallel_size
         if tp_size > 1:
             assert self.distributed_init_method is not None, "several ranks need a distributed_init_method"
-            init_distributed_environment(tp_size, self.rank, self.distributed_init_method, self.device)
+            init_distributed_environment(
+                tp_size,
+                self.rank,
+                self.distributed_init_method,
+                self.device,
+                custom_all_reduce=not self.config.parallel_config.disable_custom_all_reduce,
+            )
         # The same seed on every rank: ranks sample the same tokens from the same gathered logits.
         torch.manual_seed(self.config.model_config.seed)
 
@@ -146,11 +152,12 @@ class Worker:
         )
         return self.model_runner.execute_model(scheduler_output, self.cache_engine.gpu_cache)
 
-    def execute_model_and_wait(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """``execute_model`` for a rank in another process: rank 0 waits for the step's samples
-        and returns them (they travel back pickled); the other ranks return at once."""
+    def execute_model_remote(self, scheduler_output: SchedulerOutput) -> StepOutput | None:
+        """``execute_model`` for a rank in another process: rank 0 returns the step's handle (the
+        worker loop sends its samples once they reach the host, while this rank goes on to the next
+        step); the other ranks return None, their samples being rank 0's."""
         step = self.execute_model(scheduler_output)
-        return step.get() if self.rank == 0 else None
+        return step if self.rank == 0 else None
 
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
