@@ -114,12 +114,18 @@ def _load_weights(
         if path is None:
             raise ValueError(f"load_format='gguf' needs a .gguf file, got model {model_config.model!r}")
         # Imported here: the gguf package is only needed for GGUF files (the GPU machine may lack it).
-        from pagedllm.model_loader.gguf_loader import iterate_gguf_weights, keep_linear_weights_quantized
+        from pagedllm.model_loader.gguf_loader import (
+            iterate_gguf_weights,
+            keep_embedding_quantized,
+            keep_linear_weights_quantized,
+        )
 
         raw_names: frozenset[str] = frozenset()
         quantization = model_config.quantization
         if keeps_gguf_quantized(quantization, True, device, model_config.dtype):
-            raw_names = keep_linear_weights_quantized(path, model, hf_config, strict=quantization == "gguf")
+            raw_names = keep_linear_weights_quantized(
+                path, model, hf_config, strict=quantization == "gguf"
+            ) | keep_embedding_quantized(path, model, hf_config, model_config.dtype)
         weights = iterate_gguf_weights(path, model, hf_config, model_config.dtype, raw_names)
     else:
         weights = iterate_safetensors_weights(model_config.model)
