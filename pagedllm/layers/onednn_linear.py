@@ -9,11 +9,12 @@ layer then calls ``mkldnn._linear_pointwise`` on the blocked weight.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.linear import LinearBase
-from pagedllm.layers.quantization.base import LinearMethod
-from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from pagedllm.layers.quantization.base import EmbeddingMethod, LinearMethod
+from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 # The batch size oneDNN picks its blocking for: a decode step of a typical CPU batch.
 BATCH_SIZE_HINT = 32
@@ -24,22 +25,38 @@ def onednn_available(dtype: torch.dtype) -> bool:
 
 
 class OneDNNLinearMethod(LinearMethod):
-    """A dense weight in oneDNN's blocked layout (``packed_weight``), replacing ``weight``.
-
-    keep_weight: keep the row-major ``weight`` too, for a tied LM head that is also the embedding.
-    """
-
-    def __init__(self, keep_weight: bool = False) -> None:
-        self.keep_weight = keep_weight
+    """A dense weight in oneDNN's blocked layout (``packed_weight``), replacing ``weight``."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.data, BATCH_SIZE_HINT)
-        if not self.keep_weight:
-            del layer.weight
+        del layer.weight
         layer.register_buffer("packed_weight", packed, persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, bias, "none", [], "")
+
+
+class OneDNNTiedLMHeadMethod(OneDNNLinearMethod, EmbeddingMethod):
+    """A tied LM head, which is also the embedding table: the head multiplies a blocked copy of
+    the table, and lookups read the table as before, kept beside it: the row-major ``weight``, or
+    through ``lookup_method`` the quantized rows it holds (the blocked copy is then made from
+    their dequantization).
+    """
+
+    def __init__(self, lookup_method: EmbeddingMethod | None = None) -> None:
+        self.lookup_method = lookup_method
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        packed = torch.ops.mkldnn._reorder_linear_weight(self.dequantize(layer), BATCH_SIZE_HINT)
+        layer.register_buffer("packed_weight", packed, persistent=False)
+
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.lookup_method is None:
+            return F.embedding(input_ids, layer.weight)
+        return self.lookup_method.embedding(layer, input_ids)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight.data if self.lookup_method is None else self.lookup_method.dequantize(layer)
 
 
 def prepack_dense_weights(model: nn.Module) -> None:
@@ -53,6 +70,12 @@ def prepack_dense_weights(model: nn.Module) -> None:
             module.quant_method.process_weights_after_loading(module)
     lm_head = getattr(model, "lm_head", None)
     if isinstance(lm_head, VocabParallelEmbedding):
-        # The row-major weight stays: a tied head is also the embedding table, which lookups read.
-        lm_head.quant_method = OneDNNLinearMethod(keep_weight=True)
-        lm_head.quant_method.process_weights_after_loading(lm_head)
+        # A head of its own is only multiplied: its row-major weight goes. A tied one is the
+        # embedding table too, which lookups go on reading.
+        method = (
+            OneDNNLinearMethod()
+            if isinstance(lm_head, ParallelLMHead)
+            else OneDNNTiedLMHeadMethod(lm_head.quant_method)
+        )
+        lm_head.quant_method = method
+        method.process_weights_after_loading(lm_head)

@@ -21,11 +21,19 @@ from pagedllm.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
+from pagedllm.layers.quantization.base import EmbeddingMethod, LinearMethod
 from pagedllm.layers.utils import CheckpointTensor, copy_weight
 
 
 class VocabParallelEmbedding(nn.Module):
-    """This rank's rows ``[vocab_start, vocab_end)`` of a ``[num_embeddings, embedding_dim]`` table."""
+    """This rank's rows ``[vocab_start, vocab_end)`` of a ``[num_embeddings, embedding_dim]`` table.
+
+    ``quant_method``, when set, owns how the table is kept: an ``EmbeddingMethod`` looks rows up
+    (a table kept quantized, set by the model loader before loading; a tied LM head's blocked copy,
+    set by the CPU worker after), and LogitsProcessor multiplies through its ``apply``.
+    """
+
+    quant_method: EmbeddingMethod | None = None
 
     def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
         super().__init__()
@@ -55,12 +63,17 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids: [num_tokens] -> [num_tokens, embedding_dim]."""
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         # Each rank embeds the ids in its range, zeros elsewhere; the sum over ranks is the lookup.
         in_range = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
         local_ids = torch.where(in_range, input_ids - self.vocab_start, 0)
-        embeddings = F.embedding(local_ids, self.weight).masked_fill_(~in_range.unsqueeze(-1), 0.0)
+        embeddings = self._lookup(local_ids).masked_fill_(~in_range.unsqueeze(-1), 0.0)
         return tensor_model_parallel_all_reduce(embeddings)
+
+    def _lookup(self, local_ids: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is None:
+            return F.embedding(local_ids, self.weight)
+        return self.quant_method.embedding(self, local_ids)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -68,6 +81,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     Its weight is read by LogitsProcessor; calling it as an embedding is a bug.
     """
+
+    quant_method: LinearMethod | None = None  # never looked up: a linear method is enough
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("ParallelLMHead is not called: LogitsProcessor projects with its weight")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -27,25 +27,62 @@ def get_model(
     config names a GGUF file, else safetensors).
     """
     model_class = get_model_class(model_config.architectures, model_config.hf_config.model_type)
-    # Parameters are created directly on the device in the run dtype: no float32 CPU copy of an
-    # 8B model on the way.
-    with _default_dtype(model_config.dtype), torch.device(device):
-        model = model_class(model_config.hf_config, attn_backend)
-    with torch.no_grad():
-        _load_weights(model, model_config, _resolve_load_format(model_config, load_format), device)
-        quantized = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]
-        for module in quantized:
-            module.quant_method.process_weights_after_loading(module)
-            _release_freed_heap()  # per layer: the freed raw blocks would otherwise pile up to the peak
+    with _large_host_buffers_mapped():
+        # Parameters are created directly on the device in the run dtype: no float32 CPU copy of
+        # an 8B model on the way.
+        with _default_dtype(model_config.dtype), torch.device(device):
+            model = model_class(model_config.hf_config, attn_backend)
+        with torch.no_grad():
+            _load_weights(model, model_config, _resolve_load_format(model_config, load_format), device)
+            quantized = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]
+            for module in quantized:
+                module.quant_method.process_weights_after_loading(module)
+                _release_freed_heap()  # per layer: the freed raw blocks would otherwise pile up to the peak
     return model.eval()
 
 
+# mallopt parameters (glibc's malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+@contextlib.contextmanager
+def _large_host_buffers_mapped() -> Iterator[None]:
+    """Loading with every host buffer of 128 KB or more in a mapping of its own, returned to the
+    OS when freed (glibc's ``M_MMAP_THRESHOLD``).
+
+    glibc raises that threshold (up to 32 MB) each time such a buffer is freed, so without this
+    the loader's temporaries (raw blocks, decoded nibbles, dequantized chunks) fill the heap
+    between the weights, leaving free holes that later steps touch back in: C1's peak resident
+    memory (SmolLM2, quantized weights) was ~35 MB higher. Afterwards the threshold stays where
+    glibc's own raising settles (32 MB, trimming at twice that), so steps go on reusing heap
+    memory rather than mapping fresh pages.
+    """
+    mallopt = _glibc_function("mallopt")
+    if mallopt is None:  # not glibc: its allocator has a policy of its own
+        yield
+        return
+    mallopt(_M_MMAP_THRESHOLD, 128 << 10)
+    try:
+        yield
+    finally:
+        mallopt(_M_MMAP_THRESHOLD, 32 << 20)
+        mallopt(_M_TRIM_THRESHOLD, 64 << 20)
+
+
 def _release_freed_heap() -> None:
-    """Give the freed load-time buffers (raw blocks, decoded nibbles) back to the OS: they are
-    many small heap blocks that glibc keeps mapped, ~125 MB of resident memory for SmolLM2."""
-    # Not glibc: nothing to do, the memory is reused by later allocations.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    """Give the freed load-time buffers under the mapping threshold (small raw blocks, decoded
+    nibbles; see ``_large_host_buffers_mapped``) back to the OS: glibc keeps their heap pages
+    resident, ~5 MB for SmolLM2 at C1's peak."""
+    malloc_trim = _glibc_function("malloc_trim")
+    if malloc_trim is not None:  # elsewhere the memory is reused by later allocations
+        malloc_trim(0)
+
+
+def _glibc_function(name: str) -> Callable[..., int] | None:
+    try:
+        return getattr(ctypes.CDLL("libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
 
 
 def estimate_model_bytes(model_config: ModelConfig, attn_backend: type[AttentionBackend]) -> int:
@@ -77,12 +114,18 @@ def _load_weights(
         if path is None:
             raise ValueError(f"load_format='gguf' needs a .gguf file, got model {model_config.model!r}")
         # Imported here: the gguf package is only needed for GGUF files (the GPU machine may lack it).
-        from pagedllm.model_loader.gguf_loader import iterate_gguf_weights, keep_linear_weights_quantized
+        from pagedllm.model_loader.gguf_loader import (
+            iterate_gguf_weights,
+            keep_embedding_quantized,
+            keep_linear_weights_quantized,
+        )
 
         raw_names: frozenset[str] = frozenset()
         quantization = model_config.quantization
         if keeps_gguf_quantized(quantization, True, device, model_config.dtype):
-            raw_names = keep_linear_weights_quantized(path, model, hf_config, strict=quantization == "gguf")
+            raw_names = keep_linear_weights_quantized(
+                path, model, hf_config, strict=quantization == "gguf"
+            ) | keep_embedding_quantized(path, model, hf_config, model_config.dtype)
         weights = iterate_gguf_weights(path, model, hf_config, model_config.dtype, raw_names)
     else:
         weights = iterate_safetensors_weights(model_config.model)

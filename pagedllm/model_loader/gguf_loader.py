@@ -2,8 +2,9 @@
 
 Every tensor is dequantized to float32 and cast to the run dtype, so a quantized file runs as the
 dense model it approximates (the same numbers transformers computes from it), except the linear
-layers that ``keep_linear_weights_quantized`` gave a quantized method: their tensors are loaded as
-the file's raw blocks (layers/quantization/gguf.py). Tensor names are
+layers and embedding tables that ``keep_linear_weights_quantized`` and ``keep_embedding_quantized``
+gave a quantized method: their tensors are loaded as the file's raw blocks
+(layers/quantization/gguf.py). Tensor names are
 llama.cpp's (``blk.0.attn_q.weight``); they are mapped back to Hugging Face names by inverting
 gguf's own HF -> GGUF name map over the names our model takes.
 """
@@ -28,8 +29,15 @@ from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
 from pagedllm.layers.linear import LinearBase
-from pagedllm.layers.quantization.gguf import GGUFQ4LinearMethod, unsupported_reason
+from pagedllm.layers.onednn_linear import onednn_available
+from pagedllm.layers.quantization.gguf import (
+    EMBEDDING_BLOCK_BYTES,
+    GGUFEmbeddingMethod,
+    GGUFQ4LinearMethod,
+    unsupported_reason,
+)
 from pagedllm.layers.utils import CheckpointSlice, CheckpointTensor
+from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.model_loader.gguf_reader import GGUFFile, GGUFTensor
 from pagedllm.tokenizer import gguf_cache_path
 
@@ -284,6 +292,34 @@ def keep_linear_weights_quantized(
         raw_names.update(sources)
     if dense:
         logger.warning("%d linear layers run dequantized, e.g. %s", len(dense), dense[0])
+    return frozenset(raw_names)
+
+
+def keep_embedding_quantized(
+    path: str, model: nn.Module, hf_config: PretrainedConfig, dtype: torch.dtype
+) -> frozenset[str]:
+    """Give each embedding table whose GGUF type lookups can dequantize row by row its quantized
+    method (before loading); returns the Hugging Face names of the tensors to load raw.
+
+    A tied LM head multiplies the whole table: it stays quantized only where the CPU worker gives
+    the head a dense blocked copy of its own (oneDNN), else every step would dequantize it.
+    """
+    reader = open_gguf(os.path.abspath(path))
+    architecture = read_gguf_architecture(reader)
+    hf_names = _gguf_to_hf_names(architecture, hf_config.num_hidden_layers, _checkpoint_names(model))
+    tensor_types = {hf_names.get(t.name): t.tensor_type.name for t in reader.tensors}
+    raw_names: set[str] = set()
+    for name, layer in model.named_modules():
+        if not isinstance(layer, VocabParallelEmbedding) or isinstance(layer, ParallelLMHead):
+            continue
+        tensor_type = tensor_types.get(f"{name}.weight")
+        is_tied_head = getattr(model, "lm_head", None) is layer
+        if tensor_type not in EMBEDDING_BLOCK_BYTES or (is_tied_head and not onednn_available(dtype)):
+            continue
+        method = GGUFEmbeddingMethod(tensor_type)
+        method.create_weights(layer)
+        layer.quant_method = method
+        raw_names.add(f"{name}.weight")
     return frozenset(raw_names)
 
 

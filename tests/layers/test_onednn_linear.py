@@ -11,7 +11,12 @@ from transformers import LlamaConfig
 
 from pagedllm.attention.backends.cpu_backend import CpuAttentionBackend
 from pagedllm.layers.linear import ReplicatedLinear
-from pagedllm.layers.onednn_linear import OneDNNLinearMethod, onednn_available, prepack_dense_weights
+from pagedllm.layers.onednn_linear import (
+    OneDNNLinearMethod,
+    OneDNNTiedLMHeadMethod,
+    onednn_available,
+    prepack_dense_weights,
+)
 from pagedllm.model_loader import get_model
 
 pytestmark = pytest.mark.skipif(not onednn_available(torch.float32), reason="torch built without oneDNN")
@@ -36,15 +41,25 @@ def test_prepacked_linear_matches_f_linear(dtype: torch.dtype, num_tokens: int, 
     torch.testing.assert_close(layer(x).float(), F.linear(x, weight, b).float(), atol=atol * 10, rtol=rtol)
 
 
-def test_prepacked_model_computes_the_same_logits(make_tiny_model: Callable, paged_runner: type) -> None:
-    _, model_config = make_tiny_model(LlamaConfig, num_attention_heads=4, num_key_value_heads=2)
+@pytest.mark.parametrize("tied", [False, True])
+def test_prepacked_model_computes_the_same_logits(
+    make_tiny_model: Callable, paged_runner: type, tied: bool
+) -> None:
+    _, model_config = make_tiny_model(
+        LlamaConfig, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied
+    )
     prompt = list(range(5, 30))
     plain = get_model(model_config, "auto", torch.device("cpu"), CpuAttentionBackend)
     expected = paged_runner(plain, model_config).step({0: prompt})[0]
     packed = get_model(model_config, "auto", torch.device("cpu"), CpuAttentionBackend)
     prepack_dense_weights(packed)
     assert isinstance(packed.lm_head.quant_method, OneDNNLinearMethod)
-    assert packed.lm_head.weight is packed.model.embed_tokens.weight or not packed.tie_word_embeddings
+    head_params = dict(packed.lm_head.named_parameters())
+    if tied:  # the row-major table stays for the embedding's lookups
+        assert isinstance(packed.lm_head.quant_method, OneDNNTiedLMHeadMethod)
+        assert head_params["weight"] is packed.model.embed_tokens.weight
+    else:  # a head of its own keeps only the blocked copy
+        assert "weight" not in head_params
     logits = paged_runner(packed, model_config).step({0: prompt})[0]
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))

@@ -1,4 +1,5 @@
-"""GGUF Q4 linear weights kept quantized, against the gguf package's own dequantization."""
+"""GGUF Q4 linear weights and quantized embedding tables kept quantized, against the gguf
+package's own dequantization."""
 
 from __future__ import annotations
 
@@ -9,10 +10,19 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
+from pagedllm.layers.onednn_linear import OneDNNTiedLMHeadMethod, onednn_available
 from pagedllm.layers.quantization import keeps_gguf_quantized
-from pagedllm.layers.quantization.gguf import GGUFQ4LinearMethod, dequantize_q4, unsupported_reason
+from pagedllm.layers.quantization.gguf import (
+    GGUFEmbeddingMethod,
+    GGUFQ4LinearMethod,
+    dequantize_q4,
+    dequantize_rows,
+    unsupported_reason,
+)
+from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 Q4_TYPES = ["Q4_0", "Q4_1"]
+EMBEDDING_TYPES = ["Q8_0", "Q4_0", "Q4_1"]
 
 
 def quantize(weight: torch.Tensor, tensor_type: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,3 +110,66 @@ def test_raw_rows_stay_whole_blocks() -> None:
     raw, _ = quantize(torch.randn(64, 128), "Q4_1")
     assert raw.shape == (64, 80) and raw.dtype == torch.uint8
     assert np.prod(raw.shape) == 64 * 128 // 32 * 20
+
+
+@pytest.mark.parametrize("tensor_type", EMBEDDING_TYPES)
+def test_row_dequantization_is_gguf_s_bit_for_bit(tensor_type: str) -> None:
+    """The values the dequantized path loads (gguf's numpy dequantization), exactly: a table kept
+    quantized must not change a single embedding."""
+    torch.manual_seed(2)
+    raw, expected = quantize(torch.randn(300, 96) * torch.logspace(-3, 2, 300)[:, None], tensor_type)
+    ours = dequantize_rows(raw, tensor_type)
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours.view(torch.int32), expected.view(torch.int32))  # -0.0 included
+
+
+def quantized_embedding(
+    tensor_type: str, dtype: torch.dtype, num_embeddings: int = 200, embedding_dim: int = 96
+) -> tuple[VocabParallelEmbedding, torch.Tensor]:
+    """(An embedding keeping a random table as ``tensor_type`` blocks, the dense table in ``dtype``
+    that the dequantized path would load)."""
+    torch.manual_seed(3)
+    layer = VocabParallelEmbedding(num_embeddings, embedding_dim).to(dtype)
+    raw, table = quantize(torch.randn(num_embeddings, embedding_dim), tensor_type)
+    layer.quant_method = GGUFEmbeddingMethod(tensor_type)
+    layer.quant_method.create_weights(layer)
+    layer.weight.weight_loader(layer.weight, raw)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer, table.to(dtype)
+
+
+@pytest.mark.parametrize("tensor_type", EMBEDDING_TYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quantized_embedding_lookup_equals_the_dequantized_table(
+    tensor_type: str, dtype: torch.dtype
+) -> None:
+    layer, table = quantized_embedding(tensor_type, dtype)
+    assert layer.weight.dtype == torch.uint8 and layer.weight.nbytes < table.nbytes
+    input_ids = torch.randint(0, 200, (333,))
+    out = layer(input_ids)
+    assert out.dtype == dtype and torch.equal(out, F.embedding(input_ids, table))
+    assert torch.equal(layer(input_ids.view(9, 37)), F.embedding(input_ids.view(9, 37), table))
+    assert torch.equal(layer.quant_method.dequantize(layer), table)
+    x = torch.randn(5, 96).to(dtype)
+    assert torch.equal(layer.quant_method.apply(layer, x, None), F.linear(x, table))  # a tied head
+
+
+@pytest.mark.skipif(not onednn_available(torch.bfloat16), reason="torch built without oneDNN")
+@pytest.mark.parametrize("tensor_type", EMBEDDING_TYPES)
+def test_tied_head_on_a_quantized_table_equals_the_dense_tied_head(tensor_type: str) -> None:
+    """The CPU worker's tied head over a table kept quantized: the blocked copy for the matmul and
+    the quantized rows for lookups, no dense row-major table beside them; the same logits and
+    embeddings, bit for bit, as the tied head over the dense table."""
+    layer, table = quantized_embedding(tensor_type, torch.bfloat16, num_embeddings=256)
+    layer.quant_method = OneDNNTiedLMHeadMethod(layer.quant_method)
+    layer.quant_method.process_weights_after_loading(layer)
+    dense = VocabParallelEmbedding(256, 96).to(torch.bfloat16)
+    dense.weight.data.copy_(table)
+    dense.quant_method = OneDNNTiedLMHeadMethod()
+    dense.quant_method.process_weights_after_loading(dense)
+    held = {name: t.dtype for name, t in [*layer.named_parameters(), *layer.named_buffers()]}
+    assert held == {"weight": torch.uint8, "packed_weight": torch.bfloat16}
+    input_ids = torch.randint(0, 256, (64,))
+    assert torch.equal(layer(input_ids), dense(input_ids))
+    x = torch.randn(7, 96).bfloat16()
+    assert torch.equal(layer.quant_method.apply(layer, x, None), dense.quant_method.apply(dense, x, None))

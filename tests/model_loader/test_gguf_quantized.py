@@ -20,17 +20,23 @@ from transformers import LlamaConfig
 from pagedllm.attention.backends.cpu_backend import CpuAttentionBackend
 from pagedllm.config import ModelConfig
 from pagedllm.layers.linear import LinearBase
-from pagedllm.layers.quantization.gguf import GGUFQ4LinearMethod
-from pagedllm.model_loader import get_model
+from pagedllm.layers.onednn_linear import prepack_dense_weights
+from pagedllm.layers.quantization.gguf import GGUFEmbeddingMethod, GGUFQ4LinearMethod
+from pagedllm.model_loader import get_model, gguf_loader
 from pagedllm.model_loader.gguf_loader import load_gguf_config
 
 CPU = torch.device("cpu")
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_tiny_gguf(make_tiny_model: Callable, path: Path, linear_type: str) -> ModelConfig:
-    """A 2-layer llama GGUF of random weights; linear weights quantized to ``linear_type``."""
-    hf_model, _ = make_tiny_model(LlamaConfig, num_attention_heads=4, num_key_value_heads=2)
+def write_tiny_gguf(
+    make_tiny_model: Callable, path: Path, linear_type: str, embedding_type: str = "F32", tied: bool = False
+) -> ModelConfig:
+    """A 2-layer llama GGUF of random weights; linear weights quantized to ``linear_type``, the
+    embedding table to ``embedding_type``; ``tied``: no output.weight (the head is the table)."""
+    hf_model, _ = make_tiny_model(
+        LlamaConfig, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied
+    )
     config = hf_model.config
     name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, config.num_hidden_layers)
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -44,10 +50,15 @@ def write_tiny_gguf(make_tiny_model: Callable, path: Path, linear_type: str) -> 
     writer.add_vocab_size(config.vocab_size)
     for hf_name, tensor in hf_model.state_dict().items():
         module, _, suffix = hf_name.rpartition(".")
+        if tied and module == "lm_head":
+            continue
         array = tensor.float().numpy()
         kind = gguf.GGMLQuantizationType.F32
         if suffix == "weight" and module.rsplit(".", 1)[-1] in LINEAR_MODULES:
             kind = gguf.GGMLQuantizationType[linear_type]
+        elif module == "model.embed_tokens":
+            kind = gguf.GGMLQuantizationType[embedding_type]
+        if kind != gguf.GGMLQuantizationType.F32:
             array = gguf.quants.quantize(array, kind)
         writer.add_tensor(f"{name_map.get_name(module)}.{suffix}", array, raw_dtype=kind)
     writer.write_header_to_file()
@@ -65,8 +76,12 @@ def write_tiny_gguf(make_tiny_model: Callable, path: Path, linear_type: str) -> 
     )
 
 
-def logits_of(model_config: ModelConfig, paged_runner: type, prompt: list[int]) -> torch.Tensor:
+def logits_of(
+    model_config: ModelConfig, paged_runner: type, prompt: list[int], prepack: bool = False
+) -> torch.Tensor:
     model = get_model(model_config, "gguf", CPU, CpuAttentionBackend)
+    if prepack:  # as the CPU worker does
+        prepack_dense_weights(model)
     runner = paged_runner(model, model_config)
     logits = runner.step({0: prompt})[0]
     return torch.cat([logits, runner.step({0: [int(logits[-1].argmax())]})[0]])
@@ -102,6 +117,51 @@ def test_q8_0_linear_weights_fall_back_with_a_notice_or_refuse_when_asked(
     assert not any(isinstance(getattr(m, "quant_method", None), GGUFQ4LinearMethod) for m in model.modules())
     with pytest.raises(ValueError, match=r"quantization='gguf' cannot keep .*Q8_0"):
         get_model(dataclasses.replace(model_config, quantization="gguf"), "gguf", CPU, CpuAttentionBackend)
+
+
+@pytest.mark.parametrize("embedding_type", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_quantized_embedding_table_gives_the_logits_of_its_dequantized_table(
+    make_tiny_model: Callable,
+    tmp_path: Path,
+    paged_runner: type,
+    monkeypatch: pytest.MonkeyPatch,
+    embedding_type: str,
+    tied: bool,
+) -> None:
+    """The table kept in its GGUF blocks (a third of its bf16 size for Q8_0) changes no logit, bit
+    for bit, as a loaded model and as the CPU worker prepacks it (tied: the head's blocked copy)."""
+    model_config = dataclasses.replace(
+        write_tiny_gguf(make_tiny_model, tmp_path / "tiny.gguf", "Q4_0", embedding_type, tied),
+        quantization="gguf",
+    )
+    model = get_model(model_config, "gguf", CPU, CpuAttentionBackend)
+    table = model.model.embed_tokens
+    assert isinstance(table.quant_method, GGUFEmbeddingMethod) and table.weight.dtype == torch.uint8
+    assert (model.lm_head is table) == tied
+    prompt = list(range(3, 40))
+    ours = [logits_of(model_config, paged_runner, prompt, prepack) for prepack in (False, True)]
+    monkeypatch.setattr(gguf_loader, "keep_embedding_quantized", lambda *args: frozenset())
+    dense_model = get_model(model_config, "gguf", CPU, CpuAttentionBackend)
+    assert dense_model.model.embed_tokens.quant_method is None
+    dense = [logits_of(model_config, paged_runner, prompt, prepack) for prepack in (False, True)]
+    assert torch.equal(ours[0], dense[0]) and torch.equal(ours[1], dense[1])
+
+
+def test_tied_quantized_table_stays_dense_without_a_blocked_head(
+    make_tiny_model: Callable, tmp_path: Path
+) -> None:
+    """In float16 the CPU worker gives the head no blocked copy (oneDNN takes bf16 and fp32): a
+    tied table kept quantized would be dequantized whole at every step, so it stays dense; an
+    untied one is only looked up, and stays quantized."""
+    for tied in (False, True):
+        model_config = dataclasses.replace(
+            write_tiny_gguf(make_tiny_model, tmp_path / f"tiny-{tied}.gguf", "Q4_0", "Q8_0", tied),
+            quantization="gguf",
+            dtype=torch.float16,
+        )
+        table = get_model(model_config, "gguf", CPU, CpuAttentionBackend).model.embed_tokens
+        assert isinstance(table.quant_method, GGUFEmbeddingMethod) != tied
 
 
 def test_quantization_gguf_needs_a_gguf_model(make_tiny_model: Callable) -> None:

@@ -7,6 +7,7 @@ import json
 import re
 
 import jsonschema
+import llguidance.hf
 import llguidance.numpy
 import pytest
 import torch
@@ -39,6 +40,29 @@ def manager(smollm2_tokenizer) -> StructuredOutputManager:
     manager = StructuredOutputManager(smollm2_tokenizer, 49152, [smollm2_tokenizer.eos_token_id])
     yield manager
     manager.shutdown()
+
+
+def test_grammar_tokenizer_is_built_by_the_first_compilation_once(
+    smollm2_tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine serving no constrained request never builds llguidance's tokenizer (30-70 MB of
+    resident memory for SmolLM2); concurrent first compilations build it once."""
+    built = []
+    from_tokenizer = llguidance.hf.from_tokenizer
+
+    def counted(*args, **kwargs):
+        built.append(args)
+        return from_tokenizer(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", counted)
+    manager = StructuredOutputManager(smollm2_tokenizer, 49152, [smollm2_tokenizer.eos_token_id])
+    try:
+        assert not built
+        futures = [manager.compile(StructuredOutputsParams(regex=f"[a-z]{{{n}}}")) for n in range(1, 5)]
+        assert all(future.result(timeout=60).stop_token_ids for future in futures)
+        assert len(built) == 1
+    finally:
+        manager.shutdown()
 
 
 def _grammar(manager, params: StructuredOutputsParams) -> StructuredOutputGrammar:

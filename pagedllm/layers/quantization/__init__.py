@@ -1,6 +1,7 @@
 """Quantized weights: how a linear layer's weight is stored and multiplied (see base.LinearMethod).
 
-``quantization`` (an engine argument) says when GGUF's quantized linear weights stay quantized:
+``quantization`` (an engine argument) says when GGUF's quantized linear weights (and embedding
+tables whose rows a lookup can dequantize: layers/quantization/gguf.py) stay quantized:
 'gguf' always (an error where they cannot), 'none' never (dequantized at load, the oracle), and
 'auto' on the CPU in bfloat16 (the int4 kernel's activation dtype; float32 runs are the ones
 compared with HF's dequantized reference).

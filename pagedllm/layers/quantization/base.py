@@ -1,6 +1,7 @@
 """The seam between a linear layer and how its weight is stored and multiplied (vLLM's
 ``LinearMethodBase``): the layer owns the parameters and their loaders, a method may replace the
-weight's storage before loading, repack it after loading, and computes ``x W^T + b``."""
+weight's storage before loading, repack it after loading, and computes ``x W^T + b``. An
+embedding's method also looks rows up (``EmbeddingMethod``)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,17 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x: [num_tokens, input_size] -> [num_tokens, output_size] in x's dtype."""
+
+
+class EmbeddingMethod(LinearMethod):
+    """How a ``VocabParallelEmbedding``'s table is kept, looked up and, as a tied LM head,
+    multiplied (``apply``; vLLM's ``QuantizeMethodBase.embedding``)."""
+
+    @abstractmethod
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids: [num_tokens], rows of this rank's table -> [num_tokens, embedding_dim] in
+        the model dtype."""
+
+    @abstractmethod
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        """This rank's whole table, [num_rows, embedding_dim] dense in the model dtype."""

@@ -1,4 +1,5 @@
-"""GGUF Q4_0 / Q4_1 linear weights kept at 4 bits, multiplied by torch's int4 CPU kernel.
+"""GGUF Q4_0 / Q4_1 linear weights kept at 4 bits, multiplied by torch's int4 CPU kernel; GGUF
+embedding tables kept as the file's blocks, looked up row by row.
 
 llama.cpp's Q4 blocks cover 32 consecutive inputs of one output row (ggml-quants.h)::
 
@@ -17,6 +18,10 @@ Loading: the layer's ``weight`` becomes a uint8 ``[output_size, row_bytes]`` par
 file's raw blocks. Rows are whole blocks, so the layer's own weight loaders (row shards of
 q/k/v and gate/up) and llama.cpp's q/k row permutation apply to them unchanged; after loading,
 the rows are decoded and packed once (packing is not row-separable, so it waits for all shards).
+
+An embedding table (Q8_0, Q4_0 or Q4_1) stays in the file's blocks too: a lookup dequantizes the
+rows it reads, to exactly the values of the dequantized path (``dequantize_rows``), at a fraction
+of the dense table's memory (Q8_0: 34 bytes per 32 values against 64 in bfloat16).
 """
 
 from __future__ import annotations
@@ -24,15 +29,19 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.quantization.base import LinearMethod
+from pagedllm.layers.quantization.base import EmbeddingMethod, LinearMethod
 
 logger = logging.getLogger(__name__)
 
 GROUP_SIZE = 32  # inputs per GGUF block and per group of the int4 kernel
 # GGML type name -> bytes per block of 32 weights.
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+# GGML type name -> bytes per block of 32 values, of the types an embedding table is kept in
+# (Q8_0 block: d (f16) | 32 int8 q, w = d * q).
+EMBEDDING_BLOCK_BYTES = {**BLOCK_BYTES, "Q8_0": 34}
 # The int4 kernel packs output rows in tiles of 16.
 ROW_TILE = 16
 _INNER_K_TILES = 2  # the packing's inner tiling (any of 2, 4, 8 is valid for K % 32 == 0)
@@ -99,3 +108,66 @@ class GGUFQ4LinearMethod(LinearMethod):
             x.to(torch.bfloat16), layer.qweight, GROUP_SIZE, layer.scales_and_zeros
         ).to(x.dtype)
         return out if bias is None else out.add_(bias)
+
+
+def dequantize_rows(raw: torch.Tensor, tensor_type: str) -> torch.Tensor:
+    """raw: uint8 [N, num_groups * block_bytes] of a type in ``EMBEDDING_BLOCK_BYTES`` -> float32
+    [N, K], bit for bit what ``gguf.quants.dequantize`` gives (the same float32 operations in the
+    same order), so a table kept quantized reads the values the dequantized path loads."""
+    num_rows = raw.shape[0]
+    blocks = raw.view(num_rows, -1, EMBEDDING_BLOCK_BYTES[tensor_type])  # [N, groups, block_bytes]
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()  # [N, groups, 1]
+    if tensor_type == "Q8_0":
+        q = blocks[..., 2:].contiguous().view(torch.int8).float()
+        return (q * d).view(num_rows, -1)
+    nibbles = blocks[..., 4:] if tensor_type == "Q4_1" else blocks[..., 2:]
+    q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # [N, groups, 32]: q[j], then q[j + 16]
+    if tensor_type == "Q4_0":
+        return (d * (q.to(torch.int8) - 8).float()).view(num_rows, -1)
+    m = blocks[..., 2:4].contiguous().view(torch.float16).float()
+    return (d * q.float() + m).view(num_rows, -1)
+
+
+class GGUFEmbeddingMethod(EmbeddingMethod):
+    """A GGUF embedding table kept as the file's blocks: ``weight`` is uint8 [num_rows, row_bytes].
+
+    As a tied LM head without a blocked copy of its own (``OneDNNTiedLMHeadMethod`` on the CPU),
+    ``apply`` dequantizes the whole table at every call: correct, not fast.
+    """
+
+    # Values dequantized at a time by ``dequantize`` (1 MB of float32): temporaries this small are
+    # served from the heap's free space, where chunks of 4096 rows grew the heap by ~60 MB (SmolLM2's
+    # table, measured), which glibc keeps resident once they are freed.
+    DEQUANTIZE_CHUNK_VALUES = 1 << 18
+
+    def __init__(self, tensor_type: str) -> None:
+        self.tensor_type = tensor_type
+
+    def create_weights(self, layer: nn.Module) -> None:
+        """Replace the layer's dense ``weight`` by a raw-block parameter with the same loader (the
+        layer's row sharding and padding apply to whole rows of blocks unchanged)."""
+        num_rows, embedding_dim = layer.weight.shape
+        row_bytes = embedding_dim // GROUP_SIZE * EMBEDDING_BLOCK_BYTES[self.tensor_type]
+        loader = layer.weight.weight_loader
+        layer.params_dtype = layer.weight.dtype
+        layer.weight = nn.Parameter(torch.empty(num_rows, row_bytes, dtype=torch.uint8), requires_grad=False)
+        layer.weight.weight_loader = loader
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Nothing: lookups read the blocks as loaded."""
+
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = dequantize_rows(layer.weight[input_ids.reshape(-1)], self.tensor_type)
+        return rows.to(layer.params_dtype).view(*input_ids.shape, -1)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        raw = layer.weight.data
+        embedding_dim = raw.shape[1] // EMBEDDING_BLOCK_BYTES[self.tensor_type] * GROUP_SIZE
+        chunk = max(1, self.DEQUANTIZE_CHUNK_VALUES // embedding_dim)
+        table = torch.empty(raw.shape[0], embedding_dim, dtype=layer.params_dtype)
+        for start in range(0, raw.shape[0], chunk):
+            table[start : start + chunk] = dequantize_rows(raw[start : start + chunk], self.tensor_type)
+        return table
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.dequantize(layer), bias)
