@@ -8,7 +8,8 @@ tokenizer and chat template, 64 new tokens each (EOS ignored, greedy); every eng
 prompt token ids. Engines (each run in its own process, interleaved, ``--repeats`` times):
 
 * ``pagedllm-{f32,bf16}``: the GGUF dequantized (``quantization="none"``); ``pagedllm-q4``: its
-  Q4_1 weights kept at 4 bits (``quantization="gguf"``, bf16 activations).
+  Q4_1 weights kept at 4 bits (``quantization="gguf"``, bf16 activations); ``pagedllm-q4c``: the
+  same with the one-stream decode step compiled (``cpu_compile=True``).
 * ``hf-{f32,bf16}``: HF ``generate`` on the same dequantized weights, one left-padded batch of 32.
 * ``llamacpp``: llama.cpp through ``llama-cpp-python`` (when installed) on ``--llamacpp-gguf``
   (default: the shipped Q4_1 file), all 32 sequences in one context, one token each per decode.
@@ -36,7 +37,16 @@ from pathlib import Path
 
 PROMPTS_FILE = Path(__file__).with_name("c1_prompts.json")  # benchmarks/README.md's C1 prompts
 MAX_TOKENS = 64
-ENGINES = ("pagedllm-bf16", "pagedllm-q4", "pagedllm-f32", "hf-bf16", "hf-f32", "llamacpp", "vllm-bf16")
+ENGINES = (
+    "pagedllm-bf16",
+    "pagedllm-q4",
+    "pagedllm-q4c",
+    "pagedllm-f32",
+    "hf-bf16",
+    "hf-f32",
+    "llamacpp",
+    "vllm-bf16",
+)
 
 
 def peak_rss_mb() -> float:
@@ -46,10 +56,14 @@ def peak_rss_mb() -> float:
 # --- engines, each run in a child process: (C1 tok/s, one stream ms/token) --------------------
 
 
-def run_pagedllm(prompts: list[list[int]], dtype: str, quantization: str) -> tuple[float, float]:
+def run_pagedllm(
+    prompts: list[list[int]], dtype: str, quantization: str, cpu_compile: bool = False
+) -> tuple[float, float]:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(device="cpu", dtype=dtype, quantization=quantization, max_model_len=512)
+    llm = LLM(
+        device="cpu", dtype=dtype, quantization=quantization, max_model_len=512, cpu_compile=cpu_compile
+    )
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
     def generate(batch: list[list[int]]) -> float:
@@ -178,9 +192,12 @@ def child(args: argparse.Namespace) -> None:
     spec = json.loads(Path(args.child_spec).read_text())
     prompts, engine = spec["prompts"], args.child
     kind, _, variant = engine.partition("-")
-    dtype = {"f32": "float32", "bf16": "bfloat16", "q4": "bfloat16", "": "bfloat16"}[variant]
+    dtype = {"f32": "float32", "bf16": "bfloat16", "q4": "bfloat16", "q4c": "bfloat16", "": "bfloat16"}[
+        variant
+    ]
     if kind == "pagedllm":
-        tok_s, ms = run_pagedllm(prompts, dtype, "gguf" if variant == "q4" else "none")
+        quantization = "gguf" if variant.startswith("q4") else "none"
+        tok_s, ms = run_pagedllm(prompts, dtype, quantization, cpu_compile=variant == "q4c")
     elif kind == "hf":
         tok_s, ms = run_hf(prompts, dtype, spec["pad_id"])
     elif kind == "llamacpp":

@@ -301,6 +301,8 @@ class EngineConfig:
     load_config: LoadConfig
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    # Compile one stream's decode step with torch.compile (the CPU only; worker/cpu_compile.py).
+    compile_cpu_decode: bool = False
     # Schedule step N + 1 while step N runs on the device; its samples reach the host a step late.
     async_scheduling: bool = False
 

@@ -1,12 +1,80 @@
-"""The attention layer models call: q/k/v in, attention over the paged cache out."""
+"""The attention layer models call: q/k/v in, attention over the paged cache out.
+
+Inside a torch.compile'd forward (the CPU's compiled decode step, worker/cpu_compile.py) the layer
+calls its backend through one opaque op, ``pagedllm::attention``: the backend's host logic (cache
+writes, block gathers, the choice of kernel) stays out of the traced graph, and the step's
+metadata reaches the op through ``set_forward_metadata`` instead of being a graph input, so a new
+context length is no new graph.
+"""
 
 from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.attention.metadata import AttentionMetadata
+
+# The layers the op dispatches to, by ``Attention.layer_id`` (weak: models come and go).
+_LAYERS: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictionary()
+_layer_ids = itertools.count()
+# The metadata of the step running a compiled forward.
+_forward_metadata: AttentionMetadata | None = None
+
+
+@contextmanager
+def set_forward_metadata(attn_metadata: AttentionMetadata) -> Iterator[None]:
+    """The metadata that ``pagedllm::attention`` reads while a compiled forward runs."""
+    global _forward_metadata
+    _forward_metadata = attn_metadata
+    try:
+        yield
+    finally:
+        _forward_metadata = None
+
+
+_lib = torch.library.Library("pagedllm", "FRAGMENT")
+# Registered through the low-level API, not torch.library.custom_op: its Python wrapper cost
+# ~60 us a call, twice the attention itself for one decode.
+_lib.define(
+    "attention(Tensor query, Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+    "Tensor? sink_query, int layer_id) -> Tensor"
+)
+
+
+def _attention_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    sink_query: torch.Tensor | None,
+    layer_id: int,
+) -> torch.Tensor:
+    assert _forward_metadata is not None, "a compiled forward runs under set_forward_metadata"
+    impl = _LAYERS[layer_id].impl
+    return impl.forward(query, key, value, (key_cache, value_cache), _forward_metadata, sink_query=sink_query)
+
+
+_lib.impl("attention", _attention_op, "CPU")
+
+
+@torch.library.register_fake("pagedllm::attention")
+def _attention_fake(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    sink_query: torch.Tensor | None,
+    layer_id: int,
+) -> torch.Tensor:
+    return torch.empty_like(query)
 
 
 class Attention(nn.Module):
@@ -46,6 +114,8 @@ class Attention(nn.Module):
             logits_soft_cap=logits_soft_cap,
             attention_sinks=attention_sinks,
         )
+        self.layer_id = next(_layer_ids)
+        _LAYERS[self.layer_id] = self
 
     def forward(
         self,
@@ -64,15 +134,22 @@ class Attention(nn.Module):
         num_tokens = query.shape[0]
         if sink_query is not None:
             sink_query = sink_query.view(num_tokens, self.num_heads, self.head_size)
-        output = self.impl.forward(
-            query.view(num_tokens, self.num_heads, self.head_size),
-            key.view(num_tokens, self.num_kv_heads, self.head_size),
-            value.view(num_tokens, self.num_kv_heads, self.head_size),
-            kv_cache,
-            attn_metadata,
-            sink_query=sink_query,
-            **({} if rotary is None else {"rotary": rotary}),
-        )
+        query = query.view(num_tokens, self.num_heads, self.head_size)
+        key = key.view(num_tokens, self.num_kv_heads, self.head_size)
+        value = value.view(num_tokens, self.num_kv_heads, self.head_size)
+        if torch.compiler.is_compiling():
+            assert rotary is None, "backends that fuse rotary run eagerly"
+            output = torch.ops.pagedllm.attention(query, key, value, *kv_cache, sink_query, self.layer_id)
+        else:
+            output = self.impl.forward(
+                query,
+                key,
+                value,
+                kv_cache,
+                attn_metadata,
+                sink_query=sink_query,
+                **({} if rotary is None else {"rotary": rotary}),
+            )
         return output.view(num_tokens, self.num_heads * self.head_size)
 
     @property

@@ -129,6 +129,13 @@ class EngineArgs:
         default="auto", metadata={"help": "auto, safetensors, gguf, or dummy (random weights)"}
     )
     enforce_eager: bool = dataclasses.field(default=False, metadata={"help": "never capture CUDA graphs"})
+    cpu_compile: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "compile the CPU's one-stream decode step with torch.compile (GGUF Q4 weights kept; "
+            "costs start-up time and memory: README)"
+        },
+    )
     async_scheduling: bool | None = dataclasses.field(
         default=None,
         metadata={
@@ -198,6 +205,7 @@ class EngineArgs:
             load_config=LoadConfig(load_format=self._load_format(gguf_file)),
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            compile_cpu_decode=self.cpu_compile and device.type == "cpu" and self.tensor_parallel_size == 1,
             async_scheduling=device.type == "cuda"
             if self.async_scheduling is None
             else self.async_scheduling,

@@ -284,6 +284,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     with the reference's rounding (each product rounded, then the sum).
     """
     x1, x2 = x.chunk(2, dim=-1)
+    if torch.compiler.is_compiling():  # out= into views cannot be traced; inductor fuses this form
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     out = torch.empty_like(x)
     out1, out2 = out.chunk(2, dim=-1)
     torch.mul(x1, cos, out=out1).sub_(x2 * sin)

@@ -22,6 +22,7 @@ from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output import CompiledGrammar, StructuredOutputManager
 from pagedllm.tokenizer import get_tokenizer
+from pagedllm.worker.cpu_compile import CompiledDecode
 from pagedllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import InputBuffers, to_device
@@ -163,6 +164,7 @@ class ModelRunner:
         # (step, [(req_id, output index, sample row)]).
         self._unrecorded_samples: tuple[StepOutput, list[tuple[int, int, int]]] | None = None
         self.graph_runner: CudaGraphRunner | None = None
+        self.compiled_decode: CompiledDecode | None = None
 
     def _compile_grammar(self, params: StructuredOutputsParams) -> CompiledGrammar:
         """For a rank in a process of its own: the engine's compiled grammar does not cross
@@ -209,9 +211,12 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def capture_model(self, kv_caches: list[KVCache]) -> None:
+        assert self.model is not None
+        if self.config.compile_cpu_decode and CompiledDecode.supports(self.model):
+            self.compiled_decode = CompiledDecode(self.model)
+            self.compiled_decode.compile(kv_caches)
         if not self.use_cuda_graphs:
             return
-        assert self.model is not None
         self.graph_runner = CudaGraphRunner(
             self.model, kv_caches, self.buffers, self.capture_sizes, self.max_model_len
         )
@@ -396,6 +401,12 @@ class ModelRunner:
         if model_input.graph_num_seqs is not None:
             assert self.graph_runner is not None
             hidden_states = self.graph_runner.replay(model_input.graph_num_seqs)
+        elif self.compiled_decode is not None and CompiledDecode.applies(
+            model_input.attn_metadata, scheduler_output.total_num_scheduled_tokens
+        ):
+            hidden_states = self.compiled_decode(
+                model_input.input_ids, model_input.positions, kv_caches, model_input.attn_metadata
+            )
         else:
             hidden_states = self.model(
                 model_input.input_ids, model_input.positions, kv_caches, model_input.attn_metadata

@@ -88,9 +88,11 @@ def clone_caches(caches: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tenso
     return caches[0].clone(), caches[1].clone()
 
 
-# (context_lens, query_lens): decodes only (few: SDPA; many: the batched matmuls), prefills only,
-# mixed batches with cached prefixes.
+# (context_lens, query_lens): decodes only (few: SDPA; many: the batched matmuls; one: the
+# unmasked window), prefills only, mixed batches with cached prefixes.
 BATCHES = [
+    ([37], [1]),
+    ([0], [1]),
     ([3 + 5 * i for i in range(12)], [1] * 12),
     ([5, 17, 31, 0], [1, 1, 1, 1]),
     ([0, 0], [7, 23]),

@@ -170,10 +170,40 @@ class CpuAttentionBackend(AttentionBackend):
         """query (and sink_query, None without sinks): [num_decodes, num_heads, head_size], one
         token per sequence -> same shape."""
         num_decodes = query.shape[0]
+        if (
+            num_decodes == 1
+            and sink_query is None
+            and self.alibi_slopes is None
+            and self.logits_soft_cap is None
+        ):
+            return self._decode_one(query, key_cache, value_cache, md)
         keys, values = self._gather(key_cache, value_cache, md, 0, num_decodes)
         sinks = None if sink_query is None else sink_query[:, :, None]
         out = self._attend(query[:, :, None], keys, values, md.seq_lens_cpu[:num_decodes], sinks)
         return out.view(num_decodes, self.num_heads, self.head_size)
+
+    def _decode_one(
+        self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        """One stream's decode: its query is the last position, so every slot of its window
+        [seq_len - sliding_window, seq_len) is visible and SDPA needs no mask. The window is a
+        slice of the gathered blocks, passed strided: no zeroing of the slots past its end, no
+        mask, no contiguous copy (the batched path's small ops cost ~3 ms of a one-stream step).
+        query: [1, num_heads, head_size]."""
+        seq_len = int(md.seq_lens_cpu[0])
+        block_size, num_kv_heads, head_size = key_cache.shape[1:]
+        first = 0 if self.sliding_window is None else max(0, seq_len - self.sliding_window)
+        table = md.block_tables[0, first // block_size : -(-seq_len // block_size)]
+        start, end = first % block_size, first % block_size + seq_len - first
+
+        def window(cache: torch.Tensor) -> torch.Tensor:  # [1, num_kv_heads, window, head_size]
+            slots = cache.index_select(0, table).view(-1, num_kv_heads, head_size)[start:end]
+            return slots.transpose(0, 1)[None]
+
+        # The group of queries that share a KV head folded into SDPA's query axis (as _attend).
+        q = query.to(key_cache.dtype).view(1, num_kv_heads, self.num_queries_per_kv, head_size)
+        out = F.scaled_dot_product_attention(q, window(key_cache), window(value_cache), scale=self.scale)
+        return out.view(1, self.num_heads, head_size).to(query.dtype)
 
     @staticmethod
     def _gather(

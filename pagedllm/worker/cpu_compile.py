@@ -1,0 +1,101 @@
+"""One stream's decode step on the CPU, compiled by torch.compile (inductor's C++ backend).
+
+Eagerly, a one-token step of a small model is mostly dispatch: each decoder layer runs ~100 small
+torch ops (norms, rotary, views, casts, residual adds) around its four matmuls and its attention,
+at microseconds each. Compiled, those ops become a few fused C++ loops; the matmuls stay the same
+kernels (int4 or oneDNN) and attention stays the backend's, one opaque op per layer
+(``pagedllm::attention``, attention/layer.py) that reads the step's metadata from outside the
+graph. So one graph serves every context length: its inputs are the token, its position and the
+caches, all of fixed shape.
+
+Only steps of exactly one decode take it (one stream; the batched steps and prefills run eagerly),
+so there is one graph to compile. Inductor caches the compiled graph on disk (its FX graph cache,
+under ``TORCHINDUCTOR_CACHE_DIR``): the first engine on a machine pays the compilation, later
+ones load it (benchmarks/RESULTS.md has both costs).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from pagedllm.attention.backends.abstract import KVCache
+from pagedllm.attention.layer import set_forward_metadata
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.layers.linear import LinearBase
+from pagedllm.layers.onednn_linear import OneDNNLinearMethod
+
+logger = logging.getLogger(__name__)
+
+
+class CompiledDecode:
+    """``model(input_ids, positions, kv_caches, attn_metadata)`` for one decode token, compiled."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._forward = torch.compile(
+            self._model_forward,
+            fullgraph=True,
+            dynamic=False,
+            # The weights never change after loading: guarding on every module attribute cost
+            # ~1.3 ms a step (the whole step is ~12 ms).
+            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
+        )
+
+    def _model_forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache]
+    ) -> torch.Tensor:
+        # No metadata in the graph: the attention op reads it (set_forward_metadata).
+        return self.model(input_ids, positions, kv_caches, None)
+
+    @staticmethod
+    def supports(model: nn.Module) -> bool:
+        """Inductor cannot lower oneDNN's linear on a prepacked weight (an opaque tensor), so
+        models with dense linear layers stay eager; the GGUF Q4 path (int4 layers) compiles. The
+        LM head, prepacked too, is outside the compiled forward."""
+        return not any(
+            isinstance(m, LinearBase) and isinstance(m.quant_method, OneDNNLinearMethod)
+            for m in model.modules()
+        )
+
+    @staticmethod
+    def applies(attn_metadata: AttentionMetadata, num_tokens: int) -> bool:
+        return num_tokens == 1 and attn_metadata.num_decodes == 1
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        with set_forward_metadata(attn_metadata):
+            return self._forward(input_ids, positions, kv_caches)
+
+    def compile(self, kv_caches: list[KVCache]) -> None:
+        """Compile now (or load the compiled graph from inductor's cache), with a step that writes
+        slot 0 of block 0: at start-up the cache holds nothing yet."""
+        start = time.perf_counter()
+        one = torch.tensor([0, 1], dtype=torch.int32)
+        attn_metadata = AttentionMetadata(
+            num_decodes=1,
+            num_prefills=0,
+            slot_mapping=torch.zeros(1, dtype=torch.int64),
+            query_start_loc=one,
+            seq_lens=one[1:],
+            block_tables=torch.zeros(1, 1, dtype=torch.int32),
+            max_query_len=1,
+            max_seq_len=1,
+            query_start_loc_cpu=one,
+            seq_lens_cpu=one[1:],
+            min_decode_seq_len=1,
+        )
+        with torch.inference_mode():
+            # Two tensors: the graph is guarded on its inputs not aliasing each other.
+            self(
+                torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), kv_caches, attn_metadata
+            )
+        logger.info("compiled the one-stream decode step in %.1f s", time.perf_counter() - start)
