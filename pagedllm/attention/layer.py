@@ -65,15 +65,7 @@ _lib.impl("attention", _attention_op, "CPU")
 
 
 @torch.library.register_fake("pagedllm::attention")
-def _attention_fake(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    sink_query: torch.Tensor | None,
-    layer_id: int,
-) -> torch.Tensor:
+def _attention_fake(query: torch.Tensor, *_: object) -> torch.Tensor:
     return torch.empty_like(query)
 
 

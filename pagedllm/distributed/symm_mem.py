@@ -77,9 +77,7 @@ class SymmMemAllReduce:
 
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``input_`` (a new tensor of its shape); ``should_use`` must hold."""
-        flat = input_.reshape(-1)
-        if not flat.is_contiguous():
-            flat = flat.contiguous()
+        flat = input_.contiguous().view(-1)
         symm = self.buffer[: flat.numel() * flat.element_size()].view(flat.dtype)
         out = torch.empty_like(flat)
         if _alignment(flat) == _alignment(symm):

@@ -15,7 +15,6 @@ from pagedllm.layers.quantization import keeps_gguf_quantized
 from pagedllm.layers.quantization.gguf import (
     GGUFEmbeddingMethod,
     GGUFQ4LinearMethod,
-    dequantize_q4,
     dequantize_rows,
     unsupported_reason,
 )
@@ -35,7 +34,7 @@ def quantize(weight: torch.Tensor, tensor_type: str) -> tuple[torch.Tensor, torc
 @pytest.mark.parametrize("tensor_type", Q4_TYPES)
 def test_q4_block_decoding_matches_gguf_dequantize(tensor_type: str) -> None:
     raw, expected = quantize(torch.randn(48, 96) * 3 + 0.5, tensor_type)
-    assert torch.equal(dequantize_q4(raw, tensor_type), expected)
+    assert torch.equal(dequantize_rows(raw, tensor_type), expected)
 
 
 def quantized_layer(layer: torch.nn.Module, tensor_type: str) -> GGUFQ4LinearMethod:

@@ -71,13 +71,6 @@ def decode_q4_blocks(raw: torch.Tensor, tensor_type: str) -> tuple[torch.Tensor,
     return q.reshape(num_rows, -1).int(), d, zero
 
 
-def dequantize_q4(raw: torch.Tensor, tensor_type: str) -> torch.Tensor:
-    """The float32 weight [N, K] that the raw blocks encode (the oracle of the packed path)."""
-    q, scale, zero = decode_q4_blocks(raw, tensor_type)
-    groups = q.view(q.shape[0], -1, GROUP_SIZE).float()
-    return ((groups - 8) * scale[..., None] + zero[..., None]).view(q.shape)
-
-
 class GGUFQ4LinearMethod(LinearMethod):
     """A GGUF Q4_0/Q4_1 weight, packed for ``_weight_int4pack_mm_for_cpu``."""
 
@@ -120,6 +113,8 @@ def dequantize_rows(raw: torch.Tensor, tensor_type: str) -> torch.Tensor:
     if tensor_type == "Q8_0":
         q = blocks[..., 2:].contiguous().view(torch.int8).float()
         return (q * d).view(num_rows, -1)
+    # Not decode_q4_blocks' (q - 8) * d + zero: gguf multiplies d by (q - 8), whose zero takes d's
+    # sign (-0.0), and the table must be gguf's to the bit.
     nibbles = blocks[..., 4:] if tensor_type == "Q4_1" else blocks[..., 2:]
     q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1)  # [N, groups, 32]: q[j], then q[j + 16]
     if tensor_type == "Q4_0":
