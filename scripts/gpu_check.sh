@@ -35,7 +35,7 @@ failed=()
 if [ -d .whl ]; then
     python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic prometheus-client aiohttp 2>&1 | tail -1
     # Structured outputs (llguidance, an abi3 wheel).
-    python3 -m pip install -q --no-index --find-links .whl llguidance 2>&1 | tail -1
+    python3 -m pip install -q --no-index --find-links .whl 'llguidance>=1.9.1' 2>&1 | tail -1
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
@@ -122,6 +122,10 @@ for stage in "${stages[@]}"; do
         so_model=()
         [ -d .models/smollm2-135m ] && so_model=(--model .models/smollm2-135m --load-format dummy)
         run so python3 benchmarks/structured_output.py --device cuda "${so_model[@]}" --output-json "$OUT/so.json"
+        # The same grammars beside an 8B model's step (Llama-3.1-8B's shape, SmolLM2's vocabulary).
+        [ -d .models/smollm2-135m ] && run so-8b python3 benchmarks/structured_output.py --device cuda \
+            --model .models/smollm2-135m --shape benchmarks/configs/llama-3.1-8b --repeats 3 \
+            --output-json "$OUT/so_8b.json"
         ;;
     *) echo "unknown stage $stage" && failed+=("$stage") ;;
     esac

@@ -79,13 +79,13 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
             speedup = row.get("speedup_vs_unwindowed")
             vs = f", {speedup:.2f}x faster than unwindowed" if speedup else ""
             table.append((label, "GB/s of window bytes (of copy; vs SDPA)", _k1(row) + vs))
-    r = _load(folder, "so")
-    if r:
-        for name, run in r.items():
+    for file, model in (("so", "SmolLM2-135M"), ("so_8b", "8B shape")):
+        r = _load(folder, file)
+        for name, run in (r or {}).items():
             cell = f"{run['tokens_per_s']:.0f}" + (
                 f" ({run['slowdown']:.1%} slower)" if "slowdown" in run else ""
             )
-            table.append((f"SO {name}", "output tok/s (target: at most 10% slower)", cell))
+            table.append((f"SO {model} {name}", "output tok/s (target: at most 10% slower)", cell))
     r = _load(folder, "sampler")
     if r:
         for name, runs in r.items():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import llguidance
 import numpy as np
@@ -34,17 +34,28 @@ class StructuredOutputGrammar:
         """Advance over ``token_ids``; False (and the grammar left after the last accepted one)
         when one is outside the grammar, which a masked sampler never produces."""
         for token_id in token_ids:
-            if self._terminated:
+            accepted = self.accept_unless_text(token_id)
+            if accepted is None:
+                # try_consume_tokens refuses a token outside the grammar; consume_token would also
+                # leave the matcher in an error state for good.
+                accepted = self._matcher.try_consume_tokens([token_id]) > 0
+                self.num_processed_tokens += accepted
+            if not accepted:
                 return False
-            if token_id in self._stop_token_ids:
-                if not self._matcher.is_accepting():
-                    return False
-                self._terminated = True
-            # try_consume_tokens refuses a token outside the grammar; consume_token would also
-            # leave the matcher in an error state for good.
-            elif not self._matcher.try_consume_tokens([token_id]):
-                return False
-            self.num_processed_tokens += 1
+        return True
+
+    def accept_unless_text(self, token_id: int) -> bool | None:
+        """The verdict on a token the matcher never sees: none after termination; a stop token
+        where the grammar is complete (which terminates it). None for a text token: the caller
+        gives it to the matcher (``accept_tokens``, or ``GrammarBatch.advance`` for a batch)."""
+        if self._terminated:
+            return False
+        if token_id not in self._stop_token_ids:
+            return None
+        if not self._matcher.is_accepting():
+            return False
+        self._terminated = True
+        self.num_processed_tokens += 1
         return True
 
     def rollback(self, num_tokens: int) -> None:
@@ -96,10 +107,12 @@ class GrammarBatch:
         grammars: Sequence[StructuredOutputGrammar | None],
         vocab_size: int,
         out: torch.Tensor | None = None,
+        skip: Collection[int] = (),
     ) -> torch.Tensor:
         """The batch's bitmask [num_rows, ceil(vocab_size / 32)] on the host: a row per sampled
         sequence, all ones where it has no grammar or its grammar has terminated. Written into the
-        first rows of ``out`` when given (a reused buffer), else into a new tensor."""
+        first rows of ``out`` when given (a reused buffer), else into a new tensor; the rows in
+        ``skip`` are left as they are (filled already)."""
         if out is not None and not (
             out.dtype == torch.int32
             and out.is_contiguous()
@@ -112,20 +125,54 @@ class GrammarBatch:
                 f"out must be a contiguous int32 host tensor [>= {len(grammars)}, ceil({vocab_size} / 32)]"
             )
         bitmask = allocate_token_bitmask(len(grammars), vocab_size) if out is None else out[: len(grammars)]
-        rows = [row for row, g in enumerate(grammars) if g is not None and not g.is_terminated()]
-        if out is not None and len(rows) < len(grammars):
+        rows = [
+            row
+            for row, g in enumerate(grammars)
+            if g is not None and not g.is_terminated() and row not in skip
+        ]
+        if out is not None and len(rows) + len(skip) < len(grammars):
             # Through numpy: torch would wake its OpenMP pool for a fill this size, and its threads
             # spin on the cores afterwards.
             unconstrained = np.ones(len(grammars), dtype=bool)
             unconstrained[rows] = False
+            unconstrained[list(skip)] = False
             bitmask.numpy()[unconstrained] = -1
+        self.fill([(grammars[row], row) for row in rows], bitmask)
+        return bitmask
+
+    def fill(self, rows: Sequence[tuple[StructuredOutputGrammar, int]], bitmask: torch.Tensor) -> None:
+        """Write each (grammar, row)'s mask into that row of ``bitmask`` (int32 on the host,
+        contiguous, checked by the caller: llguidance writes through a raw pointer)."""
         # Straight into llguidance, not through its torch module, whose import makes torch.jit
         # emit deprecation warnings.
-        matchers = [(grammars[row]._matcher, row) for row in rows]
+        matchers = [(grammar._matcher, row) for grammar, row in rows]
         row_bytes = bitmask.shape[1] * bitmask.element_size()
         if len(matchers) >= MIN_BATCHED_ROWS:
             self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
         else:
             for matcher, row in matchers:
                 matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * row_bytes, row_bytes)
-        return bitmask
+
+    def advance(self, grammars: Sequence[StructuredOutputGrammar], token_ids: Sequence[int]) -> list[bool]:
+        """Advance each grammar by its one token, as ``accept_tokens([token])`` would: whether
+        it was accepted. From ``MIN_BATCHED_ROWS`` text tokens on they go to llguidance's executor
+        in one call, which holds the GIL only to read its arguments (a loop of matcher calls
+        holds it throughout, ~1-5 us a token). A matcher that refuses its token is left in an
+        error state; its grammar is no longer used."""
+        stop_sets = {id(g._stop_token_ids): g._stop_token_ids for g in grammars}  # one, as a rule
+        distinct = set(token_ids)
+        if all(stop.isdisjoint(distinct) for stop in stop_sets.values()) and not any(
+            g._terminated for g in grammars
+        ):
+            accepted: list[bool | None] = [None] * len(grammars)  # text tokens only: the usual step
+        else:
+            accepted = [grammar.accept_unless_text(token) for grammar, token in zip(grammars, token_ids)]
+        text = [i for i, verdict in enumerate(accepted) if verdict is None]
+        if len(text) >= MIN_BATCHED_ROWS:
+            consumed = self._executor.consume_token_par([(grammars[i]._matcher, token_ids[i]) for i in text])
+        else:
+            consumed = [grammars[i]._matcher.try_consume_tokens([token_ids[i]]) > 0 for i in text]
+        for i, ok in zip(text, consumed):
+            accepted[i] = ok
+            grammars[i].num_processed_tokens += ok
+        return accepted  # type: ignore[return-value]  (no None left)

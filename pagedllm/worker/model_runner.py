@@ -158,7 +158,9 @@ class ModelRunner:
         self.input_batch = InputBatch(
             2 * scheduler_config.max_num_seqs, max_blocks_per_req, config.model_config.vocab_size, self.device
         )
-        self.logits_processors = RequestLogitsProcessors(self._compile_grammar)
+        self.logits_processors = RequestLogitsProcessors(
+            self._compile_grammar, fill_ahead=self.device.type == "cuda"
+        )
         self._structured_output_manager: StructuredOutputManager | None = None
         # The last step's samples of rows with logits processors, not yet in their output history:
         # (step, [(req_id, output index, sample row)]).
@@ -430,6 +432,7 @@ class ModelRunner:
                     model_input.sample_req_ids,
                     [batch.params[row] for row in row_list],
                     lambda i, start: batch.output_token_ids(row_list[i], start),
+                    batch.num_output_tokens[rows].tolist(),
                 )
             metadata = batch.sampling_metadata(rows)
             sampled = self.sampler(logits[:num_sample_rows], metadata)
@@ -445,18 +448,23 @@ class ModelRunner:
         if history:
             # The logits processors ran this step, and recorded the samples before these first.
             self._unrecorded_samples = (step, history)
+            if self.logits_processors.fill_ahead:
+                self.logits_processors.start_ahead(step.sampled_token_ids, history)
         return step
 
     def _processor_samples(self, model_input: ModelInput) -> list[tuple[int, int, int]]:
         """(req_id, output index, sample row) of this step's first sample of every request with
         logits processors (read before ``record_samples`` counts it)."""
         batch = self.input_batch
-        rows = model_input.sampling_req_rows
-        first = model_input.first_sample_index
-        return [
-            (batch.req_ids[rows[i]], int(batch.num_output_tokens[rows[i]]), int(first[i]))
-            for i in np.flatnonzero(batch.has_processors[rows]).tolist()
-        ]
+        index = np.flatnonzero(batch.has_processors[model_input.sampling_req_rows])
+        rows = model_input.sampling_req_rows[index]
+        return list(
+            zip(
+                [batch.req_ids[row] for row in rows.tolist()],
+                batch.num_output_tokens[rows].tolist(),
+                model_input.first_sample_index[index].tolist(),
+            )
+        )
 
     def _record_output_history(self) -> None:
         """Append the last step's samples to the output history of the requests with logits

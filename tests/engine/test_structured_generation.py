@@ -41,6 +41,57 @@ def test_json_schema_output_parses_and_conforms_with_n_and_sampling(llm):
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
+def _count_masks_made_ahead(processors) -> list[int]:
+    """Per step, how many rows' masks came from the ahead thread (``_grammar`` gave a row)."""
+    counts: list[int] = []
+    grammar, call = processors._grammar, type(processors).__call__
+
+    def counted_grammar(*args):
+        result = grammar(*args)
+        counts[-1] += result[1] >= 0
+        return result
+
+    def counted_call(self, *args):
+        counts.append(0)
+        return call(self, *args)
+
+    processors._grammar = counted_grammar
+    processors.__class__ = type("CountedProcessors", (type(processors),), {"__call__": counted_call})
+    return counts
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_masks_made_ahead_on_a_thread_give_the_same_outputs(smollm2_gguf, async_scheduling):
+    """The grammar masks made ahead on a thread (CUDA's default) and those filled in the step
+    give the same tokens for a batch that mixes schemas, choices, n > 1, bad words and plain
+    requests, and requests that end at different steps (the batch's rows move)."""
+    prompts = ["Describe Paris as JSON.", "Describe Rome as JSON.", "Say hi.", "Pick one."]
+    structured = StructuredOutputsParams(json=SCHEMA)
+    choice = StructuredOutputsParams(choice=["a", "b"])
+    params = [
+        SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=40, structured_outputs=structured),
+        SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=structured),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=12, bad_words=["hi"]),
+        SamplingParams(temperature=0.0, max_tokens=6, structured_outputs=choice),
+    ]
+    conversations = [[{"role": "user", "content": text}] for text in prompts]
+    results = {}
+    for fill_ahead in (False, True):
+        llm = LLM(device="cpu", max_model_len=512, async_scheduling=async_scheduling)
+        processors = llm.llm_engine.executor.worker.model_runner.logits_processors
+        processors.fill_ahead = fill_ahead
+        made_ahead = _count_masks_made_ahead(processors)
+        outputs = llm.chat(conversations, params, use_tqdm=False)
+        results[fill_ahead] = [[c.token_ids for c in output.outputs] for output in outputs]
+        for output in outputs[:2]:
+            for completion in output.outputs:
+                jsonschema.validate(json.loads(completion.text), SCHEMA)
+        assert outputs[3].outputs[0].text in ("a", "b")
+        # Ahead: every decoding step's open grammars (3 JSON rows, then fewer as they end).
+        assert (max(made_ahead) == 3 and sum(made_ahead) > 40) == fill_ahead, made_ahead
+    assert results[True] == results[False]
+
+
 def test_choice_regex_and_greedy_in_one_batch(llm):
     tokenizer = llm.get_tokenizer()
     choice = StructuredOutputsParams(choice=["positive", "negative"])

@@ -170,6 +170,40 @@ def test_batch_bitmask_rewrites_every_row_of_a_reused_buffer(manager, smollm2_to
     assert torch.equal(dirty[:4], fresh)
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_batch_advance_equals_accepting_token_by_token(manager, smollm2_tokenizer, seed):
+    """``GrammarBatch.advance`` (llguidance's executor from 8 text tokens, a loop below) leaves
+    each grammar where ``accept_tokens`` does: same verdicts, counts, termination and next mask,
+    on random allowed tokens, stop tokens where the grammar is complete, and refused tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    eos = smollm2_tokenizer.eos_token_id
+    refused = smollm2_tokenizer("zzz", add_special_tokens=False)["input_ids"][0]
+    constraints = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(choice=["alpha", "beta"])]
+    for num_rows in (3, 12):  # below and above the executor's threshold
+        params = [constraints[i % 2] for i in range(num_rows)]
+        batched = [_grammar(manager, p) for p in params]
+        single = [_grammar(manager, p) for p in params]
+        batch = GrammarBatch()
+        for step in range(60):
+            masks = _bitmask(manager, batched)
+            assert torch.equal(masks, _bitmask(manager, single)), step
+            logits = torch.randn((num_rows, manager.vocab_size), generator=generator)
+            apply_token_bitmask(logits, masks)
+            tokens = logits.argmax(dim=1).tolist()
+            if step % 7 == 3:
+                tokens[step % num_rows] = refused
+            verdicts = batch.advance(batched, tokens)
+            assert verdicts == [g.accept_tokens([t]) for g, t in zip(single, tokens)]
+            assert [g.num_processed_tokens for g in batched] == [g.num_processed_tokens for g in single]
+            assert [g.is_terminated() for g in batched] == [g.is_terminated() for g in single]
+            if any(t == eos for t in tokens):
+                assert any(g.is_terminated() for g in batched)
+            # Grammars that ended or refused a token start over, in both lists alike.
+            for i, verdict in enumerate(verdicts):
+                if not verdict or batched[i].is_terminated():
+                    batched[i], single[i] = _grammar(manager, params[i]), _grammar(manager, params[i])
+
+
 @pytest.mark.parametrize("vocab_size", [1, 31, 32, 33, 100, 49152])
 def test_apply_token_bitmask_equals_llguidances_and_the_definition(vocab_size):
     generator = torch.Generator().manual_seed(vocab_size)
