@@ -4,6 +4,11 @@ sampled rows the race's elementwise passes too), at W3's shape (one row of Llama
 tokens) and W1's (256 rows of Qwen3's 151,936).
 
     PYTHONPATH=. python benchmarks/sampler.py [--output-json F]
+    PYTHONPATH=. python benchmarks/sampler.py --cpu
+
+``--cpu``: the CPU's draw instead, a temperature-sampled batch of 32 rows of SmolLM2's 49,152
+tokens through ``Sampler``, against the race with a vocabulary of exponential draws per row
+that it replaced there (wall-clock median of 20 calls).
 
 Two figures per side, CUDA events around 50 calls after 10 of warm-up, median of 5 repeats:
 launched one by one (``eager``: the device's time or the host's launches, whichever is longer) and
@@ -17,14 +22,15 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagedllm.kernels.triton.sampling import sample_tokens
-from pagedllm.sample.sampler import _race
+from pagedllm.sample.metadata import SamplingMetadata
+from pagedllm.sample.sampler import Sampler, _exponential_noise, _race
 
 SHAPES = {"W3 (1 x 128,256)": (1, 128_256), "W1 (256 x 151,936)": (256, 151_936)}
 
@@ -56,10 +62,37 @@ def _torch_path(raw, noise, inv_temperature, greedy):
     return tokens, torch.log_softmax(raw, dim=-1).gather(-1, tokens[:, None])
 
 
+def _cpu() -> None:
+    rows, vocab = 32, 49_152
+    logits = torch.randn((rows, vocab))
+    temperature = torch.full((rows,), 0.8)
+    metadata = SamplingMetadata(
+        temperature=temperature, greedy=torch.zeros(rows, dtype=torch.bool), all_greedy=False
+    )
+
+    def race():
+        noise = _exponential_noise(logits, metadata)
+        return _race(logits, noise, 1.0 / temperature, metadata.greedy)
+
+    for name, fn in (("race", race), ("inverse CDF (Sampler)", lambda: Sampler()(logits.clone(), metadata))):
+        fn()
+        times = []
+        for _ in range(20):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        print(f"{name}: {1e3 * statistics.median(times):.2f} ms for {rows} rows x {vocab}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--cpu", action="store_true", help="the CPU's draw against the race")
     args = parser.parse_args()
+    if args.cpu:
+        return _cpu()
+    from pagedllm.kernels.triton.sampling import sample_tokens
+
     result = {"device": torch.cuda.get_device_name()}
     for name, (rows, vocab) in SHAPES.items():
         raw = torch.randn((rows, vocab), device="cuda")

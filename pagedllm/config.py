@@ -383,7 +383,8 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig, device:
     if isinstance(dtype, torch.dtype):
         _require(dtype in DTYPES.values(), "dtype", f"one of {sorted(DTYPES)}", dtype)
         return dtype
-    checkpoint = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    # ``dtype`` first: transformers 5 warns on every read of the older name.
+    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(checkpoint, str):
         checkpoint = DTYPES.get(checkpoint)
     if dtype != "auto":

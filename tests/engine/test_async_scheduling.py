@@ -121,7 +121,7 @@ def test_grammars_and_bad_words_change_nothing_and_need_no_wait(model_dir):
             )
         )
     sync_out, async_out, llms = run_both(
-        model_dir, params, ids, block_size=4, num_kv_blocks=60, max_model_len=128
+        model_dir, params, ids, block_size=4, num_kv_blocks=44, max_model_len=128
     )
     assert summary(sync_out) == summary(async_out)
     assert llms[1].llm_engine.get_stats().num_preemptions_recompute > 0

@@ -74,6 +74,23 @@ def test_random_sampling_follows_the_distribution():
     assert torch.allclose(counts, torch.tensor([0.6, 0.3, 0.1, 0.0]), atol=0.03)
 
 
+def test_tokens_of_probability_zero_are_never_drawn():
+    """The CPU's inverse-CDF draw skips a -inf token wherever it sits (first, between two kept
+    ones, last) and lands on the kept ones in proportion, seeded rows and greedy rows included."""
+    torch.manual_seed(1)
+    row = torch.full((VOCAB,), float("-inf"))
+    row[[1, 2, VOCAB // 2]] = torch.log(torch.tensor([0.2, 0.5, 0.3]))
+    num_rows = 3000
+    generators = {i: torch.Generator().manual_seed(i) for i in range(0, num_rows, 7)}
+    temperatures = [0.0 if i % 11 == 5 else 1.0 for i in range(num_rows)]
+    out = Sampler()(row.expand(num_rows, -1).clone(), metadata(temperatures, generators))
+    assert set(out.token_ids.tolist()) <= {1, 2, VOCAB // 2}
+    greedy = torch.tensor(temperatures) == 0
+    assert (out.token_ids[greedy] == 2).all()
+    counts = torch.bincount(out.token_ids[~greedy], minlength=VOCAB)[[1, 2, VOCAB // 2]].float()
+    assert torch.allclose(counts / counts.sum(), torch.tensor([0.2, 0.5, 0.3]), atol=0.04)
+
+
 def test_temperature_sharpens():
     torch.manual_seed(0)
     logits = torch.log(torch.tensor([[0.6, 0.4]])).expand(2000, -1).clone()
