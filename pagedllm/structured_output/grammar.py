@@ -157,8 +157,8 @@ class GrammarBatch:
         """Advance each grammar by its one token, as ``accept_tokens([token])`` would: whether
         it was accepted. From ``MIN_BATCHED_ROWS`` text tokens on they go to llguidance's executor
         in one call, which holds the GIL only to read its arguments (a loop of matcher calls
-        holds it throughout, ~1-5 us a token). A matcher that refuses its token is left in an
-        error state; its grammar is no longer used."""
+        holds it throughout, ~1-5 us a token). A matcher that refuses its token there is left in
+        an error state, unlike ``accept_tokens``'s: the caller drops a grammar that refused."""
         stop_sets = {id(g._stop_token_ids): g._stop_token_ids for g in grammars}  # one, as a rule
         distinct = set(token_ids)
         if all(stop.isdisjoint(distinct) for stop in stop_sets.values()) and not any(
