@@ -383,8 +383,9 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig, device:
     if isinstance(dtype, torch.dtype):
         _require(dtype in DTYPES.values(), "dtype", f"one of {sorted(DTYPES)}", dtype)
         return dtype
-    # ``dtype`` first: transformers 5 warns on every read of the older name.
-    checkpoint = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    # transformers 5's name; its older one is a property that warns whenever it is read.
+    name = "dtype" if hasattr(hf_config, "dtype") else "torch_dtype"
+    checkpoint = getattr(hf_config, name, None)
     if isinstance(checkpoint, str):
         checkpoint = DTYPES.get(checkpoint)
     if dtype != "auto":
