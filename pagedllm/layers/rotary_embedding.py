@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.kernels.cpu.build import available as cpu_kernels_available
 from pagedllm.layers.utils import use_triton
 
 
@@ -243,7 +244,30 @@ class RotaryEmbedding(nn.Module):
         they may be query and key themselves, rotated in place (the Triton kernel does)."""
         if use_triton(query):
             return self.forward_triton(positions, query, key)
+        if self._cpu_kernel_applies(query, key):
+            return self.forward_cpu(positions, query, key)
         return self.forward_torch(positions, query, key)
+
+    def forward_cpu(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The C++ kernel (kernels/cpu/csrc/rotary.cpp), in place: one call instead of ~24
+        operators, with the reference's rounding."""
+        from pagedllm.kernels.cpu.ops import rotary_embedding
+
+        table, index = self.cos_sin_rows(positions)
+        rotary_embedding(index.long(), query, key, table, self.head_size)
+        return query, key
+
+    def _cpu_kernel_applies(self, query: torch.Tensor, key: torch.Tensor) -> bool:
+        # Not inside torch.compile's graphs (cpu_compile): inductor fuses the rotation itself.
+        return (
+            query.device.type == "cpu"
+            and query.stride(-1) == key.stride(-1) == 1
+            and query.dtype == key.dtype == self.cos_sin_cache.dtype
+            and not torch.compiler.is_compiling()
+            and cpu_kernels_available()
+        )
 
     def forward_torch(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedllm.kernels.cpu.build import available as cpu_kernels_available
+from pagedllm.kernels.cpu.ops import argmax_logsumexp
 from pagedllm.layers.utils import use_triton
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.penalties import apply_penalties, ban_tokens
@@ -54,9 +56,18 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         """logits: [num_rows, vocab_size] float32."""
         # Top tokens need every logprob; otherwise only the chosen tokens' are needed, which the
-        # fused pass on the GPU computes without a [rows, vocab] log_softmax.
+        # fused pass on the GPU computes without a [rows, vocab] log_softmax, and the CPU from each
+        # row's log-sum-exp (read before the bans below, which may write into the logits).
         fused = use_triton(logits) and not metadata.max_num_top_tokens
-        logprobs = None if fused else torch.log_softmax(logits, dim=-1)
+        row_max = logsumexp = None
+        if (
+            not fused
+            and not metadata.max_num_top_tokens
+            and logits.device.type == "cpu"
+            and cpu_kernels_available()
+        ):
+            row_max, logsumexp = argmax_logsumexp(logits)
+        logprobs = None if fused or logsumexp is not None else torch.log_softmax(logits, dim=-1)
         x = apply_penalties(logits, metadata)
         if fused and x is logits and metadata.banned_rows is not None:
             x = logits.clone()  # the bans must not reach the logits the logprobs come from
@@ -71,11 +82,16 @@ class Sampler(nn.Module):
 
             token_ids, chosen = sample_tokens(logits, x, noise, inv_temperature, metadata.greedy)
             return SamplerOutput(token_ids=token_ids, logprobs=chosen)
-        assert logprobs is not None
         if x.device.type == "cpu" and not metadata.all_greedy:
             token_ids = _inverse_cdf(x, inv_temperature, metadata)
+        elif row_max is not None and x is logits and metadata.banned_rows is None:
+            token_ids = row_max  # greedy over the logits as they came
         else:
             token_ids = _race(x, noise, inv_temperature, metadata.greedy)
+        if logsumexp is not None:
+            chosen = logits.gather(-1, token_ids[:, None]).squeeze(-1) - logsumexp
+            return SamplerOutput(token_ids=token_ids, logprobs=chosen)
+        assert logprobs is not None
         chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
         output = SamplerOutput(token_ids=token_ids, logprobs=chosen)
         if metadata.max_num_top_tokens:

@@ -1,8 +1,11 @@
-"""The CPU attention backend against the torch oracle, and its score options against the formula.
+"""The CPU attention backend against the torch oracle, and its score options against the formula,
+through both of its paths: the C++ kernel (chunks past KERNEL_MAX_CHUNK_WORK by SDPA) and the
+PyTorch formulation it falls back to.
 
-Batches mix decodes and prefill chunks (some behind a cached prefix), with shuffled physical
-blocks, tails ending mid-block, GQA ratios 1..4, padding tokens (slot -1) and NaN in every cache
-slot no sequence uses: reading past ``seq_len`` or an unused block fails loudly.
+Batches mix decodes and prefill chunks (some behind a cached prefix, some longer than the
+kernel's limit), with shuffled physical blocks, tails ending mid-block, GQA ratios 1..4, padding
+tokens (slot -1) and NaN in every cache slot no sequence uses: reading past ``seq_len`` or an
+unused block fails loudly.
 """
 
 from __future__ import annotations
@@ -13,9 +16,14 @@ import pytest
 import torch
 
 from pagedllm.attention.backends import get_attn_backend
-from pagedllm.attention.backends.cpu_backend import CpuAttentionBackend, write_to_paged_cache_indexed
+from pagedllm.attention.backends.cpu_backend import (
+    KERNEL_MAX_CHUNK_WORK,
+    CpuAttentionBackend,
+    write_to_paged_cache_indexed,
+)
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.cpu.build import available as cpu_kernels_available
 
 # (atol, rtol) against the float32 oracle run on the same (rounded) inputs.
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
@@ -98,7 +106,20 @@ BATCHES = [
     ([0, 0], [7, 23]),
     ([9, 40, 0, 12, 3], [1, 1, 19, 6, 1 + 4]),
     ([64, 1], [1, 33]),
+    # Chunks past the kernel's work limit (fresh and behind a prefix) among ones within it.
+    ([10, 0, 5, 0, 150], [1, 80, 2, 65, 30]),
 ]
+
+
+assert 80 * 80 > KERNEL_MAX_CHUNK_WORK > 2 * 7 and KERNEL_MAX_CHUNK_WORK < 30 * 180  # the last batch's mix
+
+
+@pytest.fixture(params=["kernel", "pytorch"])
+def use_kernel(request: pytest.FixtureRequest) -> bool:
+    if request.param == "kernel":
+        # A machine with a C++ compiler (CI's) must build it: never a silent fall back here.
+        assert cpu_kernels_available(), "the CPU attention kernel did not build (see the log)"
+    return request.param == "kernel"
 
 
 @pytest.mark.parametrize("batch", BATCHES)
@@ -106,7 +127,12 @@ BATCHES = [
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_backend_matches_torch_oracle(
-    batch: tuple[list[int], list[int]], num_heads: int, num_kv_heads: int, block_size: int, dtype: torch.dtype
+    batch: tuple[list[int], list[int]],
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    dtype: torch.dtype,
+    use_kernel: bool,
 ) -> None:
     context_lens, query_lens = batch
     head_size = 32
@@ -115,7 +141,9 @@ def test_cpu_backend_matches_torch_oracle(
     )
     scale = head_size**-0.5
     ours_caches, ref_caches = clone_caches(caches), clone_caches(caches)
-    out = CpuAttentionBackend(num_heads, head_size, scale, num_kv_heads).forward(q, k, v, ours_caches, md)
+    backend = CpuAttentionBackend(num_heads, head_size, scale, num_kv_heads)
+    backend.use_kernel = use_kernel
+    out = backend.forward(q, k, v, ours_caches, md)
     ref = TorchAttentionBackend(num_heads, head_size, scale, num_kv_heads).forward(q, k, v, ref_caches, md)
     num_real = int(md.query_start_loc_cpu[-1])
     assert out.dtype == dtype
@@ -183,7 +211,11 @@ def reference_attention(
     [(4, False, None), (None, True, None), (None, False, 5.0), (7, True, 2.0)],
 )
 def test_cpu_backend_score_options_match_formula(
-    batch: tuple[list[int], list[int]], sliding_window: int | None, use_alibi: bool, soft_cap: float | None
+    batch: tuple[list[int], list[int]],
+    sliding_window: int | None,
+    use_alibi: bool,
+    soft_cap: float | None,
+    use_kernel: bool,
 ) -> None:
     num_heads, num_kv_heads, head_size = 6, 2, 16
     context_lens, query_lens = batch
@@ -201,6 +233,7 @@ def test_cpu_backend_score_options_match_formula(
         alibi_slopes=slopes,
         logits_soft_cap=soft_cap,
     )
+    backend.use_kernel = use_kernel
     out = backend.forward(q, k, v, caches, md)
     ref = reference_attention(q, caches, md, scale, sliding_window, slopes, soft_cap)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)

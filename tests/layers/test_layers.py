@@ -36,19 +36,36 @@ LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_matches_hf_bit_for_bit(dtype: torch.dtype) -> None:
-    x, residual = torch.randn(2, 7, 64).to(dtype), torch.randn(2, 7, 64).to(dtype)
-    weight = (1 + 0.2 * torch.randn(64)).to(dtype)
-    ours, ref = RMSNorm(64, eps=1e-5).to(dtype), LlamaRMSNorm(64, eps=1e-5).to(dtype)
+@pytest.mark.parametrize("shape", [(2, 7, 64), (32, 576), (3, 2048)])
+def test_rms_norm_matches_hf_bit_for_bit(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    x, residual = torch.randn(*shape).to(dtype), torch.randn(*shape).to(dtype)
+    hidden = shape[-1]
+    weight = (1 + 0.2 * torch.randn(hidden)).to(dtype)
+    ours, ref = RMSNorm(hidden, eps=1e-5).to(dtype), LlamaRMSNorm(hidden, eps=1e-5).to(dtype)
     ours.weight.data.copy_(weight)
     ref.weight.data.copy_(weight)
+    # float32 takes the PyTorch formulation on the CPU, bit for bit; bf16 the C++ kernel, whose
+    # sum of squares is reduced in another order: a result on a rounding tie may move one ulp.
+    kernel = dtype == torch.bfloat16
+    assert ours._cpu_kernel_applies(x, residual) == kernel
+
+    def check(got: torch.Tensor, expected: torch.Tensor) -> None:
+        if not kernel:
+            assert torch.equal(got, expected)
+            return
+        torch.testing.assert_close(got, expected, atol=0, rtol=2**-7)  # one bf16 ulp
+        assert (got != expected).float().mean() < 1e-3
+
     x_before, residual_before = x.clone(), residual.clone()
     with torch.no_grad():
-        assert torch.equal(ours(x), ref(x))
-        out, new_residual = ours(x, residual)
+        check(ours(x.clone()), ref(x))
+        assert torch.equal(x, x_before)  # without a residual, the result is a new tensor
+        # With one, the fused kernel writes its results over its inputs (the callers' contract).
+        out, new_residual = ours(x.clone(), residual.clone())
         assert torch.equal(new_residual, x + residual)
-        assert torch.equal(out, ref(x + residual))
-    # The in-place steps inside the norm must never reach its inputs.
+        check(out, ref(x + residual))
+        # The reference path's in-place steps never reach its inputs.
+        ours.forward_torch(x, residual)
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
 
 
@@ -67,7 +84,12 @@ def test_rotary_matches_hf(rope: dict | None, dtype: torch.dtype) -> None:
     q = torch.randn(num_tokens, num_heads * head_size).to(dtype)
     k = torch.randn(num_tokens, num_kv_heads * head_size).to(dtype)
     rotary = RotaryEmbedding(head_size, config.max_position_embeddings, get_rope_parameters(config), dtype)
-    q_out, k_out = rotary(positions, q, k)
+    # forward may rotate its inputs in place (the CPU and Triton kernels do): give it copies.
+    q_out, k_out = rotary(positions, q.clone(), k.clone())
+    # The CPU kernel rounds as the PyTorch formulation does: equal bit for bit.
+    assert rotary._cpu_kernel_applies(q, k)
+    q_torch, k_torch = rotary.forward_torch(positions, q, k)
+    assert torch.equal(q_out, q_torch) and torch.equal(k_out, k_torch)
 
     cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
     # HF's layout: [batch, heads, tokens, head_size].
@@ -263,15 +285,15 @@ def test_unbounded_rotary_equals_the_table_and_keeps_relative_rotations_far_past
     positions = torch.tensor([0, 7, 511, 512, 1500, 2047])
     q, k = torch.randn(6, 128), torch.randn(6, 64)
     # The table's angles are float32 products (as the reference's): ~1e-4 rad off at 2047.
-    for expected, got in zip(table(positions, q, k), unbounded(positions, q.clone(), k.clone())):
+    # forward may rotate its inputs in place (the CPU and Triton kernels do): give it copies.
+    expected_q, expected_k = table(positions, q.clone(), k.clone())
+    for expected, got in zip((expected_q, expected_k), unbounded(positions, q.clone(), k.clone())):
         torch.testing.assert_close(got, expected, atol=5e-4, rtol=0)
-    torch.testing.assert_close(
-        unbounded.rotate_query(positions, q), table(positions, q, k)[0], atol=5e-4, rtol=0
-    )
+    torch.testing.assert_close(unbounded.rotate_query(positions, q), expected_q, atol=5e-4, rtol=0)
 
     def score(query_position: int, key_position: int) -> torch.Tensor:
         qr = unbounded.rotate_query(torch.tensor([query_position]), q[:1])
-        _, kr = unbounded(torch.tensor([key_position]), q[:1], k[:1])
+        _, kr = unbounded(torch.tensor([key_position]), q[:1].clone(), k[:1].clone())
         return (qr.view(2, 64) * kr.view(1, 64)).sum(-1)
 
     far = 10_000_000

@@ -1,7 +1,18 @@
-"""The CPU attention backend: vectorised PyTorch over the paged cache, in the run dtype.
+"""The CPU attention backend: a C++ kernel over the paged cache in place, else vectorised PyTorch.
 
 Same cache layout as the torch reference (``[num_blocks, block_size, num_kv_heads, head_size]``
-per layer, so the two share caches and swap code), computed the way a CPU is fast at:
+per layer, so the two share caches and swap code).
+
+Decodes and small prefill chunks (``query_len * seq_len`` up to ``KERNEL_MAX_CHUNK_WORK``) go through
+``pagedllm_cpu::paged_attention`` (kernels/cpu/csrc/paged_attention.cpp): each (token, KV head)
+reads its visible keys from the cache where they lie, with an online softmax in float32, so there
+is no gathered copy, no mask and no per-sequence Python; the cache write before it is one C++
+call too. One layer of C1's decode step (32 sequences of ~100 tokens, bf16, 2 cores) spends
+~0.28 ms in attention that way, against ~0.57 ms in the PyTorch formulation below
+(benchmarks/RESULTS.md). Larger chunks keep SDPA, whose flash kernel runs on GEMM tiles. The kernel is built on first use; where it cannot be (no
+compiler), or with ``PAGEDLLM_CPU_KERNELS=0``, or for what it does not cover (attention sinks, a
+cache in another dtype than the queries), everything takes the PyTorch formulation, computed the
+way a CPU is fast at:
 
 * Cache writes are one ``index_copy_`` per cache into its flattened ``[slots, kv_heads, head]``
   view (no boolean indexing, no dtype round trip).
@@ -41,6 +52,7 @@ import torch.nn.functional as F
 from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.kernels.cpu.build import available as cpu_kernels_available
 
 
 def write_to_paged_cache_indexed(
@@ -79,6 +91,13 @@ def gather_contexts(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: t
     return blocks.view(num_seqs, ctx_len, num_kv_heads, head_size).transpose(1, 2).contiguous()
 
 
+# A prefill chunk takes the kernel while query_len * seq_len stays within this; larger ones SDPA.
+# Each of the kernel's queries reads its whole context with vector dot products, SDPA's flash
+# kernel works on GEMM tiles at a fixed cost a call: measured on 2 cores in bf16
+# (benchmarks/cpu_kernels.py), the kernel wins for a fresh prompt of 48 (48 x 48 = 2,304), loses
+# for one of 64 (4,096) and, narrowly, for 16 queries behind 200 cached tokens (16 x 216 = 3,456).
+KERNEL_MAX_CHUNK_WORK = 3000
+
 # Up to this many decodes SDPA's fused kernel wins (its fixed cost is lower); past it, two batched
 # matmuls do (measured crossover between 8 and 16 sequences of ~128 tokens, bf16, 2 cores).
 SDPA_MAX_DECODES = 8
@@ -109,12 +128,16 @@ class CpuAttentionBackend(AttentionBackend):
             logits_soft_cap=logits_soft_cap,
             attention_sinks=attention_sinks,
         )
+        # [num_heads] float32 for the kernel.
+        slopes = self.alibi_slopes
+        self.kernel_alibi_slopes = None if slopes is None else slopes.float().contiguous()
         # [num_kv_heads, group, 1, 1]: query head h = kv_head * group + g, as the model lays them out.
         self.alibi_slopes = (
             None
             if self.alibi_slopes is None
             else self.alibi_slopes.view(num_kv_heads, self.num_queries_per_kv, 1, 1)
         )
+        self.use_kernel = attention_sinks == 0 and cpu_kernels_available()
 
     # The reference's layout: caches, swaps and tests are shared with it.
     get_kv_cache_shape = TorchAttentionBackend.get_kv_cache_shape
@@ -138,6 +161,8 @@ class CpuAttentionBackend(AttentionBackend):
         sink_query = self._check_sink_query(query, sink_query)
         key_cache, value_cache = kv_cache
         md = attn_metadata
+        if self.use_kernel and key_cache.dtype == query.dtype == key.dtype:
+            return self._forward_kernel(query, key, value, key_cache, value_cache, md)
         write_to_paged_cache_indexed(key, value, key_cache, value_cache, md.slot_mapping)
         num_decodes = md.num_decodes
         if num_decodes == query.shape[0]:  # decodes only, no padding tokens: no output copy
@@ -147,17 +172,71 @@ class CpuAttentionBackend(AttentionBackend):
             decode_sinks = None if sink_query is None else sink_query[:num_decodes]
             output[:num_decodes] = self._decode(query[:num_decodes], decode_sinks, key_cache, value_cache, md)
         query_start_loc = md.query_start_loc_cpu.tolist()
-        seq_lens = md.seq_lens_cpu.tolist()
         for i in range(num_decodes, md.num_seqs):
             start, end = query_start_loc[i], query_start_loc[i + 1]
-            if end - start == seq_lens[i]:  # no cached prefix: the context is this step's K/V
-                k, v = key[start:end].transpose(0, 1)[None], value[start:end].transpose(0, 1)[None]
-            else:
-                k, v = self._gather(key_cache, value_cache, md, i, i + 1)
-            q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, query_len, head_size]
-            sq = None if sink_query is None else sink_query[start:end].transpose(0, 1)[None]
-            output[start:end] = self._attend(q, k, v, md.seq_lens_cpu[i : i + 1], sq)[0].transpose(0, 1)
+            output[start:end] = self._prefill(query, key, value, key_cache, value_cache, md, i, sink_query)
         return output
+
+    def _forward_kernel(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The cache write, then every sequence through the kernel, except prefill chunks past
+        KERNEL_MAX_CHUNK_WORK, which then run one by one through SDPA over their rows of the
+        output."""
+        from pagedllm.kernels.cpu.ops import paged_attention, reshape_and_cache
+
+        reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
+        output = torch.empty_like(query)
+        by_sdpa: list[int] = []
+        if md.max_query_len > 1:
+            query_lens = md.query_start_loc_cpu.diff()
+            large = (query_lens > 1) & (query_lens.long() * md.seq_lens_cpu > KERNEL_MAX_CHUNK_WORK)
+            by_sdpa = large.nonzero().view(-1).tolist()
+        paged_attention(
+            output,
+            query,
+            key_cache,
+            value_cache,
+            md.block_tables,
+            md.seq_lens_cpu,
+            md.query_start_loc_cpu,
+            self.scale,
+            self.sliding_window,
+            self.logits_soft_cap,
+            self.kernel_alibi_slopes,
+            seq_indices=(~large).nonzero().view(-1).int() if by_sdpa else None,
+        )
+        for i in by_sdpa:
+            start, end = int(md.query_start_loc_cpu[i]), int(md.query_start_loc_cpu[i + 1])
+            output[start:end] = self._prefill(query, key, value, key_cache, value_cache, md, i, None)
+        return output
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: AttentionMetadata,
+        i: int,
+        sink_query: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Sequence i's chunk of queries by SDPA (or the explicit path): [query_len, heads, head]."""
+        start, end = int(md.query_start_loc_cpu[i]), int(md.query_start_loc_cpu[i + 1])
+        if end - start == int(md.seq_lens_cpu[i]):  # no cached prefix: the context is this step's K/V
+            k, v = key[start:end].transpose(0, 1)[None], value[start:end].transpose(0, 1)[None]
+        else:
+            k, v = self._gather(key_cache, value_cache, md, i, i + 1)
+        q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, query_len, head_size]
+        sq = None if sink_query is None else sink_query[start:end].transpose(0, 1)[None]
+        return self._attend(q, k, v, md.seq_lens_cpu[i : i + 1], sq)[0].transpose(0, 1)
 
     def _decode(
         self,

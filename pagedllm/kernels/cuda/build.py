@@ -6,9 +6,8 @@ attention files, 54 instantiations each, ~20 s apiece; the torch binding ~20 s),
 machine with four or more cores. Later calls, in this process or
 another one, reuse the build: cpp_extension rebuilds only when a source or a flag changed, and a
 file lock in the build directory lets concurrent processes (tensor-parallel workers) wait for one
-build instead of racing. The directory is ``$PAGEDLLM_CACHE_DIR/cuda-ext/<torch version>``,
-``$PAGEDLLM_CACHE_DIR`` defaulting to ``$XDG_CACHE_HOME/pagedllm`` or ``~/.cache/pagedllm``, the
-directory the rest of pagedllm caches in.
+build instead of racing. The directory is ``<cache>/cuda-ext/<torch version>``
+under the directory the rest of pagedllm caches in (``pagedllm.cache_dir``).
 
 Where the build cannot work (a CPU-only torch, no GPU, no nvcc, no ninja), ``load()`` raises a
 RuntimeError that names what is missing, before invoking any compiler.
@@ -23,6 +22,8 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+
+from pagedllm.cache_dir import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -48,10 +49,7 @@ CUDA_FLAGS = (
 
 def cache_dir() -> Path:
     """Where the build lives: one directory per torch version (the extension links against it)."""
-    root = os.environ.get("PAGEDLLM_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm"
-    )
-    return Path(root) / "cuda-ext" / f"torch-{torch.__version__}".replace("+", "-")
+    return cache_root() / "cuda-ext" / f"torch-{torch.__version__}".replace("+", "-")
 
 
 def check_build_requirements() -> None:

@@ -1,0 +1,1 @@
+"""C++ kernels for the CPU path, built on first use (``build.load``)."""

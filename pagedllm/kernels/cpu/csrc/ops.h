@@ -1,0 +1,40 @@
+// The CPU kernels' entry points, registered as torch.ops.pagedllm_cpu.* in binding.cpp. Each
+// checks its arguments (TORCH_CHECK: a RuntimeError naming what is wrong) and writes its outputs.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace pagedllm_cpu {
+
+// cache.cpp: each token's K and V rows into its slot; slots < 0 (padding) skipped.
+void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
+                       const at::Tensor& value_cache, const at::Tensor& slot_mapping);
+
+// paged_attention.cpp
+void paged_attention(
+    const at::Tensor& out,
+    const at::Tensor& query,
+    const at::Tensor& key_cache,
+    const at::Tensor& value_cache,
+    const at::Tensor& block_tables,
+    const at::Tensor& seq_lens,
+    const at::Tensor& query_start_loc,
+    double scale,
+    int64_t sliding_window,
+    double logits_soft_cap,
+    const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& seq_indices);
+
+// rms_norm.cpp: with residual, residual <- x + residual first; x <- rms_norm(...) * weight.
+void rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight, double eps);
+
+// rotary.cpp: query and key rotated in place, neox style.
+void rotary_embedding(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
+                      const at::Tensor& cos_sin_cache, int64_t head_size);
+
+// sampling.cpp
+void argmax_logsumexp(const at::Tensor& logits, const at::Tensor& argmax, const at::Tensor& logsumexp);
+
+}  // namespace pagedllm_cpu

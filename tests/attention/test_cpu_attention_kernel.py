@@ -1,0 +1,134 @@
+"""The C++ CPU kernels (pagedllm/kernels/cpu) against the torch oracle on what the backend's and
+the sampler's tests do not reach: other head sizes and float16, a query that is a strided view,
+long contexts over many tiles, the rows the attention kernel must leave alone, the cache write's
+padding and bounds, the argmax and log-sum-exp pass on ties and chunk edges, and the errors the
+checks raise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cpu_backend import make_step
+
+from pagedllm.attention.backends.cpu_backend import write_to_paged_cache_indexed
+from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
+from pagedllm.kernels.cpu.build import available
+from pagedllm.kernels.cpu.ops import argmax_logsumexp, paged_attention, reshape_and_cache
+
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
+
+
+@pytest.fixture(autouse=True)
+def built() -> None:
+    # CI's machine has a compiler: a kernel that does not build there is a failure, not a skip.
+    assert available(), "pagedllm's CPU kernels did not build (see the log)"
+
+
+def run_both(context_lens, query_lens, num_heads, num_kv_heads, head_size, block_size, dtype, **options):
+    """(kernel output, oracle output, number of real tokens) of one step; the kernel reads the
+    caches after the same write the oracle does."""
+    q, k, v, caches, md = make_step(
+        context_lens, query_lens, num_heads, num_kv_heads, head_size, block_size, dtype, num_padding_tokens=1
+    )
+    scale = head_size**-0.5
+    ref = TorchAttentionBackend(num_heads, head_size, scale, num_kv_heads, **options).forward(
+        q, k, v, (caches[0].clone(), caches[1].clone()), md
+    )
+    write_to_paged_cache_indexed(k, v, *caches, md.slot_mapping)
+    out = torch.full_like(q, 7.0)
+    paged_attention(
+        out, q, *caches, md.block_tables, md.seq_lens_cpu, md.query_start_loc_cpu, scale, **options
+    )
+    return out, ref, int(md.query_start_loc_cpu[-1])
+
+
+@pytest.mark.parametrize("head_size", [8, 64, 80, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernel_matches_oracle_across_head_sizes_and_dtypes(head_size: int, dtype: torch.dtype) -> None:
+    # Decodes (enough to give each thread whole tokens), a chunk behind a prefix, a fresh prompt.
+    context_lens, query_lens = [5 * i for i in range(9)] + [40, 0], [1] * 9 + [6, 11]
+    out, ref, n = run_both(context_lens, query_lens, 8, 2, head_size, 16, dtype)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out[:n].float(), ref[:n].float(), atol=atol, rtol=rtol)
+    assert (out[n:] == 7.0).all()  # padding tokens untouched
+
+
+@pytest.mark.parametrize("sliding_window", [None, 50, 300])
+def test_kernel_long_contexts_span_many_tiles(sliding_window: int | None) -> None:
+    # Contexts of several 32-key tiles, ending mid-tile and mid-block; one decode alone spreads
+    # over KV heads, a batch over tokens.
+    for context_lens in ([700], [333, 517, 64, 1000]):
+        out, ref, n = run_both(
+            context_lens, [1] * len(context_lens), 12, 4, 64, 16, torch.float32, sliding_window=sliding_window
+        )
+        torch.testing.assert_close(out[:n], ref[:n], atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_reads_a_strided_query_and_computes_only_the_listed_sequences() -> None:
+    q, k, v, caches, md = make_step([3, 20, 0], [1, 5, 9], 6, 3, 32, 4, torch.float32)
+    write_to_paged_cache_indexed(k, v, *caches, md.slot_mapping)
+    scale = 32**-0.5
+    # The query as the model hands it: a view into a wider fused QKV row.
+    fused = torch.cat([q.flatten(1), torch.randn(q.shape[0], 2 * 3 * 32)], dim=1)
+    strided = fused[:, : 6 * 32].view(-1, 6, 32)
+    assert not strided.is_contiguous()
+    out, dense = torch.full_like(q, 7.0), torch.full_like(q, 7.0)
+    args = (caches[0], caches[1], md.block_tables, md.seq_lens_cpu, md.query_start_loc_cpu, scale)
+    paged_attention(out, strided, *args, seq_indices=torch.tensor([0, 1], dtype=torch.int32))
+    paged_attention(dense, q, *args)
+    assert torch.equal(out[:6], dense[:6])  # the decode and the 5-token chunk
+    assert (out[6:] == 7.0).all()  # the 9-token chunk is not listed: left alone
+    with pytest.raises(RuntimeError, match="not a sequence"):
+        paged_attention(out, q, *args, seq_indices=torch.tensor([3], dtype=torch.int32))
+
+
+def test_kernel_checks_name_what_is_wrong() -> None:
+    q, _, _, (key_cache, value_cache), md = make_step([4], [1], 4, 2, 16, 4, torch.float32)
+    out = torch.empty_like(q)
+    common = (md.seq_lens_cpu, md.query_start_loc_cpu, 0.25)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        paged_attention(out, q, key_cache.bfloat16(), value_cache.bfloat16(), md.block_tables, *common)
+    with pytest.raises(RuntimeError, match="int32"):
+        paged_attention(out, q, key_cache, value_cache, md.block_tables.long(), *common)
+    with pytest.raises(RuntimeError, match="multiple of num_kv_heads"):
+        paged_attention(out[:, :3], q[:, :3], key_cache, value_cache, md.block_tables, *common)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (32, 49152), (5, 1024), (4, 1025), (2, 3000)])
+def test_argmax_logsumexp_matches_torch(shape: tuple[int, int]) -> None:
+    logits = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 8
+    argmax, logsumexp = argmax_logsumexp(logits)
+    assert torch.equal(argmax, logits.argmax(dim=-1))
+    torch.testing.assert_close(logsumexp, torch.logsumexp(logits, dim=-1), atol=1e-5, rtol=1e-6)
+
+
+def test_argmax_logsumexp_takes_the_first_maximum_across_chunks() -> None:
+    logits = torch.zeros(3, 5000)
+    logits[0, [7, 4000]] = 3.0  # a tie in two chunks: the first wins, as torch.argmax picks
+    logits[1, [1500, 1501]] = 2.0  # a tie inside one chunk
+    logits[2, 4999] = float("-inf")  # a banned token at the very end
+    argmax, logsumexp = argmax_logsumexp(logits)
+    assert argmax.tolist() == [7, 1500, 0]
+    torch.testing.assert_close(logsumexp, torch.logsumexp(logits, dim=-1))
+    # A strided view of the rows works too; a non-float32 input is refused by name.
+    wide = torch.cat([logits, torch.full((3, 10), 99.0)], dim=1)[:, :5000]
+    assert torch.equal(argmax_logsumexp(wide)[0], argmax)
+    with pytest.raises(RuntimeError, match="float32"):
+        argmax_logsumexp(logits.double())
+
+
+def test_cache_write_matches_index_copy_skips_padding_and_refuses_slots_past_the_cache() -> None:
+    fused = torch.randn(5, 3 * 2 * 8)  # [tokens, q | k | v] as the model's QKV projection
+    key, value = fused[:, 16:32].view(5, 2, 8), fused[:, 32:].view(5, 2, 8)
+    caches = [torch.full((3, 4, 2, 8), float("nan")) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    slots = torch.tensor([5, -1, 0, 11, -1])
+    reshape_and_cache(key, value, *caches, slots)
+    write_to_paged_cache_indexed(key, value, *expected, slots)
+    for ours, theirs in zip(caches, expected):
+        torch.testing.assert_close(ours, theirs, equal_nan=True, atol=0, rtol=0)
+    before = [c.clone() for c in caches]
+    with pytest.raises(RuntimeError, match="past the cache"):
+        reshape_and_cache(key, value, *caches, torch.tensor([0, 1, 2, 12, 3]))
+    for cache, kept in zip(caches, before):  # checked before anything is written
+        torch.testing.assert_close(cache, kept, equal_nan=True, atol=0, rtol=0)
