@@ -3,15 +3,16 @@
 Same cache layout as the torch reference (``[num_blocks, block_size, num_kv_heads, head_size]``
 per layer, so the two share caches and swap code).
 
-Decodes and small prefill chunks (``query_len * seq_len`` up to ``KERNEL_MAX_CHUNK_WORK``) go through
-``pagedllm_cpu::paged_attention`` (kernels/cpu/csrc/paged_attention.cpp): each (token, KV head)
-reads its visible keys from the cache where they lie, with an online softmax in float32, so there
-is no gathered copy, no mask and no per-sequence Python; the cache write before it is one C++
-call too. One layer of C1's decode step (32 sequences of ~100 tokens, bf16, 2 cores) spends
-~0.28 ms in attention that way, against ~0.57 ms in the PyTorch formulation below
-(benchmarks/RESULTS.md). Larger chunks keep SDPA, whose flash kernel runs on GEMM tiles. The kernel is built on first use; where it cannot be (no
-compiler), or with ``PAGEDLLM_CPU_KERNELS=0``, or for what it does not cover (attention sinks, a
-cache in another dtype than the queries), everything takes the PyTorch formulation, computed the
+Decodes and small prefill chunks (``query_len * seq_len`` up to ``KERNEL_MAX_CHUNK_WORK``) go
+through ``pagedllm_cpu::paged_attention`` (kernels/cpu/csrc/paged_attention.cpp): each work item
+(a token and its KV heads) reads its visible keys from the cache where they lie, with an online
+softmax in float32, so there is no gathered copy, no mask and no per-sequence Python; the cache
+write before it is one C++ call too. One layer of C1's decode step (32 sequences of ~100 tokens,
+bf16, 2 cores) spends ~0.28 ms in attention that way, against ~0.57 ms in the PyTorch formulation
+below (benchmarks/RESULTS.md). Larger chunks keep SDPA, whose flash kernel runs on GEMM tiles.
+The kernel is built on first use; where it cannot be (no compiler), or with
+``PAGEDLLM_CPU_KERNELS=0``, or for what it does not cover (attention sinks, a cache in another
+dtype than the queries), everything takes the PyTorch formulation, computed the
 way a CPU is fast at:
 
 * Cache writes are one ``index_copy_`` per cache into its flattened ``[slots, kv_heads, head]``
