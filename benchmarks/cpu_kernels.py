@@ -8,8 +8,8 @@ of 49,152; bf16; blocks of 16).
   (``use_kernel``) and without, for a decode batch of 32 at contexts 100 and 400 and one stream's
   decode, their blocks scattered over 6,000 (``cold``: a 64 MB buffer written between calls, as a
   model step's weights evict the cache); then prefill chunks of 16 to 128 queries, fresh and behind
-  200 cached tokens, with the kernel forced on every chunk against SDPA (where
-  ``KERNEL_MAX_CHUNK_WORK`` comes from), and C1's prefill as the backend splits it.
+  200 cached tokens, and C1's prefill, with the kernel called on them directly against the
+  backend's SDPA path (why the backend keeps SDPA for chunks).
 * rms_norm, rotary: one layer's call on a decode step's 32 rows and on C1's 1,164-token prefill.
 * sampler's last pass: argmax + log-sum-exp of 32 rows against ``log_softmax`` + ``argmax``.
 
@@ -35,7 +35,6 @@ sys.path.insert(0, str(ROOT / "tests" / "attention"))
 
 from test_cpu_backend import make_step  # noqa: E402  (the tests' step builder)
 
-from pagedllm.attention.backends import cpu_backend  # noqa: E402
 from pagedllm.attention.backends.cpu_backend import CpuAttentionBackend  # noqa: E402
 from pagedllm.attention.metadata import AttentionMetadata  # noqa: E402
 from pagedllm.kernels.cpu import ops  # noqa: E402
@@ -98,6 +97,22 @@ def attention_case(step: tuple, cold: bool = False) -> dict:
     return result
 
 
+def chunk_case(step: tuple) -> dict:
+    """Prefill chunks: the kernel called on them directly (the backend gives them SDPA) against
+    the backend's SDPA path."""
+    q, k, v, caches, md = step
+    backend = CpuAttentionBackend(HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, KV_HEADS)
+    backend.use_kernel = False
+    out = torch.empty_like(q)
+
+    def kernel() -> None:
+        ops.reshape_and_cache(k, v, *caches, md.slot_mapping)
+        args = (md.block_tables, md.seq_lens_cpu, md.query_start_loc_cpu, HEAD_SIZE**-0.5)
+        ops.paged_attention(out, q, *caches, *args)
+
+    return {"kernel": median_us(kernel), "pytorch": median_us(lambda: backend.forward(q, k, v, caches, md))}
+
+
 def norm_case(rows: int) -> dict:
     norm = RMSNorm(HIDDEN).to(DTYPE)
     x, residual = torch.randn(rows, HIDDEN).to(DTYPE), torch.randn(rows, HIDDEN).to(DTYPE)
@@ -134,15 +149,12 @@ def main() -> None:
         step = decode_step(context_lens)
         for cold in (False, True):
             results[f"attention, {name}, {'cold' if cold else 'warm'}"] = attention_case(step, cold)
-    limit = cpu_backend.KERNEL_MAX_CHUNK_WORK
-    cpu_backend.KERNEL_MAX_CHUNK_WORK = sys.maxsize  # the kernel on every chunk: the crossover
     for cached in (0, 200):
         for query_len in (16, 32, 48, 64, 128):
             step = make_step([cached], [query_len], HEADS, KV_HEADS, HEAD_SIZE, BLOCK, DTYPE)
-            results[f"attention, {query_len} queries behind {cached}"] = attention_case(step)
-    cpu_backend.KERNEL_MAX_CHUNK_WORK = limit
+            results[f"attention, {query_len} queries behind {cached}"] = chunk_case(step)
     step = make_step([0] * 32, [36] * 32, HEADS, KV_HEADS, HEAD_SIZE, BLOCK, DTYPE)
-    results["attention, C1's prefill: 32 prompts of 36"] = attention_case(step)
+    results["attention, C1's prefill: 32 prompts of 36"] = chunk_case(step)
 
     for rows in (32, 1164):
         results[f"rms_norm + residual, {rows} rows"] = norm_case(rows)

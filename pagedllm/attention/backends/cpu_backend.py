@@ -3,14 +3,16 @@
 Same cache layout as the torch reference (``[num_blocks, block_size, num_kv_heads, head_size]``
 per layer, so the two share caches and swap code).
 
-Decodes and small prefill chunks (``query_len * seq_len`` up to ``KERNEL_MAX_CHUNK_WORK``) go
-through ``pagedllm_cpu::paged_attention`` (kernels/cpu/csrc/paged_attention.cpp): each work item
-(a token and its KV heads) reads its visible keys from the cache where they lie, with an online
-softmax in float32, so there is no gathered copy, no mask and no per-sequence Python; the cache
-write before it is one C++ call too. One layer of C1's decode step (32 sequences of ~100 tokens,
-bf16, 2 cores) spends ~0.28 ms in attention that way, against ~0.57 ms in the PyTorch formulation
-below (benchmarks/RESULTS.md). Larger chunks keep SDPA, whose flash kernel runs on GEMM tiles.
-The kernel is built on first use; where it cannot be (no compiler), or with
+Decodes go through ``pagedllm_cpu::paged_attention`` (kernels/cpu/csrc/paged_attention.cpp):
+each work item (a token and its KV heads) reads its visible keys from the cache where they lie,
+with an online softmax in float32, so there is no gathered copy, no mask and no per-sequence
+Python; the cache write before it is one C++ call too (``reshape_and_cache``). One layer of C1's
+decode step (32 sequences of ~100 tokens, bf16, 2 cores) spends ~0.28 ms in attention that way,
+against ~0.57 ms in the PyTorch formulation below (benchmarks/RESULTS.md). Prefill chunks keep
+SDPA: its flash kernel works on GEMM tiles, and the kernel (which computes chunks too, and is
+tested on them) is faster only for chunks of a few dozen tokens, where in bf16 its float32
+probabilities move near-tied greedy choices away from SDPA's, which Hugging Face's bf16 path
+shares. The kernel is built on first use; where it cannot be (no compiler), or with
 ``PAGEDLLM_CPU_KERNELS=0``, or for what it does not cover (attention sinks, a cache in another
 dtype than the queries), everything takes the PyTorch formulation, computed the
 way a CPU is fast at:
@@ -92,13 +94,6 @@ def gather_contexts(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: t
     return blocks.view(num_seqs, ctx_len, num_kv_heads, head_size).transpose(1, 2).contiguous()
 
 
-# A prefill chunk takes the kernel while query_len * seq_len stays within this; larger ones SDPA.
-# Each of the kernel's queries reads its whole context with vector dot products, SDPA's flash
-# kernel works on GEMM tiles at a fixed cost a call: measured on 2 cores in bf16
-# (benchmarks/cpu_kernels.py), the kernel wins for a fresh prompt of 48 (48 x 48 = 2,304), loses
-# for one of 64 (4,096) and, narrowly, for 16 queries behind 200 cached tokens (16 x 216 = 3,456).
-KERNEL_MAX_CHUNK_WORK = 3000
-
 # Up to this many decodes SDPA's fused kernel wins (its fixed cost is lower); past it, two batched
 # matmuls do (measured crossover between 8 and 16 sequences of ~128 tokens, bf16, 2 cores).
 SDPA_MAX_DECODES = 8
@@ -162,9 +157,12 @@ class CpuAttentionBackend(AttentionBackend):
         sink_query = self._check_sink_query(query, sink_query)
         key_cache, value_cache = kv_cache
         md = attn_metadata
-        if self.use_kernel and key_cache.dtype == query.dtype == key.dtype:
-            return self._forward_kernel(query, key, value, key_cache, value_cache, md)
-        write_to_paged_cache_indexed(key, value, key_cache, value_cache, md.slot_mapping)
+        if self._kernel_applies(query, key_cache, sink_query):
+            from pagedllm.kernels.cpu.ops import reshape_and_cache
+
+            reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
+        else:
+            write_to_paged_cache_indexed(key, value, key_cache, value_cache, md.slot_mapping)
         num_decodes = md.num_decodes
         if num_decodes == query.shape[0]:  # decodes only, no padding tokens: no output copy
             return self._decode(query, sink_query, key_cache, value_cache, md)
@@ -176,46 +174,6 @@ class CpuAttentionBackend(AttentionBackend):
         for i in range(num_decodes, md.num_seqs):
             start, end = query_start_loc[i], query_start_loc[i + 1]
             output[start:end] = self._prefill(query, key, value, key_cache, value_cache, md, i, sink_query)
-        return output
-
-    def _forward_kernel(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        key_cache: torch.Tensor,
-        value_cache: torch.Tensor,
-        md: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The cache write, then every sequence through the kernel, except prefill chunks past
-        KERNEL_MAX_CHUNK_WORK, which then run one by one through SDPA over their rows of the
-        output."""
-        from pagedllm.kernels.cpu.ops import paged_attention, reshape_and_cache
-
-        reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
-        output = torch.empty_like(query)
-        by_sdpa: list[int] = []
-        if md.max_query_len > 1:
-            query_lens = md.query_start_loc_cpu.diff()
-            large = (query_lens > 1) & (query_lens.long() * md.seq_lens_cpu > KERNEL_MAX_CHUNK_WORK)
-            by_sdpa = large.nonzero().view(-1).tolist()
-        paged_attention(
-            output,
-            query,
-            key_cache,
-            value_cache,
-            md.block_tables,
-            md.seq_lens_cpu,
-            md.query_start_loc_cpu,
-            self.scale,
-            self.sliding_window,
-            self.logits_soft_cap,
-            self.kernel_alibi_slopes,
-            seq_indices=(~large).nonzero().view(-1).int() if by_sdpa else None,
-        )
-        for i in by_sdpa:
-            start, end = int(md.query_start_loc_cpu[i]), int(md.query_start_loc_cpu[i + 1])
-            output[start:end] = self._prefill(query, key, value, key_cache, value_cache, md, i, None)
         return output
 
     def _prefill(
@@ -239,6 +197,11 @@ class CpuAttentionBackend(AttentionBackend):
         sq = None if sink_query is None else sink_query[start:end].transpose(0, 1)[None]
         return self._attend(q, k, v, md.seq_lens_cpu[i : i + 1], sq)[0].transpose(0, 1)
 
+    def _kernel_applies(
+        self, query: torch.Tensor, key_cache: torch.Tensor, sink_query: torch.Tensor | None
+    ) -> bool:
+        return self.use_kernel and sink_query is None and key_cache.dtype == query.dtype
+
     def _decode(
         self,
         query: torch.Tensor,
@@ -250,6 +213,24 @@ class CpuAttentionBackend(AttentionBackend):
         """query (and sink_query, None without sinks): [num_decodes, num_heads, head_size], one
         token per sequence -> same shape."""
         num_decodes = query.shape[0]
+        if self._kernel_applies(query, key_cache, sink_query):
+            from pagedllm.kernels.cpu.ops import paged_attention
+
+            output = torch.empty_like(query)
+            paged_attention(
+                output,
+                query,
+                key_cache,
+                value_cache,
+                md.block_tables[:num_decodes],
+                md.seq_lens_cpu[:num_decodes],
+                md.query_start_loc_cpu[: num_decodes + 1],
+                self.scale,
+                self.sliding_window,
+                self.logits_soft_cap,
+                self.kernel_alibi_slopes,
+            )
+            return output
         if (
             num_decodes == 1
             and sink_query is None

@@ -32,7 +32,15 @@ from pagedllm.cpu_info import cpu_isa_key
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("binding.cpp", "cache.cpp", "paged_attention.cpp", "rms_norm.cpp", "rotary.cpp", "sampling.cpp")
+SOURCES = (
+    "activation.cpp",
+    "binding.cpp",
+    "cache.cpp",
+    "paged_attention.cpp",
+    "rms_norm.cpp",
+    "rotary.cpp",
+    "sampling.cpp",
+)
 EXTENSION_NAME = "pagedllm_cpu_ext"
 
 # -fopenmp: at::parallel_for's OpenMP loop and the `omp simd` reductions (the process's OpenMP

@@ -36,7 +36,6 @@ def paged_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
-    seq_indices: torch.Tensor | None = None,
 ) -> None:
     """Causal attention of every query token over its sequence's context in the paged cache,
     written into ``out``. Sequence ``s``'s queries are tokens ``[query_start_loc[s],
@@ -47,8 +46,8 @@ def paged_attention(
     key_cache, value_cache: [num_blocks, block_size, num_kv_heads, head_size], the query's dtype;
     block_tables: [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32; query_start_loc:
     [num_seqs + 1] int32; alibi_slopes: [num_heads] (bias ``slope * (k - p)``). Tokens past
-    ``query_start_loc[-1]``, and, when ``seq_indices`` (int32) is given, those of the sequences
-    it does not list, are left as they are.
+    ``query_start_loc[-1]`` are left as they are: passing the metadata of the first n sequences
+    computes those alone.
     """
     load()
     torch.ops.pagedllm_cpu.paged_attention(
@@ -63,7 +62,6 @@ def paged_attention(
         sliding_window or 0,
         logits_soft_cap or 0.0,
         alibi_slopes,
-        seq_indices,
     )
 
 
@@ -98,3 +96,12 @@ def rotary_embedding(
     [num_tokens, heads * head_size], rows contiguous."""
     load()
     torch.ops.pagedllm_cpu.rotary_embedding(positions, query, key, cos_sin_cache, head_size)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate, ``silu(x[:, :d]) * x[:, d:]`` for x: [num_tokens, 2 * d] (rows contiguous),
+    rounded as the PyTorch reference: [num_tokens, d], a new tensor."""
+    load()
+    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
+    torch.ops.pagedllm_cpu.silu_and_mul(out, x)
+    return out

@@ -8,6 +8,9 @@
 
 namespace pagedllm_cpu {
 
+// activation.cpp: out = silu(x[:, :d]) * x[:, d:].
+void silu_and_mul(const at::Tensor& out, const at::Tensor& x);
+
 // cache.cpp: each token's K and V rows into its slot; slots < 0 (padding) skipped.
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, const at::Tensor& slot_mapping);
@@ -24,8 +27,7 @@ void paged_attention(
     double scale,
     int64_t sliding_window,
     double logits_soft_cap,
-    const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& seq_indices);
+    const std::optional<at::Tensor>& alibi_slopes);
 
 // rms_norm.cpp: with residual, residual <- x + residual first; x <- rms_norm(...) * weight.
 void rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& weight, double eps);

@@ -20,9 +20,8 @@
 // is free: the model's fused QKV output is a strided view); key/value caches [num_blocks,
 // block_size, num_kv_heads, head_size] contiguous, so one key of one KV head is head_size
 // contiguous elements; block_tables [num_seqs, max_blocks_per_seq] int32; seq_lens [num_seqs] and
-// query_start_loc [num_seqs + 1] int32; seq_indices, when given, the int32 indices of the
-// sequences to compute (the caller computes the others another way). Tokens of other sequences,
-// and those past query_start_loc[num_seqs] (padding), are not written.
+// query_start_loc [num_seqs + 1] int32. Tokens past query_start_loc[num_seqs] (padding, or
+// sequences the caller left out of the metadata it passed) are not written.
 //
 // Bound: a decode item reads 2 * ctx * head_size cache elements a KV head and does 4 * group *
 // ctx * head_size FLOPs: at group 3 in bf16, 3 FLOPs a byte read. Within a model's step the cache
@@ -65,9 +64,7 @@ void paged_attention_impl(
     double scale,
     int64_t sliding_window,
     double logits_soft_cap,
-    const float* alibi_slopes,
-    const int32_t* seq_indices,
-    int64_t num_selected) {
+    const float* alibi_slopes) {
   const int64_t num_seqs = seq_lens.size(0);
   const int64_t num_heads = query.size(1), head_size = kHeadSize > 0 ? kHeadSize : query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
@@ -88,8 +85,7 @@ void paged_attention_impl(
   std::vector<int32_t> tokens, token_seq;
   tokens.reserve(starts[num_seqs]);
   token_seq.reserve(starts[num_seqs]);
-  for (int64_t i = 0; i < num_selected; ++i) {
-    const int32_t s = seq_indices != nullptr ? seq_indices[i] : static_cast<int32_t>(i);
+  for (int32_t s = 0; s < num_seqs; ++s) {
     for (int32_t t = starts[s]; t < starts[s + 1]; ++t) {
       tokens.push_back(t);
       token_seq.push_back(s);
@@ -166,7 +162,7 @@ void paged_attention_impl(
           float tile_sum = 0.f;
 #pragma omp simd reduction(+ : tile_sum)
           for (int64_t j = 0; j < n; ++j) {
-            sr[j] = exp_nonpositive(sr[j] - tile_max);
+            sr[j] = exp_approx(sr[j] - tile_max);
             tile_sum += sr[j];
           }
           row_sum[r] = row_sum[r] * rescale + tile_sum;
@@ -205,8 +201,7 @@ void paged_attention(
     double scale,
     int64_t sliding_window,
     double logits_soft_cap,
-    const std::optional<at::Tensor>& alibi_slopes,
-    const std::optional<at::Tensor>& seq_indices) {
+    const std::optional<at::Tensor>& alibi_slopes) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [num_tokens, num_heads, head_size] with contiguous heads");
   TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2),
@@ -235,23 +230,11 @@ void paged_attention(
     TORCH_CHECK(slopes_f32.numel() == query.size(1), "alibi_slopes needs one slope per query head");
     slopes = slopes_f32.const_data_ptr<float>();
   }
-  const int32_t* indices = nullptr;
-  int64_t num_selected = seq_lens.size(0);
-  if (seq_indices.has_value()) {
-    TORCH_CHECK(seq_indices->scalar_type() == at::kInt && seq_indices->dim() == 1 && seq_indices->is_contiguous(),
-                "seq_indices must be a contiguous int32 vector");
-    indices = seq_indices->const_data_ptr<int32_t>();
-    num_selected = seq_indices->size(0);
-    for (int64_t i = 0; i < num_selected; ++i) {
-      TORCH_CHECK(indices[i] >= 0 && indices[i] < seq_lens.size(0), "seq_indices holds ", indices[i],
-                  ", not a sequence of the batch");
-    }
-  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_attention", [&] {
     auto run = [&](auto head_size) {
       paged_attention_impl<scalar_t, decltype(head_size)::value>(out, query, key_cache, value_cache, block_tables,
                                                                  seq_lens, query_start_loc, scale, sliding_window,
-                                                                 logits_soft_cap, slopes, indices, num_selected);
+                                                                 logits_soft_cap, slopes);
     };
     switch (query.size(2)) {
       case 64:

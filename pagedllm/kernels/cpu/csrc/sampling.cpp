@@ -62,7 +62,7 @@ void argmax_logsumexp(const at::Tensor& logits, const at::Tensor& argmax, const 
         float chunk_sum = 0.f;
         const float m = running_max;
 #pragma omp simd reduction(+ : chunk_sum)
-        for (int64_t i = 0; i < n; ++i) chunk_sum += exp_nonpositive(c[i] - m);
+        for (int64_t i = 0; i < n; ++i) chunk_sum += exp_approx(c[i] - m);
         sum += chunk_sum;
       }
       argmax_out[row] = best;

@@ -57,12 +57,13 @@ inline float dot(const float* __restrict a, const float* __restrict b, int64_t n
   return sum;
 }
 
-// exp(x) for the softmax's x <= 0, in a form the compiler vectorises (std::exp is a scalar
-// call): e^x = 2^n * 2^f with n = round(x * log2(e)) and |f| <= 1/2, 2^f by its Taylor series to
-// degree 6 (relative error below 2e-7, about one float ulp). x is clamped at -87, where e^x is
-// ~1.6e-38, still a normal float, so 2^n never needs a subnormal's exponent.
-inline float exp_nonpositive(float x) {
-  const float t = std::max(x, -87.f) * 1.4426950408889634f;
+// exp(x) in a form the compiler vectorises (std::exp is a scalar call): e^x = 2^n * 2^f with
+// n = round(x * log2(e)) and |f| <= 1/2, 2^f by its Taylor series to degree 6 (relative error
+// below 2e-7, about one float ulp). x is clamped at -87, where e^x is ~1.6e-38, still a normal
+// float, so 2^n never needs a subnormal's exponent; past x = 88.7 the exponent field overflows
+// into infinity, as e^x does.
+inline float exp_approx(float x) {
+  const float t = std::min(std::max(x, -87.f) * 1.4426950408889634f, 128.f);
   const float n = (t + 12582912.f) - 12582912.f;  // round to nearest: 1.5 * 2^23 drops the fraction
   const float f = (t - n) * 0.6931471805599453f;  // 2^(t - n) = e^f, |f| <= ln(2) / 2
   float p = 1.f / 720;
