@@ -6,6 +6,8 @@ checks raise."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from test_cpu_backend import make_step
@@ -132,3 +134,31 @@ def test_cache_write_matches_index_copy_skips_padding_and_refuses_slots_past_the
         reshape_and_cache(key, value, *caches, torch.tensor([0, 1, 2, 12, 3]))
     for cache, kept in zip(caches, before):  # checked before anything is written
         torch.testing.assert_close(cache, kept, equal_nan=True, atol=0, rtol=0)
+
+
+def test_build_names_what_is_missing_and_the_switch_turns_the_kernels_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pagedllm.kernels.cpu import build
+
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.raises(RuntimeError, match=r"C\+\+ compiler.*nonexistent"):
+        build.check_build_requirements()
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
+    assert build.available.__wrapped__() is False  # uncached: what a fresh process decides
+
+
+def test_build_directory_changes_with_the_sources(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from pagedllm.kernels.cpu import build
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    first = build.cache_dir()
+    assert first.is_relative_to(tmp_path / "cpu-ext")
+    sources = tmp_path / "csrc"
+    sources.mkdir()
+    for path in build.CSRC.iterdir():
+        (sources / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(build, "CSRC", sources)
+    assert build.cache_dir() == first  # same content, same place: an existing build is reused
+    (sources / "ops.h").write_text((sources / "ops.h").read_text() + "\n// changed\n")
+    assert build.cache_dir() != first  # a changed source never loads a stale library
