@@ -33,7 +33,6 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
-    "activation.cpp",
     "binding.cpp",
     "cache.cpp",
     "paged_attention.cpp",

@@ -96,12 +96,3 @@ def rotary_embedding(
     [num_tokens, heads * head_size], rows contiguous."""
     load()
     torch.ops.pagedllm_cpu.rotary_embedding(positions, query, key, cos_sin_cache, head_size)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's gate, ``silu(x[:, :d]) * x[:, d:]`` for x: [num_tokens, 2 * d] (rows contiguous),
-    rounded as the PyTorch reference: [num_tokens, d], a new tensor."""
-    load()
-    out = torch.empty(x.shape[0], x.shape[1] // 2, dtype=x.dtype)
-    torch.ops.pagedllm_cpu.silu_and_mul(out, x)
-    return out

@@ -13,8 +13,6 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
       "Tensor seq_lens, Tensor query_start_loc, float scale, int sliding_window, float logits_soft_cap, "
       "Tensor? alibi_slopes) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, TORCH_FN(pagedllm_cpu::paged_attention));
-  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
-  m.impl("silu_and_mul", c10::DispatchKey::CPU, TORCH_FN(pagedllm_cpu::silu_and_mul));
   m.def("rms_norm(Tensor(a!) x, Tensor(b!)? residual, Tensor weight, float eps) -> ()");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(pagedllm_cpu::rms_norm));
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache, int head_size) -> ()");

@@ -8,9 +8,6 @@
 
 namespace pagedllm_cpu {
 
-// activation.cpp: out = silu(x[:, :d]) * x[:, d:].
-void silu_and_mul(const at::Tensor& out, const at::Tensor& x);
-
 // cache.cpp: each token's K and V rows into its slot; slots < 0 (padding) skipped.
 void reshape_and_cache(const at::Tensor& key, const at::Tensor& value, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, const at::Tensor& slot_mapping);
