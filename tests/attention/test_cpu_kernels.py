@@ -94,6 +94,19 @@ def test_kernel_checks_name_what_is_wrong() -> None:
         paged_attention(out, q, key_cache, value_cache, md.block_tables.long(), *common)
     with pytest.raises(RuntimeError, match="multiple of num_kv_heads"):
         paged_attention(out[:, :3], q[:, :3], key_cache, value_cache, md.block_tables, *common)
+    # Metadata that would send a read outside the cache is refused before anything is read.
+    num_blocks = key_cache.shape[0]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        table = md.block_tables.clone()
+        table[0, 1] = num_blocks
+        paged_attention(out, q, key_cache, value_cache, table, *common)
+    with pytest.raises(RuntimeError, match="needs more blocks"):
+        long_context = torch.tensor([4 * md.block_tables.shape[1] + 1], dtype=torch.int32)
+        paged_attention(out, q, key_cache, value_cache, md.block_tables, long_context, *common[1:])
+    with pytest.raises(RuntimeError, match="queries for a context"):
+        paged_attention(
+            out, q, key_cache, value_cache, md.block_tables, torch.zeros(1, dtype=torch.int32), *common[1:]
+        )
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 5), (32, 49152), (5, 1024), (4, 1025), (2, 3000)])

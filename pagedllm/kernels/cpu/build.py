@@ -2,7 +2,7 @@
 
 ``load()`` compiles ``csrc/`` for this machine's CPU (``-march=native``, so the compiler uses its
 AVX-512 or AVX2 units) with ``torch.utils.cpp_extension.load`` and registers its operators under
-``torch.ops.pagedllm_cpu``. The first build takes ~15 s on two cores (parsing torch's headers is
+``torch.ops.pagedllm_cpu``. The first build takes ~15-20 s on two cores (parsing torch's headers is
 most of it); later calls, in this process or another one, load it from the build directory
 without invoking ninja (which alone costs ~0.8 s a start). A file lock in the build directory
 lets concurrent processes wait for one build instead of racing. The directory is

@@ -221,8 +221,26 @@ void paged_attention(
   }
   TORCH_CHECK(query_start_loc.size(0) == seq_lens.size(0) + 1 && block_tables.size(0) >= seq_lens.size(0),
               "query_start_loc needs num_seqs + 1 entries and block_tables a row per sequence");
-  TORCH_CHECK(query_start_loc.const_data_ptr<int32_t>()[seq_lens.size(0)] <= query.size(0),
-              "query_start_loc runs past the query");
+  // The metadata decides every address read: check it all (a few hundred integers a step) so that
+  // a wrong table raises here instead of reading outside the cache.
+  const int64_t num_seqs = seq_lens.size(0), num_blocks = key_cache.size(0), block_size = key_cache.size(1);
+  const int32_t* starts = query_start_loc.const_data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.const_data_ptr<int32_t>();
+  const int32_t* tables = block_tables.const_data_ptr<int32_t>();
+  TORCH_CHECK(starts[0] >= 0 && starts[num_seqs] <= query.size(0), "query_start_loc runs outside the query");
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t query_len = starts[s + 1] - starts[s];
+    TORCH_CHECK(query_len >= 0 && query_len <= lens[s], "sequence ", s, " has ", query_len,
+                " queries for a context of ", lens[s]);
+    const int64_t used_blocks = (lens[s] + block_size - 1) / block_size;
+    TORCH_CHECK(used_blocks <= block_tables.size(1), "sequence ", s, "'s context of ", lens[s],
+                " tokens needs more blocks than its block table row holds");
+    for (int64_t b = 0; b < used_blocks; ++b) {
+      const int32_t block = tables[s * block_tables.size(1) + b];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "sequence ", s, " maps to block ", block, " outside the cache's ",
+                  num_blocks);
+    }
+  }
   const float* slopes = nullptr;
   at::Tensor slopes_f32;
   if (alibi_slopes.has_value()) {
