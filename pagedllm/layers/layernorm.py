@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.kernels.cpu.build import available as cpu_kernels_available
 from pagedllm.layers.utils import default_weight_loader, use_triton
 
@@ -63,11 +64,9 @@ class RMSNorm(nn.Module):
         """The C++ kernel (kernels/cpu/csrc/rms_norm.cpp), one call instead of ~9 operators. As
         the Triton kernel's: with ``residual`` the results are written over x and residual;
         without, into a new tensor."""
-        from pagedllm.kernels.cpu.ops import rms_norm
-
         hidden = x.shape[-1]
         out = x if residual is not None else x.clone()
-        rms_norm(
+        cpu_ops.rms_norm(
             out.view(-1, hidden),
             None if residual is None else residual.view(-1, hidden),
             self.weight,

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.kernels.cpu.build import available as cpu_kernels_available
 from pagedllm.layers.utils import use_triton
 
@@ -253,10 +254,8 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The C++ kernel (kernels/cpu/csrc/rotary.cpp), in place: one call instead of ~24
         operators, with the reference's rounding."""
-        from pagedllm.kernels.cpu.ops import rotary_embedding
-
         table, index = self.cos_sin_rows(positions)
-        rotary_embedding(index.long(), query, key, table, self.head_size)
+        cpu_ops.rotary_embedding(index.long(), query, key, table, self.head_size)
         return query, key
 
     def _cpu_kernel_applies(self, query: torch.Tensor, key: torch.Tensor) -> bool:

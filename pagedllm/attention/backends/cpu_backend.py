@@ -56,6 +56,7 @@ from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kernels.cpu.build import available as cpu_kernels_available
+from pagedllm.kernels.cpu.ops import paged_attention, reshape_and_cache
 
 
 def write_to_paged_cache_indexed(
@@ -157,19 +158,19 @@ class CpuAttentionBackend(AttentionBackend):
         sink_query = self._check_sink_query(query, sink_query)
         key_cache, value_cache = kv_cache
         md = attn_metadata
-        if self._kernel_applies(query, key_cache, sink_query):
-            from pagedllm.kernels.cpu.ops import reshape_and_cache
-
+        kernel = self.use_kernel and sink_query is None and key_cache.dtype == query.dtype
+        if kernel:
             reshape_and_cache(key, value, key_cache, value_cache, md.slot_mapping)
         else:
             write_to_paged_cache_indexed(key, value, key_cache, value_cache, md.slot_mapping)
         num_decodes = md.num_decodes
         if num_decodes == query.shape[0]:  # decodes only, no padding tokens: no output copy
-            return self._decode(query, sink_query, key_cache, value_cache, md)
+            return self._decode(query, sink_query, key_cache, value_cache, md, kernel)
         output = torch.empty_like(query)
         if num_decodes:
             decode_sinks = None if sink_query is None else sink_query[:num_decodes]
-            output[:num_decodes] = self._decode(query[:num_decodes], decode_sinks, key_cache, value_cache, md)
+            decodes = query[:num_decodes]
+            output[:num_decodes] = self._decode(decodes, decode_sinks, key_cache, value_cache, md, kernel)
         query_start_loc = md.query_start_loc_cpu.tolist()
         for i in range(num_decodes, md.num_seqs):
             start, end = query_start_loc[i], query_start_loc[i + 1]
@@ -197,11 +198,6 @@ class CpuAttentionBackend(AttentionBackend):
         sq = None if sink_query is None else sink_query[start:end].transpose(0, 1)[None]
         return self._attend(q, k, v, md.seq_lens_cpu[i : i + 1], sq)[0].transpose(0, 1)
 
-    def _kernel_applies(
-        self, query: torch.Tensor, key_cache: torch.Tensor, sink_query: torch.Tensor | None
-    ) -> bool:
-        return self.use_kernel and sink_query is None and key_cache.dtype == query.dtype
-
     def _decode(
         self,
         query: torch.Tensor,
@@ -209,13 +205,12 @@ class CpuAttentionBackend(AttentionBackend):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         md: AttentionMetadata,
+        kernel: bool,
     ) -> torch.Tensor:
         """query (and sink_query, None without sinks): [num_decodes, num_heads, head_size], one
-        token per sequence -> same shape."""
+        token per sequence -> same shape; ``kernel``: through the C++ kernel."""
         num_decodes = query.shape[0]
-        if self._kernel_applies(query, key_cache, sink_query):
-            from pagedllm.kernels.cpu.ops import paged_attention
-
+        if kernel:
             output = torch.empty_like(query)
             paged_attention(
                 output,

@@ -38,7 +38,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -51,9 +50,7 @@ namespace {
 constexpr int64_t kTileKeys = 32;
 constexpr int64_t kPrefetchKeys = 8;
 
-// kHeadSize > 0: the head size as a compile-time constant (the common ones), so that the
-// compiler unrolls the per-key dot products and updates; 0: read from the query.
-template <typename scalar_t, int64_t kHeadSize>
+template <typename scalar_t>
 void paged_attention_impl(
     const at::Tensor& out,
     const at::Tensor& query,
@@ -67,7 +64,7 @@ void paged_attention_impl(
     double logits_soft_cap,
     const float* alibi_slopes) {
   const int64_t num_seqs = seq_lens.size(0);
-  const int64_t num_heads = query.size(1), head_size = kHeadSize > 0 ? kHeadSize : query.size(2);
+  const int64_t num_heads = query.size(1), head_size = query.size(2);
   const int64_t block_size = key_cache.size(1), num_kv_heads = key_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
@@ -250,21 +247,8 @@ void paged_attention(
     slopes = slopes_f32.const_data_ptr<float>();
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "paged_attention", [&] {
-    auto run = [&](auto head_size) {
-      paged_attention_impl<scalar_t, decltype(head_size)::value>(out, query, key_cache, value_cache, block_tables,
-                                                                 seq_lens, query_start_loc, scale, sliding_window,
-                                                                 logits_soft_cap, slopes);
-    };
-    switch (query.size(2)) {
-      case 64:
-        run(std::integral_constant<int64_t, 64>{});
-        break;
-      case 128:
-        run(std::integral_constant<int64_t, 128>{});
-        break;
-      default:
-        run(std::integral_constant<int64_t, 0>{});
-    }
+    paged_attention_impl<scalar_t>(out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, scale,
+                                   sliding_window, logits_soft_cap, slopes);
   });
 }
 
