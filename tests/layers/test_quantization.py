@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
-from pagedllm.layers.onednn_linear import OneDNNTiedLMHeadMethod, onednn_available
+from pagedllm.layers.onednn_linear import INT4_HEAD_MAX_ROWS, OneDNNTiedLMHeadMethod, onednn_available
 from pagedllm.layers.quantization import keeps_gguf_quantized
 from pagedllm.layers.quantization.gguf import (
+    BLOCK_BYTES,
     GGUFEmbeddingMethod,
     GGUFQ4LinearMethod,
     dequantize_rows,
@@ -157,8 +158,9 @@ def test_quantized_embedding_lookup_equals_the_dequantized_table(
 @pytest.mark.parametrize("tensor_type", EMBEDDING_TYPES)
 def test_tied_head_on_a_quantized_table_equals_the_dense_tied_head(tensor_type: str) -> None:
     """The CPU worker's tied head over a table kept quantized: the blocked copy for the matmul and
-    the quantized rows for lookups, no dense row-major table beside them; the same logits and
-    embeddings, bit for bit, as the tied head over the dense table."""
+    the quantized rows for lookups, no dense row-major table beside them (a Q4 table adds its int4
+    packing, for products of few rows); the same embeddings, and logits of more rows than the int4
+    kernel takes, bit for bit, as the tied head over the dense table."""
     layer, table = quantized_embedding(tensor_type, torch.bfloat16, num_embeddings=256)
     layer.quant_method = OneDNNTiedLMHeadMethod(layer.quant_method)
     layer.quant_method.process_weights_after_loading(layer)
@@ -167,8 +169,9 @@ def test_tied_head_on_a_quantized_table_equals_the_dense_tied_head(tensor_type: 
     dense.quant_method = OneDNNTiedLMHeadMethod()
     dense.quant_method.process_weights_after_loading(dense)
     held = {name: t.dtype for name, t in [*layer.named_parameters(), *layer.named_buffers()]}
-    assert held == {"weight": torch.uint8, "packed_weight": torch.bfloat16}
+    int4 = {"qweight": torch.uint8, "scales_and_zeros": torch.bfloat16} if tensor_type in BLOCK_BYTES else {}
+    assert held == {"weight": torch.uint8, "packed_weight": torch.bfloat16, **int4}
     input_ids = torch.randint(0, 256, (64,))
     assert torch.equal(layer(input_ids), dense(input_ids))
-    x = torch.randn(7, 96).bfloat16()
+    x = torch.randn(INT4_HEAD_MAX_ROWS + 3, 96).bfloat16()
     assert torch.equal(layer.quant_method.apply(layer, x, None), dense.quant_method.apply(dense, x, None))

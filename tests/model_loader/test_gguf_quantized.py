@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import unittest.mock
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from transformers import LlamaConfig
 from pagedllm.attention.backends.cpu_backend import CpuAttentionBackend
 from pagedllm.config import ModelConfig
 from pagedllm.layers.linear import LinearBase
-from pagedllm.layers.onednn_linear import prepack_dense_weights
+from pagedllm.layers.onednn_linear import INT4_HEAD_MAX_ROWS, OneDNNTiedLMHeadMethod, prepack_dense_weights
 from pagedllm.layers.quantization.gguf import GGUFEmbeddingMethod, GGUFQ4LinearMethod
 from pagedllm.model_loader import get_model, gguf_loader
 from pagedllm.model_loader.gguf_loader import load_gguf_config
@@ -130,7 +131,9 @@ def test_quantized_embedding_table_gives_the_logits_of_its_dequantized_table(
     tied: bool,
 ) -> None:
     """The table kept in its GGUF blocks (a third of its bf16 size for Q8_0) changes no logit, bit
-    for bit, as a loaded model and as the CPU worker prepacks it (tied: the head's blocked copy)."""
+    for bit, as a loaded model and as the CPU worker prepacks it (tied: the head's blocked copy),
+    except one: a tied Q4 head multiplies a decode's single row by the int4 kernel (its own test
+    below), the prompt's rows by the blocked copy."""
     model_config = dataclasses.replace(
         write_tiny_gguf(make_tiny_model, tmp_path / "tiny.gguf", "Q4_0", embedding_type, tied),
         quantization="gguf",
@@ -145,7 +148,48 @@ def test_quantized_embedding_table_gives_the_logits_of_its_dequantized_table(
     dense_model = get_model(model_config, "gguf", CPU, CpuAttentionBackend)
     assert dense_model.model.embed_tokens.quant_method is None
     dense = [logits_of(model_config, paged_runner, prompt, prepack) for prepack in (False, True)]
-    assert torch.equal(ours[0], dense[0]) and torch.equal(ours[1], dense[1])
+    assert torch.equal(ours[0], dense[0])
+    if tied and embedding_type != "Q8_0":
+        assert torch.equal(ours[1][:-1], dense[1][:-1])
+        torch.testing.assert_close(ours[1][-1], dense[1][-1], atol=0.02 * dense[1].abs().max().item(), rtol=0)
+    else:
+        assert torch.equal(ours[1], dense[1])
+
+
+@pytest.mark.parametrize("embedding_type", ["Q4_0", "Q4_1"])
+def test_tied_q4_head_multiplies_few_rows_by_the_int4_kernel(
+    make_tiny_model: Callable, tmp_path: Path, embedding_type: str
+) -> None:
+    """A tied Q4 table in bf16 is also packed for the int4 kernel, which takes products of up to
+    INT4_HEAD_MAX_ROWS rows (one stream's head reads a quarter of the bytes); more rows go to the
+    blocked bf16 copy. Both give the table's logits: the int4 kernel rounds only the blocks'
+    scales to bf16."""
+    model_config = dataclasses.replace(
+        write_tiny_gguf(make_tiny_model, tmp_path / "tiny.gguf", "Q4_0", embedding_type, tied=True),
+        quantization="gguf",
+    )
+    model = get_model(model_config, "gguf", CPU, CpuAttentionBackend)
+    table = model.model.embed_tokens.quant_method.dequantize(model.lm_head)  # the file's values, bf16
+    prepack_dense_weights(model)
+    method = model.lm_head.quant_method
+    assert isinstance(method, OneDNNTiedLMHeadMethod) and method.int4_head
+    hidden = torch.randn(INT4_HEAD_MAX_ROWS + 1, table.shape[1], generator=torch.Generator().manual_seed(0))
+    hidden = hidden.bfloat16()
+    expected = (hidden.float() @ table.float().t()).bfloat16()
+    calls = []
+    real = torch.ops.aten._weight_int4pack_mm_for_cpu
+    with unittest.mock.patch.object(
+        torch.ops.aten,
+        "_weight_int4pack_mm_for_cpu",
+        lambda *args: calls.append(args[0].shape[0]) or real(*args),
+    ):
+        for rows in range(1, INT4_HEAD_MAX_ROWS + 2):
+            logits = method.apply(model.lm_head, hidden[:rows], None)
+            assert logits.dtype == torch.bfloat16 and logits.shape == (rows, table.shape[0])
+            torch.testing.assert_close(
+                logits.float(), expected[:rows].float(), atol=0.02 * expected.abs().max().item(), rtol=0
+            )
+    assert calls == list(range(1, INT4_HEAD_MAX_ROWS + 1))  # the int4 kernel, up to the limit only
 
 
 def test_tied_quantized_table_stays_dense_without_a_blocked_head(

@@ -88,19 +88,40 @@ class GGUFQ4LinearMethod(LinearMethod):
         layer.input_size = input_size
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        q, scale, zero = decode_q4_blocks(layer.weight.data, self.tensor_type)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES)
-        # [num_groups, N, 2]: the kernel's layout of (scale, zero) per group and output row.
-        scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        packed, scales_and_zeros = pack_q4(layer.weight.data, self.tensor_type)
         del layer.weight
         layer.register_buffer("qweight", packed, persistent=False)
         layer.register_buffer("scales_and_zeros", scales_and_zeros, persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.to(torch.bfloat16), layer.qweight, GROUP_SIZE, layer.scales_and_zeros
-        ).to(x.dtype)
+        out = q4_matmul(x, layer.qweight, layer.scales_and_zeros)
         return out if bias is None else out.add_(bias)
+
+
+# Rows decoded at a time by pack_q4: its int32 temporaries for a 49,152-row table would take
+# 113 MB at once (the int4 packing of a row tile depends on that tile alone).
+_PACK_CHUNK_ROWS = 4096
+
+
+def pack_q4(raw: torch.Tensor, tensor_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """raw: uint8 [N, num_groups * block_bytes] of Q4_0/Q4_1 blocks -> (the int4 kernel's packed
+    weight, its scales and zeros bf16 [num_groups, N, 2])."""
+    packed, scales, zeros = [], [], []
+    for start in range(0, raw.shape[0], _PACK_CHUNK_ROWS):
+        q, scale, zero = decode_q4_blocks(raw[start : start + _PACK_CHUNK_ROWS], tensor_type)
+        packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, _INNER_K_TILES))
+        scales.append(scale.to(torch.bfloat16))
+        zeros.append(zero.to(torch.bfloat16))
+    # [num_groups, N, 2]: the kernel's layout of (scale, zero) per group and output row.
+    scales_and_zeros = torch.stack([torch.cat(scales).t(), torch.cat(zeros).t()], dim=-1).contiguous()
+    return torch.cat(packed), scales_and_zeros
+
+
+def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times a pack_q4 weight [N, K] transposed -> [M, N] in x's dtype."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x.to(torch.bfloat16), packed, GROUP_SIZE, scales_and_zeros
+    ).to(x.dtype)
 
 
 def dequantize_rows(raw: torch.Tensor, tensor_type: str) -> torch.Tensor:

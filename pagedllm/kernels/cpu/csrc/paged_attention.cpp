@@ -14,7 +14,9 @@
 // of kTileKeys with the online softmax of FlashAttention (Dao et al., 2022): a tile's scores
 // `scale * q . k_j` (then the soft cap, then ALiBi's `slope * (j - pos)`), the running maximum and
 // sum rescaled once per tile, `acc += exp(s - max) * v_j`; at the end `out = acc / sum`. All
-// arithmetic is float32, whatever the cache's dtype.
+// arithmetic is float32, whatever the cache's dtype. bf16 with head size 64 or 128, no soft cap
+// and no ALiBi takes the AVX512-BF16 path (attend_head_bf16) where the CPU has the instructions:
+// the same algorithm with tiles of 16 keys, one KV head at a time.
 //
 // Layouts: query, out [num_tokens, num_heads, head_size], head rows contiguous (the token stride
 // is free: the model's fused QKV output is a strided view); key/value caches [num_blocks,
@@ -25,20 +27,28 @@
 //
 // Bound: a decode item reads 2 * ctx * head_size cache elements a KV head and does 4 * group *
 // ctx * head_size FLOPs: at group 3 in bf16, 3 FLOPs a byte read. Within a model's step the cache
-// is cold (the layers' weights stream through the caches in between), so misses set the pace: C1's
-// decode layer (32 sequences of ~100 tokens, 3 KV heads of 64, 2.4 MB of K and V) takes ~0.15 ms
-// warm and ~0.21 ms cold in the engine on two cores. Items of single heads, reading 128 B of every
-// 384 B row, took ~0.55 ms cold; whole rows with a tile's prefetches issued at once (they wait for
-// free miss buffers) ~0.3 ms; each key's rows are now prefetched kPrefetchKeys keys ahead.
+// is cold (the layers' weights stream through the caches in between), so misses set the pace
+// once the arithmetic is lean. C1's decode layer (32 sequences of ~100 tokens, 3 KV heads of 64,
+// 2.4 MB of K and V; benchmarks/cpu_kernels.py, two cores): the generic loop took 194 us warm and
+// 402 us cold, the AVX512-BF16 path 81 us and 176 us (~100 us in the engine's step). Items of
+// single heads, reading 128 B of every 384 B row, took ~0.55 ms cold; whole rows with a tile's
+// prefetches issued at once (they wait for free miss buffers) ~0.3 ms; each key's rows are now
+// prefetched a few keys ahead, spread over the arithmetic.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 #include "ops.h"
 #include "vec_math.h"
@@ -49,6 +59,153 @@ namespace {
 
 constexpr int64_t kTileKeys = 32;
 constexpr int64_t kPrefetchKeys = 8;
+
+#if defined(__AVX512BF16__)
+// bf16 caches on CPUs with AVX512-BF16 (Zen 4 and later, Cooper Lake, Sapphire Rapids): one KV
+// head's rows at a time, its group of query rows together, in registers.
+//
+// Scores: a tile of 16 keys. q . k_j is VDPBF16PS over the head's bf16 pairs (products exact in
+// float32, summed in float32), one 16-lane partial vector per key; sum_lanes16 folds the 16
+// vectors into one whose lane j is key j's score (45 shuffles and adds for 16 keys, against a
+// horizontal reduction per key). Softmax: vectors of 16 scores, exp_approx's polynomial. Values:
+// each row converted to float32 once (a bf16 is the top half of a float) and accumulated with
+// FMAs into R x 2C registers. The generic loop below converts every K and V row to a float buffer,
+// reduces each dot product horizontally and keeps its accumulators in memory: ~3x the
+// instructions a key.
+constexpr int kLanes = 16;
+
+// Lane j of the result is the sum of the 16 lanes of v[j].
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit chunk: [a0 + a2, b0 + b2, a1 + a3, b1 + b3]
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {  // per 128-bit chunk: the chunk's sums of keys 4i ... 4i + 3
+    const __m512d x = _mm512_castps_pd(pairs[2 * i]), y = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // The four chunks of each quads[i] added: chunk i of the result.
+  const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88), _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88), _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
+}
+
+// exp_approx (vec_math.h), 16 lanes at a time: the same clamps, rounding and polynomial.
+inline __m512 exp_approx16(__m512 x) {
+  const __m512 t = _mm512_min_ps(_mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.4426950408889634f)),
+                                 _mm512_set1_ps(128.f));
+  const __m512 magic = _mm512_set1_ps(12582912.f);
+  const __m512 n = _mm512_sub_ps(_mm512_add_ps(t, magic), magic);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+inline __m512 bf16_to_float(const c10::BFloat16* src) {  // 16 elements
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline void prefetch_rows(const c10::BFloat16* row, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(reinterpret_cast<const char*>(row) + line, _MM_HINT_T0);
+}
+
+// Rows [0, R) of one KV head's group: queries q (row r at q + r * head_size, bf16) over keys
+// lo..pos, written to out (same layout). C: head_size / 32, bf16 pairs vectors a row. Keys are
+// prefetched a tile ahead and values a tile's softmax ahead, prefetch_bytes from
+// prefetch_offset elements past the head's row (the first head of an item asks for every head's
+// rows, a key's whole contiguous span; none when 0).
+template <int R, int C>
+void attend_head_bf16(const c10::BFloat16* q, c10::BFloat16* out, const c10::BFloat16* k_base,
+                      const c10::BFloat16* v_base, const int32_t* table, int64_t block_size, int64_t row_stride,
+                      int64_t head_offset, int64_t lo, int64_t pos, float scale, int64_t prefetch_offset,
+                      int64_t prefetch_bytes) {
+  constexpr int64_t head_size = 32 * C;
+  __m512bh qv[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) qv[r][c] = (__m512bh)_mm512_loadu_si512(q + r * head_size + 32 * c);
+  __m512 acc[R][2 * C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2 * C; ++c) acc[r][c] = _mm512_setzero_ps();
+  float row_max[R], row_sum[R];
+  alignas(64) float probs[R][kLanes];
+  for (int r = 0; r < R; ++r) {
+    row_max[r] = -std::numeric_limits<float>::infinity();
+    row_sum[r] = 0.f;
+  }
+  auto row_of = [&](const c10::BFloat16* cache, int64_t j) {
+    return cache + (static_cast<int64_t>(table[j / block_size]) * block_size + j % block_size) * row_stride + head_offset;
+  };
+  const c10::BFloat16* keys[kLanes];
+  if (prefetch_bytes > 0) {
+    for (int64_t j = lo; j < std::min(lo + kLanes, pos + 1); ++j) prefetch_rows(row_of(k_base, j) + prefetch_offset, prefetch_bytes);
+  }
+  for (int64_t tile = lo; tile <= pos; tile += kLanes) {
+    const int n = static_cast<int>(std::min<int64_t>(kLanes, pos + 1 - tile));
+    for (int j = 0; j < n; ++j) keys[j] = row_of(k_base, tile + j);
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+    for (int r = 0; r < R; ++r) {
+      __m512 partial[kLanes];
+      for (int j = 0; j < kLanes; ++j) {
+        if (r == 0 && prefetch_bytes > 0) {  // the next tile's keys, this tile's values
+          if (tile + kLanes + j <= pos) prefetch_rows(row_of(k_base, tile + kLanes + j) + prefetch_offset, prefetch_bytes);
+          if (j < n) prefetch_rows(row_of(v_base, tile + j) + prefetch_offset, prefetch_bytes);
+        }
+        partial[j] = _mm512_setzero_ps();
+        if (j < n) {
+          for (int c = 0; c < C; ++c) {
+            partial[j] = _mm512_dpbf16_ps(partial[j], qv[r][c], (__m512bh)_mm512_loadu_si512(keys[j] + 32 * c));
+          }
+        }
+      }
+      const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                                               _mm512_mul_ps(sum_lanes16(partial), _mm512_set1_ps(scale)));
+      const float tile_max = std::max(row_max[r], _mm512_reduce_max_ps(scores));
+      const float rescale = exp_approx(row_max[r] - tile_max);  // 0 on the first tile
+      row_max[r] = tile_max;
+      const __m512 p = _mm512_maskz_mov_ps(valid, exp_approx16(_mm512_sub_ps(scores, _mm512_set1_ps(tile_max))));
+      row_sum[r] = row_sum[r] * rescale + _mm512_reduce_add_ps(p);
+      _mm512_store_ps(probs[r], p);
+      for (int c = 0; c < 2 * C; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(rescale));
+    }
+    for (int j = 0; j < n; ++j) {
+      const c10::BFloat16* v = row_of(v_base, tile + j);
+      __m512 vf[2 * C];
+      for (int c = 0; c < 2 * C; ++c) vf[c] = bf16_to_float(v + 16 * c);
+      for (int r = 0; r < R; ++r) {
+        const __m512 pj = _mm512_set1_ps(probs[r][j]);
+        for (int c = 0; c < 2 * C; ++c) acc[r][c] = _mm512_fmadd_ps(pj, vf[c], acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.f / row_sum[r]);
+    for (int c = 0; c < 2 * C; ++c) {
+      const __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][c], inv));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * head_size + 16 * c), (__m256i)o);
+    }
+  }
+}
+
+// One KV head's `group` query rows, in chunks of at most 4 rows (R x 2C float accumulators).
+template <int C>
+void attend_group_bf16(const c10::BFloat16* q, c10::BFloat16* out, int64_t group, const c10::BFloat16* k_base,
+                       const c10::BFloat16* v_base, const int32_t* table, int64_t block_size, int64_t row_stride,
+                       int64_t head_offset, int64_t lo, int64_t pos, float scale, int64_t prefetch_offset,
+                       int64_t prefetch_bytes) {
+  constexpr int64_t head_size = 32 * C;
+  for (int64_t r0 = 0; r0 < group; r0 += 4) {
+    const auto* qr = q + r0 * head_size;
+    auto* outr = out + r0 * head_size;
+    const auto attend = std::array{attend_head_bf16<1, C>, attend_head_bf16<2, C>, attend_head_bf16<3, C>,
+                                   attend_head_bf16<4, C>}[std::min<int64_t>(4, group - r0) - 1];
+    attend(qr, outr, k_base, v_base, table, block_size, row_stride, head_offset, lo, pos, scale, prefetch_offset,
+           r0 == 0 ? prefetch_bytes : 0);
+  }
+}
+#endif
 
 template <typename scalar_t>
 void paged_attention_impl(
@@ -101,6 +258,9 @@ void paged_attention_impl(
   const int64_t rows = heads_per_item * group;  // query heads per item
   const int64_t span = heads_per_item * head_size;  // elements of one key's rows for the item
   const int64_t span_bytes = span * static_cast<int64_t>(sizeof(scalar_t));
+  // The AVX512-BF16 path: head sizes of 64 and 128, scores without soft cap or ALiBi.
+  const bool fast = (head_size == 64 || head_size == 128) && cap == 0.f && alibi_slopes == nullptr;
+  (void)fast;
 
   at::parallel_for(0, num_tokens * items_per_token, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> workspace(rows * (2 * head_size + kTileKeys + 2) + span);
@@ -117,6 +277,20 @@ void paged_attention_impl(
       const int64_t pos = lens[s] - query_len + (t - starts[s]);
       const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, pos - sliding_window + 1) : 0;
       const int32_t* table = tables + s * max_blocks;
+#if defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+        if (fast) {
+          for (int64_t h = h0; h < h0 + heads_per_item; ++h) {
+            const int64_t offset = h * group * head_size;
+            const auto attend = head_size == 64 ? attend_group_bf16<2> : attend_group_bf16<4>;
+            attend(q_base + t * q_stride + offset, out_base + t * out_stride + offset, group, k_base, v_base, table,
+                   block_size, row_stride, h * head_size, lo, pos, fscale, (h0 - h) * head_size,
+                   h == h0 ? span_bytes : 0);
+          }
+          continue;
+        }
+      }
+#endif
       // Query heads h0 * group ... are contiguous in the query: row r is query head h0 * group + r.
       to_float(q_base + t * q_stride + h0 * group * head_size, q, rows * head_size);
       std::fill(acc, acc + rows * head_size, 0.f);
