@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, ReplicatedLinear
 from pagedllm.layers.onednn_linear import INT4_HEAD_MAX_ROWS, OneDNNTiedLMHeadMethod, onednn_available
 from pagedllm.layers.quantization import keeps_gguf_quantized
@@ -63,6 +64,32 @@ def test_q4_linear_matches_dequantized_oracle(tensor_type: str, dtype: torch.dty
     assert out.dtype == dtype
     # The kernel computes in bf16 (activations, scales, zeros): ~1% of the output's scale.
     torch.testing.assert_close(out.float(), expected, atol=0.02 * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (192, 96), (960, 576), (128, 1536)])
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 4])
+def test_few_rows_kernel_computes_what_torch_s_int4_kernel_does(
+    shape: tuple[int, int], num_rows: int
+) -> None:
+    """pagedllm's kernel for one stream's rows reads torch's int4 packing: against the exact
+    product (float64) of the weights the packing holds, its error is torch's kernel's, the bf16
+    rounding of the output; the two agree bit for bit on almost every output."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k + num_rows)
+    q = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=gen)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2)
+    scales_and_zeros = (torch.randn(k // 32, n, 2, generator=gen) * 0.05).bfloat16()
+    x = torch.randn(num_rows, k, generator=gen).bfloat16()
+    per_group = [scales_and_zeros[..., i].double().t().repeat_interleave(32, dim=1) for i in (0, 1)]
+    exact = x.double() @ ((q.double() - 8) * per_group[0] + per_group[1]).t()
+    ours = cpu_ops.int4_matmul_few_rows(x, packed, scales_and_zeros)
+    theirs = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)
+    assert ours.dtype == torch.bfloat16 and ours.shape == (num_rows, n)
+    # bf16 keeps 8 significant bits: the output's rounding moves it by at most 2^-8 of itself.
+    torch.testing.assert_close(ours.double(), exact, atol=1e-3, rtol=2**-8)
+    assert (ours == theirs).double().mean() > 0.99
+    with pytest.raises(RuntimeError, match="multiple of 64"):
+        cpu_ops.int4_matmul_few_rows(x, packed[:-16], scales_and_zeros)
 
 
 @pytest.mark.parametrize("tensor_type", Q4_TYPES)

@@ -35,6 +35,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (
     "binding.cpp",
     "cache.cpp",
+    "int4_matmul.cpp",
     "paged_attention.cpp",
     "rms_norm.cpp",
     "rotary.cpp",

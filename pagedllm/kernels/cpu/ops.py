@@ -65,6 +65,19 @@ def paged_attention(
     )
 
 
+def int4_matmul_few_rows(
+    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor
+) -> torch.Tensor:
+    """``x W^T`` [M, N] bf16 for a weight packed by ``aten._convert_weight_to_int4pack_for_cpu``
+    (uint8 [N, K / 2], N a multiple of 64) with its bf16 ``scales_and_zeros`` [K / 32, N, 2]:
+    what ``aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)`` computes, read
+    faster at one to four rows. x: bf16 [M, K], contiguous."""
+    load()
+    out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.bfloat16)
+    torch.ops.pagedllm_cpu.int4_matmul_few_rows(out, x, packed, scales_and_zeros)
+    return out
+
+
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's first maximum and log-sum-exp, in one read of the logits: ([rows] int64,
     [rows] float32). logits: [num_rows, vocab] float32, rows contiguous."""

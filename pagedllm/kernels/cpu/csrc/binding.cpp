@@ -17,6 +17,8 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(pagedllm_cpu::rms_norm));
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache, int head_size) -> ()");
   m.impl("rotary_embedding", c10::DispatchKey::CPU, TORCH_FN(pagedllm_cpu::rotary_embedding));
+  m.def("int4_matmul_few_rows(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales_and_zeros) -> ()");
+  m.impl("int4_matmul_few_rows", c10::DispatchKey::CPU, TORCH_FN(pagedllm_cpu::int4_matmul_few_rows));
   m.def("argmax_logsumexp(Tensor logits, Tensor(a!) argmax, Tensor(b!) logsumexp) -> ()");
   m.impl("argmax_logsumexp", c10::DispatchKey::CPU, TORCH_FN(pagedllm_cpu::argmax_logsumexp));
 }

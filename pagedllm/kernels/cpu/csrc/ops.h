@@ -33,6 +33,10 @@ void rms_norm(const at::Tensor& x, const std::optional<at::Tensor>& residual, co
 void rotary_embedding(const at::Tensor& positions, const at::Tensor& query, const at::Tensor& key,
                       const at::Tensor& cos_sin_cache, int64_t head_size);
 
+// int4_matmul.cpp: out <- x W^T for a weight packed by aten._convert_weight_to_int4pack_for_cpu.
+void int4_matmul_few_rows(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                          const at::Tensor& scales_and_zeros);
+
 // sampling.cpp
 void argmax_logsumexp(const at::Tensor& logits, const at::Tensor& argmax, const at::Tensor& logsumexp);
 
