@@ -7,8 +7,8 @@ its Q4_1 linear weights kept at 4 bits) and reports, for each against float32:
 
 The Q4 path is also compared with bf16 dense, its own oracle (same dtype, weights dequantized).
 
-* greedy agreement on C1 (32 chat prompts, 64 tokens, EOS ignored): prompts whose 64 tokens are
-  all equal, and the mean length of the common prefix;
+* greedy agreement on C1 (32 chat prompts, 64 tokens, EOS ignored), as one batch and each prompt
+  alone: prompts whose 64 tokens are all equal, and the mean length of the common prefix;
 * perplexity on a public-domain text (``data/pride_and_prejudice_ch1.txt``: Jane Austen, 1813),
   from the prompt log-probabilities, and the largest difference of one token's log-probability.
 """
@@ -46,8 +46,15 @@ def measure(dtype: str, quantization: str) -> dict:
     prompts = [apply_chat_template(tokenizer, [{"role": "user", "content": q}]) for q in questions]
     greedy = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
+    # Each prompt alone too: one stream's steps take other kernels (the Q4 path's few-rows int4
+    # products and 4-bit LM head) than a batch's.
+    alone = [llm.generate(prompt_token_ids=[p], sampling_params=greedy, use_tqdm=False)[0] for p in prompts]
     logprobs = text_logprobs(llm, tokenizer(TEXT.read_text())["input_ids"])
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outputs], "logprobs": logprobs}
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+        "one_stream_tokens": [list(o.outputs[0].token_ids) for o in alone],
+        "logprobs": logprobs,
+    }
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -56,11 +63,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def compare(run: dict, oracle: dict) -> dict:
     prefixes = [common_prefix(a, b) for a, b in zip(run["tokens"], oracle["tokens"])]
+    alone = [common_prefix(a, b) for a, b in zip(run["one_stream_tokens"], oracle["one_stream_tokens"])]
     perplexity = math.exp(-sum(run["logprobs"]) / len(run["logprobs"]))
     oracle_ppl = math.exp(-sum(oracle["logprobs"]) / len(oracle["logprobs"]))
     return {
         "identical_prompts": sum(p == len(t) for p, t in zip(prefixes, run["tokens"])),
         "mean_common_prefix": sum(prefixes) / len(prefixes),
+        "one_stream_identical_prompts": sum(p == len(t) for p, t in zip(alone, run["one_stream_tokens"])),
+        "one_stream_mean_common_prefix": sum(alone) / len(alone),
         "perplexity": perplexity,
         "perplexity_change": perplexity / oracle_ppl - 1,
         "max_logprob_error": max(abs(x - y) for x, y in zip(run["logprobs"], oracle["logprobs"])),
@@ -75,13 +85,16 @@ def main() -> None:
     result = {f"{name} vs float32": compare(run, runs["float32"]) for name, run in runs.items()}
     # The Q4 path against its own oracle, the same file dequantized in the same dtype.
     result["bf16-q4 vs bf16"] = compare(runs["bf16-q4"], runs["bf16"])
-    print("| run | C1 prompts identical (of 32) | mean common prefix (of 64) | perplexity | change |", end="")
-    print(" max logprob error |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(
+        "| run | C1 prompts identical (of 32) | mean common prefix (of 64) | one stream: identical |", end=""
+    )
+    print(" one stream: common prefix | perplexity | change | max logprob error |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in result.items():
         print(
-            f"| {name} | {r['identical_prompts']} | {r['mean_common_prefix']:.1f} | {r['perplexity']:.3f} | "
-            f"{r['perplexity_change']:+.2%} | {r['max_logprob_error']:.3f} |"
+            f"| {name} | {r['identical_prompts']} | {r['mean_common_prefix']:.1f} | "
+            f"{r['one_stream_identical_prompts']} | {r['one_stream_mean_common_prefix']:.1f} | "
+            f"{r['perplexity']:.3f} | {r['perplexity_change']:+.2%} | {r['max_logprob_error']:.3f} |"
         )
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=1))
