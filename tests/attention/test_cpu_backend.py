@@ -17,6 +17,7 @@ import torch
 
 from pagedllm.attention.backends import get_attn_backend
 from pagedllm.attention.backends.cpu_backend import (
+    KERNEL_CHUNK_MAX_CONTEXT,
     CpuAttentionBackend,
     write_to_paged_cache_indexed,
 )
@@ -96,7 +97,8 @@ def clone_caches(caches: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tenso
 
 
 # (context_lens, query_lens): decodes only (few: SDPA; many: the batched matmuls; one: the
-# unmasked window), prefills only, mixed batches with cached prefixes.
+# unmasked window), prefills only, mixed batches with cached prefixes. With the kernel, each step
+# is one call up to KERNEL_CHUNK_MAX_CONTEXT.
 BATCHES = [
     ([37], [1]),
     ([0], [1]),
@@ -107,8 +109,10 @@ BATCHES = [
     ([64, 1], [1, 33]),
     # Longer chunks, fresh and behind a prefix.
     ([10, 0, 5, 0, 150], [1, 80, 2, 65, 30]),
+    # Contexts past KERNEL_CHUNK_MAX_CONTEXT: the kernel keeps the decodes, SDPA takes the chunks.
+    ([KERNEL_CHUNK_MAX_CONTEXT + 52, 7, 0], [1, 1, 40]),
+    ([30, KERNEL_CHUNK_MAX_CONTEXT + 22], [1, 25]),
 ]
-
 
 
 @pytest.fixture(params=["kernel", "pytorch"])

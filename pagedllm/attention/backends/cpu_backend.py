@@ -3,16 +3,15 @@
 Same cache layout as the torch reference (``[num_blocks, block_size, num_kv_heads, head_size]``
 per layer, so the two share caches and swap code).
 
-Decodes go through ``pagedllm_cpu::paged_attention`` (kernels/cpu/csrc/paged_attention.cpp):
+A step goes through ``pagedllm_cpu::paged_attention`` (kernels/cpu/csrc/paged_attention.cpp):
 each work item (a token and its KV heads) reads its visible keys from the cache where they lie,
 with an online softmax in float32, so there is no gathered copy, no mask and no per-sequence
 Python; the cache write before it is one C++ call too (``reshape_and_cache``). One layer of C1's
-decode step (32 sequences of ~100 tokens, bf16, 2 cores) spends ~0.28 ms in attention that way,
-against ~0.57 ms in the PyTorch formulation below (benchmarks/RESULTS.md). Prefill chunks keep
-SDPA: its flash kernel works on GEMM tiles, and the kernel (which computes chunks too, and is
-tested on them) is faster only for chunks of a few dozen tokens, where in bf16 its float32
-probabilities move near-tied greedy choices away from SDPA's, which Hugging Face's bf16 path
-shares. The kernel is built on first use; where it cannot be (no compiler), or with
+decode step (32 sequences of ~100 tokens, bf16, 2 cores) spends ~0.15 ms in attention that way,
+against ~0.57 ms in the PyTorch formulation below (benchmarks/RESULTS.md). Prefill chunks join
+the same call while every context of the step is at most ``KERNEL_CHUNK_MAX_CONTEXT`` tokens;
+past that, chunks take SDPA, whose GEMM tiles win behind long cached prefixes, and decodes the
+kernel alone. The kernel is built on first use; where it cannot be (no compiler), or with
 ``PAGEDLLM_CPU_KERNELS=0``, or for what it does not cover (attention sinks, a cache in another
 dtype than the queries), everything takes the PyTorch formulation, computed the
 way a CPU is fast at:
@@ -95,6 +94,14 @@ def gather_contexts(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: t
     return blocks.view(num_seqs, ctx_len, num_kv_heads, head_size).transpose(1, 2).contiguous()
 
 
+# Prefill chunks take the kernel too while no context of the step is longer than this: the whole
+# step is then one call, with no per-sequence Python. Fresh prompts of every length measured ran
+# faster through it than through SDPA (bf16, 2 cores, a layer of SmolLM2: C1's 32 prompts of ~36
+# tokens 0.5 against 2.9 ms; one of 2,048 tokens 60 against 63), and so did chunks behind a
+# short cached prefix; behind 2,000-4,000 cached tokens SDPA's GEMM tiles win by 10-20%
+# (benchmarks/RESULTS.md).
+KERNEL_CHUNK_MAX_CONTEXT = 2048
+
 # Up to this many decodes SDPA's fused kernel wins (its fixed cost is lower); past it, two batched
 # matmuls do (measured crossover between 8 and 16 sequences of ~128 tokens, bf16, 2 cores).
 SDPA_MAX_DECODES = 8
@@ -164,6 +171,22 @@ class CpuAttentionBackend(AttentionBackend):
         else:
             write_to_paged_cache_indexed(key, value, key_cache, value_cache, md.slot_mapping)
         num_decodes = md.num_decodes
+        if kernel and md.max_seq_len <= KERNEL_CHUNK_MAX_CONTEXT:  # the whole step in one call
+            output = torch.empty_like(query)
+            paged_attention(
+                output,
+                query,
+                key_cache,
+                value_cache,
+                md.block_tables,
+                md.seq_lens_cpu,
+                md.query_start_loc_cpu,
+                self.scale,
+                self.sliding_window,
+                self.logits_soft_cap,
+                self.kernel_alibi_slopes,
+            )
+            return output
         if num_decodes == query.shape[0]:  # decodes only, no padding tokens: no output copy
             return self._decode(query, sink_query, key_cache, value_cache, md, kernel)
         output = torch.empty_like(query)
