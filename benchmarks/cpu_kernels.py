@@ -9,7 +9,7 @@ of 49,152; bf16; blocks of 16).
   decode, their blocks scattered over 6,000 (``cold``: a 64 MB buffer written between calls, as a
   model step's weights evict the cache); then prefill chunks of 16 to 128 queries, fresh and behind
   200 cached tokens, and C1's prefill, with the kernel called on them directly against the
-  backend's SDPA path (why the backend keeps SDPA for chunks).
+  backend's SDPA path (which chunks keep past ``KERNEL_CHUNK_MAX_CONTEXT``).
 * rms_norm, rotary: one layer's call on a decode step's 32 rows and on C1's 1,164-token
   prefill. (A SiLU-and-multiply kernel measured no faster than PyTorch's two operators, 18
   against 19 us at 32 rows: not kept.)
@@ -100,8 +100,8 @@ def attention_case(step: tuple, cold: bool = False) -> dict:
 
 
 def chunk_case(step: tuple) -> dict:
-    """Prefill chunks: the kernel called on them directly (the backend gives them SDPA) against
-    the backend's SDPA path."""
+    """Prefill chunks: the kernel called on them directly against the backend's SDPA path (with
+    the kernel off)."""
     q, k, v, caches, md = step
     backend = CpuAttentionBackend(HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, KV_HEADS)
     backend.use_kernel = False
