@@ -20,6 +20,7 @@ from transformers import LlamaConfig
 
 from pagedllm.attention.backends.cpu_backend import CpuAttentionBackend
 from pagedllm.config import ModelConfig
+from pagedllm.layers import onednn_linear
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.onednn_linear import INT4_HEAD_MAX_ROWS, OneDNNTiedLMHeadMethod, prepack_dense_weights
 from pagedllm.layers.quantization.gguf import GGUFEmbeddingMethod, GGUFQ4LinearMethod
@@ -177,11 +178,9 @@ def test_tied_q4_head_multiplies_few_rows_by_the_int4_kernel(
     hidden = hidden.bfloat16()
     expected = (hidden.float() @ table.float().t()).bfloat16()
     calls = []
-    real = torch.ops.aten._weight_int4pack_mm_for_cpu
+    real = onednn_linear.q4_matmul
     with unittest.mock.patch.object(
-        torch.ops.aten,
-        "_weight_int4pack_mm_for_cpu",
-        lambda *args: calls.append(args[0].shape[0]) or real(*args),
+        onednn_linear, "q4_matmul", lambda x, *args: calls.append(x.shape[0]) or real(x, *args)
     ):
         for rows in range(1, INT4_HEAD_MAX_ROWS + 2):
             logits = method.apply(model.lm_head, hidden[:rows], None)

@@ -172,21 +172,7 @@ class CpuAttentionBackend(AttentionBackend):
             write_to_paged_cache_indexed(key, value, key_cache, value_cache, md.slot_mapping)
         num_decodes = md.num_decodes
         if kernel and md.max_seq_len <= KERNEL_CHUNK_MAX_CONTEXT:  # the whole step in one call
-            output = torch.empty_like(query)
-            paged_attention(
-                output,
-                query,
-                key_cache,
-                value_cache,
-                md.block_tables,
-                md.seq_lens_cpu,
-                md.query_start_loc_cpu,
-                self.scale,
-                self.sliding_window,
-                self.logits_soft_cap,
-                self.kernel_alibi_slopes,
-            )
-            return output
+            return self._kernel(query, key_cache, value_cache, md, md.num_seqs)
         if num_decodes == query.shape[0]:  # decodes only, no padding tokens: no output copy
             return self._decode(query, sink_query, key_cache, value_cache, md, kernel)
         output = torch.empty_like(query)
@@ -221,6 +207,32 @@ class CpuAttentionBackend(AttentionBackend):
         sq = None if sink_query is None else sink_query[start:end].transpose(0, 1)[None]
         return self._attend(q, k, v, md.seq_lens_cpu[i : i + 1], sq)[0].transpose(0, 1)
 
+    def _kernel(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: AttentionMetadata,
+        num_seqs: int,
+    ) -> torch.Tensor:
+        """The tokens of the step's first ``num_seqs`` sequences through the C++ kernel, into a
+        tensor of the query's shape (rows past those sequences' tokens are left unwritten)."""
+        output = torch.empty_like(query)
+        paged_attention(
+            output,
+            query,
+            key_cache,
+            value_cache,
+            md.block_tables[:num_seqs],
+            md.seq_lens_cpu[:num_seqs],
+            md.query_start_loc_cpu[: num_seqs + 1],
+            self.scale,
+            self.sliding_window,
+            self.logits_soft_cap,
+            self.kernel_alibi_slopes,
+        )
+        return output
+
     def _decode(
         self,
         query: torch.Tensor,
@@ -234,21 +246,7 @@ class CpuAttentionBackend(AttentionBackend):
         token per sequence -> same shape; ``kernel``: through the C++ kernel."""
         num_decodes = query.shape[0]
         if kernel:
-            output = torch.empty_like(query)
-            paged_attention(
-                output,
-                query,
-                key_cache,
-                value_cache,
-                md.block_tables[:num_decodes],
-                md.seq_lens_cpu[:num_decodes],
-                md.query_start_loc_cpu[: num_decodes + 1],
-                self.scale,
-                self.sliding_window,
-                self.logits_soft_cap,
-                self.kernel_alibi_slopes,
-            )
-            return output
+            return self._kernel(query, key_cache, value_cache, md, num_decodes)
         if (
             num_decodes == 1
             and sink_query is None
