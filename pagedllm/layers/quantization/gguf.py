@@ -123,12 +123,13 @@ def pack_q4(raw: torch.Tensor, tensor_type: str) -> tuple[torch.Tensor, torch.Te
 # the weight with prefetches, where torch's reads it cold at ~25 GB/s (one stream's 120 layer
 # products of SmolLM2: 2.2 against 2.6 ms). Its cost grows with the rows, as torch's does.
 FEW_ROWS = 4
+FEW_ROWS_BLOCK_N = 64  # its blocks of outputs: the int4 packing's tile of 64 rows
 
 
 def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """x [M, K] times a pack_q4 weight [N, K] transposed -> [M, N] in x's dtype."""
     x_bf16 = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-    if x.shape[0] <= FEW_ROWS and packed.shape[0] % 64 == 0 and cpu_kernels_available():
+    if x.shape[0] <= FEW_ROWS and packed.shape[0] % FEW_ROWS_BLOCK_N == 0 and cpu_kernels_available():
         out = cpu_ops.int4_matmul_few_rows(x_bf16.contiguous(), packed, scales_and_zeros)
     else:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x_bf16, packed, GROUP_SIZE, scales_and_zeros)

@@ -259,8 +259,7 @@ void paged_attention_impl(
   const int64_t span = heads_per_item * head_size;  // elements of one key's rows for the item
   const int64_t span_bytes = span * static_cast<int64_t>(sizeof(scalar_t));
   // The AVX512-BF16 path: head sizes of 64 and 128, scores without soft cap or ALiBi.
-  const bool fast = (head_size == 64 || head_size == 128) && cap == 0.f && alibi_slopes == nullptr;
-  (void)fast;
+  [[maybe_unused]] const bool fast = (head_size == 64 || head_size == 128) && cap == 0.f && alibi_slopes == nullptr;
 
   at::parallel_for(0, num_tokens * items_per_token, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> workspace(rows * (2 * head_size + kTileKeys + 2) + span);
