@@ -30,6 +30,7 @@ from pagedllm.kernels.cpu.ops import argmax_logsumexp
 from pagedllm.layers.utils import use_triton
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.penalties import apply_penalties, ban_tokens
+from pagedllm.structured_output.bitmask import apply_token_bitmask
 
 
 @dataclass
@@ -53,12 +54,22 @@ class Sampler(nn.Module):
 
             warm_up(vocab_size, device)
 
-    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        """logits: [num_rows, vocab_size] float32."""
+    def forward(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, token_bitmask: torch.Tensor | None = None
+    ) -> SamplerOutput:
+        """logits: [num_rows, vocab_size] float32; token_bitmask: structured outputs' grammar
+        bitmask [num_rows, ceil(vocab_size / 32)] int32 on the logits' device, or None: the tokens
+        each row may take, as if its other logits were -inf (the logprobs too)."""
         # Top tokens need every logprob; otherwise only the chosen tokens' are needed, which the
         # fused pass on the GPU computes without a [rows, vocab] log_softmax, and the CPU from each
         # row's log-sum-exp (read before the bans below, which may write into the logits).
         fused = use_triton(logits) and not metadata.max_num_top_tokens
+        # The fused pass reads the bitmask itself, unless a truncation must see the masked
+        # logits first.
+        truncated = metadata.top_k is not None or metadata.top_p is not None or metadata.min_p is not None
+        if token_bitmask is not None and (not fused or truncated):
+            apply_token_bitmask(logits, token_bitmask)
+            token_bitmask = None
         row_max = logsumexp = None
         if (
             not fused
@@ -80,7 +91,9 @@ class Sampler(nn.Module):
         if fused:
             from pagedllm.kernels.triton.sampling import sample_tokens
 
-            token_ids, chosen = sample_tokens(logits, x, noise, inv_temperature, metadata.greedy)
+            token_ids, chosen = sample_tokens(
+                logits, x, noise, inv_temperature, metadata.greedy, bitmask=token_bitmask
+            )
             return SamplerOutput(token_ids=token_ids, logprobs=chosen)
         if x.device.type == "cpu" and not metadata.all_greedy:
             token_ids = _inverse_cdf(x, inv_temperature, metadata)

@@ -8,6 +8,7 @@ import llguidance
 import numpy as np
 import torch
 
+from pagedllm.structured_output import native
 from pagedllm.structured_output.bitmask import BITS_PER_WORD, allocate_token_bitmask
 from pagedllm.structured_output.manager import CompiledGrammar
 
@@ -29,6 +30,9 @@ class StructuredOutputGrammar:
         self._stop_token_ids = compiled.stop_token_ids
         self._terminated = False
         self.num_processed_tokens = 0
+        # The grammar extension's matcher (which the ahead thread can advance), not llguidance's
+        # LLMatcher.
+        self.is_native = not isinstance(self._matcher, llguidance.LLMatcher)
 
     def accept_tokens(self, token_ids: list[int]) -> bool:
         """Advance over ``token_ids``; False (and the grammar left after the last accepted one)
@@ -47,7 +51,7 @@ class StructuredOutputGrammar:
     def accept_unless_text(self, token_id: int) -> bool | None:
         """The verdict on a token the matcher never sees: none after termination; a stop token
         where the grammar is complete (which terminates it). None for a text token: the caller
-        gives it to the matcher (``accept_tokens``, or ``GrammarBatch.advance`` for a batch)."""
+        gives it to the matcher."""
         if self._terminated:
             return False
         if token_id not in self._stop_token_ids:
@@ -77,20 +81,21 @@ class StructuredOutputGrammar:
         self.num_processed_tokens = 0
 
 
-# Live rows from which the batched fill pays for its dispatch, about 50-70 us a call.
+# Live rows from which llguidance's executor pays for its dispatch, about 50-70 us a call.
 MIN_BATCHED_ROWS = 8
 
 
 class GrammarBatch:
-    """Fills a batch's bitmask rows through llguidance, which releases the GIL while it fills.
+    """Fills a batch's bitmask rows without the GIL.
 
     A row's fill takes from a couple of microseconds (inside a plain string) to milliseconds
-    (inside a string bounded by maxLength). Batches of at least ``MIN_BATCHED_ROWS`` rows go to
-    llguidance's executor in one call, smaller ones row by row. On cheap rows the executor costs
+    (inside a string bounded by maxLength). The grammar extension's matchers fill in one call, row
+    after row. ``LLMatcher``s (where the extension is unavailable) go to llguidance's executor in
+    one call from ``MIN_BATCHED_ROWS`` rows, row by row below: on cheap rows the executor costs
     ~60 us more than the loop; on costly ones it saves milliseconds. It has one thread: more never
-    paid. Median us to fill 32 rows, each method on its own matchers advanced by the same random
-    allowed tokens (a matcher caches its last mask, so methods must not share one), SmolLM2's
-    49,152 tokens, llguidance 1.9.1 (``benchmarks/grammar_fill.py``):
+    paid. Median us to fill 32 ``LLMatcher`` rows, each method on its own matchers advanced by the
+    same random allowed tokens (a matcher caches its last mask, so methods must not share one),
+    SmolLM2's 49,152 tokens, llguidance 1.9.1 (``benchmarks/grammar_fill.py``):
 
         CPU                          schema   row by row   1 thread   2      4      8
         H200 host (16 cores)         strict   175          238        275    275    327
@@ -100,7 +105,7 @@ class GrammarBatch:
     """
 
     def __init__(self) -> None:
-        self._executor = llguidance.LLExecutor(num_threads=1)
+        self._executor: llguidance.LLExecutor | None = None  # made for the first LLMatcher batch
 
     def bitmask(
         self,
@@ -143,36 +148,21 @@ class GrammarBatch:
     def fill(self, rows: Sequence[tuple[StructuredOutputGrammar, int]], bitmask: torch.Tensor) -> None:
         """Write each (grammar, row)'s mask into that row of ``bitmask`` (int32 on the host,
         contiguous, checked by the caller: llguidance writes through a raw pointer)."""
-        # Straight into llguidance, not through its torch module, whose import makes torch.jit
-        # emit deprecation warnings.
-        matchers = [(grammar._matcher, row) for grammar, row in rows]
+        if not rows:
+            return
+        matchers = [grammar._matcher for grammar, _ in rows]
         row_bytes = bitmask.shape[1] * bitmask.element_size()
-        if len(matchers) >= MIN_BATCHED_ROWS:
-            self._executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
+        if not isinstance(matchers[0], llguidance.LLMatcher):
+            native.load().fill_masks(
+                matchers, [row for _, row in rows], bitmask.data_ptr(), row_bytes, bitmask.shape[0]
+            )
+        elif len(matchers) >= MIN_BATCHED_ROWS:
+            # Straight into llguidance, not through its torch module, whose import makes
+            # torch.jit emit deprecation warnings.
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor(num_threads=1)
+            pairs = [(matcher, row) for matcher, (_, row) in zip(matchers, rows)]
+            self._executor.unsafe_compute_mask_ptr(pairs, bitmask.data_ptr(), row_bytes, bitmask.shape[0])
         else:
-            for matcher, row in matchers:
+            for matcher, (_, row) in zip(matchers, rows):
                 matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * row_bytes, row_bytes)
-
-    def advance(self, grammars: Sequence[StructuredOutputGrammar], token_ids: Sequence[int]) -> list[bool]:
-        """Advance each grammar by its one token, as ``accept_tokens([token])`` would: whether
-        it was accepted. From ``MIN_BATCHED_ROWS`` text tokens on they go to llguidance's executor
-        in one call, which holds the GIL only to read its arguments (a loop of matcher calls
-        holds it throughout, ~1-5 us a token). A matcher that refuses its token there is left in
-        an error state, unlike ``accept_tokens``'s: the caller drops a grammar that refused."""
-        stop_sets = {id(g._stop_token_ids): g._stop_token_ids for g in grammars}  # one, as a rule
-        distinct = set(token_ids)
-        if all(stop.isdisjoint(distinct) for stop in stop_sets.values()) and not any(
-            g._terminated for g in grammars
-        ):
-            accepted: list[bool | None] = [None] * len(grammars)  # text tokens only: the usual step
-        else:
-            accepted = [grammar.accept_unless_text(token) for grammar, token in zip(grammars, token_ids)]
-        text = [i for i, verdict in enumerate(accepted) if verdict is None]
-        if len(text) >= MIN_BATCHED_ROWS:
-            consumed = self._executor.consume_token_par([(grammars[i]._matcher, token_ids[i]) for i in text])
-        else:
-            consumed = [grammars[i]._matcher.try_consume_tokens([token_ids[i]]) > 0 for i in text]
-        for i, ok in zip(text, consumed):
-            accepted[i] = ok
-            grammars[i].num_processed_tokens += ok
-        return accepted  # type: ignore[return-value]  (no None left)

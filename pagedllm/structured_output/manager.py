@@ -4,7 +4,8 @@ A request with ``structured_outputs`` is compiled when it is validated (``compil
 the server awaits it off its event loop). Compilation runs in a worker thread, because a JSON
 schema can take milliseconds to seconds; requests with the same constraint share one compilation
 (an LRU of Futures). The worker then keeps a matcher per request, copied from the compiled one,
-and fills the batch's bitmask each step (worker/request_logits.py).
+and fills the batch's bitmask each step (worker/request_logits.py). Matchers are the grammar
+extension's where it builds (``native``), else llguidance's Python ``LLMatcher``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 
 from pagedllm.config import ModelConfig
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output import native
 from pagedllm.tokenizer import Tokenizer, get_eos_token_ids
 
 # Compiled grammars kept for reuse; each holds a matcher at the grammar's start.
@@ -47,11 +49,12 @@ class CompiledGrammar:
 
     Attributes:
         matcher: a matcher at the grammar's start, never advanced: a request's matcher is its copy
-            (under a microsecond, where building one from the grammar takes about 0.4 ms).
+            (under a microsecond, where building one from the grammar takes about 0.4 ms). The
+            grammar extension's ``Matcher`` (``native``), or llguidance's ``LLMatcher``.
         stop_token_ids: the tokens that end a complete output.
     """
 
-    matcher: llguidance.LLMatcher
+    matcher: Any
     stop_token_ids: frozenset[int]
 
 
@@ -68,7 +71,7 @@ class StructuredOutputManager:
     ) -> None:
         self._stop_token_ids = frozenset(stop_token_ids)
         self._hf_tokenizer = tokenizer
-        self._tokenizer: llguidance.LLTokenizer | None = None
+        self._tokenizer: Any = None  # llguidance's view of the vocabulary (``_grammar_tokenizer``)
         self._tokenizer_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
         self._cache: collections.OrderedDict[tuple[str, str], Future[CompiledGrammar]] = (
@@ -103,15 +106,21 @@ class StructuredOutputManager:
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _grammar_tokenizer(self) -> llguidance.LLTokenizer:
+    def _grammar_tokenizer(self) -> Any:
         """llguidance's view of the vocabulary, built by the first compilation (in a compile
-        thread): about 0.4 s and, for SmolLM2's 49k tokens, 30-70 MB of resident memory that an
-        engine serving no constrained request would hold for nothing."""
+        thread): about 0.1-0.4 s and, for SmolLM2's 49k tokens, 30-70 MB of resident memory that an
+        engine serving no constrained request would hold for nothing. The grammar extension's
+        tokenizer where it builds (which builds it on the machine's first call), else llguidance's
+        ``LLTokenizer``."""
         with self._tokenizer_lock:
             if self._tokenizer is None:
-                self._tokenizer = llguidance.hf.from_tokenizer(
-                    self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=sorted(self._stop_token_ids)
-                )
+                eos = sorted(self._stop_token_ids)
+                if native.available():
+                    self._tokenizer = native.new_tokenizer(self._hf_tokenizer, self.vocab_size, eos)
+                else:
+                    self._tokenizer = llguidance.hf.from_tokenizer(
+                        self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=eos
+                    )
             return self._tokenizer
 
     def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
@@ -123,12 +132,17 @@ class StructuredOutputManager:
         except Exception as e:  # the GBNF converter raises bare Exceptions
             raise fail(str(e)) from None
         # The grammar is only checked when a matcher is built: this one is every request's start.
-        matcher = llguidance.LLMatcher(self._grammar_tokenizer(), grammar, log_level=0)
+        tokenizer = self._grammar_tokenizer()
+        if isinstance(tokenizer, llguidance.LLTokenizer):
+            matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        else:
+            matcher = native.load().Matcher.create(tokenizer, grammar)
         if matcher.is_error():
             raise fail(_short(matcher.get_error()))
         # An empty rule body, say ("root ::= "): a request could only stop at once.
-        mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-        allowed = np.flatnonzero(np.unpackbits(mask, bitorder="little"))
+        mask = np.zeros(-(-self.vocab_size // 32), dtype=np.int32)
+        matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
         if self._stop_token_ids.issuperset(allowed.tolist()):
             raise fail("it matches only the empty output")
         return CompiledGrammar(matcher, self._stop_token_ids)

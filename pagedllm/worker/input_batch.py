@@ -18,6 +18,8 @@ rows never matters and nothing is compacted.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import numpy as np
 import torch
 
@@ -252,17 +254,18 @@ class InputBatch:
         sent = tokens[int(self.num_prompt_tokens[row]) + start : int(self.num_host_tokens[row])]
         return sent.tolist() + sampled
 
-    def append_sampled(self, req_id: int, output_index: int, token_id: int) -> None:
-        """Record the request's ``output_index``-th generated token, once it reaches the host,
-        unless the host already sent it (a request resent in full knows its outputs) or the
-        request has left the batch."""
-        row = self.row_of.get(req_id)
-        if row is None:
-            return
-        sampled = self.sampled_output_ids[row]
-        num_known = int(self.num_host_tokens[row] - self.num_prompt_tokens[row]) + len(sampled)
-        if num_known == output_index:
-            sampled.append(token_id)
+    def append_sampled(self, samples: Iterable[tuple[int, int, int]]) -> None:
+        """Record each (req_id, output index, token id): the request's ``output_index``-th
+        generated token, once it reaches the host, unless the host already sent it (a request
+        resent in full knows its outputs) or the request has left the batch."""
+        row_of, sampled_output_ids = self.row_of, self.sampled_output_ids
+        num_sent = (self.num_host_tokens - self.num_prompt_tokens).tolist()  # one numpy pass
+        for req_id, output_index, token_id in samples:
+            row = row_of.get(req_id)
+            if row is not None:
+                sampled = sampled_output_ids[row]
+                if num_sent[row] + len(sampled) == output_index:
+                    sampled.append(token_id)
 
     def record_samples(self, rows: np.ndarray, sample_index: torch.Tensor, token_ids: torch.Tensor) -> None:
         """After sampling: each sampled request's newest token (its first sample) becomes its next

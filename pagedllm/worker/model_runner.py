@@ -78,14 +78,21 @@ class StepOutput:
             tensors += [sampled.ranks, sampled.top_token_ids, sampled.top_logprobs]
         if device.type == "cuda":
             # One D2H copy per tensor into pinned memory, then an event: the host waits only when
-            # it reads the samples, one step later with asynchronous scheduling.
+            # it reads the samples, one step later with asynchronous scheduling. The samples'
+            # buffer holds -1 until its copy lands, which the grammar thread waits on.
             self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+            self._host[0].numpy().fill(-1)
             for host, tensor in zip(self._host, tensors):
                 host.copy_(tensor, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
         else:
             self._host = tensors
+
+    def samples_on_host(self) -> torch.Tensor:
+        """The sampled ids' host buffer [num sample rows] int64, without waiting: on CUDA it holds
+        -1 until the copy lands."""
+        return self._host[0]
 
     def sampled_token_ids(self) -> list[int]:
         """The sampled ids of the step's sample rows, once they are on the host."""
@@ -424,10 +431,11 @@ class ModelRunner:
         if num_sample_rows:
             rows = model_input.sample_rows
             with_processors = bool(batch.has_processors[rows].any())
+            token_bitmask = None
             if with_processors:
                 self._record_output_history()
                 row_list = rows.tolist()
-                self.logits_processors(
+                token_bitmask = self.logits_processors(
                     logits[:num_sample_rows],
                     model_input.sample_req_ids,
                     [batch.params[row] for row in row_list],
@@ -435,7 +443,7 @@ class ModelRunner:
                     batch.num_output_tokens[rows].tolist(),
                 )
             metadata = batch.sampling_metadata(rows)
-            sampled = self.sampler(logits[:num_sample_rows], metadata)
+            sampled = self.sampler(logits[:num_sample_rows], metadata, token_bitmask)
             if with_processors:
                 history = self._processor_samples(model_input)
             first = to_device(model_input.first_sample_index, self.device)
@@ -449,7 +457,7 @@ class ModelRunner:
             # The logits processors ran this step, and recorded the samples before these first.
             self._unrecorded_samples = (step, history)
             if self.logits_processors.fill_ahead:
-                self.logits_processors.start_ahead(step.sampled_token_ids, history)
+                self.logits_processors.start_ahead(step.samples_on_host(), history)
         return step
 
     def _processor_samples(self, model_input: ModelInput) -> list[tuple[int, int, int]]:
@@ -475,8 +483,7 @@ class ModelRunner:
         step, history = self._unrecorded_samples
         self._unrecorded_samples = None
         token_ids = step.sampled_token_ids()
-        for req_id, output_index, row in history:
-            self.input_batch.append_sampled(req_id, output_index, token_ids[row])
+        self.input_batch.append_sampled((req_id, index, token_ids[row]) for req_id, index, row in history)
 
     def _score_prompts(
         self, logits: torch.Tensor, model_input: ModelInput

@@ -1,5 +1,6 @@
-"""The per-request logits processors of a step's sample rows: allowed_token_ids, logit_bias,
-bad_words and structured outputs' grammar bitmask, applied before the sampler.
+"""The per-request logits processors of a step's sample rows: allowed_token_ids, logit_bias and
+bad_words, applied to the logits before the sampler, and structured outputs' grammar bitmask,
+which the sampler applies (its fused pass reads it).
 
 Grammar state lives here, one matcher per request (a forked request gets its own), caught up each
 step with the tokens its request generated since the last. The output history a grammar or bad
@@ -10,22 +11,25 @@ process; a rank in a process of its own gets the constraint without its native m
 compiles it once more (``compile_grammar``; cached per constraint).
 
 On CUDA a grammar's next mask is made ahead (``start_ahead``): once a step's sampler is launched, a
-thread waits for the samples, advances each decoding request's grammar by its sample and fills the
-next masks into the pinned buffer the next step will copy from, at the rows the samples had,
-while this thread finishes the step, processes the last one's outputs, and schedules and launches
-the next. The next step's processors then only fill the rows that moved or are new. The thread
-holds the GIL only around llguidance's batched calls (reading a few lists): a thread that advanced
-the grammars one matcher call at a time held it for ~100 us a step, and slowed the launching
-thread more than the overlap gained.
+native thread (the grammar extension's ``AheadWorker``) waits for the samples, advances each
+decoding request's grammar by its sample and fills the next masks into the pinned buffer the next
+step will copy from, at the rows the samples had, while this thread finishes the step, processes
+the last one's outputs, and schedules and launches the next. The next step's processors then only
+fill the rows that moved or are new; in the steady state of decoding (every grammar row advanced
+ahead, at its row) they do no per-row work, and the next job reuses the last one's matchers and
+rows (``AheadWorker.resubmit``). The thread never takes the GIL: a Python thread doing the same
+(through llguidance's batched calls, which release it) had to take it back after each call, and
+each handoff stalled this thread by ~20 us, several times a step.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from pagedllm.sample.logits_processors import apply_allowed_token_ids, apply_bad_words, apply_logit_bias
@@ -35,10 +39,21 @@ from pagedllm.structured_output import (
     GrammarBatch,
     StructuredOutputGrammar,
     allocate_token_bitmask,
-    apply_token_bitmask,
+    native,
 )
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _AheadJob:
+    """What the ahead thread works on; the tensors stay referenced until it is collected."""
+
+    samples: torch.Tensor  # the step's samples on the host, -1 until they land
+    bitmask: torch.Tensor  # on the host; pinned on CUDA
+    req_ids: list[int]
+    grammars: list[StructuredOutputGrammar]
+    sample_rows: list[int]
 
 
 @dataclass
@@ -52,6 +67,12 @@ class _Ahead:
     token_ids: list[int]  # the samples
     accepted: list[bool]  # False: the sample left the grammar
     rows: list[int]  # of the next mask in ``bitmask``; -1: none (the grammar ended or was left)
+    # The job's requests, their sample rows and processed tokens after the sample,
+    # and whether every grammar took its sample as text (its next mask is in ``bitmask``).
+    req_ids: list[int]
+    sample_rows: list[int]
+    counts: list[int]
+    all_consumed: bool
 
 
 def has_logits_processors(params: SamplingParams) -> bool:
@@ -67,23 +88,30 @@ class RequestLogitsProcessors:
     """Args:
     compile_grammar: compiles a constraint that arrived without its compiled grammar.
     fill_ahead: make decoding grammars' next masks on a thread (``start_ahead``); for CUDA, whose
-        steps run while the host prepares the next.
+        steps run while the host prepares the next. Needs the grammar extension (which this builds
+        on the machine's first call): without it, masks are filled in the step.
     """
 
     def __init__(
         self, compile_grammar: Callable[[StructuredOutputsParams], CompiledGrammar], fill_ahead: bool = False
     ) -> None:
         self._compile_grammar = compile_grammar
-        self.fill_ahead = fill_ahead
+        self.fill_ahead = fill_ahead and native.available()
         # req_id -> its grammar (None once its output left the grammar).
         self._grammars: dict[int, StructuredOutputGrammar | None] = {}
         self._grammar_batch: GrammarBatch | None = None  # made at the first grammar
         self._vocab_size = 0  # the logits' width, known at the first grammar
         self._pin_memory = False  # bitmasks in pinned memory: for logits on CUDA
-        # Two pinned host bitmasks used in turn, each with the event of its last copy.
+        # Two pinned host bitmasks used in turn, each with the event of its last copy; the events
+        # no buffer holds now, and the stream the copies run on.
         self._pinned: list[tuple[torch.Tensor, torch.cuda.Event]] = []
-        self._ahead_thread: ThreadPoolExecutor | None = None
-        self._ahead: Future[_Ahead] | None = None
+        self._free_events: list[torch.cuda.Event] = []
+        self._stream: torch.cuda.Stream | None = None
+        self._ahead_worker: Any = None  # the extension's AheadWorker, made at the first job
+        self._ahead: _AheadJob | None = None
+        # This step's masks, when all were made ahead (``_all_made_ahead``): the next job is then
+        # the same grammars at the same rows.
+        self._steady: _Ahead | None = None
 
     def drop(self, req_ids: Iterable[int]) -> None:
         for req_id in req_ids:
@@ -96,24 +124,38 @@ class RequestLogitsProcessors:
         params: list[SamplingParams],
         output_token_ids: Callable[[int, int], list[int]],
         num_output_tokens: Sequence[int],
-    ) -> None:
-        """logits: [num_rows, vocab_size], edited in place; the lists give each row's request and
-        parameters, ``output_token_ids(i, start)`` row i's generated tokens from index start (read
-        only as far as needed: a grammar wants the tokens since its last step, not the whole
-        output), ``num_output_tokens[i]`` how many there are."""
-        apply_allowed_token_ids(logits, [p.allowed_token_ids for p in params])
-        apply_logit_bias(logits, [p.logit_bias for p in params])
+    ) -> torch.Tensor | None:
+        """logits: [num_rows, vocab_size], edited in place by allowed_token_ids, logit_bias and
+        bad_words; the lists give each row's request and parameters, ``output_token_ids(i,
+        start)`` row i's generated tokens from index start (read only as far as needed: a grammar
+        wants the tokens since its last step, not the whole output), ``num_output_tokens[i]`` how
+        many there are. Returns the rows' grammar bitmask on the logits' device, for the sampler
+        to apply (None: no row has a grammar)."""
+        if any(p.allowed_token_ids for p in params):
+            apply_allowed_token_ids(logits, [p.allowed_token_ids for p in params])
+        if any(p.logit_bias for p in params):
+            apply_logit_bias(logits, [p.logit_bias for p in params])
         bad_words = [p.bad_words_token_ids for p in params]
         if any(bad_words):
             past = [output_token_ids(i, 0) if words else () for i, words in enumerate(bad_words)]
             apply_bad_words(logits, bad_words, past)
         ahead = self._take_ahead()
+        self._steady = None
+        if ahead is not None and self._all_made_ahead(ahead, req_ids, params, num_output_tokens):
+            self._steady = ahead
+            buffer = ahead.bitmask
+            bitmask = buffer[: len(req_ids)]
+            if len(req_ids) > len(ahead.sample_rows):  # rows without a grammar allow everything
+                unconstrained = np.ones(len(req_ids), dtype=bool)
+                unconstrained[ahead.sample_rows] = False
+                bitmask.numpy()[unconstrained] = -1
+            return self._to_device(bitmask, buffer, logits.device)
         rows = [
             self._grammar(req_id, params[i], i, output_token_ids, num_output_tokens[i], ahead)
             for i, req_id in enumerate(req_ids)
         ]
         if all(grammar is None for grammar, _ in rows):
-            return
+            return None
         if self._grammar_batch is None:
             self._grammar_batch = GrammarBatch()
             self._vocab_size = logits.shape[1]
@@ -135,70 +177,145 @@ class RequestLogitsProcessors:
         )
         if moves:
             bitmask.numpy()[list(moves)] = moved
-        apply_token_bitmask(logits, bitmask)
+        return self._to_device(bitmask, buffer, logits.device)
+
+    def _all_made_ahead(
+        self,
+        ahead: _Ahead,
+        req_ids: list[int],
+        params: list[SamplingParams],
+        num_output_tokens: Sequence[int],
+    ) -> bool:
+        """The steady state of decoding: every grammar row of this step was advanced ahead by its
+        only new token, is at the row its sample had, and has its mask there; the step then
+        needs no per-row work. (Beam search's continuations are the host's: never here.)"""
+        sample_rows = ahead.sample_rows
+        return (
+            ahead.all_consumed
+            and ahead.bitmask.shape[0] >= len(req_ids) > max(sample_rows)
+            and [req_ids[row] for row in sample_rows] == ahead.req_ids
+            and [num_output_tokens[row] for row in sample_rows] == ahead.counts
+            and sum(p.structured_outputs is not None for p in params) == len(sample_rows)
+            and not any(p.use_beam_search for p in params)
+            and all(self._grammars.get(r) is g for r, g in zip(ahead.req_ids, ahead.grammars))
+        )
+
+    def _to_device(self, bitmask: torch.Tensor, buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """The bitmask on ``device``; on CUDA, its pinned ``buffer`` is reused once the copy is done
+        (an event recorded after it, on the stream the worker runs its steps on, read once: looking
+        the current stream up costs ~10 us of Python a step)."""
+        words = bitmask.to(device, non_blocking=True)
         if self._pin_memory:
-            event = torch.cuda.Event()
-            event.record()
+            if self._stream is None:
+                self._stream = torch.cuda.current_stream(device)
+            event = self._free_events.pop() if self._free_events else torch.cuda.Event()
+            event.record(self._stream)
             self._pinned.append((buffer, event))
+        return words
 
-    def start_ahead(
-        self, sampled_token_ids: Callable[[], list[int]], samples: list[tuple[int, int, int]]
-    ) -> None:
-        """Advance the grammars of this step's samples and fill their next masks on a thread.
+    def start_ahead(self, samples: torch.Tensor, entries: list[tuple[int, int, int]]) -> None:
+        """Advance the grammars of this step's samples and fill their next masks on the native
+        thread.
 
-        sampled_token_ids: the step's samples, waiting for their copy to the host; samples:
-        (req_id, output index, sample row) of each request with logits processors. Only a grammar
-        that stands just before its sample is advanced: one caught up by this step's processors.
+        samples: the step's sampled ids on the host (int64), -1 until they land (a pinned buffer
+        its device-to-host copy writes; or the samples themselves); entries: (req_id, output
+        index, sample row) of each request with logits processors. Only a native grammar that
+        stands just before its sample is advanced: one caught up by this step's processors.
         """
         self._take_ahead()  # a step without these requests' rows left it untaken
-        entries = []
-        for req_id, output_index, row in samples:
+        steady, self._steady = self._steady, None
+        if (
+            steady is not None
+            and [req_id for req_id, _, _ in entries] == steady.req_ids
+            and [row for _, _, row in entries] == steady.sample_rows
+        ):
+            # The grammars this step found at their samples' rows, each just before its new sample
+            # (checked then): the worker keeps their matchers and rows from the last job.
+            req_ids, grammars, sample_rows = steady.req_ids, steady.grammars, steady.sample_rows
+            bitmask = self._mask_buffer(max(sample_rows) + 1, wait=False)
+            worker = self._ahead_worker
+            worker.resubmit(samples.data_ptr(), samples.numel(), bitmask.data_ptr(), bitmask.shape[0])
+            self._ahead = _AheadJob(samples, bitmask, req_ids, grammars, sample_rows)
+            return
+        req_ids, grammars, sample_rows = [], [], []
+        for req_id, output_index, row in entries:
             grammar = self._grammars.get(req_id)
             if (
                 grammar is not None
                 and not grammar.is_terminated()
                 and grammar.num_processed_tokens == output_index
+                and grammar.is_native
             ):
-                entries.append((req_id, grammar, row))
-        if not entries:
+                req_ids.append(req_id)
+                grammars.append(grammar)
+                sample_rows.append(row)
+        if not grammars:
             return
-        if self._ahead_thread is None:
-            self._ahead_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-ahead")
-        bitmask = self._mask_buffer(max(row for _, _, row in entries) + 1)
-        self._ahead = self._ahead_thread.submit(self._advance_and_fill, sampled_token_ids, entries, bitmask)
-
-    def _advance_and_fill(
-        self,
-        sampled_token_ids: Callable[[], list[int]],
-        entries: list[tuple[int, StructuredOutputGrammar, int]],
-        bitmask: torch.Tensor,
-    ) -> _Ahead:
-        """On the ahead thread."""
-        all_token_ids = sampled_token_ids()  # waits for the copy, GIL released
-        assert self._grammar_batch is not None
-        req_ids, grammars, sample_rows = (list(column) for column in zip(*entries))
-        token_ids = [all_token_ids[row] for row in sample_rows]
-        accepted = self._grammar_batch.advance(grammars, token_ids)
-        rows = [
-            row if ok and not grammar.is_terminated() else -1
-            for grammar, ok, row in zip(grammars, accepted, sample_rows)
-        ]
-        self._grammar_batch.fill(
-            [(grammar, row) for grammar, row in zip(grammars, rows) if row >= 0], bitmask
+        assert samples.dtype == torch.int64 and samples.is_contiguous() and samples.device.type == "cpu"
+        if self._ahead_worker is None:
+            stop_token_ids = set().union(*(g._stop_token_ids for g in grammars))
+            self._ahead_worker = native.load().AheadWorker(
+                sorted(stop_token_ids), self._vocab_size, native.SAMPLES_TIMEOUT_S
+            )
+        bitmask = self._mask_buffer(max(sample_rows) + 1, wait=False)
+        self._ahead_worker.submit(
+            samples.data_ptr(),
+            samples.numel(),
+            [grammar._matcher for grammar in grammars],
+            sample_rows,
+            sample_rows,
+            bitmask.data_ptr(),
+            bitmask.shape[1] * bitmask.element_size(),
+            bitmask.shape[0],
         )
-        index = {req_id: i for i, req_id in enumerate(req_ids)}
-        return _Ahead(bitmask, index, grammars, token_ids, accepted, rows)
+        self._ahead = _AheadJob(samples, bitmask, req_ids, grammars, sample_rows)
 
     def _take_ahead(self) -> _Ahead | None:
-        """The masks made ahead since the last step (waits for the thread)."""
+        """The masks made ahead since the last step (waits for the thread, without the GIL)."""
         if self._ahead is None:
             return None
-        ahead, self._ahead = self._ahead, None
-        return ahead.result()
+        job, self._ahead = self._ahead, None
+        statuses, token_ids = self._ahead_worker.wait()
+        extension = native.load()
+        if statuses[0] == extension.TIMED_OUT:  # the step never delivered its samples
+            logger.warning("the grammar masks made ahead timed out waiting for the step's samples")
+            return None
+        consumed = extension.CONSUMED
+        if statuses.count(consumed) == len(statuses):  # the usual step: every sample was text
+            accepted, rows = [True] * len(statuses), job.sample_rows
+            for grammar in job.grammars:
+                grammar.num_processed_tokens += 1
+        else:
+            accepted = [status != extension.REFUSED for status in statuses]
+            rows = [-1] * len(statuses)
+            for i, (grammar, status) in enumerate(zip(job.grammars, statuses)):
+                if status == consumed:
+                    grammar.num_processed_tokens += 1
+                    rows[i] = job.sample_rows[i]
+                elif status == extension.TERMINATED:
+                    grammar.num_processed_tokens += 1
+                    grammar._terminated = True
+        index = {req_id: i for i, req_id in enumerate(job.req_ids)}
+        counts = [grammar.num_processed_tokens for grammar in job.grammars]
+        all_consumed = rows is job.sample_rows
+        return _Ahead(
+            job.bitmask,
+            index,
+            job.grammars,
+            token_ids,
+            accepted,
+            rows,
+            job.req_ids,
+            job.sample_rows,
+            counts,
+            all_consumed,
+        )
 
-    def _mask_buffer(self, num_rows: int) -> torch.Tensor:
+    def _mask_buffer(self, num_rows: int, wait: bool = True) -> torch.Tensor:
         """A host bitmask of at least ``num_rows`` rows; on CUDA a pinned one whose last copy to
-        the device is done.
+        the device is done, or (``wait=False``) was queued before this step's sampler: the ahead
+        thread writes it only once that step's samples have landed, after every copy queued
+        before them.
 
         From pinned memory the copy is asynchronous; from pageable memory it would wait for the
         device to reach it, i.e. for the step's forward pass, and the host's work would stop
@@ -209,7 +326,9 @@ class RequestLogitsProcessors:
             return allocate_token_bitmask(num_rows, self._vocab_size)
         if len(self._pinned) == 2:
             buffer, event = self._pinned.pop(0)
-            event.synchronize()
+            if wait:
+                event.synchronize()
+            self._free_events.append(event)
             if buffer.shape[0] >= num_rows:
                 return buffer
         return allocate_token_bitmask(max(num_rows, 64), self._vocab_size, pin_memory=True)

@@ -41,23 +41,41 @@ def test_json_schema_output_parses_and_conforms_with_n_and_sampling(llm):
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
-def _count_masks_made_ahead(processors) -> list[int]:
-    """Per step, how many rows' masks came from the ahead thread (``_grammar`` gave a row)."""
+def _count_masks_made_ahead(processors) -> tuple[list[int], list[bool]]:
+    """Per step, how many rows' masks came from the ahead thread: every grammar row in the
+    steady state (``_all_made_ahead``), else the rows ``_grammar`` took from it; and per step
+    with masks made ahead, whether it was the steady state (then whether its job was resubmitted)."""
     counts: list[int] = []
-    grammar, call = processors._grammar, type(processors).__call__
+    steady_steps: list[bool] = []
+    grammar, all_made_ahead, call = processors._grammar, processors._all_made_ahead, type(processors).__call__
 
     def counted_grammar(*args):
         result = grammar(*args)
         counts[-1] += result[1] >= 0
         return result
 
+    def counted_all_made_ahead(ahead, *args):
+        steady = all_made_ahead(ahead, *args)
+        counts[-1] += len(ahead.sample_rows) if steady else 0
+        steady_steps.append(steady)
+        return steady
+
     def counted_call(self, *args):
         counts.append(0)
         return call(self, *args)
 
+    start_ahead = processors.start_ahead
+
+    def counted_start_ahead(*args):
+        # A steady step submits the last job's grammars again (``AheadWorker.resubmit``).
+        steady_steps.append(processors._steady is not None)
+        return start_ahead(*args)
+
     processors._grammar = counted_grammar
+    processors._all_made_ahead = counted_all_made_ahead
+    processors.start_ahead = counted_start_ahead
     processors.__class__ = type("CountedProcessors", (type(processors),), {"__call__": counted_call})
-    return counts
+    return counts, steady_steps
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -80,7 +98,7 @@ def test_masks_made_ahead_on_a_thread_give_the_same_outputs(smollm2_gguf, async_
         llm = LLM(device="cpu", max_model_len=512, async_scheduling=async_scheduling)
         processors = llm.llm_engine.executor.worker.model_runner.logits_processors
         processors.fill_ahead = fill_ahead
-        made_ahead = _count_masks_made_ahead(processors)
+        made_ahead, steady = _count_masks_made_ahead(processors)
         outputs = llm.chat(conversations, params, use_tqdm=False)
         results[fill_ahead] = [[c.token_ids for c in output.outputs] for output in outputs]
         for output in outputs[:2]:
@@ -89,6 +107,8 @@ def test_masks_made_ahead_on_a_thread_give_the_same_outputs(smollm2_gguf, async_
         assert outputs[3].outputs[0].text in ("a", "b")
         # Ahead: every decoding step's open grammars (3 JSON rows, then fewer as they end).
         assert (max(made_ahead) == 3 and sum(made_ahead) > 40) == fill_ahead, made_ahead
+        # Most such steps need no per-row work; rows ending or moving take the general path.
+        assert (sum(steady) > 10 and not all(steady)) == fill_ahead, steady
     assert results[True] == results[False]
 
 

@@ -108,6 +108,37 @@ def test_apply_token_bitmask_bans_exactly_the_zero_bits(vocab_size):
     assert torch.equal(out.cpu(), expected)
 
 
+@pytest.mark.parametrize("num_rows, vocab_size", [(1, 33), (3, 1025), (33, 5000)])
+def test_a_bitmask_given_to_the_pass_equals_applying_it_first(num_rows, vocab_size):
+    """The grammar bitmask read by the partials pass gives the tokens and logprobs of the pass
+    over logits that ``apply_token_bitmask`` masked first, for greedy and sampled rows, logits
+    already changed by penalties, rows whose every token but one is banned, and a row stride."""
+    generator = torch.Generator().manual_seed(num_rows * 7 + vocab_size)
+    wide = (3 * torch.randn((num_rows, vocab_size + 5), generator=generator)).to(DEVICE)
+    raw = wide[:, :vocab_size]
+    words = torch.randint(-(2**31), 2**31, (num_rows, -(-vocab_size // 32)), generator=generator)
+    bitmask = words.to(torch.int32)
+    bitmask[0] = 0
+    bitmask[0, (vocab_size - 1) // 32] = 1 << ((vocab_size - 1) % 32)  # one token left
+    bitmask = bitmask.to(DEVICE)
+    noise = torch.empty((num_rows, vocab_size)).exponential_(generator=generator).to(DEVICE)
+    inv_temperature = (0.5 + torch.rand(num_rows, generator=generator)).to(DEVICE)
+    greedy = (torch.arange(num_rows) % 2 == 0).to(DEVICE)
+    penalised = raw - 0.5
+    for x, sampled in ((raw, False), (penalised, False), (raw, True), (penalised, True)):
+        masked_raw, masked_x = raw.clone(), x.clone()
+        apply_token_bitmask(masked_raw, bitmask)
+        apply_token_bitmask(masked_x, bitmask)
+        args = (noise, inv_temperature, greedy) if sampled else ()
+        tokens, logprobs = sample_tokens(raw, x, *args, bitmask=bitmask)
+        expected_tokens, expected_logprobs = sample_tokens(
+            masked_raw, masked_raw if x is raw else masked_x, *args
+        )
+        assert torch.equal(tokens, expected_tokens)
+        torch.testing.assert_close(logprobs, expected_logprobs, atol=0, rtol=0)
+        assert tokens[0].item() == vocab_size - 1 and torch.isfinite(logprobs).all()
+
+
 def test_zero_noise_never_picks_a_banned_token():
     # q rounds to 0 now and then; a banned token (-inf) with q = 0 must still lose.
     raw = torch.randn((2, 3000), generator=torch.Generator().manual_seed(3)).to(DEVICE)

@@ -1,14 +1,19 @@
 """Structured outputs on the embedded model's tokenizer: decoding from random logits through the
-bitmask always yields text in the grammar, for every kind of constraint."""
+bitmask always yields text in the grammar, for every kind of constraint, with the grammar
+extension's matchers and with llguidance's ``LLMatcher`` (where the extension is unavailable);
+the extension's ahead thread advances grammars exactly as ``accept_tokens`` does."""
 
 from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import jsonschema
 import llguidance.hf
 import llguidance.numpy
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +24,7 @@ from pagedllm.structured_output import (
     StructuredOutputManager,
     allocate_token_bitmask,
     apply_token_bitmask,
+    native,
 )
 
 MAX_STEPS = 400
@@ -35,26 +41,52 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def manager(smollm2_tokenizer) -> StructuredOutputManager:
-    manager = StructuredOutputManager(smollm2_tokenizer, 49152, [smollm2_tokenizer.eos_token_id])
+def _new_manager(tokenizer, use_native: bool) -> StructuredOutputManager:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native, "available", lambda: use_native)
+        manager = StructuredOutputManager(tokenizer, 49152, [tokenizer.eos_token_id])
+        manager._grammar_tokenizer()  # which kind of matcher it compiles is decided here
+    return manager
+
+
+@pytest.fixture(scope="module", params=["native", "llmatcher"])
+def manager(request, smollm2_tokenizer) -> StructuredOutputManager:
+    if request.param == "native" and not native.available():
+        pytest.skip("the grammar extension does not build here")
+    manager = _new_manager(smollm2_tokenizer, request.param == "native")
     yield manager
     manager.shutdown()
 
 
+@pytest.fixture(scope="module")
+def managers(smollm2_tokenizer) -> tuple[StructuredOutputManager, StructuredOutputManager]:
+    """(the extension's, LLMatcher's)."""
+    if not native.available():
+        pytest.skip("the grammar extension does not build here")
+    pair = (_new_manager(smollm2_tokenizer, True), _new_manager(smollm2_tokenizer, False))
+    yield pair
+    for manager in pair:
+        manager.shutdown()
+
+
+@pytest.mark.parametrize("use_native", [True, False])
 def test_grammar_tokenizer_is_built_by_the_first_compilation_once(
-    smollm2_tokenizer, monkeypatch: pytest.MonkeyPatch
+    smollm2_tokenizer, monkeypatch: pytest.MonkeyPatch, use_native: bool
 ) -> None:
     """An engine serving no constrained request never builds llguidance's tokenizer (30-70 MB of
     resident memory for SmolLM2); concurrent first compilations build it once."""
+    if use_native and not native.available():
+        pytest.skip("the grammar extension does not build here")
     built = []
-    from_tokenizer = llguidance.hf.from_tokenizer
+    module, name = (native, "new_tokenizer") if use_native else (llguidance.hf, "from_tokenizer")
+    build = getattr(module, name)
 
     def counted(*args, **kwargs):
         built.append(args)
-        return from_tokenizer(*args, **kwargs)
+        return build(*args, **kwargs)
 
-    monkeypatch.setattr(llguidance.hf, "from_tokenizer", counted)
+    monkeypatch.setattr(native, "available", lambda: use_native)
+    monkeypatch.setattr(module, name, counted)
     manager = StructuredOutputManager(smollm2_tokenizer, 49152, [smollm2_tokenizer.eos_token_id])
     try:
         assert not built
@@ -170,38 +202,146 @@ def test_batch_bitmask_rewrites_every_row_of_a_reused_buffer(manager, smollm2_to
     assert torch.equal(dirty[:4], fresh)
 
 
+def _allowed(mask: torch.Tensor, vocab_size: int) -> np.ndarray:
+    bits = np.unpackbits(mask.contiguous().numpy().view(np.uint8), axis=-1, bitorder="little")
+    return bits[..., :vocab_size].astype(bool)
+
+
 @pytest.mark.parametrize("seed", range(3))
-def test_batch_advance_equals_accepting_token_by_token(manager, smollm2_tokenizer, seed):
-    """``GrammarBatch.advance`` (llguidance's executor from 8 text tokens, a loop below) leaves
-    each grammar where ``accept_tokens`` does: same verdicts, counts, termination and next mask,
-    on random allowed tokens, stop tokens where the grammar is complete, and refused tokens."""
+def test_extension_masks_allow_llmatchers_and_only_what_it_accepts(managers, smollm2_tokenizer, seed):
+    """The extension's masks contain LLMatcher's (which allows only the canonical split of the
+    bytes a grammar forces) and allow nothing LLMatcher refuses, along random walks through
+    every kind of constraint; both agree on random tokens' verdicts and on termination."""
+    ours, theirs = managers
+    generator = torch.Generator().manual_seed(seed)
+    eos = smollm2_tokenizer.eos_token_id
+    for params in (
+        StructuredOutputsParams(json=SCHEMA),
+        StructuredOutputsParams(json_object=True),
+        StructuredOutputsParams(regex=r"[a-c]{2,5}-[0-9]{3}"),
+        StructuredOutputsParams(choice=['say "yes"', "no"]),
+        StructuredOutputsParams(grammar='root ::= "(" [1-9]+ ")"'),
+    ):
+        native_grammar, python_grammar = _grammar(ours, params), _grammar(theirs, params)
+        assert native_grammar.is_native and not python_grammar.is_native
+        history: list[int] = []
+        for _ in range(40):
+            native_mask = _allowed(_bitmask(ours, [native_grammar]), ours.vocab_size)[0]
+            python_mask = _allowed(_bitmask(theirs, [python_grammar]), theirs.vocab_size)[0]
+            assert not (python_mask & ~native_mask).any()
+            extra = np.flatnonzero(native_mask & ~python_mask)
+            for token in extra[torch.randperm(len(extra), generator=generator)[:3].numpy()].tolist():
+                assert _grammar(theirs, params).accept_tokens([*history, token])
+            probe = int(torch.randint(ours.vocab_size, (1,), generator=generator))
+            native_probe, python_probe = _grammar(ours, params), _grammar(theirs, params)
+            verdict = native_probe.accept_tokens([*history, probe])
+            assert verdict == python_probe.accept_tokens([*history, probe]) == bool(native_mask[probe])
+            logits = torch.randn(ours.vocab_size, generator=generator)
+            logits[~torch.from_numpy(python_mask)] = float("-inf")
+            token = int(logits.argmax())
+            assert native_grammar.accept_tokens([token]) and python_grammar.accept_tokens([token])
+            assert native_grammar.is_terminated() == python_grammar.is_terminated()
+            if native_grammar.is_terminated():
+                assert token == eos
+                break
+            history.append(token)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_ahead_worker_advances_grammars_as_accept_tokens_does(managers, smollm2_tokenizer, seed):
+    """The extension's ahead thread, given a step's samples, leaves each grammar where
+    ``accept_tokens`` does: same verdicts (text and stop tokens where the grammar is complete,
+    refused tokens), and the next mask at the sample's row equal to the one filled afresh."""
+    manager = managers[0]
+    extension = native.load()
     generator = torch.Generator().manual_seed(seed)
     eos = smollm2_tokenizer.eos_token_id
     refused = smollm2_tokenizer("zzz", add_special_tokens=False)["input_ids"][0]
+    worker = extension.AheadWorker([eos], manager.vocab_size, 10.0)
     constraints = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(choice=["alpha", "beta"])]
-    for num_rows in (3, 12):  # below and above the executor's threshold
-        params = [constraints[i % 2] for i in range(num_rows)]
-        batched = [_grammar(manager, p) for p in params]
-        single = [_grammar(manager, p) for p in params]
-        batch = GrammarBatch()
-        for step in range(60):
-            masks = _bitmask(manager, batched)
-            assert torch.equal(masks, _bitmask(manager, single)), step
-            logits = torch.randn((num_rows, manager.vocab_size), generator=generator)
-            apply_token_bitmask(logits, masks)
-            tokens = logits.argmax(dim=1).tolist()
-            if step % 7 == 3:
-                tokens[step % num_rows] = refused
-            verdicts = batch.advance(batched, tokens)
-            assert verdicts == [g.accept_tokens([t]) for g, t in zip(single, tokens)]
-            assert [g.num_processed_tokens for g in batched] == [g.num_processed_tokens for g in single]
-            assert [g.is_terminated() for g in batched] == [g.is_terminated() for g in single]
-            if any(t == eos for t in tokens):
-                assert any(g.is_terminated() for g in batched)
-            # Grammars that ended or refused a token start over, in both lists alike.
-            for i, verdict in enumerate(verdicts):
-                if not verdict or batched[i].is_terminated():
-                    batched[i], single[i] = _grammar(manager, params[i]), _grammar(manager, params[i])
+    num_rows = 12
+    params = [constraints[i % 2] for i in range(num_rows)]
+    ahead = [_grammar(manager, p) for p in params]
+    single = [_grammar(manager, p) for p in params]
+    out = allocate_token_bitmask(num_rows + 2, manager.vocab_size)
+    row_bytes = out.shape[1] * 4
+    restarted = True
+    for step in range(60):
+        masks = _bitmask(manager, ahead)
+        assert torch.equal(masks, _bitmask(manager, single)), step
+        logits = torch.randn((num_rows, manager.vocab_size), generator=generator)
+        apply_token_bitmask(logits, masks)
+        tokens = logits.argmax(dim=1)
+        if step % 7 == 3:
+            tokens[step % num_rows] = refused
+        # The samples land after the job is submitted, as a device copy would write them.
+        samples = torch.full((num_rows + 1,), -1, dtype=torch.int64)
+        sample_rows = list(range(1, num_rows + 1))
+        mask_rows = [row + 1 for row in sample_rows]
+        if step % 2 and not restarted:  # the same matchers and rows as the last job
+            worker.resubmit(samples.data_ptr(), samples.numel(), out.data_ptr(), out.shape[0])
+        else:
+            matchers = [g._matcher for g in ahead]
+            buffer = (out.data_ptr(), row_bytes, out.shape[0])
+            worker.submit(samples.data_ptr(), samples.numel(), matchers, sample_rows, mask_rows, *buffer)
+        time.sleep(0.001)
+        samples[1:] = tokens
+        statuses, token_ids = worker.wait()
+        assert token_ids == tokens.tolist()
+        verdicts = [g.accept_tokens([t]) for g, t in zip(single, tokens.tolist())]
+        assert [status != extension.REFUSED for status in statuses] == verdicts
+        for i, (grammar, status) in enumerate(zip(ahead, statuses)):
+            if status == extension.CONSUMED:
+                grammar.num_processed_tokens += 1
+                assert torch.equal(out[mask_rows[i]], _bitmask(manager, [single[i]])[0]), (step, i)
+            elif status == extension.TERMINATED:
+                grammar.num_processed_tokens += 1
+                grammar._terminated = True
+        assert [g.num_processed_tokens for g in ahead] == [g.num_processed_tokens for g in single]
+        assert [g.is_terminated() for g in ahead] == [g.is_terminated() for g in single]
+        if (tokens == eos).any():
+            assert extension.TERMINATED in statuses
+        # Grammars that ended or refused a token start over, in both lists alike.
+        restarted = False
+        for i, verdict in enumerate(verdicts):
+            if not verdict or ahead[i].is_terminated():
+                ahead[i], single[i] = _grammar(manager, params[i]), _grammar(manager, params[i])
+                restarted = True
+
+
+def test_ahead_worker_checks_its_job_and_gives_up_on_samples_that_never_land(managers, smollm2_tokenizer):
+    manager = managers[0]
+    extension = native.load()
+    grammar = _grammar(manager, StructuredOutputsParams(choice=["alpha", "beta"]))
+    out = allocate_token_bitmask(2, manager.vocab_size)
+    samples = torch.full((2,), -1, dtype=torch.int64)
+    worker = extension.AheadWorker([smollm2_tokenizer.eos_token_id], manager.vocab_size, 0.05)
+    args = (samples.data_ptr(), 2, [grammar._matcher])
+    with pytest.raises(IndexError, match="sample row"):
+        worker.submit(*args, [2], [0], out.data_ptr(), out.shape[1] * 4, 2)
+    with pytest.raises(IndexError, match="mask row"):
+        worker.submit(*args, [0], [2], out.data_ptr(), out.shape[1] * 4, 2)
+    assert worker.wait() == ([], [])  # nothing was submitted
+    with pytest.raises(RuntimeError, match="no job"):
+        worker.resubmit(samples.data_ptr(), 2, out.data_ptr(), 2)
+    before = out.clone()
+    worker.submit(*args, [0], [0], out.data_ptr(), out.shape[1] * 4, 2)
+    with pytest.raises(RuntimeError, match="not collected"):
+        worker.submit(*args, [0], [0], out.data_ptr(), out.shape[1] * 4, 2)
+    # A value past the vocabulary (a half-written sample) is not taken for a token either.
+    samples[0] = manager.vocab_size
+    assert worker.wait() == ([extension.TIMED_OUT], [-1])
+    assert torch.equal(out, before) and grammar.num_processed_tokens == 0
+    with pytest.raises(IndexError, match="mask row"):  # the last job's rows, checked again
+        worker.resubmit(samples.data_ptr(), 2, out.data_ptr(), 0)
+    # Cancelled: a failed step's job ends at once.
+    samples[0] = -1
+    worker = extension.AheadWorker([smollm2_tokenizer.eos_token_id], manager.vocab_size, 60.0)
+    worker.submit(*args, [0], [0], out.data_ptr(), out.shape[1] * 4, 2)
+    threading.Timer(0.05, worker.cancel).start()
+    start = time.perf_counter()
+    assert worker.wait()[0] == [extension.TIMED_OUT]
+    assert time.perf_counter() - start < 5
 
 
 @pytest.mark.parametrize("vocab_size", [1, 31, 32, 33, 100, 49152])

@@ -32,8 +32,8 @@ def test_output_token_ids_from_any_start_joins_sent_and_sampled_tokens():
     # A resumed request: its host knew two outputs; the worker then sampled three more.
     row = _add(batch, 7, [1, 2, 3], [40, 41])
     for index, token in zip((2, 3, 4), (50, 51, 52)):
-        batch.append_sampled(7, index, token)
-    batch.append_sampled(7, 3, 99)  # a sample already recorded: ignored
+        batch.append_sampled([(7, index, token)])
+    batch.append_sampled([(7, 3, 99)])  # a sample already recorded: ignored
     outputs = [40, 41, 50, 51, 52]
     for start in range(len(outputs) + 2):
         assert batch.output_token_ids(row, start) == outputs[start:]

@@ -1,4 +1,5 @@
-"""Build the CPU kernels on first use and keep the build in the user's cache directory.
+"""Build the CPU kernels (and other C++ extensions) on first use and keep the build in the user's
+cache directory.
 
 ``load()`` compiles ``csrc/`` for this machine's CPU (``-march=native``, so the compiler uses its
 AVX-512 or AVX2 units) with ``torch.utils.cpp_extension.load`` and registers its operators under
@@ -18,11 +19,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -48,11 +51,12 @@ EXTENSION_NAME = "pagedllm_cpu_ext"
 CXX_FLAGS = ("-O3", "-march=native", "-fopenmp")
 
 
-def cache_dir() -> Path:
-    """Where the build lives: per torch version (it links against it), per CPU, and per content
-    of the sources and flags, so that an existing library is always the current one."""
-    content = hashlib.sha256(" ".join(CXX_FLAGS).encode())
-    for path in sorted(CSRC.iterdir()):
+def cache_dir(csrc: Path | None = None, cxx_flags: tuple[str, ...] = CXX_FLAGS) -> Path:
+    """Where a build lives: per torch version (it links against it), per CPU, and per content of
+    the sources and flags, so that an existing library is always the current one."""
+    csrc = CSRC if csrc is None else csrc
+    content = hashlib.sha256(" ".join(cxx_flags).encode())
+    for path in sorted(csrc.iterdir()):
         content.update(path.name.encode() + path.read_bytes())
     torch_version = f"torch-{torch.__version__}".replace("+", "-")
     return cache_root() / "cpu-ext" / torch_version / cpu_isa_key() / content.hexdigest()[:16]
@@ -65,42 +69,61 @@ def check_build_requirements() -> None:
     compiler = cpp_extension.get_cxx_compiler()
     if shutil.which(compiler) is None:
         raise RuntimeError(
-            f"building pagedllm's CPU kernels needs a C++ compiler ({compiler!r} is not on PATH; "
+            f"building pagedllm's C++ extensions needs a C++ compiler ({compiler!r} is not on PATH; "
             "set CXX to another)"
         )
     if not cpp_extension.is_ninja_available():
-        raise RuntimeError("building pagedllm's CPU kernels needs ninja: pip install ninja")
+        raise RuntimeError("building pagedllm's C++ extensions needs ninja: pip install ninja")
 
 
-@functools.cache
-def load() -> None:
-    """Build (on the machine's first call) and load the extension: its operators are then
-    ``torch.ops.pagedllm_cpu.*``."""
-    build_dir = cache_dir()
-    library = build_dir / f"{EXTENSION_NAME}.so"
+def build_extension(
+    name: str,
+    csrc: Path,
+    sources: tuple[str, ...],
+    cxx_flags: tuple[str, ...],
+    ldflags: tuple[str, ...] = (),
+    python_module: bool = False,
+) -> ModuleType | None:
+    """Build (on the machine's first call) and load the extension ``name`` from ``csrc``: a Python
+    module (returned) or a library of torch operators (registered; None returned)."""
+    build_dir = cache_dir(csrc, cxx_flags)
+    library = build_dir / f"{name}.so"
     if library.exists():
         try:
-            torch.ops.load_library(str(library))
-            return
-        except OSError:  # a library another process is still linking: wait for its build below
+            return _import(name, library) if python_module else torch.ops.load_library(str(library))
+        except (OSError, ImportError):  # a library another process is still linking: wait below
             pass
     check_build_requirements()
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    cpp_extension.load(
-        name=EXTENSION_NAME,
-        sources=[str(CSRC / source) for source in SOURCES],
-        extra_cflags=list(CXX_FLAGS),
-        extra_ldflags=["-fopenmp"],
+    module = cpp_extension.load(
+        name=name,
+        sources=[str(csrc / source) for source in sources],
+        extra_cflags=list(cxx_flags),
+        extra_ldflags=list(ldflags),
         build_directory=str(build_dir),
-        is_python_module=False,
+        is_python_module=python_module,
         verbose=logger.isEnabledFor(logging.DEBUG),
     )
-    logger.info(
-        "built pagedllm's CPU kernels in %.0f s (cached in %s)", time.perf_counter() - start, build_dir
-    )
+    logger.info("built %s in %.0f s (cached in %s)", name, time.perf_counter() - start, build_dir)
+    return module if python_module else None
+
+
+def _import(name: str, library: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, library)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def load() -> None:
+    """Build (on the machine's first call) and load the CPU kernels: their operators are then
+    ``torch.ops.pagedllm_cpu.*``."""
+    build_extension(EXTENSION_NAME, CSRC, SOURCES, CXX_FLAGS, ("-fopenmp",))
 
 
 @functools.cache

@@ -11,7 +11,10 @@ For each row ``r``::
 ``argmax(x / T - log q)`` is ``argmax(softmax(x / T) / q)``, the exponential race (Gumbel-max), with
 no softmax: the row needs no normalisation to be sampled. ``x`` is the logits after penalties and
 bans (and, for rows truncated by top-k/top-p/min-p, already scaled and truncated, with
-``inv_temperature`` 1); ``raw`` the model's logits, whose logprobs are reported.
+``inv_temperature`` 1); ``raw`` the model's logits, whose logprobs are reported. With a grammar
+bitmask (structured outputs), a token whose bit is 0 reads as -inf in both ``raw`` and ``x``, as
+if ``apply_token_bitmask`` had run first, without its launch (on a step bound by the host, the
+launch costs more than the kernel).
 
 Why a kernel: torch reduces a row (``argmax``, ``log_softmax``) in one thread block, which leaves
 the GPU idle for one or a few rows of a large vocabulary (27 and 29 us for one row of Llama-3's
@@ -20,11 +23,13 @@ one element per row is read from.
 
 Grid: ``_partials_kernel`` runs ``(num_rows, cdiv(vocab, CHUNK))`` programs; program ``(r, c)`` reads
 ``CHUNK`` elements of row ``r`` of ``raw``, ``x`` (when it is not ``raw``) and ``q`` (when sampled),
-and writes four float32/int32 partials: its best score and where it is, the max of ``raw`` and the
-sum of ``exp(raw - max)``. ``_merge_kernel`` runs one program per row over that row's partials
-(at most a few hundred) and writes the token (int64) and its logprob (float32).
+and ``CHUNK / 32`` words of the bitmask (when given), and writes four float32/int32 partials: its
+best score and where it is, the max of ``raw`` and the sum of ``exp(raw - max)``.
+``_merge_kernel`` runs one program per row over that row's partials (at most a few hundred) and
+writes the token (int64) and its logprob (float32).
 
-Layouts: ``raw``, ``x``, ``q``: ``[num_rows, vocab]`` float32, contiguous rows (any row stride).
+Layouts: ``raw``, ``x``, ``q``: ``[num_rows, vocab]`` float32, contiguous rows (any row stride);
+``bitmask``: ``[num_rows, ceil(vocab / 32)]`` int32, bit ``t % 32`` of word ``t // 32`` for token ``t``.
 Bound: memory, ``(1 + (x is not raw) + sampled) * 4`` bytes per element read, nothing of the
 vocabulary's size written; a few FLOPs per element (one exp, one log per sampled element).
 """
@@ -43,6 +48,7 @@ def _partials_kernel(
     q_ptr,
     inv_temperature_ptr,
     greedy_ptr,
+    bitmask_ptr,
     part_score_ptr,
     part_index_ptr,
     part_max_ptr,
@@ -52,14 +58,19 @@ def _partials_kernel(
     stride_raw,
     stride_x,
     stride_q,
+    stride_bitmask,
     CHUNK: tl.constexpr,
     X_IS_RAW: tl.constexpr,
     HAS_Q: tl.constexpr,
+    HAS_BITMASK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     in_vocab = cols < vocab_size
+    if HAS_BITMASK:
+        words = tl.load(bitmask_ptr + row * stride_bitmask + cols // 32, mask=in_vocab, other=0)
+        in_vocab = in_vocab & (((words >> (cols % 32)) & 1) != 0)
     raw = tl.load(raw_ptr + row * stride_raw + cols, mask=in_vocab, other=float("-inf"))
     # The chunk's share of logsumexp(raw): its max and sum(exp(raw - max)); a chunk of -inf
     # (masked, or banned everywhere) adds 0 with a finite stand-in for its max.
@@ -128,6 +139,7 @@ def sample_tokens(
     q: torch.Tensor | None = None,
     inv_temperature: torch.Tensor | None = None,
     greedy: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's token and the logprob of it under ``raw`` (see the module docstring).
 
@@ -137,6 +149,8 @@ def sample_tokens(
         q: [num_rows, vocab] float32 Exp(1) noise, or None when every row is greedy.
         inv_temperature: [num_rows] float32, with ``q``.
         greedy: [num_rows] bool, with ``q``: rows that take the argmax of ``x``.
+        bitmask: [num_rows, ceil(vocab / 32)] int32 on the logits' device, or None: the tokens
+            each row may take (its other tokens read as -inf in ``raw`` and ``x``).
     Returns:
         token ids [num_rows] int64 and their logprobs [num_rows] float32.
     """
@@ -147,6 +161,10 @@ def sample_tokens(
         assert (
             q.shape == raw.shape and q.stride(1) == 1 and inv_temperature is not None and greedy is not None
         )
+    has_bitmask = bitmask is not None
+    if has_bitmask:
+        assert bitmask.dtype == torch.int32 and bitmask.shape == (num_rows, triton.cdiv(vocab_size, 32))
+        assert bitmask.stride(1) == 1
     chunk = _chunk_size(num_rows)
     num_chunks = triton.cdiv(vocab_size, chunk)
     # One allocation each, so every pointer is 16-byte aligned whatever num_rows * num_chunks is:
@@ -163,6 +181,7 @@ def sample_tokens(
         q if has_q else raw,
         inv_temperature if has_q else raw,
         greedy if has_q else raw,
+        bitmask if has_bitmask else raw,
         part_score,
         part_index,
         part_max,
@@ -172,9 +191,11 @@ def sample_tokens(
         raw.stride(0),
         x.stride(0),
         q.stride(0) if has_q else 0,
+        bitmask.stride(0) if has_bitmask else 0,
         CHUNK=chunk,
         X_IS_RAW=x is raw,
         HAS_Q=has_q,
+        HAS_BITMASK=has_bitmask,
     )
     token_ids = torch.empty(num_rows, dtype=torch.int64, device=raw.device)
     logprobs = torch.empty(num_rows, dtype=torch.float32, device=raw.device)
@@ -195,20 +216,20 @@ def sample_tokens(
 
 def warm_up(vocab_size: int, device: torch.device) -> None:
     """Compile every variant a step can launch (chunk sizes, greedy or sampled, ``x`` the logits
-    or not, and the grammar bitmask's) before the first request, so that none compiles inside a
-    step (about a second each on a cold cache)."""
+    or not, with the grammar bitmask or without, and the bitmask's own pass) before the first
+    request, so that none compiles inside a step (about a second each on a cold cache)."""
     for num_rows in (1, 32):
         raw = torch.zeros((num_rows, vocab_size), dtype=torch.float32, device=device)
         noise = torch.ones_like(raw)
         inv_temperature = torch.ones(num_rows, device=device)
         greedy = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        bitmask = torch.full((num_rows, triton.cdiv(vocab_size, 32)), -1, device=device, dtype=torch.int32)
         for x in (raw, raw.clone()):
-            sample_tokens(raw, x)
-            sample_tokens(raw, x, noise, inv_temperature, greedy)
-        # Structured outputs' mask, as its first grammar request would apply it.
-        apply_token_bitmask(
-            raw, torch.full((num_rows, triton.cdiv(vocab_size, 32)), -1, device=device, dtype=torch.int32)
-        )
+            for words in (None, bitmask):
+                sample_tokens(raw, x, bitmask=words)
+                sample_tokens(raw, x, noise, inv_temperature, greedy, bitmask=words)
+        # Structured outputs' mask on its own, before a truncation (top-k/top-p/min-p).
+        apply_token_bitmask(raw, bitmask)
 
 
 @triton.jit
