@@ -63,6 +63,8 @@ def available() -> bool:
 def new_tokenizer(tokenizer: Tokenizer, vocab_size: int, stop_token_ids: list[int]) -> object:
     """The extension's llguidance tokenizer for a fast Hugging Face tokenizer (its JSON, as
     ``llguidance.hf.from_tokenizer`` reads it)."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError("structured outputs need a fast (Rust) Hugging Face tokenizer for this model")
     backend = copy.copy(tokenizer.backend_tokenizer)
     backend.no_padding()
     backend.no_truncation()

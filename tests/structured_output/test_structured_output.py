@@ -309,6 +309,14 @@ def test_ahead_worker_advances_grammars_as_accept_tokens_does(managers, smollm2_
                 restarted = True
 
 
+def test_the_extension_refuses_a_slow_tokenizer():
+    class SlowTokenizer:
+        is_fast = False
+
+    with pytest.raises(ValueError, match="fast"):
+        native.new_tokenizer(SlowTokenizer(), 100, [0])
+
+
 def test_ahead_worker_checks_its_job_and_gives_up_on_samples_that_never_land(managers, smollm2_tokenizer):
     manager = managers[0]
     extension = native.load()
@@ -321,6 +329,8 @@ def test_ahead_worker_checks_its_job_and_gives_up_on_samples_that_never_land(man
         worker.submit(*args, [2], [0], out.data_ptr(), out.shape[1] * 4, 2)
     with pytest.raises(IndexError, match="mask row"):
         worker.submit(*args, [0], [2], out.data_ptr(), out.shape[1] * 4, 2)
+    with pytest.raises(ValueError, match="mask rows of 4 bytes"):  # llguidance would write past them
+        worker.submit(*args, [0], [0], out.data_ptr(), 4, 2)
     assert worker.wait() == ([], [])  # nothing was submitted
     with pytest.raises(RuntimeError, match="no job"):
         worker.resubmit(samples.data_ptr(), 2, out.data_ptr(), 2)

@@ -149,6 +149,7 @@ class Tokenizer {
         tokenizer_ = api.new_tokenizer_v2(&init, error, sizeof(error));
         if (tokenizer_ == nullptr) throw std::runtime_error(std::string("llguidance tokenizer: ") + error);
         mask_bytes_ = (static_cast<size_t>(vocab_size) + 31) / 32 * 4;
+        eos_token_ids_ = eos_token_ids;
     }
     ~Tokenizer() { api.free_tokenizer(tokenizer_); }
     Tokenizer(const Tokenizer&) = delete;
@@ -157,9 +158,19 @@ class Tokenizer {
     const LlgTokenizer* get() const { return tokenizer_; }
     size_t mask_bytes() const { return mask_bytes_; }
 
+    // The mask of a grammar whose mask cannot be computed (a parser limit hit): only the stop
+    // tokens, so the request ends rather than samples from nothing.
+    void write_stop_mask(uint32_t* destination) const {
+        std::memset(destination, 0, mask_bytes_);
+        for (uint32_t token : eos_token_ids_) {
+            if (token / 32 < mask_bytes_ / 4) destination[token / 32] |= 1u << (token % 32);
+        }
+    }
+
    private:
     LlgTokenizer* tokenizer_;
     size_t mask_bytes_;
+    std::vector<uint32_t> eos_token_ids_;
 };
 
 // One grammar's matcher, with the method names of llguidance's Python LLMatcher that the
@@ -185,6 +196,7 @@ class Matcher {
     std::shared_ptr<Matcher> deep_copy() const {
         return std::make_shared<Matcher>(api.clone_matcher(matcher_), tokenizer_);
     }
+    size_t mask_bytes() const { return tokenizer_->mask_bytes(); }
     bool is_error() const { return api.matcher_is_error(matcher_); }
     std::string get_error() {
         const char* error = api.matcher_get_error(matcher_);
@@ -210,8 +222,12 @@ class Matcher {
         return !is_error() && api.matcher_validate_tokens(matcher_, &token, 1) == 1 &&
                api.matcher_consume_token(matcher_, token) == 0;
     }
+    // The next mask into ``destination`` (mask_bytes); the stop tokens alone where llguidance
+    // cannot compute it. False in that case.
     bool fill_mask(uint32_t* destination) {
-        return api.matcher_compute_mask_into(matcher_, destination, tokenizer_->mask_bytes()) == 0;
+        if (api.matcher_compute_mask_into(matcher_, destination, tokenizer_->mask_bytes()) == 0) return true;
+        tokenizer_->write_stop_mask(destination);
+        return false;
     }
     void unsafe_compute_mask_ptr(uintptr_t destination, size_t num_bytes) {
         if (num_bytes != tokenizer_->mask_bytes()) {
@@ -219,9 +235,7 @@ class Matcher {
                                         std::to_string(tokenizer_->mask_bytes()));
         }
         py::gil_scoped_release no_gil;
-        if (!fill_mask(reinterpret_cast<uint32_t*>(destination))) {
-            std::memset(reinterpret_cast<void*>(destination), 0, num_bytes);
-        }
+        fill_mask(reinterpret_cast<uint32_t*>(destination));
     }
 
    private:
@@ -229,17 +243,28 @@ class Matcher {
     std::shared_ptr<Tokenizer> tokenizer_;
 };
 
+// A row of the caller's buffer must hold exactly a matcher's mask: llguidance writes that many bytes.
+void check_row_bytes(const std::vector<std::shared_ptr<Matcher>>& matchers, size_t row_bytes) {
+    for (const auto& matcher : matchers) {
+        if (matcher->mask_bytes() != row_bytes) {
+            throw std::invalid_argument("mask rows of " + std::to_string(row_bytes) + " bytes, expected " +
+                                        std::to_string(matcher->mask_bytes()));
+        }
+    }
+}
+
 // Fill several matchers' masks into rows of one buffer (rows * row_bytes bytes), without the GIL.
 void fill_masks(const std::vector<std::shared_ptr<Matcher>>& matchers, const std::vector<int64_t>& rows,
                 uintptr_t buffer, size_t row_bytes, size_t num_rows) {
     if (matchers.size() != rows.size()) throw std::invalid_argument("one row per matcher");
+    check_row_bytes(matchers, row_bytes);
     for (int64_t row : rows) {
         if (row < 0 || static_cast<size_t>(row) >= num_rows) throw std::out_of_range("mask row out of range");
     }
     py::gil_scoped_release no_gil;
     for (size_t i = 0; i < matchers.size(); ++i) {
         auto* destination = reinterpret_cast<uint32_t*>(buffer + rows[i] * row_bytes);
-        if (!matchers[i]->fill_mask(destination)) std::memset(destination, 0, row_bytes);
+        matchers[i]->fill_mask(destination);
     }
 }
 
@@ -269,6 +294,7 @@ class AheadWorker {
         if (matchers.size() != sample_rows.size() || matchers.size() != mask_rows.size()) {
             throw std::invalid_argument("one sample row and one mask row per matcher");
         }
+        check_row_bytes(matchers, row_bytes);
         std::unique_lock<std::mutex> lock(mutex_);
         if (has_job_) throw std::logic_error("the previous job was not collected");
         check_rows(sample_rows, mask_rows, num_samples, num_mask_rows);
@@ -382,7 +408,7 @@ class AheadWorker {
                 continue;
             }
             auto* destination = reinterpret_cast<uint32_t*>(job_.masks + job_.mask_rows[i] * job_.row_bytes);
-            if (!matcher.fill_mask(destination)) std::memset(destination, 0, job_.row_bytes);
+            matcher.fill_mask(destination);
             statuses_[i] = kConsumed;
         }
     }
