@@ -58,8 +58,9 @@ class Sampler(nn.Module):
         self, logits: torch.Tensor, metadata: SamplingMetadata, token_bitmask: torch.Tensor | None = None
     ) -> SamplerOutput:
         """logits: [num_rows, vocab_size] float32; token_bitmask: structured outputs' grammar
-        bitmask [num_rows, ceil(vocab_size / 32)] int32 on the logits' device, or None: the tokens
-        each row may take, as if its other logits were -inf (the logprobs too)."""
+        bitmask [num_rows, ceil(vocab_size / 32)] int32 on the logits' device or in pinned host
+        memory (which the fused pass reads in place), or None: the tokens each row may take, as if
+        its other logits were -inf (the logprobs too)."""
         # Top tokens need every logprob; otherwise only the chosen tokens' are needed, which the
         # fused pass on the GPU computes without a [rows, vocab] log_softmax, and the CPU from each
         # row's log-sum-exp (read before the bans below, which may write into the logits).

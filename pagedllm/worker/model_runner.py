@@ -444,6 +444,8 @@ class ModelRunner:
                 )
             metadata = batch.sampling_metadata(rows)
             sampled = self.sampler(logits[:num_sample_rows], metadata, token_bitmask)
+            if token_bitmask is not None:
+                self.logits_processors.masks_read()
             if with_processors:
                 history = self._processor_samples(model_input)
             first = to_device(model_input.first_sample_index, self.device)

@@ -102,9 +102,9 @@ class RequestLogitsProcessors:
         self._grammar_batch: GrammarBatch | None = None  # made at the first grammar
         self._vocab_size = 0  # the logits' width, known at the first grammar
         self._pin_memory = False  # bitmasks in pinned memory: for logits on CUDA
-        # Two pinned host bitmasks used in turn, each with the event of its last copy; the events
-        # no buffer holds now, and the stream the copies run on.
-        self._pinned: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        # Two pinned host bitmasks used in turn, each with the event after the sampler that read
+        # it last (None until ``masks_read``); the events no buffer holds now, and the stream.
+        self._pinned: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         self._free_events: list[torch.cuda.Event] = []
         self._stream: torch.cuda.Stream | None = None
         self._ahead_worker: Any = None  # the extension's AheadWorker, made at the first job
@@ -129,8 +129,9 @@ class RequestLogitsProcessors:
         bad_words; the lists give each row's request and parameters, ``output_token_ids(i,
         start)`` row i's generated tokens from index start (read only as far as needed: a grammar
         wants the tokens since its last step, not the whole output), ``num_output_tokens[i]`` how
-        many there are. Returns the rows' grammar bitmask on the logits' device, for the sampler
-        to apply (None: no row has a grammar)."""
+        many there are. Returns the rows' grammar bitmask for the sampler to apply, on the host
+        (pinned on CUDA, where ``masks_read`` follows the sampler's launch); None: no row has a
+        grammar."""
         if any(p.allowed_token_ids for p in params):
             apply_allowed_token_ids(logits, [p.allowed_token_ids for p in params])
         if any(p.logit_bias for p in params):
@@ -149,7 +150,7 @@ class RequestLogitsProcessors:
                 unconstrained = np.ones(len(req_ids), dtype=bool)
                 unconstrained[ahead.sample_rows] = False
                 bitmask.numpy()[unconstrained] = -1
-            return self._to_device(bitmask, buffer, logits.device)
+            return self._hand_over(bitmask, buffer)
         rows = [
             self._grammar(req_id, params[i], i, output_token_ids, num_output_tokens[i], ahead)
             for i, req_id in enumerate(req_ids)
@@ -177,7 +178,7 @@ class RequestLogitsProcessors:
         )
         if moves:
             bitmask.numpy()[list(moves)] = moved
-        return self._to_device(bitmask, buffer, logits.device)
+        return self._hand_over(bitmask, buffer)
 
     def _all_made_ahead(
         self,
@@ -200,18 +201,26 @@ class RequestLogitsProcessors:
             and all(self._grammars.get(r) is g for r, g in zip(ahead.req_ids, ahead.grammars))
         )
 
-    def _to_device(self, bitmask: torch.Tensor, buffer: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """The bitmask on ``device``; on CUDA, its pinned ``buffer`` is reused once the copy is done
-        (an event recorded after it, on the stream the worker runs its steps on, read once: looking
-        the current stream up costs ~10 us of Python a step)."""
-        words = bitmask.to(device, non_blocking=True)
+    def _hand_over(self, bitmask: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+        """The bitmask for the sampler. On CUDA it stays in its pinned ``buffer``: the sampler's
+        fused pass reads it there, over the bus (196 KB for 32 rows of SmolLM2's vocabulary),
+        with no copy to launch; other paths copy it. The buffer is refilled only after the event
+        ``masks_read`` records."""
         if self._pin_memory:
-            if self._stream is None:
-                self._stream = torch.cuda.current_stream(device)
-            event = self._free_events.pop() if self._free_events else torch.cuda.Event()
-            event.record(self._stream)
-            self._pinned.append((buffer, event))
-        return words
+            self._pinned.append((buffer, None))
+        return bitmask
+
+    def masks_read(self) -> None:
+        """Call once the step's sampler is launched: the bitmask handed to it is read by the work
+        queued so far. Records an event after it, on the stream the worker runs its steps on
+        (looked up once: the lookup costs ~10 us of Python a step)."""
+        if not self._pinned or self._pinned[-1][1] is not None:
+            return
+        if self._stream is None:
+            self._stream = torch.cuda.current_stream()
+        event = self._free_events.pop() if self._free_events else torch.cuda.Event()
+        event.record(self._stream)
+        self._pinned[-1] = (self._pinned[-1][0], event)
 
     def start_ahead(self, samples: torch.Tensor, entries: list[tuple[int, int, int]]) -> None:
         """Advance the grammars of this step's samples and fill their next masks on the native
@@ -312,25 +321,27 @@ class RequestLogitsProcessors:
         )
 
     def _mask_buffer(self, num_rows: int, wait: bool = True) -> torch.Tensor:
-        """A host bitmask of at least ``num_rows`` rows; on CUDA a pinned one whose last copy to
-        the device is done, or (``wait=False``) was queued before this step's sampler: the ahead
-        thread writes it only once that step's samples have landed, after every copy queued
-        before them.
+        """A host bitmask of at least ``num_rows`` rows; on CUDA a pinned one whose last reader
+        (the sampler of an earlier step) is done, or (``wait=False``) was queued before this
+        step's sampler: the ahead thread writes it only once that step's samples have landed,
+        after everything queued before them.
 
-        From pinned memory the copy is asynchronous; from pageable memory it would wait for the
-        device to reach it, i.e. for the step's forward pass, and the host's work would stop
-        overlapping the device's. Two buffers in turn: the one filled now may still be read by
-        the step in flight.
+        The device reads pinned memory directly, and a copy from it is asynchronous; from
+        pageable memory a copy would wait for the device to reach it, i.e. for the step's forward
+        pass, and the host's work would stop overlapping the device's. Two buffers in turn: the
+        one filled now may still be read by the step in flight.
         """
         if not self._pin_memory:
             return allocate_token_bitmask(num_rows, self._vocab_size)
         if len(self._pinned) == 2:
             buffer, event = self._pinned.pop(0)
-            if wait:
-                event.synchronize()
-            self._free_events.append(event)
-            if buffer.shape[0] >= num_rows:
-                return buffer
+            # No event: its step failed before the sampler; the buffer is left to the allocator.
+            if event is not None:
+                if wait:
+                    event.synchronize()
+                self._free_events.append(event)
+                if buffer.shape[0] >= num_rows:
+                    return buffer
         return allocate_token_bitmask(max(num_rows, 64), self._vocab_size, pin_memory=True)
 
     def _grammar(

@@ -108,8 +108,13 @@ def test_apply_token_bitmask_bans_exactly_the_zero_bits(vocab_size):
     assert torch.equal(out.cpu(), expected)
 
 
+# On CUDA the pass also reads a bitmask in pinned host memory, in place (the worker's buffers).
+BITMASK_PLACES = ["device"] if INTERPRET else ["device", "pinned host"]
+
+
+@pytest.mark.parametrize("place", BITMASK_PLACES)
 @pytest.mark.parametrize("num_rows, vocab_size", [(1, 33), (3, 1025), (33, 5000)])
-def test_a_bitmask_given_to_the_pass_equals_applying_it_first(num_rows, vocab_size):
+def test_a_bitmask_given_to_the_pass_equals_applying_it_first(num_rows, vocab_size, place):
     """The grammar bitmask read by the partials pass gives the tokens and logprobs of the pass
     over logits that ``apply_token_bitmask`` masked first, for greedy and sampled rows, logits
     already changed by penalties, rows whose every token but one is banned, and a row stride."""
@@ -120,6 +125,7 @@ def test_a_bitmask_given_to_the_pass_equals_applying_it_first(num_rows, vocab_si
     bitmask = words.to(torch.int32)
     bitmask[0] = 0
     bitmask[0, (vocab_size - 1) // 32] = 1 << ((vocab_size - 1) % 32)  # one token left
+    read = bitmask.pin_memory() if place == "pinned host" else bitmask.to(DEVICE)
     bitmask = bitmask.to(DEVICE)
     noise = torch.empty((num_rows, vocab_size)).exponential_(generator=generator).to(DEVICE)
     inv_temperature = (0.5 + torch.rand(num_rows, generator=generator)).to(DEVICE)
@@ -130,7 +136,7 @@ def test_a_bitmask_given_to_the_pass_equals_applying_it_first(num_rows, vocab_si
         apply_token_bitmask(masked_raw, bitmask)
         apply_token_bitmask(masked_x, bitmask)
         args = (noise, inv_temperature, greedy) if sampled else ()
-        tokens, logprobs = sample_tokens(raw, x, *args, bitmask=bitmask)
+        tokens, logprobs = sample_tokens(raw, x, *args, bitmask=read)
         expected_tokens, expected_logprobs = sample_tokens(
             masked_raw, masked_raw if x is raw else masked_x, *args
         )

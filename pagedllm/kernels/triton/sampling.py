@@ -149,8 +149,9 @@ def sample_tokens(
         q: [num_rows, vocab] float32 Exp(1) noise, or None when every row is greedy.
         inv_temperature: [num_rows] float32, with ``q``.
         greedy: [num_rows] bool, with ``q``: rows that take the argmax of ``x``.
-        bitmask: [num_rows, ceil(vocab / 32)] int32 on the logits' device, or None: the tokens
-            each row may take (its other tokens read as -inf in ``raw`` and ``x``).
+        bitmask: [num_rows, ceil(vocab / 32)] int32 on the logits' device or in pinned host
+            memory (read in place, over the bus), or None: the tokens each row may take (its other
+            tokens read as -inf in ``raw`` and ``x``).
     Returns:
         token ids [num_rows] int64 and their logprobs [num_rows] float32.
     """
