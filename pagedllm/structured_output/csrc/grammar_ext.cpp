@@ -5,7 +5,8 @@
 // Why native: llguidance's Python calls release the GIL while they compute, but a Python thread
 // must take the GIL back after each one, and every such handoff stalls the thread that launches
 // the steps (~20 us each, several a step). On a step bound by the host (a small model on a GPU)
-// that cost more than the fill it overlapped. This thread never touches Python objects.
+// those handoffs cost about as much as the overlap gained. This thread never touches Python
+// objects.
 //
 // The C API is llguidance's own (llguidance.h); its Python extension exports it, so the symbols
 // are taken from that library, already loaded by the process: no second copy of llguidance.
@@ -15,12 +16,14 @@
 // every sample it needs holds a token id (0 <= id < vocab: a value still being written never
 // passes), then for each (matcher, sample row, mask row): a stop token ends the grammar if it is
 // complete (or is refused); a text token is consumed if the grammar allows it (or is refused);
-// a consumed grammar's next mask is written to its mask row. Statuses come back through wait().
+// a consumed grammar's next mask is written to its mask row. Statuses come back through wait();
+// resubmit() runs the last job's matchers and rows again on a new step's samples.
 
 #include <dlfcn.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
