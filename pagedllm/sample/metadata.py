@@ -42,5 +42,10 @@ class SamplingMetadata:
     beam: torch.Tensor | None = None
 
     @property
+    def truncates(self) -> bool:
+        """Some row keeps only part of its distribution (top-k, top-p or min-p)."""
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
+
+    @property
     def has_penalties(self) -> bool:
         return self.output_counts is not None

@@ -67,8 +67,7 @@ class Sampler(nn.Module):
         fused = use_triton(logits) and not metadata.max_num_top_tokens
         # The fused pass reads the bitmask itself, unless a truncation must see the masked
         # logits first.
-        truncated = metadata.top_k is not None or metadata.top_p is not None or metadata.min_p is not None
-        if token_bitmask is not None and (not fused or truncated):
+        if token_bitmask is not None and (not fused or metadata.truncates):
             apply_token_bitmask(logits, token_bitmask)
             token_bitmask = None
         row_max = logsumexp = None
@@ -135,7 +134,7 @@ def _truncate(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.T
     rows (temperature 1 here) keep their argmax: every truncation keeps the most likely token.
     """
     inv_temperature = 1.0 / metadata.temperature
-    if metadata.top_k is None and metadata.top_p is None and metadata.min_p is None:
+    if not metadata.truncates:
         return logits, inv_temperature
     logits = logits * inv_temperature[:, None]
     if metadata.top_k is not None or metadata.top_p is not None:
