@@ -1,6 +1,10 @@
 """The package's dependencies point one way:
 
-    kernels <- attention <- layers, sample <- models <- worker <- core, engine <- entrypoints
+    base (config, sampling_params, step_io, ...) <- kernels <- attention <- layers, sample,
+    structured_output <- models <- model_loader <- worker <- executor <- engine <- entrypoints
+
+and the core (scheduler, KV cache manager, requests) imports the base alone: it decides what runs
+and speaks to the workers only through ``step_io``'s messages, so it sits right above the base.
 
 A test walks every import of every module (lazy and type-checking ones too) and fails on an
 import of a higher layer (a back edge) or on a cycle between modules.
@@ -25,7 +29,9 @@ LAYERS: list[tuple[str, ...]] = [
         "pagedllm.cpu_info",
         "pagedllm.tokenizer",
         "pagedllm.logger",
+        "pagedllm.step_io",
     ),
+    ("pagedllm.core",),
     ("pagedllm.kernels",),
     ("pagedllm.attention",),
     ("pagedllm.layers", "pagedllm.sample", "pagedllm.structured_output"),
@@ -33,7 +39,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedllm.model_loader",),
     ("pagedllm.worker",),
     ("pagedllm.executor",),
-    ("pagedllm.core",),
     (
         "pagedllm.detokenizer",
         "pagedllm.outputs",
@@ -95,6 +100,23 @@ def test_no_module_imports_a_higher_layer():
         if layer_of(dst) > layer_of(src) and dst != "pagedllm"
     ]
     assert not back_edges, "\n".join(sorted(back_edges))
+
+
+def test_core_imports_only_the_base():
+    graph = import_graph()
+    base, core = layer_of("pagedllm.step_io"), layer_of("pagedllm.core")
+    outside = [
+        f"{src} imports {dst}"
+        for src, dsts in graph.items()
+        if layer_of(src) == core
+        for dst in dsts
+        if layer_of(dst) not in (base, core)
+    ]
+    assert not outside, "\n".join(sorted(outside))
+
+
+def test_step_io_imports_only_sampling_params():
+    assert import_graph()["pagedllm.step_io"] <= {"pagedllm.sampling_params"}
 
 
 def test_no_import_cycles():

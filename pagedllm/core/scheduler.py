@@ -50,7 +50,7 @@ from pagedllm.core.block_pool import Device
 from pagedllm.core.isolation import Probes
 from pagedllm.core.kv_cache_manager import AllocStatus, KVCacheManager
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.worker.step_io import (
+from pagedllm.step_io import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,

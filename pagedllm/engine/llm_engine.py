@@ -57,10 +57,9 @@ from pagedllm.models.utils import kv_cache_window
 from pagedllm.outputs import RequestOutput
 from pagedllm.request_validation import validate_request
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput, StepHandle
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.tokenizer import get_eos_token_ids, get_tokenizer
-from pagedllm.worker.model_runner import StepOutput
-from pagedllm.worker.step_io import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +147,7 @@ class LLMEngine:
         # Requests refused without running (prompt too long): reported by the next step.
         self._finished_at_once: list[RequestState] = []
         # The step launched but not yet applied (asynchronous scheduling).
-        self._in_flight: tuple[SchedulerOutput, StepOutput] | None = None
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
         # User requests failed since the last model step that succeeded.
         self._num_failed_in_a_row = 0
         # Set once the engine gave up: why (every later step raises ExecutorDeadError with it).
@@ -332,7 +331,7 @@ class LLMEngine:
         self._num_failed_in_a_row += len(outputs)
         return outputs
 
-    def _apply(self, scheduler_output: SchedulerOutput, launched: StepOutput) -> list[RequestOutput]:
+    def _apply(self, scheduler_output: SchedulerOutput, launched: StepHandle) -> list[RequestOutput]:
         """A step's samples: into the requests, through detokenization and stop checks, out as
         the outputs of the requests they extended or ended."""
         with _model_step():

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pagedllm.core.request import Logprob, Request, RequestState, RequestStatus
 from pagedllm.detokenizer import decode_all, decode_incrementally
 from pagedllm.engine.stop_checker import StopChecker
+from pagedllm.step_io import ModelRunnerOutput, PromptLogprobsOutput
 from pagedllm.tokenizer import Tokenizer
-from pagedllm.worker.step_io import ModelRunnerOutput, PromptLogprobsOutput
 
 
 class OutputProcessor:

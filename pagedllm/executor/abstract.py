@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedllm.config import EngineConfig
+from pagedllm.step_io import SchedulerOutput, StepHandle
 
 
 class ExecutorDeadError(RuntimeError):
@@ -47,8 +48,9 @@ class Executor:
         """Call ``method`` on every rank's worker; returns the results in rank order."""
         raise NotImplementedError
 
-    def execute_model(self, msg: Any) -> Any:
-        """One step: ``Worker.execute_model(msg)`` on every rank; returns rank 0's result."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> StepHandle:
+        """Launch one step, ``Worker.execute_model`` on every rank, and return at once; the
+        handle's ``get()`` gives rank 0's samples."""
         raise NotImplementedError
 
     def check_health(self) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.executor.abstract import Executor, ExecutorDeadError, WorkerCall
 from pagedllm.executor.worker_loop import SHUTDOWN_FRAME, encode_call
+from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
 
 # Seconds between liveness checks while a wait has nothing to read.
 POLL_INTERVAL_S = 0.5
@@ -181,7 +182,7 @@ class RemoteExecutor(Executor):
     ) -> list[Any]:
         return self._call(method, args, kwargs, None, None)
 
-    def execute_model(self, msg: Any) -> PendingStep:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> PendingStep:
         """Send the step to every rank and return; ``get()`` on the result gives rank 0's samples.
 
         The engine schedules step N + 1 while step N runs on the ranks, and sends it before it
@@ -193,7 +194,7 @@ class RemoteExecutor(Executor):
         buffer, so its write never blocks.
         """
         try:
-            frame = encode_call("execute_model_remote", (msg,), None, 0)
+            frame = encode_call("execute_model_remote", (scheduler_output,), None, 0)
             if len(frame) > PIPELINED_FRAME_BYTES:
                 self._read_pending()
             while len(self._pending) > 1:
@@ -242,12 +243,12 @@ class RemoteExecutor(Executor):
 
 
 class PendingStep:
-    """A step sent to the ranks; its samples are read once, by ``get()`` or by a later call that
-    must read past them (answers come in the order the steps were sent)."""
+    """A step sent to the ranks (a ``StepHandle``); its samples are read once, by ``get()`` or by
+    a later call that must read past them (answers come in the order the steps were sent)."""
 
     def __init__(self, executor: RemoteExecutor) -> None:
         self._executor = executor
-        self._result: Any = None
+        self._result: ModelRunnerOutput | None = None
         self._received = False
 
     def receive(self) -> None:
@@ -262,9 +263,10 @@ class PendingStep:
             self._executor.shutdown()
             raise
 
-    def get(self) -> Any:
+    def get(self) -> ModelRunnerOutput:
         if not self._received:
             self._executor._read_pending(until=self)
+        assert self._result is not None
         return self._result
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pagedllm.executor.abstract import Executor, WorkerCall, call_worker
-from pagedllm.worker.model_runner import StepOutput
-from pagedllm.worker.step_io import SchedulerOutput
+from pagedllm.step_io import SchedulerOutput, StepHandle
 from pagedllm.worker.worker import Worker
 
 
@@ -24,6 +23,6 @@ class UniProcExecutor(Executor):
     ) -> list[Any]:
         return [call_worker(self.worker, method, args, kwargs)]
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> StepOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> StepHandle:
         """Launch the step; its samples come from the returned handle's ``get()``."""
         return self.worker.execute_model(scheduler_output)

@@ -20,6 +20,7 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
 from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.step_io import ModelRunnerOutput, NewRequestData, PromptLogprobsOutput, SchedulerOutput
 from pagedllm.structured_output import CompiledGrammar, StructuredOutputManager
 from pagedllm.tokenizer import get_tokenizer
 from pagedllm.worker.cpu_compile import CompiledDecode
@@ -27,7 +28,6 @@ from pagedllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import InputBuffers, to_device
 from pagedllm.worker.request_logits import RequestLogitsProcessors
-from pagedllm.worker.step_io import ModelRunnerOutput, NewRequestData, PromptLogprobsOutput, SchedulerOutput
 
 
 @dataclass

@@ -10,9 +10,9 @@ from pagedllm.attention.backends import get_attn_backend
 from pagedllm.config import EngineConfig, GiB
 from pagedllm.distributed import init_distributed_environment
 from pagedllm.layers.onednn_linear import onednn_available, prepack_dense_weights
+from pagedllm.step_io import SchedulerOutput
 from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
 from pagedllm.worker.model_runner import ModelRunner, StepOutput
-from pagedllm.worker.step_io import SchedulerOutput
 
 
 class Worker:

@@ -12,7 +12,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import PreemptionMode, Scheduler
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.step_io import ModelRunnerOutput, SchedulerOutput
+from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
 
 BLOCK_SIZE = 4
 

@@ -16,7 +16,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.sampling_params import StructuredOutputsParams
-from pagedllm.worker.step_io import SchedulerOutput
+from pagedllm.step_io import SchedulerOutput
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from pagedllm import EngineArgs, SamplingParams
 from pagedllm.engine.llm_engine import MAX_REQUESTS_FAILED_IN_A_ROW, LLMEngine
 from pagedllm.executor.abstract import ExecutorDeadError
 from pagedllm.outputs import RequestOutput
-from pagedllm.worker.step_io import SchedulerOutput
+from pagedllm.step_io import SchedulerOutput
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 SAMPLED_N2 = SamplingParams(n=2, temperature=0.8, seed=7, max_tokens=10, ignore_eos=True)

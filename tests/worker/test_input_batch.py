@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.step_io import NewRequestData
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.step_io import NewRequestData
 
 
 def _add(batch: InputBatch, req_id: int, prompt: list[int], outputs: list[int]) -> int:

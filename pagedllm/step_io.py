@@ -1,5 +1,9 @@
 """What crosses between the scheduler and the workers each step: one SchedulerOutput in, one
-ModelRunnerOutput back. Nothing else crosses, so both are plain picklable data.
+ModelRunnerOutput back, through a StepHandle that every executor returns. Nothing else crosses, so
+the messages are plain picklable data.
+
+This module is the lowest layer of the package: it imports nothing of it but ``sampling_params``,
+and the scheduler, the workers, the executors and the engine all speak in its types.
 
 Workers keep a persistent batch (worker/input_batch.py): a request is sent in full once
 (``NewRequestData``: when it is admitted, resumed after preemption, forked, or its tokens were
@@ -11,6 +15,7 @@ lists, not 256 token lists and block tables.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -101,3 +106,10 @@ class ModelRunnerOutput:
     top_tokens: dict[int, tuple[int, list[int], list[float]]] = field(default_factory=dict)
     # req_id -> the prompt logprobs this step scored.
     prompt_logprobs: dict[int, PromptLogprobsOutput] = field(default_factory=dict)
+
+
+class StepHandle(Protocol):
+    """A launched step. ``get()`` waits for its samples (on the device, in another process or on
+    other ranks) and returns them; the engine schedules the next step before it calls it."""
+
+    def get(self) -> ModelRunnerOutput: ...
