@@ -22,7 +22,8 @@ function of per-request arrays, tested on its own (tests/worker/test_step_inputs
 ``stage_model_input`` then writes the plan into ``InputBuffers``: on a GPU each array costs one
 asynchronous copy from pinned memory into a tensor at a fixed address (no allocation, no host
 sync, and what a captured graph reads), and the block tables and device-held decode inputs are
-gathered on the device. On the CPU the arrays are used as they are.
+gathered on the device. On the CPU the arrays are used as they are. The split keeps every index
+computation testable on plain arrays, and every device write in one place.
 """
 
 from __future__ import annotations
@@ -89,8 +90,7 @@ class StepPlan:
     samples: SampleRows
     sample_req_ids: list[int]
     prompt_logprob_requests: list[tuple[int, int, list[int]]]
-    graph_num_seqs: int | None  # the real batch size when a CUDA graph replays
-    pad_to: int  # rows of the graph's batch size, 0 without a graph
+    pad_to: int  # rows of the captured graph's batch size the step replays, 0 when eager
 
 
 # --- the pieces: pure functions of per-request arrays ------------------------------------------
@@ -98,8 +98,8 @@ class StepPlan:
 
 def order_decodes_first(query_lens: np.ndarray) -> tuple[np.ndarray | None, int]:
     """query_lens: [num_reqs] new tokens per request. Returns the permutation that puts the
-    requests with one new token first, each group in its own order (None when the order already
-    is so: all decodes or all prefills), and the number of decodes."""
+    requests with one new token first, each group in its own order (None when all are decodes or
+    none is), and the number of decodes."""
     is_decode = query_lens == 1
     num_decodes = int(is_decode.sum())
     if 0 < num_decodes < len(query_lens):
@@ -255,6 +255,7 @@ def plan_step(
     num_dropped = batch.num_dropped_tokens[rows]
     query_start_loc = compute_query_start_loc(query_lens)
     positions, req_index = token_positions(starts, query_lens, query_start_loc)
+    # Attention writes and reads cache positions; the rotary embedding takes the positions.
     slot_mapping = compute_slot_mapping(
         batch.block_table[rows[req_index]], positions - num_dropped[req_index], block_size
     )
@@ -294,7 +295,6 @@ def plan_step(
         samples=samples,
         sample_req_ids=[batch.req_ids[row] for row in samples.sample_rows.tolist()],
         prompt_logprob_requests=prompt_requests,
-        graph_num_seqs=len(req_ids) if pad_to else None,
         pad_to=pad_to,
     )
 
@@ -355,5 +355,5 @@ def stage_model_input(
         sampling_req_rows=samples.sampling_req_rows,
         first_sample_index=samples.first_sample_index,
         prompt_logprob_requests=plan.prompt_logprob_requests,
-        graph_num_seqs=plan.graph_num_seqs,
+        graph_num_seqs=len(plan.rows) if pad_to else None,
     )

@@ -282,7 +282,7 @@ def test_plan_step_mixed_batch_against_a_naive_loop():
     assert _ints(plan.samples.first_sample_index) == [0, 1, 2]
     assert _ints(plan.logits_indices) == naive["logits"] + naive["prompt_rows"] == [0, 1, 8, 8, 6, 7]
     assert plan.prompt_logprob_requests == naive["prompt_requests"] == [(12, 0, [41, 42])]
-    assert plan.graph_num_seqs is None and plan.pad_to == 0
+    assert plan.pad_to == 0
 
 
 def test_plan_step_decodes_only_pads_to_the_graph_size():
@@ -291,10 +291,12 @@ def test_plan_step_decodes_only_pads_to_the_graph_size():
     plan = plan_step(batch, num_scheduled, BLOCK_SIZE, _graph_runner([1, 4]))
     naive = _naive_plan(batch, num_scheduled)
     assert _ints(plan.positions) == naive["positions"] and _ints(plan.slot_mapping) == naive["slots"]
-    assert plan.graph_num_seqs == 2 and plan.pad_to == 4
+    assert len(plan.rows) == 2 and plan.pad_to == 4
     # The padding rows are one-token decodes: query offsets run on to the graph's size.
     assert _ints(plan.query_start_loc) == [0, 1, 2, 3, 4]
     assert _ints(plan.seq_lens) == naive["seq_lens"]
+    staged = stage_model_input(plan, batch, InputBuffers(16, 8, 8, CPU), BLOCK_SIZE)
+    assert staged.graph_num_seqs == 2 and staged.input_ids.tolist() == [99, 777]
 
 
 def test_stage_model_input_on_the_cpu():
