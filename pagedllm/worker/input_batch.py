@@ -25,7 +25,7 @@ import torch
 
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.step_io import NewRequestData
+from pagedllm.step_io import NewRequestData, SchedulerOutput
 from pagedllm.worker.input_buffers import to_device
 from pagedllm.worker.request_logits import has_logits_processors
 
@@ -80,6 +80,8 @@ class InputBatch:
         self.num_samples = np.ones(max_num_rows, dtype=np.int64)
         self.num_top_tokens = np.zeros(max_num_rows, dtype=np.int64)
         self.wants_logprobs = np.zeros(max_num_rows, dtype=bool)
+        # Rows whose request scores its prompt tokens: a step looks only at these for prompt rows.
+        self.wants_prompt_logprobs = np.zeros(max_num_rows, dtype=bool)
         self.min_tokens = np.zeros(max_num_rows, dtype=np.int64)
         self.min_tokens_stop_ids: list[list[int]] = [[] for _ in range(max_num_rows)]
         self.has_penalty = np.zeros(max_num_rows, dtype=bool)
@@ -91,6 +93,28 @@ class InputBatch:
         self.prompt_mask: torch.Tensor | None = None
 
     # --- rows -----------------------------------------------------------------------------
+
+    def apply_scheduler_output(self, scheduler_output: SchedulerOutput) -> None:
+        """Apply a step's diffs: free the rows of finished and preempted requests, add the new
+        ones, write the running ones' computed tokens, block table appends and sliding-window
+        drops, then copy the changed block table rows to the device (one copy)."""
+        for req_id in scheduler_output.finished_req_ids:
+            self.remove_request(req_id, finished=True)
+        for req_id in scheduler_output.preempted_req_ids:
+            self.remove_request(req_id, finished=False)
+        for data in scheduler_output.scheduled_new_reqs:
+            self.add_request(data)
+        cached = scheduler_output.scheduled_cached_reqs
+        if cached.req_ids:
+            row_of = self.row_of
+            rows = np.fromiter((row_of[r] for r in cached.req_ids), dtype=np.int64, count=len(cached.req_ids))
+            self.num_computed_tokens[rows] = cached.num_computed_tokens
+            for row, diff in zip(rows.tolist(), cached.block_table_diffs):
+                if diff is not None:
+                    self.set_block_ids(row, diff[0], diff[1])
+        for req_id, num_dropped in scheduler_output.num_dropped_tokens.items():
+            self.num_dropped_tokens[self.row_of[req_id]] = num_dropped
+        self.sync_block_table()
 
     def add_request(self, data: NewRequestData) -> int:
         if data.req_id in self.row_of:
@@ -129,6 +153,7 @@ class InputBatch:
         self.num_samples[row] = data.num_samples
         self.num_top_tokens[row] = data.num_top_tokens
         self.wants_logprobs[row] = p.logprobs is not None or data.num_top_tokens > 0
+        self.wants_prompt_logprobs[row] = p.prompt_logprobs is not None
         self.min_tokens[row] = p.min_tokens
         self.min_tokens_stop_ids[row] = data.min_tokens_stop_ids
         if data.seed is not None and data.req_id not in self.generators:

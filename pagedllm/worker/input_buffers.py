@@ -54,17 +54,24 @@ class InputBuffers:
         num_rows = max(len(array), pad_to)
         device = self._device[name][:num_rows]
         host = torch.empty(device.shape, dtype=device.dtype, pin_memory=True)
-        if array.ndim == 2:
-            host[: len(array), : array.shape[1]] = torch.from_numpy(array)
-        else:
-            host[: len(array)] = torch.from_numpy(array)
-        host[len(array) :] = pad_value
+        fill_staging(host, array, pad_value)
         device.copy_(host, non_blocking=True)
         return device
 
     def device_view(self, name: str, num_rows: int) -> torch.Tensor:
         """The first rows of a device buffer, as a captured graph reads them."""
         return self._device[name][:num_rows]
+
+
+def fill_staging(host: torch.Tensor, array: np.ndarray, pad_value: int) -> None:
+    """Write ``array`` into the first rows of the staging tensor ``host`` and ``pad_value`` into the
+    rows past it (a CUDA graph's padding). A 2-D array fills its own columns only: a block table
+    keeps the buffer's full width, of which a step writes the blocks its sequences use."""
+    if array.ndim == 2:
+        host[: len(array), : array.shape[1]] = torch.from_numpy(array)
+    else:
+        host[: len(array)] = torch.from_numpy(array)
+    host[len(array) :] = pad_value
 
 
 def to_device(

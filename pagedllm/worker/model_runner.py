@@ -1,22 +1,19 @@
 """Turns a SchedulerOutput into one forward pass and one sampling pass over the persistent batch.
 
 A step: apply the scheduler's diffs to the persistent batch (worker/input_batch.py); flatten the
-scheduled requests, decodes first, into one batch (CSR offsets) with vectorised index arithmetic;
-run the model (a captured CUDA graph for decode-only steps); sample on the device; start the
+scheduled requests, decodes first, into one batch of CSR offsets (worker/step_inputs.py); run the
+model (a captured CUDA graph for decode-only steps); sample on the device; start the
 copy of the samples to the host and return without waiting for it (``StepOutput.get`` waits), so
 the engine can schedule the next step while this one runs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 from torch import nn
 
 from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
-from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
 from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
@@ -28,28 +25,7 @@ from pagedllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import InputBuffers, to_device
 from pagedllm.worker.request_logits import RequestLogitsProcessors
-
-
-@dataclass
-class ModelInput:
-    """One forward pass's inputs and which rows of its hidden states to score."""
-
-    input_ids: torch.Tensor  # [num_tokens] int64
-    positions: torch.Tensor  # [num_tokens] int64
-    attn_metadata: AttentionMetadata
-    # [num_sample_rows + num_prompt_rows] int64: the hidden-state row of each sample to draw (a row
-    # repeats when a request draws several first tokens), then of each prompt logprob to score.
-    logits_indices: torch.Tensor
-    # Per sample row: its request's id and batch row; and per sampling request, its batch row and
-    # where its first sample row is.
-    sample_req_ids: list[int]
-    sample_rows: np.ndarray
-    sampling_req_rows: np.ndarray
-    first_sample_index: np.ndarray
-    # Prompt logprobs: (req_id, first position, target token ids), rows after the sample rows.
-    prompt_logprob_requests: list[tuple[int, int, list[int]]] = field(default_factory=list)
-    # Set when the step replays a captured CUDA graph (all decodes): the real batch size.
-    graph_num_seqs: int | None = None
+from pagedllm.worker.step_inputs import ModelInput, plan_step, stage_model_input
 
 
 class StepOutput:
@@ -123,17 +99,6 @@ class StepOutput:
                 [values[:k] for values in top_values.tolist()],
             )
         return output
-
-
-def compute_slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
-    """Cache slot of each position: block_table[pos // block_size] * block_size + pos % block_size.
-    block_table: [num_tokens, width] (each token's request's row) or [width] (one request)."""
-    blocks = (
-        np.take_along_axis(block_table, (positions // block_size)[:, None], axis=-1)[:, 0]
-        if (block_table.ndim == 2)
-        else block_table[positions // block_size]
-    )
-    return blocks.astype(np.int64) * block_size + positions % block_size
 
 
 class ModelRunner:
@@ -235,167 +200,14 @@ class ModelRunner:
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the step's diffs to the persistent batch."""
-        batch = self.input_batch
-        for req_id in scheduler_output.finished_req_ids:
-            batch.remove_request(req_id, finished=True)
-        for req_id in scheduler_output.preempted_req_ids:
-            batch.remove_request(req_id, finished=False)
         self.logits_processors.drop(scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids)
-        for data in scheduler_output.scheduled_new_reqs:
-            batch.add_request(data)
-        cached = scheduler_output.scheduled_cached_reqs
-        if cached.req_ids:
-            row_of = batch.row_of
-            rows = np.fromiter((row_of[r] for r in cached.req_ids), dtype=np.int64, count=len(cached.req_ids))
-            batch.num_computed_tokens[rows] = cached.num_computed_tokens
-            for row, diff in zip(rows.tolist(), cached.block_table_diffs):
-                if diff is not None:
-                    batch.set_block_ids(row, diff[0], diff[1])
-        for req_id, num_dropped in scheduler_output.num_dropped_tokens.items():
-            batch.num_dropped_tokens[batch.row_of[req_id]] = num_dropped
-        batch.sync_block_table()
+        self.input_batch.apply_scheduler_output(scheduler_output)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInput:
-        """Flatten the scheduled requests, decodes first, into one batch (CSR offsets).
-
-        Requests with one new token go first so that backends can run them through a decode
-        kernel. A step of decodes only, when graphs are captured, is padded to the graph's batch
-        size. Every index (positions, slots, sample rows) is computed with array operations over
-        the requests; only prefill chunks and prompt logprobs loop in Python.
-        """
-        batch = self.input_batch
-        block_size = self.block_size
+        """The step's flattened batch, decodes first, in the input buffers (worker/step_inputs.py)."""
         num_scheduled = scheduler_output.num_scheduled_tokens
-        req_ids = list(num_scheduled)
-        counts = np.fromiter(num_scheduled.values(), dtype=np.int64, count=len(req_ids))
-        rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        is_decode = counts == 1
-        num_decodes = int(is_decode.sum())
-        if 0 < num_decodes < len(req_ids):
-            order = np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
-            rows, counts = rows[order], counts[order]
-            req_ids = [req_ids[i] for i in order.tolist()]
-        num_reqs = len(req_ids)
-        starts = batch.num_computed_tokens[rows]
-        ends = starts + counts
-        query_start_loc = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(counts, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
-        # Attention reads cache positions: behind a sliding window, positions less the dropped
-        # blocks' tokens (rotary embeddings take the positions themselves).
-        dropped = batch.num_dropped_tokens[rows]
-        if num_decodes == num_tokens:
-            positions = starts.copy()
-            token_rows = rows
-            cache_positions = positions - dropped
-        else:
-            token_rows = np.repeat(rows, counts)
-            positions = np.repeat(starts - query_start_loc[:-1], counts) + np.arange(num_tokens)
-            cache_positions = positions - np.repeat(dropped, counts)
-        slot_mapping = compute_slot_mapping(batch.block_table[token_rows], cache_positions, block_size)
-
-        # Input ids: tokens the host sent, except each decoding request's newest sample, which
-        # only the device has (last_token_ids).
-        host_lens = batch.num_host_tokens[rows]
-        from_host = starts < host_lens
-        input_ids = np.zeros(num_tokens, dtype=np.int64)
-        for i in np.flatnonzero(from_host).tolist():
-            start, end = int(starts[i]), int(ends[i])
-            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = batch.host_token_ids[rows[i]][start:end]
-        device_index = query_start_loc[:-1][~from_host]
-        device_rows = rows[~from_host]
-
-        # Sampling: requests whose step reaches their end; best_of first samples repeat a row.
-        samples = ends >= batch.num_tokens[rows]
-        sampling_idx = np.flatnonzero(samples)
-        sampling_rows = rows[sampling_idx]
-        repeats = batch.num_samples[sampling_rows]
-        sample_rows = np.repeat(sampling_rows, repeats)
-        logits_indices = np.repeat(query_start_loc[1:][sampling_idx] - 1, repeats)
-        first_sample_index = np.zeros(len(sampling_idx), dtype=np.int64)
-        np.cumsum(repeats[:-1], out=first_sample_index[1:])
-        prompt_rows, prompt_requests = self._prompt_logprob_rows(req_ids, rows, starts, ends, query_start_loc)
-        if prompt_rows:
-            logits_indices = np.concatenate([logits_indices, np.asarray(prompt_rows, dtype=np.int64)])
-
-        graph_num_seqs = None
-        pad_to = 0
-        if self.graph_runner is not None and num_decodes == num_reqs <= self.graph_runner.max_batch_size:
-            graph_num_seqs = num_reqs
-            pad_to = self.graph_runner.padded_size(num_reqs)
-            query_start_loc = np.arange(pad_to + 1)
-        seq_lens = (ends - dropped).astype(np.int32)
-        max_seq_len = int(seq_lens.max())
-        put = self.buffers.put
-        input_ids_t = put("input_ids", input_ids, pad_to)
-        if len(device_rows):
-            index = put("device_input_index", device_index)
-            src_rows = put("device_input_rows", device_rows)
-            input_ids_t.index_copy_(0, index, batch.last_token_ids.index_select(0, src_rows))
-        attn_metadata = AttentionMetadata(
-            num_decodes=num_decodes,
-            num_prefills=num_reqs - num_decodes,
-            slot_mapping=put("slot_mapping", slot_mapping, pad_to, -1),
-            query_start_loc=put("query_start_loc", query_start_loc.astype(np.int32)),
-            seq_lens=put("seq_lens", seq_lens, pad_to, 1),
-            block_tables=self._block_tables(rows, max_seq_len, pad_to),
-            max_query_len=int(counts.max()),
-            max_seq_len=max_seq_len,
-            query_start_loc_cpu=torch.from_numpy(query_start_loc.astype(np.int32)),
-            seq_lens_cpu=torch.from_numpy(seq_lens),
-            min_decode_seq_len=int(seq_lens[:num_decodes].min()) if num_decodes else 0,
-        )
-        return ModelInput(
-            input_ids=input_ids_t,
-            positions=put("positions", positions, pad_to),
-            attn_metadata=attn_metadata,
-            logits_indices=to_device(logits_indices, self.device),
-            sample_req_ids=[batch.req_ids[row] for row in sample_rows.tolist()],
-            sample_rows=sample_rows,
-            sampling_req_rows=sampling_rows,
-            first_sample_index=first_sample_index,
-            prompt_logprob_requests=prompt_requests,
-            graph_num_seqs=graph_num_seqs,
-        )
-
-    def _block_tables(self, rows: np.ndarray, max_seq_len: int, pad_to: int) -> torch.Tensor:
-        """[num_reqs (or pad_to), width] int32: the requests' block table rows. On a GPU they are
-        gathered on the device from the persistent table into the graph-visible buffer."""
-        batch = self.input_batch
-        if self.device.type == "cpu":
-            width = -(-max_seq_len // self.block_size)
-            return torch.from_numpy(batch.block_table[rows, :width])
-        out = self.buffers.device_view("block_tables", max(len(rows), pad_to))
-        index = self.buffers.put("req_rows", rows)
-        torch.index_select(batch.block_table_device, 0, index, out=out[: len(rows)])
-        out[len(rows) :].zero_()
-        return out
-
-    def _prompt_logprob_rows(
-        self,
-        req_ids: list[int],
-        rows: np.ndarray,
-        starts: np.ndarray,
-        ends: np.ndarray,
-        query_start_loc: np.ndarray,
-    ) -> tuple[list[int], list[tuple[int, int, list[int]]]]:
-        """Hidden rows scoring prompt tokens (position p scores prompt token p + 1), for requests
-        that asked for prompt logprobs."""
-        batch = self.input_batch
-        hidden_rows: list[int] = []
-        requests: list[tuple[int, int, list[int]]] = []
-        for i, row in enumerate(rows.tolist()):
-            params = batch.params[row]
-            if params is None or params.prompt_logprobs is None:
-                continue
-            start = int(starts[i])
-            end = min(int(ends[i]), int(batch.num_prompt_tokens[row]) - 1)
-            if end <= start:
-                continue
-            hidden_rows += range(int(query_start_loc[i]), int(query_start_loc[i]) + end - start)
-            targets = batch.host_token_ids[row][start + 1 : end + 1].tolist()
-            requests.append((req_ids[i], start, targets))
-        return hidden_rows, requests
+        plan = plan_step(self.input_batch, num_scheduled, self.block_size, self.graph_runner)
+        return stage_model_input(plan, self.input_batch, self.buffers, self.block_size)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput, kv_caches: list[KVCache]) -> StepOutput:

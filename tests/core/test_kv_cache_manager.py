@@ -10,7 +10,7 @@ from pagedllm.core.block_pool import BlockAllocator, Device, NoFreeBlocksError
 from pagedllm.core.kv_cache_manager import AllocStatus, KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.sampling_params import SamplingParams
-from pagedllm.worker.model_runner import compute_slot_mapping
+from pagedllm.worker.step_inputs import compute_slot_mapping
 
 BLOCK_SIZE = 4
 _ids = itertools.count()

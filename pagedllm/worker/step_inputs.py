@@ -1,0 +1,359 @@
+"""One step's model inputs, built from the persistent batch in two halves: a host plan, then staging.
+
+``plan_step`` flattens the scheduled requests into one batch (CSR offsets, as the attention
+backends read it) with vectorised index arithmetic over the requests; every piece is a pure numpy
+function of per-request arrays, tested on its own (tests/worker/test_step_inputs.py):
+
+- ``order_decodes_first``: requests with one new token go first, so that a backend can run them
+  through a decode kernel and a step of decodes only can replay a captured CUDA graph;
+- ``compute_query_start_loc``, ``compute_seq_lens``: the CSR offsets of each request's new tokens,
+  and its context length after the step as the cache holds it;
+- ``token_positions``: each token's position and its request's index in the step;
+- ``compute_slot_mapping``: the cache slot each token writes. Behind a sliding window a request's
+  table has lost the blocks of its first ``num_dropped`` tokens, so attention reads cache
+  positions (position - num_dropped) while the rotary embedding takes the positions themselves;
+- ``host_input_ids``: the tokens the host has; a decoding request's newest sample was drawn on the
+  device and never came back, so its input is read from ``InputBatch.last_token_ids`` there;
+- ``sample_rows``, ``prompt_logprob_rows``: which hidden-state rows the step scores
+  (``logits_indices``): the last token of each request that reaches its end (a best_of request's
+  first samples repeat its row), then each prompt token a request asked logprobs for;
+- ``graph_padding``: a step of decodes only is padded to the next captured graph's batch size.
+
+``stage_model_input`` then writes the plan into ``InputBuffers``: on a GPU each array costs one
+asynchronous copy from pinned memory into a tensor at a fixed address (no allocation, no host
+sync, and what a captured graph reads), and the block tables and device-held decode inputs are
+gathered on the device. On the CPU the arrays are used as they are. The split keeps every index
+computation testable on plain arrays, and every device write in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.worker.cuda_graph import CudaGraphRunner
+from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.input_buffers import InputBuffers, to_device
+
+
+@dataclass
+class ModelInput:
+    """One forward pass's inputs and which rows of its hidden states to score."""
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    attn_metadata: AttentionMetadata
+    # [num_sample_rows + num_prompt_rows] int64: the hidden-state row of each sample to draw (a row
+    # repeats when a request draws several first tokens), then of each prompt logprob to score.
+    logits_indices: torch.Tensor
+    # Per sample row: its request's id and batch row; and per sampling request, its batch row and
+    # where its first sample row is.
+    sample_req_ids: list[int]
+    sample_rows: np.ndarray
+    sampling_req_rows: np.ndarray
+    first_sample_index: np.ndarray
+    # Prompt logprobs: (req_id, first position, target token ids), rows after the sample rows.
+    prompt_logprob_requests: list[tuple[int, int, list[int]]] = field(default_factory=list)
+    # Set when the step replays a captured CUDA graph (all decodes): the real batch size.
+    graph_num_seqs: int | None = None
+
+
+@dataclass
+class SampleRows:
+    """The rows a step samples: one per sample drawn, grouped by request."""
+
+    sampling_req_rows: np.ndarray  # [num_sampling_reqs] batch row of each request that samples
+    sample_rows: np.ndarray  # [num_sample_rows] batch row of each sample row
+    first_sample_index: np.ndarray  # [num_sampling_reqs] its first sample row's index
+    logits_indices: np.ndarray  # [num_sample_rows] hidden-state row (token index) of each sample
+
+
+@dataclass
+class StepPlan:
+    """A step's inputs on the host, in batch order (decodes first). Arrays of tokens are
+    [num_tokens], of requests [num_reqs], unpadded except ``query_start_loc`` under a graph."""
+
+    rows: np.ndarray  # batch row of each request
+    num_decodes: int
+    max_query_len: int
+    input_ids: np.ndarray  # int64, 0 where the device holds the token
+    device_input_index: np.ndarray  # token index of each input read from last_token_ids
+    device_input_rows: np.ndarray  # ... and the batch row it is read from
+    positions: np.ndarray  # int64
+    slot_mapping: np.ndarray  # int64
+    query_start_loc: np.ndarray  # int32 [num_reqs + 1], or [pad_to + 1] when a graph replays
+    seq_lens: np.ndarray  # int32
+    logits_indices: np.ndarray  # int64: sample rows, then prompt logprob rows
+    samples: SampleRows
+    sample_req_ids: list[int]
+    prompt_logprob_requests: list[tuple[int, int, list[int]]]
+    pad_to: int  # rows of the captured graph's batch size the step replays, 0 when eager
+
+
+# --- the pieces: pure functions of per-request arrays ------------------------------------------
+
+
+def order_decodes_first(query_lens: np.ndarray) -> tuple[np.ndarray | None, int]:
+    """query_lens: [num_reqs] new tokens per request. Returns the permutation that puts the
+    requests with one new token first, each group in its own order (None when all are decodes or
+    none is), and the number of decodes."""
+    is_decode = query_lens == 1
+    num_decodes = int(is_decode.sum())
+    if 0 < num_decodes < len(query_lens):
+        return np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)]), num_decodes
+    return None, num_decodes
+
+
+def compute_query_start_loc(query_lens: np.ndarray) -> np.ndarray:
+    """[num_reqs + 1] int64: where each request's tokens start in the flattened batch, then the
+    total (CSR offsets)."""
+    query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    return query_start_loc
+
+
+def compute_seq_lens(ends: np.ndarray, num_dropped: np.ndarray) -> np.ndarray:
+    """[num_reqs] int32: each request's context after the step as the cache holds it, its tokens
+    less those whose blocks a sliding window dropped."""
+    return (ends - num_dropped).astype(np.int32)
+
+
+def token_positions(
+    starts: np.ndarray, query_lens: np.ndarray, query_start_loc: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """starts: [num_reqs] tokens computed before the step. Returns [num_tokens] int64 arrays: each
+    token's position in its sequence, and its request's index in the step."""
+    num_reqs = len(starts)
+    num_tokens = int(query_start_loc[-1])
+    if num_tokens == num_reqs:  # decodes only: one token per request at its start
+        return starts.copy(), np.arange(num_reqs)
+    req_index = np.repeat(np.arange(num_reqs), query_lens)
+    # Token i of the batch sits at position start + (i - query_start) of its request.
+    positions = np.repeat(starts - query_start_loc[:-1], query_lens) + np.arange(num_tokens)
+    return positions, req_index
+
+
+def compute_slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Cache slot of each position: block_table[pos // block_size] * block_size + pos % block_size.
+    block_table: [num_tokens, width] (each token's request's row) or [width] (one request)."""
+    blocks = (
+        np.take_along_axis(block_table, (positions // block_size)[:, None], axis=-1)[:, 0]
+        if (block_table.ndim == 2)
+        else block_table[positions // block_size]
+    )
+    return blocks.astype(np.int64) * block_size + positions % block_size
+
+
+def host_input_ids(
+    host_token_ids: list[np.ndarray | None],
+    rows: np.ndarray,
+    starts: np.ndarray,
+    num_host_tokens: np.ndarray,
+    query_start_loc: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """host_token_ids: per batch row, the tokens the host sent; num_host_tokens: [num_reqs] how
+    many. Returns input_ids [num_tokens] int64, each request's scheduled tokens where the host
+    has them; and for each request whose input the host lacks (a decode of the worker's own last
+    sample, left 0 in input_ids), its token's index and its batch row, where the device reads it."""
+    input_ids = np.zeros(int(query_start_loc[-1]), dtype=np.int64)
+    from_host = starts < num_host_tokens
+    for i in np.flatnonzero(from_host).tolist():
+        begin, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        tokens = host_token_ids[int(rows[i])]
+        assert tokens is not None
+        input_ids[begin:end] = tokens[int(starts[i]) : int(starts[i]) + end - begin]
+    from_device = ~from_host
+    return input_ids, query_start_loc[:-1][from_device], rows[from_device]
+
+
+def sample_rows(
+    rows: np.ndarray,
+    ends: np.ndarray,
+    num_tokens: np.ndarray,
+    num_samples: np.ndarray,
+    query_start_loc: np.ndarray,
+) -> SampleRows:
+    """rows, ends, num_tokens, num_samples: [num_reqs] batch row, tokens after the step, tokens the
+    request has, samples it draws. A request samples when the step reaches its last token (a
+    prefill chunk short of it does not); a best_of request draws its first num_samples tokens from
+    the same hidden row, repeated."""
+    sampling_idx = np.flatnonzero(ends >= num_tokens)
+    repeats = num_samples[sampling_idx]
+    first_sample_index = np.zeros(len(sampling_idx), dtype=np.int64)
+    np.cumsum(repeats[:-1], out=first_sample_index[1:])
+    return SampleRows(
+        sampling_req_rows=rows[sampling_idx],
+        sample_rows=np.repeat(rows[sampling_idx], repeats),
+        first_sample_index=first_sample_index,
+        logits_indices=np.repeat(query_start_loc[1:][sampling_idx] - 1, repeats),
+    )
+
+
+def prompt_logprob_rows(
+    req_ids: list[int],
+    rows: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    query_start_loc: np.ndarray,
+    wants_prompt_logprobs: np.ndarray,
+    num_prompt_tokens: np.ndarray,
+    host_token_ids: list[np.ndarray | None],
+) -> tuple[list[int], list[tuple[int, int, list[int]]]]:
+    """For the requests (arrays [num_reqs]) that asked for prompt logprobs, the hidden rows that
+    score their prompt tokens (the row of position p scores prompt token p + 1, so a prompt's last
+    token scores none) and (req_id, first position, target token ids) per request with any."""
+    hidden_rows: list[int] = []
+    requests: list[tuple[int, int, list[int]]] = []
+    for i in np.flatnonzero(wants_prompt_logprobs).tolist():
+        start = int(starts[i])
+        end = min(int(ends[i]), int(num_prompt_tokens[i]) - 1)
+        if end <= start:
+            continue
+        hidden_rows += range(int(query_start_loc[i]), int(query_start_loc[i]) + end - start)
+        tokens = host_token_ids[int(rows[i])]
+        assert tokens is not None
+        requests.append((req_ids[i], start, tokens[start + 1 : end + 1].tolist()))
+    return hidden_rows, requests
+
+
+def graph_padding(graph_runner: CudaGraphRunner | None, num_reqs: int, num_decodes: int) -> int:
+    """The batch size of the captured graph a step replays: decodes only, no more than the
+    largest graph; 0 when the step runs eagerly."""
+    if graph_runner is None or num_decodes != num_reqs or num_reqs > graph_runner.max_batch_size:
+        return 0
+    return graph_runner.padded_size(num_reqs)
+
+
+def block_table_width(max_seq_len: int, block_size: int) -> int:
+    """Columns of the block table a step's longest context reads."""
+    return -(-max_seq_len // block_size)
+
+
+# --- the step ---------------------------------------------------------------------------------
+
+
+def plan_step(
+    batch: InputBatch,
+    num_scheduled_tokens: dict[int, int],
+    block_size: int,
+    graph_runner: CudaGraphRunner | None,
+) -> StepPlan:
+    """The step's inputs on the host, from the persistent batch (already updated for the step)
+    and the tokens scheduled per request."""
+    req_ids = list(num_scheduled_tokens)
+    query_lens = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+    rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+    order, num_decodes = order_decodes_first(query_lens)
+    if order is not None:
+        rows, query_lens = rows[order], query_lens[order]
+        req_ids = [req_ids[i] for i in order.tolist()]
+    starts = batch.num_computed_tokens[rows]
+    ends = starts + query_lens
+    num_dropped = batch.num_dropped_tokens[rows]
+    query_start_loc = compute_query_start_loc(query_lens)
+    positions, req_index = token_positions(starts, query_lens, query_start_loc)
+    # Attention writes and reads cache positions; the rotary embedding takes the positions.
+    slot_mapping = compute_slot_mapping(
+        batch.block_table[rows[req_index]], positions - num_dropped[req_index], block_size
+    )
+    input_ids, device_input_index, device_input_rows = host_input_ids(
+        batch.host_token_ids, rows, starts, batch.num_host_tokens[rows], query_start_loc
+    )
+    samples = sample_rows(rows, ends, batch.num_tokens[rows], batch.num_samples[rows], query_start_loc)
+    prompt_rows, prompt_requests = prompt_logprob_rows(
+        req_ids,
+        rows,
+        starts,
+        ends,
+        query_start_loc,
+        batch.wants_prompt_logprobs[rows],
+        batch.num_prompt_tokens[rows],
+        batch.host_token_ids,
+    )
+    logits_indices = samples.logits_indices
+    if prompt_rows:
+        logits_indices = np.concatenate([logits_indices, np.asarray(prompt_rows, dtype=np.int64)])
+    pad_to = graph_padding(graph_runner, len(req_ids), num_decodes)
+    if pad_to:
+        # The graph's padding rows are decodes of one token each.
+        query_start_loc = np.arange(pad_to + 1)
+    return StepPlan(
+        rows=rows,
+        num_decodes=num_decodes,
+        max_query_len=int(query_lens.max()),
+        input_ids=input_ids,
+        device_input_index=device_input_index,
+        device_input_rows=device_input_rows,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc.astype(np.int32),
+        seq_lens=compute_seq_lens(ends, num_dropped),
+        logits_indices=logits_indices,
+        samples=samples,
+        sample_req_ids=[batch.req_ids[row] for row in samples.sample_rows.tolist()],
+        prompt_logprob_requests=prompt_requests,
+        pad_to=pad_to,
+    )
+
+
+def stage_block_tables(
+    batch: InputBatch, buffers: InputBuffers, rows: np.ndarray, width: int, pad_to: int
+) -> torch.Tensor:
+    """[num_reqs (or pad_to), width (the buffer's on a GPU)] int32: the requests' block table
+    rows. On a GPU they are gathered on the device from the persistent table into the
+    graph-visible buffer, and padding rows read block 0."""
+    if buffers.on_host:
+        return torch.from_numpy(batch.block_table[rows, :width])
+    out = buffers.device_view("block_tables", max(len(rows), pad_to))
+    index = buffers.put("req_rows", rows)
+    torch.index_select(batch.block_table_device, 0, index, out=out[: len(rows)])
+    out[len(rows) :].zero_()
+    return out
+
+
+def stage_model_input(
+    plan: StepPlan, batch: InputBatch, buffers: InputBuffers, block_size: int
+) -> ModelInput:
+    """The plan in device tensors: each array copied into its buffer (padded to the graph's batch
+    size with tokens that write nothing, slot -1, and attend to one, seq_len 1), decode inputs
+    the device holds copied from ``last_token_ids``, block table rows gathered on the device."""
+    put, pad_to = buffers.put, plan.pad_to
+    input_ids = put("input_ids", plan.input_ids, pad_to)
+    if len(plan.device_input_rows):
+        index = put("device_input_index", plan.device_input_index)
+        src_rows = put("device_input_rows", plan.device_input_rows)
+        input_ids.index_copy_(0, index, batch.last_token_ids.index_select(0, src_rows))
+    seq_lens = plan.seq_lens
+    max_seq_len = int(seq_lens.max())
+    num_decodes = plan.num_decodes
+    attn_metadata = AttentionMetadata(
+        num_decodes=num_decodes,
+        num_prefills=len(plan.rows) - num_decodes,
+        slot_mapping=put("slot_mapping", plan.slot_mapping, pad_to, -1),
+        query_start_loc=put("query_start_loc", plan.query_start_loc),
+        seq_lens=put("seq_lens", seq_lens, pad_to, 1),
+        block_tables=stage_block_tables(
+            batch, buffers, plan.rows, block_table_width(max_seq_len, block_size), pad_to
+        ),
+        max_query_len=plan.max_query_len,
+        max_seq_len=max_seq_len,
+        query_start_loc_cpu=torch.from_numpy(plan.query_start_loc),
+        seq_lens_cpu=torch.from_numpy(seq_lens),
+        min_decode_seq_len=int(seq_lens[:num_decodes].min()) if num_decodes else 0,
+    )
+    samples = plan.samples
+    return ModelInput(
+        input_ids=input_ids,
+        positions=put("positions", plan.positions, pad_to),
+        attn_metadata=attn_metadata,
+        logits_indices=to_device(plan.logits_indices, buffers.device),
+        sample_req_ids=plan.sample_req_ids,
+        sample_rows=samples.sample_rows,
+        sampling_req_rows=samples.sampling_req_rows,
+        first_sample_index=samples.first_sample_index,
+        prompt_logprob_requests=plan.prompt_logprob_requests,
+        graph_num_seqs=len(plan.rows) if pad_to else None,
+    )
