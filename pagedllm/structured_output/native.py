@@ -42,7 +42,14 @@ SAMPLES_TIMEOUT_S = 60.0
 
 @functools.cache
 def load() -> ModuleType:
-    module = build_extension(EXTENSION_NAME, CSRC, ("grammar_ext.cpp",), CXX_FLAGS, python_module=True)
+    module = build_extension(
+        EXTENSION_NAME,
+        CSRC,
+        ("grammar_ext.cpp",),
+        CXX_FLAGS,
+        python_module=True,
+        description="pagedllm's grammar extension",
+    )
     assert module is not None
     return module
 

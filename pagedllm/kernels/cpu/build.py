@@ -83,9 +83,11 @@ def build_extension(
     cxx_flags: tuple[str, ...],
     ldflags: tuple[str, ...] = (),
     python_module: bool = False,
+    description: str | None = None,
 ) -> ModuleType | None:
     """Build (on the machine's first call) and load the extension ``name`` from ``csrc``: a Python
-    module (returned) or a library of torch operators (registered; None returned)."""
+    module (returned) or a library of torch operators (registered; None returned). ``description``
+    names it in the notice that a build starts."""
     build_dir = cache_dir(csrc, cxx_flags)
     library = build_dir / f"{name}.so"
     if library.exists():
@@ -97,6 +99,10 @@ def build_extension(
     from torch.utils import cpp_extension
 
     build_dir.mkdir(parents=True, exist_ok=True)
+    # A warning, so that even a script that configured no logging says why its first run pauses.
+    logger.warning(
+        "building %s (about a minute the first time; cached in %s)", description or name, build_dir
+    )
     start = time.perf_counter()
     module = cpp_extension.load(
         name=name,
@@ -123,7 +129,14 @@ def _import(name: str, library: Path) -> ModuleType:
 def load() -> None:
     """Build (on the machine's first call) and load the CPU kernels: their operators are then
     ``torch.ops.pagedllm_cpu.*``."""
-    build_extension(EXTENSION_NAME, CSRC, SOURCES, CXX_FLAGS, ("-fopenmp",))
+    build_extension(
+        EXTENSION_NAME,
+        CSRC,
+        SOURCES,
+        CXX_FLAGS,
+        ("-fopenmp",),
+        description="pagedllm's CPU kernels for this CPU",
+    )
 
 
 @functools.cache
