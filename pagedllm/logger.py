@@ -6,6 +6,10 @@ from __future__ import annotations
 import logging
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+# The levels every ``pagedllm`` command takes as --log-level; its default is INFO (start-up's
+# steps and the engine summary shown, as vLLM's commands show them).
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+DEFAULT_LOG_LEVEL = "info"
 
 
 def configure_logging(log_level: str | int) -> None:

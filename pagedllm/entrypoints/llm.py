@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.utils import engine_summary
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import Tokenizer, apply_chat_template
@@ -36,7 +37,11 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        start = time.perf_counter()
+        engine = self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        # At INFO: the CLI shows it; a script sees it once it configures logging (a library
+        # prints nothing unasked).
+        logger.info("%s", engine_summary(engine.config, engine.num_gpu_blocks, time.perf_counter() - start))
         self._request_counter = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer | None:

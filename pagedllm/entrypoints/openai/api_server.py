@@ -11,6 +11,7 @@ import contextlib
 import hmac
 import logging
 import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_engine import REQUEST_ID_HEADER, APIError
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagedllm.entrypoints.utils import engine_summary
 from pagedllm.logger import configure_logging
 from pagedllm.metrics import ServerMetrics, StatsLogger
 
@@ -315,10 +317,13 @@ def run_server(args: argparse.Namespace) -> None:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("pagedllm serve: --enable-auto-tool-choice needs --tool-call-parser")
     engine_args = EngineArgs.from_cli_args(args)
+    start = time.perf_counter()
     if args.engine_process:
         async_engine = AsyncLLMEngine.in_engine_process(engine_args)
     else:
         async_engine = AsyncLLMEngine(LLMEngine.from_engine_args(engine_args))
+    load_seconds = time.perf_counter() - start
+    logger.info("%s", engine_summary(async_engine.config, async_engine.stats.num_gpu_blocks, load_seconds))
     settings = ServerSettings(
         model_name=default_model_name(args),
         api_key=args.api_key,

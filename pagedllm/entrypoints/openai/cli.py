@@ -10,6 +10,7 @@ import os
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagedllm.logger import DEFAULT_LOG_LEVEL, LOG_LEVELS
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 
@@ -44,8 +45,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     server.add_argument(
         "--log-level",
-        default="info",
-        choices=["critical", "error", "warning", "info", "debug"],
+        default=DEFAULT_LOG_LEVEL,
+        choices=LOG_LEVELS,
         help="log level of the server and uvicorn",
     )
     server.add_argument(
@@ -65,7 +66,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--tool-call-parser",
         default=None,
         choices=sorted(TOOL_PARSERS),
-        help="the format the model writes tool calls in",
+        help="the format the model writes tool calls in (default: none)",
     )
     server.add_argument(
         "--timeout-keep-alive", type=float, default=5.0, help="seconds an idle connection stays open"

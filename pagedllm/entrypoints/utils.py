@@ -1,0 +1,38 @@
+"""What the entry points log about the engine they started."""
+
+from __future__ import annotations
+
+import os
+
+from pagedllm.attention.backends import get_attn_backend
+from pagedllm.config import EngineConfig
+from pagedllm.layers.quantization import keeps_gguf_quantized
+
+
+def engine_summary(config: EngineConfig, num_gpu_blocks: int, load_seconds: float) -> str:
+    """One line on the engine just built: what runs where, and how much KV cache it has.
+
+    ``num_gpu_blocks``: the KV cache blocks the engine sized (``LLMEngine.num_gpu_blocks``, or
+    ``EngineStats.num_gpu_blocks`` across the engine process's pipe); ``load_seconds``: the time
+    the caller waited for the engine.
+    """
+    model_config = config.model_config
+    device = config.device_config.device
+    num_threads = config.device_config.num_threads
+    device_text = f"{device} ({num_threads} threads)" if device.type == "cpu" and num_threads else str(device)
+    if config.parallel_config.tensor_parallel_size > 1:
+        device_text += f" x {config.parallel_config.tensor_parallel_size} ranks"
+    attention = get_attn_backend(config.attention_backend, device).name
+    quantized = model_config.gguf_file is not None and keeps_gguf_quantized(
+        model_config.quantization, True, device, model_config.dtype
+    )
+    block_size = config.cache_config.block_size
+    dtype = str(model_config.dtype).removeprefix("torch.")
+    model = os.path.basename(os.path.normpath(model_config.model))  # its path is the one given
+    return (
+        f"engine ready in {load_seconds:.1f} s: model {model}, "
+        f"dtype {dtype}, device {device_text}, attention {attention}, "
+        f"quantization {'gguf' if quantized else 'none'}, "
+        f"KV cache {num_gpu_blocks:,} blocks x {block_size} = {num_gpu_blocks * block_size:,} tokens "
+        f"(max_model_len {model_config.max_model_len:,})"
+    )
