@@ -152,3 +152,10 @@ def test_generate_logs_the_engine_and_says_why_an_output_stopped():
     assert "(1 output(s) stopped at --max-tokens 2; raise it for longer ones)" in result.stderr
     quiet = _generate("--log-level", "warning", "The capital of France is")
     assert "engine ready" not in quiet.stderr
+
+
+def test_serve_logs_the_engine_summary(launch_server, tiny_server_args: list[str]):
+    server = launch_server(tiny_server_args)  # the engine in a process of its own
+    log = server.log_tail()
+    assert "INFO pagedllm.entrypoints.openai.api_server: engine ready in " in log
+    assert "KV cache 2,048 blocks x 16 = 32,768 tokens" in log
