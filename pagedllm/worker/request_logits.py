@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -36,6 +35,7 @@ from pagedllm.sample.logits_processors import apply_allowed_token_ids, apply_bad
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output import (
     CompiledGrammar,
+    GrammarAheadWorker,
     GrammarBatch,
     StructuredOutputGrammar,
     allocate_token_bitmask,
@@ -107,7 +107,7 @@ class RequestLogitsProcessors:
         self._pinned: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         self._free_events: list[torch.cuda.Event] = []
         self._stream: torch.cuda.Stream | None = None
-        self._ahead_worker: Any = None  # the extension's AheadWorker, made at the first job
+        self._ahead_worker: GrammarAheadWorker | None = None  # made at the first job
         self._ahead: _AheadJob | None = None
         # This step's masks, when all were made ahead (``_all_made_ahead``): the next job is then
         # the same grammars at the same rows.
@@ -242,8 +242,7 @@ class RequestLogitsProcessors:
             # (checked then): the worker keeps their matchers and rows from the last job.
             req_ids, grammars, sample_rows = steady.req_ids, steady.grammars, steady.sample_rows
             bitmask = self._mask_buffer(max(sample_rows) + 1, wait=False)
-            worker = self._ahead_worker
-            worker.resubmit(samples.data_ptr(), samples.numel(), bitmask.data_ptr(), bitmask.shape[0])
+            self._ahead_worker.resubmit(samples, bitmask)
             self._ahead = _AheadJob(samples, bitmask, req_ids, grammars, sample_rows)
             return
         req_ids, grammars, sample_rows = [], [], []
@@ -260,23 +259,10 @@ class RequestLogitsProcessors:
                 sample_rows.append(row)
         if not grammars:
             return
-        assert samples.dtype == torch.int64 and samples.is_contiguous() and samples.device.type == "cpu"
         if self._ahead_worker is None:
-            stop_token_ids = set().union(*(g._stop_token_ids for g in grammars))
-            self._ahead_worker = native.load().AheadWorker(
-                sorted(stop_token_ids), self._vocab_size, native.SAMPLES_TIMEOUT_S
-            )
+            self._ahead_worker = GrammarAheadWorker(self._vocab_size)
         bitmask = self._mask_buffer(max(sample_rows) + 1, wait=False)
-        self._ahead_worker.submit(
-            samples.data_ptr(),
-            samples.numel(),
-            [grammar._matcher for grammar in grammars],
-            sample_rows,
-            sample_rows,
-            bitmask.data_ptr(),
-            bitmask.shape[1] * bitmask.element_size(),
-            bitmask.shape[0],
-        )
+        self._ahead_worker.submit(samples, grammars, sample_rows, bitmask)
         self._ahead = _AheadJob(samples, bitmask, req_ids, grammars, sample_rows)
 
     def _take_ahead(self) -> _Ahead | None:
@@ -284,40 +270,23 @@ class RequestLogitsProcessors:
         if self._ahead is None:
             return None
         job, self._ahead = self._ahead, None
-        statuses, token_ids = self._ahead_worker.wait()
-        extension = native.load()
-        if statuses[0] == extension.TIMED_OUT:  # the step never delivered its samples
+        result = self._ahead_worker.wait()
+        if result is None:  # the step never delivered its samples
             logger.warning("the grammar masks made ahead timed out waiting for the step's samples")
             return None
-        consumed = extension.CONSUMED
-        if statuses.count(consumed) == len(statuses):  # the usual step: every sample was text
-            accepted, rows = [True] * len(statuses), job.sample_rows
-            for grammar in job.grammars:
-                grammar.num_processed_tokens += 1
-        else:
-            accepted = [status != extension.REFUSED for status in statuses]
-            rows = [-1] * len(statuses)
-            for i, (grammar, status) in enumerate(zip(job.grammars, statuses)):
-                if status == consumed:
-                    grammar.num_processed_tokens += 1
-                    rows[i] = job.sample_rows[i]
-                elif status == extension.TERMINATED:
-                    grammar.num_processed_tokens += 1
-                    grammar._terminated = True
         index = {req_id: i for i, req_id in enumerate(job.req_ids)}
         counts = [grammar.num_processed_tokens for grammar in job.grammars]
-        all_consumed = rows is job.sample_rows
         return _Ahead(
             job.bitmask,
             index,
             job.grammars,
-            token_ids,
-            accepted,
-            rows,
+            result.token_ids,
+            result.accepted,
+            result.rows,
             job.req_ids,
             job.sample_rows,
             counts,
-            all_consumed,
+            result.all_consumed,
         )
 
     def _mask_buffer(self, num_rows: int, wait: bool = True) -> torch.Tensor:
