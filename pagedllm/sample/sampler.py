@@ -30,7 +30,7 @@ from pagedllm.kernels.cpu.ops import argmax_logsumexp
 from pagedllm.layers.utils import use_triton
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.penalties import apply_penalties, ban_tokens
-from pagedllm.structured_output.bitmask import apply_token_bitmask
+from pagedllm.structured_output.bitmask import token_bitmask_applier
 
 
 @dataclass
@@ -61,6 +61,7 @@ class Sampler(nn.Module):
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
         self._draw = _draw_by_inverse_cdf if on_cpu else _draw_by_race
+        self._apply_token_bitmask = token_bitmask_applier(self.device)
         if self.device.type == "cuda" and use_triton(torch.empty(0, device=self.device)):
             from pagedllm.kernels.triton.sampling import sample_tokens
 
@@ -99,7 +100,7 @@ class Sampler(nn.Module):
         # The kernel reads the bitmask itself, unless a truncation must see the masked logits
         # first: per step, since only then does some row truncate.
         if token_bitmask is not None and metadata.truncates:
-            apply_token_bitmask(logits, token_bitmask)
+            self._apply_token_bitmask(logits, token_bitmask)
             token_bitmask = None
         x = apply_penalties(logits, metadata)
         if x is logits and metadata.banned_rows is not None:
@@ -120,7 +121,7 @@ class Sampler(nn.Module):
         """The chosen tokens' logprobs from each row's log-sum-exp, which one kernel pass reads
         with the row's argmax (the greedy token when nothing edits the logits)."""
         if token_bitmask is not None:
-            apply_token_bitmask(logits, token_bitmask)
+            self._apply_token_bitmask(logits, token_bitmask)
         # Read before the bans below, which may write into the logits.
         row_max, logsumexp = argmax_logsumexp(logits)
         x = _penalised(logits, metadata)
@@ -136,7 +137,7 @@ class Sampler(nn.Module):
     ) -> SamplerOutput:
         """Every logprob (a log_softmax over the rows), the draw, and the top tokens asked for."""
         if token_bitmask is not None:
-            apply_token_bitmask(logits, token_bitmask)
+            self._apply_token_bitmask(logits, token_bitmask)
         logprobs = torch.log_softmax(logits, dim=-1)
         token_ids = self._draw(_penalised(logits, metadata), metadata)
         chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
