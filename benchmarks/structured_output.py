@@ -121,12 +121,12 @@ def main() -> None:
             parser.error("--shape needs --model: a directory with the tokenizer and its config")
         model, load_format = _with_shape(args.model, args.shape, tempfile.mkdtemp()), "dummy"
     llm = LLM(model, device=args.device, max_model_len=1024, load_format=load_format)
-    processors = llm.llm_engine.executor.worker.model_runner.logits_processors
+    grammars = llm.llm_engine.executor.worker.model_runner.logits_processors.grammars
     # (name, schema, masks made ahead on a thread): the engine's default, and with --in-step each
     # schema once more with the masks filled in the step, for an A/B in one process.
-    kinds = [("unconstrained", None, processors.fill_ahead)]
-    kinds += [(name, schema, processors.fill_ahead) for name, schema in SCHEMAS.items()]
-    if args.in_step and processors.fill_ahead:
+    kinds = [("unconstrained", None, grammars.fill_ahead)]
+    kinds += [(name, schema, grammars.fill_ahead) for name, schema in SCHEMAS.items()]
+    if args.in_step and grammars.fill_ahead:
         kinds += [(f"{name} in the step", schema, False) for name, schema in SCHEMAS.items()]
     for _, schema, _ in kinds:  # warm-up: compilation, the batch's shapes
         _run(llm, args.num_requests, 8, schema)
@@ -135,7 +135,7 @@ def main() -> None:
     runs: dict[str, list[tuple[float, int]]] = {name: [] for name, _, _ in kinds}
     for _ in range(args.repeats):
         for name, schema, fill_ahead in kinds:
-            processors.fill_ahead = fill_ahead
+            grammars.fill_ahead = fill_ahead
             runs[name].append(_run(llm, args.num_requests, args.max_tokens, schema))
     result: dict = {}
     for name, _, _ in kinds:

@@ -30,7 +30,7 @@ from pagedllm.kernels.cpu.ops import argmax_logsumexp
 from pagedllm.layers.utils import use_triton
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.penalties import apply_penalties, ban_tokens
-from pagedllm.structured_output.bitmask import apply_token_bitmask
+from pagedllm.structured_output.bitmask import token_bitmask_applier
 
 
 @dataclass
@@ -47,9 +47,34 @@ class SamplerOutput:
 
 
 class Sampler(nn.Module):
+    """Args:
+    device: where the logits will be. How a step is sampled is chosen here, once for the device:
+        with CUDA and Triton, the fused last pass (kernels/triton/sampling.py), which reads the
+        grammar bitmask itself and computes only the chosen tokens' logprobs; on the CPU with
+        pagedllm's kernels, each row's argmax and log-sum-exp in one pass (kernels/cpu); else
+        torch's log_softmax. The CPU draws by inverting each row's CDF, other devices by the
+        exponential race.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        on_cpu = self.device.type == "cpu"
+        self._draw = _draw_by_inverse_cdf if on_cpu else _draw_by_race
+        self._apply_token_bitmask = token_bitmask_applier(self.device)
+        if self.device.type == "cuda" and use_triton(torch.empty(0, device=self.device)):
+            from pagedllm.kernels.triton.sampling import sample_tokens
+
+            self._sample_tokens = sample_tokens
+            self._sample = self._fused_pass
+        elif on_cpu and cpu_kernels_available():
+            self._sample = self._cpu_kernel_pass
+        else:
+            self._sample = self._torch_pass
+
     def warm_up(self, vocab_size: int, device: torch.device) -> None:
         """Compile the GPU's fused pass for every case a step can launch."""
-        if device.type == "cuda" and use_triton(torch.empty(0, device=device)):
+        if self._sample == self._fused_pass:
             from pagedllm.kernels.triton.sampling import warm_up
 
             warm_up(vocab_size, device)
@@ -61,50 +86,60 @@ class Sampler(nn.Module):
         bitmask [num_rows, ceil(vocab_size / 32)] int32 on the logits' device or in pinned host
         memory (which the fused pass reads in place), or None: the tokens each row may take, as if
         its other logits were -inf (the logprobs too)."""
-        # Top tokens need every logprob; otherwise only the chosen tokens' are needed, which the
-        # fused pass on the GPU computes without a [rows, vocab] log_softmax, and the CPU from each
-        # row's log-sum-exp (read before the bans below, which may write into the logits).
-        fused = use_triton(logits) and not metadata.max_num_top_tokens
-        # The fused pass reads the bitmask itself, unless a truncation must see the masked
-        # logits first.
-        if token_bitmask is not None and (not fused or metadata.truncates):
-            apply_token_bitmask(logits, token_bitmask)
+        # Chosen per step, because batches differ here: top tokens need every logprob, which
+        # only the torch pass computes (the others compute the chosen tokens' alone).
+        if metadata.max_num_top_tokens:
+            return self._torch_pass(logits, metadata, token_bitmask)
+        return self._sample(logits, metadata, token_bitmask)
+
+    def _fused_pass(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, token_bitmask: torch.Tensor | None
+    ) -> SamplerOutput:
+        """Penalties, bans and truncation in torch, then one kernel for the draw (or argmax) and
+        the chosen tokens' logprobs, with no [rows, vocab] log_softmax."""
+        # The kernel reads the bitmask itself, unless a truncation must see the masked logits
+        # first: per step, since only then does some row truncate.
+        if token_bitmask is not None and metadata.truncates:
+            self._apply_token_bitmask(logits, token_bitmask)
             token_bitmask = None
-        row_max = logsumexp = None
-        if (
-            not fused
-            and not metadata.max_num_top_tokens
-            and logits.device.type == "cpu"
-            and cpu_kernels_available()
-        ):
-            row_max, logsumexp = argmax_logsumexp(logits)
-        logprobs = None if fused or logsumexp is not None else torch.log_softmax(logits, dim=-1)
         x = apply_penalties(logits, metadata)
-        if fused and x is logits and metadata.banned_rows is not None:
+        if x is logits and metadata.banned_rows is not None:
             x = logits.clone()  # the bans must not reach the logits the logprobs come from
         ban_tokens(x, metadata)
         noise = inv_temperature = None
         if not metadata.all_greedy:
             x, inv_temperature = _truncate(x, metadata)
-            if x.device.type != "cpu":
-                noise = _exponential_noise(x, metadata)
-        if fused:
-            from pagedllm.kernels.triton.sampling import sample_tokens
+            noise = _exponential_noise(x, metadata)
+        token_ids, chosen = self._sample_tokens(
+            logits, x, noise, inv_temperature, metadata.greedy, bitmask=token_bitmask
+        )
+        return SamplerOutput(token_ids=token_ids, logprobs=chosen)
 
-            token_ids, chosen = sample_tokens(
-                logits, x, noise, inv_temperature, metadata.greedy, bitmask=token_bitmask
-            )
-            return SamplerOutput(token_ids=token_ids, logprobs=chosen)
-        if x.device.type == "cpu" and not metadata.all_greedy:
-            token_ids = _inverse_cdf(x, inv_temperature, metadata)
-        elif row_max is not None and x is logits and metadata.banned_rows is None:
+    def _cpu_kernel_pass(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, token_bitmask: torch.Tensor | None
+    ) -> SamplerOutput:
+        """The chosen tokens' logprobs from each row's log-sum-exp, which one kernel pass reads
+        with the row's argmax (the greedy token when nothing edits the logits)."""
+        if token_bitmask is not None:
+            self._apply_token_bitmask(logits, token_bitmask)
+        # Read before the bans below, which may write into the logits.
+        row_max, logsumexp = argmax_logsumexp(logits)
+        x = _penalised(logits, metadata)
+        if metadata.all_greedy and x is logits and metadata.banned_rows is None:
             token_ids = row_max  # greedy over the logits as they came
         else:
-            token_ids = _race(x, noise, inv_temperature, metadata.greedy)
-        if logsumexp is not None:
-            chosen = logits.gather(-1, token_ids[:, None]).squeeze(-1) - logsumexp
-            return SamplerOutput(token_ids=token_ids, logprobs=chosen)
-        assert logprobs is not None
+            token_ids = self._draw(x, metadata)
+        chosen = logits.gather(-1, token_ids[:, None]).squeeze(-1) - logsumexp
+        return SamplerOutput(token_ids=token_ids, logprobs=chosen)
+
+    def _torch_pass(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, token_bitmask: torch.Tensor | None
+    ) -> SamplerOutput:
+        """Every logprob (a log_softmax over the rows), the draw, and the top tokens asked for."""
+        if token_bitmask is not None:
+            self._apply_token_bitmask(logits, token_bitmask)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        token_ids = self._draw(_penalised(logits, metadata), metadata)
         chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
         output = SamplerOutput(token_ids=token_ids, logprobs=chosen)
         if metadata.max_num_top_tokens:
@@ -112,6 +147,30 @@ class Sampler(nn.Module):
             output.top_logprobs, output.top_token_ids = scores.topk(metadata.max_num_top_tokens, dim=-1)
             output.ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
         return output
+
+
+def _penalised(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """What is sampled from: the logits with penalties, and min_tokens bans written in place (into
+    the logits themselves when no row has a penalty: read what the logprobs need first)."""
+    x = apply_penalties(logits, metadata)
+    ban_tokens(x, metadata)
+    return x
+
+
+def _draw_by_race(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Each row's token by the exponential race (greedy rows: the argmax)."""
+    if metadata.all_greedy:
+        return logits.argmax(dim=-1)
+    logits, inv_temperature = _truncate(logits, metadata)
+    return _race(logits, _exponential_noise(logits, metadata), inv_temperature, metadata.greedy)
+
+
+def _draw_by_inverse_cdf(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Each row's token by inverting its CDF (greedy rows: the argmax)."""
+    if metadata.all_greedy:
+        return logits.argmax(dim=-1)
+    logits, inv_temperature = _truncate(logits, metadata)
+    return _inverse_cdf(logits, inv_temperature, metadata)
 
 
 def _beam_scores(logprobs: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -1,8 +1,16 @@
-"""One request's grammar state: which tokens may come next, advanced by each sampled token."""
+"""One request's grammar state: which tokens may come next, advanced by each sampled token.
+
+Callers see a grammar through its public API alone (``accept_tokens``, ``rollback``,
+``is_terminated``, ``stop_token_ids``, ``num_processed_tokens``); the matcher behind it is touched
+only in this module, by the two things that work on many grammars at once without the GIL:
+``GrammarBatch`` (fills a step's bitmask rows) and ``GrammarAheadWorker`` (the grammar extension's
+ahead thread, which advances grammars by their samples and fills their next rows).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import llguidance
 import numpy as np
@@ -34,11 +42,16 @@ class StructuredOutputGrammar:
         # LLMatcher.
         self.is_native = not isinstance(self._matcher, llguidance.LLMatcher)
 
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """The tokens that end the output where the grammar is complete."""
+        return self._stop_token_ids
+
     def accept_tokens(self, token_ids: list[int]) -> bool:
         """Advance over ``token_ids``; False (and the grammar left after the last accepted one)
         when one is outside the grammar, which a masked sampler never produces."""
         for token_id in token_ids:
-            accepted = self.accept_unless_text(token_id)
+            accepted = self._accept_unless_text(token_id)
             if accepted is None:
                 # try_consume_tokens refuses a token outside the grammar; consume_token would also
                 # leave the matcher in an error state for good.
@@ -48,7 +61,7 @@ class StructuredOutputGrammar:
                 return False
         return True
 
-    def accept_unless_text(self, token_id: int) -> bool | None:
+    def _accept_unless_text(self, token_id: int) -> bool | None:
         """The verdict on a token the matcher never sees: none after termination; a stop token
         where the grammar is complete (which terminates it). None for a text token: the caller
         gives it to the matcher."""
@@ -79,6 +92,12 @@ class StructuredOutputGrammar:
         self._matcher.reset()
         self._terminated = False
         self.num_processed_tokens = 0
+
+    def _advanced_ahead(self, terminated: bool) -> None:
+        # The ahead thread took a token into the matcher (or, terminated, a stop token past it).
+        self.num_processed_tokens += 1
+        if terminated:
+            self._terminated = True
 
 
 # Live rows from which llguidance's executor pays for its dispatch, about 50-70 us a call.
@@ -166,3 +185,93 @@ class GrammarBatch:
         else:
             for matcher, (_, row) in zip(matchers, rows):
                 matcher.unsafe_compute_mask_ptr(bitmask.data_ptr() + row * row_bytes, row_bytes)
+
+
+@dataclass
+class AheadResult:
+    """What an ahead job did, grammar by grammar in the job's order (already applied to them)."""
+
+    token_ids: list[int]  # the samples
+    accepted: list[bool]  # False: the sample left the grammar
+    rows: list[int]  # of each grammar's next mask; -1: none (the grammar ended or was left)
+    # Every grammar took its sample as text: its next mask is at its row (``rows`` is the job's).
+    all_consumed: bool
+
+
+class GrammarAheadWorker:
+    """The grammar extension's ahead thread (``native``'s ``AheadWorker``) over grammars.
+
+    ``submit`` hands it a step's native grammars and the host buffer their samples land in (-1
+    until a device copy writes them); the thread advances each grammar by its sample and writes
+    its next mask into ``bitmask`` at its mask row, while the caller goes on. ``wait`` collects
+    the job and records what the thread did in the grammars (their processed tokens and
+    termination), so a grammar reads the same as after ``accept_tokens``.
+
+    Args:
+        vocab_size: the logits' width.
+        timeout_s: how long the thread waits for a step's samples (a step that failed).
+    """
+
+    def __init__(self, vocab_size: int, timeout_s: float = native.SAMPLES_TIMEOUT_S) -> None:
+        self._vocab_size = vocab_size
+        self._timeout_s = timeout_s
+        self._worker = None  # made at the first job: its stop tokens are the grammars'
+        self._grammars: list[StructuredOutputGrammar] = []  # the last job's
+        self._mask_rows: list[int] = []
+
+    def submit(
+        self,
+        samples: torch.Tensor,
+        grammars: list[StructuredOutputGrammar],
+        sample_rows: list[int],
+        bitmask: torch.Tensor,
+        mask_rows: list[int] | None = None,
+    ) -> None:
+        """Advance ``grammars[i]`` by ``samples[sample_rows[i]]`` and fill its next mask into
+        ``bitmask[mask_rows[i]]`` (default: its sample row). samples: int64 on the host; bitmask:
+        int32 on the host, contiguous; both must live until ``wait`` returns."""
+        assert samples.dtype == torch.int64 and samples.is_contiguous() and samples.device.type == "cpu"
+        assert all(grammar.is_native for grammar in grammars)
+        if self._worker is None:
+            stop_token_ids = sorted(set().union(*(grammar.stop_token_ids for grammar in grammars)))
+            self._worker = native.load().AheadWorker(stop_token_ids, self._vocab_size, self._timeout_s)
+        self._grammars = list(grammars)
+        self._mask_rows = list(sample_rows if mask_rows is None else mask_rows)
+        self._worker.submit(
+            samples.data_ptr(),
+            samples.numel(),
+            [grammar._matcher for grammar in grammars],
+            sample_rows,
+            self._mask_rows,
+            bitmask.data_ptr(),
+            bitmask.shape[1] * bitmask.element_size(),
+            bitmask.shape[0],
+        )
+
+    def resubmit(self, samples: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """The last job's grammars and rows again, on a new step's samples (the steady state of
+        decoding: no per-grammar work to hand the thread)."""
+        assert self._worker is not None, "submit() first"
+        self._worker.resubmit(samples.data_ptr(), samples.numel(), bitmask.data_ptr(), bitmask.shape[0])
+
+    def wait(self) -> AheadResult | None:
+        """The submitted job, once done (waiting without the GIL); None when its samples never
+        landed (the step failed): its grammars are then as they were."""
+        statuses, token_ids = self._worker.wait()
+        extension = native.load()
+        if statuses[0] == extension.TIMED_OUT:
+            return None
+        consumed = extension.CONSUMED
+        if statuses.count(consumed) == len(statuses):  # the usual step: every sample was text
+            for grammar in self._grammars:
+                grammar._advanced_ahead(terminated=False)
+            return AheadResult(token_ids, [True] * len(statuses), self._mask_rows, all_consumed=True)
+        rows = [-1] * len(statuses)
+        for i, (grammar, status) in enumerate(zip(self._grammars, statuses)):
+            if status == consumed:
+                grammar._advanced_ahead(terminated=False)
+                rows[i] = self._mask_rows[i]
+            elif status == extension.TERMINATED:
+                grammar._advanced_ahead(terminated=True)
+        accepted = [status != extension.REFUSED for status in statuses]
+        return AheadResult(token_ids, accepted, rows, all_consumed=False)

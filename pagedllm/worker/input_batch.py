@@ -23,11 +23,11 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from pagedllm.sample.constraints import has_logits_processors
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step_io import NewRequestData, SchedulerOutput
 from pagedllm.worker.input_buffers import to_device
-from pagedllm.worker.request_logits import has_logits_processors
 
 # Columns of the per-row float parameters, gathered for a step in one array.
 _TEMPERATURE, _TOP_P, _MIN_P, _PRESENCE, _FREQUENCY, _REPETITION = range(6)

@@ -16,10 +16,8 @@ from torch import nn
 from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.config import EngineConfig
 from pagedllm.sample.sampler import Sampler, SamplerOutput
-from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagedllm.sampling_params import SamplingParams
 from pagedllm.step_io import ModelRunnerOutput, NewRequestData, PromptLogprobsOutput, SchedulerOutput
-from pagedllm.structured_output import CompiledGrammar, StructuredOutputManager
-from pagedllm.tokenizer import get_tokenizer
 from pagedllm.worker.cpu_compile import CompiledDecode
 from pagedllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from pagedllm.worker.input_batch import InputBatch
@@ -108,7 +106,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.attn_backend = attn_backend
         self.model: nn.Module | None = None
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.device)
         scheduler_config = config.scheduler_config
         self.max_model_len = config.model_config.max_model_len
         self.use_cuda_graphs = (
@@ -131,25 +129,10 @@ class ModelRunner:
             2 * scheduler_config.max_num_seqs, max_blocks_per_req, config.model_config.vocab_size, self.device
         )
         self.logits_processors = RequestLogitsProcessors(
-            self._compile_grammar, fill_ahead=self.device.type == "cuda"
+            self.input_batch, config.model_config, fill_ahead=self.device.type == "cuda"
         )
-        self._structured_output_manager: StructuredOutputManager | None = None
-        # The last step's samples of rows with logits processors, not yet in their output history:
-        # (step, [(req_id, output index, sample row)]).
-        self._unrecorded_samples: tuple[StepOutput, list[tuple[int, int, int]]] | None = None
         self.graph_runner: CudaGraphRunner | None = None
         self.compiled_decode: CompiledDecode | None = None
-
-    def _compile_grammar(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        """For a rank in a process of its own: the engine's compiled grammar does not cross
-        processes (a native matcher), so the rank compiles the constraint too, at its first step."""
-        if self._structured_output_manager is None:
-            model_config = self.config.model_config
-            manager = StructuredOutputManager.for_model(model_config, get_tokenizer(model_config))
-            if manager is None:
-                raise ValueError("structured_outputs needs a tokenizer, and this model has none")
-            self._structured_output_manager = manager
-        return self._structured_output_manager.compile(params).result()
 
     def load_model(self) -> None:
         from pagedllm.model_loader import get_model
@@ -238,28 +221,13 @@ class ModelRunner:
         num_sample_rows = len(model_input.sample_rows)
         batch = self.input_batch
         sampled = None
-        history: list[tuple[int, int, int]] = []
         top_rows: list[int] = []
         if num_sample_rows:
-            rows = model_input.sample_rows
-            with_processors = bool(batch.has_processors[rows].any())
-            token_bitmask = None
-            if with_processors:
-                self._record_output_history()
-                row_list = rows.tolist()
-                token_bitmask = self.logits_processors(
-                    logits[:num_sample_rows],
-                    model_input.sample_req_ids,
-                    [batch.params[row] for row in row_list],
-                    lambda i, start: batch.output_token_ids(row_list[i], start),
-                    batch.num_output_tokens[rows].tolist(),
-                )
-            metadata = batch.sampling_metadata(rows)
+            # Allowed tokens, logit bias and bad words edit the logits; a grammar gives a bitmask,
+            # which the sampler applies.
+            token_bitmask = self.logits_processors.before_sampling(logits[:num_sample_rows], model_input)
+            metadata = batch.sampling_metadata(model_input.sample_rows)
             sampled = self.sampler(logits[:num_sample_rows], metadata, token_bitmask)
-            if token_bitmask is not None:
-                self.logits_processors.masks_read()
-            if with_processors:
-                history = self._processor_samples(model_input)
             first = to_device(model_input.first_sample_index, self.device)
             batch.record_samples(model_input.sampling_req_rows, first, sampled.token_ids)
             if metadata.max_num_top_tokens:
@@ -267,37 +235,9 @@ class ModelRunner:
         prompt_logprobs = self._score_prompts(logits[num_sample_rows:], model_input)
         num_top_tokens = batch.num_top_tokens[model_input.sample_rows[top_rows]].tolist() if top_rows else []
         step = StepOutput(model_input, sampled, top_rows, prompt_logprobs, self.device, num_top_tokens)
-        if history:
-            # The logits processors ran this step, and recorded the samples before these first.
-            self._unrecorded_samples = (step, history)
-            if self.logits_processors.fill_ahead:
-                self.logits_processors.start_ahead(step.samples_on_host(), history)
+        if num_sample_rows:
+            self.logits_processors.after_launch(step)
         return step
-
-    def _processor_samples(self, model_input: ModelInput) -> list[tuple[int, int, int]]:
-        """(req_id, output index, sample row) of this step's first sample of every request with
-        logits processors (read before ``record_samples`` counts it)."""
-        batch = self.input_batch
-        index = np.flatnonzero(batch.has_processors[model_input.sampling_req_rows])
-        rows = model_input.sampling_req_rows[index]
-        return list(
-            zip(
-                [batch.req_ids[row] for row in rows.tolist()],
-                batch.num_output_tokens[rows].tolist(),
-                model_input.first_sample_index[index].tolist(),
-            )
-        )
-
-    def _record_output_history(self) -> None:
-        """Append the last step's samples to the output history of the requests with logits
-        processors (a grammar advances over them); waits for those samples to reach the host,
-        which a step already launched behind them does not delay."""
-        if self._unrecorded_samples is None:
-            return
-        step, history = self._unrecorded_samples
-        self._unrecorded_samples = None
-        token_ids = step.sampled_token_ids()
-        self.input_batch.append_sampled((req_id, index, token_ids[row]) for req_id, index, row in history)
 
     def _score_prompts(
         self, logits: torch.Tensor, model_input: ModelInput

@@ -1,6 +1,7 @@
-"""The per-request logits processors of a step's sample rows: allowed_token_ids, logit_bias and
-bad_words, applied to the logits before the sampler, and structured outputs' grammar bitmask,
-which the sampler applies (its fused pass reads it).
+"""The worker's side of the logits-constraint seam (sample/constraints.py): a step's
+constraints over the persistent batch's sample rows (``RequestLogitsProcessors``), and structured
+outputs' grammars as a constraint (``GrammarConstraint``), whose bitmask the sampler applies (its
+fused pass reads it).
 
 Grammar state lives here, one matcher per request (a forked request gets its own), caught up each
 step with the tokens its request generated since the last. The output history a grammar or bad
@@ -8,10 +9,10 @@ words read is the persistent batch's: the tokens the host sent, then the worker'
 (``InputBatch.append_sampled``), so these requests need no resend and no wait for the host between
 steps. Compilation happened when the request was validated (``compiled_grammar``), in the engine's
 process; a rank in a process of its own gets the constraint without its native matcher and
-compiles it once more (``compile_grammar``; cached per constraint).
+compiles it once more (``RankGrammarCompiler``; cached per constraint).
 
-On CUDA a grammar's next mask is made ahead (``start_ahead``): once a step's sampler is launched, a
-native thread (the grammar extension's ``AheadWorker``) waits for the samples, advances each
+On CUDA a grammar's next mask is made ahead (``after_launch``): once a step's sampler is launched,
+a native thread (the grammar extension's ``AheadWorker``) waits for the samples, advances each
 decoding request's grammar by its sample and fills the next masks into the pinned buffer the next
 step will copy from, at the rows the samples had, while this thread finishes the step, processes
 the last one's outputs, and schedules and launches the next. The next step's processors then only
@@ -27,22 +28,51 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from pagedllm.sample.logits_processors import apply_allowed_token_ids, apply_bad_words, apply_logit_bias
+from pagedllm.config import ModelConfig
+from pagedllm.sample.constraints import (
+    AllowedTokenIds,
+    BadWords,
+    ConstraintRows,
+    LogitBias,
+    LogitsConstraints,
+    SampledRequest,
+)
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output import (
     CompiledGrammar,
+    GrammarAheadWorker,
     GrammarBatch,
     StructuredOutputGrammar,
+    StructuredOutputManager,
     allocate_token_bitmask,
     native,
 )
+from pagedllm.tokenizer import get_tokenizer
+from pagedllm.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
+
+
+class SampleRows(Protocol):
+    """Which rows a step samples (the runner's ``ModelInput``)."""
+
+    sample_req_ids: list[int]  # per sample row
+    sample_rows: np.ndarray  # per sample row, its batch row
+    sampling_req_rows: np.ndarray  # per sampling request, its batch row
+    first_sample_index: np.ndarray  # per sampling request, its first sample row
+
+
+class StepSamples(Protocol):
+    """A launched step's samples on their way to the host (the runner's ``StepOutput``)."""
+
+    def samples_on_host(self) -> torch.Tensor: ...
+
+    def sampled_token_ids(self) -> list[int]: ...
 
 
 @dataclass
@@ -75,21 +105,16 @@ class _Ahead:
     all_consumed: bool
 
 
-def has_logits_processors(params: SamplingParams) -> bool:
-    return bool(
-        params.allowed_token_ids
-        or params.logit_bias
-        or params.bad_words_token_ids
-        or params.structured_outputs
-    )
+class GrammarConstraint:
+    """Structured outputs as a ``LogitsConstraint``: each row's grammar, caught up with its
+    output, gives the row's bitmask; after the sampler's launch, the grammars of the step's
+    samples make their next masks ahead (``fill_ahead``).
 
-
-class RequestLogitsProcessors:
-    """Args:
-    compile_grammar: compiles a constraint that arrived without its compiled grammar.
-    fill_ahead: make decoding grammars' next masks on a thread (``start_ahead``); for CUDA, whose
-        steps run while the host prepares the next. Needs the grammar extension (which this builds
-        on the machine's first call): without it, masks are filled in the step.
+    Args:
+        compile_grammar: compiles a constraint that arrived without its compiled grammar.
+        fill_ahead: make decoding grammars' next masks on a thread (``_start_ahead``); for CUDA,
+            whose steps run while the host prepares the next. Needs the grammar extension (which
+            this builds on the machine's first call): without it, masks are filled in the step.
     """
 
     def __init__(
@@ -103,11 +128,11 @@ class RequestLogitsProcessors:
         self._vocab_size = 0  # the logits' width, known at the first grammar
         self._pin_memory = False  # bitmasks in pinned memory: for logits on CUDA
         # Two pinned host bitmasks used in turn, each with the event after the sampler that read
-        # it last (None until ``masks_read``); the events no buffer holds now, and the stream.
+        # it last (None until ``_masks_read``); the events no buffer holds now, and the stream.
         self._pinned: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         self._free_events: list[torch.cuda.Event] = []
         self._stream: torch.cuda.Stream | None = None
-        self._ahead_worker: Any = None  # the extension's AheadWorker, made at the first job
+        self._ahead_worker: GrammarAheadWorker | None = None  # made at the first job
         self._ahead: _AheadJob | None = None
         # This step's masks, when all were made ahead (``_all_made_ahead``): the next job is then
         # the same grammars at the same rows.
@@ -117,29 +142,10 @@ class RequestLogitsProcessors:
         for req_id in req_ids:
             self._grammars.pop(req_id, None)
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        req_ids: list[int],
-        params: list[SamplingParams],
-        output_token_ids: Callable[[int, int], list[int]],
-        num_output_tokens: Sequence[int],
-    ) -> torch.Tensor | None:
-        """logits: [num_rows, vocab_size], edited in place by allowed_token_ids, logit_bias and
-        bad_words; the lists give each row's request and parameters, ``output_token_ids(i,
-        start)`` row i's generated tokens from index start (read only as far as needed: a grammar
-        wants the tokens since its last step, not the whole output), ``num_output_tokens[i]`` how
-        many there are. Returns the rows' grammar bitmask for the sampler to apply, on the host
-        (pinned on CUDA, where ``masks_read`` follows the sampler's launch); None: no row has a
-        grammar."""
-        if any(p.allowed_token_ids for p in params):
-            apply_allowed_token_ids(logits, [p.allowed_token_ids for p in params])
-        if any(p.logit_bias for p in params):
-            apply_logit_bias(logits, [p.logit_bias for p in params])
-        bad_words = [p.bad_words_token_ids for p in params]
-        if any(bad_words):
-            past = [output_token_ids(i, 0) if words else () for i, words in enumerate(bad_words)]
-            apply_bad_words(logits, bad_words, past)
+    def before_sampling(self, logits: torch.Tensor, rows: ConstraintRows) -> torch.Tensor | None:
+        """The rows' grammar bitmask for the sampler to apply, on the host (pinned on CUDA,
+        guarded by the event ``after_launch`` records); None: no row has a grammar."""
+        req_ids, params, num_output_tokens = rows.req_ids, rows.params, rows.num_output_tokens
         ahead = self._take_ahead()
         self._steady = None
         if ahead is not None and self._all_made_ahead(ahead, req_ids, params, num_output_tokens):
@@ -151,11 +157,11 @@ class RequestLogitsProcessors:
                 unconstrained[ahead.sample_rows] = False
                 bitmask.numpy()[unconstrained] = -1
             return self._hand_over(bitmask, buffer)
-        rows = [
-            self._grammar(req_id, params[i], i, output_token_ids, num_output_tokens[i], ahead)
+        grammars = [
+            self._grammar(req_id, params[i], i, rows.output_token_ids, num_output_tokens[i], ahead)
             for i, req_id in enumerate(req_ids)
         ]
-        if all(grammar is None for grammar, _ in rows):
+        if all(grammar is None for grammar, _ in grammars):
             return None
         if self._grammar_batch is None:
             self._grammar_batch = GrammarBatch()
@@ -163,18 +169,18 @@ class RequestLogitsProcessors:
             self._pin_memory = logits.device.type == "cuda"
         # Rows whose mask was made ahead stay where the thread wrote them or move; the others are
         # filled now.
-        ahead_rows = {i: source for i, (_, source) in enumerate(rows) if source >= 0}
-        if ahead is not None and ahead.bitmask.shape[0] >= len(rows):
+        ahead_rows = {i: source for i, (_, source) in enumerate(grammars) if source >= 0}
+        if ahead is not None and ahead.bitmask.shape[0] >= len(grammars):
             buffer = ahead.bitmask
             moves = {i: source for i, source in ahead_rows.items() if i != source}
         else:
-            buffer = self._mask_buffer(len(rows))
+            buffer = self._mask_buffer(len(grammars))
             moves = ahead_rows
         if moves:
             assert ahead is not None
             moved = ahead.bitmask.numpy()[list(moves.values())]  # a copy: sources may be overwritten
         bitmask = self._grammar_batch.bitmask(
-            [grammar for grammar, _ in rows], self._vocab_size, out=buffer, skip=ahead_rows.keys()
+            [grammar for grammar, _ in grammars], self._vocab_size, out=buffer, skip=ahead_rows.keys()
         )
         if moves:
             bitmask.numpy()[list(moves)] = moved
@@ -205,15 +211,20 @@ class RequestLogitsProcessors:
         """The bitmask for the sampler. On CUDA it stays in its pinned ``buffer``: the sampler's
         fused pass reads it there, over the bus (196 KB for 32 rows of SmolLM2's vocabulary),
         with no copy to launch; other paths copy it. The buffer is refilled only after the event
-        ``masks_read`` records."""
+        ``_masks_read`` records."""
         if self._pin_memory:
             self._pinned.append((buffer, None))
         return bitmask
 
-    def masks_read(self) -> None:
-        """Call once the step's sampler is launched: the bitmask handed to it is read by the work
-        queued so far. Records an event after it, on the stream the worker runs its steps on
-        (looked up once: the lookup costs ~10 us of Python a step)."""
+    def after_launch(self, samples: torch.Tensor, requests: Sequence[SampledRequest]) -> None:
+        self._masks_read()
+        if self.fill_ahead:
+            self._start_ahead(samples, requests)
+
+    def _masks_read(self) -> None:
+        """The bitmask handed to the sampler is read by the work queued so far: records an event
+        after it, on the stream the worker runs its steps on (looked up once: the lookup costs
+        ~10 us of Python a step)."""
         if not self._pinned or self._pinned[-1][1] is not None:
             return
         if self._stream is None:
@@ -222,7 +233,7 @@ class RequestLogitsProcessors:
         event.record(self._stream)
         self._pinned[-1] = (self._pinned[-1][0], event)
 
-    def start_ahead(self, samples: torch.Tensor, entries: list[tuple[int, int, int]]) -> None:
+    def _start_ahead(self, samples: torch.Tensor, entries: Sequence[SampledRequest]) -> None:
         """Advance the grammars of this step's samples and fill their next masks on the native
         thread.
 
@@ -242,8 +253,7 @@ class RequestLogitsProcessors:
             # (checked then): the worker keeps their matchers and rows from the last job.
             req_ids, grammars, sample_rows = steady.req_ids, steady.grammars, steady.sample_rows
             bitmask = self._mask_buffer(max(sample_rows) + 1, wait=False)
-            worker = self._ahead_worker
-            worker.resubmit(samples.data_ptr(), samples.numel(), bitmask.data_ptr(), bitmask.shape[0])
+            self._ahead_worker.resubmit(samples, bitmask)
             self._ahead = _AheadJob(samples, bitmask, req_ids, grammars, sample_rows)
             return
         req_ids, grammars, sample_rows = [], [], []
@@ -260,23 +270,10 @@ class RequestLogitsProcessors:
                 sample_rows.append(row)
         if not grammars:
             return
-        assert samples.dtype == torch.int64 and samples.is_contiguous() and samples.device.type == "cpu"
         if self._ahead_worker is None:
-            stop_token_ids = set().union(*(g._stop_token_ids for g in grammars))
-            self._ahead_worker = native.load().AheadWorker(
-                sorted(stop_token_ids), self._vocab_size, native.SAMPLES_TIMEOUT_S
-            )
+            self._ahead_worker = GrammarAheadWorker(self._vocab_size)
         bitmask = self._mask_buffer(max(sample_rows) + 1, wait=False)
-        self._ahead_worker.submit(
-            samples.data_ptr(),
-            samples.numel(),
-            [grammar._matcher for grammar in grammars],
-            sample_rows,
-            sample_rows,
-            bitmask.data_ptr(),
-            bitmask.shape[1] * bitmask.element_size(),
-            bitmask.shape[0],
-        )
+        self._ahead_worker.submit(samples, grammars, sample_rows, bitmask)
         self._ahead = _AheadJob(samples, bitmask, req_ids, grammars, sample_rows)
 
     def _take_ahead(self) -> _Ahead | None:
@@ -284,40 +281,23 @@ class RequestLogitsProcessors:
         if self._ahead is None:
             return None
         job, self._ahead = self._ahead, None
-        statuses, token_ids = self._ahead_worker.wait()
-        extension = native.load()
-        if statuses[0] == extension.TIMED_OUT:  # the step never delivered its samples
+        result = self._ahead_worker.wait()
+        if result is None:  # the step never delivered its samples
             logger.warning("the grammar masks made ahead timed out waiting for the step's samples")
             return None
-        consumed = extension.CONSUMED
-        if statuses.count(consumed) == len(statuses):  # the usual step: every sample was text
-            accepted, rows = [True] * len(statuses), job.sample_rows
-            for grammar in job.grammars:
-                grammar.num_processed_tokens += 1
-        else:
-            accepted = [status != extension.REFUSED for status in statuses]
-            rows = [-1] * len(statuses)
-            for i, (grammar, status) in enumerate(zip(job.grammars, statuses)):
-                if status == consumed:
-                    grammar.num_processed_tokens += 1
-                    rows[i] = job.sample_rows[i]
-                elif status == extension.TERMINATED:
-                    grammar.num_processed_tokens += 1
-                    grammar._terminated = True
         index = {req_id: i for i, req_id in enumerate(job.req_ids)}
         counts = [grammar.num_processed_tokens for grammar in job.grammars]
-        all_consumed = rows is job.sample_rows
         return _Ahead(
             job.bitmask,
             index,
             job.grammars,
-            token_ids,
-            accepted,
-            rows,
+            result.token_ids,
+            result.accepted,
+            result.rows,
             job.req_ids,
             job.sample_rows,
             counts,
-            all_consumed,
+            result.all_consumed,
         )
 
     def _mask_buffer(self, num_rows: int, wait: bool = True) -> torch.Tensor:
@@ -391,3 +371,101 @@ class RequestLogitsProcessors:
         # Only a token the mask did not allow (e.g. EOS forced by max_tokens) gets here.
         logger.warning("request %d: output left its grammar; no longer constrained", req_id)
         self._grammars[req_id] = None
+
+
+class RequestLogitsProcessors:
+    """The worker's side of the logits-constraint seam: the step's constraints (allowed tokens,
+    logit bias, bad words, grammars) over the persistent batch's rows, and the output history
+    they read (``InputBatch.append_sampled``), which grows by each step's samples of the
+    requests with a constraint, once those samples are on the host.
+
+    Args:
+        input_batch: the worker's persistent batch.
+        model_config: the model's, for a grammar this rank compiles (``RankGrammarCompiler``).
+        fill_ahead: the grammars' (``GrammarConstraint``).
+    """
+
+    def __init__(self, input_batch: InputBatch, model_config: ModelConfig, fill_ahead: bool = False) -> None:
+        self._batch = input_batch
+        self.grammars = GrammarConstraint(RankGrammarCompiler(model_config), fill_ahead)
+        self.constraints = LogitsConstraints([AllowedTokenIds(), LogitBias(), BadWords(), self.grammars])
+        # This step's first sample of each request with a constraint (``SampledRequest``s).
+        self._requests: list[SampledRequest] = []
+        # The last step's such samples, not yet in their output history: (step, requests).
+        self._unrecorded_samples: tuple[StepSamples, list[SampledRequest]] | None = None
+
+    def drop(self, req_ids: Iterable[int]) -> None:
+        self.grammars.drop(req_ids)
+
+    def before_sampling(self, logits: torch.Tensor, model_input: SampleRows) -> torch.Tensor | None:
+        """Apply the step's constraints to ``logits`` [num_sample_rows, vocab_size] (in place);
+        returns the grammar bitmask for the sampler, or None."""
+        batch = self._batch
+        rows = model_input.sample_rows
+        self._requests = []
+        if not batch.has_processors[rows].any():
+            return None
+        self._record_output_history()
+        row_list = rows.tolist()
+        bitmask = self.constraints.before_sampling(
+            logits,
+            ConstraintRows(
+                model_input.sample_req_ids,
+                [batch.params[row] for row in row_list],
+                lambda i, start: batch.output_token_ids(row_list[i], start),
+                batch.num_output_tokens[rows].tolist(),
+            ),
+        )
+        self._requests = self._first_samples(model_input)
+        return bitmask
+
+    def after_launch(self, step: StepSamples) -> None:
+        """The step's sampler is launched and its samples' copy to the host queued."""
+        if not self._requests:
+            return
+        requests, self._requests = self._requests, []
+        self._unrecorded_samples = (step, requests)
+        self.constraints.after_launch(step.samples_on_host(), requests)
+
+    def _first_samples(self, model_input: SampleRows) -> list[SampledRequest]:
+        """(req_id, output index, sample row) of this step's first sample of every request with a
+        constraint (read before ``record_samples`` counts it)."""
+        batch = self._batch
+        index = np.flatnonzero(batch.has_processors[model_input.sampling_req_rows])
+        rows = model_input.sampling_req_rows[index]
+        return list(
+            zip(
+                [batch.req_ids[row] for row in rows.tolist()],
+                batch.num_output_tokens[rows].tolist(),
+                model_input.first_sample_index[index].tolist(),
+            )
+        )
+
+    def _record_output_history(self) -> None:
+        """Append the last step's samples to the output history of the requests with a
+        constraint (a grammar advances over them); waits for those samples to reach the host,
+        which a step already launched behind them does not delay."""
+        if self._unrecorded_samples is None:
+            return
+        step, requests = self._unrecorded_samples
+        self._unrecorded_samples = None
+        token_ids = step.sampled_token_ids()
+        self._batch.append_sampled((req_id, index, token_ids[row]) for req_id, index, row in requests)
+
+
+class RankGrammarCompiler:
+    """For a rank in a process of its own: the engine's compiled grammar does not cross processes
+    (a native matcher), so the rank compiles the constraint too, at its first step (once per
+    constraint: the manager caches them)."""
+
+    def __init__(self, model_config: ModelConfig) -> None:
+        self._model_config = model_config
+        self._manager: StructuredOutputManager | None = None  # made at the first grammar
+
+    def __call__(self, params: StructuredOutputsParams) -> CompiledGrammar:
+        if self._manager is None:
+            manager = StructuredOutputManager.for_model(self._model_config, get_tokenizer(self._model_config))
+            if manager is None:
+                raise ValueError("structured_outputs needs a tokenizer, and this model has none")
+            self._manager = manager
+        return self._manager.compile(params).result()

@@ -41,13 +41,14 @@ def test_json_schema_output_parses_and_conforms_with_n_and_sampling(llm):
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
-def _count_masks_made_ahead(processors) -> tuple[list[int], list[bool]]:
+def _count_masks_made_ahead(grammars) -> tuple[list[int], list[bool]]:
     """Per step, how many rows' masks came from the ahead thread: every grammar row in the
     steady state (``_all_made_ahead``), else the rows ``_grammar`` took from it; and per step
     with masks made ahead, whether it was the steady state (then whether its job was resubmitted)."""
     counts: list[int] = []
     steady_steps: list[bool] = []
-    grammar, all_made_ahead, call = processors._grammar, processors._all_made_ahead, type(processors).__call__
+    grammar, all_made_ahead = grammars._grammar, grammars._all_made_ahead
+    before_sampling, start_ahead = grammars.before_sampling, grammars._start_ahead
 
     def counted_grammar(*args):
         result = grammar(*args)
@@ -60,21 +61,19 @@ def _count_masks_made_ahead(processors) -> tuple[list[int], list[bool]]:
         steady_steps.append(steady)
         return steady
 
-    def counted_call(self, *args):
+    def counted_before_sampling(*args):
         counts.append(0)
-        return call(self, *args)
-
-    start_ahead = processors.start_ahead
+        return before_sampling(*args)
 
     def counted_start_ahead(*args):
         # A steady step submits the last job's grammars again (``AheadWorker.resubmit``).
-        steady_steps.append(processors._steady is not None)
+        steady_steps.append(grammars._steady is not None)
         return start_ahead(*args)
 
-    processors._grammar = counted_grammar
-    processors._all_made_ahead = counted_all_made_ahead
-    processors.start_ahead = counted_start_ahead
-    processors.__class__ = type("CountedProcessors", (type(processors),), {"__call__": counted_call})
+    grammars._grammar = counted_grammar
+    grammars._all_made_ahead = counted_all_made_ahead
+    grammars.before_sampling = counted_before_sampling
+    grammars._start_ahead = counted_start_ahead
     return counts, steady_steps
 
 
@@ -96,9 +95,9 @@ def test_masks_made_ahead_on_a_thread_give_the_same_outputs(smollm2_gguf, async_
     results = {}
     for fill_ahead in (False, True):
         llm = LLM(device="cpu", max_model_len=512, async_scheduling=async_scheduling)
-        processors = llm.llm_engine.executor.worker.model_runner.logits_processors
-        processors.fill_ahead = fill_ahead
-        made_ahead, steady = _count_masks_made_ahead(processors)
+        grammars = llm.llm_engine.executor.worker.model_runner.logits_processors.grammars
+        grammars.fill_ahead = fill_ahead
+        made_ahead, steady = _count_masks_made_ahead(grammars)
         outputs = llm.chat(conversations, params, use_tqdm=False)
         results[fill_ahead] = [[c.token_ids for c in output.outputs] for output in outputs]
         for output in outputs[:2]:

@@ -42,7 +42,7 @@ def test_greedy_with_bans_and_penalties_equals_the_cpu(num_rows):
             banned_rows=rows.to(device),
             banned_token_ids=logits.argmax(-1).to(device),  # each row's favourite, banned
         )
-        return Sampler()(logits.to(device), metadata)
+        return Sampler(device)(logits.to(device), metadata)
 
     cpu, cuda = run("cpu"), run("cuda")
     assert cuda.token_ids.cpu().tolist() == cpu.token_ids.tolist()
@@ -56,20 +56,21 @@ def test_sampled_rows_follow_the_distribution_and_truncation():
     logits = torch.full((4000, VOCAB), -30.0)
     logits[:, :4] = probs.log()
     metadata = _metadata([1.0] * 4000, "cuda")
-    counts = torch.bincount(Sampler()(logits.cuda(), metadata).token_ids.cpu(), minlength=4)[:4]
+    counts = torch.bincount(Sampler("cuda")(logits.cuda(), metadata).token_ids.cpu(), minlength=4)[:4]
     assert torch.allclose(counts.float() / 4000, probs, atol=0.03)
     # min_p 0.2 (threshold 0.1) leaves tokens 0-2; top-k 2 leaves tokens 0-1.
     for extra, allowed in (({"min_p": torch.full((4000,), 0.2)}, 3), ({"top_k": torch.full((4000,), 2)}, 2)):
         metadata = _metadata([1.0] * 4000, "cuda", **{k: v.cuda() for k, v in extra.items()})
-        tokens = Sampler()(logits.cuda(), metadata).token_ids
+        tokens = Sampler("cuda")(logits.cuda(), metadata).token_ids
         assert int(tokens.max()) < allowed and len(tokens.unique()) == allowed
 
 
 def test_a_seeded_row_does_not_depend_on_the_batch():
     logits = torch.randn((4, VOCAB), device="cuda")
-    alone = Sampler()(logits[2:3].clone(), _metadata([1.0], "cuda", generators={0: _generator(7)}))
+    sampler = Sampler("cuda")
+    alone = sampler(logits[2:3].clone(), _metadata([1.0], "cuda", generators={0: _generator(7)}))
     torch.manual_seed(123)
-    mixed = Sampler()(logits.clone(), _metadata([1.0, 0.0, 1.0, 0.5], "cuda", generators={2: _generator(7)}))
+    mixed = sampler(logits.clone(), _metadata([1.0, 0.0, 1.0, 0.5], "cuda", generators={2: _generator(7)}))
     assert alone.token_ids[0].item() == mixed.token_ids[2].item()
     assert mixed.token_ids[1].item() == logits[1].argmax().item()
 

@@ -1,9 +1,12 @@
 """The sampler against direct computations of each option's distribution."""
 
+import pytest
 import torch
 
+from pagedllm.sample import sampler as sampler_module
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.sampler import Sampler, apply_min_p, apply_top_k_top_p
+from pagedllm.structured_output import allocate_token_bitmask
 
 VOCAB = 50
 
@@ -115,3 +118,38 @@ def test_min_tokens_bans_stop_tokens_until_reached():
     out = Sampler()(logits, metadata([0.0, 0.0], banned=([0], [3])))
     assert out.token_ids[0].item() != 3
     assert out.token_ids[1].item() == 3
+
+
+@pytest.mark.parametrize("temperatures", [[0.0] * 5, [0.0, 1.0, 0.7, 1.0, 0.0]])
+@pytest.mark.parametrize("edits", ["none", "bans", "penalties", "bitmask"])
+def test_the_cpu_kernel_pass_and_the_torch_pass_draw_the_same(monkeypatch, temperatures, edits):
+    """The CPU's pass is chosen when the sampler is built: with pagedllm's kernels (each row's
+    argmax and log-sum-exp) or torch's log_softmax. Both draw the same tokens and report the
+    raw logits' logprobs of them, greedy or sampled, with bans, penalties or a grammar bitmask."""
+    if not sampler_module.cpu_kernels_available():
+        pytest.skip("pagedllm's CPU kernels do not build here")
+    with_kernels = Sampler("cpu")
+    monkeypatch.setattr(sampler_module, "cpu_kernels_available", lambda: False)
+    torch_only = Sampler("cpu")
+    assert with_kernels._sample != with_kernels._torch_pass and torch_only._sample == torch_only._torch_pass
+    logits = 3 * torch.randn(len(temperatures), VOCAB, generator=torch.Generator().manual_seed(5))
+    bitmask = None
+    if edits == "bitmask":
+        bitmask = allocate_token_bitmask(len(temperatures), VOCAB)
+        bitmask[:, 0] = 0x0F0F0F0F  # tokens 0-3, 8-11, 16-19 and 24-27 only
+        bitmask[:, 1:] = 0
+    outputs = []
+    for sampler in (with_kernels, torch_only):
+        banned = ([0, 1, 2], [int(logits[i].argmax()) for i in range(3)]) if edits == "bans" else None
+        m = metadata(temperatures, banned=banned)
+        if edits == "penalties":
+            m.presence_penalty = torch.full((len(temperatures),), 0.5)
+            m.frequency_penalty = torch.full((len(temperatures),), 0.25)
+            m.output_counts = (logits > 2).float()
+        torch.manual_seed(9)
+        outputs.append(sampler(logits.clone(), m, bitmask))
+    kernels, reference = outputs
+    assert kernels.token_ids.tolist() == reference.token_ids.tolist()
+    torch.testing.assert_close(kernels.logprobs, reference.logprobs, rtol=0, atol=1e-5)
+    if edits == "bitmask":
+        assert all(t < 4 or 8 <= t < 12 or 16 <= t < 20 or 24 <= t < 28 for t in kernels.token_ids.tolist())

@@ -19,6 +19,7 @@ import torch
 
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output import (
+    GrammarAheadWorker,
     GrammarBatch,
     StructuredOutputGrammar,
     StructuredOutputManager,
@@ -185,6 +186,28 @@ def test_rollback_restores_the_mask(manager, smollm2_tokenizer):
     assert not grammar.accept_tokens(smollm2_tokenizer("zzz", add_special_tokens=False)["input_ids"][:1])
 
 
+def test_grammar_api_advances_stops_and_rolls_back_over_its_stop_token(manager, smollm2_tokenizer):
+    """What callers use of a grammar: its stop tokens; ``accept_tokens`` counting processed tokens,
+    refusing a stop token before the output is complete and anything after it; ``rollback``
+    undoing the stop token (no longer terminated) and then text tokens."""
+    eos = smollm2_tokenizer.eos_token_id
+    grammar = _grammar(manager, StructuredOutputsParams(choice=["alpha", "beta"]))
+    assert grammar.stop_token_ids == frozenset([eos])
+    alpha = smollm2_tokenizer("alpha", add_special_tokens=False)["input_ids"]
+    start = _bitmask(manager, [grammar])
+    assert grammar.accept_tokens(alpha[:1]) and grammar.num_processed_tokens == 1
+    if len(alpha) > 1:  # a stop token before the output is complete
+        early = _grammar(manager, StructuredOutputsParams(choice=["alpha"]))
+        assert not early.accept_tokens([*alpha[:1], eos]) and not early.is_terminated()
+    assert grammar.accept_tokens([*alpha[1:], eos]) and grammar.is_terminated()
+    assert grammar.num_processed_tokens == len(alpha) + 1
+    assert not grammar.accept_tokens(alpha[:1])  # nothing after the end
+    grammar.rollback(1)
+    assert not grammar.is_terminated() and grammar.num_processed_tokens == len(alpha)
+    grammar.rollback(len(alpha))
+    assert grammar.num_processed_tokens == 0 and torch.equal(_bitmask(manager, [grammar]), start)
+
+
 def test_batch_bitmask_rewrites_every_row_of_a_reused_buffer(manager, smollm2_tokenizer):
     # Rows: no grammar, a live grammar, a terminated one, another live one at a later state.
     choice = StructuredOutputsParams(choice=["alpha", "beta"])
@@ -251,20 +274,19 @@ def test_extension_masks_allow_llmatchers_and_only_what_it_accepts(managers, smo
 def test_ahead_worker_advances_grammars_as_accept_tokens_does(managers, smollm2_tokenizer, seed):
     """The extension's ahead thread, given a step's samples, leaves each grammar where
     ``accept_tokens`` does: same verdicts (text and stop tokens where the grammar is complete,
-    refused tokens), and the next mask at the sample's row equal to the one filled afresh."""
+    refused tokens), same processed tokens and termination, and the next mask at its mask row
+    equal to the one filled afresh."""
     manager = managers[0]
-    extension = native.load()
     generator = torch.Generator().manual_seed(seed)
     eos = smollm2_tokenizer.eos_token_id
     refused = smollm2_tokenizer("zzz", add_special_tokens=False)["input_ids"][0]
-    worker = extension.AheadWorker([eos], manager.vocab_size, 10.0)
+    worker = GrammarAheadWorker(manager.vocab_size, timeout_s=10.0)
     constraints = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(choice=["alpha", "beta"])]
     num_rows = 12
     params = [constraints[i % 2] for i in range(num_rows)]
     ahead = [_grammar(manager, p) for p in params]
     single = [_grammar(manager, p) for p in params]
     out = allocate_token_bitmask(num_rows + 2, manager.vocab_size)
-    row_bytes = out.shape[1] * 4
     restarted = True
     for step in range(60):
         masks = _bitmask(manager, ahead)
@@ -278,35 +300,42 @@ def test_ahead_worker_advances_grammars_as_accept_tokens_does(managers, smollm2_
         samples = torch.full((num_rows + 1,), -1, dtype=torch.int64)
         sample_rows = list(range(1, num_rows + 1))
         mask_rows = [row + 1 for row in sample_rows]
-        if step % 2 and not restarted:  # the same matchers and rows as the last job
-            worker.resubmit(samples.data_ptr(), samples.numel(), out.data_ptr(), out.shape[0])
+        if step % 2 and not restarted:  # the same grammars and rows as the last job
+            worker.resubmit(samples, out)
         else:
-            matchers = [g._matcher for g in ahead]
-            buffer = (out.data_ptr(), row_bytes, out.shape[0])
-            worker.submit(samples.data_ptr(), samples.numel(), matchers, sample_rows, mask_rows, *buffer)
+            worker.submit(samples, ahead, sample_rows, out, mask_rows=mask_rows)
         time.sleep(0.001)
         samples[1:] = tokens
-        statuses, token_ids = worker.wait()
-        assert token_ids == tokens.tolist()
+        result = worker.wait()
+        assert result is not None and result.token_ids == tokens.tolist()
         verdicts = [g.accept_tokens([t]) for g, t in zip(single, tokens.tolist())]
-        assert [status != extension.REFUSED for status in statuses] == verdicts
-        for i, (grammar, status) in enumerate(zip(ahead, statuses)):
-            if status == extension.CONSUMED:
-                grammar.num_processed_tokens += 1
-                assert torch.equal(out[mask_rows[i]], _bitmask(manager, [single[i]])[0]), (step, i)
-            elif status == extension.TERMINATED:
-                grammar.num_processed_tokens += 1
-                grammar._terminated = True
+        assert result.accepted == verdicts
+        assert result.all_consumed == (result.rows == mask_rows)
+        for i, row in enumerate(result.rows):
+            if row >= 0:  # took its sample as text: its next mask is at its mask row
+                assert row == mask_rows[i] and not ahead[i].is_terminated()
+                assert torch.equal(out[row], _bitmask(manager, [single[i]])[0]), (step, i)
         assert [g.num_processed_tokens for g in ahead] == [g.num_processed_tokens for g in single]
         assert [g.is_terminated() for g in ahead] == [g.is_terminated() for g in single]
         if (tokens == eos).any():
-            assert extension.TERMINATED in statuses
+            assert any(g.is_terminated() for g in ahead)
         # Grammars that ended or refused a token start over, in both lists alike.
         restarted = False
         for i, verdict in enumerate(verdicts):
             if not verdict or ahead[i].is_terminated():
                 ahead[i], single[i] = _grammar(manager, params[i]), _grammar(manager, params[i])
                 restarted = True
+
+
+def test_ahead_worker_whose_samples_never_land_leaves_its_grammars_as_they_were(managers):
+    manager = managers[0]
+    grammar = _grammar(manager, StructuredOutputsParams(choice=["alpha", "beta"]))
+    out = allocate_token_bitmask(2, manager.vocab_size)
+    before = out.clone()
+    worker = GrammarAheadWorker(manager.vocab_size, timeout_s=0.05)
+    worker.submit(torch.full((2,), -1, dtype=torch.int64), [grammar], [0], out)
+    assert worker.wait() is None
+    assert torch.equal(out, before) and grammar.num_processed_tokens == 0 and not grammar.is_terminated()
 
 
 def test_the_extension_refuses_a_slow_tokenizer():
@@ -320,11 +349,11 @@ def test_the_extension_refuses_a_slow_tokenizer():
 def test_ahead_worker_checks_its_job_and_gives_up_on_samples_that_never_land(managers, smollm2_tokenizer):
     manager = managers[0]
     extension = native.load()
-    grammar = _grammar(manager, StructuredOutputsParams(choice=["alpha", "beta"]))
+    matcher = manager.compile(StructuredOutputsParams(choice=["alpha", "beta"])).result(timeout=60).matcher
     out = allocate_token_bitmask(2, manager.vocab_size)
     samples = torch.full((2,), -1, dtype=torch.int64)
     worker = extension.AheadWorker([smollm2_tokenizer.eos_token_id], manager.vocab_size, 0.05)
-    args = (samples.data_ptr(), 2, [grammar._matcher])
+    args = (samples.data_ptr(), 2, [matcher.deep_copy()])
     with pytest.raises(IndexError, match="sample row"):
         worker.submit(*args, [2], [0], out.data_ptr(), out.shape[1] * 4, 2)
     with pytest.raises(IndexError, match="mask row"):
@@ -341,7 +370,7 @@ def test_ahead_worker_checks_its_job_and_gives_up_on_samples_that_never_land(man
     # A value past the vocabulary (a half-written sample) is not taken for a token either.
     samples[0] = manager.vocab_size
     assert worker.wait() == ([extension.TIMED_OUT], [-1])
-    assert torch.equal(out, before) and grammar.num_processed_tokens == 0
+    assert torch.equal(out, before)
     with pytest.raises(IndexError, match="mask row"):  # the last job's rows, checked again
         worker.resubmit(samples.data_ptr(), 2, out.data_ptr(), 0)
     # Cancelled: a failed step's job ends at once.
