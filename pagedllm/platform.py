@@ -61,7 +61,10 @@ def platform_for(device: torch.device) -> Platform:
     return Platform(
         device_type=device.type,
         triton=is_cuda and triton_installed(),
-        device_capability=torch.cuda.get_device_capability(device) if is_cuda else None,
+        # None where CUDA is not there to ask (config refuses such a device before any model).
+        device_capability=(
+            torch.cuda.get_device_capability(device) if is_cuda and torch.cuda.is_available() else None
+        ),
         cpu_kernels=is_cpu and os.environ.get("PAGEDLLM_CPU_KERNELS", "1") != "0",
         onednn=is_cpu and torch.backends.mkldnn.is_available(),
         cpu_bf16=is_cpu and cpu_has_bf16(),
