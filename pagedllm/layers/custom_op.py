@@ -22,7 +22,12 @@ from pagedllm.platform import Platform, platform_for
 
 class CustomOp(nn.Module):
     """Subclasses define ``forward`` as a call of ``self.forward_method`` with their own
-    signature, and ``dispatch_forward``."""
+    signature, ``forward_torch`` and the kernels' forwards, and ``dispatch_forward``."""
+
+    # The reference implementation, on any device.
+    forward_torch: Callable[..., Any]
+    # The implementation ``forward`` runs, chosen by ``dispatch_forward`` when bound to a device.
+    forward_method: Callable[..., Any]
 
     def __init__(self) -> None:
         super().__init__()
@@ -35,9 +40,6 @@ class CustomOp(nn.Module):
         """The forward to run on ``platform`` for activations of ``dtype``. Subclasses choose
         among their implementations; this default is the reference."""
         return self.forward_torch
-
-    def forward_torch(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError
 
     def _bind(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
