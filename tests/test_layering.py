@@ -1,6 +1,6 @@
 """The package's dependencies point one way:
 
-    base (config, sampling_params, step_io, ...) <- kernels <- attention <- layers, sample,
+    base (config, sampling_params, step_io, platform, ...) <- kernels <- attention <- layers, sample,
     structured_output <- models <- model_loader <- worker <- executor <- engine <- entrypoints
 
 and the core (scheduler, KV cache manager, requests) imports the base alone: it decides what runs
@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
         "pagedllm.tokenizer",
         "pagedllm.logger",
         "pagedllm.step_io",
+        "pagedllm.platform",
     ),
     ("pagedllm.core",),
     ("pagedllm.kernels",),

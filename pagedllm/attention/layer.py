@@ -1,4 +1,5 @@
-"""The attention layer models call: q/k/v in, attention over the paged cache out.
+"""The attention layer models call: q/k/v (and positions, for a rotary embedding) in, attention
+over the paged cache out.
 
 Inside a torch.compile'd forward (the CPU's compiled decode step, worker/cpu_compile.py) the layer
 calls its backend through one opaque op, ``pagedllm::attention``: the backend's host logic (cache
@@ -17,7 +18,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention.backends.abstract import AttentionBackend, KVCache, Rotary
 from pagedllm.attention.metadata import AttentionMetadata
 
 # The layers the op dispatches to, by ``Attention.layer_id`` (weak: models come and go).
@@ -58,6 +59,7 @@ def _attention_op(
 ) -> torch.Tensor:
     assert _forward_metadata is not None, "a compiled forward runs under set_forward_metadata"
     impl = _LAYERS[layer_id].impl
+    # Query and key come rotated (see Attention.forward): no positions.
     return impl.forward(query, key, value, (key_cache, value_cache), _forward_metadata, sink_query=sink_query)
 
 
@@ -88,6 +90,7 @@ class Attention(nn.Module):
         alibi_slopes: torch.Tensor | None = None,
         logits_soft_cap: float | None = None,
         attention_sinks: int = 0,
+        rotary: Rotary | None = None,
     ) -> None:
         """The keyword arguments are this layer's attention variants (``AttentionBackend.__init__``)."""
         super().__init__()
@@ -105,6 +108,7 @@ class Attention(nn.Module):
             alibi_slopes=alibi_slopes,
             logits_soft_cap=logits_soft_cap,
             attention_sinks=attention_sinks,
+            rotary=rotary,
         )
         self.layer_id = next(_layer_ids)
         _LAYERS[self.layer_id] = self
@@ -117,12 +121,13 @@ class Attention(nn.Module):
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
         sink_query: torch.Tensor | None = None,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query: [num_tokens, num_heads * head_size]; key, value: [num_tokens, num_kv_heads *
         head_size]; sink_query (with attention_sinks): like query, the query that scores the sinks
-        outside its window; rotary (only where ``fuses_rotary``): ``(cos_sin, index)``, query and
-        key not yet rotated. Returns [num_tokens, num_heads * head_size]."""
+        outside its window; positions (with a rotary embedding): [num_tokens], query and key not
+        yet rotated, the backend rotates them (or fuses the rotation). Returns [num_tokens,
+        num_heads * head_size]."""
         num_tokens = query.shape[0]
         if sink_query is not None:
             sink_query = sink_query.view(num_tokens, self.num_heads, self.head_size)
@@ -130,21 +135,12 @@ class Attention(nn.Module):
         key = key.view(num_tokens, self.num_kv_heads, self.head_size)
         value = value.view(num_tokens, self.num_kv_heads, self.head_size)
         if torch.compiler.is_compiling():
-            assert rotary is None, "backends that fuse rotary run eagerly"
+            # Rotated in the graph, where inductor fuses the rotation, not in the op, whose schema
+            # says it leaves query and key as they are (the CPU kernel rotates in place).
+            query, key = self.impl.rotate(positions, query, key)
             output = torch.ops.pagedllm.attention(query, key, value, *kv_cache, sink_query, self.layer_id)
         else:
             output = self.impl.forward(
-                query,
-                key,
-                value,
-                kv_cache,
-                attn_metadata,
-                sink_query=sink_query,
-                **({} if rotary is None else {"rotary": rotary}),
+                query, key, value, kv_cache, attn_metadata, sink_query=sink_query, positions=positions
             )
         return output.view(num_tokens, self.num_heads * self.head_size)
-
-    @property
-    def fuses_rotary(self) -> bool:
-        """Whether forward takes ``rotary`` (the backend rotates as it writes the cache)."""
-        return self.impl.fuses_rotary

@@ -2,21 +2,30 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.utils import use_triton
+from pagedllm.layers.custom_op import CustomOp
+from pagedllm.platform import Platform
 
 
-class SiluAndMul(nn.Module):
-    """SwiGLU's gate: ``silu(gate) * up`` for ``x = [gate | up]`` (MergedColumnParallelLinear's output)."""
+class SiluAndMul(CustomOp):
+    """SwiGLU's gate: ``silu(gate) * up`` for ``x = [gate | up]`` (MergedColumnParallelLinear's output).
+
+    It holds no tensor, so its device is the default device where it is built (the loader's
+    ``torch.device``) or where ``.to()`` sends it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, 2 * d] -> [num_tokens, d]."""
-        if use_triton(x):
-            return self.forward_triton(x)
-        return self.forward_torch(x)
+        return self.forward_method(x)
+
+    def dispatch_forward(
+        self, platform: Platform, dtype: torch.dtype
+    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        return self.forward_triton if platform.triton else self.forward_torch
 
     def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
         """The reference path (any device)."""

@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.kernels.cpu.build import available as cpu_kernels_available
-from pagedllm.layers.utils import default_weight_loader, use_triton
+from pagedllm.layers.custom_op import CustomOp
+from pagedllm.layers.utils import default_weight_loader
+from pagedllm.platform import Platform
+
+# What RMSNorm's implementations take and return (``RMSNorm.forward``).
+RMSNormForward = Callable[
+    [torch.Tensor, torch.Tensor | None], torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+]
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
     """``weight * x / sqrt(mean(x^2) + eps)``, numerically as Hugging Face's LlamaRMSNorm.
 
     The statistics are computed in float32 and the result is cast back to the input dtype before
@@ -33,11 +42,17 @@ class RMSNorm(nn.Module):
         The results may reuse the buffers of ``x`` and ``residual`` (the fused kernel writes them in
         place): callers pass tensors they are done with, as the decoder layers do.
         """
-        if use_triton(x):
-            return self.forward_triton(x, residual)
-        if self._cpu_kernel_applies(x, residual):
-            return self.forward_cpu(x, residual)
-        return self.forward_torch(x, residual)
+        return self.forward_method(x, residual)
+
+    def dispatch_forward(self, platform: Platform, dtype: torch.dtype) -> RMSNormForward:
+        if platform.triton:
+            return self.forward_triton
+        # bf16 only. The kernel reduces the float32 sum of squares in another order than torch:
+        # in float32, the oracle's dtype, that moves the last bit of ~1 in 4 results; in bf16 only
+        # a result on a rounding tie moves (~3 in 100,000, by one bf16 ulp).
+        if platform.cpu_kernels and dtype == torch.bfloat16 and cpu_kernels_available():
+            return self.forward_cpu
+        return self.forward_torch
 
     def forward_torch(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -63,7 +78,17 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The C++ kernel (kernels/cpu/csrc/rms_norm.cpp), one call instead of ~9 operators. As
         the Triton kernel's: with ``residual`` the results are written over x and residual;
-        without, into a new tensor."""
+        without, into a new tensor.
+
+        The torch path instead for rows the kernel cannot read in place (a strided view: Qwen3's
+        per-head norms of a fused QKV of several tokens), and inside torch.compile's graphs
+        (cpu_compile), where inductor fuses the norm itself."""
+        if (
+            torch.compiler.is_compiling()
+            or not x.is_contiguous()
+            or (residual is not None and not residual.is_contiguous())
+        ):
+            return self.forward_torch(x, residual)
         hidden = x.shape[-1]
         out = x if residual is not None else x.clone()
         cpu_ops.rms_norm(
@@ -73,21 +98,6 @@ class RMSNorm(nn.Module):
             self.eps,
         )
         return out if residual is None else (out, residual)
-
-    def _cpu_kernel_applies(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
-        # bf16 only. The kernel reduces the float32 sum of squares in another order than torch:
-        # in float32, the oracle's dtype, that moves the last bit of ~1 in 4 results; in bf16 only
-        # a result on a rounding tie moves (~3 in 100,000, by one bf16 ulp). Not inside
-        # torch.compile's graphs (cpu_compile): inductor fuses the norm itself.
-        return (
-            x.device.type == "cpu"
-            and x.dtype == torch.bfloat16
-            and x.is_contiguous()
-            and self.weight.dtype == x.dtype
-            and (residual is None or (residual.is_contiguous() and residual.dtype == x.dtype))
-            and not torch.compiler.is_compiling()
-            and cpu_kernels_available()
-        )
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x_fp32 = x.float()
@@ -105,10 +115,8 @@ class GemmaRMSNorm(RMSNorm):
     checkpoint stores the weight's offset from 1, and the product is taken in float32 before the
     cast back (Llama's casts first). Torch path only: the fused kernel has Llama's order."""
 
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return self.forward_torch(x, residual)
+    def dispatch_forward(self, platform: Platform, dtype: torch.dtype) -> RMSNormForward:
+        return self.forward_torch
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x_fp32 = x.float()

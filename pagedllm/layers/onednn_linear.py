@@ -23,6 +23,7 @@ from pagedllm.layers.quantization.gguf import (
     unsupported_reason,
 )
 from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from pagedllm.platform import platform_for
 
 # The batch size oneDNN picks its blocking for: a decode step of a typical CPU batch.
 BATCH_SIZE_HINT = 32
@@ -33,7 +34,8 @@ INT4_HEAD_MAX_ROWS = 4
 
 
 def onednn_available(dtype: torch.dtype) -> bool:
-    return torch.backends.mkldnn.is_available() and dtype in (torch.float32, torch.bfloat16)
+    """Whether dense CPU layers of ``dtype`` run through oneDNN's prepacked linear."""
+    return platform_for(torch.device("cpu")).onednn and dtype in (torch.float32, torch.bfloat16)
 
 
 class OneDNNLinearMethod(LinearMethod):

@@ -33,11 +33,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.kernels.cpu.build import available as cpu_kernels_available
-from pagedllm.layers.utils import use_triton
+from pagedllm.layers.custom_op import CustomOp
+from pagedllm.platform import Platform
+
+# What RotaryEmbedding's implementations take and return (``RotaryEmbedding.forward``).
+RotaryForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def get_rope_parameters(config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -182,7 +185,7 @@ def compute_angles(head_size: int, max_position: int, rope_parameters: dict[str,
     return angles
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     """Rotates query and key heads by their tokens' positions.
 
     ``cos_sin_cache: [max_position, head_size]`` holds ``[cos | sin]`` of every position's angles,
@@ -243,30 +246,31 @@ class RotaryEmbedding(nn.Module):
         """positions: [num_tokens] int64; query: [num_tokens, num_heads * head_size]; key:
         [num_tokens, num_kv_heads * head_size]. Returns the rotated (query, key), same shapes;
         they may be query and key themselves, rotated in place (the Triton kernel does)."""
-        if use_triton(query):
-            return self.forward_triton(positions, query, key)
-        if self._cpu_kernel_applies(query, key):
-            return self.forward_cpu(positions, query, key)
-        return self.forward_torch(positions, query, key)
+        return self.forward_method(positions, query, key)
+
+    def dispatch_forward(self, platform: Platform, dtype: torch.dtype) -> RotaryForward:
+        if platform.triton:
+            return self.forward_triton
+        if platform.cpu_kernels and cpu_kernels_available():
+            return self.forward_cpu
+        return self.forward_torch
 
     def forward_cpu(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The C++ kernel (kernels/cpu/csrc/rotary.cpp), in place: one call instead of ~24
-        operators, with the reference's rounding."""
+        operators, with the reference's rounding. The torch path instead for what the kernel does
+        not read (elements strided apart, activations in another dtype than the table), and inside
+        torch.compile's graphs (cpu_compile), where inductor fuses the rotation itself."""
+        if (
+            torch.compiler.is_compiling()
+            or not query.stride(-1) == key.stride(-1) == 1
+            or not query.dtype == key.dtype == self.cos_sin_cache.dtype
+        ):
+            return self.forward_torch(positions, query, key)
         table, index = self.cos_sin_rows(positions)
         cpu_ops.rotary_embedding(index.long(), query, key, table, self.head_size)
         return query, key
-
-    def _cpu_kernel_applies(self, query: torch.Tensor, key: torch.Tensor) -> bool:
-        # Not inside torch.compile's graphs (cpu_compile): inductor fuses the rotation itself.
-        return (
-            query.device.type == "cpu"
-            and query.stride(-1) == key.stride(-1) == 1
-            and query.dtype == key.dtype == self.cos_sin_cache.dtype
-            and not torch.compiler.is_compiling()
-            and cpu_kernels_available()
-        )
 
     def forward_torch(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor

@@ -1,13 +1,13 @@
-"""Helpers shared by the layers: weight loading, and the choice between torch and Triton kernels."""
+"""Helpers shared by the layers: weight loading, and the sampler's choice of Triton kernels."""
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import itertools
 from collections.abc import Callable
 
 import torch
+
+from pagedllm.platform import triton_installed
 
 
 class CheckpointSlice:
@@ -74,14 +74,7 @@ def default_weight_loader(
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """Whether a layer runs its fused Triton kernel on ``x``: on CUDA tensors, where triton is
-    installed. Everything else (the CPU) takes the layer's torch path, the reference the kernels
-    are tested against."""
-    return x.is_cuda and _triton_installed()
-
-
-@functools.cache
-def _triton_installed() -> bool:
-    # Looked up, not imported: importing triton here would fix TRITON_INTERPRET for the process
-    # and cost the import on machines that never use it.
-    return importlib.util.find_spec("triton") is not None
+    """Whether the fused Triton kernels run on ``x``: on CUDA tensors, where triton is installed.
+    For the sampler and the grammar bitmask, which choose per call; layers choose once
+    (``CustomOp``)."""
+    return x.is_cuda and triton_installed()

@@ -132,6 +132,7 @@ class LlamaAttention(nn.Module):
             sliding_window=sliding_window,
             logits_soft_cap=options.logits_soft_cap,
             attention_sinks=self.num_sinks,
+            rotary=rotary_emb,
         )
 
     def forward(
@@ -149,11 +150,10 @@ class LlamaAttention(nn.Module):
         sink_q = None
         if self.num_sinks:
             sink_q = self.rotary_emb.rotate_query(positions.clamp(max=self.max_sink_distance), q)
-        if self.attn.fuses_rotary:  # rotated by the cache write: one kernel, not two
-            rotary = self.rotary_emb.cos_sin_rows(positions)
-            return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata, sink_query=sink_q, rotary=rotary))
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata, sink_query=sink_q))
+        # The backend rotates q and k to their positions (or fuses the rotation into its cache write).
+        return self.o_proj(
+            self.attn(q, k, v, kv_cache, attn_metadata, sink_query=sink_q, positions=positions)
+        )
 
     def _norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Qwen3's per-head RMSNorm. q: [num_tokens, q_size]; k: [num_tokens, kv_size]."""

@@ -119,7 +119,7 @@ def test_rotary_in_place(
 def test_silu_and_mul(num_tokens: int, d: int, dtype: torch.dtype) -> None:
     torch.manual_seed(num_tokens + d)
     x = torch.randn(num_tokens, 2 * d, device=DEVICE, dtype=dtype)
-    act = SiluAndMul()
+    act = SiluAndMul().to(DEVICE)
     _assert_close(act(x), act.forward_torch(x))
 
 
@@ -131,7 +131,7 @@ def test_layers_replay_in_a_cuda_graph() -> None:
     norm = _norm(hidden_size, torch.bfloat16)
     rope = RotaryEmbedding(head_size, 4096, {"rope_type": "default", "rope_theta": 10000.0}, torch.bfloat16)
     rope = rope.to(DEVICE)
-    act = SiluAndMul()
+    act = SiluAndMul().to(DEVICE)
     x = torch.empty(num_tokens, hidden_size, device=DEVICE, dtype=torch.bfloat16)
     residual, positions = torch.empty_like(x), torch.empty(num_tokens, dtype=torch.int64, device=DEVICE)
 

@@ -257,7 +257,7 @@ def test_prefill_over_the_seeds_layout(variants: dict) -> None:
 
 
 def test_cuda_backend_decodes_with_the_prefill_kernel() -> None:
-    """CudaAttentionBackend._decode on a sink layer: paged_prefill, one query per sequence, over
+    """CudaAttentionBackend.decode on a sink layer: paged_prefill, one query per sequence, over
     vLLM's original layout (the cache write and V1/V2 need CUDA; this path does not)."""
     variants = {"sliding_window": 16, "attention_sinks": 5}
     step = make_step(5, [0, 9, 30, 47, 99], [1] * 5, 8, 2, 64, 16, torch.float32)
@@ -268,9 +268,7 @@ def test_cuda_backend_decodes_with_the_prefill_kernel() -> None:
     out = torch.full_like(step.query, float("nan"))
     cuda = CudaAttentionBackend(8, 64, 64**-0.5, 2, **variants)
     md = step.md
-    cuda._decode(
-        step.query, sink_query, *step.seeds_caches, md.block_tables, md.seq_lens, md.max_seq_len, out
-    )
+    cuda.decode(step.query, sink_query, *step.seeds_caches, md.block_tables, md.seq_lens, md.max_seq_len, out)
     assert_matches(out, ref, torch.float32)
     # The same rows through run_prefill's launch (first_seq 0, all of them "prefills").
     as_prefill = dataclasses.replace(step, md=dataclasses.replace(md, num_decodes=0, num_prefills=5))

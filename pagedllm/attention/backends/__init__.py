@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.platform import platform_for
 
 
 def get_attn_backend(name: str, device: torch.device) -> type[AttentionBackend]:
     """The backend class for ``name``. 'auto' is the Triton kernels on a GPU and the vectorised
     CPU backend on the CPU (each measured fastest there: benchmarks/RESULTS.md)."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "cpu"
+        name = "triton" if platform_for(device).is_cuda() else "cpu"
     if name == "cpu":
         from pagedllm.attention.backends.cpu_backend import CpuAttentionBackend
 

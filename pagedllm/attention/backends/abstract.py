@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -14,6 +14,18 @@ from pagedllm.attention.metadata import AttentionMetadata
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
+class Rotary(Protocol):
+    """A rotary embedding as a backend applies it (``layers.rotary_embedding.RotaryEmbedding``)."""
+
+    def __call__(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """query, key: [num_tokens, heads * head_size], rotated (possibly in place) to positions."""
+
+    def cos_sin_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(table, index): the ``[cos | sin]`` rows of ``positions`` are ``table[index]``."""
+
+
 class AttentionBackend(ABC):
     """One attention layer's compute over a paged cache in this backend's layout."""
 
@@ -21,9 +33,6 @@ class AttentionBackend(ABC):
     # Whether forward() is free of host syncs and data-dependent shapes on decode-only batches,
     # so that a decode step can be captured in a CUDA graph.
     supports_cuda_graphs: ClassVar[bool] = False
-    # Whether forward also takes ``rotary=(cos_sin, index)`` and rotates query and key (neox
-    # style) as it writes the cache, so that the model skips its own rotary pass.
-    fuses_rotary: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -36,6 +45,7 @@ class AttentionBackend(ABC):
         alibi_slopes: torch.Tensor | None = None,
         logits_soft_cap: float | None = None,
         attention_sinks: int = 0,
+        rotary: Rotary | None = None,
     ) -> None:
         """Per-layer attention variants (None, or 0 for attention_sinks: off):
 
@@ -54,6 +64,9 @@ class AttentionBackend(ABC):
             sink should see are the model's choice, not the kernel's); every other visible key
             with ``query``. Scale, soft cap, ALiBi (distance k - q) and one softmax over all
             visible keys apply as for any key. Needs a sliding_window.
+        rotary: the rotary embedding (neox style) that turns ``forward``'s query and key to their
+            ``positions``. The backend applies it, or fuses it into its cache write where its
+            kernels can (Triton's), so that models call every backend alike.
         """
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
@@ -77,6 +90,7 @@ class AttentionBackend(ABC):
         self.alibi_slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()
         self.logits_soft_cap = logits_soft_cap
         self.attention_sinks = attention_sinks
+        self.rotary = rotary
 
     @staticmethod
     @abstractmethod
@@ -101,6 +115,7 @@ class AttentionBackend(ABC):
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
         sink_query: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query: [num_tokens, num_heads, head_size]; key, value: [num_tokens, num_kv_heads,
         head_size]. Writes key/value into ``kv_cache`` at ``attn_metadata.slot_mapping``, then
@@ -108,7 +123,21 @@ class AttentionBackend(ABC):
 
         sink_query: [num_tokens, num_heads, head_size], the query that scores the sinks its
         window has passed; required with attention_sinks > 0, ignored otherwise
-        (``_check_sink_query``)."""
+        (``_check_sink_query``). positions: [num_tokens] int64, the tokens' positions: the
+        layer's ``rotary`` turns query and key (they come unrotated) to them; None where query and
+        key come rotated already (``rotate``), or without a rotary embedding."""
+
+    def rotate(
+        self, positions: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """query and key ([num_tokens, heads, head_size]) turned to their positions by the
+        layer's rotary embedding, same shapes (possibly rotated in place); as they are without one
+        or without positions. A compiled step rotates in its graph, where inductor fuses the
+        rotation, and passes the rotated query and key to ``forward`` without positions."""
+        if self.rotary is None or positions is None:
+            return query, key
+        rotated_query, rotated_key = self.rotary(positions, query.flatten(1), key.flatten(1))
+        return rotated_query.view(query.shape), rotated_key.view(key.shape)
 
     def _check_sink_query(self, query: torch.Tensor, sink_query: torch.Tensor | None) -> torch.Tensor | None:
         """The sink query forward should use: None without sinks (whatever was passed), else

@@ -51,11 +51,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention.backends.abstract import AttentionBackend, KVCache, Rotary
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kernels.cpu.build import available as cpu_kernels_available
 from pagedllm.kernels.cpu.ops import paged_attention, reshape_and_cache
+from pagedllm.platform import platform_for
 
 
 def write_to_paged_cache_indexed(
@@ -121,6 +122,7 @@ class CpuAttentionBackend(AttentionBackend):
         alibi_slopes: torch.Tensor | None = None,
         logits_soft_cap: float | None = None,
         attention_sinks: int = 0,
+        rotary: Rotary | None = None,
     ) -> None:
         super().__init__(
             num_heads,
@@ -131,6 +133,7 @@ class CpuAttentionBackend(AttentionBackend):
             alibi_slopes=alibi_slopes,
             logits_soft_cap=logits_soft_cap,
             attention_sinks=attention_sinks,
+            rotary=rotary,
         )
         # [num_heads] float32 for the kernel.
         slopes = self.alibi_slopes
@@ -150,7 +153,7 @@ class CpuAttentionBackend(AttentionBackend):
     def check_supported(
         cls, head_size: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        if device.type != "cpu":
+        if not platform_for(device).is_cpu():
             raise ValueError(f"attention_backend 'cpu' runs on the CPU only, got device {str(device)!r}")
 
     def forward(
@@ -161,8 +164,10 @@ class CpuAttentionBackend(AttentionBackend):
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
         sink_query: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         sink_query = self._check_sink_query(query, sink_query)
+        query, key = self.rotate(positions, query, key)
         key_cache, value_cache = kv_cache
         md = attn_metadata
         kernel = self.use_kernel and sink_query is None and key_cache.dtype == query.dtype

@@ -76,8 +76,10 @@ class TorchAttentionBackend(AttentionBackend):
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
         sink_query: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         sink_query = self._check_sink_query(query, sink_query)
+        query, key = self.rotate(positions, query, key)
         key_cache, value_cache = kv_cache
         write_to_paged_cache(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
         output = torch.empty_like(query)

@@ -15,23 +15,18 @@ predecessor completes, as before.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-
-@functools.cache
-def _supports_pdl(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+from pagedllm.platform import platform_for
 
 
 def pdl_options(device: torch.device) -> dict[str, bool]:
     """A launch's PDL keyword arguments on ``device``: the kernel's ``USE_GDC`` switch and the
     launch option, both on where the device has PDL (not on the CPU, where the kernels run under
     Triton's interpreter, which has no ``griddepcontrol``)."""
-    on = _supports_pdl(device)
+    on = platform_for(device).supports_pdl
     return {"USE_GDC": on, "launch_pdl": on}
 
 

@@ -18,6 +18,8 @@ the torch path, which is its reference.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -26,17 +28,26 @@ from pagedllm.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
+from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.fused_moe.router import select_experts
 from pagedllm.layers.fused_moe.torch_moe import fused_experts_torch
 from pagedllm.layers.linear import divide, narrow_shard
-from pagedllm.layers.utils import CheckpointSlice, CheckpointTensor, copy_weight, use_triton
+from pagedllm.layers.utils import CheckpointSlice, CheckpointTensor, copy_weight
+from pagedllm.platform import Platform
 
 # (expert id, or None for every expert stacked; projection: 0 (gate) or 1 (up) of gate_up_proj,
 # None for down_proj).
 ExpertShardId = tuple[int | None, int | None]
 
 
-class FusedMoE(nn.Module):
+# The experts' computation: (hidden_states, topk_weights, topk_ids) -> [num_tokens, hidden_size].
+ExpertsForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class FusedMoE(CustomOp):
+    """The experts of one mixture-of-experts block; ``forward_method`` is their computation,
+    chosen for the device (``CustomOp``): the Triton grouped GEMM on CUDA, else the torch path."""
+
     def __init__(
         self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool
     ) -> None:
@@ -59,15 +70,25 @@ class FusedMoE(nn.Module):
         """hidden_states: [num_tokens, hidden_size]; router_logits: [num_tokens, num_experts]
         -> [num_tokens, hidden_size], reduced over the tensor-parallel ranks."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        if use_triton(hidden_states):
-            from pagedllm.kernels.triton.fused_moe import fused_moe
-
-            out = fused_moe(hidden_states, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
-        else:
-            out = fused_experts_torch(
-                hidden_states, self.gate_up_proj, self.down_proj, topk_weights, topk_ids
-            )
+        out = self.forward_method(hidden_states, topk_weights, topk_ids)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
+
+    def dispatch_forward(self, platform: Platform, dtype: torch.dtype) -> ExpertsForward:
+        return self.forward_triton if platform.triton else self.forward_torch
+
+    def forward_torch(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The reference path (any device)."""
+        return fused_experts_torch(hidden_states, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+
+    def forward_triton(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The Triton grouped GEMM over every expert at once."""
+        from pagedllm.kernels.triton.fused_moe import fused_moe
+
+        return fused_moe(hidden_states, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: ExpertShardId | None = None

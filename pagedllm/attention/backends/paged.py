@@ -1,0 +1,117 @@
+"""The GPU attention step, composed of a backend's pieces.
+
+Every GPU backend runs the same step: write this step's K/V into the paged cache, then attend
+with the decode kernel for the decodes (sequences ``[0, num_decodes)``) and with the prefill
+kernel for the prefill chunks after them. A backend is that step with four pieces of its own:
+
+* a cache layout: ``get_kv_cache_shape``, and ``check_supported`` for what its kernels are built for;
+* a cache write, which rotates query and key on the way where its kernel can (one kernel, not
+  two) and otherwise rotates them first (``AttentionBackend.rotate``);
+* a decode and a prefill.
+
+Pieces are functions of the layer (``PagedAttentionBackend``, for its variants) and the step's
+tensors; a backend names its own and may take another backend's (the CUDA backend prefills with
+the Triton kernel, which reads both layouts). Grids come from host ints in the metadata
+(``max_seq_len``, ``max_query_len``): forward never syncs with the device, and with
+``max_seq_len`` pinned to ``max_model_len`` a decode step is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention.metadata import AttentionMetadata
+
+# write_cache(layer, query, key, value, kv_cache, slot_mapping, positions) -> the query the
+# kernels read (rotated, where the layer has a rotary embedding).
+CacheWrite = Callable[..., torch.Tensor]
+# decode(layer, query, sink_query, key_cache, value_cache, block_tables, seq_lens,
+# (min_seq_len, max_seq_len), out): the decodes' rows of out.
+Decode = Callable[..., None]
+# prefill(layer, query, sink_query, kv_cache, block_tables, seq_lens, query_start_loc,
+# (first_seq, num_seqs, max_query_len), out): the rows of sequences [first, first + num) of out.
+Prefill = Callable[..., None]
+
+
+class PagedAttentionBackend(AttentionBackend):
+    """The step; subclasses name the pieces (``write_cache``, ``decode``, ``prefill``) and the
+    layout (``get_kv_cache_shape``, ``check_supported``)."""
+
+    supports_cuda_graphs = True
+    write_cache: ClassVar[CacheWrite]
+    decode: ClassVar[Decode]
+    prefill: ClassVar[Prefill]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # This layer's variants as the kernels take them, built once rather than every step.
+        self.kernel_variants = {
+            "sliding_window": self.sliding_window,
+            "alibi_slopes": self.alibi_slopes,
+            "logits_soft_cap": self.logits_soft_cap,
+            "attention_sinks": self.attention_sinks,
+        }
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+        sink_query: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        sink_query = self._check_sink_query(query, sink_query)
+        key_cache, value_cache = kv_cache
+        md = attn_metadata
+        query = self.write_cache(query, key, value, kv_cache, md.slot_mapping, positions)
+        # Contiguous whatever the query's strides (it is a view of the fused QKV): the kernels
+        # write rows of num_heads * head_size.
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        num_decodes = md.num_decodes
+        if num_decodes:
+            self.decode(
+                query[:num_decodes],
+                None if sink_query is None else sink_query[:num_decodes],
+                key_cache,
+                value_cache,
+                md.block_tables[:num_decodes],
+                md.seq_lens[:num_decodes],
+                (md.min_decode_seq_len, md.max_seq_len),
+                output[:num_decodes],
+            )
+        if md.num_prefills:
+            self.prefill(
+                query,
+                sink_query,
+                kv_cache,
+                md.block_tables,
+                md.seq_lens,
+                md.query_start_loc,
+                (num_decodes, md.num_prefills, md.max_query_len),
+                output,
+            )
+        return output
+
+
+def check_kernels_support(
+    backend: str,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    supported: tuple[tuple[int, ...], tuple[int, ...], tuple[torch.dtype, ...]],
+) -> None:
+    """ValueError naming the first of head_size, block_size and dtype outside what ``backend``'s
+    kernels are built for (``supported``: head sizes, block sizes, dtypes)."""
+    head_sizes, block_sizes, dtypes = supported
+    if head_size not in head_sizes:
+        raise ValueError(f"{backend} attention: head_size {head_size} not in {head_sizes}")
+    if block_size not in block_sizes:
+        raise ValueError(f"{backend} attention: block_size {block_size} not in {block_sizes}")
+    if dtype not in dtypes:
+        raise ValueError(f"{backend} attention: dtype {dtype} not in {dtypes}")
