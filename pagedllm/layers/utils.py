@@ -7,8 +7,6 @@ from collections.abc import Callable
 
 import torch
 
-from pagedllm.platform import triton_installed
-
 
 class CheckpointSlice:
     """A region of a checkpoint tensor that is not read yet.
@@ -71,10 +69,3 @@ def default_weight_loader(
     if shard_id is not None:
         raise ValueError(f"a replicated parameter has no shards, got shard_id={shard_id!r}")
     copy_weight(param.data, loaded_weight)
-
-
-def use_triton(x: torch.Tensor) -> bool:
-    """Whether the fused Triton kernels run on ``x``: on CUDA tensors, where triton is installed.
-    For the sampler and the grammar bitmask, which choose per call; layers choose once
-    (``CustomOp``)."""
-    return x.is_cuda and triton_installed()

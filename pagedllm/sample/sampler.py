@@ -27,7 +27,7 @@ from torch import nn
 
 from pagedllm.kernels.cpu.build import available as cpu_kernels_available
 from pagedllm.kernels.cpu.ops import argmax_logsumexp
-from pagedllm.layers.utils import use_triton
+from pagedllm.platform import platform_for
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.penalties import apply_penalties, ban_tokens
 from pagedllm.structured_output.bitmask import token_bitmask_applier
@@ -62,7 +62,7 @@ class Sampler(nn.Module):
         on_cpu = self.device.type == "cpu"
         self._draw = _draw_by_inverse_cdf if on_cpu else _draw_by_race
         self._apply_token_bitmask = token_bitmask_applier(self.device)
-        if self.device.type == "cuda" and use_triton(torch.empty(0, device=self.device)):
+        if platform_for(self.device).triton:
             from pagedllm.kernels.triton.sampling import sample_tokens
 
             self._sample_tokens = sample_tokens

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pagedllm.layers.utils import use_triton
+from pagedllm.platform import platform_for
 
 BITS_PER_WORD = 32
 
@@ -43,7 +43,7 @@ def token_bitmask_applier(device: torch.device) -> Callable[[torch.Tensor, torch
     """``apply_token_bitmask`` for logits on ``device``, its implementation chosen here, once (a
     sampler keeps it): Triton's pass on CUDA, one numpy unpacking on a little-endian CPU, else
     torch's elementwise ops."""
-    if use_triton(torch.empty(0, device=device)):
+    if platform_for(device).triton:
         from pagedllm.kernels.triton.sampling import apply_token_bitmask as apply_on_gpu
 
         return functools.partial(_apply, apply_on_gpu)
