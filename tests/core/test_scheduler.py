@@ -358,7 +358,7 @@ def test_a_request_preempted_with_a_sample_in_flight_waits_for_it():
 
 def probe_ids(h: Harness) -> set[int]:
     """The user requests of the running probe (empty when not isolating)."""
-    running = h.scheduler._probes.running()
+    running = h.scheduler.isolation.probe()
     return {h.group_of[r].request_id for r in running} if running else set()
 
 
