@@ -16,7 +16,29 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pagedllm.core.request import Request, RequestGroup
+from pagedllm.core.block_pool import Device
+from pagedllm.core.kv_cache_manager import KVCacheManager
+from pagedllm.core.request import Request, RequestGroup, priority
+from pagedllm.step_io import SchedulerOutput
+
+
+def suspects_of(
+    dropped: list[SchedulerOutput], requests: dict[int, Request], kv_cache_manager: KVCacheManager
+) -> tuple[list[Request], list[Request]]:
+    """The live requests that ``dropped`` steps computed (the suspects, in priority order), and
+    the others whose blocks they were to swap (that copy is lost; they are not suspects)."""
+    suspect_ids: dict[int, None] = {}
+    swapped_in: set[int] = set()
+    swapped_out: set[int] = set()
+    for out in dropped:
+        suspect_ids.update(dict.fromkeys(r for r in out.num_scheduled_tokens if r in requests))
+        swapped_in.update(dst for _, dst in out.blocks_to_swap_in)
+        swapped_out.update(dst for _, dst in out.blocks_to_swap_out)
+    kv = kv_cache_manager
+    lost = set(kv.holders(swapped_in, Device.DEVICE)) | set(kv.holders(swapped_out, Device.CPU))
+    lost_copies = [requests[req_id] for req_id in lost if req_id not in suspect_ids]
+    suspects = sorted((requests[req_id] for req_id in suspect_ids), key=priority)
+    return suspects, lost_copies
 
 
 @dataclass

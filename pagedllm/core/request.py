@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagedllm.step_io import NewRequestData
+
 if TYPE_CHECKING:
     from pagedllm.sampling_params import SamplingParams
 
@@ -228,6 +230,15 @@ class Request:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
+    @property
+    def seed(self) -> int | None:
+        """The seed of this sequence's generator: the user's for the first output, a distinct one
+        derived from it (hash of the pair) for each sibling (None: the global generator)."""
+        seed = self.sampling_params.seed
+        if seed is None or self.output_index == 0:
+            return seed
+        return hash((seed, self.output_index)) & (2**63 - 1)
+
     def get_last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
@@ -285,6 +296,28 @@ class Request:
             f"Request(req_id={self.req_id}, status={self.status.name}, num_tokens={self.num_tokens}, "
             f"num_computed_tokens={self.num_computed_tokens})"
         )
+
+
+def priority(request: Request) -> tuple[float, int]:
+    """FCFS: the earlier user request first, then the earlier sequence."""
+    return request.arrival_time, request.req_id
+
+
+def new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
+    """The request in full, for workers that hold no row for it."""
+    group = request.group
+    return NewRequestData(
+        req_id=request.req_id,
+        seed=request.seed,
+        prompt_token_ids=request.prompt_token_ids,
+        output_token_ids=request.output_token_ids.copy(),
+        sampling_params=request.sampling_params,
+        block_ids=block_ids.copy(),
+        num_computed_tokens=request.num_computed_tokens,
+        num_samples=request.num_samples,
+        min_tokens_stop_ids=group.min_tokens_stop_ids,
+        num_top_tokens=group.num_top_tokens,
+    )
 
 
 @dataclass

@@ -5,8 +5,9 @@ A step reads::
     scheduler_output = scheduler.schedule()              who computes which tokens, block moves
     step = executor.execute_model(scheduler_output)      launched; samples arrive later
     runner_output = step.get()                           wait for the samples
-    sampled = scheduler.update_from_output(...)          append tokens, fork best_of requests
-    detokenize and check stops; finish what ended        (the scheduler frees their blocks)
+    sampled = scheduler.update_from_output(...)          append tokens, fork best_of requests,
+                                                         end what EOS/stop ids/lengths stop
+    detokenize and match stop strings; finish what ended (the scheduler frees their blocks)
     emit RequestOutputs
 
 With ``async_scheduling`` the engine launches step N + 1 before it waits for step N's samples,
@@ -46,11 +47,11 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import BeamSearchState, PendingHypothesis, Request, RequestState, RequestStatus
 from pagedllm.core.scheduler import PreemptionMode, SampledRequests, Scheduler
+from pagedllm.core.stop_conditions import stop_status
 from pagedllm.detokenizer import init_detokenizer_state
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.beam_search import beam_search_step
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.stop_checker import StopChecker
 from pagedllm.executor import get_executor_class
 from pagedllm.executor.abstract import ExecutorDeadError
 from pagedllm.models.utils import kv_cache_window
@@ -138,8 +139,7 @@ class LLMEngine:
         )
         self.eos_token_ids = get_eos_token_ids(model_config, self.tokenizer)
         self.structured_output_manager = StructuredOutputManager.for_model(model_config, self.tokenizer)
-        self.stop_checker = StopChecker(model_config.max_context_len, self.eos_token_ids)
-        self.output_processor = OutputProcessor(self.tokenizer, self.stop_checker)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.async_scheduling = config.async_scheduling
         # Live requests, by the caller's id; and the request each sequence belongs to.
         self.requests: dict[str, RequestState] = {}
@@ -346,7 +346,11 @@ class LLMEngine:
         for request, row in sampled.appended:
             state = self._state_of[request.req_id]
             status = self.output_processor.process_token(state, request, runner_output, row)
-            if status is not None:
+            if status is not None and request.is_finished:
+                # The core ended it at its length limit, on the token that completes the stop
+                # string: the stop string wins (as vLLM's output processor has it).
+                request.status = status
+            elif status is not None:
                 self.scheduler.finish_requests((request,), status)
             touched[state.request_id] = state
         self._apply_beam_search(sampled, runner_output, touched)
@@ -388,11 +392,12 @@ class LLMEngine:
         max_context_len = self.config.model_config.max_context_len or self.config.model_config.max_model_len
         room = max_context_len - len(state.prompt_token_ids)
         max_new_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        context = self.scheduler.max_context_len
         decision = beam_search_step(
             beam_state,
             params,
             beams,
-            lambda beam, token_id: self.stop_checker.status_if_appended(beam, token_id, params),
+            lambda beam, token_id: stop_status(beam, token_id, beam.num_output_tokens + 1, context),
             num_eos,
             max_new_tokens,
         )
