@@ -69,12 +69,11 @@ class RequestQueues:
             self._running_sorted = True
         return self.running
 
-    def pop_waiting(self, queue: deque[Request]) -> Request:
+    def pop_waiting(self, queue: deque[Request]) -> None:
         """Take the head of ``queue`` (``waiting``, or a filtered view of it) off both."""
         request = queue.popleft()
         if queue is not self.waiting:
             self.waiting.remove(request)
-        return request
 
     def finish(self, requests: Iterable[Request], status: RequestStatus) -> None:
         """End requests wherever they are and free their blocks (their last samples may still be

@@ -389,15 +389,14 @@ class LLMEngine:
         assert beam_state is not None
         num_eos = len(beams[0][0].group.eos_token_ids)
         # The most tokens a beam can reach: it bounds how much a live beam can still improve.
-        max_context_len = self.config.model_config.max_context_len or self.config.model_config.max_model_len
-        room = max_context_len - len(state.prompt_token_ids)
+        max_context_len = self.scheduler.max_context_len
+        room = (max_context_len or self.config.model_config.max_model_len) - len(state.prompt_token_ids)
         max_new_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        context = self.scheduler.max_context_len
         decision = beam_search_step(
             beam_state,
             params,
             beams,
-            lambda beam, token_id: stop_status(beam, token_id, beam.num_output_tokens + 1, context),
+            lambda beam, token_id: stop_status(beam, token_id, beam.num_output_tokens + 1, max_context_len),
             num_eos,
             max_new_tokens,
         )

@@ -4,7 +4,7 @@ from pagedllm.core.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 
 
-def first_sequence(eos_token_ids: list[int] = (2,), **params) -> Request:
+def first_sequence(eos_token_ids: tuple[int, ...] = (2,), **params) -> Request:
     return Request(0, [1, 2, 3], SamplingParams(**params), 4, 5.0, "user-7", eos_token_ids)
 
 
@@ -29,7 +29,7 @@ def test_what_the_workers_need_to_sample_is_set_at_add():
     assert first_sequence().group.num_top_tokens == 0
     beams = {"use_beam_search": True, "best_of": 3, "temperature": 0.0}
     assert first_sequence(**beams).group.num_top_tokens == 6
-    assert first_sequence([2, 5, 8], **beams).group.num_top_tokens == 12
+    assert first_sequence((2, 5, 8), **beams).group.num_top_tokens == 12
     assert first_sequence(**beams, logprobs=7).group.num_top_tokens == 7
 
 
