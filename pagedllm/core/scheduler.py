@@ -53,7 +53,7 @@ from pagedllm.core.isolation import IsolationPolicy, suspects_of
 from pagedllm.core.kv_cache_manager import AllocStatus, KVCacheManager
 from pagedllm.core.request import Request, RequestGroup, RequestStatus, new_request_data
 from pagedllm.core.request_queues import PreemptionMode, RequestQueues
-from pagedllm.core.stop_conditions import check_stop, ends_with_samples_in_flight
+from pagedllm.core.stop_conditions import ends_with_samples_in_flight, stop_reason, stop_status
 from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
 
 
@@ -394,7 +394,7 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput
     ) -> SampledRequests:
         """Apply a step's samples: each replaces one placeholder of its request with a token, and
-        a token that stops its request (``check_stop``) ends it here.
+        a token that stops its request (``stop_status``) ends it here.
 
         A best_of request's first sample has ``best_of`` rows: the fan-out forks a sibling for each
         row but the first. Beam search requests are returned for the engine's beam driver to
@@ -430,10 +430,13 @@ class Scheduler:
             else:
                 samplers = [request]  # the common case: one token for one request
             for sampler in samplers:
-                sampler.append_output_token(token_ids[row], logprobs[row])
+                token_id = token_ids[row]
+                sampler.append_output_token(token_id, logprobs[row])
                 appended.append((sampler, row))
-                status = check_stop(sampler, max_context_len)
+                status = stop_status(sampler, token_id, len(sampler.output_token_ids), max_context_len)
                 if status is not None:
+                    if status == RequestStatus.FINISHED_STOPPED:
+                        sampler.stop_reason = stop_reason(sampler, token_id)
                     self.queues.finish((sampler,), status)
                 row += 1
         self.isolation.sampled(req_ids)

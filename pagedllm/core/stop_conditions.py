@@ -1,11 +1,12 @@
 """When a sequence ends by its tokens: EOS (unless ``ignore_eos``), a stop token id, ``max_tokens``,
 the context limit.
 
-The scheduler checks every sampled token as it appends it (``check_stop``, as vLLM's scheduler
-does) and frees what ended at once. A token stop counts only from ``min_tokens`` outputs on, and
-beats the length limit reached by the same token. Stop strings need text: the engine matches them
-(and a stop string completed by the token that reached the length limit makes it a stop). Beam
-search weighs its candidates before any is appended (``stop_status``).
+The scheduler checks every sampled token as it appends it (``stop_status``, as vLLM's scheduler
+does with ``check_stop``) and frees what ended at once. A token stop counts only from
+``min_tokens`` outputs on, and beats the length limit reached by the same token. Stop strings need
+text: the engine matches them (and a stop string completed by the token that reached the length
+limit makes it a stop). Beam search weighs its candidates with the same rules before any is
+appended.
 
 ``max_context_len`` is the most tokens a sequence may hold: max_model_len, or None with attention
 sinks (the window slides and a sequence grows without bound).
@@ -35,15 +36,10 @@ def stop_status(
     return None
 
 
-def check_stop(request: Request, max_context_len: int | None) -> RequestStatus | None:
-    """The status the request's newest token ends it with, or None. A stop token id that is not
-    EOS becomes its ``stop_reason``."""
-    output_token_ids = request.output_token_ids
-    token_id = output_token_ids[-1]
-    status = stop_status(request, token_id, len(output_token_ids), max_context_len)
-    if status == RequestStatus.FINISHED_STOPPED and token_id not in request.group.eos_token_ids:
-        request.stop_reason = token_id
-    return status
+def stop_reason(request: Request, token_id: int) -> int | None:
+    """What a request stopped by ``token_id`` reports as its ``stop_reason``: the stop token id,
+    None for EOS."""
+    return None if token_id in request.group.eos_token_ids else token_id
 
 
 def ends_with_samples_in_flight(request: Request, max_context_len: int | None) -> bool:

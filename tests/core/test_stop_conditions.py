@@ -1,10 +1,11 @@
 """The core's stop conditions: EOS, stop token ids, min_tokens, max_tokens and the context limit."""
 
 from pagedllm.core.request import Request, RequestStatus
-from pagedllm.core.stop_conditions import check_stop, ends_with_samples_in_flight, stop_status
+from pagedllm.core.stop_conditions import ends_with_samples_in_flight, stop_reason, stop_status
 from pagedllm.sampling_params import SamplingParams
 
 EOS = 0
+STOPPED, CAPPED = RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED
 
 
 def make_request(prompt_len: int, outputs: list[int], **params) -> Request:
@@ -14,39 +15,43 @@ def make_request(prompt_len: int, outputs: list[int], **params) -> Request:
     return request
 
 
+def newest(request: Request, max_context_len: int | None = 8) -> RequestStatus | None:
+    """The status the request's newest token ends it with."""
+    token_id = request.output_token_ids[-1]
+    return stop_status(request, token_id, request.num_output_tokens, max_context_len)
+
+
 def test_eos_stops_unless_ignored_or_before_min_tokens():
-    assert check_stop(make_request(2, [EOS], min_tokens=2), 8) is None, "EOS before min_tokens does not stop"
-    assert check_stop(make_request(2, [EOS], ignore_eos=True), 8) is None
-    request = make_request(2, [EOS])
-    assert check_stop(request, 8) == RequestStatus.FINISHED_STOPPED
-    assert request.stop_reason is None
-    assert check_stop(make_request(2, [5, EOS], min_tokens=2), 8) == RequestStatus.FINISHED_STOPPED
+    assert newest(make_request(2, [EOS], min_tokens=2)) is None, "EOS before min_tokens does not stop"
+    assert newest(make_request(2, [EOS], ignore_eos=True)) is None
+    assert newest(make_request(2, [EOS])) == STOPPED
+    assert newest(make_request(2, [5, EOS], min_tokens=2)) == STOPPED
+    assert stop_reason(make_request(2, [EOS]), EOS) is None
 
 
 def test_a_stop_token_id_stops_and_is_the_stop_reason():
     request = make_request(2, [42], stop_token_ids=[42])
-    assert check_stop(request, 8) == RequestStatus.FINISHED_STOPPED
-    assert request.stop_reason == 42
-    assert check_stop(make_request(2, [42], stop_token_ids=[42], min_tokens=3), 8) is None
+    assert newest(request) == STOPPED and stop_reason(request, 42) == 42
+    assert newest(make_request(2, [42], stop_token_ids=[42], min_tokens=3)) is None
     # EOS listed among the stop ids is still EOS: no stop reason.
     request = make_request(2, [EOS], stop_token_ids=[EOS])
-    assert check_stop(request, 8) == RequestStatus.FINISHED_STOPPED and request.stop_reason is None
+    assert newest(request) == STOPPED and stop_reason(request, EOS) is None
 
 
 def test_lengths_cap_and_a_stop_token_on_the_last_allowed_token_wins():
-    assert check_stop(make_request(2, [7, 7, 7], max_tokens=3), 8) == RequestStatus.FINISHED_LENGTH_CAPPED
-    assert check_stop(make_request(2, [7, 7], max_tokens=3), 8) is None
+    assert newest(make_request(2, [7, 7, 7], max_tokens=3)) == CAPPED
+    assert newest(make_request(2, [7, 7], max_tokens=3)) is None
     # Prompt 7 + 1 output = 8 tokens = the context limit; None: no limit (attention sinks).
-    assert check_stop(make_request(7, [7], max_tokens=100), 8) == RequestStatus.FINISHED_LENGTH_CAPPED
-    assert check_stop(make_request(7, [7], max_tokens=100), None) is None
-    assert check_stop(make_request(2, [7, 7, EOS], max_tokens=3), 8) == RequestStatus.FINISHED_STOPPED
+    assert newest(make_request(7, [7], max_tokens=100)) == CAPPED
+    assert newest(make_request(7, [7], max_tokens=100), None) is None
+    assert newest(make_request(2, [7, 7, EOS], max_tokens=3)) == STOPPED
 
 
-def test_stop_status_weighs_a_token_before_it_is_appended():
+def test_a_token_is_weighed_before_it_is_appended():
     request = make_request(2, [7], max_tokens=3)
-    assert stop_status(request, EOS, 2, 8) == RequestStatus.FINISHED_STOPPED
+    assert stop_status(request, EOS, 2, 8) == STOPPED
     assert stop_status(request, 7, 2, 8) is None
-    assert stop_status(request, 7, 3, 8) == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert stop_status(request, 7, 3, 8) == CAPPED
     assert request.output_token_ids == [7] and request.stop_reason is None
 
 
