@@ -51,7 +51,7 @@ from pagedllm.config import SchedulerConfig
 from pagedllm.core.fanout import FanOut
 from pagedllm.core.isolation import IsolationPolicy, suspects_of
 from pagedllm.core.kv_cache_manager import AllocStatus, KVCacheManager
-from pagedllm.core.request import Request, RequestGroup, RequestStatus, new_request_data
+from pagedllm.core.request import Request, RequestStatus, new_request_data
 from pagedllm.core.request_queues import PreemptionMode, RequestQueues
 from pagedllm.core.stop_conditions import ends_with_samples_in_flight, stop_reason, stop_status
 from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
@@ -135,7 +135,7 @@ class Scheduler:
         self.num_prefill_tokens = 0
         self.num_generation_tokens = 0
 
-    # --- requests (the queues are read by the engine, stats and tests) ----------------------
+    # --- requests (``queues`` holds them; the engine, stats and tests read these) -------------
 
     @property
     def requests(self) -> dict[int, Request]:
@@ -148,14 +148,6 @@ class Scheduler:
     @property
     def running(self) -> list[Request]:
         return self.queues.running
-
-    @property
-    def swapped(self) -> deque[RequestGroup]:
-        return self.queues.swapped
-
-    @property
-    def stopped(self) -> list[Request]:
-        return self.queues.stopped
 
     def new_req_id(self) -> int:
         return next(self._req_ids)
@@ -435,12 +427,16 @@ class Scheduler:
                 appended.append((sampler, row))
                 status = stop_status(sampler, token_id, len(sampler.output_token_ids), max_context_len)
                 if status is not None:
-                    if status == RequestStatus.FINISHED_STOPPED:
-                        sampler.stop_reason = stop_reason(sampler, token_id)
-                    self.queues.finish((sampler,), status)
+                    self._stop(sampler, token_id, status)
                 row += 1
         self.isolation.sampled(req_ids)
         return result
+
+    def _stop(self, request: Request, token_id: int, status: RequestStatus) -> None:
+        """End a request its newest token stopped."""
+        if status == RequestStatus.FINISHED_STOPPED:
+            request.stop_reason = stop_reason(request, token_id)
+        self.queues.finish((request,), status)
 
     # --- preemption -----------------------------------------------------------------------
 

@@ -427,7 +427,7 @@ class LLMEngine:
     def _report_stopped(self) -> list[RequestOutput]:
         """Requests the scheduler ended without running them to their end."""
         outputs = []
-        for request in self.scheduler.stopped:
+        for request in self.scheduler.queues.stopped:
             state = self._state_of.get(request.req_id)
             if state is None:
                 continue
@@ -436,7 +436,7 @@ class LLMEngine:
                 self.output_processor.finalize_text(state)
                 self._retire(state)
                 outputs.append(RequestOutput.from_state(state))
-        self.scheduler.stopped.clear()
+        self.scheduler.queues.stopped.clear()
         return outputs
 
     def _retire(self, state: RequestState, now: float | None = None) -> None:
@@ -463,7 +463,9 @@ class LLMEngine:
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
-            num_swapped=sum(len(group.members_in(RequestStatus.SWAPPED)) for group in scheduler.swapped),
+            num_swapped=sum(
+                len(group.members_in(RequestStatus.SWAPPED)) for group in scheduler.queues.swapped
+            ),
             num_free_gpu_blocks=kv.get_num_free_gpu_blocks(),
             num_gpu_blocks=self.num_gpu_blocks,
             num_free_cpu_blocks=kv.get_num_free_cpu_blocks(),

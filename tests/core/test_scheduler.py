@@ -72,15 +72,15 @@ def schedule(h: Harness) -> SchedulerOutput:
     scheduler = h.scheduler
     out = scheduler.schedule()
     h.preempted = {h.group_of[r].request_id: mode for r, mode in scheduler.last_preemptions.items()}
-    h.ignored = [h.group_of[r.req_id] for r in scheduler.stopped]
+    h.ignored = [h.group_of[r.req_id] for r in scheduler.queues.stopped]
     take_stopped(h)
     return out
 
 
 def take_stopped(h: Harness) -> None:
-    for request in h.scheduler.stopped:
+    for request in h.scheduler.queues.stopped:
         h.group_of[request.req_id].error = request.error
-    h.scheduler.stopped.clear()
+    h.scheduler.queues.stopped.clear()
 
 
 def apply(h: Harness, out: SchedulerOutput) -> SchedulerOutput:
@@ -198,11 +198,11 @@ def test_swap_preemption_of_a_multi_sequence_request_and_swap_in_before_admissio
     for _ in range(200):
         if not scheduler.has_unfinished_requests():
             break
-        if scheduler.swapped and c is None:
+        if scheduler.queues.swapped and c is None:
             c = add(h, 3, max_tokens=2)
         step(h)
         modes.update(h.preempted)
-        if scheduler.swapped and c is not None and c.seqs[0].status != RequestStatus.WAITING:
+        if scheduler.queues.swapped and c is not None and c.seqs[0].status != RequestStatus.WAITING:
             admitted_while_swapped = True
     assert modes.get(b.request_id) == PreemptionMode.SWAP
     assert c is not None and not admitted_while_swapped
@@ -255,7 +255,7 @@ def test_abort_frees_blocks_in_every_queue():
         if seq.num_output_tokens < 30
     )
     assert not scheduler.has_unfinished_requests()
-    assert not scheduler.waiting and not scheduler.running and not scheduler.swapped
+    assert not scheduler.waiting and not scheduler.running and not scheduler.queues.swapped
     bm = scheduler.kv_cache_manager
     assert bm.get_num_free_gpu_blocks() == 8 and bm.get_num_free_cpu_blocks() == 16
     assert bm.get_num_requests_with_blocks() == 0
@@ -458,7 +458,7 @@ def test_requests_whose_swap_a_dropped_step_carried_are_recomputed():
     # The step that was to copy b's blocks to the CPU failed: b's copy there is worthless.
     scheduler.isolate_failure([out], "boom")
     assert all(seq.status == RequestStatus.WAITING and seq.num_computed_tokens == 0 for seq in b.seqs)
-    assert scheduler.kv_cache_manager.get_num_free_cpu_blocks() == 16 and not scheduler.swapped
+    assert scheduler.kv_cache_manager.get_num_free_cpu_blocks() == 16 and not scheduler.queues.swapped
     assert probe_ids(h) == {a.request_id}  # b did not run in it: it is no suspect
     run_to_completion(h)
     assert a.seqs[0].num_output_tokens == 12 and [s.num_output_tokens for s in b.seqs] == [8, 8]
