@@ -44,7 +44,8 @@ from __future__ import annotations
 import enum
 
 from pagedllm.core.block_pool import BlockAllocator, CachingBlockAllocator, Device, PhysicalTokenBlock
-from pagedllm.core.request import Request
+from pagedllm.core.request import Request, RequestStatus
+from pagedllm.step_io import SchedulerOutput
 
 BlockTable = list[PhysicalTokenBlock]
 
@@ -181,6 +182,21 @@ class KVCacheManager:
             if position is not None:  # dropped before its step was applied: nothing to share
                 allocator.register(table[position], hashes[index])
         self._num_cached_blocks[request.req_id] = num_full
+
+    def cache_computed_blocks(self, scheduler_output: SchedulerOutput, requests: dict[int, Request]) -> None:
+        """Register the blocks a step filled, once its samples arrive. Only then, and only up to
+        what the step computed: with asynchronous scheduling the next step is already launched,
+        and were it dropped its blocks must not be found by anyone. (The step's own samples add
+        nothing: the positions it computed held tokens known before it.)"""
+        if not self.enable_prefix_caching:
+            return
+        computed = {data.req_id: data.num_computed_tokens for data in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+            request = requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self.cache_blocks(request, computed[req_id] + num_tokens)
 
     def get_prefix_cache_hit_rate(self) -> float:
         return self.num_cache_hit_tokens / max(self.num_cache_queried_tokens, 1)

@@ -1,9 +1,12 @@
-"""A Request: one output sequence of a user's request, the unit the scheduler works with.
+"""A Request: one output sequence of a user's request, the unit the scheduler schedules; a
+RequestGroup: the user's request, the unit it preempts, swaps and isolates.
 
-A user's request with ``n``/``best_of`` > 1 or beam search has several Requests (siblings)
-sharing its prompt and, through the KV cache manager, its prompt's blocks. It starts as one
-Request that draws ``best_of`` first tokens (``num_samples``) from the prompt; the scheduler then
-forks it into ``best_of`` siblings. Beam search forks and frees siblings every step.
+A user's request with ``n``/``best_of`` > 1 or beam search has several Requests (siblings, the
+members of its group) sharing its prompt and, through the KV cache manager, its prompt's blocks.
+It starts as one Request that draws ``best_of`` first tokens (``num_samples``) from the prompt;
+``core/fanout.py`` then forks it into ``best_of`` siblings. Beam search forks and frees siblings
+every step. What the siblings share (parameters, arrival, EOS ids, what the workers need to
+sample for them) is set once, on the group, when the request is added.
 
 The scheduler schedules in tokens, not phases: each Request has ``num_computed_tokens`` (tokens
 whose K/V are in the cache, or will be once the steps already sent have run) and
@@ -19,8 +22,11 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from pagedllm.step_io import NewRequestData
 
 if TYPE_CHECKING:
     from pagedllm.sampling_params import SamplingParams
@@ -90,6 +96,53 @@ class RequestMetrics:
         return self.first_scheduled_time - self.arrival_time
 
 
+def num_candidates(beam_width: int, num_eos_token_ids: int) -> int:
+    """Beam search's continuations kept per step (and offered per beam): enough that B of them
+    do not end."""
+    return max(2, 1 + num_eos_token_ids) * beam_width
+
+
+class RequestGroup:
+    """A user's request as the core sees it: its live sequences and what they share.
+
+    The unit of preemption (its running members are preempted together), swap (swapped out and
+    in together, shared blocks once) and isolation (a failure convicts the whole group).
+
+    Args:
+        first: the request's first sequence; forks join the group (``core/fanout.py``).
+        request_id: the caller's id of the request.
+        eos_token_ids: the tokens that end a sequence (none with ``ignore_eos``).
+    """
+
+    def __init__(self, first: Request, request_id: str, eos_token_ids: Iterable[int]) -> None:
+        params = first.sampling_params
+        self.request_id = request_id
+        self.sampling_params = params
+        self.arrival_time = first.arrival_time
+        # Live sequences, in the order they were created (finished ones leave).
+        self.members: list[Request] = [first]
+        self.eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        # Sent to the workers with each member: the tokens banned until min_tokens outputs exist,
+        # and how many most likely tokens a sample returns (logprobs, beam search's candidates).
+        self.min_tokens_stop_ids = (
+            sorted(set(params.stop_token_ids) | self.eos_token_ids) if params.min_tokens else []
+        )
+        beam = num_candidates(params.best_of, len(self.eos_token_ids)) if params.use_beam_search else 0
+        self.num_top_tokens = max(params.logprobs or 0, beam)
+
+    @property
+    def max_running_seqs(self) -> int:
+        """Rows the group may hold at once: best_of before its first sample forks it (and always,
+        for beam search), then its live members."""
+        params = self.sampling_params
+        if params.use_beam_search or self.members[0].num_samples > 1:
+            return params.best_of
+        return len(self.members)
+
+    def members_in(self, status: RequestStatus) -> list[Request]:
+        return [member for member in self.members if member.status == status]
+
+
 class Request:
     """One output sequence: its tokens, its progress through the cache, and its status.
 
@@ -100,6 +153,8 @@ class Request:
         sampling_params: the user request's parameters.
         block_size: tokens per KV block (the unit of prefix-cache hashes).
         arrival_time: the user request's arrival: siblings share it, and FCFS orders by it.
+        request_id, eos_token_ids: the caller's id and the tokens that end a sequence, for the
+            request's group, which this first sequence creates.
     """
 
     def __init__(
@@ -109,6 +164,8 @@ class Request:
         sampling_params: SamplingParams,
         block_size: int,
         arrival_time: float | None = None,
+        request_id: str = "",
+        eos_token_ids: Iterable[int] = (),
     ) -> None:
         self.req_id = req_id
         self.prompt_token_ids = prompt_token_ids
@@ -123,8 +180,7 @@ class Request:
         # Rows drawn from the prompt's last position on the first sample: best_of until the
         # request forks, then 1 (beam search draws its candidates from one row per beam).
         self.num_samples = 1
-        # Siblings still running, this one included (one list shared by all of them).
-        self.siblings: list[Request] = [self]
+        self.group = RequestGroup(self, request_id, eos_token_ids)
         # Prefix-cache keys of the full blocks of known tokens, computed as blocks fill.
         self.block_hashes: list[int] = []
         self.cumulative_logprob = 0.0
@@ -174,6 +230,15 @@ class Request:
             return self.output_token_ids[start - num_prompt : end - num_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - num_prompt]
 
+    @property
+    def seed(self) -> int | None:
+        """The seed of this sequence's generator: the user's for the first output, a distinct one
+        derived from it (hash of the pair) for each sibling (None: the global generator)."""
+        seed = self.sampling_params.seed
+        if seed is None or self.output_index == 0:
+            return seed
+        return hash((seed, self.output_index)) & (2**63 - 1)
+
     def get_last_token_id(self) -> int:
         return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
 
@@ -215,8 +280,8 @@ class Request:
         return self.num_samples > 1 or self._host_after_each_sample
 
     def fork(self, req_id: int) -> Request:
-        """A sibling with the same tokens and progress (its blocks are shared by the KV cache
-        manager's fork). Output-side state is copied; the engine sets its index."""
+        """A copy with the same tokens, progress and group (``core/fanout.py`` makes it a member
+        and shares its blocks). Output-side state is copied; the engine sets its index."""
         child = Request.__new__(Request)
         child.__dict__.update(self.__dict__)
         child.req_id = req_id
@@ -231,6 +296,52 @@ class Request:
             f"Request(req_id={self.req_id}, status={self.status.name}, num_tokens={self.num_tokens}, "
             f"num_computed_tokens={self.num_computed_tokens})"
         )
+
+
+def priority(request: Request) -> tuple[float, int]:
+    """FCFS: the earlier user request first, then the earlier sequence."""
+    return request.arrival_time, request.req_id
+
+
+def new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
+    """The request in full, for workers that hold no row for it."""
+    group = request.group
+    return NewRequestData(
+        req_id=request.req_id,
+        seed=request.seed,
+        prompt_token_ids=request.prompt_token_ids,
+        output_token_ids=request.output_token_ids.copy(),
+        sampling_params=request.sampling_params,
+        block_ids=block_ids.copy(),
+        num_computed_tokens=request.num_computed_tokens,
+        num_samples=request.num_samples,
+        min_tokens_stop_ids=group.min_tokens_stop_ids,
+        num_top_tokens=group.num_top_tokens,
+    )
+
+
+@dataclass
+class PendingHypothesis:
+    """A beam search hypothesis chosen by a step, before it is built: the beam it extends, by
+    ``token_id``, and how it ends."""
+
+    parent: Request
+    token_id: int
+    logprob: float
+    status: RequestStatus
+
+
+@dataclass
+class BeamSearchState:
+    """A beam search request's state between steps (``engine/beam_search.py`` decides with it)."""
+
+    beam_width: int
+    # Kept hypotheses, best score first, at most B: finished sequences holding no blocks, or,
+    # until the engine builds them right after the step, pending ones.
+    finished: list[tuple[float, Request | PendingHypothesis]] = field(default_factory=list)
+    # Running score of each live beam (its cumulative logprob, or penalised: see beam_search.py).
+    beam_scores: dict[int, float] = field(default_factory=dict)
+    improvement_possible: bool = True
 
 
 @dataclass
@@ -253,8 +364,8 @@ class RequestState:
     # Why the request ended without running to its end (e.g. it can never fit in the cache, or a
     # model step fails whenever it runs).
     error: str | None = None
-    # Beam search's scores and kept hypotheses (engine/beam_search.py), for beam requests.
-    beam_state: object | None = None
+    # Beam search's scores and kept hypotheses, for beam requests.
+    beam_state: BeamSearchState | None = None
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:

@@ -12,10 +12,10 @@ step mixes both.
 
 1. Running requests, highest priority (earliest arrival, FCFS) first. A decoding request needs a
    slot for its next token; when the cache cannot give one, the lowest-priority running request
-   is preempted (the request itself when none is left), with its live siblings: RECOMPUTE (free
-   its blocks, back to the front of the waiting queue) when it has none, SWAP (the siblings'
-   blocks to the CPU space, shared blocks once) when it has some. Decodes come before prefill
-   chunks, so a long prompt never stalls them.
+   is preempted (the request itself when none is left), with the running members of its group:
+   RECOMPUTE (free its blocks, back to the front of the waiting queue) when it runs alone, SWAP
+   (the group's blocks to the CPU space, shared blocks once) when not. Decodes come before
+   prefill chunks, so a long prompt never stalls them.
 2. Swapped groups come back, FCFS, unless this step swapped any out.
 3. Waiting requests are admitted, FCFS, only when no group is swapped out: swapped groups hold
    CPU memory and come back first.
@@ -24,51 +24,45 @@ It advances ``num_computed_tokens`` at once, and a request that will sample gets
 for its token: with asynchronous scheduling the next step is scheduled before this one's samples
 reach the host, and the worker feeds the placeholder from the device.
 
-``update_from_output()`` applies a step's samples: appends tokens, forks a best_of request after
-its first sample, registers computed blocks in the prefix cache. Only the scheduler changes a
-request's progress or blocks; the engine reads requests and asks the scheduler to finish them.
+``update_from_output()`` applies a step's samples: registers computed blocks in the prefix
+cache, appends tokens, has the fan-out fork a best_of request after its first sample
+(``core/fanout.py``, which beam search's driver uses too), and ends the requests a token stops
+(EOS, stop token ids, max_tokens, the context: ``core/stop_conditions.py``). Only the core changes
+a request's progress or blocks; the engine reads requests, matches stop strings and asks the
+scheduler to finish what they end. Where requests are and how they move between queues is
+``core/request_queues.py``'s; this module decides who moves.
 
 Isolation (``isolate_failure()``): when a model step raises, the engine drops it (and the step in
-flight with it) and the scheduler looks for the user request responsible, so that only that one
-fails. Every request the dropped steps computed becomes a suspect and is preempted by RECOMPUTE
-(it keeps its tokens; the samples in flight are gone); ``isolation.Probes`` tests the suspects
-apart from everything else until one user request is convicted or all are cleared.
+flight with it) and the scheduler looks for the group responsible, so that only that one fails.
+Every request the dropped steps computed becomes a suspect and is preempted by RECOMPUTE (it
+keeps its tokens; the samples in flight are gone); the isolation policy (``core/isolation.py``)
+then says which requests may run, until one group is convicted or all are cleared.
 """
 
 from __future__ import annotations
 
-import enum
 import itertools
-import logging
 import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedllm.config import SchedulerConfig
-from pagedllm.core.block_pool import Device
-from pagedllm.core.isolation import Probes
+from pagedllm.core.fanout import FanOut
+from pagedllm.core.isolation import IsolationPolicy, suspects_of
 from pagedllm.core.kv_cache_manager import AllocStatus, KVCacheManager
-from pagedllm.core.request import Request, RequestStatus
-from pagedllm.step_io import (
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
-
-logger = logging.getLogger(__name__)
-
-
-class PreemptionMode(enum.Enum):
-    RECOMPUTE = enum.auto()
-    SWAP = enum.auto()
+from pagedllm.core.request import Request, RequestStatus, new_request_data
+from pagedllm.core.request_queues import PreemptionMode, RequestQueues
+from pagedllm.core.stop_conditions import ends_with_samples_in_flight, stop_reason, stop_status
+from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass
 class SampledRequests:
     """What ``update_from_output`` did: which requests gained tokens (with the output row of each
-    token, for its logprobs), which were forked into being, and the beam search requests whose
-    candidates the engine must choose from (their rows; nothing was appended to them)."""
+    token, for its logprobs; some of them the token ended), which were forked into being, and the
+    beam search requests whose candidates the engine must choose from (their rows; nothing was
+    appended to them)."""
 
     # (request, row) per appended token; a forked request's first token is in here too.
     appended: list[tuple[Request, int]] = field(default_factory=list)
@@ -76,14 +70,14 @@ class SampledRequests:
     beams: list[tuple[Request, int]] = field(default_factory=list)
 
 
+@dataclass
 class _Budget:
     """What is left of this step's token and sequence limits."""
 
-    def __init__(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
-        self.token_budget = max_num_batched_tokens
-        self.max_num_seqs = max_num_seqs
-        self.num_batched_tokens = 0
-        self.num_seqs = 0
+    token_budget: int
+    max_num_seqs: int
+    num_batched_tokens: int = 0
+    num_seqs: int = 0
 
     @property
     def remaining_tokens(self) -> int:
@@ -93,28 +87,9 @@ class _Budget:
         return self.num_seqs + num_seqs <= self.max_num_seqs
 
 
-def _priority(request: Request) -> tuple[float, int]:
-    return request.arrival_time, request.req_id
-
-
-def sibling_seed(seed: int | None, output_index: int) -> int | None:
-    """The seed of the generator of a request's ``output_index``-th sequence: the user's seed for
-    the first, a distinct one derived from it (hash of the pair) for each sibling."""
-    if seed is None or output_index == 0:
-        return seed
-    return hash((seed, output_index)) & (2**63 - 1)
-
-
-def max_running_seqs(request: Request) -> int:
-    """Rows the request's group may hold at once: best_of before its first sample forks it (and
-    always, for beam search), then its live siblings."""
-    if request.num_samples > 1 or request.sampling_params.use_beam_search:
-        return request.sampling_params.best_of
-    return len(request.siblings)
-
-
 class Scheduler:
-    """Owns the waiting, running and swapped queues and the KV cache manager.
+    """Decides each step from the queues it owns, with the KV cache manager, the fan-out and the
+    isolation policy.
 
     Args:
         scheduler_config: the token and sequence budgets, chunked prefill.
@@ -122,9 +97,6 @@ class Scheduler:
         sliding_window, num_sink_tokens: the window every layer attends through (None: some layer
             is global) and the attention sinks kept beside it; blocks behind the window are freed
             and, with sinks, a request's length is not bounded by max_model_len.
-        min_tokens_stop_ids: the tokens a request may not sample before ``min_tokens`` (EOS unless
-            ``ignore_eos``, plus its ``stop_token_ids``), given its parameters.
-        num_top_tokens: how many top tokens a request's samples return (logprobs, beam width).
     """
 
     def __init__(
@@ -148,26 +120,13 @@ class Scheduler:
             max_blocks_per_request=-(-scheduler_config.max_model_len // block_size),
         )
         self.max_context_len = None if num_sink_tokens else scheduler_config.max_model_len
-        self.block_size = block_size
-        self.requests: dict[int, Request] = {}
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        # Whether ``running`` is in priority order (requests join it out of order only rarely).
-        self._running_sorted = True
-        # Groups of siblings swapped out together.
-        self.swapped: deque[list[Request]] = deque()
         self._req_ids = itertools.count()
-        # Reported to the workers by the next SchedulerOutput.
-        self._finished_req_ids: set[int] = set()
-        self._preempted_req_ids: set[int] = set()
-        # Per request id, the rows a sampled step gives it, and the (min_tokens ids, top tokens)
-        # the workers need with a request sent in full; set by the engine at add_request.
-        self._sampling_info: dict[int, tuple[list[int], int]] = {}
-        # Requests the scheduler ended without running them to their end (``Request.error`` says
-        # why), until the engine takes them.
-        self.stopped: list[Request] = []
-        # Suspects of failed steps, in the order they are tested; the first probe is running.
-        self._probes = Probes()
+        # Which requests may run while the suspects of failed steps are tested.
+        self.isolation = IsolationPolicy()
+        self.queues = RequestQueues(self.kv_cache_manager, self.isolation)
+        self.fanout = FanOut(
+            self.kv_cache_manager, self.new_req_id, self.queues.add_running, self.finish_requests
+        )
         # Requests preempted by the last schedule() and how (for stats and tests).
         self.last_preemptions: dict[int, PreemptionMode] = {}
         # Cumulative preemption counts, for stats and for tests that must see both modes.
@@ -176,78 +135,60 @@ class Scheduler:
         self.num_prefill_tokens = 0
         self.num_generation_tokens = 0
 
-    # --- requests -------------------------------------------------------------------------
+    # --- requests (``queues`` holds them; the engine, stats and tests read these) -------------
+
+    @property
+    def requests(self) -> dict[int, Request]:
+        return self.queues.requests
+
+    @property
+    def waiting(self) -> deque[Request]:
+        return self.queues.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.queues.running
 
     def new_req_id(self) -> int:
         return next(self._req_ids)
 
-    def add_request(
-        self, request: Request, min_tokens_stop_ids: list[int] | None = None, num_top_tokens: int = 0
-    ) -> None:
-        """Queue a request; the workers get ``min_tokens_stop_ids`` and ``num_top_tokens`` with it."""
+    def add_request(self, request: Request) -> None:
+        """Queue a user request's first sequence (it draws best_of first tokens, unless it is a
+        beam search)."""
         params = request.sampling_params
         if not params.use_beam_search:
             request.num_samples = params.best_of
-        self.requests[request.req_id] = request
-        self._sampling_info[request.req_id] = (min_tokens_stop_ids or [], num_top_tokens)
-        self.waiting.append(request)
+        self.queues.add_waiting(request)
 
     def finish_requests(self, requests: Iterable[Request], status: RequestStatus) -> None:
         """End requests wherever they are and free their blocks (their last samples may still be
         in flight: they are dropped when they arrive)."""
-        for request in requests:
-            if request.is_finished or request.req_id not in self.requests:
-                continue
-            if request.status == RequestStatus.WAITING:
-                self.waiting.remove(request)
-            elif request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            elif request.status == RequestStatus.SWAPPED:
-                self._remove_swapped(request)
-            request.status = status
-            self._release(request)
-
-    def _release(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        del self.requests[request.req_id], self._sampling_info[request.req_id]
-        if request in request.siblings:
-            request.siblings.remove(request)
-        self._finished_req_ids.add(request.req_id)
-        self._preempted_req_ids.discard(request.req_id)
-        self._probes.discard(request.req_id)
-
-    def _remove_swapped(self, request: Request) -> None:
-        for group in self.swapped:
-            if request in group:
-                group.remove(request)
-                if not group:
-                    self.swapped.remove(group)
-                return
+        self.queues.finish(requests, status)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        return bool(self.queues.requests)
 
     @property
     def is_isolating(self) -> bool:
         """Whether suspects of a failed step are being tested (see the module docstring)."""
-        return bool(self._probes)
+        return self.isolation.active
 
     def has_requests_needing_host(self) -> bool:
         """Whether a running request's next step waits on the host seeing its newest sample."""
-        return any(r.num_output_placeholders and r.needs_host_between_steps for r in self.running)
+        return any(r.num_output_placeholders and r.needs_host_between_steps for r in self.queues.running)
 
     # --- scheduling -----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
-        self._finished_req_ids = set()
+        queues = self.queues
+        out = SchedulerOutput(finished_req_ids=queues.finished_req_ids)
+        queues.finished_req_ids = set()
         self.last_preemptions = {}
         self.kv_cache_manager.start_step()
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
-        budget.num_seqs = sum(max_running_seqs(r) for r in {id(r.siblings): r for r in self.running}.values())
+        budget.num_seqs = sum(group.max_running_seqs for group in {r.group for r in queues.running})
         scheduled: list[Request] = []
-        probe = self._probes.running()
-        decodes, prefills = self._schedule_running(out, budget, probe)
+        decodes, prefills = self._schedule_running(out, budget)
         # A decode is one token: those within the budget run (the rest keep their new slot).
         del decodes[max(budget.remaining_tokens, 0) :]
         num_scheduled_tokens = out.num_scheduled_tokens
@@ -258,39 +199,36 @@ class Scheduler:
         for request in prefills:
             if not self._schedule_tokens(request, budget, out, scheduled):
                 break
-        if probe is not None:
-            # Swapped groups hold no suspect (suspects are never swapped): they wait for the end.
-            self._schedule_waiting(budget, out, scheduled, probe)
-        else:
-            if not out.blocks_to_swap_out:
-                self._schedule_swapped(budget, out, scheduled)
-            if not self.swapped:
-                self._schedule_waiting(budget, out, scheduled)
+        isolating = self.isolation.active
+        # While isolating, swapped groups (which hold no suspect: suspects are never swapped) wait
+        # for the end, and hold back no probe.
+        if not isolating and not out.blocks_to_swap_out:
+            self._schedule_swapped(budget, out, scheduled)
+        if isolating or not queues.swapped:
+            self._schedule_waiting(budget, out, scheduled)
         out.total_num_scheduled_tokens = budget.num_batched_tokens
-        out.preempted_req_ids = self._preempted_req_ids
-        self._preempted_req_ids = set()
+        out.preempted_req_ids = queues.preempted_req_ids
+        queues.preempted_req_ids = set()
         self._describe(scheduled, out)
         return out
 
-    def _schedule_running(
-        self, out: SchedulerOutput, budget: _Budget, probe: set[int] | None
-    ) -> tuple[list[Request], list[Request]]:
-        """Reserve slots for decoding requests, preempting from the lowest priority up. While a
-        probe runs, only its requests are considered, and the others are preempted first."""
-        if not self._running_sorted:
-            self.running.sort(key=_priority)
-            self._running_sorted = True
-        queue = deque(self.running if probe is None else [r for r in self.running if r.req_id in probe])
+    def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> tuple[list[Request], list[Request]]:
+        """Reserve slots for decoding requests, preempting from the lowest priority up. Only the
+        requests the isolation policy admits are considered, and the others are preempted first."""
+        running = self.queues.sorted_running()
+        isolation = self.isolation
+        queue = deque(filter(isolation.admits, running) if isolation.active else running)
         decodes: list[Request] = []
         prefills: list[Request] = []
         kv = self.kv_cache_manager
         windowed = kv.sliding_window is not None
+        max_context_len = self.max_context_len
         while queue:
             request = queue.popleft()
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted with a sibling of lower priority
             if request.num_output_placeholders and (
-                request.needs_host_between_steps or self._ends_with_samples_in_flight(request)
+                request.needs_host_between_steps or ends_with_samples_in_flight(request, max_context_len)
             ):
                 continue  # its next step waits for the host to see its sample, or never comes
             if windowed:  # first, so that the blocks it frees can take this step's tokens
@@ -306,7 +244,7 @@ class Scheduler:
                         out.blocks_to_copy.append(appended)
                     decodes.append(request)
                     break
-                if probe is not None and self._preempt_outside_probe(probe, budget, out):
+                if self._preempt_outside_probe(budget, out):
                     continue
                 # Requests already kept have higher priority: victims come from the tail (one
                 # preempted already, as a sibling of an earlier victim, frees nothing more).
@@ -318,92 +256,73 @@ class Scheduler:
                     break
         return decodes, prefills
 
-    def _ends_with_samples_in_flight(self, request: Request) -> bool:
-        """Whether the samples in flight take the request to its length limit (max_tokens or the
-        context): no step after them is needed, and a token past the context has no slot."""
-        max_tokens = request.sampling_params.max_tokens
-        num_outputs = request.num_output_tokens + request.num_output_placeholders
-        max_context_len = self.max_context_len
-        return (max_context_len is not None and request.num_computed_tokens >= max_context_len) or (
-            max_tokens is not None and num_outputs >= max_tokens
-        )
-
     def _schedule_swapped(self, budget: _Budget, out: SchedulerOutput, scheduled: list[Request]) -> None:
         kv = self.kv_cache_manager
-        while self.swapped:
-            group = self.swapped[0]
-            if any(r.num_output_placeholders for r in group):
+        swapped = self.queues.swapped
+        while swapped:
+            group = swapped[0]
+            members = group.members_in(RequestStatus.SWAPPED)
+            if any(r.num_output_placeholders for r in members):
                 break  # its last samples are still in flight
-            status = kv.can_swap_in(group)
+            status = kv.can_swap_in(members)
             if status == AllocStatus.NEVER:
-                self.swapped.popleft()
-                self._stop_for_lack_of_memory(group)
+                swapped.popleft()
+                self.queues.stop_for_lack_of_memory(members)
                 continue
             if status == AllocStatus.LATER:
                 break
-            num_seqs = max_running_seqs(group[0])
-            if not budget.can_add_seqs(num_seqs) or budget.remaining_tokens < len(group):
+            num_seqs = group.max_running_seqs
+            if not budget.can_add_seqs(num_seqs) or budget.remaining_tokens < len(members):
                 break
-            self.swapped.popleft()
-            out.blocks_to_swap_in.extend(kv.swap_in(group).items())
+            swapped.popleft()
+            out.blocks_to_swap_in.extend(kv.swap_in(members).items())
             budget.num_seqs += num_seqs
-            for request in group:
+            for request in members:
                 kv.slide_window(request)
-                request.status = RequestStatus.RUNNING
                 request.resend = True
-                self._add_running(request)
+                self.queues.add_running(request)
                 if request.num_uncomputed_tokens == 1:
-                    self._append_slots(request, out)
+                    cow = kv.append_slots(request)
+                    if cow is not None:
+                        out.blocks_to_copy.append(cow)
                 self._schedule_tokens(request, budget, out, scheduled)
 
-    def _schedule_waiting(
-        self, budget: _Budget, out: SchedulerOutput, scheduled: list[Request], probe: set[int] | None = None
-    ) -> None:
-        """Admit waiting requests, FCFS. While a probe runs, only its requests, preempting the
-        others to make room for them."""
+    def _schedule_waiting(self, budget: _Budget, out: SchedulerOutput, scheduled: list[Request]) -> None:
+        """Admit waiting requests, FCFS: those the isolation policy admits, preempting the others
+        to make room for them."""
         kv = self.kv_cache_manager
-        queue = self.waiting if probe is None else deque(r for r in self.waiting if r.req_id in probe)
+        queues = self.queues
+        isolation = self.isolation
+        queue = deque(filter(isolation.admits, queues.waiting)) if isolation.active else queues.waiting
         while queue:
             request = queue[0]
             if request.req_id in self.last_preemptions or request.num_output_placeholders:
                 break  # preempted by this step, or its last sample is still in flight
             status = kv.can_allocate(request)
-            num_seqs = max_running_seqs(request) if not self._group_running(request) else 0
-            if probe is not None:
-                while (
-                    status == AllocStatus.LATER or not budget.can_add_seqs(num_seqs)
-                ) and self._preempt_outside_probe(probe, budget, out):
-                    status = kv.can_allocate(request)
+            num_seqs = request.group.max_running_seqs if not self._group_running(request) else 0
+            while (
+                status == AllocStatus.LATER or not budget.can_add_seqs(num_seqs)
+            ) and self._preempt_outside_probe(budget, out):
+                status = kv.can_allocate(request)
             if status == AllocStatus.NEVER:
-                self._pop_waiting(queue)
-                self._ignore(request)
+                queues.ignore(request, self.config.max_model_len)  # off the waiting queue
+                if queue is not queues.waiting:
+                    queue.popleft()  # and off the isolation's view of it
                 continue
             if status == AllocStatus.LATER:
                 break
             if not budget.can_add_seqs(num_seqs) or not self._fits(request, budget):
                 break
-            self._pop_waiting(queue)
+            queues.pop_waiting(queue)
             kv.allocate(request)
             kv.slide_window(request)  # a prefix-cache hit may start past the window
-            request.status = RequestStatus.RUNNING
             request.resend = True
             budget.num_seqs += num_seqs
-            self._add_running(request)
+            queues.add_running(request)
             self._schedule_tokens(request, budget, out, scheduled)
 
-    def _pop_waiting(self, queue: deque[Request]) -> None:
-        """Take the head of ``queue`` (the waiting queue, or a probe's view of it) off both."""
-        request = queue.popleft()
-        if queue is not self.waiting:
-            self.waiting.remove(request)
-
-    def _add_running(self, request: Request) -> None:
-        if self.running and _priority(request) < _priority(self.running[-1]):
-            self._running_sorted = False
-        self.running.append(request)
-
     def _group_running(self, request: Request) -> bool:
-        return any(r.status == RequestStatus.RUNNING for r in request.siblings if r is not request)
+        return any(r.status == RequestStatus.RUNNING for r in request.group.members if r is not request)
 
     def _fits(self, request: Request, budget: _Budget) -> bool:
         """Whether some of the request's tokens fit this step (all of them, without chunking)."""
@@ -427,11 +346,6 @@ class Scheduler:
         scheduled.append(request)
         return True
 
-    def _append_slots(self, request: Request, out: SchedulerOutput) -> None:
-        cow = self.kv_cache_manager.append_slots(request)
-        if cow is not None:
-            out.blocks_to_copy.append(cow)
-
     def _describe(self, scheduled: list[Request], out: SchedulerOutput) -> None:
         """Write each scheduled request into the step's message (in full, or as a diff), then
         advance its progress: the step's tokens count as computed from now on, and a request
@@ -447,21 +361,7 @@ class Scheduler:
                 out.num_dropped_tokens[req_id] = kv.get_num_dropped_tokens(request)
             if request.resend:
                 request.resend = False
-                min_tokens_stop_ids, num_top_tokens = self._sampling_info[req_id]
-                out.scheduled_new_reqs.append(
-                    NewRequestData(
-                        req_id=req_id,
-                        seed=sibling_seed(request.sampling_params.seed, request.output_index),
-                        prompt_token_ids=request.prompt_token_ids,
-                        output_token_ids=request.output_token_ids.copy(),
-                        sampling_params=request.sampling_params,
-                        block_ids=kv.get_block_ids(request).copy(),
-                        num_computed_tokens=request.num_computed_tokens,
-                        num_samples=request.num_samples,
-                        min_tokens_stop_ids=min_tokens_stop_ids,
-                        num_top_tokens=num_top_tokens,
-                    )
-                )
+                out.scheduled_new_reqs.append(new_request_data(request, kv.get_block_ids(request)))
                 kv.mark_sent(request)
             else:
                 cached.req_ids.append(req_id)
@@ -485,20 +385,22 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, output: ModelRunnerOutput
     ) -> SampledRequests:
-        """Apply a step's samples: each replaces one placeholder of its request with a token.
+        """Apply a step's samples: each replaces one placeholder of its request with a token, and
+        a token that stops its request (``stop_status``) ends it here.
 
-        A best_of request's first sample has ``best_of`` rows: the request takes the first and
-        forks a sibling for each other, sharing its blocks. Beam search requests are returned
-        for the engine to choose their continuations (``apply_beam_step``). Samples of requests
-        that finished or were preempted meanwhile are dropped (a stopped request may have had one
-        more token computed; it is never returned).
+        A best_of request's first sample has ``best_of`` rows: the fan-out forks a sibling for each
+        row but the first. Beam search requests are returned for the engine's beam driver to
+        choose their continuations (``FanOut.apply_beam_step``). Samples of requests that finished
+        or were preempted meanwhile are dropped (a stopped request may have had one more token
+        computed; it is never returned).
         """
+        self.kv_cache_manager.cache_computed_blocks(scheduler_output, self.queues.requests)
         result = SampledRequests()
-        requests = self.requests
-        kv = self.kv_cache_manager
+        requests = self.queues.requests
         token_ids = output.sampled_token_ids
         logprobs = output.logprobs
         req_ids = output.req_ids
+        max_context_len = self.max_context_len
         num_rows = len(req_ids)
         appended = result.appended
         row = 0
@@ -509,142 +411,65 @@ class Scheduler:
                 continue
             request.num_output_placeholders -= 1
             self.num_generation_tokens += 1
-            if not request.needs_host_between_steps:
-                # The common case: one token for one request.
-                request.append_output_token(token_ids[row], logprobs[row])
-                appended.append((request, row))
+            if request.needs_host_between_steps:
+                if request.sampling_params.use_beam_search:
+                    result.beams.append((request, row))
+                    row += 1
+                    continue
+                samplers = self.fanout.fork_first_samples(request)
+                result.forked += [(request, child) for child in samplers[1:]]
+                self.num_generation_tokens += len(samplers) - 1
+            else:
+                samplers = [request]  # the common case: one token for one request
+            for sampler in samplers:
+                token_id = token_ids[row]
+                sampler.append_output_token(token_id, logprobs[row])
+                appended.append((sampler, row))
+                status = stop_status(sampler, token_id, len(sampler.output_token_ids), max_context_len)
+                if status is not None:
+                    self._stop(sampler, token_id, status)
                 row += 1
-                continue
-            if request.sampling_params.use_beam_search:
-                result.beams.append((request, row))
-                row += 1
-                continue
-            num_samples = request.num_samples
-            samplers = [request]
-            if num_samples > 1:
-                request.num_samples = 1
-                for index in range(1, num_samples):
-                    child = self._fork(request)
-                    child.output_index = index
-                    samplers.append(child)
-                    result.forked.append((request, child))
-            for i, sampler in enumerate(samplers):
-                sampler.append_output_token(token_ids[row + i], logprobs[row + i])
-                appended.append((sampler, row + i))
-            self.num_generation_tokens += num_samples - 1
-            row += num_samples
-        if kv.enable_prefix_caching:
-            self._cache_computed_blocks(scheduler_output)
-        self._probes.sampled(req_ids)
+        self.isolation.sampled(req_ids)
         return result
 
-    def _cache_computed_blocks(self, scheduler_output: SchedulerOutput) -> None:
-        """Register the blocks the step filled in the prefix cache. Only now, and only up to what
-        this step computed: with asynchronous scheduling the next step is already launched, and
-        were it dropped its blocks must not be found by anyone."""
-        kv = self.kv_cache_manager
-        computed = {data.req_id: data.num_computed_tokens for data in scheduler_output.scheduled_new_reqs}
-        cached = scheduler_output.scheduled_cached_reqs
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        for req_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(req_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
-                kv.cache_blocks(request, computed[req_id] + num_tokens)
-
-    def _fork(self, parent: Request) -> Request:
-        """A running sibling of ``parent`` sharing its blocks."""
-        child = parent.fork(self.new_req_id())
-        self.kv_cache_manager.fork(parent, child)
-        parent.siblings.append(child)
-        self.requests[child.req_id] = child
-        self._sampling_info[child.req_id] = self._sampling_info[parent.req_id]
-        self._add_running(child)
-        return child
-
-    def apply_beam_step(
-        self, beams: list[Request], extensions: dict[int, list[tuple[int, float]]]
-    ) -> list[Request]:
-        """Beam search's choice for one request's live beams: ``extensions`` maps a beam's id to
-        the (token, logprob) continuations it keeps. A beam kept twice is forked (the forks
-        share its blocks), one kept by none is freed. Returns the live beams, in order."""
-        live = []
-        for beam in beams:
-            chosen = extensions.get(beam.req_id, [])
-            if not chosen:
-                self.finish_requests((beam,), RequestStatus.FINISHED_ABORTED)
-                continue
-            # Forks first: each copies the beam before the beam takes its own token.
-            forks = [self._fork(beam) for _ in chosen[1:]]
-            for request, (token_id, logprob) in zip([beam, *forks], chosen):
-                request.append_output_token(token_id, logprob)
-                request.resend = True  # its next input was chosen here, not by the sampler
-                live.append(request)
-        return live
-
-    def new_hypothesis(self, beam: Request, token_id: int, logprob: float, status: RequestStatus) -> Request:
-        """A finished copy of a live beam with one more token, holding no blocks (beam search's
-        kept hypotheses)."""
-        hypothesis = beam.fork(self.new_req_id())
-        hypothesis.siblings = [hypothesis]
-        hypothesis.append_output_token(token_id, logprob)
-        hypothesis.status = status
-        return hypothesis
+    def _stop(self, request: Request, token_id: int, status: RequestStatus) -> None:
+        """End a request its newest token stopped."""
+        if status == RequestStatus.FINISHED_STOPPED:
+            request.stop_reason = stop_reason(request, token_id)
+        self.queues.finish((request,), status)
 
     # --- preemption -----------------------------------------------------------------------
 
     def _preempt(
         self, request: Request, out: SchedulerOutput, decodes: list[Request], prefills: list[Request]
     ) -> None:
-        group = [r for r in request.siblings if r.status == RequestStatus.RUNNING]
-        if not group:
+        """Preempt the request's group: its running members, out of this step."""
+        members = request.group.members_in(RequestStatus.RUNNING)
+        if not members:
             return
         kv = self.kv_cache_manager
         # While isolating, preemption recomputes: swapped groups come back only once it is over,
         # and a probe's requests must not wait for that. Behind a sliding window a request holds
         # a few blocks but would need all of its tokens' again to recompute: it swaps.
-        alone = len(group) == 1 and kv.sliding_window is None
-        mode = PreemptionMode.RECOMPUTE if alone or self._probes else PreemptionMode.SWAP
-        if mode == PreemptionMode.SWAP and not kv.can_swap_out(group):
-            logger.warning(
-                "request %d: CPU swap space is full, recomputing its %d sequences instead; "
-                "raise swap_space to avoid this",
-                request.req_id,
-                len(group),
-            )
-            mode = PreemptionMode.RECOMPUTE
-        for member in group:
-            # A copy-on-write given this step is not made yet: a swap out would move the empty copy.
-            copy = kv.undo_copy_on_write(member)
-            if copy is not None:
-                out.blocks_to_copy.remove(copy)
-            self.running.remove(member)
+        alone = len(members) == 1 and kv.sliding_window is None
+        mode = PreemptionMode.RECOMPUTE if alone or self.isolation.active else PreemptionMode.SWAP
+        mode = self.queues.preempt(members, mode, out)
+        for member in members:
             for scheduled in (decodes, prefills):
                 if member in scheduled:
                     scheduled.remove(member)
-            self._preempted_req_ids.add(member.req_id)
             self.last_preemptions[member.req_id] = mode
-        if mode == PreemptionMode.RECOMPUTE:
-            for member in reversed(group):
-                kv.free(member)
-                member.num_computed_tokens = 0
-                member.status = RequestStatus.WAITING
-                self.waiting.appendleft(member)
-        else:
-            out.blocks_to_swap_out.extend(kv.swap_out(group).items())
-            for member in group:
-                member.status = RequestStatus.SWAPPED
-            self.swapped.append(group)
         self.num_preemptions[mode] += 1
 
-    def _preempt_outside_probe(self, probe: set[int], budget: _Budget, out: SchedulerOutput) -> bool:
-        """Preempt the lowest-priority running group with no request in the probe (it would wait
-        for the probe anyway), to make room for the probe; False when there is none."""
-        for request in reversed(self.running):
-            if not any(sibling.req_id in probe for sibling in request.siblings):
-                budget.num_seqs -= max_running_seqs(request)
-                self._preempt(request, out, [], [])
-                return True
-        return False
+    def _preempt_outside_probe(self, budget: _Budget, out: SchedulerOutput) -> bool:
+        """Preempt the group the isolation policy names to make room for a probe; False when it
+        names none (always, when not isolating)."""
+        victim = self.isolation.victim_outside_probe(self.queues.running)
+        if victim is None:
+            return False
+        budget.num_seqs -= victim.group.max_running_seqs
+        self._preempt(victim, out, [], [])
+        return True
 
     # --- isolation of a failing request ---------------------------------------------------
 
@@ -654,91 +479,16 @@ class Scheduler:
         ``dropped``: the steps whose samples will never come (the one that raised and, with
         asynchronous scheduling, the other one launched). Every live request they computed is a
         suspect; requests holding blocks they were to swap lost their copy. Both are preempted
-        by RECOMPUTE. When the suspects are all in the running probe and are one user request,
-        it is the culprit: its live sequences finish with FINISHED_ERROR and ``error``, and are
-        reported through ``stopped``. Otherwise the suspects form two probes (one, for a single
-        user request), tested before anything else runs.
+        by RECOMPUTE. When the suspects are all in the running probe and are one group, it is the
+        culprit: its live sequences finish with FINISHED_ERROR and ``error``, and are reported
+        through ``stopped``. Otherwise the isolation policy tests them again, apart.
         """
-        requests = self.requests
-        suspect_ids: dict[int, None] = {}
-        swapped_in: set[int] = set()
-        swapped_out: set[int] = set()
-        for out in dropped:
-            # The workers may not have applied these: they come again with the next step.
-            self._finished_req_ids |= out.finished_req_ids
-            self._preempted_req_ids |= {req_id for req_id in out.preempted_req_ids if req_id in requests}
-            suspect_ids.update(dict.fromkeys(r for r in out.num_scheduled_tokens if r in requests))
-            swapped_in.update(dst for _, dst in out.blocks_to_swap_in)
-            swapped_out.update(dst for _, dst in out.blocks_to_swap_out)
-        kv = self.kv_cache_manager
-        lost = set(kv.holders(swapped_in, Device.DEVICE)) | set(kv.holders(swapped_out, Device.CPU))
-        lost_copies = [requests[req_id] for req_id in lost if req_id not in suspect_ids]
-        suspects = sorted((requests[req_id] for req_id in suspect_ids), key=_priority)
-        by_user_request: dict[int, list[Request]] = {}
-        for request in suspects:
-            by_user_request.setdefault(id(request.siblings), []).append(request)
-        groups = list(by_user_request.values())
-        if self._probes.after_failure([[r.req_id for r in group] for group in groups]):
-            culprits = list(groups[0][0].siblings)
-            for request in culprits:
-                request.error = error
-            self.stopped.extend(culprits)
-            self.finish_requests(culprits, RequestStatus.FINISHED_ERROR)
-            self._requeue(lost_copies)
+        queues = self.queues
+        queues.report_again(dropped)
+        suspects, lost_copies = suspects_of(dropped, queues.requests, self.kv_cache_manager)
+        convicted = self.isolation.after_failure(suspects)
+        if convicted is not None:
+            queues.stop(list(convicted.members), RequestStatus.FINISHED_ERROR, error)
+            queues.requeue(lost_copies)
             return
-        self._requeue(suspects + lost_copies)
-
-    def _requeue(self, requests: list[Request]) -> None:
-        """Preempt by RECOMPUTE wherever they are, without their samples in flight (their steps
-        were dropped): they keep their tokens, wait at the front of the queue in priority order,
-        and the workers drop their rows until they are sent again in full."""
-        if not requests:
-            return
-        req_ids = {r.req_id for r in requests}
-        self.running = [r for r in self.running if r.req_id not in req_ids]
-        self.waiting = deque(r for r in self.waiting if r.req_id not in req_ids)
-        for request in requests:
-            if request.status == RequestStatus.SWAPPED:
-                self._remove_swapped(request)
-            self.kv_cache_manager.free(request)
-            request.num_computed_tokens = 0
-            request.num_output_placeholders = 0
-            request.status = RequestStatus.WAITING
-            self._preempted_req_ids.add(request.req_id)
-        self.waiting.extendleft(sorted(requests, key=_priority, reverse=True))
-
-    def _stop_for_lack_of_memory(self, group: list[Request]) -> None:
-        """End a group whose requests together outgrew the whole cache: waiting for memory would
-        wait forever (and hold back every waiting request). Its outputs so far are kept."""
-        error = (
-            f"stopped after {group[0].num_output_tokens} tokens: its {len(group)} sequences need more KV "
-            f"cache blocks than the cache has ({self.kv_cache_manager.num_total_gpu_blocks}); give the "
-            "cache more memory or ask for fewer sequences (n, best_of)"
-        )
-        logger.warning("request %d: %s", group[0].req_id, error)
-        for request in group:
-            request.error = error
-            self.stopped.append(request)
-            request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            self._release(request)
-
-    def _ignore(self, request: Request) -> None:
-        kv = self.kv_cache_manager
-        num_blocks = -(-request.num_tokens // self.block_size)
-        error = (
-            f"request needs {num_blocks} KV cache blocks but the cache has "
-            f"{kv.num_total_gpu_blocks - kv.watermark_blocks} to give (num_kv_blocks / memory too small)"
-        )
-        if request.num_tokens > self.config.max_model_len:
-            # Only attention sinks let a request grow past max_model_len; recomputing it would
-            # need every block of its history at once.
-            error = (
-                f"stopped after {request.num_output_tokens} tokens: preempted past max_model_len="
-                f"{self.config.max_model_len}, it could only resume by swapping, and the CPU swap space "
-                "was full; raise swap_space"
-            )
-        logger.warning("request %d ignored: %s", request.req_id, error)
-        request.error = error
-        self.stopped.append(request)
-        request.status = RequestStatus.FINISHED_IGNORED
-        self._release(request)
+        queues.requeue(suspects + lost_copies)

@@ -9,7 +9,7 @@ the K best continuations over all beams by cumulative logprob are kept:
   ``cumulative_logprob / generated_len ** length_penalty``; the B best hypotheses are kept;
 - the B best continuations that do not end become the next beams. A beam that several
   continuations extend is forked (the forks share its blocks, copy-on-write); a beam that none
-  extends is freed. The scheduler does both (``Scheduler.apply_beam_step``): this module only
+  extends is freed. The core's fan-out does both (``core/fanout.py``): this module only
   decides.
 
 Search stops when no live beam can still beat the worst kept hypothesis (HF's heuristic, with
@@ -22,34 +22,13 @@ match ``generate(num_beams=B, length_penalty=..., early_stopping=...)`` token fo
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.request import BeamSearchState, PendingHypothesis, Request, RequestStatus, num_candidates
 from pagedllm.sampling_params import SamplingParams
 
 # HF's stand-in for "impossible": added to scores that must never be picked.
 _NEG = -1.0e9
-
-
-@dataclass
-class BeamSearchState:
-    """A beam search request's state between steps (on its RequestState)."""
-
-    beam_width: int
-    # Kept hypotheses, best score first, at most B: finished sequences holding no blocks, or,
-    # until the engine builds them right after the step, (parent beam, token, logprob, status).
-    finished: list[tuple[float, Request | PendingHypothesis]] = field(default_factory=list)
-    # Running score of each live beam (its cumulative logprob, or _NEG-penalised: see step()).
-    beam_scores: dict[int, float] = field(default_factory=dict)
-    improvement_possible: bool = True
-
-
-@dataclass
-class PendingHypothesis:
-    parent: Request
-    token_id: int
-    logprob: float
-    status: RequestStatus
 
 
 @dataclass
@@ -75,11 +54,6 @@ class BeamStep:
     extensions: dict[int, list[tuple[int, float]]]
     scores: list[float]
     done: bool
-
-
-def num_candidates(beam_width: int, num_eos_token_ids: int) -> int:
-    """Continuations kept per step (and offered per beam): enough that B of them do not end."""
-    return max(2, 1 + num_eos_token_ids) * beam_width
 
 
 def beam_search_step(

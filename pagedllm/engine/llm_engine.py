@@ -5,8 +5,9 @@ A step reads::
     scheduler_output = scheduler.schedule()              who computes which tokens, block moves
     step = executor.execute_model(scheduler_output)      launched; samples arrive later
     runner_output = step.get()                           wait for the samples
-    sampled = scheduler.update_from_output(...)          append tokens, fork best_of requests
-    detokenize and check stops; finish what ended        (the scheduler frees their blocks)
+    sampled = scheduler.update_from_output(...)          append tokens, fork best_of requests,
+                                                         end what EOS/stop ids/lengths stop
+    detokenize and match stop strings; finish what ended (the scheduler frees their blocks)
     emit RequestOutputs
 
 With ``async_scheduling`` the engine launches step N + 1 before it waits for step N's samples,
@@ -44,13 +45,13 @@ from dataclasses import dataclass
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.core.request import Request, RequestState, RequestStatus
+from pagedllm.core.request import BeamSearchState, PendingHypothesis, Request, RequestState, RequestStatus
 from pagedllm.core.scheduler import PreemptionMode, SampledRequests, Scheduler
+from pagedllm.core.stop_conditions import stop_status
 from pagedllm.detokenizer import init_detokenizer_state
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.beam_search import BeamSearchState, PendingHypothesis, beam_search_step, num_candidates
+from pagedllm.engine.beam_search import beam_search_step
 from pagedllm.engine.output_processor import OutputProcessor
-from pagedllm.engine.stop_checker import StopChecker
 from pagedllm.executor import get_executor_class
 from pagedllm.executor.abstract import ExecutorDeadError
 from pagedllm.models.utils import kv_cache_window
@@ -138,8 +139,7 @@ class LLMEngine:
         )
         self.eos_token_ids = get_eos_token_ids(model_config, self.tokenizer)
         self.structured_output_manager = StructuredOutputManager.for_model(model_config, self.tokenizer)
-        self.stop_checker = StopChecker(model_config.max_context_len, self.eos_token_ids)
-        self.output_processor = OutputProcessor(self.tokenizer, self.stop_checker)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self.async_scheduling = config.async_scheduling
         # Live requests, by the caller's id; and the request each sequence belongs to.
         self.requests: dict[str, RequestState] = {}
@@ -202,7 +202,13 @@ class LLMEngine:
         )
         arrival_time = arrival_time or time.time()
         request = Request(
-            self.scheduler.new_req_id(), token_ids, params, self.config.cache_config.block_size, arrival_time
+            self.scheduler.new_req_id(),
+            token_ids,
+            params,
+            self.config.cache_config.block_size,
+            arrival_time,
+            request_id,
+            self.eos_token_ids,
         )
         if self.tokenizer is not None:
             init_detokenizer_state(request)
@@ -217,7 +223,7 @@ class LLMEngine:
             return
         self.requests[request_id] = state
         self._state_of[request.req_id] = state
-        self.scheduler.add_request(request, self._min_tokens_stop_ids(params), self._num_top_tokens(params))
+        self.scheduler.add_request(request)
 
     def _prompt_token_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         if prompt_token_ids is None:
@@ -229,17 +235,6 @@ class LLMEngine:
                 raise ValueError("this engine has no tokenizer (skip_tokenizer_init): give prompt_token_ids")
             prompt_token_ids = self.tokenizer(prompt)["input_ids"]
         return prompt_token_ids
-
-    def _min_tokens_stop_ids(self, params: SamplingParams) -> list[int]:
-        if not params.min_tokens:
-            return []
-        return sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids))
-
-    def _num_top_tokens(self, params: SamplingParams) -> int:
-        beam = 0
-        if params.use_beam_search:
-            beam = num_candidates(params.best_of, 0 if params.ignore_eos else len(self.eos_token_ids))
-        return max(params.logprobs or 0, beam)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """End requests wherever they are; their blocks are free when this returns."""
@@ -351,7 +346,11 @@ class LLMEngine:
         for request, row in sampled.appended:
             state = self._state_of[request.req_id]
             status = self.output_processor.process_token(state, request, runner_output, row)
-            if status is not None:
+            if status is not None and request.is_finished:
+                # The core ended it at its length limit, on the token that completes the stop
+                # string: the stop string wins (as vLLM's output processor has it).
+                request.status = status
+            elif status is not None:
                 self.scheduler.finish_requests((request,), status)
             touched[state.request_id] = state
         self._apply_beam_search(sampled, runner_output, touched)
@@ -387,31 +386,30 @@ class LLMEngine:
     def _beam_step(self, state: RequestState, beams: list[tuple[Request, list[int], list[float]]]) -> None:
         params = state.sampling_params
         beam_state = state.beam_state
-        assert isinstance(beam_state, BeamSearchState)
-        num_eos = 0 if params.ignore_eos else len(self.eos_token_ids)
+        assert beam_state is not None
+        num_eos = len(beams[0][0].group.eos_token_ids)
         # The most tokens a beam can reach: it bounds how much a live beam can still improve.
-        max_context_len = self.config.model_config.max_context_len or self.config.model_config.max_model_len
-        room = max_context_len - len(state.prompt_token_ids)
+        max_context_len = self.scheduler.max_context_len
+        room = (max_context_len or self.config.model_config.max_model_len) - len(state.prompt_token_ids)
         max_new_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         decision = beam_search_step(
             beam_state,
             params,
             beams,
-            lambda beam, token_id: self.stop_checker.status_if_appended(beam, token_id, params),
+            lambda beam, token_id: stop_status(beam, token_id, beam.num_output_tokens + 1, max_context_len),
             num_eos,
             max_new_tokens,
         )
+        fanout = self.scheduler.fanout
         for index, (score, kept) in enumerate(beam_state.finished):
             if isinstance(kept, PendingHypothesis):
-                hypothesis = self.scheduler.new_hypothesis(
-                    kept.parent, kept.token_id, kept.logprob, kept.status
-                )
+                hypothesis = fanout.new_hypothesis(kept)
                 self.output_processor.detokenize(state, hypothesis)
                 beam_state.finished[index] = (score, hypothesis)
         for beam, _, _ in beams:
             if beam.req_id not in decision.extensions:
                 self._state_of.pop(beam.req_id, None)
-        live = self.scheduler.apply_beam_step([b for b, _, _ in beams], decision.extensions)
+        live = fanout.apply_beam_step([b for b, _, _ in beams], decision.extensions)
         for beam in live:
             self._state_of[beam.req_id] = state
             self.output_processor.detokenize(state, beam)
@@ -429,7 +427,7 @@ class LLMEngine:
     def _report_stopped(self) -> list[RequestOutput]:
         """Requests the scheduler ended without running them to their end."""
         outputs = []
-        for request in self.scheduler.stopped:
+        for request in self.scheduler.queues.stopped:
             state = self._state_of.get(request.req_id)
             if state is None:
                 continue
@@ -438,7 +436,7 @@ class LLMEngine:
                 self.output_processor.finalize_text(state)
                 self._retire(state)
                 outputs.append(RequestOutput.from_state(state))
-        self.scheduler.stopped.clear()
+        self.scheduler.queues.stopped.clear()
         return outputs
 
     def _retire(self, state: RequestState, now: float | None = None) -> None:
@@ -465,7 +463,9 @@ class LLMEngine:
         return EngineStats(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
-            num_swapped=sum(len(group) for group in scheduler.swapped),
+            num_swapped=sum(
+                len(group.members_in(RequestStatus.SWAPPED)) for group in scheduler.queues.swapped
+            ),
             num_free_gpu_blocks=kv.get_num_free_gpu_blocks(),
             num_gpu_blocks=self.num_gpu_blocks,
             num_free_cpu_blocks=kv.get_num_free_cpu_blocks(),

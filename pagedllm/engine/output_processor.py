@@ -1,25 +1,24 @@
 """What the engine does with each new token: logprobs in vLLM's format, incremental (or one-shot)
-detokenization, stop checks."""
+detokenization, stop strings (the core stops requests on tokens and lengths itself)."""
 
 from __future__ import annotations
 
 from pagedllm.core.request import Logprob, Request, RequestState, RequestStatus
 from pagedllm.detokenizer import decode_all, decode_incrementally
-from pagedllm.engine.stop_checker import StopChecker
+from pagedllm.engine.stop_checker import check_stop_strings
 from pagedllm.step_io import ModelRunnerOutput, PromptLogprobsOutput
 from pagedllm.tokenizer import Tokenizer
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None, stop_checker: StopChecker) -> None:
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
-        self.stop_checker = stop_checker
 
     def process_token(
         self, state: RequestState, request: Request, runner_output: ModelRunnerOutput, row: int
     ) -> RequestStatus | None:
         """Record the logprobs and text of the request's newest token (sampled in ``row``);
-        return the status it finishes with, if it does."""
+        return FINISHED_STOPPED when its text completes a stop string."""
         params = state.sampling_params
         if params.logprobs is not None:
             rank, top_ids, top_logprobs = runner_output.top_tokens[row]
@@ -29,7 +28,7 @@ class OutputProcessor:
                 self._logprob_entry(token_id, logprob, rank, top_ids, top_logprobs)
             )
         new_char_count = self.detokenize(state, request)
-        return self.stop_checker.check(request, new_char_count, params)
+        return check_stop_strings(request, new_char_count, params)
 
     def detokenize(self, state: RequestState, request: Request) -> int:
         """Extend the request's text by its newest tokens when it is decoded token by token;
@@ -49,7 +48,7 @@ class OutputProcessor:
         params = state.sampling_params
         for seq in state.seqs:
             num_tokens = seq.num_output_tokens
-            # A stop token's own text is not part of the answer (see StopChecker.check); without
+            # A stop token's own text is not part of the answer (see check_stop_strings); without
             # incremental decoding no stop string can have ended it.
             stopped_by_token = seq.status == RequestStatus.FINISHED_STOPPED
             if stopped_by_token and not params.include_stop_str_in_output:

@@ -2,8 +2,8 @@
 isolation of a request that fails the model step.
 
 The model is not run: ``step`` below schedules, then feeds ``update_from_output`` a sample for
-every request the step completes (token 1000 + its id) and finishes requests at max_tokens, as
-the engine would.
+every request the step completes (token 1000 + its id); the scheduler ends each request at
+max_tokens itself.
 """
 
 import pytest
@@ -72,15 +72,15 @@ def schedule(h: Harness) -> SchedulerOutput:
     scheduler = h.scheduler
     out = scheduler.schedule()
     h.preempted = {h.group_of[r].request_id: mode for r, mode in scheduler.last_preemptions.items()}
-    h.ignored = [h.group_of[r.req_id] for r in scheduler.stopped]
+    h.ignored = [h.group_of[r.req_id] for r in scheduler.queues.stopped]
     take_stopped(h)
     return out
 
 
 def take_stopped(h: Harness) -> None:
-    for request in h.scheduler.stopped:
+    for request in h.scheduler.queues.stopped:
         h.group_of[request.req_id].error = request.error
-    h.scheduler.stopped.clear()
+    h.scheduler.queues.stopped.clear()
 
 
 def apply(h: Harness, out: SchedulerOutput) -> SchedulerOutput:
@@ -98,9 +98,6 @@ def apply(h: Harness, out: SchedulerOutput) -> SchedulerOutput:
     for parent, child in sampled.forked:
         group = h.group_of[child.req_id] = h.group_of[parent.req_id]
         group.seqs.append(child)
-    for request, _ in sampled.appended:
-        if request.num_output_tokens >= request.sampling_params.max_tokens:
-            scheduler.finish_requests((request,), RequestStatus.FINISHED_LENGTH_CAPPED)
     return out
 
 
@@ -201,11 +198,11 @@ def test_swap_preemption_of_a_multi_sequence_request_and_swap_in_before_admissio
     for _ in range(200):
         if not scheduler.has_unfinished_requests():
             break
-        if scheduler.swapped and c is None:
+        if scheduler.queues.swapped and c is None:
             c = add(h, 3, max_tokens=2)
         step(h)
         modes.update(h.preempted)
-        if scheduler.swapped and c is not None and c.seqs[0].status != RequestStatus.WAITING:
+        if scheduler.queues.swapped and c is not None and c.seqs[0].status != RequestStatus.WAITING:
             admitted_while_swapped = True
     assert modes.get(b.request_id) == PreemptionMode.SWAP
     assert c is not None and not admitted_while_swapped
@@ -258,7 +255,7 @@ def test_abort_frees_blocks_in_every_queue():
         if seq.num_output_tokens < 30
     )
     assert not scheduler.has_unfinished_requests()
-    assert not scheduler.waiting and not scheduler.running and not scheduler.swapped
+    assert not scheduler.waiting and not scheduler.running and not scheduler.queues.swapped
     bm = scheduler.kv_cache_manager
     assert bm.get_num_free_gpu_blocks() == 8 and bm.get_num_free_cpu_blocks() == 16
     assert bm.get_num_requests_with_blocks() == 0
@@ -332,8 +329,34 @@ def test_async_steps_schedule_placeholders_and_drop_samples_after_a_stop():
     scheduler.update_from_output(third, sample_all(h, third, 9))
     assert ra.output_token_ids == [7, 8, 9] and ra.num_output_placeholders == 0
     assert ra.num_computed_tokens == ra.num_tokens - 1
-    scheduler.finish_requests((ra,), RequestStatus.FINISHED_LENGTH_CAPPED)
+    assert ra.status == RequestStatus.FINISHED_LENGTH_CAPPED, "the scheduler ends it at max_tokens"
     assert scheduler.kv_cache_manager.get_num_free_gpu_blocks() == 64
+
+
+def test_update_from_output_ends_a_request_on_eos_and_drops_its_sample_in_flight():
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
+    scheduler = Scheduler(config, BLOCK_SIZE, 16, 0)
+    eos, stop = 2, 9
+    a, b, c = (
+        Request(i, [1, 3, 4], SamplingParams(max_tokens=10, **kw), BLOCK_SIZE, float(i), eos_token_ids=[eos])
+        for i, kw in enumerate([{}, {"stop_token_ids": [stop]}, {"ignore_eos": True, "min_tokens": 1}])
+    )
+    for request in (a, b, c):
+        scheduler.add_request(request)
+    first = scheduler.schedule()
+    second = scheduler.schedule()  # launched before the first's samples arrive
+    outputs = ModelRunnerOutput(req_ids=[0, 1, 2], sampled_token_ids=[eos, stop, eos], logprobs=[0.0] * 3)
+    result = scheduler.update_from_output(first, outputs)
+    assert [r.req_id for r, _ in result.appended] == [0, 1, 2], "every token is returned, stopping or not"
+    assert a.status == b.status == RequestStatus.FINISHED_STOPPED
+    assert (a.stop_reason, b.stop_reason) == (None, stop)
+    assert c.status == RequestStatus.RUNNING and c.output_token_ids == [eos]
+    assert scheduler.kv_cache_manager.get_num_requests_with_blocks() == 1
+    outputs = ModelRunnerOutput(req_ids=[0, 1, 2], sampled_token_ids=[5, 5, 5], logprobs=[0.0] * 3)
+    result = scheduler.update_from_output(second, outputs)
+    assert [r.req_id for r, _ in result.appended] == [2]
+    assert a.output_token_ids == [eos] and b.output_token_ids == [stop] and c.output_token_ids == [eos, 5]
+    assert scheduler.schedule().finished_req_ids == {0, 1}
 
 
 def test_a_request_preempted_with_a_sample_in_flight_waits_for_it():
@@ -358,7 +381,7 @@ def test_a_request_preempted_with_a_sample_in_flight_waits_for_it():
 
 def probe_ids(h: Harness) -> set[int]:
     """The user requests of the running probe (empty when not isolating)."""
-    running = h.scheduler._probes.running()
+    running = h.scheduler.isolation.probe()
     return {h.group_of[r].request_id for r in running} if running else set()
 
 
@@ -435,7 +458,7 @@ def test_requests_whose_swap_a_dropped_step_carried_are_recomputed():
     # The step that was to copy b's blocks to the CPU failed: b's copy there is worthless.
     scheduler.isolate_failure([out], "boom")
     assert all(seq.status == RequestStatus.WAITING and seq.num_computed_tokens == 0 for seq in b.seqs)
-    assert scheduler.kv_cache_manager.get_num_free_cpu_blocks() == 16 and not scheduler.swapped
+    assert scheduler.kv_cache_manager.get_num_free_cpu_blocks() == 16 and not scheduler.queues.swapped
     assert probe_ids(h) == {a.request_id}  # b did not run in it: it is no suspect
     run_to_completion(h)
     assert a.seqs[0].num_output_tokens == 12 and [s.num_output_tokens for s in b.seqs] == [8, 8]

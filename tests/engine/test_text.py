@@ -4,7 +4,7 @@ import pytest
 
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.detokenizer import decode_incrementally, init_detokenizer_state
-from pagedllm.engine.stop_checker import StopChecker
+from pagedllm.engine.stop_checker import check_stop_strings
 from pagedllm.sampling_params import SamplingParams
 
 TEXTS = [
@@ -61,13 +61,12 @@ def make_seq(text_pieces: list[str], token_ids: list[int] | None = None) -> tupl
 
 
 def test_stop_string_across_token_boundaries_is_cut_from_the_text():
-    checker = StopChecker(max_model_len=100, eos_token_ids={0})
     params = SamplingParams(stop=["END"])
     seq = make_request([1])
     for i, piece in enumerate(["The answer", " is 4.", " E", "N", "D and more"]):
         seq.append_output_token(10 + i, 0.0)
         seq.output_text += piece
-        status = checker.check(seq, len(piece), params)
+        status = check_stop_strings(seq, len(piece), params)
         if status is not None:
             break
     assert status == RequestStatus.FINISHED_STOPPED
@@ -77,36 +76,35 @@ def test_stop_string_across_token_boundaries_is_cut_from_the_text():
 
 
 def test_include_stop_str_in_output_and_earliest_match_wins():
-    checker = StopChecker(max_model_len=100, eos_token_ids=set())
     params = SamplingParams(stop=["bb", "a"], include_stop_str_in_output=True)
     seq = make_request([1])
     seq.append_output_token(5, 0.0)
     seq.output_text = "xbba"
-    assert checker.check(seq, 4, params) == RequestStatus.FINISHED_STOPPED
+    assert check_stop_strings(seq, 4, params) == RequestStatus.FINISHED_STOPPED
     assert seq.output_text == "xbb" and seq.stop_reason == "bb"
 
 
-def test_eos_stop_tokens_min_tokens_and_lengths():
-    checker = StopChecker(max_model_len=8, eos_token_ids={0})
+def test_a_stop_token_loses_its_text_unless_asked_and_stop_strings_wait_for_min_tokens():
+    # The core stopped the request on token 42 (a stop token id) whose text is "<stop>".
     seq = make_request([1, 2])
-    seq.append_output_token(0, 0.0)
-    assert checker.check(seq, 0, SamplingParams(min_tokens=2)) is None, "EOS before min_tokens does not stop"
-    assert checker.check(seq, 0, SamplingParams(ignore_eos=True)) is None
-    assert checker.check(seq, 0, SamplingParams()) == RequestStatus.FINISHED_STOPPED
-    assert seq.stop_reason is None
+    seq.append_output_token(42, 0.0)
+    seq.output_text = "<stop>"
+    seq.status = RequestStatus.FINISHED_STOPPED
+    assert check_stop_strings(seq, 6, SamplingParams(stop_token_ids=[42])) is None
+    assert seq.output_text == ""
 
     seq = make_request([1, 2])
     seq.append_output_token(42, 0.0)
     seq.output_text = "<stop>"
-    assert checker.check(seq, 6, SamplingParams(stop_token_ids=[42])) == RequestStatus.FINISHED_STOPPED
-    assert seq.stop_reason == 42
-    assert seq.output_text == ""
+    seq.status = RequestStatus.FINISHED_STOPPED
+    assert (
+        check_stop_strings(seq, 6, SamplingParams(stop_token_ids=[42], include_stop_str_in_output=True))
+        is None
+    )
+    assert seq.output_text == "<stop>"
 
-    seq = make_request([1, 2])
-    for _ in range(3):
-        seq.append_output_token(7, 0.0)
-    assert checker.check(seq, 0, SamplingParams(max_tokens=3)) == RequestStatus.FINISHED_LENGTH_CAPPED
-
-    seq = make_request(list(range(1, 8)))
-    seq.append_output_token(7, 0.0)  # length 8 = max_model_len
-    assert checker.check(seq, 0, SamplingParams(max_tokens=100)) == RequestStatus.FINISHED_LENGTH_CAPPED
+    seq = make_request([1])
+    seq.append_output_token(5, 0.0)
+    seq.output_text = "END"
+    assert check_stop_strings(seq, 3, SamplingParams(stop=["END"], min_tokens=2)) is None
+    assert seq.output_text == "END" and seq.stop_reason is None
