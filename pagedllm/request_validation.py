@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pagedllm.config import EngineConfig
+from pagedllm.core.request import num_candidates
 from pagedllm.sampling_params import SamplingParams, as_int_list
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.tokenizer import Tokenizer
@@ -94,14 +95,12 @@ def _check_num_seqs(params: SamplingParams, max_num_seqs: int, vocab_size: int, 
             f"{field} must be at most max_num_seqs ({max_num_seqs}), the most sequences a step runs; "
             f"got {params.best_of}"
         )
-    if params.use_beam_search:
-        # Each step keeps this many candidates per beam from the top of the vocabulary.
-        num_candidates = max(2, 1 + num_eos) * params.best_of
-        if num_candidates > vocab_size:
-            raise ValueError(
-                f"best_of must be at most {vocab_size // max(2, 1 + num_eos)} with beam search on a "
-                f"vocabulary of {vocab_size} tokens; got {params.best_of}"
-            )
+    # Beam search keeps this many candidates per beam each step, from the top of the vocabulary.
+    if params.use_beam_search and num_candidates(params.best_of, num_eos) > vocab_size:
+        raise ValueError(
+            f"best_of must be at most {vocab_size // num_candidates(1, num_eos)} with beam search on a "
+            f"vocabulary of {vocab_size} tokens; got {params.best_of}"
+        )
 
 
 def _check_lengths(

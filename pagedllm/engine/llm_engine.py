@@ -54,7 +54,6 @@ from pagedllm.engine.beam_search import beam_search_step
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executor import get_executor_class
 from pagedllm.executor.abstract import ExecutorDeadError
-from pagedllm.models.utils import kv_cache_window
 from pagedllm.outputs import RequestOutput
 from pagedllm.request_validation import validate_request
 from pagedllm.sampling_params import SamplingParams
@@ -134,7 +133,7 @@ class LLMEngine:
             num_gpu_blocks,
             num_cpu_blocks,
             enable_prefix_caching=config.cache_config.enable_prefix_caching,
-            sliding_window=kv_cache_window(model_config.hf_config),
+            sliding_window=self.executor.get_kv_cache_spec().sliding_window,
             num_sink_tokens=model_config.attention_sinks,
         )
         self.eos_token_ids = get_eos_token_ids(model_config, self.tokenizer)

@@ -10,10 +10,13 @@ tokens (they all gather the full logits), so one copy is enough.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.step_io import SchedulerOutput, StepHandle
+
+if TYPE_CHECKING:
+    from pagedllm.worker.cache_engine import KVCacheSpec
 
 
 class ExecutorDeadError(RuntimeError):
@@ -60,6 +63,10 @@ class Executor:
         """Stop the workers and release what they hold; safe to call more than once."""
 
     # --- setup, on every rank ---------------------------------------------------------------
+
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        """The KV cache the model needs (rank 0's: every rank's differs only in its head count)."""
+        return self.collective_rpc("get_kv_cache_spec")[0]
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) that fit on every rank: each rank profiles its own

@@ -12,13 +12,15 @@ from pagedllm.worker.input_buffers import to_device
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """The cache's shape, as the model and run dtype fix it (per rank)."""
+    """The cache's shape, as the model and run dtype fix it (per rank), and the window every layer
+    attends through (None: some layer is global), which bounds the blocks a request keeps."""
 
     num_layers: int
     num_kv_heads: int
     head_size: int
     block_size: int
     dtype: torch.dtype
+    sliding_window: int | None = None
 
     @property
     def block_bytes(self) -> int:

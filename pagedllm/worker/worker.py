@@ -10,6 +10,7 @@ from pagedllm.attention.backends import get_attn_backend
 from pagedllm.config import EngineConfig, GiB
 from pagedllm.distributed import init_distributed_environment
 from pagedllm.layers.onednn_linear import onednn_available, prepack_dense_weights
+from pagedllm.models.utils import kv_cache_window
 from pagedllm.step_io import SchedulerOutput
 from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
 from pagedllm.worker.model_runner import ModelRunner, StepOutput
@@ -48,6 +49,7 @@ class Worker:
             head_size=model_config.head_size,
             block_size=cache_config.block_size,
             dtype=model_config.dtype,
+            sliding_window=kv_cache_window(model_config.hf_config),
         )
         self.model_runner = ModelRunner(config, self.attn_backend)
         self.cache_engine: CacheEngine | None = None
@@ -91,6 +93,10 @@ class Worker:
                 f"more than the {budget / GiB:.1f} GiB this GPU can give (free {free / GiB:.1f} GiB, "
                 f"gpu_memory_utilization {utilization} of {total / GiB:.1f} GiB)"
             )
+
+    def get_kv_cache_spec(self) -> KVCacheSpec:
+        """The cache this rank's model needs, for the engine's scheduler (vLLM's name)."""
+        return self.kv_cache_spec
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
         """(device blocks, CPU swap blocks) that fit the memory budget (vLLM's design's
