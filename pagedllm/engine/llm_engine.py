@@ -235,16 +235,21 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer(prompt)["input_ids"]
         return prompt_token_ids
 
-    def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """End requests wherever they are; their blocks are free when this returns."""
+    def abort_request(self, request_id: str | Iterable[str]) -> list[RequestOutput]:
+        """End requests wherever they are; their blocks are free when this returns. Returns the
+        final output of each request that was still live (finish reason "abort", the tokens it
+        had), which no step will return. Call it between steps, from the thread that steps."""
         request_ids = {request_id} if isinstance(request_id, str) else set(request_id)
         self._finished_at_once = [s for s in self._finished_at_once if s.request_id not in request_ids]
+        aborted = []
         for rid in request_ids:
             state = self.requests.get(rid)
             if state is None:
                 continue
             self.scheduler.finish_requests(_live(state), RequestStatus.FINISHED_ABORTED)
             self._retire(state)
+            aborted.append(RequestOutput.from_state(state))
+        return aborted
 
     def request_id_of(self, req_id: int) -> str | None:
         """The caller's id of the request an engine sequence belongs to (None once it ended)."""

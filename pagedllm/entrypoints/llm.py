@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import operator
+import threading
 import time
 from collections.abc import Sequence as SequenceABC
 from typing import Any
@@ -43,17 +45,47 @@ class LLM:
         # prints nothing unasked).
         logger.info("%s", engine_summary(engine.config, engine.num_gpu_blocks, time.perf_counter() - start))
         self._request_counter = itertools.count()
+        # The engine is stepped by the thread in generate(); abort() may come from any thread.
+        # The lock is held across each step; an abort that finds it taken is queued and applied by
+        # the stepping thread before its next step: it takes effect between steps, never inside
+        # the scheduler's or the engine's bookkeeping, and the aborting thread never waits.
+        self._engine_lock = threading.Lock()
+        # Request ids to abort, or None for every request (deque appends are atomic).
+        self._pending_aborts: collections.deque[list[str] | None] = collections.deque()
+        # Final outputs of requests of the generate() in progress that abort() ended: generate()
+        # returns them in their place ("abort", with the tokens they had).
+        self._generating: set[str] = set()
+        self._aborted: dict[str, RequestOutput] = {}
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.llm_engine.tokenizer
 
     def abort(self, request_id: str | SequenceABC[str]) -> None:
-        """End requests (their ``RequestOutput.request_id``) and free their blocks."""
-        self.llm_engine.abort_request(request_id)
+        """End requests (their ``RequestOutput.request_id``) and free their blocks. Safe from
+        another thread while ``generate`` runs: it returns at once and takes effect before the next
+        step, and ``generate`` returns each aborted request's output so far (finish reason
+        "abort") in its place."""
+        self._queue_abort([request_id] if isinstance(request_id, str) else list(request_id))
 
     def abort_all(self) -> None:
         """End every unfinished request, e.g. after a ``generate`` interrupted from outside."""
-        self.llm_engine.abort_request(list(self.llm_engine.requests))
+        self._queue_abort(None)
+
+    def _queue_abort(self, request_ids: list[str] | None) -> None:
+        self._pending_aborts.append(request_ids)
+        if self._engine_lock.acquire(blocking=False):  # no step in progress: apply it now
+            try:
+                self._apply_aborts()
+            finally:
+                self._engine_lock.release()
+
+    def _apply_aborts(self) -> None:
+        """Apply the queued aborts (the engine lock held), keeping the outputs generate() returns."""
+        engine = self.llm_engine
+        while self._pending_aborts:
+            request_ids = self._pending_aborts.popleft()
+            outputs = engine.abort_request(list(engine.requests) if request_ids is None else request_ids)
+            self._aborted.update((o.request_id, o) for o in outputs if o.request_id in self._generating)
 
     def generate(
         self,
@@ -116,42 +148,67 @@ class LLM:
             for index, (request, request_params) in enumerate(zip(requests, params)):
                 request_id = str(next(self._request_counter))
                 try:
-                    engine.add_request(
-                        request_id,
-                        prompt=request.get("prompt"),
-                        sampling_params=request_params,
-                        prompt_token_ids=request.get("prompt_token_ids"),
-                        stream=False,
-                    )
+                    with self._engine_lock:
+                        engine.add_request(
+                            request_id,
+                            prompt=request.get("prompt"),
+                            sampling_params=request_params,
+                            prompt_token_ids=request.get("prompt_token_ids"),
+                            stream=False,
+                        )
+                        self._generating.add(request_id)
                 except ValueError as e:
                     raise ValueError(f"prompt {index}: {e}") from e
                 request_ids.append(request_id)
-        except Exception:
-            # Nothing of a refused batch stays queued.
-            engine.abort_request(request_ids)
+        except BaseException:
+            # Nothing of a refused or interrupted (Ctrl-C) batch stays queued.
+            self._end_call(request_ids, abort=True)
             raise
         return self._run_engine(request_ids, use_tqdm)
 
+    def _end_call(self, request_ids: list[str], abort: bool) -> None:
+        """Forget a generate() call's requests; with ``abort``, end those still live."""
+        with self._engine_lock:
+            if abort:
+                self.llm_engine.abort_request(request_ids)
+            self._generating.difference_update(request_ids)
+            for request_id in request_ids:
+                self._aborted.pop(request_id, None)
+
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         progress = tqdm(total=len(request_ids), desc="Processed prompts", unit="req", disable=not use_tqdm)
         try:
             self._step_until_done(finished, progress)
         except BaseException:
             # Interrupted (Ctrl-C, an engine error): none of this call's requests stays queued.
-            engine.abort_request([r for r in request_ids if r not in finished])
+            self._end_call([r for r in request_ids if r not in finished], abort=True)
             raise
         finally:
             progress.close()
+        with self._engine_lock:
+            self._apply_aborts()
+            finished.update((r, self._aborted[r]) for r in request_ids if r in self._aborted)
+        self._end_call(request_ids, abort=False)
+        lost = [r for r in request_ids if r not in finished]
+        if lost:
+            raise RuntimeError(
+                f"requests {lost} were ended outside LLM.abort (the engine's abort_request): use "
+                "LLM.abort, which returns their outputs here"
+            )
         return [finished[request_id] for request_id in request_ids]
 
     def _step_until_done(self, finished: dict[str, RequestOutput], progress: tqdm) -> None:
         engine = self.llm_engine
         start = time.perf_counter()
         num_output_tokens = 0
-        while engine.has_unfinished_requests():
-            for output in engine.step():
+        while True:
+            with self._engine_lock:
+                self._apply_aborts()
+                if not engine.has_unfinished_requests():
+                    break
+                outputs = engine.step()
+            for output in outputs:
                 if not output.finished:
                     continue
                 finished[output.request_id] = output

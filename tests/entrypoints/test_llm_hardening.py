@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import threading
 
 import pytest
 
@@ -83,6 +84,57 @@ def test_abort_ends_requests_and_frees_their_blocks(llm):
     llm.abort("a")
     assert set(engine.requests) == {"b"}
     llm.abort_all()
+    assert not engine.has_unfinished_requests() and _all_blocks_free(llm)
+
+
+def test_an_abort_from_another_thread_lands_between_steps_and_generate_returns_every_output(llm):
+    """Another thread aborts one request of a running generate() while a step is in progress:
+    the abort waits for no lock and never runs inside the step; generate() returns every prompt's
+    output, the aborted one cut short with finish reason "abort", the others as in a run without
+    the abort; every block is free."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [1 + i, 2, 3, 4]} for i in range(4)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    engine = llm.llm_engine
+    real_step = engine.step
+    steps = []
+
+    def step_with_an_abort_during_it():
+        steps.append(1)
+        if len(steps) == 3:
+            victim = sorted(engine.requests, key=int)[1]
+            aborter = threading.Thread(target=llm.abort, args=(victim,))
+            aborter.start()
+            aborter.join(timeout=10)  # it returns while this step still holds the engine
+            assert not aborter.is_alive() and victim in engine.requests
+        return real_step()
+
+    engine.step = step_with_an_abort_during_it
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        del engine.step
+    assert [o.outputs[0].finish_reason for o in outputs] == ["length", "abort", "length", "length"]
+    assert 0 < len(outputs[1].outputs[0].token_ids) < 24
+    assert outputs[1].outputs[0].token_ids == expected[1][: len(outputs[1].outputs[0].token_ids)]
+    assert [outputs[i].outputs[0].token_ids for i in (0, 2, 3)] == [expected[i] for i in (0, 2, 3)]
+    assert not engine.has_unfinished_requests() and _all_blocks_free(llm)
+
+
+def test_ctrl_c_while_prompts_are_added_leaves_nothing_queued(llm, monkeypatch):
+    engine = llm.llm_engine
+    real_add = engine.add_request
+    calls = []
+
+    def add_then_interrupt(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_add(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", add_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}] * 5, SamplingParams(max_tokens=4), use_tqdm=False)
     assert not engine.has_unfinished_requests() and _all_blocks_free(llm)
 
 
