@@ -409,6 +409,72 @@ def test_head_health_and_the_server_ends_idle_with_every_block_free(server):
     assert metrics["pagedllm:num_free_gpu_blocks"] == metrics["pagedllm:num_gpu_blocks"]
 
 
+# Just under the 1 MiB body limit once wrapped in JSON: about a second of the tokenizer's time.
+BIG_TEXT = ("hello world " * 90_000)[:1_000_000]
+# The longest /health may take while big prompts are tokenized (on the event loop it took 8 s).
+HEALTH_BOUND_S = 1.0
+
+
+def _health_latencies(server, until: threading.Event) -> list[float]:
+    latencies = []
+    while not until.is_set():
+        start = time.perf_counter()
+        assert server.request("GET", "/health")[0] == 200
+        latencies.append(time.perf_counter() - start)
+        time.sleep(0.05)
+    return latencies
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [("/tokenize", {"prompt": "Hello"}), ("/detokenize", {"tokens": [1, 2]})],
+    ids=["tokenize", "detokenize"],
+)
+def test_tokenize_and_detokenize_need_the_api_key(server, path, body):
+    got = server.request("POST", path, body, authorize=False)
+    assert got[0] == 401 and json.loads(got[2])["error"]["code"] == "invalid_api_key"
+    assert server.request("POST", path, body)[0] == 200
+
+
+def test_big_prompts_to_tokenize_and_completions_stall_neither_health_nor_streams(server):
+    victim = Victim(server)
+    victim.start()
+    done = threading.Event()
+    results: list[tuple[str, int, bytes]] = []
+
+    def send(path: str, body: dict[str, Any]) -> None:
+        status, data = _post_raw(server, path, json.dumps(body).encode())
+        results.append((path, status, data))
+
+    senders = [threading.Thread(target=send, args=("/tokenize", {"prompt": BIG_TEXT})) for _ in range(4)]
+    senders.append(threading.Thread(target=send, args=("/v1/completions", _completion(prompt=BIG_TEXT))))
+    senders.append(
+        threading.Thread(
+            target=send,
+            args=("/v1/chat/completions", _chat(messages=[{"role": "user", "content": BIG_TEXT}])),
+        )
+    )
+    watcher_result: list[list[float]] = []
+    watcher = threading.Thread(target=lambda: watcher_result.append(_health_latencies(server, done)))
+    watcher.start()
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join(120)
+    done.set()
+    watcher.join(30)
+    victim.assert_whole()
+    by_path = {path: [(status, data) for p, status, data in results if p == path] for path, *_ in results}
+    assert [status for status, _ in by_path["/tokenize"]] == [200] * 4
+    assert json.loads(by_path["/tokenize"][0][1])["count"] > 100_000
+    for path, param in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")):
+        status, data = by_path[path][0]
+        error = json.loads(data)["error"]
+        # Refused by its length in characters, before it was tokenized.
+        assert status == 400 and error["param"] == param and "characters" in error["message"], error
+    assert max(watcher_result[0]) < HEALTH_BOUND_S, sorted(watcher_result[0])[-5:]
+
+
 def test_shutdown_ends_open_streams_with_an_error_event(server):
     """Last in the module: it stops the server."""
     host, port = server.url.removeprefix("http://").split(":")

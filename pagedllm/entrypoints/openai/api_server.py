@@ -62,7 +62,7 @@ HEALTH_CHECK_INTERVAL_S = 1.0
 @dataclass
 class ServerSettings:
     model_name: str
-    # Every /v1 route needs "Authorization: Bearer <api_key>" when set.
+    # Every /v1 route, /tokenize and /detokenize need "Authorization: Bearer <api_key>" when set.
     api_key: str | None = None
     max_request_body_bytes: int = 1 << 20
     # Seconds between stats log lines; 0 turns them off.
@@ -79,16 +79,21 @@ def error_response(error: APIError) -> Response:
     )
 
 
+# Routes open without the key: probes and scrapers (vLLM's choice); everything else is the API.
+_PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"})
+
+
 class ApiKeyMiddleware:
-    """401 for a /v1 request without the right bearer token, before its body is even read. The
-    scheme is case-insensitive (RFC 7235)."""
+    """401 for an API request (every route but /health, /version and /metrics) without the right
+    bearer token, before its body is even read: /tokenize and /detokenize spend the server's time
+    as completions do. The scheme is case-insensitive (RFC 7235)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"] not in _PUBLIC_PATHS:
             scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             # Constant time, so the key cannot be guessed byte by byte from response times.
             if not (hmac.compare_digest(token.strip(), self.expected) and scheme.lower() == b"bearer"):

@@ -161,9 +161,10 @@ class OpenAIServingChat(OpenAIServing):
 
     # --- the prompt -------------------------------------------------------------------------
 
-    async def render(self, request: ChatCompletionRequest) -> list[int]:
+    async def render(self, request: ChatCompletionRequest, bounded: bool = True) -> list[int]:
         """The prompt's token ids: the messages rendered by the chat template in a worker thread
-        (bounded in time), then tokenized here (the tokenizer is not shared between threads)."""
+        (bounded in time), then tokenized in the tokenizing thread; ``bounded``: refused when the
+        rendered text has more characters than the context can hold."""
         tokenizer = self.tokenizer
         if tokenizer is None:
             raise APIError(400, "this model has no tokenizer, so no chat template: use /v1/completions")
@@ -181,7 +182,7 @@ class OpenAIServingChat(OpenAIServing):
             ) from e
         except (ValueError, TypeError, KeyError, IndexError, jinja2.TemplateError) as e:
             raise APIError(400, f"cannot apply the chat template: {e}", param="messages") from e
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return await self.encode(text, "messages", add_special_tokens=False, bounded=bounded)
 
     def _template_kwargs(self, request: ChatCompletionRequest) -> dict[str, Any]:
         extra = dict(request.chat_template_kwargs or {})

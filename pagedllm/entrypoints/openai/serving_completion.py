@@ -64,7 +64,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_request_options(request)
         if request.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        prompts = self._engine_prompts(request.prompt)
+        prompts = await self._engine_prompts(request.prompt)
         if request.truncate_prompt_tokens is not None and request.truncate_prompt_tokens >= 1:
             # Cut here, so the length check sees what the engine will run.
             keep = request.truncate_prompt_tokens
@@ -82,7 +82,9 @@ class OpenAIServingCompletion(OpenAIServing):
             finals = await self.collect(streams)
         return self._response(request, request_id, prompts, finals)
 
-    def _engine_prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[EnginePrompt]:
+    async def _engine_prompts(
+        self, prompt: str | list[str] | list[int] | list[list[int]]
+    ) -> list[EnginePrompt]:
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
@@ -92,7 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = []
         for item in prompt:
             if isinstance(item, str):
-                prompts.append(EnginePrompt(self.tokenize(item, "prompt"), item))
+                prompts.append(EnginePrompt(await self.encode(item, "prompt"), item))
             elif not item:
                 raise APIError(400, "prompt must not be empty", param="prompt")
             else:

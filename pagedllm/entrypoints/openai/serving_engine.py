@@ -4,13 +4,15 @@ parameters, handing requests to the engine, and aborting them when the client go
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import itertools
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pagedllm.core.request import Logprob
 from pagedllm.engine.async_engine import AsyncEngineDeadError, AsyncLLMEngine, RequestStream
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
     from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # JSON has no -inf: the floor vLLM and OpenAI report for impossible tokens.
@@ -93,6 +97,16 @@ class OpenAIServing:
         self.max_model_len = engine.config.model_config.max_model_len
         # None with attention sinks: the completion may run past max_model_len.
         self.max_context_len = engine.config.model_config.max_context_len
+        # Prompts are encoded and decoded in a thread of their own, with a copy of the tokenizer
+        # of its own (a tokenizer is not shared between threads): a 1 MiB prompt takes about a
+        # second, and on the event loop it would stall every stream and /health for as long. The
+        # fast tokenizers release the GIL while they work. One thread: requests queue for it.
+        self._encoder = copy.deepcopy(tokenizer)
+        self._tokenize_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        # No token is longer than the vocabulary's longest, so a prompt of more characters than
+        # max_model_len of them cannot fit: it is refused before it is tokenized.
+        longest_token = max(map(len, tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
+        self.max_prompt_chars = self.max_model_len * max(longest_token, 1)
 
     # --- checks -----------------------------------------------------------------------------
 
@@ -169,10 +183,35 @@ class OpenAIServing:
                 400, f"the output constraint did not compile in {COMPILE_TIMEOUT_S:g} s", param=field
             ) from e
 
-    def tokenize(self, text: str, param: str) -> list[int]:
-        if self.tokenizer is None:
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """400 for a prompt of more characters than max_model_len tokens can hold, before the
+        tokenizer spends a second on it."""
+        if num_chars > self.max_prompt_chars:
+            raise APIError(
+                400,
+                f"{param} has {num_chars} characters, more than this model's maximum context length "
+                f"of {self.max_model_len} tokens can hold (at most {self.max_prompt_chars} characters).",
+                param=param,
+            )
+
+    async def encode(
+        self, text: str, param: str, add_special_tokens: bool = True, bounded: bool = True
+    ) -> list[int]:
+        """``text``'s token ids, tokenized off the event loop; ``bounded``: refused (naming
+        ``param``) when it has more characters than the context can hold."""
+        if self._encoder is None:
             raise APIError(400, "this model has no tokenizer: give the prompt as token ids", param=param)
-        return self.tokenizer(text)["input_ids"]
+        if bounded:
+            self.check_prompt_chars(len(text), param)
+        return await self.in_tokenize_thread(
+            lambda tokenizer: tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        )
+
+    async def in_tokenize_thread(self, work: Callable[[Tokenizer], _T]) -> _T:
+        """``work(tokenizer)`` in the tokenizing thread, with its copy of the tokenizer."""
+        encoder = self._encoder
+        assert encoder is not None
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, work, encoder)
 
     def decode_token(self, token_id: int, logprob: Logprob | None, as_token_id: bool = False) -> str:
         if as_token_id:

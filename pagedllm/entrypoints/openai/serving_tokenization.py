@@ -32,12 +32,17 @@ class OpenAIServingTokenization(OpenAIServing):
             chat_request = ChatCompletionRequest(
                 messages=request.messages, add_generation_prompt=request.add_generation_prompt
             )
-            tokens = await self.chat.render(chat_request)
+            tokens = await self.chat.render(chat_request, bounded=False)
         else:
-            tokens = self.tokenizer(request.prompt, add_special_tokens=bool(request.add_special_tokens))[
-                "input_ids"
-            ]
-        token_strs = self.tokenizer.convert_ids_to_tokens(tokens) if request.return_token_strs else None
+            # Unbounded: /tokenize answers how long a text is, fitting or not (the body limit bounds it).
+            tokens = await self.encode(
+                request.prompt, "prompt", add_special_tokens=bool(request.add_special_tokens), bounded=False
+            )
+        token_strs = None
+        if request.return_token_strs:
+            token_strs = await self.in_tokenize_thread(
+                lambda tokenizer: tokenizer.convert_ids_to_tokens(tokens)
+            )
         return TokenizeResponse(
             count=len(tokens), max_model_len=self.max_model_len, tokens=tokens, token_strs=token_strs
         )
@@ -50,4 +55,6 @@ class OpenAIServingTokenization(OpenAIServing):
             tokens = check_token_ids(request.tokens, self.engine.config.model_config.vocab_size, "tokens")
         except ValueError as e:
             raise APIError(400, str(e), param="tokens") from e
-        return DetokenizeResponse(prompt=self.tokenizer.decode(tokens))
+        return DetokenizeResponse(
+            prompt=await self.in_tokenize_thread(lambda tokenizer: tokenizer.decode(tokens))
+        )
