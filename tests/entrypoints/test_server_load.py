@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import signal
+import socket
 import time
 
 import aiohttp
@@ -171,3 +173,62 @@ def test_shutdown_with_open_streams_does_not_hang(launch_server, tiny_server_arg
     # uvicorn lets open responses run for its graceful timeout (5 s), then cancels them.
     assert asyncio.run(main()) < 15
     assert server.process.returncode == 0, server.log_tail()
+
+
+NUM_IDLE = 300
+NUM_SLOWLORIS = 300
+LIMIT = 8
+# The longest a request may wait while idle and slow sockets are open (the issue's bound).
+ANSWER_BOUND_S = 2.0
+
+
+def _timed_get(server, path: str) -> tuple[int, float]:
+    start = time.perf_counter()
+    status = server.request("GET", path)[0]
+    return status, time.perf_counter() - start
+
+
+def test_idle_and_slowloris_sockets_neither_starve_requests_nor_stay_open(launch_server, tiny_server_args):
+    """Idle sockets and sockets that trickle headers never count against --limit-concurrency and
+    are closed after the header timeout; real requests in progress still do count."""
+    from pagedllm.entrypoints.openai.api_server import HEADER_READ_TIMEOUT_S
+
+    server = launch_server([*tiny_server_args, "--limit-concurrency", str(LIMIT)])
+    host, port = server.url.removeprefix("http://").split(":")
+    idle = [socket.create_connection((host, int(port))) for _ in range(NUM_IDLE)]
+    slow = [socket.create_connection((host, int(port))) for _ in range(NUM_SLOWLORIS)]
+    opened = time.monotonic()
+    try:
+        for sock in slow:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        for path in ("/health", "/v1/models", "/health", "/v1/models"):
+            status, seconds = _timed_get(server, path)
+            assert status == 200 and seconds < ANSWER_BOUND_S, (path, status, seconds)
+            for sock in slow[:50]:
+                sock.sendall(b"X-Slow: 1\r\n")  # a byte now and then: uvicorn's keep-alive timer stops
+        # LIMIT requests whose bodies never come are in progress; one more is refused, /health is not.
+        partial = []
+        for _ in range(LIMIT):
+            sock = socket.create_connection((host, int(port)))
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n\r\n{"
+            )
+            partial.append(sock)
+        time.sleep(0.5)
+        status, _, body = server.request("GET", "/v1/models")
+        assert status == 503 and json.loads(body)["error"]["code"] == "server_busy", body
+        assert _timed_get(server, "/health")[0] == 200
+        for sock in partial:
+            sock.close()
+        time.sleep(0.5)
+        assert server.request("GET", "/v1/models")[0] == 200
+        # Every idle and slow socket is closed by the server once the header timeout passes.
+        for sock in idle[:20] + slow[:20]:
+            sock.settimeout(max(HEADER_READ_TIMEOUT_S + 5 - (time.monotonic() - opened), 0.1))
+            with contextlib.suppress(ConnectionResetError):
+                assert sock.recv(1024) == b""
+        assert time.monotonic() - opened < HEADER_READ_TIMEOUT_S + 5
+    finally:
+        for sock in idle + slow:
+            sock.close()

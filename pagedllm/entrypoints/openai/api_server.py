@@ -23,6 +23,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedllm import __version__
 from pagedllm.engine.arg_utils import EMBEDDED_MODEL_FILE, EngineArgs
@@ -53,6 +54,11 @@ GRACEFUL_SHUTDOWN_SECONDS = 5
 BODY_READ_TIMEOUT_S = 30.0
 # The most bytes of request line and headers uvicorn buffers (h11's limit).
 MAX_HEADER_BYTES = 64 * 1024
+# Seconds a connection gets to send a request's line and headers, from connecting or from its
+# last response: idle and slowloris sockets are closed after it (uvicorn has no such timeout).
+HEADER_READ_TIMEOUT_S = 10.0
+# Routes outside --limit-concurrency: probes must see a busy server as alive.
+_UNLIMITED_PATHS = frozenset({"/health"})
 
 
 # Seconds between checks that the engine still serves; a dead one stops the server.
@@ -67,6 +73,8 @@ class ServerSettings:
     max_request_body_bytes: int = 1 << 20
     # Seconds between stats log lines; 0 turns them off.
     stats_interval: float = 10.0
+    # The most requests in progress at once (streams included); more get 503. None: no limit.
+    limit_concurrency: int | None = None
     # Render chat templates that requests bring (chat_template): off, they are refused.
     trust_request_chat_template: bool = False
     # The tool-call parser for tool_choice "auto" (None: auto is refused).
@@ -146,6 +154,63 @@ class BodySizeLimitMiddleware:
         )
 
 
+class RequestLimitMiddleware:
+    """503 for a request beyond ``limit`` requests in progress (a stream counts until it ends).
+
+    This is --limit-concurrency, counted here rather than by uvicorn, which counts open
+    connections: 1,100 idle sockets made it answer every request and /health with 503."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+        self.num_requests = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _UNLIMITED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        if self.num_requests >= self.limit:
+            message = f"more than {self.limit} requests at once (--limit-concurrency); try again later"
+            await error_response(APIError(503, message, code="server_busy"))(scope, receive, send)
+            return
+        self.num_requests += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.num_requests -= 1
+
+
+class HeaderTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection that has not sent a whole request line and
+    headers HEADER_READ_TIMEOUT_S after it connected or after its last response (uvicorn's
+    keep-alive timeout stops at the first byte, so a slowloris client could hold it for good)."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._arm_header_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        self._header_timer = self.loop.call_later(HEADER_READ_TIMEOUT_S, self._on_header_timeout, self.cycle)
+
+    def _on_header_timeout(self, cycle_when_armed: object) -> None:
+        # A new request's headers make a new cycle; one still being answered is never cut.
+        waiting = self.cycle is None or self.cycle.response_complete
+        if self.cycle is cycle_when_armed and waiting and not self.transport.is_closing():
+            self.transport.close()
+
+
 def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
     """The server's app; its lifespan starts the engine loop and stops it on shutdown.
 
@@ -185,6 +250,8 @@ def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_request_body_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+    if settings.limit_concurrency is not None:
+        app.add_middleware(RequestLimitMiddleware, limit=settings.limit_concurrency)
     _add_error_handlers(app)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
@@ -334,6 +401,7 @@ def run_server(args: argparse.Namespace) -> None:
         api_key=args.api_key,
         max_request_body_bytes=args.max_request_body_bytes,
         stats_interval=args.stats_interval,
+        limit_concurrency=args.limit_concurrency,
         trust_request_chat_template=args.trust_request_chat_template,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
@@ -346,7 +414,8 @@ def run_server(args: argparse.Namespace) -> None:
         access_log=args.access_log,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
         timeout_keep_alive=args.timeout_keep_alive,
-        limit_concurrency=args.limit_concurrency,
+        # --limit-concurrency is RequestLimitMiddleware's: uvicorn's would count idle connections.
+        http=HeaderTimeoutH11Protocol,
         h11_max_incomplete_event_size=MAX_HEADER_BYTES,
     )
     server = _Server(config, async_engine)

@@ -75,7 +75,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--limit-concurrency",
         type=int,
         default=1024,
-        help="most connections at once; more get 503",
+        help="most requests in progress at once (streams included, /health not); more get 503",
     )
     server.add_argument(
         "--engine-process",
