@@ -37,7 +37,9 @@ import copy
 import itertools
 import logging
 import multiprocessing
+import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
@@ -52,6 +54,7 @@ from pagedllm.engine.core import (
     CoreOutputs,
     EngineCore,
     EngineDead,
+    Heartbeat,
     Ready,
     StartupFailed,
     run_engine_core_process,
@@ -68,6 +71,9 @@ logger = logging.getLogger(__name__)
 
 # How long shutdown waits for the engine process to exit before it is killed.
 PROCESS_EXIT_TIMEOUT_S = 10.0
+# The engine reports after every step, and every HEALTH_CHECK_INTERVAL_S while idle: heard of
+# longer ago than this, it is stuck (stopped, or a step that does not end), and /health says so.
+HEARTBEAT_TIMEOUT_S = 10.0
 
 
 class AsyncEngineDeadError(RuntimeError):
@@ -181,6 +187,9 @@ class AsyncLLMEngine:
         self._adds: dict[int, asyncio.Future[None]] = {}
         self._op_ids = itertools.count()
         self._dead_error: AsyncEngineDeadError | None = None
+        # When the engine last sent anything (event loop clock); see is_responsive.
+        self.heartbeat_timeout_s = HEARTBEAT_TIMEOUT_S
+        self._last_heard = time.monotonic()
         self.stats: EngineStats = core.initial_stats
         self.num_aborted_requests = 0
         self.num_failed_requests = 0
@@ -192,6 +201,7 @@ class AsyncLLMEngine:
         if self._loop is not None:
             raise RuntimeError("the engine loop is already running")
         self._loop = asyncio.get_running_loop()
+        self._last_heard = time.monotonic()
         self._core.start(self._deliver)
 
     async def shutdown(self, timeout: float = PROCESS_EXIT_TIMEOUT_S) -> None:
@@ -210,6 +220,17 @@ class AsyncLLMEngine:
     @property
     def is_healthy(self) -> bool:
         return self.is_running and self._dead_error is None
+
+    @property
+    def seconds_since_heard(self) -> float:
+        """Seconds since the engine last sent a step's outputs, an op's answer or a heartbeat."""
+        return time.monotonic() - self._last_heard
+
+    @property
+    def is_responsive(self) -> bool:
+        """Healthy, and heard from within ``heartbeat_timeout_s``. A stuck engine is not dead: it
+        may go on (a SIGCONT), so this turns /health 503 without stopping anything."""
+        return self.is_healthy and self.seconds_since_heard < self.heartbeat_timeout_s
 
     def dead_reason(self) -> str:
         """Why the engine stopped serving ("" while it is healthy)."""
@@ -245,7 +266,9 @@ class AsyncLLMEngine:
         future = asyncio.get_running_loop().create_future()
         self._adds[op_id] = future
         try:
-            self._send(AddRequest(op_id, request_id, prompt, sampling_params, prompt_token_ids, arrival_time))
+            self._core.send(
+                AddRequest(op_id, request_id, prompt, sampling_params, prompt_token_ids, arrival_time)
+            )
             await future
         except asyncio.CancelledError:
             # The caller left while the add was on its way: the request may have been added since.
@@ -301,14 +324,7 @@ class AsyncLLMEngine:
     def _send_abort(self, request_ids: list[str]) -> None:
         # A gone engine has nothing left to abort (its reader reports why it went).
         if request_ids and self._dead_error is None:
-            with contextlib.suppress(AsyncEngineDeadError):
-                self._send(AbortRequests(request_ids))
-
-    def _send(self, op: CoreOp) -> None:
-        try:
-            self._core.send(op)
-        except OSError as e:  # the engine process is gone; its reader reports why
-            raise AsyncEngineDeadError(f"the engine process is gone: {e!r}") from e
+            self._core.send(AbortRequests(request_ids))
 
     # --- event loop side: results from the engine core ---------------------------------------
 
@@ -319,6 +335,9 @@ class AsyncLLMEngine:
             self._loop.call_soon_threadsafe(self._handle, message)
 
     def _handle(self, message: CoreMessage) -> None:
+        self._last_heard = time.monotonic()
+        if isinstance(message, Heartbeat):
+            return
         if isinstance(message, CoreOutputs):
             # Stats first, so that a client who sees its request finish then sees its blocks free.
             self.stats = message.stats
@@ -414,7 +433,10 @@ class _ProcessCore:
         )
         self.process.start()
         child_conn.close()
-        self._send_lock = threading.Lock()
+        # Ops go down the pipe from a thread of their own: a stopped engine fills the pipe, and a
+        # send on the event loop would then freeze every stream and /health with it.
+        self._outbox: queue.SimpleQueue[CoreOp] = queue.SimpleQueue()
+        self._sender: threading.Thread | None = None
         self._closing = False
         self._reader: threading.Thread | None = None
         try:
@@ -440,10 +462,22 @@ class _ProcessCore:
             target=self._read, args=(deliver,), name="pagedllm-engine-outputs", daemon=True
         )
         self._reader.start()
+        self._sender = threading.Thread(target=self._send_ops, name="pagedllm-engine-ops", daemon=True)
+        self._sender.start()
 
     def send(self, op: CoreOp) -> None:
-        with self._send_lock:
-            self._conn.send(op)
+        """Queue ``op`` for the engine; never blocks. A gone engine's reader reports the death."""
+        self._outbox.put(op)
+
+    def _send_ops(self) -> None:
+        while True:
+            op = self._outbox.get()
+            try:
+                self._conn.send(op)
+            except OSError:
+                return  # the engine process is gone; the reader reports it
+            if op is None:
+                return
 
     def is_alive(self) -> bool:
         return self.process.is_alive() and self._reader is not None and self._reader.is_alive()
@@ -453,7 +487,10 @@ class _ProcessCore:
             return
         self._closing = True
         if self.process.is_alive():
-            with contextlib.suppress(OSError):
+            if self._sender is None:  # never started: no thread to hand the stop to
+                with contextlib.suppress(OSError):
+                    self._conn.send(None)
+            else:
                 self.send(None)
             self.process.join(timeout)
         if self.process.is_alive():

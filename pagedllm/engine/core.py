@@ -101,6 +101,12 @@ class CoreOutputs:
 
 
 @dataclass
+class Heartbeat:
+    """Sent every HEALTH_CHECK_INTERVAL_S while idle, once the workers are found alive: with the
+    outputs of every step, it tells the frontend that the engine is not stuck."""
+
+
+@dataclass
 class EngineDead:
     """The loop ended: the engine gave up (a worker gone, a device fault) or raised."""
 
@@ -121,7 +127,7 @@ class StartupFailed:
     error: Exception
 
 
-CoreMessage = AddResult | CoreOutputs | EngineDead
+CoreMessage = AddResult | CoreOutputs | Heartbeat | EngineDead
 
 
 class EngineCore:
@@ -184,6 +190,7 @@ class EngineCore:
             pass
         if not busy and not changed and not self._compiling:
             self.engine.check_health()  # raises ExecutorDeadError when a worker is gone
+            self._emit(Heartbeat())
         changed |= self._add_compiled()
         if changed:
             # Aborts free blocks and adds queue requests: show it even when no step follows.

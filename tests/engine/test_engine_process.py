@@ -310,3 +310,48 @@ def test_the_engine_process_exits_when_its_frontend_dies(tiny_llama_with_tokeniz
         time.sleep(0.1)
     os.kill(engine_pid, signal.SIGKILL)
     pytest.fail("the engine process outlived its frontend by 20 s")
+
+
+def test_a_stopped_engine_neither_freezes_the_event_loop_nor_looks_responsive(tiny_llama_with_tokenizer):
+    """SIGSTOP: adds keep going into the (filling) pipe without blocking the loop, and the engine
+    turns unresponsive once no heartbeat came for heartbeat_timeout_s; SIGCONT: it serves them all."""
+
+    async def body() -> None:
+        engine = AsyncLLMEngine.in_engine_process(engine_args(tiny_llama_with_tokenizer))
+        engine.heartbeat_timeout_s = 2.0
+        engine.start()
+        pid = engine._core.process.pid
+        try:
+            await asyncio.sleep(1.5)  # idle: heartbeats alone keep it responsive
+            assert engine.is_responsive
+            os.kill(pid, signal.SIGSTOP)
+            params = SamplingParams(max_tokens=4, ignore_eos=True)
+            # Big prompts: far more than a pipe's buffer, so a send on the loop would block.
+            adds = [
+                asyncio.ensure_future(
+                    engine.add_request(f"r{i}", prompt_token_ids=[1] * 50_000, sampling_params=params)
+                )
+                for i in range(20)
+            ]
+            gaps = []
+            start = time.monotonic()
+            while time.monotonic() - start < 3.5:
+                before = time.monotonic()
+                await asyncio.sleep(0.05)
+                gaps.append(time.monotonic() - before)
+            assert max(gaps) < 0.5, max(gaps)
+            assert engine.is_healthy and not engine.is_responsive
+            os.kill(pid, signal.SIGCONT)
+            # Every add queued while it was stopped is answered once it goes on.
+            results = await asyncio.wait_for(asyncio.gather(*adds, return_exceptions=True), TIMEOUT_S)
+            assert not any(isinstance(result, AsyncEngineDeadError) for result in results), results
+            engine.abort([f"r{i}" for i in range(len(adds))])
+            assert engine.is_responsive
+            stream = await engine.add_request("after", prompt_token_ids=[1, 2, 3], sampling_params=params)
+            outputs = [output async for output in stream]
+            assert outputs[-1].finished
+        finally:
+            os.kill(pid, signal.SIGCONT)
+            await engine.shutdown()
+
+    run(body())

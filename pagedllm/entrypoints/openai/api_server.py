@@ -258,6 +258,9 @@ def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI
     async def health() -> Response:
         if not async_engine.is_healthy:
             return error_response(APIError(503, "the engine is not running", code="engine_unavailable"))
+        if not async_engine.is_responsive:
+            message = f"the engine has not answered for {async_engine.seconds_since_heard:.0f} s"
+            return error_response(APIError(503, message, code="engine_unavailable"))
         return Response(status_code=200)
 
     @app.get("/version")
