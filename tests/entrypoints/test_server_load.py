@@ -178,7 +178,8 @@ def test_shutdown_with_open_streams_does_not_hang(launch_server, tiny_server_arg
 NUM_IDLE = 300
 NUM_SLOWLORIS = 300
 LIMIT = 8
-# The longest a request may wait while idle and slow sockets are open (the bound).
+# The longest a request may wait while idle and slow sockets are open: seconds, where a server
+# that counted those sockets against its limit answered 503 for as long as they stayed open.
 ANSWER_BOUND_S = 2.0
 
 
