@@ -14,32 +14,43 @@ and the offsets stay, so the next token completes it.
 
 from __future__ import annotations
 
-from pagedllm.core.request import Request
+from typing import Protocol
+
 from pagedllm.tokenizer import Tokenizer
 
 # Tokens of context before the first new one: enough for every tokenizer's merges and spacing.
 _INITIAL_CONTEXT = 5
 
 
-def init_detokenizer_state(seq: Request) -> None:
-    seq.read_offset = seq.num_prompt_tokens
+class DecodedSequence(Protocol):
+    """An output sequence as the frontend holds it: its tokens, its text, and where the
+    incremental decoder stands (offsets into prompt + output tokens)."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    prefix_offset: int
+    read_offset: int
+
+
+def init_detokenizer_state(seq: DecodedSequence) -> None:
+    seq.read_offset = len(seq.prompt_token_ids)
     seq.prefix_offset = max(seq.read_offset - _INITIAL_CONTEXT, 0)
 
 
 def decode_all(
     tokenizer: Tokenizer,
-    seq: Request,
+    seq: DecodedSequence,
     num_tokens: int,
     skip_special_tokens: bool,
     spaces_between_special_tokens: bool,
 ) -> str:
     """The text of the first ``num_tokens`` output tokens in one go, decoded after the same prompt
     context as the incremental path starts from (so both give the same text)."""
-    start = max(seq.num_prompt_tokens - _INITIAL_CONTEXT, 0)
-    context = seq.get_token_ids_slice(start, seq.num_prompt_tokens)
+    context = seq.prompt_token_ids[-_INITIAL_CONTEXT:]
     kwargs = _decode_kwargs(skip_special_tokens, spaces_between_special_tokens)
     prefix_text = tokenizer.decode(context, **kwargs)
-    return tokenizer.decode(context + seq.output_token_ids[:num_tokens], **kwargs)[len(prefix_text) :]
+    return tokenizer.decode(context + seq.token_ids[:num_tokens], **kwargs)[len(prefix_text) :]
 
 
 def _decode_kwargs(skip_special_tokens: bool, spaces_between_special_tokens: bool) -> dict[str, bool]:
@@ -50,11 +61,16 @@ def _decode_kwargs(skip_special_tokens: bool, spaces_between_special_tokens: boo
 
 
 def decode_incrementally(
-    tokenizer: Tokenizer, seq: Request, skip_special_tokens: bool, spaces_between_special_tokens: bool
+    tokenizer: Tokenizer, seq: DecodedSequence, skip_special_tokens: bool, spaces_between_special_tokens: bool
 ) -> str:
-    """Append the text of the request's newest tokens to ``seq.output_text``; return that text."""
-    end = seq.num_tokens
-    window = seq.get_token_ids_slice(seq.prefix_offset, end)
+    """Append the text of the sequence's newest tokens to ``seq.text``; return that text."""
+    prompt = seq.prompt_token_ids
+    num_prompt = len(prompt)
+    end = num_prompt + len(seq.token_ids)
+    if seq.prefix_offset >= num_prompt:
+        window = seq.token_ids[seq.prefix_offset - num_prompt :]
+    else:
+        window = prompt[seq.prefix_offset :] + seq.token_ids
     num_prefix = seq.read_offset - seq.prefix_offset
     kwargs = _decode_kwargs(skip_special_tokens, spaces_between_special_tokens)
     prefix_text = tokenizer.decode(window[:num_prefix], **kwargs)
@@ -64,5 +80,5 @@ def decode_incrementally(
     new_text = full_text[len(prefix_text) :]
     seq.prefix_offset = seq.read_offset
     seq.read_offset = end
-    seq.output_text += new_text
+    seq.text += new_text
     return new_text

@@ -20,7 +20,7 @@ from pagedllm.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from pagedllm.engine.async_engine import AsyncLLMEngine
-    from pagedllm.engine.llm_engine import EngineStats
+    from pagedllm.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 

@@ -4,14 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedllm.core.request import (
-    PromptLogprobs,
-    Request,
-    RequestMetrics,
-    RequestState,
-    RequestStatus,
-    SampleLogprobs,
-)
+from pagedllm.core.request import PromptLogprobs, RequestMetrics, SampleLogprobs
 
 
 @dataclass
@@ -66,49 +59,3 @@ class RequestOutput:
     def failed(self) -> bool:
         """Whether the engine failed the request (see ``error``)."""
         return any(output.finish_reason == "error" for output in self.outputs)
-
-    @classmethod
-    def from_state(cls, state: RequestState) -> RequestOutput:
-        params = state.sampling_params
-        finished = state.is_finished()
-        holdback = 0 if finished else max(params.max_stop_string_len - 1, 0)
-        with_logprobs = params.logprobs is not None
-        failed = any(seq.status == RequestStatus.FINISHED_ERROR for seq in state.seqs)
-        if finished and len(state.seqs) > params.n and not failed:
-            # best_of > n: the n best sequences, best first (beam search has ranked its
-            # hypotheses by length-penalised score; sampling ranks by cumulative logprob).
-            best = state.seqs
-            if not params.use_beam_search:
-                best = sorted(best, key=lambda seq: seq.cumulative_logprob, reverse=True)
-            outputs = [_completion_output(seq, i, 0, with_logprobs) for i, seq in enumerate(best[: params.n])]
-        else:
-            outputs = [
-                _completion_output(seq, seq.output_index, holdback, with_logprobs) for seq in state.seqs
-            ]
-        return cls(
-            request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            prompt_logprobs=state.prompt_logprobs,
-            outputs=outputs,
-            finished=finished,
-            metrics=state.metrics,
-            error=state.error,
-        )
-
-
-def _completion_output(seq: Request, index: int, holdback: int, with_logprobs: bool) -> CompletionOutput:
-    # While a stop string may still complete, hold back the characters that could start it, so
-    # that streamed text never has to be taken back.
-    text = seq.output_text
-    if holdback:
-        text = text[: max(len(text) - holdback, 0)]
-    return CompletionOutput(
-        index=index,
-        text=text,
-        token_ids=seq.output_token_ids.copy(),
-        cumulative_logprob=seq.cumulative_logprob,
-        logprobs=seq.output_logprobs.copy() if with_logprobs else None,
-        finish_reason=seq.status.finish_reason,
-        stop_reason=seq.stop_reason,
-    )

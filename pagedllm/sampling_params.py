@@ -172,6 +172,17 @@ def _json_schema_text(schema: object) -> str:
         raise ValueError(f"structured_outputs.json must be JSON-serialisable: {e}") from None
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request holds (vLLM's names)."""
+
+    # Everything so far: text, token ids and logprobs since the start.
+    CUMULATIVE = 0
+    # Only what is new since the request's previous output (what a stream sends).
+    DELTA = 1
+    # Nothing until the request finishes, then everything.
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's output sequences.
@@ -208,6 +219,8 @@ class SamplingParams:
         logit_bias: token id -> value in [-100, 100] added to its logit before sampling.
         truncate_prompt_tokens: keep only the prompt's last k tokens.
         structured_outputs: constrain the output to a JSON schema, regex, choice or grammar.
+        output_kind: what each RequestOutput holds: everything so far (CUMULATIVE), only what
+            is new since the last (DELTA), or nothing until the end (FINAL_ONLY).
     """
 
     n: int = 1
@@ -238,11 +251,19 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     truncate_prompt_tokens: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # bad_words as token-id sequences, set by the engine's request validation (it has the tokenizer).
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._normalize()
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            raise ValueError(
+                f"output_kind must be one of {[kind.name for kind in RequestOutputKind]}, "
+                f"got {self.output_kind!r}"
+            ) from None
         if self.top_k == 0:
             self.top_k = -1
         if self.temperature < _GREEDY_TEMPERATURE and not self.use_beam_search:

@@ -113,3 +113,59 @@ class StepHandle(Protocol):
     other ranks) and returns them; the engine schedules the next step before it calls it."""
 
     def get(self) -> ModelRunnerOutput: ...
+
+
+# --- between the engine core and its frontend ---------------------------------------------------
+
+
+@dataclass
+class EngineCoreRequest:
+    """A request as the core takes it: validated and tokenized by the frontend's processor."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    # The tokens that end a sequence (the core ignores them with ``ignore_eos``).
+    eos_token_ids: tuple[int, ...]
+    arrival_time: float
+
+
+# A sampled token's logprob, its rank, and the top tokens with theirs (when logprobs were asked).
+TokenLogprobs = tuple[float, int, list[int], list[float]]
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    """What one output sequence gained in a step: token ids only, never text.
+
+    ``index`` is the sequence's place among its request's outputs; an index the frontend has not
+    seen is a sequence forked this step (``new_token_ids`` is then its whole output).
+    """
+
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    # Per new token, when the request asked for logprobs; else None.
+    new_logprobs: list[TokenLogprobs] | None
+    cumulative_logprob: float
+    # None while it runs; "stop", "length", "abort" or "error" once it ended.
+    finish_reason: str | None = None
+    # The stop token id that ended it (None for EOS, a length limit, or still running).
+    stop_reason: int | None = None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """A step's news for the frontend: small, append-only, so it crosses a process pipe as is."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    # request_id -> prompt logprobs scored this step.
+    prompt_logprobs: dict[str, PromptLogprobsOutput] = field(default_factory=dict)
+    # Requests whose sequence list is exactly their ``outputs`` this step, each with its whole
+    # token ids (beam search re-chooses its beams every step, and ends on its hypotheses).
+    replaced_request_ids: set[str] = field(default_factory=set)
+    # Requests the core ended (every sequence finished), with why they ended early (None if they
+    # ran their course): the frontend builds their final output.
+    finished_requests: dict[str, str | None] = field(default_factory=dict)
+    # request_id -> when the core first scheduled it, sent with the request's first token.
+    first_scheduled: dict[str, float] = field(default_factory=dict)

@@ -51,12 +51,13 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self)
+        return FINISH_REASONS.get(self)
 
 
 # A plain int: compared for every request several times a step, where an enum lookup costs more.
 _FIRST_FINISHED = int(RequestStatus.FINISHED_STOPPED)
-_FINISH_REASONS = {
+# The OpenAI finish reason of each finished status (read per sampled token: a dict, not a property).
+FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
@@ -195,13 +196,10 @@ class Request:
         # Set when the request must be resent in full to the workers (new, resumed, forked, or
         # its next token chosen on the host rather than by the worker's sampler).
         self.resend = True
-        # Output side, written by the engine: index among the user's outputs, logprobs, text.
+        # Its place among the user request's outputs (set by the fan-out for forks).
         self.output_index = 0
-        self.output_logprobs: SampleLogprobs = []
-        self.output_text = ""
-        self.prefix_offset = 0
-        self.read_offset = 0
-        self.stop_reason: int | str | None = None
+        # The stop token id that ended it, if one did.
+        self.stop_reason: int | None = None
 
     # --- tokens -----------------------------------------------------------------------------
 
@@ -287,7 +285,6 @@ class Request:
         child.req_id = req_id
         child.output_token_ids = self.output_token_ids.copy()
         child.block_hashes = self.block_hashes.copy()
-        child.output_logprobs = self.output_logprobs.copy()
         child.resend = True
         return child
 
@@ -342,34 +339,3 @@ class BeamSearchState:
     # Running score of each live beam (its cumulative logprob, or penalised: see beam_search.py).
     beam_scores: dict[int, float] = field(default_factory=dict)
     improvement_possible: bool = True
-
-
-@dataclass
-class RequestState:
-    """A user's request as the engine tracks it: its sequences and what it reports.
-
-    ``seqs`` holds the outputs in order: one Request until the first sample forks it, then every
-    sibling (finished ones included); beam search replaces them with its hypotheses at the end.
-    """
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    seqs: list[Request]
-    # Report every step's progress (else only the end).
-    stream: bool = True
-    arrival_time: float = field(default_factory=time.time)
-    prompt_logprobs: PromptLogprobs | None = None
-    # Why the request ended without running to its end (e.g. it can never fit in the cache, or a
-    # model step fails whenever it runs).
-    error: str | None = None
-    # Beam search's scores and kept hypotheses, for beam requests.
-    beam_state: BeamSearchState | None = None
-    metrics: RequestMetrics = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
-
-    def is_finished(self) -> bool:
-        return all(seq.status >= _FIRST_FINISHED for seq in self.seqs)

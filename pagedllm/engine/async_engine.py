@@ -1,23 +1,29 @@
 """AsyncLLMEngine: an engine core served to asyncio code (the server), one stream per request.
 
 ```
-event loop (this object)                        engine core (core.py; a thread or a process)
-------------------------                        --------------------------------------------
-add_request(id, ...)  --AddRequest--------->    applied between steps
-    awaits its AddResult  <--------------------  engine.add_request's verdict (ValueError: 400)
-async for out in stream  <--CoreOutputs-------   after every step: outputs, stats
-abort(id)             --AbortRequests------>    the request's blocks are free before the next step
+event loop (this object: the frontend)          engine core loop (core_proc.py; a thread or a process)
+--------------------------------------          ------------------------------------------------------
+add_request(id, ...)  processor: validate,
+    tokenize  ---AddRequest------------------>  applied between steps
+    awaits its AddResult  <-------------------
+async for out in stream  <--CoreOutputs-------  after every step: token ids, stats
+    output processor: text, stop strings  --FinishSequences-->  (a stop string ended them)
+abort(id)             --AbortRequests-------->  the request's blocks are free before the next step
 ```
 
-The core runs in one of two places (vLLM v1's in-process and multiprocess clients):
-- ``AsyncLLMEngine(engine)``: a thread of this process steps the given LLMEngine. The model's
-  kernels release the GIL, but the host's half of each step shares it with the event loop.
-- ``AsyncLLMEngine.in_engine_process(engine_args)`` (``pagedllm serve``'s default): the engine
-  lives in a process of its own; ops and messages are pickled over a pipe, outputs as deltas.
-  The event loop's HTTP work then never delays a step, nor a step the event loop.
+The frontend (this object, on the event loop) owns everything textual: the processor validates
+and tokenizes, the output processor detokenizes, matches stop strings and shapes each request's
+outputs (``SamplingParams.output_kind``: the server streams DELTA outputs). The core deals in
+token ids only. It runs in one of two places (vLLM v1's in-process and multiprocess clients):
+- ``AsyncLLMEngine(engine)``: a thread of this process steps the given LLMEngine's core. The
+  model's kernels release the GIL, but the host's half of each step shares it with the event loop.
+- ``AsyncLLMEngine.in_engine_process(engine_args)`` (``pagedllm serve``'s default): the core
+  lives in a process of its own; ops and messages are pickled over a pipe. The event loop's HTTP
+  work then never delays a step, nor a step the event loop.
 
-Either way only the core's thread calls the LLMEngine, so nothing needs a lock, and results come
-back to the event loop through ``loop.call_soon_threadsafe``.
+Either way only the core's thread calls the EngineCore, and only the event loop the processors,
+so nothing needs a lock; messages come back to the event loop through
+``loop.call_soon_threadsafe``.
 
 Failures: when a model step raises, the LLMEngine finds the request responsible and fails only
 that one: its stream raises ``RequestFailedError`` with the step's error, and every other stream
@@ -33,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import copy
 import itertools
 import logging
 import multiprocessing
@@ -45,25 +50,28 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core import (
+from pagedllm.engine.core_proc import (
     AbortRequests,
     AddRequest,
     AddResult,
     CoreMessage,
     CoreOp,
     CoreOutputs,
-    EngineCore,
+    EngineCoreLoop,
     EngineDead,
+    FinishSequences,
     Heartbeat,
     Ready,
     StartupFailed,
     run_engine_core_process,
 )
-from pagedllm.engine.llm_engine import EngineStats, LLMEngine
-from pagedllm.engine.output_delta import OutputDeltaDecoder
+from pagedllm.engine.llm_engine import LLMEngine, finish_refused, new_request_state
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.processor import Processor
+from pagedllm.engine.stats import EngineStats
 from pagedllm.logger import configured_level
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.tokenizer import Tokenizer
 
@@ -87,16 +95,17 @@ class RequestFailedError(RuntimeError):
 class RequestStream:
     """The outputs of one request, in order, as an async iterator.
 
-    Outputs are cumulative (text, token ids and logprobs so far), so when the consumer falls
-    behind the engine only the newest output matters: each iteration returns the latest one
-    queued. Iteration ends after the finished output, after an error (raised), or when the
-    request is aborted.
+    With ``coalesce`` (cumulative outputs: text, token ids and logprobs so far), when the consumer
+    falls behind the engine only the newest output matters: each iteration returns the latest one
+    queued. Delta outputs are each returned. Iteration ends after the finished output, after an
+    error (raised), or when the request is aborted.
     """
 
     _END = object()
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, coalesce: bool = True) -> None:
         self.request_id = request_id
+        self.coalesce = coalesce
         # True once the last item (finished output, error or end) is queued.
         self.finished = False
         self._items: collections.deque[Any] = collections.deque()
@@ -126,7 +135,12 @@ class RequestStream:
             await self._ready.wait()
         item = self._items.popleft()
         # Skip to the newest output queued: it holds everything the earlier ones do.
-        while isinstance(item, RequestOutput) and self._items and isinstance(self._items[0], RequestOutput):
+        while (
+            self.coalesce
+            and isinstance(item, RequestOutput)
+            and self._items
+            and isinstance(self._items[0], RequestOutput)
+        ):
             item = self._items.popleft()
         if item is self._END:
             raise StopAsyncIteration
@@ -146,8 +160,8 @@ class AsyncLLMEngine:
 
     Attributes:
         config: the engine's configuration.
-        tokenizer: a tokenizer of the caller's own (the engine's is not shared between threads);
-            None for token-id-only models.
+        tokenizer: the frontend's tokenizer, for the event loop's use (the output processor
+            detokenizes with it); None for token-id-only models.
         structured_output_manager: compiles output constraints, to refuse bad ones before they
             reach the engine (None without a tokenizer).
     """
@@ -178,7 +192,11 @@ class AsyncLLMEngine:
         self.on_request_finished = on_request_finished
         self.config: EngineConfig = core.config
         self.tokenizer: Tokenizer | None = core.tokenizer
-        self.structured_output_manager: StructuredOutputManager | None = core.structured_output_manager
+        self.processor = Processor(core.config, core.tokenizer, core.num_gpu_blocks)
+        self.output_processor = OutputProcessor(core.tokenizer)
+        self.structured_output_manager: StructuredOutputManager | None = (
+            self.processor.structured_output_manager
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         # Event loop side: the stream of each request not finished yet.
         self._streams: dict[str, RequestStream] = {}
@@ -252,23 +270,34 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
     ) -> RequestStream:
-        """Queue a request; returns its output stream once the engine has taken it.
+        """Queue a request; returns its output stream once the engine has taken it. Its outputs
+        are shaped by ``sampling_params.output_kind`` (CUMULATIVE unless asked).
 
-        Raises what ``LLMEngine.add_request`` raises (ValueError for bad input), before any output,
-        or AsyncEngineDeadError.
+        Raises ValueError for bad input (naming the field), before any output, or
+        AsyncEngineDeadError.
         """
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        stream = RequestStream(request_id)
+        structured = None if sampling_params is None else sampling_params.structured_outputs
+        manager = self.structured_output_manager
+        if structured is not None and structured.compiled_grammar is None and manager is not None:
+            # In the manager's threads: a large schema never stalls the event loop.
+            structured.compiled_grammar = await asyncio.wrap_future(manager.compile(structured))
+        request = self.processor.process(request_id, prompt, sampling_params, prompt_token_ids, arrival_time)
+        state = new_request_state(request, prompt, stream=True)
+        stream = RequestStream(request_id, coalesce=state.output_kind == RequestOutputKind.CUMULATIVE)
+        error = self.processor.too_long(request)
+        if error is not None:
+            stream.put(finish_refused(self.output_processor, state, error))
+            return stream
         self._streams[request_id] = stream
+        self.output_processor.add_request(state)
         op_id = next(self._op_ids)
         future = asyncio.get_running_loop().create_future()
         self._adds[op_id] = future
         try:
-            self._core.send(
-                AddRequest(op_id, request_id, prompt, sampling_params, prompt_token_ids, arrival_time)
-            )
+            self._core.send(AddRequest(op_id, request))
             await future
         except asyncio.CancelledError:
             # The caller left while the add was on its way: the request may have been added since.
@@ -276,6 +305,7 @@ class AsyncLLMEngine:
             raise
         except BaseException:
             self._streams.pop(request_id, None)
+            self.output_processor.abort([request_id])
             raise
         finally:
             self._adds.pop(op_id, None)
@@ -304,6 +334,7 @@ class AsyncLLMEngine:
         live = [request_id for request_id in ids if request_id in self._streams]
         for request_id in live:
             self._streams.pop(request_id).end()
+        self.num_aborted_requests += len(self.output_processor.abort(live))
         self._send_abort(live)
 
     def fail_all_requests(self, message: str) -> None:
@@ -313,6 +344,7 @@ class AsyncLLMEngine:
         live = list(self._streams)
         for request_id in live:
             self._streams.pop(request_id).put(error)
+        self.output_processor.abort(live)
         self._send_abort(live)
 
     def _check_alive(self) -> None:
@@ -341,9 +373,10 @@ class AsyncLLMEngine:
         if isinstance(message, CoreOutputs):
             # Stats first, so that a client who sees its request finish then sees its blocks free.
             self.stats = message.stats
-            self.num_aborted_requests = message.num_aborted_requests
-            self.num_failed_requests = message.num_failed_requests
-            self._dispatch(message.outputs)
+            outputs, stopped = self.output_processor.process_outputs(message.outputs)
+            if stopped and self._dead_error is None:
+                self._core.send(FinishSequences(stopped))
+            self._dispatch(outputs)
         elif isinstance(message, AddResult):
             future = self._adds.get(message.op_id)
             if future is not None:
@@ -358,6 +391,7 @@ class AsyncLLMEngine:
                 continue  # aborted by the caller meanwhile
             if output.failed:
                 del self._streams[output.request_id]
+                self.num_failed_requests += 1
                 stream.put(RequestFailedError(output.error))
                 continue
             stream.put(output)
@@ -370,6 +404,7 @@ class AsyncLLMEngine:
         if self._dead_error is None:
             self._dead_error = error
         streams, self._streams = self._streams, {}
+        self.output_processor.abort(list(streams))
         for stream in streams.values():
             stream.put(self._dead_error)
         for future in self._adds.values():
@@ -377,22 +412,22 @@ class AsyncLLMEngine:
 
 
 class _ThreadCore:
-    """The engine core on a thread of this process."""
+    """The engine core on a thread of this process: the LLMEngine's core, stepped by its loop
+    (requests arrive with their grammar compiled: the frontend compiled it in this process)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.config = engine.config
-        # The handlers tokenize on the event loop while the engine thread detokenizes: each its own.
-        self.tokenizer = copy.deepcopy(engine.tokenizer)
-        # Thread-safe, and its cache then serves both sides.
-        self.structured_output_manager = engine.structured_output_manager
+        # The event loop is the only one to use it from now on (the core has no text).
+        self.tokenizer = engine.tokenizer
+        self.num_gpu_blocks = engine.num_gpu_blocks
         self.initial_stats = engine.get_stats()
-        self._core: EngineCore | None = None
+        self._core: EngineCoreLoop | None = None
         self._thread: threading.Thread | None = None
         self._closed = False
 
     def start(self, deliver: Callable[[CoreMessage], None]) -> None:
-        self._core = EngineCore(self.engine, deliver)
+        self._core = EngineCoreLoop(self.engine.engine_core, deliver)
         # A daemon, so that a step stuck in a kernel never keeps the process from exiting.
         self._thread = threading.Thread(target=self._core.run, name="pagedllm-engine", daemon=True)
         self._thread.start()
@@ -452,9 +487,7 @@ class _ProcessCore:
         assert isinstance(message, Ready)
         self.config = message.config
         self.tokenizer = message.tokenizer
-        self.structured_output_manager = StructuredOutputManager.for_model(
-            message.config.model_config, message.tokenizer
-        )
+        self.num_gpu_blocks = message.num_gpu_blocks
         self.initial_stats = message.stats
 
     def start(self, deliver: Callable[[CoreMessage], None]) -> None:
@@ -500,8 +533,7 @@ class _ProcessCore:
         self._conn.close()
 
     def _read(self, deliver: Callable[[CoreMessage], None]) -> None:
-        """Receive the engine's messages, decode outputs (off the event loop), deliver them."""
-        decoder = OutputDeltaDecoder()
+        """Receive the engine's messages (unpickling them off the event loop), deliver them."""
         while True:
             try:
                 message = self._conn.recv()
@@ -510,8 +542,6 @@ class _ProcessCore:
                     self.process.join(PROCESS_EXIT_TIMEOUT_S)
                     deliver(EngineDead(f"the engine process died (exit code {self.process.exitcode})"))
                 return
-            if isinstance(message, CoreOutputs):
-                message.outputs = decoder.decode(message.outputs, message.aborted_request_ids)
             deliver(message)
             if isinstance(message, EngineDead):
                 return

@@ -1,315 +1,441 @@
-"""EngineCore: the loop that owns an LLMEngine and steps it, on a thread of the server's process or
-in a process of its own (vLLM v1's EngineCore and EngineCoreProc).
+"""EngineCore: the scheduler and the executor, stepping requests by token ids (vLLM v1's EngineCore).
 
-```
-frontend (asyncio, async_engine.py)             engine core (one thread owns the LLMEngine)
------------------------------------             -------------------------------------------
-AddRequest(op_id, request_id, ...)  ---------->  ops are applied between steps
-AbortRequests(request_ids)          ---------->  engine.step(): schedule, execute, update,
-                                                 detokenize and stop-check
-                 <------------------  AddResult(op_id, error)
-                 <------------------  CoreOutputs(outputs, stats, ...)   after every step (and ops)
-                 <------------------  EngineDead(reason)                 then the loop ends
-```
+It knows nothing textual. Requests come in validated and tokenized (``EngineCoreRequest``, from
+the frontend's ``Processor``); each step goes out as ``EngineCoreOutputs``: per sequence, the
+token ids it gained, their logprobs when asked, and why it ended. The frontend's
+``OutputProcessor`` turns those into text and ``RequestOutput``s, and ends a sequence whose text
+completes a stop string through ``finish_sequences``. ``LLMEngine`` composes the three in one
+process; ``pagedllm serve`` runs this core in a process of its own (``core_proc.py``), so only
+these small messages cross the pipe.
 
-Ops and messages are plain data, so the same loop serves both transports: in a thread the
-messages are handed over as they are; across processes they are pickled, with outputs sent as
-deltas (``output_delta.py``). ``pagedllm serve`` runs the core in a process of its own: the HTTP
-work (parsing, chat templates, tokenizing, a JSON chunk per token of every stream) then never
-holds the GIL the scheduler needs, and a step is never delayed by it.
+A step reads::
 
-While idle the loop wakes every HEALTH_CHECK_INTERVAL_S to check the workers, so a rank that
-dies between requests is reported (``EngineDead``) without waiting for the next step.
+    scheduler_output = scheduler.schedule()              who computes which tokens, block moves
+    step = executor.execute_model(scheduler_output)      launched; samples arrive later
+    runner_output = step.get()                           wait for the samples
+    sampled = scheduler.update_from_output(...)          append tokens, fork best_of requests,
+                                                         end what EOS/stop ids/lengths stop
+    beam search's choice (beam_search.py), carried out by core/fanout.py
+    EngineCoreOutputs
+
+With ``async_scheduling`` the core launches step N + 1 before it waits for step N's samples, so
+the host's work for one step overlaps the device's work for the other. A request that stops at
+step N may then have had one more token computed by step N + 1: it is dropped, never returned
+or counted. Requests whose next step depends on their newest token on the host (beam search, a
+best_of request's first sample, which forks it) make the core wait for the step in flight before
+it schedules the next.
+
+The price is latency: the next step is scheduled before a request arriving now can join it, so
+its first token comes about one step later. Offline runs (``LLM``, the benchmarks) take the
+throughput; ``pagedllm serve`` is synchronous unless asked (``--async-scheduling``).
+
+A model step that raises (``execute_model`` or the wait for its samples) fails only the request
+responsible: the core drops it, and the step in flight with it, and the scheduler tests their
+requests again, in probes that run alone (``Scheduler.isolate_failure``), until one user request
+fails alone. That one finishes with FINISHED_ERROR and an error; the others are recomputed and
+lose nothing (greedy outputs are the ones of a run without the failure). The core gives up,
+raising ExecutorDeadError from then on, only when nothing can run: the workers are gone, the
+device reported a fault (after an illegal memory access its context is unusable), or a step
+fails after MAX_REQUESTS_FAILED_IN_A_ROW requests were failed with no step succeeding between
+(steps fail whatever runs in them: a broken model or device). An error anywhere else in a step
+(scheduling, applying its samples) is a bug whose damage is unknown: it propagates as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import queue
-import signal
-import threading
-from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
-from typing import Any
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.llm_engine import EngineStats, LLMEngine, freeze_startup_heap
-from pagedllm.engine.output_delta import OutputDeltaEncoder
-from pagedllm.logger import configure_logging
-from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
-from pagedllm.tokenizer import Tokenizer
+from pagedllm.core.request import (
+    FINISH_REASONS,
+    BeamSearchState,
+    PendingHypothesis,
+    Request,
+    RequestGroup,
+    RequestStatus,
+)
+from pagedllm.core.scheduler import PreemptionMode, Scheduler
+from pagedllm.core.stop_conditions import stop_status
+from pagedllm.engine.beam_search import beam_search_step
+from pagedllm.engine.stats import EngineStats
+from pagedllm.executor import get_executor_class
+from pagedllm.executor.abstract import ExecutorDeadError
+from pagedllm.step_io import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    ModelRunnerOutput,
+    SchedulerOutput,
+    StepHandle,
+)
 
 logger = logging.getLogger(__name__)
 
-# Longest the idle loop sleeps before checking that its workers are alive.
-HEALTH_CHECK_INTERVAL_S = 1.0
-# How often a loop with requests waiting only for their grammar looks at the compilations.
-COMPILE_POLL_S = 0.002
+# User requests failed one after another, with no model step succeeding between, after which a
+# failed step makes the core give up. Bad requests among good ones leave successes between
+# their verdicts (a probe of good ones succeeds), so such a run means that steps fail whatever
+# runs in them (a broken model or device), unless that many bad requests came back to back. Runs
+# of failed steps are bounded without a count of their own: a failed probe convicts one request
+# or halves a set, so at most about log2(max_num_seqs) + 2 steps fail between two verdicts.
+MAX_REQUESTS_FAILED_IN_A_ROW = 4
 
 
-# --- frontend -> core -------------------------------------------------------------------------
+class _StepFailed(Exception):
+    """A model step raised ``error``: launching it, or waiting for its samples."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(repr(error))
+        self.error = error
 
 
-@dataclass
-class AddRequest:
-    """``LLMEngine.add_request``'s arguments; answered by an AddResult with the same op_id."""
-
-    op_id: int
-    request_id: str
-    prompt: str | None
-    sampling_params: SamplingParams | None
-    prompt_token_ids: list[int] | None
-    arrival_time: float | None
-
-
-@dataclass
-class AbortRequests:
-    request_ids: list[str]
-
-
-# None in the op queue stops the loop.
-CoreOp = AddRequest | AbortRequests | None
-
-
-# --- core -> frontend -------------------------------------------------------------------------
+@contextlib.contextmanager
+def _model_step() -> Iterator[None]:
+    """Marks what the core can isolate: an error of the workers' step. Dead workers are not
+    (the executor stays dead, and says so)."""
+    try:
+        yield
+    except ExecutorDeadError:
+        raise
+    except Exception as error:
+        raise _StepFailed(error) from error
 
 
 @dataclass
-class AddResult:
-    op_id: int
-    # What add_request raised (ValueError: bad input), or None when the request was queued.
-    error: Exception | None
+class _LiveRequest:
+    """A user request the core runs: its group of sequences, and beam search's state."""
 
-
-@dataclass
-class CoreOutputs:
-    """A step's outputs (none after ops alone), and the engine's state after it.
-
-    ``outputs`` holds RequestOutputs; across processes, their encoding (``output_delta.py``).
-    ``aborted_request_ids``: requests aborted since the last message, which get no more outputs.
-    """
-
-    outputs: list[Any]
-    stats: EngineStats
-    num_aborted_requests: int
-    num_failed_requests: int
-    aborted_request_ids: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Heartbeat:
-    """Sent every HEALTH_CHECK_INTERVAL_S while idle, once the workers are found alive: with the
-    outputs of every step, it tells the frontend that the engine is not stuck."""
-
-
-@dataclass
-class EngineDead:
-    """The loop ended: the engine gave up (a worker gone, a device fault) or raised."""
-
-    reason: str
-
-
-@dataclass
-class Ready:
-    """The engine process's first message: what the frontend needs to validate requests."""
-
-    config: EngineConfig
-    tokenizer: Tokenizer | None
-    stats: EngineStats
-
-
-@dataclass
-class StartupFailed:
-    error: Exception
-
-
-CoreMessage = AddResult | CoreOutputs | Heartbeat | EngineDead
+    group: RequestGroup
+    beams: BeamSearchState | None
+    # Why the scheduler ended it early, once it did.
+    error: str | None = None
+    # Whether its first scheduling time went out (with its first tokens).
+    reported_scheduled: bool = False
 
 
 class EngineCore:
-    """Applies ops and steps ``engine`` until stopped; every result goes out through ``emit``.
+    """Requests in as token ids, one continuous-batching step at a time, token ids out."""
 
-    Only the thread in ``run`` touches the engine; ops arrive through ``ops`` from any thread.
-    """
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.executor = get_executor_class(config)(config)
+        num_gpu_blocks, num_cpu_blocks = self.executor.determine_num_available_blocks()
+        self._check_cache_fits(num_gpu_blocks)
+        self.executor.initialize_cache(num_gpu_blocks, num_cpu_blocks)
+        self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
+        self.scheduler = Scheduler(
+            config.scheduler_config,
+            config.cache_config.block_size,
+            num_gpu_blocks,
+            num_cpu_blocks,
+            enable_prefix_caching=config.cache_config.enable_prefix_caching,
+            sliding_window=self.executor.get_kv_cache_spec().sliding_window,
+            num_sink_tokens=config.model_config.attention_sinks,
+        )
+        self.async_scheduling = config.async_scheduling
+        # Live requests, by the caller's id.
+        self.requests: dict[str, _LiveRequest] = {}
+        # The step launched but not yet applied (asynchronous scheduling).
+        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        # User requests failed since the last model step that succeeded.
+        self._num_failed_in_a_row = 0
+        # Set once the core gave up: why (every later step raises ExecutorDeadError with it).
+        self._dead_reason: str | None = None
 
-    def __init__(self, engine: LLMEngine, emit: Callable[[CoreMessage], None]) -> None:
-        self.engine = engine
-        self.ops: queue.SimpleQueue[CoreOp] = queue.SimpleQueue()
-        self._emit = emit
-        # Requests added and neither finished nor aborted.
-        self._active: set[str] = set()
-        # Adds waiting for their output constraint to compile (in the manager's threads, so that
-        # no schema stalls the requests running), in arrival order.
-        self._compiling: list[tuple[AddRequest, Future]] = []
-        self._aborted: list[str] = []
-        self._stopping = False
-        self.num_aborted_requests = 0
-        self.num_failed_requests = 0
+    def _check_cache_fits(self, num_gpu_blocks: int) -> None:
+        block_size = self.config.cache_config.block_size
+        max_model_len = self.config.model_config.max_model_len
+        if num_gpu_blocks * block_size < max_model_len:
+            raise ValueError(
+                f"the KV cache holds {num_gpu_blocks * block_size} tokens ({num_gpu_blocks} blocks of "
+                f"{block_size}), fewer than one sequence of max_model_len={max_model_len}: lower "
+                "max_model_len or give the cache more memory (kv_cache_memory, gpu_memory_utilization "
+                "or num_kv_blocks)"
+            )
 
-    def run(self) -> None:
+    # --- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a validated request (the frontend's processor checked it)."""
+        params = request.sampling_params
+        first = Request(
+            self.scheduler.new_req_id(),
+            request.prompt_token_ids,
+            params,
+            self.config.cache_config.block_size,
+            request.arrival_time,
+            request.request_id,
+            request.eos_token_ids,
+        )
+        beams = BeamSearchState(beam_width=params.best_of) if params.use_beam_search else None
+        self.requests[request.request_id] = _LiveRequest(first.group, beams)
+        self.scheduler.add_request(first)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """End requests wherever they are; their blocks are free when this returns. Call it
+        between steps, from the thread that steps."""
+        for request_id in request_ids:
+            live = self.requests.pop(request_id, None)
+            if live is not None:
+                self.scheduler.finish_requests(list(live.group.members), RequestStatus.FINISHED_ABORTED)
+
+    def finish_sequences(self, stopped: Iterable[tuple[str, int]]) -> None:
+        """End sequences, by (request_id, output index), that the frontend stopped (a stop string);
+        a request whose last sequence ends is over."""
+        for request_id, index in stopped:
+            live = self.requests.get(request_id)
+            if live is None:
+                continue
+            seqs = [seq for seq in live.group.members if seq.output_index == index]
+            self.scheduler.finish_requests(seqs, RequestStatus.FINISHED_STOPPED)
+            if not live.group.members:
+                del self.requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self._in_flight)
+
+    # --- the step ---------------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        """Run one iteration of continuous batching; return what its sequences gained, and which
+        requests ended (failed ones included: see the module docstring). Raises
+        ExecutorDeadError once the core gave up."""
+        if self._dead_reason is not None:
+            raise ExecutorDeadError(self._dead_reason)
+        out = EngineCoreOutputs()
+        scheduler_output = None
         try:
-            while not self._stopping:
-                busy = self.engine.has_unfinished_requests()
-                self._apply_ops(busy)
-                if not self._stopping and self.engine.has_unfinished_requests():
-                    self._step()
-        except Exception as e:
-            logger.exception("the engine loop failed; no more requests are served")
-            self._emit(EngineDead(f"the engine failed: {e!r}"))
+            if self._in_flight is not None and (
+                not self.async_scheduling or self.scheduler.has_requests_needing_host()
+            ):
+                self._apply(*self._in_flight, out)
+                self._in_flight = None
+            scheduler_output = self.scheduler.schedule()
+            if self.scheduler.queues.stopped:
+                self._report_stopped(out)
+            launched = None
+            if (
+                scheduler_output.has_forward
+                or _has_cache_ops(scheduler_output)
+                or scheduler_output.finished_req_ids
+            ):
+                with _model_step():
+                    launched = self.executor.execute_model(scheduler_output)
+            if self._in_flight is not None:
+                self._apply(*self._in_flight, out)
+                self._in_flight = None
+            if launched is not None and scheduler_output.has_forward:
+                if self.async_scheduling:
+                    self._in_flight = (scheduler_output, launched)
+                else:
+                    self._apply(scheduler_output, launched, out)
+        except _StepFailed as failure:
+            # Neither the step that raised nor the other one launched is applied: their
+            # requests' progress since the last applied step is gone.
+            dropped = [] if scheduler_output is None else [scheduler_output]
+            if self._in_flight is not None:
+                dropped.append(self._in_flight[0])
+                self._in_flight = None
+            self._handle_failed_step(failure.error, dropped, out)
+        return out
 
-    def _outputs_message(self, outputs: list[RequestOutput]) -> CoreOutputs:
-        aborted, self._aborted = self._aborted, []
-        return CoreOutputs(
-            outputs, self.engine.get_stats(), self.num_aborted_requests, self.num_failed_requests, aborted
+    def _handle_failed_step(
+        self, error: Exception, dropped: list[SchedulerOutput], out: EngineCoreOutputs
+    ) -> None:
+        """After a failed model step: give up on a real fault, else hand the dropped steps to the
+        scheduler's isolation and report the requests it convicted."""
+        if isinstance(error, torch.AcceleratorError):
+            self._dead_reason = f"the device reported a fault: {error}"
+        elif self._num_failed_in_a_row >= MAX_REQUESTS_FAILED_IN_A_ROW:
+            self._dead_reason = (
+                f"model steps fail whatever runs in them: {self._num_failed_in_a_row} requests failed "
+                f"in a row, and the next step failed too: {error!r}"
+            )
+        if self._dead_reason is not None:
+            logger.error("the engine gives up: %s", self._dead_reason)
+            raise ExecutorDeadError(self._dead_reason) from error
+        logger.warning("a model step failed (%r): its requests run again, apart, to find the culprit", error)
+        self.scheduler.isolate_failure(
+            dropped, f"a model step with this request in it failed, and failed again with it alone: {error!r}"
+        )
+        failed = self._report_stopped(out)
+        for request_id in failed:
+            logger.error("request %s failed: %s", request_id, out.finished_requests[request_id])
+        self._num_failed_in_a_row += len(failed)
+
+    def _apply(self, scheduler_output: SchedulerOutput, launched: StepHandle, out: EngineCoreOutputs) -> None:
+        """A step's samples: into the requests (the scheduler), out as what each sequence gained."""
+        with _model_step():
+            runner_output = launched.get()
+        self._num_failed_in_a_row = 0
+        requests = self.scheduler.queues.requests
+        for req_id, prompt_logprobs in runner_output.prompt_logprobs.items():
+            request = requests.get(req_id)
+            if request is not None:  # read before the samples: a sample may end it
+                out.prompt_logprobs[request.group.request_id] = prompt_logprobs
+        sampled = self.scheduler.update_from_output(scheduler_output, runner_output)
+        top_tokens = runner_output.top_tokens
+        logprobs = runner_output.logprobs
+        outputs = out.outputs
+        ended: list[_LiveRequest] = []
+        for request, row in sampled.appended:
+            group = request.group
+            new_logprobs = None
+            if group.sampling_params.logprobs is not None:
+                rank, top_ids, top_logprobs = top_tokens[row]
+                new_logprobs = [(logprobs[row], rank, top_ids, top_logprobs)]
+            outputs.append(
+                EngineCoreOutput(
+                    group.request_id,
+                    request.output_index,
+                    request.output_token_ids[-1:],
+                    new_logprobs,
+                    request.cumulative_logprob,
+                    FINISH_REASONS.get(request.status),
+                    request.stop_reason,
+                )
+            )
+            live = self.requests[group.request_id]
+            if not live.reported_scheduled:
+                live.reported_scheduled = True
+                out.first_scheduled[group.request_id] = request.first_scheduled_time
+            if not group.members:
+                ended.append(live)
+        if sampled.beams:
+            self._apply_beam_search(sampled.beams, runner_output, out)
+        for live in ended:
+            self._end(live, out)
+
+    def _apply_beam_search(
+        self, beams: list[tuple[Request, int]], runner_output: ModelRunnerOutput, out: EngineCoreOutputs
+    ) -> None:
+        by_request: dict[str, list[tuple[Request, list[int], list[float]]]] = {}
+        for request, row in beams:
+            _, top_ids, top_logprobs = runner_output.top_tokens[row]
+            by_request.setdefault(request.group.request_id, []).append((request, top_ids, top_logprobs))
+        for request_id, candidates in by_request.items():
+            live = self.requests[request_id]
+            seqs = self._beam_step(live, candidates)
+            out.replaced_request_ids.add(request_id)
+            for index, seq in enumerate(seqs):
+                out.outputs.append(
+                    EngineCoreOutput(
+                        request_id,
+                        index,
+                        seq.output_token_ids.copy(),
+                        None,
+                        seq.cumulative_logprob,
+                        seq.status.finish_reason,
+                        seq.stop_reason,
+                    )
+                )
+            if not live.reported_scheduled:
+                live.reported_scheduled = True
+                out.first_scheduled[request_id] = candidates[0][0].first_scheduled_time
+            if not live.group.members:
+                self._end(live, out)
+
+    def _beam_step(
+        self, live: _LiveRequest, beams: list[tuple[Request, list[int], list[float]]]
+    ) -> list[Request]:
+        """Beam search's step for one request (``beam_search.py`` decides, the fan-out carries it
+        out); returns its sequences now: the live beams, or, once it is done, its hypotheses."""
+        params = live.group.sampling_params
+        beam_state = live.beams
+        assert beam_state is not None
+        num_eos = len(live.group.eos_token_ids)
+        # The most tokens a beam can reach: it bounds how much a live beam can still improve.
+        max_context_len = self.scheduler.max_context_len
+        room = (max_context_len or self.config.model_config.max_model_len) - beams[0][0].num_prompt_tokens
+        max_new_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        decision = beam_search_step(
+            beam_state,
+            params,
+            beams,
+            lambda beam, token_id: stop_status(beam, token_id, beam.num_output_tokens + 1, max_context_len),
+            num_eos,
+            max_new_tokens,
+        )
+        fanout = self.scheduler.fanout
+        for index, (score, kept) in enumerate(beam_state.finished):
+            if isinstance(kept, PendingHypothesis):
+                beam_state.finished[index] = (score, fanout.new_hypothesis(kept))
+        live_beams = fanout.apply_beam_step([b for b, _, _ in beams], decision.extensions)
+        beam_state.beam_scores = dict(zip((b.req_id for b in live_beams), decision.scores))
+        if not decision.done:
+            return live_beams
+        self.scheduler.finish_requests(live_beams, RequestStatus.FINISHED_ABORTED)
+        return [seq for _, seq in beam_state.finished]
+
+    def _report_stopped(self, out: EngineCoreOutputs) -> list[str]:
+        """Requests the scheduler ended without running them to their end; returns their ids."""
+        touched: dict[str, _LiveRequest] = {}
+        for request in self.scheduler.queues.stopped:
+            live = self.requests.get(request.group.request_id)
+            if live is None:
+                continue
+            live.error = request.error
+            touched[live.group.request_id] = live
+            out.outputs.append(
+                EngineCoreOutput(
+                    live.group.request_id,
+                    request.output_index,
+                    [],
+                    None,
+                    request.cumulative_logprob,
+                    request.status.finish_reason,
+                    request.stop_reason,
+                )
+            )
+        self.scheduler.queues.stopped.clear()
+        ended = [live for live in touched.values() if not live.group.members]
+        for live in ended:
+            self._end(live, out)
+        return [live.group.request_id for live in ended]
+
+    def _end(self, live: _LiveRequest, out: EngineCoreOutputs) -> None:
+        request_id = live.group.request_id
+        if self.requests.pop(request_id, None) is not None:
+            out.finished_requests[request_id] = live.error
+
+    def check_health(self) -> None:
+        """Raise ExecutorDeadError when a worker is gone or the core gave up."""
+        if self._dead_reason is not None:
+            raise ExecutorDeadError(self._dead_reason)
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the workers (their processes, with tensor parallelism); the core is unusable after."""
+        self.executor.shutdown()
+
+    def get_stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        kv = scheduler.kv_cache_manager
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_swapped=sum(
+                len(group.members_in(RequestStatus.SWAPPED)) for group in scheduler.queues.swapped
+            ),
+            num_free_gpu_blocks=kv.get_num_free_gpu_blocks(),
+            num_gpu_blocks=self.num_gpu_blocks,
+            num_free_cpu_blocks=kv.get_num_free_cpu_blocks(),
+            num_cpu_blocks=self.num_cpu_blocks,
+            num_preemptions_recompute=scheduler.num_preemptions[PreemptionMode.RECOMPUTE],
+            num_preemptions_swap=scheduler.num_preemptions[PreemptionMode.SWAP],
+            num_prefill_tokens=scheduler.num_prefill_tokens,
+            num_generation_tokens=scheduler.num_generation_tokens,
+            prefix_cache_hit_rate=kv.get_prefix_cache_hit_rate(),
         )
 
-    def _apply_ops(self, busy: bool) -> None:
-        """Apply every queued op and every add whose grammar compiled. Idle, first wait for an op
-        (checking the workers now and then); busy, never wait."""
-        changed = False
-        try:
-            if busy:
-                op = self.ops.get_nowait()
-            else:
-                op = self.ops.get(timeout=COMPILE_POLL_S if self._compiling else HEALTH_CHECK_INTERVAL_S)
-            while True:
-                changed = True
-                if op is None:
-                    self._stopping = True
-                    return
-                if isinstance(op, AddRequest):
-                    self._add(op)
-                else:
-                    self._abort(op.request_ids)
-                op = self.ops.get_nowait()
-        except queue.Empty:
-            pass
-        if not busy and not changed and not self._compiling:
-            self.engine.check_health()  # raises ExecutorDeadError when a worker is gone
-            self._emit(Heartbeat())
-        changed |= self._add_compiled()
-        if changed:
-            # Aborts free blocks and adds queue requests: show it even when no step follows.
-            self._emit(self._outputs_message([]))
 
-    def _step(self) -> None:
-        outputs = self.engine.step()
-        for output in outputs:
-            if output.finished:
-                self._active.discard(output.request_id)
-                if output.failed:
-                    self.num_failed_requests += 1
-        self._emit(self._outputs_message(outputs))
-
-    def _add(self, op: AddRequest) -> None:
-        structured = None if op.sampling_params is None else op.sampling_params.structured_outputs
-        manager = self.engine.structured_output_manager
-        if structured is not None and structured.compiled_grammar is None and manager is not None:
-            self._compiling.append((op, manager.compile(structured)))
-        else:
-            self._add_now(op, None)
-
-    def _add_compiled(self) -> bool:
-        done = [(op, future) for op, future in self._compiling if future.done()]
-        if done:
-            self._compiling = [entry for entry in self._compiling if not entry[1].done()]
-        for op, future in done:
-            self._add_now(op, future)
-        return bool(done)
-
-    def _add_now(self, op: AddRequest, grammar: Future | None) -> None:
-        error = None
-        try:
-            if grammar is not None:
-                op.sampling_params.structured_outputs.compiled_grammar = grammar.result()
-            self.engine.add_request(
-                op.request_id, op.prompt, op.sampling_params, op.prompt_token_ids, op.arrival_time
-            )
-            self._active.add(op.request_id)
-        except Exception as e:
-            error = e
-        self._emit(AddResult(op.op_id, error))
-
-    def _abort(self, request_ids: list[str]) -> None:
-        ids = set(request_ids)
-        # An add still compiling is withdrawn: it must not start after its abort.
-        withdrawn = [op for op, _ in self._compiling if op.request_id in ids]
-        self._compiling = [entry for entry in self._compiling if entry[0].request_id not in ids]
-        for op in withdrawn:
-            self._emit(AddResult(op.op_id, RuntimeError(f"request {op.request_id} was aborted")))
-        live = [request_id for request_id in request_ids if request_id in self._active]
-        self.engine.abort_request(live)
-        self._active.difference_update(live)
-        self._aborted += live
-        self.num_aborted_requests += len(live)
-
-
-def run_engine_core_process(engine_args: EngineArgs, conn: Connection, log_level: int | None) -> None:
-    """The engine process: build the engine and freeze its heap (``freeze_startup_heap``), send
-    Ready (or StartupFailed), then apply the ops that arrive on ``conn`` until told to stop or
-    until the frontend is gone (end of the pipe).
-
-    ``log_level``: the frontend's pagedllm log level, when it configured one.
-    """
-    if log_level is not None:
-        configure_logging(log_level)
-    # Ctrl-C in a terminal reaches the whole process group: the frontend stops this process
-    # itself, after ending its streams.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        engine = LLMEngine.from_engine_args(engine_args)
-    except Exception as e:
-        if not isinstance(e, ValueError):  # bad arguments need no traceback; anything else does
-            logger.exception("the engine failed to start")
-        conn.send(StartupFailed(_picklable(e)))
-        raise SystemExit(1) from e
-    freeze_startup_heap()
-    # Messages go out from a thread of their own: encoding and pickling a step's outputs then
-    # overlap the engine thread's wait for the device's next step.
-    outbox: queue.SimpleQueue[CoreMessage | None] = queue.SimpleQueue()
-    core = EngineCore(engine, outbox.put)
-
-    def send_messages() -> None:
-        encoder = OutputDeltaEncoder()
-        while (message := outbox.get()) is not None:
-            if isinstance(message, CoreOutputs):
-                message.outputs = encoder.encode(message.outputs, message.aborted_request_ids)
-            elif isinstance(message, AddResult) and message.error is not None:
-                message.error = _picklable(message.error)
-            try:
-                conn.send(message)
-            except OSError:
-                core.ops.put(None)  # the frontend is gone
-                return
-
-    def read_ops() -> None:
-        while True:
-            try:
-                op = conn.recv()
-            except (EOFError, OSError):
-                op = None
-            core.ops.put(op)
-            if op is None:
-                return
-
-    conn.send(Ready(engine.config, engine.tokenizer, engine.get_stats()))
-    sender = threading.Thread(target=send_messages, name="pagedllm-engine-outputs")
-    sender.start()
-    threading.Thread(target=read_ops, name="pagedllm-engine-ops", daemon=True).start()
-    try:
-        core.run()
-    finally:
-        outbox.put(None)
-        sender.join()  # the last messages (EngineDead) go out before the process ends
-        engine.shutdown()
-
-
-def _picklable(error: Exception) -> Exception:
-    """The error as the frontend can rebuild it: a ValueError stays one (bad input, a 400)."""
-    if isinstance(error, ValueError):
-        return ValueError(str(error))
-    return RuntimeError(f"{type(error).__name__}: {error}")
+def _has_cache_ops(scheduler_output: SchedulerOutput) -> bool:
+    return bool(
+        scheduler_output.blocks_to_swap_in
+        or scheduler_output.blocks_to_swap_out
+        or scheduler_output.blocks_to_copy
+    )

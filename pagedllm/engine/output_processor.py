@@ -1,59 +1,218 @@
-"""What the engine does with each new token: logprobs in vLLM's format, incremental (or one-shot)
-detokenization, stop strings (the core stops requests on tokens and lengths itself)."""
+"""The frontend's output side: the core's token ids become text and RequestOutputs.
+
+The core (``core.py``) sends, per step, what each sequence gained in token ids
+(``EngineCoreOutputs``). This module owns everything textual about a request: its incremental
+detokenization, stop strings (a sequence whose text completes one is ended here, and handed back
+for the core to free), logprobs in vLLM's format (with each token's text), prompt logprobs, the
+request's metrics, and the shape of what the caller sees (``SamplingParams.output_kind``):
+
+- CUMULATIVE: every output holds everything so far (``LLMEngine``'s streaming default);
+- DELTA: only what is new since the request's previous output (the server streams these: no
+  diffing, no re-encoding);
+- FINAL_ONLY: one output when the request ends (``LLM.generate``); its text is then decoded once
+  at the end unless stop strings need it token by token, which saves host time every step.
+
+While a stop string may still complete, the characters that could start it are held back, so
+that streamed text never has to be taken back.
+"""
 
 from __future__ import annotations
 
-from pagedllm.core.request import Logprob, Request, RequestState, RequestStatus
-from pagedllm.detokenizer import decode_all, decode_incrementally
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.core.request import Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
+from pagedllm.detokenizer import decode_all, decode_incrementally, init_detokenizer_state
 from pagedllm.engine.stop_checker import check_stop_strings
-from pagedllm.step_io import ModelRunnerOutput, PromptLogprobsOutput
+from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.step_io import EngineCoreOutput, EngineCoreOutputs, PromptLogprobsOutput, TokenLogprobs
 from pagedllm.tokenizer import Tokenizer
 
 
+@dataclass(eq=False)
+class SequenceState:
+    """One output sequence as the frontend holds it: tokens, text, logprobs, and what was sent."""
+
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    logprobs: SampleLogprobs = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # The incremental decoder's offsets (``detokenizer.py``).
+    prefix_offset: int = 0
+    read_offset: int = 0
+    # What earlier DELTA outputs held: tokens, characters, and whether the end was sent.
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    sent_finished: bool = False
+
+
+@dataclass(eq=False)
+class RequestState:
+    """A user's request as the frontend tracks it, from add to its final output."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    output_kind: RequestOutputKind
+    arrival_time: float
+    seqs: list[SequenceState] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
+    num_sent_prompt_logprobs: int = 0
+    # Why the request ended without running to its end.
+    error: str | None = None
+    finished: bool = False
+    metrics: RequestMetrics = field(init=False)
+    # Characters held back from unfinished text: a stop string may start there.
+    holdback: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.holdback = max(self.sampling_params.max_stop_string_len - 1, 0)
+
+    @property
+    def decodes_incrementally(self) -> bool:
+        # Streamed text is needed every step; stop strings are matched against the text as it grows.
+        return self.output_kind != RequestOutputKind.FINAL_ONLY or bool(self.sampling_params.stop)
+
+    def seq(self, index: int) -> SequenceState:
+        """The sequence at ``index``; a new one the first time (a fork the core just made)."""
+        for seq in self.seqs:
+            if seq.index == index:
+                return seq
+        seq = SequenceState(index, self.prompt_token_ids)
+        init_detokenizer_state(seq)
+        self.seqs.append(seq)
+        return seq
+
+
 class OutputProcessor:
+    """Turns EngineCoreOutputs into RequestOutputs; owns every live request's frontend state."""
+
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
 
-    def process_token(
-        self, state: RequestState, request: Request, runner_output: ModelRunnerOutput, row: int
-    ) -> RequestStatus | None:
-        """Record the logprobs and text of the request's newest token (sampled in ``row``);
-        return FINISHED_STOPPED when its text completes a stop string."""
-        params = state.sampling_params
-        if params.logprobs is not None:
-            rank, top_ids, top_logprobs = runner_output.top_tokens[row]
-            token_id = request.output_token_ids[-1]
-            logprob = runner_output.logprobs[row]
-            request.output_logprobs.append(
-                self._logprob_entry(token_id, logprob, rank, top_ids, top_logprobs)
-            )
-        new_char_count = self.detokenize(state, request)
-        return check_stop_strings(request, new_char_count, params)
+    def add_request(self, state: RequestState) -> None:
+        self.requests[state.request_id] = state
 
-    def detokenize(self, state: RequestState, request: Request) -> int:
-        """Extend the request's text by its newest tokens when it is decoded token by token;
-        return the characters added."""
-        if self.tokenizer is None or not _decodes_incrementally(state):
-            return 0
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def process_outputs(
+        self, core_outputs: EngineCoreOutputs
+    ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+        """Apply a step's outputs. Returns the RequestOutputs due now, and the sequences that a
+        stop string ended, as (request_id, index), for the core to end too."""
+        requests = self.requests
+        now = time.time()
+        for request_id, scored in core_outputs.prompt_logprobs.items():
+            state = requests.get(request_id)
+            if state is not None:
+                self._add_prompt_logprobs(state, scored)
+        for request_id, first_scheduled in core_outputs.first_scheduled.items():
+            state = requests.get(request_id)
+            if state is not None:
+                state.metrics.first_scheduled_time = first_scheduled
+        touched: dict[str, RequestState] = {}
+        # Sequences a stop string ended here, and their requests: the core reports the end of a
+        # request only when it ended the last sequence itself.
+        stopped: list[tuple[str, int]] = []
+        stopped_requests: set[str] = set()
+        replaced = core_outputs.replaced_request_ids
+        for output in core_outputs.outputs:
+            state = requests.get(output.request_id)
+            if state is None:
+                continue  # aborted meanwhile
+            if output.request_id in replaced and state.request_id not in touched:
+                state.seqs = []
+            touched[state.request_id] = state
+            if self._apply(state, output, output.request_id in replaced):
+                stopped.append((state.request_id, output.index))
+                stopped_requests.add(state.request_id)
+        for request_id, error in core_outputs.finished_requests.items():
+            state = requests.get(request_id)
+            if state is not None:
+                state.error = error
+                state.finished = True
+                touched[request_id] = state
+        results = []
+        for state in touched.values():
+            metrics = state.metrics
+            if metrics.first_token_time is None and any(seq.token_ids for seq in state.seqs):
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            if not state.finished and state.request_id in stopped_requests and _sampling_ended(state):
+                state.finished = True
+            if state.finished:
+                results.append(self.finish(state, now))
+            elif state.output_kind != RequestOutputKind.FINAL_ONLY:
+                results.append(_request_output(state))
+        return results, stopped
+
+    def finish(self, state: RequestState, now: float | None = None) -> RequestOutput:
+        """The request's final output; the processor forgets it."""
+        self.requests.pop(state.request_id, None)
+        state.finished = True
+        state.metrics.finished_time = now or time.time()
+        self._finalize_text(state)
+        return _request_output(state)
+
+    def abort(self, request_ids: list[str]) -> list[RequestOutput]:
+        """End live requests: each one's final output, its running sequences ending with "abort"."""
+        outputs = []
+        for request_id in request_ids:
+            state = self.requests.get(request_id)
+            if state is None:
+                continue
+            if not state.seqs:
+                state.seq(0)
+            for seq in state.seqs:
+                if seq.finish_reason is None:
+                    seq.finish_reason = "abort"
+            outputs.append(self.finish(state))
+        return outputs
+
+    # --- per sequence -------------------------------------------------------------------------
+
+    def _apply(self, state: RequestState, output: EngineCoreOutput, replaced: bool) -> bool:
+        """One sequence's news; whether a stop string ended it now."""
+        seq = state.seq(output.index)  # a new one when replaced: its whole tokens, decoded afresh
+        seq.token_ids += output.new_token_ids
+        seq.cumulative_logprob = output.cumulative_logprob
+        seq.finish_reason = output.finish_reason
+        seq.stop_reason = output.stop_reason
+        if output.new_logprobs is not None:
+            for token_id, token_logprobs in zip(output.new_token_ids, output.new_logprobs):
+                seq.logprobs.append(self._logprob_entry(token_id, token_logprobs))
+        if not output.new_token_ids or self.tokenizer is None or not state.decodes_incrementally:
+            return False
         params = state.sampling_params
         new_text = decode_incrementally(
-            self.tokenizer, request, params.skip_special_tokens, params.spaces_between_special_tokens
+            self.tokenizer, seq, params.skip_special_tokens, params.spaces_between_special_tokens
         )
-        return len(new_text)
+        if replaced or not check_stop_strings(seq, len(new_text), params):
+            return False
+        seq.finish_reason = "stop"
+        return True
 
-    def finalize_text(self, state: RequestState) -> None:
+    def _finalize_text(self, state: RequestState) -> None:
         """Decode a finished request's text at once when it was not decoded token by token."""
-        if self.tokenizer is None or _decodes_incrementally(state):
+        if self.tokenizer is None or state.decodes_incrementally:
             return
         params = state.sampling_params
         for seq in state.seqs:
-            num_tokens = seq.num_output_tokens
+            num_tokens = len(seq.token_ids)
             # A stop token's own text is not part of the answer (see check_stop_strings); without
             # incremental decoding no stop string can have ended it.
-            stopped_by_token = seq.status == RequestStatus.FINISHED_STOPPED
-            if stopped_by_token and not params.include_stop_str_in_output:
+            if seq.finish_reason == "stop" and not params.include_stop_str_in_output:
                 num_tokens -= 1
-            seq.output_text = decode_all(
+            seq.text = decode_all(
                 self.tokenizer,
                 seq,
                 num_tokens,
@@ -61,7 +220,7 @@ class OutputProcessor:
                 params.spaces_between_special_tokens,
             )
 
-    def add_prompt_logprobs(self, state: RequestState, scored: PromptLogprobsOutput) -> None:
+    def _add_prompt_logprobs(self, state: RequestState, scored: PromptLogprobsOutput) -> None:
         """Append the scored prompt positions not scored before (a prompt recomputed after
         preemption is scored again; its first scores stand)."""
         if state.prompt_logprobs is None:
@@ -70,20 +229,12 @@ class OutputProcessor:
         for i, token_id in enumerate(scored.token_ids):
             if scored.start + 1 + i < have:
                 continue
-            state.prompt_logprobs.append(
-                self._logprob_entry(
-                    token_id,
-                    scored.logprobs[i],
-                    scored.ranks[i],
-                    scored.top_token_ids[i],
-                    scored.top_logprobs[i],
-                )
-            )
+            entry = (scored.logprobs[i], scored.ranks[i], scored.top_token_ids[i], scored.top_logprobs[i])
+            state.prompt_logprobs.append(self._logprob_entry(token_id, entry))
 
-    def _logprob_entry(
-        self, token_id: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float]
-    ) -> dict[int, Logprob]:
+    def _logprob_entry(self, token_id: int, token_logprobs: TokenLogprobs) -> dict[int, Logprob]:
         """vLLM's format: the chosen token and the top tokens, each with its rank and text."""
+        logprob, rank, top_ids, top_logprobs = token_logprobs
         entry = {token_id: Logprob(logprob, rank, self._decode(token_id))}
         for top_rank, (top_id, top_logprob) in enumerate(zip(top_ids, top_logprobs), start=1):
             if top_id not in entry:
@@ -94,6 +245,75 @@ class OutputProcessor:
         return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
 
-def _decodes_incrementally(state: RequestState) -> bool:
-    # Streamed text is needed every step; stop strings are matched against the text as it grows.
-    return state.stream or bool(state.sampling_params.stop)
+def _sampling_ended(state: RequestState) -> bool:
+    """Whether every sequence of a sampled request ended (the last one perhaps by a stop string
+    here, so the core has nothing left to report). Beam search ends when the core says so."""
+    params = state.sampling_params
+    if params.use_beam_search or len(state.seqs) != params.best_of:
+        return False
+    return all(seq.finish_reason is not None for seq in state.seqs)
+
+
+def _request_output(state: RequestState) -> RequestOutput:
+    # Sequences join in index order (forks are made in it; beam search sends its own in order).
+    seqs = state.seqs
+    params = state.sampling_params
+    if state.finished and len(seqs) > params.n and "error" not in [seq.finish_reason for seq in seqs]:
+        # best_of > n: the n best sequences, best first (beam search sends its hypotheses ranked
+        # by length-penalised score; sampling ranks by cumulative logprob).
+        if not params.use_beam_search:
+            seqs = sorted(seqs, key=lambda seq: seq.cumulative_logprob, reverse=True)
+        return _build(state, seqs[: params.n], renumber=True)
+    return _build(state, seqs, renumber=False)
+
+
+def _build(state: RequestState, seqs: list[SequenceState], renumber: bool) -> RequestOutput:
+    params = state.sampling_params
+    # Beam search re-chooses whole sequences every step: they have no delta to send.
+    delta = state.output_kind == RequestOutputKind.DELTA and not params.use_beam_search
+    holdback = 0 if state.finished else state.holdback
+    with_logprobs = params.logprobs is not None
+    outputs = []
+    for position, seq in enumerate(seqs):
+        text = seq.text
+        if holdback:
+            text = text[: max(len(text) - holdback, 0)]
+        token_ids, logprobs = seq.token_ids, seq.logprobs
+        if delta:
+            if seq.sent_finished or (
+                len(seq.token_ids) == seq.num_sent_tokens
+                and len(text) == seq.num_sent_chars
+                and not seq.finish_reason
+            ):
+                continue  # nothing new
+            text, seq.num_sent_chars = text[seq.num_sent_chars :], len(text)
+            token_ids, logprobs = token_ids[seq.num_sent_tokens :], logprobs[seq.num_sent_tokens :]
+            seq.num_sent_tokens = len(seq.token_ids)
+            seq.sent_finished = seq.finish_reason is not None
+        outputs.append(
+            CompletionOutput(
+                index=position if renumber else seq.index,
+                text=text,
+                token_ids=list(token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(logprobs) if with_logprobs else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+        )
+    prompt_logprobs = state.prompt_logprobs
+    if delta and prompt_logprobs is not None:
+        prompt_logprobs, state.num_sent_prompt_logprobs = (
+            prompt_logprobs[state.num_sent_prompt_logprobs :],
+            len(prompt_logprobs),
+        )
+    return RequestOutput(
+        request_id=state.request_id,
+        prompt=state.prompt,
+        prompt_token_ids=state.prompt_token_ids,
+        prompt_logprobs=prompt_logprobs,
+        outputs=outputs,
+        finished=state.finished,
+        metrics=state.metrics,
+        error=state.error,
+    )

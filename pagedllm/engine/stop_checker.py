@@ -8,25 +8,33 @@ from the answer.
 
 from __future__ import annotations
 
-from pagedllm.core.request import Request, RequestStatus
+from typing import Protocol
+
 from pagedllm.sampling_params import SamplingParams
 
 
-def check_stop_strings(seq: Request, new_char_count: int, params: SamplingParams) -> RequestStatus | None:
-    """FINISHED_STOPPED when the newest characters complete a stop string (setting the request's
-    ``stop_reason`` and cutting its text there), else None.
+class StoppableSequence(Protocol):
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None
 
-    ``new_char_count`` is how many characters the newest token added to ``seq.output_text``. A
-    request the core stopped on this token (EOS or a stop token id) loses that token's text
-    instead, unless ``include_stop_str_in_output``. Runs for every sampled token.
+
+def check_stop_strings(seq: StoppableSequence, new_char_count: int, params: SamplingParams) -> bool:
+    """Whether the newest characters complete a stop string (then the sequence's ``stop_reason``
+    is set and its text cut there).
+
+    ``new_char_count`` is how many characters the newest tokens added to ``seq.text``. A sequence
+    the core stopped on this token (EOS or a stop token id: finish reason "stop") loses that
+    token's text instead, unless ``include_stop_str_in_output``. Runs for every sampled token.
     """
-    if seq.status == RequestStatus.FINISHED_STOPPED:
+    if seq.finish_reason == "stop":
         if new_char_count and not params.include_stop_str_in_output:
-            seq.output_text = seq.output_text[:-new_char_count]
-        return None
-    if not params.stop or not new_char_count or len(seq.output_token_ids) < params.min_tokens:
-        return None
-    text = seq.output_text
+            seq.text = seq.text[:-new_char_count]
+        return False
+    if not params.stop or not new_char_count or len(seq.token_ids) < params.min_tokens:
+        return False
+    text = seq.text
     best: tuple[str, int] | None = None
     for stop_str in params.stop:
         # Only a match that ends in the new characters is new; it may start before them.
@@ -35,8 +43,8 @@ def check_stop_strings(seq: Request, new_char_count: int, params: SamplingParams
         if index != -1 and (best is None or index < best[1]):
             best = (stop_str, index)
     if best is None:
-        return None
+        return False
     stop_str, index = best
-    seq.output_text = text[: index + len(stop_str) if params.include_stop_str_in_output else index]
+    seq.text = text[: index + len(stop_str) if params.include_stop_str_in_output else index]
     seq.stop_reason = stop_str
-    return RequestStatus.FINISHED_STOPPED
+    return True

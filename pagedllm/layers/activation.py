@@ -18,6 +18,8 @@ class SiluAndMul(CustomOp):
     It holds no tensor, so its device is the default device where it is built (the loader's
     ``torch.device``) or where ``.to()`` sends it."""
 
+    forward_only_dispatches = True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, 2 * d] -> [num_tokens, d]."""
         return self.forward_method(x)

@@ -22,12 +22,18 @@ from pagedllm.platform import Platform, platform_for
 
 class CustomOp(nn.Module):
     """Subclasses define ``forward`` as a call of ``self.forward_method`` with their own
-    signature, ``forward_torch`` and the kernels' forwards, and ``dispatch_forward``."""
+    signature, ``forward_torch`` and the kernels' forwards, and ``dispatch_forward``.
+
+    A subclass whose ``forward`` does nothing but that call sets ``forward_only_dispatches``: the
+    chosen method then becomes the instance's ``forward`` itself, one call less per layer and step
+    (the class's ``forward`` stays as the documented signature).
+    """
 
     # The reference implementation, on any device.
     forward_torch: Callable[..., Any]
     # The implementation ``forward`` runs, chosen by ``dispatch_forward`` when bound to a device.
     forward_method: Callable[..., Any]
+    forward_only_dispatches = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,6 +50,8 @@ class CustomOp(nn.Module):
     def _bind(self, device: torch.device, dtype: torch.dtype) -> None:
         self.device, self.dtype = device, dtype
         self.forward_method = self.dispatch_forward(platform_for(device), dtype)
+        if self.forward_only_dispatches:
+            self.forward = self.forward_method
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> CustomOp:
         super()._apply(fn, recurse)

@@ -27,6 +27,8 @@ class RMSNorm(CustomOp):
     our logits equal the reference's.
     """
 
+    forward_only_dispatches = True
+
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = eps

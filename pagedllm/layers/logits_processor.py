@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.distributed import tensor_model_parallel_all_gather
+from pagedllm.distributed import get_tensor_model_parallel_world_size, tensor_model_parallel_all_gather
 from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 
@@ -20,6 +20,8 @@ class LogitsProcessor(nn.Module):
     def __init__(self, vocab_size: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        # Built after the ranks joined their group: whether each holds a shard of the vocabulary.
+        self.gathers = get_tensor_model_parallel_world_size() > 1
 
     def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_rows, hidden_size] -> [num_rows, vocab_size] float32."""
@@ -31,5 +33,6 @@ class LogitsProcessor(nn.Module):
             if method is None
             else method.apply(lm_head, hidden_states, None)
         )
-        logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        if self.gathers:
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size].float()

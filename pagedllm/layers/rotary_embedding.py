@@ -197,6 +197,8 @@ class RotaryEmbedding(CustomOp):
     positions from float64 angles, exact however large the position, and no table is kept.
     """
 
+    forward_only_dispatches = True
+
     def __init__(
         self,
         head_size: int,

@@ -183,7 +183,9 @@ class ModelRunner:
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the step's diffs to the persistent batch."""
-        self.logits_processors.drop(scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids)
+        dropped = scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids
+        if dropped:
+            self.logits_processors.drop(dropped)
         self.input_batch.apply_scheduler_output(scheduler_output)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInput:

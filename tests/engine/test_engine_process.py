@@ -1,6 +1,6 @@
 """The engine core in a process of its own (``AsyncLLMEngine.in_engine_process``, the server's
-default): it serves what the in-thread core serves, output for output; outputs cross as deltas
-that rebuild every output exactly; grammars compile off the engine loop; a dead engine process
+default): it serves what the in-thread core serves, output for output; a step crosses as token
+ids whose size does not grow with the output; grammars compile off the engine loop; a dead engine process
 fails every stream and turns the engine unhealthy; bad arguments fail at startup."""
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 
 from pagedllm import EngineArgs, SamplingParams
-from pagedllm.core.request import Logprob, RequestMetrics
 from pagedllm.engine.async_engine import AsyncEngineDeadError, AsyncLLMEngine
-from pagedllm.engine.core import AbortRequests, AddRequest, AddResult, CoreOutputs, EngineCore
+from pagedllm.engine.core import EngineCore
+from pagedllm.engine.core_proc import AbortRequests, AddRequest, AddResult, CoreOutputs, EngineCoreLoop
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.engine.output_delta import OutputDeltaDecoder, OutputDeltaEncoder
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput
 from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.step_io import EngineCoreRequest
 
 TIMEOUT_S = 60
 REGEX = "(ab|c)+"
@@ -37,80 +37,33 @@ def run(coroutine: Any) -> Any:
     return asyncio.run(asyncio.wait_for(coroutine, TIMEOUT_S))
 
 
-def engine_args(model_dir: str, **overrides: Any) -> EngineArgs:
+def _core_kwargs(model_dir: str, **overrides: Any) -> dict[str, Any]:
     # The torch backend is batch invariant: a request's tokens do not depend on its neighbours.
     kwargs = dict(num_kv_blocks=128, block_size=8, max_model_len=256, swap_space=0.01)
-    return EngineArgs(model=model_dir, device="cpu", attention_backend="torch", **{**kwargs, **overrides})
+    return dict(model=model_dir, device="cpu", attention_backend="torch", **{**kwargs, **overrides})
 
 
-# --- deltas -----------------------------------------------------------------------------------
+def engine_args(model_dir: str, **overrides: Any) -> EngineArgs:
+    return EngineArgs(**_core_kwargs(model_dir, **overrides))
 
 
-def _seq(index: int, tokens: list[int], logprobs: bool, finish: str | None = None) -> CompletionOutput:
-    return CompletionOutput(
-        index=index,
-        text="".join(f"<{t}>" for t in tokens),
-        token_ids=list(tokens),
-        cumulative_logprob=-0.5 * len(tokens),
-        logprobs=[{t: Logprob(-0.5, 1, f"<{t}>")} for t in tokens] if logprobs else None,
-        finish_reason=finish,
-        stop_reason=None,
-    )
+# --- what crosses the pipe --------------------------------------------------------------------
 
 
-def _output(request_id: str, seqs: list[CompletionOutput], finished: bool = False) -> RequestOutput:
-    return RequestOutput(
-        request_id=request_id,
-        prompt="p",
-        prompt_token_ids=[1, 2, 3],
-        prompt_logprobs=[None, {2: Logprob(-1.0, 1, "2")}, {3: Logprob(-2.0, 1, "3")}],
-        outputs=seqs,
-        finished=finished,
-        metrics=RequestMetrics(arrival_time=1.0, finished_time=2.0 if finished else None),
-        error=None,
-    )
-
-
-def test_deltas_rebuild_every_output_and_both_sides_forget_ended_requests():
-    """Appends travel as deltas whose size does not grow with the output; a beam replaced, or
-    sequences re-ranked at the end, travel whole; every decoded output equals the engine's."""
-    steps = [
-        [_output("a", [_seq(0, [5], True), _seq(1, [6], True)]), _output("b", [_seq(0, [9], False)])],
-        [
-            _output("a", [_seq(0, [5, 7], True), _seq(1, [6, 8], True)]),
-            _output("b", [_seq(0, [9, 4], False)]),
-        ],
-        # "a": beam 1 replaced by a continuation of beam 0; "c" joins.
-        [
-            _output("a", [_seq(0, [5, 7, 1], True), _seq(1, [5, 7, 2], True)]),
-            _output("b", [_seq(0, [9, 4, 4], False)]),
-            _output("c", [_seq(0, [3], False)]),
-        ],
-        [
-            _output(
-                "a", [_seq(0, [5, 7, 2, 0], True, "stop"), _seq(1, [5, 7, 1], True, "length")], finished=True
-            )
-        ],
-    ]
-    steps += [[_output("b", [_seq(0, [9, 4, 4, *range(10, 10 + n)], False)])] for n in range(1, 40)]
-    encoder, decoder = OutputDeltaEncoder(), OutputDeltaDecoder()
-    sizes = []
-    for i, outputs in enumerate(steps):
-        aborted = ["c"] if i == 4 else []
-        message = pickle.loads(pickle.dumps(encoder.encode(outputs, aborted)))
-        assert decoder.decode(message, aborted) == outputs
-        sizes.append(len(pickle.dumps(message)))
-    # "b" alone, one token more each step: a delta of constant size.
-    assert max(sizes[5:]) == min(sizes[5:]) < 200
-    # "a" finished, "c" aborted: only "b" is remembered, on both sides.
-    assert len(encoder) == len(decoder) == 1
-
-
-def test_a_sequence_that_does_not_just_grow_travels_whole():
-    encoder = OutputDeltaEncoder()
-    encoder.encode([_output("a", [_seq(0, [5, 6], False)])])
-    changed = [_output("a", [_seq(0, [5, 8, 9], False)])]
-    assert encoder.encode(changed) == changed  # whole RequestOutputs, not delta tuples
+def test_a_step_crosses_as_token_ids_whose_size_does_not_grow_with_the_output(tiny_llama_with_tokenizer):
+    """The core sends each sequence's new token ids, never text or what was sent before: a long
+    stream costs the same bytes per step at its end as at its start."""
+    core = EngineCore(EngineArgs(**_core_kwargs(tiny_llama_with_tokenizer)).create_engine_config())
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, logprobs=1)
+    core.add_request(EngineCoreRequest("r", [10, 11, 12], params, (), 0.0))
+    sizes, tokens = [], []
+    while core.has_unfinished_requests():
+        outputs = pickle.loads(pickle.dumps(core.step()))
+        sizes.append(len(pickle.dumps(outputs)))
+        tokens += [t for o in outputs.outputs for t in o.new_token_ids]
+        assert all(not hasattr(o, "text") for o in outputs.outputs)
+    assert len(tokens) == 60 and "r" in outputs.finished_requests
+    assert max(sizes[2:-1]) - min(sizes[2:-1]) < 16  # one token and its logprobs, whatever came before
 
 
 # --- the engine core's loop -------------------------------------------------------------------
@@ -126,14 +79,15 @@ def test_an_add_waiting_for_its_grammar_is_withdrawn_by_its_abort(tiny_llama_wit
         pending.append(Future())
         return pending[-1]
 
-    monkeypatch.setattr(engine.structured_output_manager, "compile", compile_never)
+    manager = engine.structured_output_manager
+    monkeypatch.setattr(manager, "compile", compile_never)
     messages: list[Any] = []
-    core = EngineCore(engine, messages.append)
+    loop = EngineCoreLoop(engine.engine_core, messages.append, manager)
     params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[ab]+"))
-    core.ops.put(AddRequest(0, "r", None, params, [10, 11, 12], None))
-    core.ops.put(AbortRequests(["r"]))
-    core.ops.put(None)
-    core.run()
+    loop.ops.put(AddRequest(0, EngineCoreRequest("r", [10, 11, 12], params, (), 0.0)))
+    loop.ops.put(AbortRequests(["r"]))
+    loop.ops.put(None)
+    loop.run()
     results = [m for m in messages if isinstance(m, AddResult)]
     assert len(results) == 1 and "aborted" in str(results[0].error)
     assert not engine.has_unfinished_requests() and len(pending) == 1
@@ -145,17 +99,19 @@ def test_an_add_joins_once_its_grammar_compiled(tiny_llama_with_tokenizer):
 
     def emit(message: Any) -> None:
         messages.append(message)
-        if isinstance(message, CoreOutputs) and any(output.finished for output in message.outputs):
-            core.ops.put(None)
+        if isinstance(message, CoreOutputs) and message.outputs.finished_requests:
+            loop.ops.put(None)
 
-    core = EngineCore(engine, emit)
+    loop = EngineCoreLoop(engine.engine_core, emit, engine.structured_output_manager)
     regex = StructuredOutputsParams(regex="[ab]+")
     params = SamplingParams(max_tokens=6, temperature=0.0, structured_outputs=regex)
-    core.ops.put(AddRequest(0, "r", None, params, [10, 11, 12], None))
-    core.run()
+    loop.ops.put(AddRequest(0, EngineCoreRequest("r", [10, 11, 12], params, (), 0.0)))
+    loop.run()
     assert [m.error for m in messages if isinstance(m, AddResult)] == [None]
-    final = [o for m in messages if isinstance(m, CoreOutputs) for o in m.outputs if o.finished]
-    assert len(final) == 1 and re.fullmatch("[ab]+", final[0].outputs[0].text)
+    tokens = [
+        t for m in messages if isinstance(m, CoreOutputs) for o in m.outputs.outputs for t in o.new_token_ids
+    ]
+    assert re.fullmatch("[ab]+", engine.tokenizer.decode(tokens))
 
 
 # --- the engine process -----------------------------------------------------------------------
@@ -326,12 +282,13 @@ def test_a_stopped_engine_neither_freezes_the_event_loop_nor_looks_responsive(ti
             assert engine.is_responsive
             os.kill(pid, signal.SIGSTOP)
             params = SamplingParams(max_tokens=4, ignore_eos=True)
-            # Big prompts: far more than a pipe's buffer, so a send on the loop would block.
+            # Far more than a pipe's buffer in all (prompts that fit max_model_len, so that the
+            # frontend sends them), so a send on the loop would block.
             adds = [
                 asyncio.ensure_future(
-                    engine.add_request(f"r{i}", prompt_token_ids=[1] * 50_000, sampling_params=params)
+                    engine.add_request(f"r{i}", prompt_token_ids=[1] * 240, sampling_params=params)
                 )
-                for i in range(20)
+                for i in range(400)
             ]
             gaps = []
             start = time.monotonic()

@@ -221,8 +221,8 @@ def test_parallel_samples_share_the_prompt_blocks(tiny_llama):
         "0", sampling_params=SamplingParams(n=4, temperature=1.0, max_tokens=8), prompt_token_ids=prompt
     )
     engine.step()  # prefill and first sample: the request forks into 4 sequences
-    group = engine.requests["0"]
-    tables = [engine.scheduler.kv_cache_manager.get_block_ids(seq) for seq in group.seqs]
+    group = engine.engine_core.requests["0"].group
+    tables = [engine.scheduler.kv_cache_manager.get_block_ids(seq) for seq in group.members]
     assert len(tables) == 4
     num_full_prompt_blocks = len(prompt) // 4
     assert all(t[:num_full_prompt_blocks] == tables[0][:num_full_prompt_blocks] for t in tables)

@@ -19,7 +19,8 @@ import torch
 from transformers import LlamaConfig
 
 from pagedllm import EngineArgs, SamplingParams
-from pagedllm.engine.llm_engine import MAX_REQUESTS_FAILED_IN_A_ROW, LLMEngine
+from pagedllm.engine.core import MAX_REQUESTS_FAILED_IN_A_ROW
+from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.executor.abstract import ExecutorDeadError
 from pagedllm.outputs import RequestOutput
 from pagedllm.step_io import SchedulerOutput

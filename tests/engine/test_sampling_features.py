@@ -104,9 +104,10 @@ def test_best_of_allocates_the_prompt_once_and_returns_the_best_n(tiny):
     params = SamplingParams(n=4, best_of=8, temperature=1.0, seed=3, max_tokens=10, ignore_eos=True)
     engine.add_request("0", sampling_params=params, prompt_token_ids=prompt)
     engine.step()
-    group = engine.requests["0"]
+    group = engine.engine_core.requests["0"].group
     bm = engine.scheduler.kv_cache_manager
-    tables = [bm.get_block_ids(seq) for seq in group.seqs]
+    seqs = list(group.members)
+    tables = [bm.get_block_ids(seq) for seq in seqs]
     assert len(tables) == 8
     num_prompt_blocks = (len(prompt) + 3) // 4
     assert all(table == tables[0] for table in tables), "every sample shares the prompt's blocks"
@@ -116,7 +117,7 @@ def test_best_of_allocates_the_prompt_once_and_returns_the_best_n(tiny):
         for output in engine.step():
             final = output
     assert final is not None and final.finished and len(final.outputs) == 4
-    everything = sorted((seq.cumulative_logprob for seq in group.seqs), reverse=True)
+    everything = sorted((seq.cumulative_logprob for seq in seqs), reverse=True)
     assert [c.cumulative_logprob for c in final.outputs] == everything[:4]
     assert_all_blocks_free(llm)
 
@@ -316,7 +317,7 @@ def test_a_long_prompt_never_stalls_running_decodes(make_tiny_model):
         "long", sampling_params=SamplingParams(max_tokens=4, ignore_eos=True), prompt_token_ids=long_prompt
     )
     steps_while_prefilling = 0
-    while engine.requests["long"].seqs[0].num_output_tokens == 0:
+    while not engine.requests["long"].seqs:  # no token yet
         got_tokens = {o.request_id for o in engine.step()}
         live = {rid for rid in engine.requests if rid.startswith("d")}
         assert live <= got_tokens, "a running decode was skipped"

@@ -44,6 +44,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     prompt_logprobs_json,
     sse_error,
     top_logprobs,
+    usage,
     usage_info,
 )
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser
@@ -83,13 +84,17 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
 
 @dataclasses.dataclass
 class _ChoiceProgress:
-    """What a streamed choice has sent so far."""
+    """What a streamed choice has sent so far, and what it holds back."""
 
-    num_chars: int = 0
+    # Tokens generated so far (usage).
     num_tokens: int = 0
     finished: bool = False
-    # With tools: the text is held back (it may be a call) until the choice ends.
+    # With tools: the text is held back (it may be a call) until the choice ends, with its tokens
+    # and their logprobs.
     holding: bool = False
+    held_text: str = ""
+    held_token_ids: list[int] = dataclasses.field(default_factory=list)
+    held_logprobs: SampleLogprobs = dataclasses.field(default_factory=list)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -141,7 +146,9 @@ class OpenAIServingChat(OpenAIServing):
             params.structured_outputs = constraint
             await self.compile_structured_outputs(params, "tools")
         request_id = "chatcmpl-" + new_request_id(raw_request)
-        [stream], guard = await self.add_requests(request_id, [prompt], params, arrival_time, raw_request)
+        [stream], guard = await self.add_requests(
+            request_id, [prompt], params, arrival_time, raw_request, bool(request.stream)
+        )
         if request.stream:
             return self._stream(request, mode, guard, request_id, stream, params.n)
         with guard:
@@ -264,7 +271,11 @@ class OpenAIServingChat(OpenAIServing):
             return sse_event(response, include_usage)
 
         progress: dict[int, _ChoiceProgress] = defaultdict(_ChoiceProgress)
-        final = None
+        num_prompt_tokens = 0
+
+        def usage_so_far() -> UsageInfo:
+            return usage(num_prompt_tokens, sum(choice.num_tokens for choice in progress.values()))
+
         with guard:
             try:
                 # OpenAI opens each choice with the role and empty content (vLLM's echo: the
@@ -272,21 +283,22 @@ class OpenAIServingChat(OpenAIServing):
                 for index in range(n):
                     role = DeltaMessage(role=ASSISTANT, content=_echo(request))
                     yield chunk([ChatCompletionResponseStreamChoice(index=index, delta=role)])
+                # Each output holds what is new since the last (DELTA), for the choices with news.
                 async for output in stream:
+                    num_prompt_tokens = len(output.prompt_token_ids)
                     choices = []
                     for completion in output.outputs:
                         choice = self._stream_choice(request, mode, completion, progress[completion.index])
                         if choice is not None:
                             choices.append(choice)
-                    final = output
                     if choices:
-                        yield chunk(choices, usage_info([output]) if request.continuous_usage else None)
+                        yield chunk(choices, usage_so_far() if request.continuous_usage else None)
             except Exception as e:
                 yield sse_error(e)
                 yield SSE_DONE
                 return
-        if include_usage and final is not None:
-            yield chunk([], usage_info([final]))
+        if include_usage and num_prompt_tokens:
+            yield chunk([], usage_so_far())
         yield SSE_DONE
 
     def _stream_choice(
@@ -296,7 +308,8 @@ class OpenAIServingChat(OpenAIServing):
         completion: CompletionOutput,
         progress: _ChoiceProgress,
     ) -> ChatCompletionResponseStreamChoice | None:
-        """The choice's new content since its last chunk, or None when there is nothing to send.
+        """The choice's chunk for ``completion``, what it gained since its last output, or None
+        when there is nothing to send.
 
         With tools, text that may be a call is held back; when the choice ends its calls go out
         whole, one delta each (clients join a call's deltas by index).
@@ -304,30 +317,28 @@ class OpenAIServingChat(OpenAIServing):
         if progress.finished:
             return None
         finish_reason = completion.finish_reason
+        progress.num_tokens += len(completion.token_ids)
         if mode in ("required", "named") or (
-            mode == "auto" and self.tool_parser.may_start_call(completion.text[progress.num_chars :])
+            mode == "auto" and not progress.holding and self.tool_parser.may_start_call(completion.text)
         ):
             progress.holding = True
         tool_calls: list[ToolCall] = []
+        text, token_ids, logprobs_seen = completion.text, completion.token_ids, completion.logprobs or []
         if progress.holding:
+            progress.held_text += text
+            progress.held_token_ids += token_ids
+            progress.held_logprobs += logprobs_seen
             if finish_reason is None:
                 return None
-            content, tool_calls = extract_tool_calls(
-                request, mode, self.tool_parser, completion.text[progress.num_chars :]
-            )
-            delta_text = content or ""
-        else:
-            delta_text = completion.text[progress.num_chars :]
-        new_token_ids = completion.token_ids[progress.num_tokens :]
+            content, tool_calls = extract_tool_calls(request, mode, self.tool_parser, progress.held_text)
+            text, token_ids, logprobs_seen = content or "", progress.held_token_ids, progress.held_logprobs
         logprobs = None
-        if request.logprobs and new_token_ids:
-            logprobs = self._logprobs(
-                request, new_token_ids, (completion.logprobs or [])[progress.num_tokens :]
-            )
-        if not (delta_text or logprobs or finish_reason or tool_calls):
+        if request.logprobs and token_ids:
+            logprobs = self._logprobs(request, token_ids, logprobs_seen)
+        if not (text or logprobs or finish_reason or tool_calls):
             return None
-        progress.num_chars, progress.num_tokens = len(completion.text), len(completion.token_ids)
         progress.finished = finish_reason is not None
+        delta_text = text
         delta = DeltaMessage(content=delta_text if delta_text or logprobs else None)
         if tool_calls:
             delta.tool_calls = [

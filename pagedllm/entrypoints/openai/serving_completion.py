@@ -15,6 +15,7 @@ from pagedllm.entrypoints.openai.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
+    UsageInfo,
     sse_event,
 )
 from pagedllm.entrypoints.openai.serving_engine import (
@@ -28,6 +29,7 @@ from pagedllm.entrypoints.openai.serving_engine import (
     prompt_logprobs_json,
     sse_error,
     top_logprobs,
+    usage,
     usage_info,
 )
 from pagedllm.outputs import CompletionOutput, RequestOutput
@@ -42,8 +44,7 @@ if TYPE_CHECKING:
 class _ChoiceProgress:
     """What a choice has sent so far, and the echoed prompt its first chunk still has to send."""
 
-    # Of the completion: characters and tokens sent.
-    num_chars: int = 0
+    # Of the completion: tokens sent.
     num_tokens: int = 0
     # Of the whole text (echo included): where the next chunk's text starts.
     text_offset: int = 0
@@ -75,7 +76,9 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = request.logprobs if request.echo else None
         params = await self.sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs)
         request_id = "cmpl-" + new_request_id(raw_request)
-        streams, guard = await self.add_requests(request_id, prompts, params, arrival_time, raw_request)
+        streams, guard = await self.add_requests(
+            request_id, prompts, params, arrival_time, raw_request, bool(request.stream)
+        )
         if request.stream:
             return self._stream(request, guard, request_id, prompts, streams)
         with guard:
@@ -128,7 +131,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = []
         for prompt_index, (prompt, final) in enumerate(zip(prompts, finals)):
             for output in final.outputs:
-                # A whole choice is the one chunk a finished output makes when nothing was sent.
+                # A whole choice is the one chunk its final output makes when nothing was sent.
                 progress = self._progress(request, prompt, final)
                 choice = self._choice_delta(request, prompt_index * n + output.index, output, progress)
                 assert choice is not None
@@ -152,11 +155,12 @@ class OpenAIServingCompletion(OpenAIServing):
         created = int(time.time())
         include_usage = request.include_usage_in_stream
         progress: dict[tuple[int, int], _ChoiceProgress] = {}
-        finals: list[RequestOutput] = []
+        n = request.n or 1
         with guard:
             try:
+                # Each output holds what is new since the prompt's last one (DELTA), and only
+                # the choices that have news.
                 async for prompt_index, output in merge_streams(streams):
-                    n = len(output.outputs)
                     choices = []
                     for completion in output.outputs:
                         key = (prompt_index, completion.index)
@@ -167,15 +171,15 @@ class OpenAIServingCompletion(OpenAIServing):
                         )
                         if choice is not None:
                             choices.append(choice)
-                    if output.finished:
-                        finals.append(output)
                     if choices:
                         chunk = CompletionStreamResponse(
                             id=request_id,
                             created=created,
                             model=self.model_name,
                             choices=choices,
-                            usage=usage_info([output]) if request.continuous_usage else None,
+                            usage=_usage(prompts, progress, prompt_index)
+                            if request.continuous_usage
+                            else None,
                         )
                         yield sse_event(chunk, include_usage)
             except Exception as e:
@@ -184,7 +188,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 return
         if include_usage:
             chunk = CompletionStreamResponse(
-                id=request_id, created=created, model=self.model_name, choices=[], usage=usage_info(finals)
+                id=request_id,
+                created=created,
+                model=self.model_name,
+                choices=[],
+                usage=_usage(prompts, progress),
             )
             yield sse_event(chunk, include_usage)
         yield SSE_DONE
@@ -192,12 +200,12 @@ class OpenAIServingCompletion(OpenAIServing):
     def _choice_delta(
         self, request: CompletionRequest, index: int, completion: CompletionOutput, progress: _ChoiceProgress
     ) -> CompletionResponseChoice | None:
-        """The choice's text and tokens since its last chunk (advancing ``progress``), or None when
-        there are none."""
+        """The choice's chunk for ``completion``, what it gained since its last chunk (advancing
+        ``progress``), or None when that is nothing."""
         if progress.finished:
             return None
-        delta_text = completion.text[progress.num_chars :]
-        new_token_ids = completion.token_ids[progress.num_tokens :]
+        delta_text = completion.text
+        new_token_ids = completion.token_ids
         # A chunk per new token, even when it adds no text yet (a partial character, a held-back
         # stop string prefix, a model without a tokenizer): clients time tokens by chunks.
         if not (progress.echo or delta_text or new_token_ids or completion.finish_reason):
@@ -206,14 +214,14 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.logprobs is not None:
             logprobs = self._logprobs(
                 progress.echo_token_ids + new_token_ids,
-                progress.echo_logprobs + (completion.logprobs or [])[progress.num_tokens :],
+                progress.echo_logprobs + (completion.logprobs or []),
                 request.logprobs,
                 progress.text_offset,
                 bool(request.return_tokens_as_token_ids),
             )
         text = progress.echo + delta_text
         progress.echo, progress.echo_token_ids, progress.echo_logprobs = "", [], []
-        progress.num_chars, progress.num_tokens = len(completion.text), len(completion.token_ids)
+        progress.num_tokens += len(new_token_ids)
         progress.text_offset += len(text)
         progress.finished = completion.finish_reason is not None
         return CompletionResponseChoice(
@@ -248,3 +256,15 @@ class OpenAIServingCompletion(OpenAIServing):
             result.text_offset.append(text_offset)
             text_offset += len(token)
         return result
+
+
+def _usage(
+    prompts: list[EnginePrompt],
+    progress: dict[tuple[int, int], _ChoiceProgress],
+    prompt_index: int | None = None,
+) -> UsageInfo:
+    """Token counts of the prompts' choices so far (of one prompt's, given ``prompt_index``)."""
+    indices = range(len(prompts)) if prompt_index is None else [prompt_index]
+    prompt_tokens = sum(len(prompts[i].token_ids) for i in indices)
+    completion_tokens = sum(p.num_tokens for (i, _), p in progress.items() if i in indices)
+    return usage(prompt_tokens, completion_tokens)

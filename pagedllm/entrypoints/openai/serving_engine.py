@@ -18,7 +18,7 @@ from pagedllm.core.request import Logprob
 from pagedllm.engine.async_engine import AsyncEngineDeadError, AsyncLLMEngine, RequestStream
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest, UsageInfo
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -231,12 +231,16 @@ class OpenAIServing:
         params: SamplingParams,
         arrival_time: float,
         raw_request: Request,
+        stream: bool,
     ) -> tuple[list[RequestStream], DisconnectGuard]:
         """Queue one engine request per prompt; the guard aborts them all when the client leaves,
-        even while the later ones are still being queued.
+        even while the later ones are still being queued. With ``stream`` each output holds what
+        is new since the last (DELTA: the engine's frontend diffs, not the handler); without, one
+        output at the end (FINAL_ONLY).
 
         Refusals become APIErrors before anything streams; a refused prompt withdraws the others.
         """
+        params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         engine_ids = [f"{request_id}-{next(_engine_request_counter)}" for _ in prompts]
         guard = DisconnectGuard(self.engine, raw_request, engine_ids)
         streams: list[RequestStream] = []
@@ -379,9 +383,13 @@ def prompt_logprobs_json(
 
 
 def usage_info(finals: list[RequestOutput]) -> UsageInfo:
-    """Token counts over requests' outputs (the n returned sequences of each)."""
+    """Token counts over requests' whole outputs (the n returned sequences of each)."""
     prompt_tokens = sum(len(final.prompt_token_ids) for final in finals)
     completion_tokens = sum(len(output.token_ids) for final in finals for output in final.outputs)
+    return usage(prompt_tokens, completion_tokens)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
     return UsageInfo(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,
