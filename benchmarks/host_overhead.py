@@ -66,7 +66,8 @@ def measure(engine: LLMEngine, num_seqs: int, num_steps: int) -> tuple[float, di
     _timed(runner, "prepare_inputs", totals)
     _timed(runner, "sampler", totals)
     _timed(engine.scheduler, "update_from_output", totals)
-    _timed(engine, "_apply", totals)
+    _timed(engine.engine_core, "_apply", totals)
+    _timed(engine.output_processor, "process_outputs", totals)
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=num_steps + 20, ignore_eos=True)
     for i in range(num_seqs):

@@ -299,12 +299,10 @@ class EngineCore:
                     request.stop_reason,
                 )
             )
-            live = self.requests[group.request_id]
-            if not live.reported_scheduled:
-                live.reported_scheduled = True
+            if request.output_index == 0 and len(request.output_token_ids) == 1:  # its first token
                 out.first_scheduled[group.request_id] = request.first_scheduled_time
             if not group.members:
-                ended.append(live)
+                ended.append(self.requests[group.request_id])
         if sampled.beams:
             self._apply_beam_search(sampled.beams, runner_output, out)
         for live in ended:

@@ -70,15 +70,17 @@ class RequestState:
     metrics: RequestMetrics = field(init=False)
     # Characters held back from unfinished text: a stop string may start there.
     holdback: int = field(init=False)
+    # Whether its text is decoded token by token: streamed text is needed every step, and stop
+    # strings are matched against the text as it grows. Otherwise it is decoded once, at the end.
+    decodes_incrementally: bool = field(init=False)
+    # Whether it has an output before its end.
+    streams: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.holdback = max(self.sampling_params.max_stop_string_len - 1, 0)
-
-    @property
-    def decodes_incrementally(self) -> bool:
-        # Streamed text is needed every step; stop strings are matched against the text as it grows.
-        return self.output_kind != RequestOutputKind.FINAL_ONLY or bool(self.sampling_params.stop)
+        self.streams = self.output_kind != RequestOutputKind.FINAL_ONLY
+        self.decodes_incrementally = self.streams or bool(self.sampling_params.stop)
 
     def seq(self, index: int) -> SequenceState:
         """The sequence at ``index``; a new one the first time (a fork the core just made)."""
@@ -119,6 +121,7 @@ class OutputProcessor:
             state = requests.get(request_id)
             if state is not None:
                 state.metrics.first_scheduled_time = first_scheduled
+        # Requests with an output due (streaming ones with news, and any that ended).
         touched: dict[str, RequestState] = {}
         # Sequences a stop string ended here, and their requests: the core reports the end of a
         # request only when it ended the last sequence itself.
@@ -126,15 +129,20 @@ class OutputProcessor:
         stopped_requests: set[str] = set()
         replaced = core_outputs.replaced_request_ids
         for output in core_outputs.outputs:
-            state = requests.get(output.request_id)
+            request_id = output.request_id
+            state = requests.get(request_id)
             if state is None:
                 continue  # aborted meanwhile
-            if output.request_id in replaced and state.request_id not in touched:
+            if request_id in replaced and request_id not in touched:
                 state.seqs = []
-            touched[state.request_id] = state
-            if self._apply(state, output, output.request_id in replaced):
-                stopped.append((state.request_id, output.index))
-                stopped_requests.add(state.request_id)
+            if state.streams or output.finish_reason is not None or request_id in replaced:
+                touched[request_id] = state
+            elif state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            if self._apply(state, output):
+                stopped.append((request_id, output.index))
+                stopped_requests.add(request_id)
+                touched[request_id] = state
         for request_id, error in core_outputs.finished_requests.items():
             state = requests.get(request_id)
             if state is not None:
@@ -180,7 +188,7 @@ class OutputProcessor:
 
     # --- per sequence -------------------------------------------------------------------------
 
-    def _apply(self, state: RequestState, output: EngineCoreOutput, replaced: bool) -> bool:
+    def _apply(self, state: RequestState, output: EngineCoreOutput) -> bool:
         """One sequence's news; whether a stop string ended it now."""
         seq = state.seq(output.index)  # a new one when replaced: its whole tokens, decoded afresh
         seq.token_ids += output.new_token_ids
@@ -196,7 +204,7 @@ class OutputProcessor:
         new_text = decode_incrementally(
             self.tokenizer, seq, params.skip_special_tokens, params.spaces_between_special_tokens
         )
-        if replaced or not check_stop_strings(seq, len(new_text), params):
+        if params.use_beam_search or not check_stop_strings(seq, len(new_text), params):
             return False
         seq.finish_reason = "stop"
         return True
