@@ -5,7 +5,9 @@ embedding's method also looks rows up (``EmbeddingMethod``)."""
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -35,3 +37,58 @@ class EmbeddingMethod(LinearMethod):
     @abstractmethod
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         """This rank's whole table, [num_rows, embedding_dim] dense in the model dtype."""
+
+
+def require(ok: bool, field: str, expected: str, value: Any) -> None:
+    """A ValueError naming the ``quantization_config`` field, unless ``ok``."""
+    if not ok:
+        raise ValueError(f"quantization_config.{field} must be {expected}, got {value!r}")
+
+
+def matches(name: str, patterns: list[str]) -> bool:
+    """Whether a module name is one of ``patterns``: a name, a name's suffix after a dot, or
+    ``re:<regex>`` (compressed-tensors' and vLLM's conventions)."""
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], name):
+                return True
+        elif name == pattern or name.endswith(f".{pattern}"):
+            return True
+    return False
+
+
+class QuantizationConfig(ABC):
+    """One checkpoint's quantization: parsed from ``quantization_config``, asked per layer."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
+        """Parse and validate; a ValueError names the bad field."""
+
+    @abstractmethod
+    def get_linear_method(self, layer: nn.Module, prefixes: list[str]) -> LinearMethod | None:
+        """The method of a linear layer holding the checkpoint modules ``prefixes`` (q, k and v
+        for a merged qkv_proj), or None to keep it dense."""
+
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> Any:
+        raise ValueError(
+            f"quant_method {self.name!r} has no support for mixture-of-experts layers ({prefix})"
+        )
+
+    def notice(self, device: torch.device) -> str | None:
+        """A one-line notice when this format runs without a fast kernel on ``device``."""
+        if device.type == "cpu":
+            return None
+        return f"{self.name} weights have no fast kernel here yet: they run dequantized to the model dtype"
+
+
+def same_for_all(prefixes: list[str], ignored: list[str], field: str) -> bool:
+    """Whether the merged projections are all ignored (True) or none is (False)."""
+    flags = {matches(p, ignored) for p in prefixes}
+    if len(flags) > 1:
+        raise ValueError(
+            f"quantization_config.{field} ignores some of the merged projections {prefixes}, not all"
+        )
+    return flags.pop()
