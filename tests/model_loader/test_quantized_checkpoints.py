@@ -196,10 +196,8 @@ def _online_fp8_reference(hf_model: PreTrainedModel) -> PreTrainedModel:
     reference = copy.deepcopy(hf_model)
     with torch.no_grad():
         for name, param in reference.named_parameters():
-            if (
-                (name.endswith("_proj.weight")
-                and "embed" not in name)
-                or name.endswith(("gate_up_proj", "down_proj"))
+            if (name.endswith("_proj.weight") and "embed" not in name) or name.endswith(
+                ("gate_up_proj", "down_proj")
             ):
                 scale = param.abs().amax(-1, keepdim=True) / 448
                 param.copy_((param / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale)
@@ -299,3 +297,54 @@ def test_block_scales_that_a_merged_projection_cuts_are_refused(tiny) -> None:
         ValueError, match=r"weight_block_size\[0\]=48 does not divide QKVParallelLinear's output"
     ):
         _load(model_dir)
+
+
+def test_a_group_size_that_cuts_a_rank_shard_is_refused_naming_the_sizes_that_work(monkeypatch) -> None:
+    from pagedllm.layers import linear
+    from pagedllm.layers.quantization.wna16 import AWQMethod, IntWeightScheme
+
+    monkeypatch.setattr(linear, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(linear, "get_tensor_model_parallel_rank", lambda: 0)
+    down_proj = linear.RowParallelLinear(96, 64, bias=False)  # 48 inputs per rank
+    message = (
+        r"group_size=32 does not divide RowParallelLinear's input shard of 48 features "
+        r"\(96 over tensor_parallel_size=2\); tensor_parallel_size in \[1, 3\] works"
+    )
+    with pytest.raises(ValueError, match=message):
+        AWQMethod(IntWeightScheme(4, 32, symmetric=False)).create_weights(down_proj)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint", ["gptq-desc-act", "compressed-tensors-w4a16-asym", "fp8-block"])
+def test_two_ranks_give_the_greedy_tokens_of_one_on_a_quantized_checkpoint(tiny, checkpoint) -> None:
+    from pagedllm import LLM, SamplingParams
+
+    hf_model, model_dir = tiny("llama")
+    if checkpoint == "gptq-desc-act":
+        write_gptq(hf_model, model_dir, group=16)
+    elif checkpoint == "fp8-block":
+        write_hf_fp8(hf_model, model_dir, block=(16, 16))
+    else:
+        fields, fmt = COMPRESSED_TENSORS_SCHEMES["w4a16-asym-g16"]
+        write_compressed_tensors(hf_model, model_dir, fields, fmt, _calibration(hf_model.config.vocab_size))
+    prompts = _prompts(hf_model.config.vocab_size)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = {}
+    for tp_size in (1, 2):
+        llm = LLM(
+            str(model_dir), device="cpu", dtype="float32", swap_space=0.01, tensor_parallel_size=tp_size
+        )
+        try:
+            results = llm.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
+            outputs[tp_size] = [r.outputs[0].token_ids for r in results]
+        finally:
+            llm.llm_engine.shutdown()
+    assert outputs[2] == outputs[1]
+
+
+def test_a_bad_quantization_config_fails_the_engine_before_any_worker_starts(awq_dir) -> None:
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    _edit_config(awq_dir, zero_point=False)
+    with pytest.raises(ValueError, match=r"quantization_config.zero_point must be true"):
+        EngineArgs(model=str(awq_dir), device="cpu").create_engine_config()
