@@ -35,7 +35,7 @@ def get_model(
         with _default_dtype(model_config.dtype), torch.device(device):
             model = model_class(model_config.hf_config, attn_backend)
             if quant_config is not None:
-                attach_quant_methods(model, quant_config, device)
+                attach_quant_methods(model, quant_config)
         with torch.no_grad():
             _load_weights(model, model_config, _resolve_load_format(model_config, load_format), device)
             quantized = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]

@@ -3,9 +3,6 @@ the checkpoint's tensors: layers/quantization), from the checkpoint's ``quantiza
 
 from __future__ import annotations
 
-import logging
-
-import torch
 from torch import nn
 
 from pagedllm.config import ModelConfig
@@ -13,8 +10,6 @@ from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.layers.quantization.registry import get_quantization_config
-
-logger = logging.getLogger(__name__)
 
 
 def checkpoint_prefixes(model: nn.Module, name: str) -> list[str]:
@@ -30,9 +25,8 @@ def checkpoint_prefixes(model: nn.Module, name: str) -> list[str]:
     return [f"{head}.{source}" for source, _ in sources]
 
 
-def attach_quant_methods(model: nn.Module, quant_config: QuantizationConfig, device: torch.device) -> None:
+def attach_quant_methods(model: nn.Module, quant_config: QuantizationConfig) -> None:
     """Set ``quant_method`` on every layer the checkpoint quantized and make its tensors."""
-    num_quantized = 0
     for name, module in model.named_modules():
         if isinstance(module, LinearBase) and module.quantizable:
             method = quant_config.get_linear_method(module, checkpoint_prefixes(model, name))
@@ -43,10 +37,6 @@ def attach_quant_methods(model: nn.Module, quant_config: QuantizationConfig, dev
         if method is not None:
             method.create_weights(module)
             module.quant_method = method
-            num_quantized += 1
-    notice = quant_config.notice(device)
-    if notice is not None and num_quantized:
-        logger.warning("%s (%d layers)", notice, num_quantized)
 
 
 def resolve_quantization(model_config: ModelConfig) -> QuantizationConfig | None:

@@ -331,9 +331,11 @@ def write_awq(hf_model: PreTrainedModel, out_dir: Path, group: int) -> PreTraine
     return reference.eval()
 
 
-def write_gptq(hf_model: PreTrainedModel, out_dir: Path, group: int, seed: int = 0) -> PreTrainedModel:
-    """Symmetric 4-bit GPTQ with desc_act: inputs visited in a random order per projection, groups
-    formed along that order (``g_idx[perm[i]] = i // group``), zeros stored minus one."""
+def write_gptq(
+    hf_model: PreTrainedModel, out_dir: Path, group: int, desc_act: bool = True, seed: int = 0
+) -> PreTrainedModel:
+    """Symmetric 4-bit GPTQ; with desc_act, inputs visited in a random order per projection and
+    groups formed along that order (``g_idx[perm[i]] = i // group``); zeros stored minus one."""
     reference = copy.deepcopy(hf_model)
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
@@ -343,7 +345,7 @@ def write_gptq(hf_model: PreTrainedModel, out_dir: Path, group: int, seed: int =
             continue
         module = name.removesuffix(".weight")
         n, k = w.shape
-        perm = torch.randperm(k, generator=generator)
+        perm = torch.randperm(k, generator=generator) if desc_act else torch.arange(k)
         g_idx = torch.empty(k, dtype=torch.int32)
         g_idx[perm] = torch.arange(k, dtype=torch.int32) // group
         amax = torch.stack([w[:, g_idx == g].abs().amax(1) for g in range(k // group)], 1)  # [N, G]
@@ -355,7 +357,7 @@ def write_gptq(hf_model: PreTrainedModel, out_dir: Path, group: int, seed: int =
         tensors[f"{module}.scales"] = scales.t().contiguous()
         tensors[f"{module}.g_idx"] = g_idx
         reference.get_parameter(name).data.copy_((q - 8).float() * s)
-    config = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": True, "sym": True}
+    config = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act, "sym": True}
     _save(out_dir, hf_model, tensors, config)
     return reference.eval()
 

@@ -184,9 +184,11 @@ def test_awq_checkpoints_generate_as_hf_dequantized(tiny, paged_runner, architec
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
-def test_gptq_desc_act_checkpoints_generate_as_hf_dequantized(tiny, paged_runner, architecture) -> None:
+@pytest.mark.parametrize("desc_act", [True, False])
+def test_gptq_checkpoints_generate_as_hf_dequantized(tiny, paged_runner, architecture, desc_act) -> None:
     hf_model, model_dir = tiny(architecture)
-    _assert_same_greedy(write_gptq(hf_model, model_dir, group=16), model_dir, paged_runner)
+    reference = write_gptq(hf_model, model_dir, group=16 if desc_act else 32, desc_act=desc_act)
+    _assert_same_greedy(reference, model_dir, paged_runner)
 
 
 def _online_fp8_reference(hf_model: PreTrainedModel) -> PreTrainedModel:

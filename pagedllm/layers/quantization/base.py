@@ -5,12 +5,15 @@ embedding's method also looks rows up (``EmbeddingMethod``)."""
 
 from __future__ import annotations
 
+import logging
 import re
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 class LinearMethod(ABC):
@@ -77,11 +80,17 @@ class QuantizationConfig(ABC):
             f"quant_method {self.name!r} has no support for mixture-of-experts layers ({prefix})"
         )
 
-    def notice(self, device: torch.device) -> str | None:
-        """A one-line notice when this format runs without a fast kernel on ``device``."""
-        if device.type == "cpu":
-            return None
-        return f"{self.name} weights have no fast kernel here yet: they run dequantized to the model dtype"
+
+_NOTIFIED: set[str] = set()
+
+
+def notify_fallback(what: str, device: torch.device) -> None:
+    """Log once per process that ``what`` has no fast kernel on ``device`` (a GPU) and runs
+    dequantized to the model dtype: correct, but without the memory and bandwidth savings."""
+    message = f"{what} have no fast kernel on {device.type}: they run dequantized to the model dtype"
+    if device.type != "cpu" and message not in _NOTIFIED:
+        _NOTIFIED.add(message)
+        logger.warning(message)
 
 
 def same_for_all(prefixes: list[str], ignored: list[str], field: str) -> bool:

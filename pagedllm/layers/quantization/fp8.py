@@ -14,9 +14,10 @@ Stored per layer (this rank's shard; ``ParamLayout`` tells the layer's loaders h
 
 What a layer computes is ``x' W'^T`` with ``W'`` the dequantized weight and ``x'`` the activation
 rounded through e4m3 as the format implies (``ActivationScheme``); the CPU path computes exactly
-that in the model dtype. On CUDA with FP8 units, per-channel and per-tensor weights multiply through
-``torch._scaled_mm`` (FP8 tensor cores, rowwise scales); everything else runs the dequantized
-product, with a notice.
+that in the model dtype. On CUDA with FP8 units (``choose_kernel``), per-channel and per-tensor
+W8A8 layers multiply through ``torch._scaled_mm`` (FP8 tensor cores, rowwise scales), block-scaled
+ones through the Triton GEMM of kernels/triton/quant_gemm.py; everything else (W8A16, float32
+runs, GPUs without FP8 units) runs the dequantized product, with a one-line notice.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.quantization import fp8_utils
-from pagedllm.layers.quantization.base import LinearMethod
+from pagedllm.layers.quantization.base import LinearMethod, notify_fallback
 from pagedllm.layers.quantization.params import PER_PROJECTION, ParamLayout, check_layer_divides, set_layout
 
 logger = logging.getLogger(__name__)
@@ -85,7 +86,7 @@ class Fp8LinearMethod(LinearMethod):
     def __init__(self, scheme: Fp8Scheme) -> None:
         self.scheme = scheme
         self.qdq = activation_qdq(scheme)
-        self.uses_scaled_mm = False  # chosen in process_weights_after_loading, by the weight's device
+        self.kernel = Fp8Kernel.DEQUANTIZED  # chosen in process_weights_after_loading, by the weight's device
 
     def create_weights(self, layer: nn.Module) -> None:
         """Replace the dense ``weight`` by the checkpoint's FP8 tensors (same loader), before loading."""
@@ -124,16 +125,17 @@ class Fp8LinearMethod(LinearMethod):
         for name in ("weight", self.scheme.scale_name):
             if hasattr(layer, name):
                 delattr(layer, name)
-        self.uses_scaled_mm = self.scheme.weight is not WeightScheme.BLOCK and scaled_mm_supported(
-            weight.device
-        )
-        if self.uses_scaled_mm:
+        self.kernel = choose_kernel(self.scheme, weight, layer.params_dtype)
+        if self.kernel is Fp8Kernel.SCALED_MM:
             # [K, N] column-major, as _scaled_mm takes its second operand; scales [1, N].
             layer.register_buffer("weight_fp8", weight.t(), persistent=False)
             layer.register_buffer("weight_scale_row", scale.reshape(1, -1), persistent=False)
-            return
-        dense = fp8_utils.dequantize_weight(weight, scale, self.scheme.block)
-        layer.register_buffer("weight", dense.to(layer.params_dtype), persistent=False)
+        elif self.kernel is Fp8Kernel.BLOCK_TRITON:
+            layer.register_buffer("weight_fp8", weight, persistent=False)
+            layer.register_buffer("weight_scale_block", scale.float().contiguous(), persistent=False)
+        else:
+            dense = fp8_utils.dequantize_weight(weight, scale, self.scheme.block)
+            layer.register_buffer("weight", dense.to(layer.params_dtype), persistent=False)
 
     def _fp8_weight_and_scale(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
         """The loaded e4m3 weight and its scale, per channel ([N, 1]) unless block-scaled."""
@@ -147,13 +149,19 @@ class Fp8LinearMethod(LinearMethod):
         return weight, scale
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.uses_scaled_mm:
-            return self._apply_scaled_mm(layer, x, bias)
-        if self.qdq is not None:
-            x = self.qdq(x, getattr(layer, "input_scale", None))
-        return F.linear(x, layer.weight, bias)
+        if self.kernel is Fp8Kernel.SCALED_MM:
+            out = self._apply_scaled_mm(layer, x)
+        elif self.kernel is Fp8Kernel.BLOCK_TRITON:
+            from pagedllm.kernels.triton.quant_gemm import fp8_block_gemm
 
-    def _apply_scaled_mm(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            out = fp8_block_gemm(x, layer.weight_fp8, layer.weight_scale_block, self.scheme.block)
+        else:
+            if self.qdq is not None:
+                x = self.qdq(x, getattr(layer, "input_scale", None))
+            return F.linear(x, layer.weight, bias)
+        return out if bias is None else out.add_(bias)
+
+    def _apply_scaled_mm(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """FP8 x FP8 on the tensor cores, rowwise scales: the activation's per token (dynamic, or
         the static scale repeated), the weight's per output channel."""
         input_scale = getattr(layer, "input_scale", None)
@@ -162,21 +170,27 @@ class Fp8LinearMethod(LinearMethod):
         else:
             x_scale = input_scale.expand(x.shape[0], 1).contiguous()
         x_fp8 = (x.float() / x_scale).clamp(-fp8_utils.FP8_MAX, fp8_utils.FP8_MAX).to(fp8_utils.FP8_DTYPE)
-        out = torch._scaled_mm(
-            x_fp8, layer.weight_fp8, scale_a=x_scale, scale_b=layer.weight_scale_row, out_dtype=torch.bfloat16
-        )
-        out = out.to(x.dtype)
-        return out if bias is None else out.add_(bias)
+        scale_w = layer.weight_scale_row
+        return torch._scaled_mm(x_fp8, layer.weight_fp8, scale_a=x_scale, scale_b=scale_w, out_dtype=x.dtype)
 
 
-def notice_fallback(scheme: Fp8Scheme, device: torch.device) -> str | None:
-    """The one-line notice for FP8 layers that run dequantized on ``device``, or None."""
+class Fp8Kernel(enum.Enum):
+    SCALED_MM = "torch._scaled_mm"  # per-channel/tensor weights, FP8 activations
+    BLOCK_TRITON = "triton block-scaled GEMM"  # kernels/triton/quant_gemm.py
+    DEQUANTIZED = "dequantized"  # the CPU's path, and the fallback
+
+
+def choose_kernel(scheme: Fp8Scheme, weight: torch.Tensor, dtype: torch.dtype) -> Fp8Kernel:
+    """The product a layer runs, chosen once at load from its device and format."""
+    device = weight.device
     if device.type == "cpu":
-        return None  # the CPU's FP8 path is the dequantized one by design (the oracle)
-    if scheme.weight is WeightScheme.BLOCK:
-        return (
-            "FP8 block-scaled weights have no fast kernel here yet: they run dequantized to the model dtype"
-        )
-    if not scaled_mm_supported(device):
-        return f"{device} has no FP8 tensor cores: FP8 weights run dequantized to the model dtype"
-    return None
+        return Fp8Kernel.DEQUANTIZED  # by design: the oracle
+    fast = scaled_mm_supported(device) and dtype in (torch.bfloat16, torch.float16)
+    if fast and scheme.weight is WeightScheme.BLOCK:
+        if scheme.block[1] in (16, 32, 64, 128) and weight.shape[1] % scheme.block[1] == 0:
+            return Fp8Kernel.BLOCK_TRITON
+    elif fast and scheme.activation is not ActivationScheme.NONE:
+        return Fp8Kernel.SCALED_MM
+    what = "FP8 weights" if scaled_mm_supported(device) else "FP8 weights (no FP8 tensor cores here)"
+    notify_fallback(f"{what} of scheme {scheme.weight.value}/{scheme.activation.value}", device)
+    return Fp8Kernel.DEQUANTIZED

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from pagedllm.layers.quantization.base import LinearMethod, QuantizationConfig, matches, require, same_for_all
@@ -30,7 +29,6 @@ from pagedllm.layers.quantization.fp8 import (
     Fp8LinearMethod,
     Fp8Scheme,
     WeightScheme,
-    notice_fallback,
 )
 from pagedllm.layers.quantization.wna16 import AWQMethod, GPTQMethod, IntWeightScheme
 
@@ -87,9 +85,6 @@ class Fp8Config(QuantizationConfig):
         if matches(prefix, self.ignored):
             return None
         return Fp8MoEMethod(self.scheme)
-
-    def notice(self, device: torch.device) -> str | None:
-        return notice_fallback(self.scheme, device)
 
 
 def _int_field(config: dict[str, Any], field: str, allowed: tuple[int, ...] | None = None) -> int:

@@ -22,8 +22,12 @@ AWQ and GPTQ are transposed (``[K, N]``: output features along dimension 1). Wit
 GPTQ visits inputs in a permuted order, so a row-parallel shard's inputs may belong to any group:
 its scales and zeros are then kept whole on every rank and ``g_idx`` (sharded) picks from them.
 
-These layers run the dequantized product (the weight dequantized once, at load, exactly in
-float32, then held in the model dtype): the CPU's path and the oracle of a 4-bit kernel.
+After loading, every format unpacks to one form, ``UnpackedWeight``: the integers ``q [N, K]``
+and per-group zero points and scales ``[N, K / g]``. From it a layer either runs the dequantized
+product (the weight dequantized once, exactly in float32, then held in the model dtype: the
+CPU's path and the oracle) or, on CUDA for 4-bit weights in groups the kernel tiles, repacks it
+for the Triton W4A16 GEMM (kernels/triton/quant_gemm.py). GPTQ's ``desc_act`` groups are not
+contiguous in K: those layers run dequantized everywhere, with a notice.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.quantization.base import LinearMethod
+from pagedllm.layers.quantization.base import LinearMethod, notify_fallback
 from pagedllm.layers.quantization.params import PER_PROJECTION, ParamLayout, check_layer_divides, set_layout
 from pagedllm.layers.utils import CheckpointSlice, CheckpointTensor
 
@@ -52,6 +56,22 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     moved = packed.movedim(dim, -1)
     fields = (moved.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., words, per_word]
     return fields.reshape(*moved.shape[:-1], moved.shape[-1] * per_word).movedim(-1, dim)
+
+
+@dataclass
+class UnpackedWeight:
+    """q: int32 [N, K]; zeros (same offset as q) and scales: [N, K / group_size], float32."""
+
+    q: torch.Tensor
+    zeros: torch.Tensor
+    scales: torch.Tensor
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]: ``(q - z) * s``, exact (small integers times the checkpoint's scales)."""
+        k = self.q.shape[1]
+        zeros = self.zeros.repeat_interleave(self.group_size, 1)[:, :k]
+        return (self.q.float() - zeros) * self.scales.repeat_interleave(self.group_size, 1)[:, :k]
 
 
 @dataclass(frozen=True)
@@ -89,13 +109,43 @@ class IntWeightMethod(LinearMethod):
             setattr(layer, name, param)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        dense = self.dequantize(layer)
+        unpacked = self.unpack(layer)
         for name in self.tensor_names:
             delattr(layer, name)
-        layer.register_buffer("weight", dense.to(layer.params_dtype), persistent=False)
+        self.uses_kernel = self.kernel_fits(unpacked, layer.params_dtype, unpacked.q.device)
+        if not self.uses_kernel:
+            layer.register_buffer("weight", unpacked.dequantize().to(layer.params_dtype), persistent=False)
+            return
+        from pagedllm.kernels.triton.quant_gemm import pack_w4a16
+
+        # 4-bit fields are unsigned 0..15; c-t's signed q and z shift together, q - z unchanged.
+        shift = -int(unpacked.q.min().clamp(max=0))
+        layer.register_buffer("qweight_k", pack_w4a16(unpacked.q + shift), persistent=False)
+        layer.register_buffer("scales_k", unpacked.scales.to(layer.params_dtype), persistent=False)
+        layer.register_buffer("zeros_k", (unpacked.zeros + shift).to(layer.params_dtype), persistent=False)
+        self.kernel_group_size = unpacked.group_size
+
+    def kernel_fits(self, unpacked: UnpackedWeight, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether the Triton W4A16 GEMM takes this weight (CUDA, 4 bits, groups it can tile)."""
+        from pagedllm.platform import platform_for
+
+        if device.type == "cpu":
+            return False  # by design: the dequantized product is the CPU's path and the oracle
+        if platform_for(device).triton and self.scheme.bits == 4 and dtype != torch.float32:
+            from pagedllm.kernels.triton.quant_gemm import w4a16_block_k
+
+            if w4a16_block_k(unpacked.group_size, unpacked.q.shape[1]) is not None:
+                return True
+        notify_fallback(f"{type(self).__name__} weights ({self.scheme.bits}-bit, these groups)", device)
+        return False
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, layer.weight, bias)
+        if not self.uses_kernel:
+            return F.linear(x, layer.weight, bias)
+        from pagedllm.kernels.triton.quant_gemm import w4a16_gemm
+
+        out = w4a16_gemm(x, layer.qweight_k, layer.scales_k, layer.zeros_k, self.kernel_group_size)
+        return out if bias is None else out.add_(bias)
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
@@ -112,8 +162,8 @@ class IntWeightMethod(LinearMethod):
         """The checkpoint's tensors of this rank's [n, k] weight, empty, with their layouts."""
 
     @abstractmethod
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        """The loaded tensors -> float32 [n, k]."""
+    def unpack(self, layer: nn.Module) -> UnpackedWeight:
+        """The loaded tensors as integers, zeros and scales."""
 
 
 class AWQMethod(IntWeightMethod):
@@ -134,14 +184,12 @@ class AWQMethod(IntWeightMethod):
             "scales": (torch.empty(k // group, n, dtype=torch.float32), ParamLayout(1, 0, 1, group)),
         }
 
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        group = self.group_size(layer)
-        q = self._unpack(layer.qweight.data)  # [k, n]
-        z = self._unpack(layer.qzeros.data).repeat_interleave(group, 0)
-        s = layer.scales.data.float().repeat_interleave(group, 0)
-        return ((q - z).float() * s).t()
+    def unpack(self, layer: nn.Module) -> UnpackedWeight:
+        q = self._unpack_columns(layer.qweight.data).t()  # [n, k]
+        zeros = self._unpack_columns(layer.qzeros.data).t().float()
+        return UnpackedWeight(q, zeros, layer.scales.data.float().t(), self.group_size(layer))
 
-    def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
+    def _unpack_columns(self, packed: torch.Tensor) -> torch.Tensor:
         fields = unpack_int32(packed, self.scheme.bits, 1)
         order = torch.tensor(AWQ_REVERSE_ORDER, device=packed.device)
         return fields.view(fields.shape[0], -1, 8)[..., order].reshape(fields.shape)
@@ -189,20 +237,21 @@ class GPTQMethod(IntWeightMethod):
             "g_idx": (torch.empty(num_projections, k, dtype=torch.int32), PER_PROJECTION),
         }
 
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
-        bits, group = self.scheme.bits, self.group_size(layer)
-        q = unpack_int32(layer.qweight.data, bits, 0)  # [k, n]
-        z = unpack_int32(layer.qzeros.data, bits, 1) + self.zero_offset  # [groups, n]
-        s = layer.scales.data.float()
-        k = q.shape[0]
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        start = 0
+    def unpack(self, layer: nn.Module) -> UnpackedWeight:
+        bits = self.scheme.bits
+        q = unpack_int32(layer.qweight.data, bits, 0).t()  # [n, k]
+        zeros = (unpack_int32(layer.qzeros.data, bits, 1) + self.zero_offset).t().float()  # [n, groups]
+        scales = layer.scales.data.float().t()
+        if not self.desc_act:  # contiguous groups (one over this rank's inputs for group_size -1)
+            group = q.shape[1] if self.scheme.group_size == -1 else self.group_size(layer)
+            return UnpackedWeight(q, zeros, scales, group)
+        # Each input row's own group, projection by projection: groups of one input (kernel-less).
+        rows, start = [], 0
         for projection, size in enumerate(layer.output_partition_sizes):
-            cols = slice(start, start + size)
+            g_idx = layer.g_idx.data[projection].long()
+            rows.append((zeros[start : start + size, g_idx], scales[start : start + size, g_idx]))
             start += size
-            g_idx = layer.g_idx.data[projection].long() if self.desc_act else torch.arange(k) // group
-            out[:, cols] = (q[:, cols] - z[g_idx, cols]).float() * s[g_idx, cols]
-        return out.t()
+        return UnpackedWeight(q, torch.cat([z for z, _ in rows]), torch.cat([s for _, s in rows]), 1)
 
 
 def load_g_idx(
@@ -265,14 +314,12 @@ class PackQuantizedMethod(IntWeightMethod):
             )
         return tensors
 
-    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+    def unpack(self, layer: nn.Module) -> UnpackedWeight:
         bits, n, k = self.scheme.bits, layer.weight_packed.shape[0], self.input_size
         group = k if self.per_channel else self.group_size(layer)
         q = (unpack_int32(layer.weight_packed.data, bits, 1) - self.offset)[:, :k]  # rows padded to words
-        s = layer.weight_scale.data.float().repeat_interleave(group, 1)
+        scales = layer.weight_scale.data.float()
         if self.scheme.symmetric:
-            return q.float() * s
-        z = (unpack_int32(layer.weight_zero_point.data, bits, 0)[:n] - self.offset).repeat_interleave(
-            group, 1
-        )
-        return (q - z[:, :k]).float() * s
+            return UnpackedWeight(q, torch.zeros_like(scales), scales, group)
+        zeros = unpack_int32(layer.weight_zero_point.data, bits, 0)[:n] - self.offset
+        return UnpackedWeight(q, zeros.float(), scales, group)
