@@ -15,6 +15,7 @@ dequantized by transformers), which is the baseline every variant is quantized f
     w8a8-fp8             compressed-tensors FP8 W8A8 (channel weights, dynamic token activations)
     w4a16-g32, -g64      compressed-tensors W4A16, symmetric round-to-nearest in groups of 32/64
                          inputs (llm-compressor's W4A16 scheme without GPTQ), pack-quantized
+    w4a16-asym-g32, -g64 the same with zero points (llm-compressor's W4A16_ASYM)
 
 Quantized checkpoints are written by compressed-tensors itself (its quantize and compress code).
 """
@@ -45,14 +46,14 @@ FP8_DYNAMIC = {
 }
 
 
-def _w4a16(group_size: int) -> dict:
+def _w4a16(group_size: int, symmetric: bool = True) -> dict:
     return {
         "weights": {
             "num_bits": 4,
             "type": "int",
             "strategy": "group",
             "group_size": group_size,
-            "symmetric": True,
+            "symmetric": symmetric,
         }
     }
 
@@ -64,6 +65,8 @@ VARIANTS = {
     "w8a8-fp8": ("bfloat16", "auto", (FP8_DYNAMIC, "float-quantized")),
     "w4a16-g32": ("bfloat16", "auto", (_w4a16(32), "pack-quantized")),
     "w4a16-g64": ("bfloat16", "auto", (_w4a16(64), "pack-quantized")),
+    "w4a16-asym-g32": ("bfloat16", "auto", (_w4a16(32, symmetric=False), "pack-quantized")),
+    "w4a16-asym-g64": ("bfloat16", "auto", (_w4a16(64, symmetric=False), "pack-quantized")),
 }
 
 
@@ -126,8 +129,10 @@ def compressed_tensors_checkpoint(dense_dir: Path, out_dir: Path, scheme: dict, 
             lo, hi = groups.amin(-1), groups.amax(-1)
         else:
             lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
-        scale, _ = calculate_qparams(lo, hi, args)  # symmetric schemes: zero points are 0
+        scale, zero_point = calculate_qparams(lo, hi, args)
         module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+        if hasattr(module, "weight_zero_point"):  # asymmetric schemes
+            module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
     compressor = ModelCompressor.from_pretrained_model(model, fmt)
     compressor.compress_model(model)
     model.save_pretrained(out_dir)

@@ -23,13 +23,18 @@ DYNAMIC_SCALE_FLOOR = torch.finfo(torch.float32).eps
 
 
 def quantize_dequantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x rounded through e4m3 under ``scale`` (broadcast against x), back in x's dtype."""
-    q = (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.to(x.dtype) * scale
+    """x rounded through e4m3 under ``scale`` (broadcast against x), back in x's dtype. The
+    arithmetic is float32's whatever x's dtype, as an FP8 kernel's: in bfloat16, ``x / scale``
+    would round once more before e4m3 does (measured: +1% perplexity on the embedded model)."""
+    xf, scale = x.float(), scale.float()
+    q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return (q.float() * scale).to(x.dtype)
 
 
 def dynamic_scale(x: torch.Tensor, dim: int | None) -> torch.Tensor:
-    """``amax(|x|) / 448`` along ``dim`` (kept, for broadcasting), over the whole tensor for None."""
+    """float32 ``amax(|x|) / 448`` along ``dim`` (kept, for broadcasting), over the whole tensor
+    for None."""
+    x = x.float()
     amax = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
     scale = amax / FP8_MAX
     return torch.where(scale == 0, torch.full_like(scale, DYNAMIC_SCALE_FLOOR), scale)
