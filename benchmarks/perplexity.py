@@ -13,6 +13,7 @@ dequantized by transformers), which is the baseline every variant is quantized f
     fp8                  quantization="fp8": weights per output channel at load, dynamic per-token
                          FP8 activations (vLLM's online FP8)
     w8a8-fp8             compressed-tensors FP8 W8A8 (channel weights, dynamic token activations)
+    w8a16-fp8            the same weights, activations kept in bf16
     w4a16-g32, -g64      compressed-tensors W4A16, symmetric round-to-nearest in groups of 32/64
                          inputs (llm-compressor's W4A16 scheme without GPTQ), pack-quantized
     w4a16-asym-g32, -g64 the same with zero points (llm-compressor's W4A16_ASYM)
@@ -63,6 +64,7 @@ VARIANTS = {
     "bf16": ("bfloat16", "auto", None),
     "fp8": ("bfloat16", "fp8", None),
     "w8a8-fp8": ("bfloat16", "auto", (FP8_DYNAMIC, "float-quantized")),
+    "w8a16-fp8": ("bfloat16", "auto", ({"weights": FP8_DYNAMIC["weights"]}, "float-quantized")),
     "w4a16-g32": ("bfloat16", "auto", (_w4a16(32), "pack-quantized")),
     "w4a16-g64": ("bfloat16", "auto", (_w4a16(64), "pack-quantized")),
     "w4a16-asym-g32": ("bfloat16", "auto", (_w4a16(32, symmetric=False), "pack-quantized")),

@@ -350,3 +350,11 @@ def test_a_bad_quantization_config_fails_the_engine_before_any_worker_starts(awq
     _edit_config(awq_dir, zero_point=False)
     with pytest.raises(ValueError, match=r"quantization_config.zero_point must be true"):
         EngineArgs(model=str(awq_dir), device="cpu").create_engine_config()
+
+
+def test_the_startup_summary_names_the_checkpoint_quantization(awq_dir) -> None:
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.entrypoints.utils import engine_summary
+
+    config = EngineArgs(model=str(awq_dir), device="cpu").create_engine_config()
+    assert "quantization awq," in engine_summary(config, num_gpu_blocks=8, load_seconds=0.0)
