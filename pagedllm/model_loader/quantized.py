@@ -42,5 +42,10 @@ def attach_quant_methods(model: nn.Module, quant_config: QuantizationConfig) -> 
 def resolve_quantization(model_config: ModelConfig) -> QuantizationConfig | None:
     """The safetensors checkpoint's quantization (None for GGUF files and dense checkpoints)."""
     if model_config.gguf_file is not None or model_config.model.endswith(".gguf"):
+        if model_config.quantization not in ("auto", "gguf", "none"):
+            raise ValueError(
+                f"quantization={model_config.quantization!r} applies to safetensors checkpoints; a GGUF "
+                "file takes 'auto', 'gguf' or 'none'"
+            )
         return None
     return get_quantization_config(model_config.hf_config, model_config.quantization)

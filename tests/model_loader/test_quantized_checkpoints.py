@@ -358,3 +358,11 @@ def test_the_startup_summary_names_the_checkpoint_quantization(awq_dir) -> None:
 
     config = EngineArgs(model=str(awq_dir), device="cpu").create_engine_config()
     assert "quantization awq," in engine_summary(config, num_gpu_blocks=8, load_seconds=0.0)
+
+
+def test_a_checkpoint_method_asked_of_a_gguf_file_is_refused() -> None:
+    from pagedllm.model_loader.quantized import resolve_quantization
+
+    model_config = ModelConfig("m.gguf", "m", LlamaConfig(), torch.float32, 16, quantization="fp8")
+    with pytest.raises(ValueError, match=r"quantization='fp8' applies to safetensors checkpoints"):
+        resolve_quantization(model_config)
