@@ -131,6 +131,9 @@ class Fp8LinearMethod(LinearMethod):
             layer.register_buffer("weight_fp8", weight.t(), persistent=False)
             layer.register_buffer("weight_scale_row", scale.reshape(1, -1), persistent=False)
         elif self.kernel is Fp8Kernel.BLOCK_TRITON:
+            from pagedllm.kernels.triton.quant_gemm import fp8_block_gemm
+
+            self.block_gemm = fp8_block_gemm
             layer.register_buffer("weight_fp8", weight, persistent=False)
             layer.register_buffer("weight_scale_block", scale.float().contiguous(), persistent=False)
         else:
@@ -152,9 +155,7 @@ class Fp8LinearMethod(LinearMethod):
         if self.kernel is Fp8Kernel.SCALED_MM:
             out = self._apply_scaled_mm(layer, x)
         elif self.kernel is Fp8Kernel.BLOCK_TRITON:
-            from pagedllm.kernels.triton.quant_gemm import fp8_block_gemm
-
-            out = fp8_block_gemm(x, layer.weight_fp8, layer.weight_scale_block, self.scheme.block)
+            out = self.block_gemm(x, layer.weight_fp8, layer.weight_scale_block, self.scheme.block)
         else:
             if self.qdq is not None:
                 x = self.qdq(x, getattr(layer, "input_scale", None))
@@ -189,8 +190,8 @@ def choose_kernel(scheme: Fp8Scheme, weight: torch.Tensor, dtype: torch.dtype) -
     if fast and scheme.weight is WeightScheme.BLOCK:
         if scheme.block[1] in (16, 32, 64, 128) and weight.shape[1] % scheme.block[1] == 0:
             return Fp8Kernel.BLOCK_TRITON
-    elif fast and scheme.activation is not ActivationScheme.NONE:
-        return Fp8Kernel.SCALED_MM
+    elif fast and scheme.activation is not ActivationScheme.NONE and dtype == torch.bfloat16:
+        return Fp8Kernel.SCALED_MM  # rowwise scales: bf16 output only
     what = "FP8 weights" if scaled_mm_supported(device) else "FP8 weights (no FP8 tensor cores here)"
     notify_fallback(f"{what} of scheme {scheme.weight.value}/{scheme.activation.value}", device)
     return Fp8Kernel.DEQUANTIZED

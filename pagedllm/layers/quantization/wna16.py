@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import functools
 from abc import abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -60,12 +62,14 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 @dataclass
 class UnpackedWeight:
-    """q: int32 [N, K]; zeros (same offset as q) and scales: [N, K / group_size], float32."""
+    """q: int32 [N, K]; zeros (same offset as q) and scales: [N, K / group_size], float32;
+    ``q + offset`` is unsigned (compressed-tensors' q is signed)."""
 
     q: torch.Tensor
     zeros: torch.Tensor
     scales: torch.Tensor
     group_size: int
+    offset: int = 0
 
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: ``(q - z) * s``, exact (small integers times the checkpoint's scales)."""
@@ -84,9 +88,15 @@ class IntWeightScheme:
 class IntWeightMethod(LinearMethod):
     """Shared by the three packings: make the checkpoint's tensors, dequantize after loading."""
 
+    # The checkpoint's tensor names, deleted once unpacked.
+    tensor_names: ClassVar[tuple[str, ...]]
+
     def __init__(self, scheme: IntWeightScheme) -> None:
         self.scheme = scheme
         self.pack_factor = 32 // scheme.bits
+        # The kernel's product (x, qweight, scales, zeros) -> out, chosen after loading; None:
+        # the dequantized weight's F.linear.
+        self.gemm: Callable[..., torch.Tensor] | None = None
 
     def group_size(self, layer: nn.Module) -> int:
         return self.scheme.group_size if self.scheme.group_size != -1 else layer.input_size_total
@@ -112,18 +122,19 @@ class IntWeightMethod(LinearMethod):
         unpacked = self.unpack(layer)
         for name in self.tensor_names:
             delattr(layer, name)
-        self.uses_kernel = self.kernel_fits(unpacked, layer.params_dtype, unpacked.q.device)
-        if not self.uses_kernel:
+        if not self.kernel_fits(unpacked, layer.params_dtype, unpacked.q.device):
             layer.register_buffer("weight", unpacked.dequantize().to(layer.params_dtype), persistent=False)
             return
-        from pagedllm.kernels.triton.quant_gemm import pack_w4a16
+        from pagedllm.kernels.triton.quant_gemm import pack_w4a16, w4a16_gemm
 
-        # 4-bit fields are unsigned 0..15; c-t's signed q and z shift together, q - z unchanged.
-        shift = -int(unpacked.q.min().clamp(max=0))
+        # The kernel's nibbles are unsigned: q and z shift together, so q - z is unchanged.
+        shift = unpacked.offset
         layer.register_buffer("qweight_k", pack_w4a16(unpacked.q + shift), persistent=False)
-        layer.register_buffer("scales_k", unpacked.scales.to(layer.params_dtype), persistent=False)
-        layer.register_buffer("zeros_k", (unpacked.zeros + shift).to(layer.params_dtype), persistent=False)
-        self.kernel_group_size = unpacked.group_size
+        # Row-major [N, groups] (AWQ's and GPTQ's come transposed).
+        scales, zeros = unpacked.scales.contiguous(), (unpacked.zeros + shift).contiguous()
+        layer.register_buffer("scales_k", scales.to(layer.params_dtype), persistent=False)
+        layer.register_buffer("zeros_k", zeros.to(layer.params_dtype), persistent=False)
+        self.gemm = functools.partial(w4a16_gemm, group_size=unpacked.group_size)
 
     def kernel_fits(self, unpacked: UnpackedWeight, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether the Triton W4A16 GEMM takes this weight (CUDA, 4 bits, groups it can tile)."""
@@ -140,16 +151,10 @@ class IntWeightMethod(LinearMethod):
         return False
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not self.uses_kernel:
+        if self.gemm is None:
             return F.linear(x, layer.weight, bias)
-        from pagedllm.kernels.triton.quant_gemm import w4a16_gemm
-
-        out = w4a16_gemm(x, layer.qweight_k, layer.scales_k, layer.zeros_k, self.kernel_group_size)
+        out = self.gemm(x, layer.qweight_k, layer.scales_k, layer.zeros_k)
         return out if bias is None else out.add_(bias)
-
-    @property
-    def tensor_names(self) -> tuple[str, ...]:
-        raise NotImplementedError
 
     @abstractmethod
     def check_divides(self, layer: nn.Module, group: int) -> None:
@@ -320,6 +325,6 @@ class PackQuantizedMethod(IntWeightMethod):
         q = (unpack_int32(layer.weight_packed.data, bits, 1) - self.offset)[:, :k]  # rows padded to words
         scales = layer.weight_scale.data.float()
         if self.scheme.symmetric:
-            return UnpackedWeight(q, torch.zeros_like(scales), scales, group)
+            return UnpackedWeight(q, torch.zeros_like(scales), scales, group, self.offset)
         zeros = unpack_int32(layer.weight_zero_point.data, bits, 0)[:n] - self.offset
-        return UnpackedWeight(q, zeros.float(), scales, group)
+        return UnpackedWeight(q, zeros.float(), scales, group, self.offset)
