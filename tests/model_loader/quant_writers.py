@@ -222,7 +222,9 @@ def write_hf_fp8(
             tensors.update(_fp8_tensors(module, value, block, amax))
             reference.get_parameter(name).data.copy_(_fp8_dequantized(tensors, module, block))
         elif match := EXPERTS.match(name):
-            reference.get_parameter(name).data.copy_(_write_experts(tensors, match, value, block))
+            reference.get_parameter(name).data.copy_(
+                _write_experts(tensors, match, value, block, hf_model.config.model_type)
+            )
         else:
             tensors[name] = value.contiguous()
     _save(
@@ -269,21 +271,28 @@ def _fp8_dequantized(tensors: dict, module: str, block: tuple[int, int] | None) 
     return (q.reshape(scale.shape[0], bn, scale.shape[1], bk) * scale[:, None, :, None]).reshape(q.shape)
 
 
+# model_type -> (the published checkpoints' block module, names of gate, up and down per expert).
+EXPERT_NAMES = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"))}
+
+
 def _write_experts(
-    tensors: dict, match: re.Match, stacked: torch.Tensor, block: tuple[int, int]
+    tensors: dict, match: re.Match, stacked: torch.Tensor, block: tuple[int, int], model_type: str
 ) -> torch.Tensor:
-    """Per-expert FP8 tensors of a stacked transformers parameter; returns it dequantized."""
+    """Per-expert FP8 tensors of a stacked transformers parameter, named as the published
+    checkpoints of ``model_type`` name them; returns the parameter dequantized."""
+    module, (gate, up, down) = EXPERT_NAMES.get(model_type, ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    prefix = match["prefix"].replace(".mlp.", f".{module}.")
     dequantized = torch.empty_like(stacked)
     for e, w in enumerate(stacked):
         if match["param"] == "down_proj":
-            pieces = [("down_proj", w, slice(None))]
+            pieces = [(down, w, slice(None))]
         else:
             i = w.shape[0] // 2
-            pieces = [("gate_proj", w[:i], slice(0, i)), ("up_proj", w[i:], slice(i, 2 * i))]
+            pieces = [(gate, w[:i], slice(0, i)), (up, w[i:], slice(i, 2 * i))]
         for projection, piece, rows in pieces:
             q, scale, dq = quantize_fp8_blocks(piece, block)
-            tensors[f"{match['prefix']}.{e}.{projection}.weight"] = q
-            tensors[f"{match['prefix']}.{e}.{projection}.weight_scale_inv"] = scale
+            tensors[f"{prefix}.{e}.{projection}.weight"] = q
+            tensors[f"{prefix}.{e}.{projection}.weight_scale_inv"] = scale
             dequantized[e, rows] = dq
     return dequantized
 

@@ -21,7 +21,7 @@ from quant_writers import (
     write_hf_fp8,
 )
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, LlamaConfig, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
+from transformers import AutoConfig, LlamaConfig, MixtralConfig, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
 
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.config import ModelConfig
@@ -47,6 +47,16 @@ QWEN3_MOE = (
     ),
 )
 
+MIXTRAL = (
+    MixtralConfig,
+    dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+    ),
+)
 FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
 FP8_STATIC = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
 COMPRESSED_TENSORS_SCHEMES = {
@@ -132,7 +142,9 @@ def tiny(make_tiny_model: Callable, tmp_path: Path) -> Callable[[str], tuple[Pre
     """tiny(architecture) -> (the dense HF model, a directory for its quantized checkpoint)."""
 
     def make(architecture: str) -> tuple[PreTrainedModel, Path]:
-        config_class, overrides = QWEN3_MOE if architecture == "qwen3_moe" else ARCHITECTURES[architecture]
+        config_class, overrides = {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}.get(
+            architecture
+        ) or ARCHITECTURES[architecture]
         hf_model, _ = make_tiny_model(config_class, **overrides)
         return hf_model, tmp_path / f"quantized-{architecture}"
 
@@ -159,7 +171,7 @@ def test_compressed_tensors_checkpoints_generate_as_hf_dequantized(
     _assert_same_greedy(reference, model_dir, paged_runner)
 
 
-@pytest.mark.parametrize("architecture", [*sorted(ARCHITECTURES), "qwen3_moe"])
+@pytest.mark.parametrize("architecture", [*sorted(ARCHITECTURES), "qwen3_moe", "mixtral"])
 def test_fp8_block_scaled_checkpoints_generate_as_hf_dequantized(tiny, paged_runner, architecture) -> None:
     hf_model, model_dir = tiny(architecture)
     reference = write_hf_fp8(hf_model, model_dir, block=(16, 16))

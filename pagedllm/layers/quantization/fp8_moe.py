@@ -11,7 +11,9 @@ shards them as it shards the weights):
 
 After loading the experts are dequantized to the model dtype, and each expert matmul's input is
 rounded through FP8 as the format implies (per token group for block scales, per token for online
-FP8): the reference of an FP8 grouped GEMM, and the path the CPU runs.
+FP8): the reference of an FP8 grouped GEMM, and the path the CPU runs. On CUDA the fused MoE
+kernel multiplies the dequantized experts without rounding the activations (one notice): loaded
+and correct to the dequantized weights, but no FP8 speed or memory saving yet.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.quantization import fp8_utils
+from pagedllm.layers.quantization.base import notify_fallback
 from pagedllm.layers.quantization.fp8 import Fp8Scheme, WeightScheme, activation_qdq
 from pagedllm.layers.quantization.params import ParamLayout, check_shards_divide, set_layout
 
@@ -71,6 +74,8 @@ class Fp8MoEMethod:
             layer.register_buffer(projection, dense.to(layer.params_dtype), persistent=False)
         qdq = activation_qdq(self.scheme)
         layer.activation_qdq = lambda x: qdq(x, None)
+        # The fused MoE kernel takes the dense experts and leaves activations unrounded.
+        notify_fallback("FP8 experts (no FP8 grouped GEMM yet)", layer.gate_up_proj.device)
 
     def _dequantize_expert(
         self, layer: nn.Module, projection: str, expert: int, weight: torch.Tensor
