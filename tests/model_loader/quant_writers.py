@@ -141,6 +141,10 @@ def _weight_min_max(w: torch.Tensor, args: object) -> tuple[torch.Tensor, torch.
     if args.strategy == "group":
         groups = w.unflatten(-1, (-1, args.group_size))
         return groups.amin(-1), groups.amax(-1)
+    if args.strategy == "block":
+        bn, bk = args.block_structure
+        tiles = w.unflatten(0, (-1, bn)).unflatten(2, (-1, bk))
+        return tiles.amin(dim=(1, 3)), tiles.amax(dim=(1, 3))
     return w.min(), w.max()
 
 

@@ -94,6 +94,22 @@ COMPRESSED_TENSORS_SCHEMES = {
         {"weights": {"num_bits": 4, "type": "int", "strategy": "channel", "symmetric": False}},
         "pack-quantized",
     ),
+    "w8a16-int-sym-g32": (
+        {"weights": {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True}},
+        "pack-quantized",
+    ),
+    "w8a16-fp8-block": (
+        {
+            "weights": {
+                "num_bits": 8,
+                "type": "float",
+                "strategy": "block",
+                "block_structure": [16, 16],
+                "symmetric": True,
+            }
+        },
+        "float-quantized",
+    ),
 }
 
 
