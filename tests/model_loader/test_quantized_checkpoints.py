@@ -394,3 +394,18 @@ def test_a_checkpoint_method_asked_of_a_gguf_file_is_refused() -> None:
     model_config = ModelConfig("m.gguf", "m", LlamaConfig(), torch.float32, 16, quantization="fp8")
     with pytest.raises(ValueError, match=r"quantization='fp8' applies to safetensors checkpoints"):
         resolve_quantization(model_config)
+
+
+@pytest.mark.parametrize("writer", ["awq", "fp8-block"])
+def test_dummy_weights_fill_a_quantized_layout(tiny, writer) -> None:
+    """load_format="dummy" (benchmarks without a checkpoint) gives quantized layers values in range."""
+    hf_model, model_dir = tiny("llama")
+    if writer == "awq":
+        write_awq(hf_model, model_dir, group=32)
+    else:
+        write_hf_fp8(hf_model, model_dir, (16, 16))
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    model_config = ModelConfig(str(model_dir), str(model_dir), hf_config, torch.float32, 256)
+    model = get_model(model_config, "dummy", CPU, TorchAttentionBackend)
+    weight = model.model.layers[0].mlp.down_proj.weight
+    assert weight.shape == (64, 128) and torch.isfinite(weight).all()
