@@ -27,7 +27,9 @@ _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_l
 
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-QUANTIZATIONS = ("auto", "gguf", "none")
+# "auto": what the checkpoint says; "gguf"/"none": GGUF's Q4 weights kept or dequantized; a
+# quant_method insists on the checkpoint's (and "fp8" quantizes a dense one at load).
+QUANTIZATIONS = ("auto", "gguf", "none", "fp8", "compressed-tensors", "awq", "gptq")
 
 
 @functools.cache

@@ -150,8 +150,10 @@ class EngineArgs:
     quantization: str = dataclasses.field(
         default="auto",
         metadata={
-            "help": "GGUF Q4_0/Q4_1 linear weights kept at 4 bits: gguf, none (dequantized), "
-            "or auto (kept on the CPU in bfloat16)"
+            "help": "auto: the checkpoint's quantization_config (fp8, compressed-tensors, awq, gptq), "
+            "and GGUF Q4_0/Q4_1 weights kept at 4 bits on the CPU in bfloat16; gguf (always keep "
+            "them), none (dequantize them); a quant_method to insist on it; fp8 on a dense "
+            "checkpoint quantizes it at load"
         },
     )
 
@@ -180,6 +182,7 @@ class EngineArgs:
             attention_sinks=self.attention_sinks,
         )
         self._set_attention_window(model_config, model_class)
+        check_quantization(model_config)
         max_len = model_config.max_model_len
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
@@ -341,6 +344,14 @@ def load_hf_config(model_path: str, gguf_file: str | None) -> PretrainedConfig:
         return AutoConfig.from_pretrained(model_path)
     except (ValueError, KeyError, OSError) as e:
         raise ValueError(f"cannot read the model config in {model_path!r}: {e}") from e
+
+
+def check_quantization(model_config: ModelConfig) -> None:
+    """Parse the checkpoint's quantization_config against ``quantization=``: a bad one fails here,
+    before any worker starts (ValueError naming the field)."""
+    from pagedllm.model_loader.quantized import resolve_quantization
+
+    resolve_quantization(model_config)
 
 
 def check_architecture(hf_config: PretrainedConfig) -> type:

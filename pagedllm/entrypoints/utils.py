@@ -7,6 +7,7 @@ import os
 from pagedllm.attention.backends import get_attn_backend
 from pagedllm.config import EngineConfig
 from pagedllm.layers.quantization import keeps_gguf_quantized
+from pagedllm.model_loader.quantized import resolve_quantization
 
 
 def engine_summary(config: EngineConfig, num_gpu_blocks: int, load_seconds: float) -> str:
@@ -26,13 +27,15 @@ def engine_summary(config: EngineConfig, num_gpu_blocks: int, load_seconds: floa
     quantized = model_config.gguf_file is not None and keeps_gguf_quantized(
         model_config.quantization, True, device, model_config.dtype
     )
+    quant_config = resolve_quantization(model_config)
+    quantization = "gguf" if quantized else quant_config.name if quant_config is not None else "none"
     block_size = config.cache_config.block_size
     dtype = str(model_config.dtype).removeprefix("torch.")
     model = os.path.basename(os.path.normpath(model_config.model))  # its path is the one given
     return (
         f"engine ready in {load_seconds:.1f} s: model {model}, "
         f"dtype {dtype}, device {device_text}, attention {attention}, "
-        f"quantization {'gguf' if quantized else 'none'}, "
+        f"quantization {quantization}, "
         f"KV cache {num_gpu_blocks:,} blocks x {block_size} = {num_gpu_blocks * block_size:,} tokens "
         f"(max_model_len {model_config.max_model_len:,})"
     )

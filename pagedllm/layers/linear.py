@@ -23,7 +23,8 @@ from pagedllm.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from pagedllm.layers.quantization.base import LinearMethod
-from pagedllm.layers.utils import CheckpointTensor, copy_weight, default_weight_loader
+from pagedllm.layers.quantization.params import entries, layout_of
+from pagedllm.layers.utils import CheckpointSlice, CheckpointTensor, copy_weight, default_weight_loader
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -45,19 +46,39 @@ def narrow_shard(
     return loaded_weight.narrow(dim, shard_rank * shard_size, shard_size)
 
 
+def load_per_projection(param: nn.Parameter, loaded_weight: CheckpointTensor, index: int) -> None:
+    """Copy a per-tensor value (a scale of one projection, any shape of that many values) into
+    entry ``index`` of a parameter holding one per projection (``ParamLayout.per_projection``)."""
+    value = loaded_weight.read() if isinstance(loaded_weight, CheckpointSlice) else loaded_weight
+    target = param.data[index]
+    if value.numel() != target.numel():
+        raise ValueError(
+            f"shape mismatch: a per-tensor value of shape {tuple(target.shape)}, "
+            f"checkpoint {tuple(value.shape)}"
+        )
+    target.copy_(value.reshape(target.shape))
+
+
 class LinearBase(nn.Module):
     """``y = x W^T + b`` with this rank's ``W: [output_size, input_size]``, loaded whole.
 
     ``quant_method``, when set (by the model loader, before loading), owns how ``W`` is stored
-    and multiplied (layers/quantization); the loaders and the sharding stay the layer's.
+    and multiplied (layers/quantization); the loaders and the sharding stay the layer's, and
+    shard every quantized tensor by its ``ParamLayout`` (layers/quantization/params.py).
+
+    ``output_sizes``: the whole model's output features of each projection the layer holds (q, k,
+    v; gate, up; or just one), ``input_size_total`` its input features.
     """
 
     quant_method: LinearMethod | None = None
+    quantizable: bool = True  # False: dense even in a quantized checkpoint (an MoE router)
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
+        self.output_sizes = [output_size]
+        self.input_size_total = input_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -69,7 +90,52 @@ class LinearBase(nn.Module):
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None
     ) -> None:
+        if layout_of(param).per_projection and shard_id is None:
+            load_per_projection(param, loaded_weight, 0)
+            return
         default_weight_loader(param, loaded_weight, shard_id)
+
+    @property
+    def output_partition_sizes(self) -> list[int]:
+        """This rank's output features of each projection."""
+        return self.output_sizes
+
+    def _load_projection(
+        self,
+        param: nn.Parameter,
+        loaded_weight: CheckpointTensor,
+        projection: int,
+        offset: int,
+        shard_rank: int,
+        num_shards: int,
+    ) -> None:
+        """Copy slice ``shard_rank`` of ``num_shards`` of one projection's checkpoint tensor into
+        this rank's output features ``[offset, offset + size)`` (size: the slice's), in the
+        tensor's own layout."""
+        layout = layout_of(param)
+        if layout.per_projection:
+            load_per_projection(param, loaded_weight, projection)
+            return
+        if layout.output_dim is None:  # the same for every output feature
+            copy_weight(param.data, loaded_weight)
+            return
+        dim, per = layout.output_dim, layout.output_per_entry
+        if len(self.output_sizes) == 1:  # this rank's entries, the last one maybe partial
+            size = param.shape[dim]
+        else:  # whole entries (check_layer_divides)
+            size = entries(self.output_sizes[projection] // num_shards, per, type(self).__name__)
+        shard = narrow_shard(loaded_weight, dim, shard_rank, size, num_shards)
+        copy_weight(param.data.narrow(dim, entries(offset, per, type(self).__name__), size), shard)
+
+    def _split_projections(
+        self, param: nn.Parameter, loaded_weight: CheckpointTensor
+    ) -> list[CheckpointTensor]:
+        """An already packed checkpoint tensor cut into its projections' tensors."""
+        layout = layout_of(param)
+        if layout.output_dim is None:
+            raise ValueError("a tensor without an output dimension cannot be split into projections")
+        sizes = [entries(n, layout.output_per_entry, "projection") for n in self.output_sizes]
+        return loaded_weight.split(sizes, dim=layout.output_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, input_size] -> [num_tokens, output_size] (this rank's sizes)."""
@@ -91,13 +157,18 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = True) -> None:
         tp_size = get_tensor_model_parallel_world_size()
         super().__init__(input_size, divide(output_size, tp_size), bias)
+        self.output_sizes = [output_size]
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None
     ) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no packed shards, got shard_id={shard_id!r}")
-        copy_weight(param.data, narrow_shard(loaded_weight, 0, self.tp_rank, param.shape[0], self.tp_size))
+        self._load_projection(param, loaded_weight, 0, 0, self.tp_rank, self.tp_size)
+
+    @property
+    def output_partition_sizes(self) -> list[int]:
+        return [n // self.tp_size for n in self.output_sizes]
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -112,22 +183,20 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         for output_size in output_sizes:
             divide(output_size, get_tensor_model_parallel_world_size())
         super().__init__(input_size, sum(output_sizes), bias)
-        self.output_sizes = output_sizes
+        self.output_sizes = list(output_sizes)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None
     ) -> None:
         if shard_id is None:
             # An already packed checkpoint tensor: load it projection by projection.
-            for i, piece in enumerate(loaded_weight.split(self.output_sizes, dim=0)):
+            for i, piece in enumerate(self._split_projections(param, loaded_weight)):
                 self.weight_loader(param, piece, i)
             return
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be an int in [0, {len(self.output_sizes)}), got {shard_id!r}")
-        size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        shard = narrow_shard(loaded_weight, 0, self.tp_rank, size, self.tp_size)
-        copy_weight(param.data.narrow(0, offset, size), shard)
+        self._load_projection(param, loaded_weight, shard_id, offset, self.tp_rank, self.tp_size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -159,31 +228,33 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_head_replicas = 1
         output_size = (self.num_heads + 2 * self.num_kv_heads) * tp_size * head_size
         super().__init__(hidden_size, output_size, bias)
+        self.output_sizes = [n * head_size for n in (total_num_heads, total_num_kv_heads, total_num_kv_heads)]
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None
     ) -> None:
         if shard_id is None:
-            sizes = [self.total_num_heads, self.total_num_kv_heads, self.total_num_kv_heads]
-            pieces = loaded_weight.split([n * self.head_size for n in sizes], dim=0)
-            for piece, qkv in zip(pieces, ("q", "k", "v")):
+            for piece, qkv in zip(self._split_projections(param, loaded_weight), ("q", "k", "v")):
                 self.weight_loader(param, piece, qkv)
             return
         q_size = self.num_heads * self.head_size
         kv_size = self.num_kv_heads * self.head_size
         kv_rank = self.tp_rank // self.num_kv_head_replicas
         num_kv_shards = self.tp_size // self.num_kv_head_replicas
-        # shard_id -> (offset in this rank's output, size, slice of the checkpoint tensor, slices)
+        # shard_id -> (projection, offset in this rank's output, slice of the checkpoint tensor, slices)
         layout = {
-            "q": (0, q_size, self.tp_rank, self.tp_size),
-            "k": (q_size, kv_size, kv_rank, num_kv_shards),
-            "v": (q_size + kv_size, kv_size, kv_rank, num_kv_shards),
+            "q": (0, 0, self.tp_rank, self.tp_size),
+            "k": (1, q_size, kv_rank, num_kv_shards),
+            "v": (2, q_size + kv_size, kv_rank, num_kv_shards),
         }
         if shard_id not in layout:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        offset, size, shard_rank, num_shards = layout[shard_id]
-        shard = narrow_shard(loaded_weight, 0, shard_rank, size, num_shards)
-        copy_weight(param.data.narrow(0, offset, size), shard)
+        self._load_projection(param, loaded_weight, *layout[shard_id])
+
+    @property
+    def output_partition_sizes(self) -> list[int]:
+        kv_size = self.num_kv_heads * self.head_size
+        return [self.num_heads * self.head_size, kv_size, kv_size]
 
 
 class RowParallelLinear(LinearBase):
@@ -195,6 +266,7 @@ class RowParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = True) -> None:
         tp_size = get_tensor_model_parallel_world_size()
         super().__init__(divide(input_size, tp_size), output_size, bias)
+        self.input_size_total = input_size
         if bias:
             self.bias.weight_loader = default_weight_loader
 
@@ -203,7 +275,12 @@ class RowParallelLinear(LinearBase):
     ) -> None:
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no packed shards, got shard_id={shard_id!r}")
-        copy_weight(param.data, narrow_shard(loaded_weight, 1, self.tp_rank, param.shape[1], self.tp_size))
+        dim = layout_of(param).input_dim
+        if dim is None:  # the same on every rank
+            super().weight_loader(param, loaded_weight)
+            return
+        shard = narrow_shard(loaded_weight, dim, self.tp_rank, param.shape[dim], self.tp_size)
+        copy_weight(param.data, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, input_size_per_partition] -> [num_tokens, output_size]."""

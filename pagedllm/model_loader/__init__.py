@@ -15,6 +15,7 @@ from pagedllm.config import ModelConfig
 from pagedllm.layers.quantization import keeps_gguf_quantized
 from pagedllm.model_loader.dummy_loader import initialize_dummy_weights
 from pagedllm.model_loader.hf_loader import iterate_safetensors_weights
+from pagedllm.model_loader.quantized import attach_quant_methods, resolve_quantization
 from pagedllm.models import get_model_class
 
 
@@ -27,11 +28,14 @@ def get_model(
     config names a GGUF file, else safetensors).
     """
     model_class = get_model_class(model_config.architectures, model_config.hf_config.model_type)
+    quant_config = resolve_quantization(model_config)
     with _large_host_buffers_mapped():
         # Parameters are created directly on the device in the run dtype: no float32 CPU copy of
         # an 8B model on the way.
         with _default_dtype(model_config.dtype), torch.device(device):
             model = model_class(model_config.hf_config, attn_backend)
+            if quant_config is not None:
+                attach_quant_methods(model, quant_config)
         with torch.no_grad():
             _load_weights(model, model_config, _resolve_load_format(model_config, load_format), device)
             quantized = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]

@@ -15,7 +15,8 @@ from pagedllm.layers.layernorm import GemmaRMSNorm, RMSNorm
 
 @torch.no_grad()
 def initialize_dummy_weights(model: nn.Module, initializer_range: float = 0.02) -> None:
-    """Fill every parameter in place: norm scales 1, biases 0, the rest N(0, initializer_range²)."""
+    """Fill every parameter in place: norm scales 1, biases 0, integer (quantized) tensors 0, the
+    rest N(0, initializer_range²)."""
     for module in model.modules():
         for name, param in module.named_parameters(recurse=False):
             if isinstance(module, GemmaRMSNorm):
@@ -24,5 +25,9 @@ def initialize_dummy_weights(model: nn.Module, initializer_range: float = 0.02) 
                 param.fill_(1.0)
             elif name == "bias":
                 param.zero_()
+            elif not param.is_floating_point():
+                param.zero_()  # packed integer weights, zero points, g_idx: any value in range serves
+            elif param.element_size() == 1:  # FP8: drawn in float32, then rounded
+                param.copy_(torch.empty(param.shape, device=param.device).normal_(0.0, initializer_range))
             else:
                 param.normal_(0.0, initializer_range)

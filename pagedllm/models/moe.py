@@ -25,6 +25,10 @@ _STACKED_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _STACKED_PROJECTION = re.compile(
     r"^(?P<experts>.*\.experts)\.(?P<projection>gate_proj|up_proj|down_proj)\.weight$"
 )
+# The tensors of one expert's projection: its weight, and an FP8 checkpoint's scales.
+_SUFFIXES = "weight|weight_scale_inv|weight_scale|input_scale"
+# Our stacked expert parameters: gate_up_proj / down_proj, and <that>_<suffix> for the scales.
+_EXPERT_PARAM = re.compile(r"\.experts\.(?P<param>gate_up_proj|down_proj)(?:_(?P<suffix>\w+))?$")
 
 
 class SparseMoeBlock(nn.Module):
@@ -44,6 +48,7 @@ class SparseMoeBlock(nn.Module):
         if hidden_act != "silu":
             raise ValueError(f"hidden_act must be 'silu' for the experts (SwiGLU), got {hidden_act!r}")
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
+        self.gate.quantizable = False  # routers stay dense in quantized checkpoints (as in vLLM)
         self.experts = FusedMoE(num_experts, top_k, hidden_size, intermediate_size, renormalize)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -72,19 +77,24 @@ class MoeForCausalLM(LlamaForCausalLM):
         gate, up, _ = self.expert_projections if expert is not None else _STACKED_PROJECTIONS
         projection = {gate: 0, up: 1}.get(match["projection"])
         param = "down_proj" if projection is None else "gate_up_proj"
+        # A quantized expert's other tensors (weight_scale_inv, ...) load into <param>_<suffix>.
+        suffix = match.groupdict().get("suffix") or "weight"
+        param += "" if suffix == "weight" else f"_{suffix}"
         return f"{match['experts']}.{param}", (None if expert is None else int(expert), projection)
 
     def _describe_missing(self, name: str, loaded: set) -> str | None:
-        if not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+        param = _EXPERT_PARAM.search(name)
+        if param is None:
             return super()._describe_missing(name, loaded)
         if None in loaded:  # the checkpoint stored the parameter whole
             return None
         experts: FusedMoE = self.get_submodule(name.rpartition(".")[0])
         gate, up, down = self.expert_projections
-        shards = [(0, gate), (1, up)] if name.endswith("gate_up_proj") else [(None, down)]
+        shards = [(0, gate), (1, up)] if param["param"] == "gate_up_proj" else [(None, down)]
         prefix = name.rpartition(".")[0].replace(".mlp.", f".{self.moe_module}.")
+        suffix = param["suffix"] or "weight"
         absent = [
-            f"{prefix}.{expert}.{projection}.weight"
+            f"{prefix}.{expert}.{projection}.{suffix}"
             for expert in range(experts.num_experts)
             for shard, projection in shards
             if (expert, shard) not in loaded and (None, shard) not in loaded
@@ -97,5 +107,5 @@ class MoeForCausalLM(LlamaForCausalLM):
     def _expert_pattern(self) -> re.Pattern[str]:
         projections = "|".join(self.expert_projections)
         return re.compile(
-            rf"^(?P<experts>.*\.experts)\.(?P<expert>\d+)\.(?P<projection>{projections})\.weight$"
+            rf"^(?P<experts>.*\.experts)\.(?P<expert>\d+)\.(?P<projection>{projections})\.(?P<suffix>{_SUFFIXES})$"
         )

@@ -22,6 +22,9 @@ from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.fused_moe import FusedMoE, fused_experts_torch, select_experts
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
+from pagedllm.layers.quantization.fp8 import ActivationScheme, Fp8Scheme, WeightScheme
+from pagedllm.layers.quantization.fp8_moe import Fp8MoEMethod
+from pagedllm.layers.quantization.fp8_utils import expand_block_scale, qdq_per_token_group
 from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 
 HIDDEN, HEAD_SIZE, NUM_HEADS, INTERMEDIATE = 16, 4, 4, 12
@@ -92,6 +95,45 @@ def check_fused_moe(x: torch.Tensor) -> None:
     torch.testing.assert_close(stacked(x, logits), expected)
 
 
+def check_fp8_fused_moe(x: torch.Tensor) -> None:
+    """Block-scaled FP8 experts (3 x 3 blocks: 6 intermediate rows per rank, ragged at the hidden
+    edge), per-expert weights and scales sharded by FusedMoE's loader: the partial outputs,
+    all-reduced, equal the whole layer's dequantized computation."""
+    num_experts, top_k, block = 4, 2, (3, 3)
+    scheme = Fp8Scheme(WeightScheme.BLOCK, ActivationScheme.DYNAMIC_GROUP, block, "weight_scale_inv")
+    checkpoint = {}
+    dense = {
+        0: torch.empty(num_experts, 2 * INTERMEDIATE, HIDDEN),
+        None: torch.empty(num_experts, HIDDEN, INTERMEDIATE),
+    }
+    for e in range(num_experts):
+        for projection, rows in (
+            (0, slice(0, INTERMEDIATE)),
+            (1, slice(INTERMEDIATE, None)),
+            (None, slice(None)),
+        ):
+            w = torch.randn(HIDDEN, INTERMEDIATE) if projection is None else torch.randn(INTERMEDIATE, HIDDEN)
+            scale = torch.rand(-(-w.shape[0] // 3), -(-w.shape[1] // 3)) / 100 + 1e-3
+            q = (w / expand_block_scale(scale, block, w.shape)).clamp(-448, 448).to(torch.float8_e4m3fn)
+            checkpoint[(e, projection)] = (q, scale)
+            dense[0 if projection is not None else None][e, rows] = q.float() * expand_block_scale(
+                scale, block, w.shape
+            )
+    logits = torch.randn(x.shape[0], num_experts)
+    qdq = lambda t: qdq_per_token_group(t, 3)  # noqa: E731
+    expected = fused_experts_torch(x, dense[0], dense[None], *select_experts(logits, top_k, True), qdq)
+    layer = FusedMoE(num_experts, top_k, HIDDEN, INTERMEDIATE, renormalize=True)
+    method = Fp8MoEMethod(scheme)
+    method.create_weights(layer)
+    layer.quant_method = method
+    for (e, projection), (q, scale) in checkpoint.items():
+        name = "down_proj" if projection is None else "gate_up_proj"
+        for param, tensor in ((getattr(layer, name), q), (getattr(layer, f"{name}_weight_scale_inv"), scale)):
+            param.weight_loader(param, tensor, (e, projection))
+    method.process_weights_after_loading(layer)
+    torch.testing.assert_close(layer(x, logits), expected)
+
+
 def check_all_gather() -> None:
     rank = get_tensor_model_parallel_rank()
     local = torch.full((2, 3), float(rank))
@@ -108,6 +150,7 @@ def main(rank: int, world_size: int, init_file: str) -> None:
         check_mlp(x)
         check_vocab_embedding_and_logits(x)
         check_fused_moe(x)
+        check_fp8_fused_moe(x)
         check_all_gather()
     finally:
         destroy_distributed_environment()

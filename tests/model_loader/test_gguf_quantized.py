@@ -212,7 +212,7 @@ def test_quantization_gguf_needs_a_gguf_model(make_tiny_model: Callable) -> None
     with pytest.raises(ValueError, match=r"quantization='gguf' needs a \.gguf model file"):
         dataclasses.replace(model_config, quantization="gguf")
     with pytest.raises(ValueError, match="quantization must be one of"):
-        dataclasses.replace(model_config, quantization="awq")
+        dataclasses.replace(model_config, quantization="bitsandbytes")
 
 
 @pytest.mark.slow

@@ -32,6 +32,7 @@ from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.fused_moe.router import select_experts
 from pagedllm.layers.fused_moe.torch_moe import fused_experts_torch
 from pagedllm.layers.linear import divide, narrow_shard
+from pagedllm.layers.quantization.params import layout_of
 from pagedllm.layers.utils import CheckpointSlice, CheckpointTensor, copy_weight
 from pagedllm.platform import Platform
 
@@ -65,6 +66,12 @@ class FusedMoE(CustomOp):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, i), requires_grad=False)
         self.gate_up_proj.weight_loader = self.weight_loader
         self.down_proj.weight_loader = self.weight_loader
+        self.gate_up_proj.is_down = False
+        self.down_proj.is_down = True
+        # Set by the model loader before loading (layers/quantization/fp8_moe.py): quantized
+        # experts' tensors and the activation rounding their format implies.
+        self.quant_method = None
+        self.activation_qdq: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_tokens, hidden_size]; router_logits: [num_tokens, num_experts]
@@ -80,7 +87,9 @@ class FusedMoE(CustomOp):
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """The reference path (any device)."""
-        return fused_experts_torch(hidden_states, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        return fused_experts_torch(
+            hidden_states, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.activation_qdq
+        )
 
     def forward_triton(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -101,7 +110,7 @@ class FusedMoE(CustomOp):
         stacked parameter (``[num_experts, 2 * intermediate, hidden]`` or ``[num_experts, hidden,
         intermediate]``, as transformers' Experts modules hold them).
         """
-        is_down = param is self.down_proj
+        is_down = param.is_down  # a down_proj tensor (its scales too), else a gate_up_proj one
         if isinstance(loaded_weight, CheckpointSlice) and (shard_id is None or shard_id[0] is None):
             # Stacked experts are read whole, then split per expert (each expert's shard then
             # narrows a tensor, not the file).
@@ -127,9 +136,18 @@ class FusedMoE(CustomOp):
             raise ValueError(
                 f"expert {expert_id} is out of range: the config has num_experts={self.num_experts}"
             )
-        i = self.intermediate_size_per_rank
+        # One expert's tensor, in its layout (a weight [out, in], or its block scales).
+        layout = layout_of(param)
         if is_down:  # [hidden, intermediate]: row parallel, split the input features
-            copy_weight(param.data[expert_id], narrow_shard(loaded_weight, 1, self.tp_rank, i, self.tp_size))
+            dim = layout.input_dim
+            if dim is None:  # a per-channel scale: the same on every rank
+                copy_weight(param.data[expert_id], loaded_weight)
+                return
+            size = param.shape[1 + dim]
+            shard = narrow_shard(loaded_weight, dim, self.tp_rank, size, self.tp_size)
+            copy_weight(param.data[expert_id], shard)
         else:  # [intermediate, hidden]: column parallel, split the output features
-            shard = narrow_shard(loaded_weight, 0, self.tp_rank, i, self.tp_size)
-            copy_weight(param.data[expert_id].narrow(0, projection * i, i), shard)
+            dim = layout.output_dim
+            size = param.shape[1 + dim] // 2
+            shard = narrow_shard(loaded_weight, dim, self.tp_rank, size, self.tp_size)
+            copy_weight(param.data[expert_id].narrow(dim, projection * size, size), shard)

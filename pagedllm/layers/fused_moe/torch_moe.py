@@ -9,6 +9,8 @@ is why CUDA takes the kernel instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -19,12 +21,14 @@ def fused_experts_torch(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    activation_qdq: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = topk_ids[t, j]``.
 
     hidden_states: [num_tokens, hidden_size]; w13: [num_experts, 2 * intermediate, hidden_size]
     (each expert's gate rows, then its up rows); w2: [num_experts, hidden_size, intermediate];
     topk_weights: [num_tokens, top_k] (any float dtype); topk_ids: [num_tokens, top_k].
+    activation_qdq: rounds each matmul's input as FP8 experts' format implies (None: no rounding).
     Returns [num_tokens, hidden_size] in the dtype of hidden_states.
     """
     num_tokens, top_k = topk_ids.shape
@@ -39,8 +43,9 @@ def fused_experts_torch(
     for expert, count in zip(hit.tolist(), counts[hit].tolist()):
         pairs = order[start : start + count]
         start += count
-        gate_up = F.linear(hidden_states[pairs // top_k], w13[expert])
+        x = hidden_states[pairs // top_k]
+        gate_up = F.linear(x if activation_qdq is None else activation_qdq(x), w13[expert])
         act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        out[pairs] = F.linear(act, w2[expert])
+        out[pairs] = F.linear(act if activation_qdq is None else activation_qdq(act), w2[expert])
     weighted = out.view(num_tokens, top_k, -1) * topk_weights.unsqueeze(-1).float()
     return weighted.sum(dim=1).to(hidden_states.dtype)

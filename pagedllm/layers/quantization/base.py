@@ -5,10 +5,15 @@ embedding's method also looks rows up (``EmbeddingMethod``)."""
 
 from __future__ import annotations
 
+import logging
+import re
 from abc import ABC, abstractmethod
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
 
 
 class LinearMethod(ABC):
@@ -35,3 +40,64 @@ class EmbeddingMethod(LinearMethod):
     @abstractmethod
     def dequantize(self, layer: nn.Module) -> torch.Tensor:
         """This rank's whole table, [num_rows, embedding_dim] dense in the model dtype."""
+
+
+def require(ok: bool, field: str, expected: str, value: Any) -> None:
+    """A ValueError naming the ``quantization_config`` field, unless ``ok``."""
+    if not ok:
+        raise ValueError(f"quantization_config.{field} must be {expected}, got {value!r}")
+
+
+def matches(name: str, patterns: list[str]) -> bool:
+    """Whether a module name is one of ``patterns``: a name, a name's suffix after a dot, or
+    ``re:<regex>`` (compressed-tensors' and vLLM's conventions)."""
+    for pattern in patterns:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], name):
+                return True
+        elif name == pattern or name.endswith(f".{pattern}"):
+            return True
+    return False
+
+
+class QuantizationConfig(ABC):
+    """One checkpoint's quantization: parsed from ``quantization_config``, asked per layer."""
+
+    name: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: dict[str, Any]) -> QuantizationConfig:
+        """Parse and validate; a ValueError names the bad field."""
+
+    @abstractmethod
+    def get_linear_method(self, layer: nn.Module, prefixes: list[str]) -> LinearMethod | None:
+        """The method of a linear layer holding the checkpoint modules ``prefixes`` (q, k and v
+        for a merged qkv_proj), or None to keep it dense."""
+
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> Any:
+        raise ValueError(
+            f"quant_method {self.name!r} has no support for mixture-of-experts layers ({prefix})"
+        )
+
+
+_NOTIFIED: set[str] = set()
+
+
+def notify_fallback(what: str, device: torch.device) -> None:
+    """Log once per process that ``what`` has no fast kernel on ``device`` (a GPU) and runs
+    dequantized to the model dtype: correct, but without the memory and bandwidth savings."""
+    message = f"{what} have no fast kernel on {device.type}: they run dequantized to the model dtype"
+    if device.type != "cpu" and message not in _NOTIFIED:
+        _NOTIFIED.add(message)
+        logger.warning(message)
+
+
+def same_for_all(prefixes: list[str], ignored: list[str], field: str) -> bool:
+    """Whether the merged projections are all ignored (True) or none is (False)."""
+    flags = {matches(p, ignored) for p in prefixes}
+    if len(flags) > 1:
+        raise ValueError(
+            f"quantization_config.{field} ignores some of the merged projections {prefixes}, not all"
+        )
+    return flags.pop()

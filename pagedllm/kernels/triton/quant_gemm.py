@@ -1,0 +1,204 @@
+"""GEMMs over quantized weights: W4A16 (4-bit integer weights in groups, 16-bit activations) and
+FP8 block-scaled W8A8 (DeepSeek-V3's format), ``out = x W^T``.
+
+W4A16 (GPTQ/AWQ/compressed-tensors weights repacked at load into one layout)::
+
+    for each K tile (BLOCK_K inputs, inside one group):
+        q    = (qweight[n, k // 8] >> 4 (k % 8)) & 0xF            # [BLOCK_N, BLOCK_K] nibbles
+        w    = (q - zeros[n, k // G]) * scales[n, k // G]         # dequantized in registers
+        acc += x[m, k] @ w^T                                       # fp32 accumulator
+    out = acc
+
+FP8 block-scaled (``x`` quantized per token group of ``block_k`` by the wrapper)::
+
+    for each K tile (one block of block_k inputs):
+        acc += (x_fp8 @ w_fp8^T) * x_scale[m, kb] * w_scale[n // block_n, kb]
+
+Grid: ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))``; a program computes a BLOCK_M x BLOCK_N tile of
+``out`` over all of K. At batch 1 the weight read is the whole cost: each program streams
+BLOCK_N rows of packed weights once (N / BLOCK_N programs: 128 rows per program of a 4096-row
+weight fill 32 SMs; smaller BLOCK_N for more, per the launch table below).
+
+Layouts: x [M, K] row-major (any row stride); W4A16 qweight int32 [N, K / 8] (nibble j of word i
+is input 8 i + j), scales and zeros [N, K / G] in x's dtype (zeros as values, 0..15 in the
+nibbles' offset); FP8 weight e4m3 [N, K], weight_scale float32 [cdiv(N, bn), cdiv(K, bk)].
+
+Bound: memory at small M. W4A16 reads ``N K / 2`` bytes of weights plus ``4 N K / G`` of scales
+and zeros (bf16): 0.56 bytes per weight at G = 128; FP8 reads ``N K`` bytes. FLOPs ``2 M N K``.
+Not tuned on a device yet: ``BLOCK_*`` below are first choices that fit Hopper's shared memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0
+
+
+@triton.jit
+def _w4a16_kernel(
+    x_ptr,
+    qweight_ptr,
+    scales_ptr,
+    zeros_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    GROUP_SIZE,
+    stride_xm,
+    stride_qn,
+    stride_sn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    shifts = (offs_k % 8) * 4  # [BLOCK_K]: each input's nibble in its word
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=mask_m[:, None], other=0.0)
+        words = tl.load(
+            qweight_ptr + offs_n[:, None] * stride_qn + (k // 8)[None, :], mask=mask_n[:, None], other=0
+        )
+        q = (words >> shifts[None, :]) & 0xF  # [BLOCK_N, BLOCK_K]
+        group = k0 // GROUP_SIZE  # BLOCK_K divides GROUP_SIZE: one group per tile
+        scale = tl.load(scales_ptr + offs_n * stride_sn + group, mask=mask_n, other=0.0).to(tl.float32)
+        zero = tl.load(zeros_ptr + offs_n * stride_sn + group, mask=mask_n, other=0.0).to(tl.float32)
+        w = ((q.to(tl.float32) - zero[:, None]) * scale[:, None]).to(x.dtype)
+        acc += tl.dot(x, tl.trans(w))
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def pack_w4a16(q: torch.Tensor) -> torch.Tensor:
+    """q: [N, K] integers in 0..15 (K a multiple of 8) -> int32 [N, K / 8], input 8 i + j in
+    nibble j of word i (the kernel's layout)."""
+    n, k = q.shape
+    nibbles = q.to(torch.int64).view(n, k // 8, 8) << (4 * torch.arange(8, device=q.device))
+    words = nibbles.sum(-1)  # disjoint bits: the sum is the OR
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def w4a16_block_k(group_size: int, k: int) -> int | None:
+    """The K tile for a group size (a power of two from 16 to 128 that divides the group), or
+    None where the kernel cannot run (the caller falls back)."""
+    for block_k in (128, 64, 32, 16):
+        if group_size % block_k == 0 and k % block_k == 0:
+            return block_k
+    return None
+
+
+def w4a16_gemm(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
+) -> torch.Tensor:
+    """x [M, K] @ dequantized W [N, K]^T -> [M, N] in x's dtype (layouts in the module doc)."""
+    m, k = x.shape
+    n = qweight.shape[0]
+    block_k = w4a16_block_k(group_size, k)
+    assert block_k is not None, f"group_size {group_size} and K {k} need a common tile of 16..128"
+    assert qweight.dtype == torch.int32 and qweight.shape == (n, k // 8), f"qweight {tuple(qweight.shape)}"
+    assert scales.shape == zeros.shape == (n, k // group_size) and scales.stride() == zeros.stride()
+    assert x.stride(1) == 1 and qweight.stride(1) == 1 and scales.stride(1) == 1
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m = 16 if m <= 16 else 64
+    block_n = 32 if m <= 16 else 64
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _w4a16_kernel[grid](
+        x, qweight, scales, zeros, out, m, n, k, group_size,
+        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _fp8_block_kernel(
+    x_ptr,
+    x_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    BLOCK_SIZE_N,
+    stride_xm,
+    stride_xsm,
+    stride_wn,
+    stride_wsn,
+    stride_om,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    w_block_rows = offs_n // BLOCK_SIZE_N  # each row's scale block
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k = kb * BLOCK_K + offs_k
+        mask_k = k < K
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        w = tl.load(
+            w_ptr + offs_n[:, None] * stride_wn + k[None, :],
+            mask=mask_n[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        x_scale = tl.load(x_scale_ptr + offs_m * stride_xsm + kb, mask=mask_m, other=0.0)
+        w_scale = tl.load(w_scale_ptr + w_block_rows * stride_wsn + kb, mask=mask_n, other=0.0)
+        acc += tl.dot(x, tl.trans(w), out_dtype=tl.float32) * x_scale[:, None] * w_scale[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of ``group``) -> (e4m3 [M, K], float32 scales [M, K / group]), each
+    group under ``amax / 448`` (the CPU path's rounding: layers/quantization/fp8_utils.py)."""
+    groups = x.float().view(x.shape[0], -1, group)
+    scale = groups.abs().amax(-1) / FP8_MAX
+    scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
+    q = (groups / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(x.shape), scale
+
+
+def fp8_block_gemm(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """x [M, K] (model dtype) @ block-scaled e4m3 W [N, K]^T -> [M, N] in x's dtype; x is rounded
+    per token group of ``block[1]`` first, as the format's activations are."""
+    block_n, block_k = block
+    m, k = x.shape
+    n = weight.shape[0]
+    assert k % block_k == 0 and block_k in (16, 32, 64, 128), f"K {k} and block_k {block_k}"
+    assert weight.dtype == torch.float8_e4m3fn and weight.stride(1) == 1 and weight_scale.stride(1) == 1
+    x_fp8, x_scale = quantize_per_token_group(x, block_k)
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m = 16 if m <= 16 else 64
+    tile_n = min(64, block_n)  # inside one scale block of rows, or several whole ones
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, tile_n))
+    _fp8_block_kernel[grid](
+        x_fp8, x_scale, weight, weight_scale, out, m, n, k, block_n,
+        x_fp8.stride(0), x_scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=tile_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,179 @@
+"""compressed-tensors checkpoints (``quant_method: "compressed-tensors"``), as llm-compressor writes
+them: ``config_groups`` of a scheme and the module ``targets`` it applies to, an ``ignore`` list,
+and a ``format`` per group or for the whole checkpoint.
+
+Supported schemes (anything else is refused, naming its field):
+
+    weights                                   input_activations                   format
+    float 8-bit, tensor / channel / block     none (W8A16), dynamic token,        float-quantized
+                                              dynamic group (block), static tensor
+    int 4- or 8-bit, group / channel,         none (W4A16, W8A16)                 pack-quantized
+    symmetric or not
+
+FP8 schemes run through ``Fp8LinearMethod`` (fp8.py), integer ones through
+``PackQuantizedMethod`` (wna16.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from pagedllm.layers.quantization.base import LinearMethod, QuantizationConfig, matches, require, same_for_all
+from pagedllm.layers.quantization.fp8 import ActivationScheme, Fp8LinearMethod, Fp8Scheme, WeightScheme
+from pagedllm.layers.quantization.wna16 import IntWeightScheme, PackQuantizedMethod
+
+MethodFactory = Callable[[], LinearMethod]
+_FP8_WEIGHT_STRATEGIES = {
+    "tensor": WeightScheme.TENSOR,
+    "channel": WeightScheme.CHANNEL,
+    "block": WeightScheme.BLOCK,
+}
+
+
+def _fp8_activation(
+    field: str, inputs: dict[str, Any] | None, block: tuple[int, int] | None
+) -> ActivationScheme:
+    if inputs is None:
+        return ActivationScheme.NONE
+    kind = (inputs.get("type"), inputs.get("num_bits"))
+    require(kind == ("float", 8), f"{field}.type/num_bits", "float/8 (FP8 activations)", kind)
+    strategy, dynamic = inputs.get("strategy"), inputs.get("dynamic")
+    if dynamic is True and strategy == "token":
+        return ActivationScheme.DYNAMIC_TOKEN
+    if dynamic is True and strategy == "group" and block is not None and inputs.get("group_size") == block[1]:
+        return ActivationScheme.DYNAMIC_GROUP
+    if dynamic is False and strategy == "tensor":
+        return ActivationScheme.STATIC_TENSOR
+    expected = "dynamic token, dynamic group (block weights, group_size = block_k) or static tensor"
+    require(False, f"{field}.strategy/dynamic", expected, (strategy, dynamic))
+    raise AssertionError  # unreachable: require raised
+
+
+def _fp8_scheme(
+    field: str, weights: dict[str, Any], inputs: dict[str, Any] | None, fmt: str
+) -> MethodFactory:
+    require(fmt == "float-quantized", f"{field}.format", "'float-quantized' for FP8 weights", fmt)
+    strategy = weights.get("strategy")
+    require(
+        strategy in _FP8_WEIGHT_STRATEGIES,
+        f"{field}.weights.strategy",
+        str(sorted(_FP8_WEIGHT_STRATEGIES)),
+        strategy,
+    )
+    require(
+        weights.get("symmetric", True) is True,
+        f"{field}.weights.symmetric",
+        "true for FP8",
+        weights.get("symmetric"),
+    )
+    block = None
+    if strategy == "block":
+        block = weights.get("block_structure")
+        ok = isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)
+        require(ok, f"{field}.weights.block_structure", "two positive ints", block)
+        block = tuple(block)
+    activation = _fp8_activation(f"{field}.input_activations", inputs, block)
+    scheme = Fp8Scheme(_FP8_WEIGHT_STRATEGIES[strategy], activation, block, "weight_scale")
+    return lambda: Fp8LinearMethod(scheme)
+
+
+def _int_scheme(
+    field: str, weights: dict[str, Any], inputs: dict[str, Any] | None, fmt: str
+) -> MethodFactory:
+    require(fmt == "pack-quantized", f"{field}.format", "'pack-quantized' for integer weights", fmt)
+    require(inputs is None, f"{field}.input_activations", "null (weight-only integer schemes)", inputs)
+    bits = weights.get("num_bits")
+    require(bits in (4, 8), f"{field}.weights.num_bits", "4 or 8", bits)
+    strategy = weights.get("strategy")
+    require(strategy in ("group", "channel"), f"{field}.weights.strategy", "'group' or 'channel'", strategy)
+    actorder = weights.get("actorder")
+    require(
+        actorder in (None, False),
+        f"{field}.weights.actorder",
+        "null (weight_g_idx is not supported)",
+        actorder,
+    )
+    group_size = -1
+    if strategy == "group":
+        group_size = weights.get("group_size")
+        require(
+            isinstance(group_size, int) and group_size > 0,
+            f"{field}.weights.group_size",
+            "a positive int",
+            group_size,
+        )
+    symmetric = weights.get("symmetric", True)
+    require(isinstance(symmetric, bool), f"{field}.weights.symmetric", "a bool", symmetric)
+    scheme = IntWeightScheme(bits, group_size, symmetric)
+    return lambda: PackQuantizedMethod(scheme, per_channel=strategy == "channel")
+
+
+def _parse_group(field: str, group: dict[str, Any], default_format: str | None) -> MethodFactory:
+    weights = group.get("weights")
+    require(
+        isinstance(weights, dict),
+        f"{field}.weights",
+        "a dict (activation-only schemes are not supported)",
+        weights,
+    )
+    fmt = group.get("format") or default_format
+    kind = weights.get("type")
+    if kind == "float" and weights.get("num_bits") == 8:
+        return _fp8_scheme(field, weights, group.get("input_activations"), fmt)
+    if kind == "int":
+        return _int_scheme(field, weights, group.get("input_activations"), fmt)
+    require(
+        False, f"{field}.weights.type/num_bits", "float/8 or int/4 or int/8", (kind, weights.get("num_bits"))
+    )
+    raise AssertionError  # unreachable: require raised
+
+
+class CompressedTensorsConfig(QuantizationConfig):
+    name = "compressed-tensors"
+
+    def __init__(self, groups: list[tuple[str, list[str], MethodFactory]], ignored: list[str]) -> None:
+        self.groups = groups  # (field, targets, method factory), in the config's order
+        self.ignored = ignored
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> CompressedTensorsConfig:
+        status = config.get("quantization_status", "compressed")
+        require(status == "compressed", "quantization_status", "'compressed'", status)
+        require(config.get("kv_cache_scheme") is None, "kv_cache_scheme", "null (no FP8 KV cache yet)", "set")
+        groups = config.get("config_groups")
+        require(isinstance(groups, dict) and groups, "config_groups", "a non-empty dict", groups)
+        parsed = []
+        for name, group in groups.items():
+            field = f"config_groups.{name}"
+            targets = group.get("targets")
+            require(isinstance(targets, list) and targets, f"{field}.targets", "a non-empty list", targets)
+            parsed.append((field, targets, _parse_group(field, group, config.get("format"))))
+        return cls(parsed, list(config.get("ignore") or []))
+
+    def get_linear_method(self, layer: nn.Module, prefixes: list[str]) -> LinearMethod | None:
+        if same_for_all(prefixes, self.ignored, "ignore"):
+            return None
+        chosen = {self._group_of(prefix) for prefix in prefixes}
+        if len(chosen) > 1:
+            raise ValueError(
+                f"quantization_config.config_groups give the merged projections {prefixes} different schemes"
+            )
+        index = chosen.pop()
+        return None if index is None else self.groups[index][2]()
+
+    def _group_of(self, prefix: str) -> int | None:
+        """The index of the first group whose targets take the linear module ``prefix``."""
+        for index, (_, targets, _) in enumerate(self.groups):
+            if "Linear" in targets or matches(prefix, targets):
+                return index
+        return None
+
+    def get_moe_method(self, layer: nn.Module, prefix: str) -> Any:
+        # Targets of "Linear" do not reach fused experts (transformers' experts are not Linear
+        # modules); a scheme that names them would need quantized experts, not supported yet.
+        if matches(prefix, self.ignored) or not any(matches(prefix, g[1]) for g in self.groups):
+            return None
+        return super().get_moe_method(layer, prefix)

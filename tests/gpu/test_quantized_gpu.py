@@ -1,0 +1,98 @@
+"""Quantized linear layers on CUDA against their CPU path (the dequantized oracle): FP8 W8A8
+through torch._scaled_mm, FP8 block-scaled and W4A16 through the Triton GEMMs, at tiny shapes and at
+a Llama-3.1-8B layer's (4096 x 14336) for a decode (1 row) and a prefill (512 rows)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("needs CUDA and compiled (not interpreted) Triton kernels", allow_module_level=True)
+pytest.importorskip("triton", reason="the quantized GEMMs need the triton package")
+
+from pagedllm.layers.linear import ReplicatedLinear
+from pagedllm.layers.quantization.fp8 import (
+    ActivationScheme,
+    Fp8Kernel,
+    Fp8LinearMethod,
+    Fp8Scheme,
+    WeightScheme,
+    scaled_mm_supported,
+)
+from pagedllm.layers.quantization.wna16 import AWQMethod, IntWeightScheme
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(1, 64, 128), (7, 96, 256), (1, 14336, 4096), (512, 4096, 14336)]  # (rows, N, K)
+
+
+def _layer(method, k: int, n: int, device: str, checkpoint: dict[str, torch.Tensor]) -> ReplicatedLinear:
+    """A bf16 layer on ``device`` with ``method``, loaded from ``checkpoint`` through its loaders."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            layer = ReplicatedLinear(k, n, bias=False)
+            method.create_weights(layer)
+            layer.quant_method = method
+            for name, tensor in checkpoint.items():
+                getattr(layer, name).weight_loader(getattr(layer, name), tensor.to(device))
+            method.process_weights_after_loading(layer)
+    finally:
+        torch.set_default_dtype(previous)
+    return layer
+
+
+def _compare(
+    make_method, checkpoint: dict[str, torch.Tensor], m: int, n: int, k: int, kernel_attr: str
+) -> None:
+    x = torch.randn(m, k, dtype=torch.bfloat16) * 0.5
+    cpu = _layer(make_method(), k, n, "cpu", checkpoint)
+    gpu = _layer(make_method(), k, n, "cuda", checkpoint)
+    assert kernel_attr in dict(gpu.named_buffers()), "the CUDA layer did not take its kernel"
+    expected = cpu.quant_method.apply(cpu, x, None).float()
+    out = gpu.quant_method.apply(gpu, x.cuda(), None).float().cpu()
+    # bf16 output rounding and fp32 accumulation order: relative to the output's scale.
+    torch.testing.assert_close(out, expected, atol=2e-2 * expected.abs().max().item(), rtol=2e-2)
+
+
+@pytest.mark.skipif(not scaled_mm_supported(torch.device("cuda")), reason="needs FP8 tensor cores (sm_89+)")
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_fp8_per_channel_w8a8_through_scaled_mm_matches_the_cpu_path(m: int, n: int, k: int) -> None:
+    w = torch.randn(n, k) * 0.05
+    scale = w.abs().amax(1, keepdim=True) / 448
+    checkpoint = {"weight": (w / scale).to(torch.float8_e4m3fn), "weight_scale": scale}
+    scheme = Fp8Scheme(WeightScheme.CHANNEL, ActivationScheme.DYNAMIC_TOKEN)
+    _compare(lambda: Fp8LinearMethod(scheme), checkpoint, m, n, k, "weight_scale_row")
+
+
+@pytest.mark.skipif(not scaled_mm_supported(torch.device("cuda")), reason="needs FP8 tensor cores (sm_89+)")
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_fp8_block_scaled_through_triton_matches_the_cpu_path(m: int, n: int, k: int) -> None:
+    w, block = torch.randn(n, k) * 0.05, (32, 128)
+    tiles = w.view(n // block[0], block[0], k // block[1], block[1])
+    scale = tiles.abs().amax(dim=(1, 3)) / 448
+    q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).view(n, k)
+    scheme = Fp8Scheme(WeightScheme.BLOCK, ActivationScheme.DYNAMIC_GROUP, block, "weight_scale_inv")
+    checkpoint = {"weight": q, "weight_scale_inv": scale}
+    gpu = _layer(Fp8LinearMethod(scheme), k, n, "cuda", checkpoint)
+    assert gpu.quant_method.kernel is Fp8Kernel.BLOCK_TRITON
+    _compare(lambda: Fp8LinearMethod(scheme), checkpoint, m, n, k, "weight_scale_block")
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+def test_awq_w4a16_through_triton_matches_the_cpu_path(m: int, n: int, k: int) -> None:
+    group = 64
+    generator = torch.Generator().manual_seed(n)
+    checkpoint = {
+        "qweight": torch.randint(-(2**31), 2**31 - 1, (k, n // 8), dtype=torch.int32, generator=generator),
+        "qzeros": torch.randint(
+            -(2**31), 2**31 - 1, (k // group, n // 8), dtype=torch.int32, generator=generator
+        ),
+        "scales": (torch.rand(k // group, n, generator=generator) * 0.01 + 0.001).half(),
+    }
+    scheme = IntWeightScheme(4, group, symmetric=False)
+    _compare(lambda: AWQMethod(scheme), checkpoint, m, n, k, "qweight_k")

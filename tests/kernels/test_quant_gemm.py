@@ -1,0 +1,58 @@
+"""The quantized-weight GEMMs (kernels/triton/quant_gemm.py) against a naive torch reference:
+the weights dequantized in float32, the activations rounded the same way (run on the CPU under
+TRITON_INTERPRET=1 at tiny shapes; on CUDA as well when there is one)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.kernels.triton.quant_gemm import fp8_block_gemm, pack_w4a16, w4a16_block_k, w4a16_gemm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 48, 64, 32), (5, 40, 128, 64), (19, 32, 96, 32)])
+def test_w4a16_gemm_matches_the_dequantized_matmul(m: int, n: int, k: int, group: int) -> None:
+    generator = torch.Generator().manual_seed(m)
+    q = torch.randint(0, 16, (n, k), generator=generator)
+    scales = torch.rand(n, k // group, generator=generator) * 0.1 + 0.01
+    zeros = torch.randint(0, 16, (n, k // group), generator=generator).float()
+    x = torch.randn(m, k, generator=generator)
+    dense = (q - zeros.repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
+    out = w4a16_gemm(x.to(DEVICE), pack_w4a16(q).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), group)
+    torch.testing.assert_close(out.cpu(), x @ dense.t(), atol=1e-4, rtol=1e-4)
+
+
+def test_w4a16_packing_puts_input_8i_plus_j_in_nibble_j_of_word_i() -> None:
+    q = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 15]])
+    assert pack_w4a16(q).tolist() == [[int("F7654321", 16) - 2**32]]
+
+
+def test_w4a16_refuses_groups_without_a_common_tile() -> None:
+    assert w4a16_block_k(128, 256) == 128 and w4a16_block_k(32, 96) == 32
+    assert w4a16_block_k(8, 64) is None
+
+
+def _block_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    bn, bk = block
+    n, k = w.shape
+    tiles = torch.nn.functional.pad(w, (0, -k % bk, 0, -n % bn)).unflatten(0, (-1, bn)).unflatten(2, (-1, bk))
+    scale = tiles.abs().amax(dim=(1, 3)) / 448
+    q = (tiles / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q.flatten(2).flatten(0, 1)[:n, :k].contiguous(), scale
+
+
+@pytest.mark.parametrize(
+    ("m", "n", "k", "block"), [(1, 48, 64, (16, 16)), (7, 40, 64, (32, 32)), (18, 24, 32, (16, 16))]
+)
+def test_fp8_block_gemm_matches_the_rounded_matmul(m: int, n: int, k: int, block: tuple[int, int]) -> None:
+    generator = torch.Generator().manual_seed(n)
+    w, x = torch.randn(n, k, generator=generator), torch.randn(m, k, generator=generator)
+    q, scale = _block_quantize(w, block)
+    dense = q.float() * scale.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+    groups = x.view(m, -1, block[1])
+    x_scale = groups.abs().amax(-1, keepdim=True) / 448
+    x_rounded = ((groups / x_scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * x_scale).view(m, k)
+    out = fp8_block_gemm(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), block)
+    torch.testing.assert_close(out.cpu(), x_rounded @ dense.t(), atol=1e-4, rtol=1e-4)

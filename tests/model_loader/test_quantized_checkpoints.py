@@ -1,0 +1,411 @@
+"""Quantized checkpoints (fp8, compressed-tensors, awq, gptq, online fp8) on the CPU in float32:
+pagedllm's greedy output equals transformers' ``generate`` on the same model with the weights the
+tool itself dequantizes (and the activations rounded as the format implies), on two or three
+architectures; and every checkpoint that cannot be served is refused before serving."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from quant_writers import (
+    per_token_qdq,
+    round_expert_inputs,
+    round_linear_inputs,
+    write_awq,
+    write_compressed_tensors,
+    write_gptq,
+    write_hf_fp8,
+)
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, LlamaConfig, MixtralConfig, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
+
+from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
+from pagedllm.config import ModelConfig
+from pagedllm.model_loader import get_model
+
+CPU = torch.device("cpu")
+PROMPT_LENS = (5, 9, 13)
+MAX_TOKENS = 8
+# Tiny families: q 64, kv 32, hidden 64, intermediate 96 or 128 (whole blocks of 16, groups of 32).
+ARCHITECTURES = {
+    "llama": (LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)),
+    "qwen3": (Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
+}
+QWEN3_MOE = (
+    Qwen3MoeConfig,
+    dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+    ),
+)
+
+MIXTRAL = (
+    MixtralConfig,
+    dict(
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        intermediate_size=32,
+    ),
+)
+FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
+FP8_STATIC = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+COMPRESSED_TENSORS_SCHEMES = {
+    "w8a8-fp8-channel-dynamic": (
+        {
+            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
+            "input_activations": FP8_TOKEN,
+        },
+        "float-quantized",
+    ),
+    "w8a8-fp8-tensor-static": (
+        {
+            "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True},
+            "input_activations": FP8_STATIC,
+        },
+        "float-quantized",
+    ),
+    "w4a16-sym-g32": (
+        {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True}},
+        "pack-quantized",
+    ),
+    "w4a16-asym-g16": (
+        {
+            "weights": {
+                "num_bits": 4,
+                "type": "int",
+                "strategy": "group",
+                "group_size": 16,
+                "symmetric": False,
+            }
+        },
+        "pack-quantized",
+    ),
+    "w4a16-asym-channel": (
+        {"weights": {"num_bits": 4, "type": "int", "strategy": "channel", "symmetric": False}},
+        "pack-quantized",
+    ),
+    "w8a16-int-sym-g32": (
+        {"weights": {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True}},
+        "pack-quantized",
+    ),
+    "w8a16-fp8-block": (
+        {
+            "weights": {
+                "num_bits": 8,
+                "type": "float",
+                "strategy": "block",
+                "block_structure": [16, 16],
+                "symmetric": True,
+            }
+        },
+        "float-quantized",
+    ),
+}
+
+
+def _prompts(vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENS]
+
+
+def _hf_greedy(reference: PreTrainedModel, prompts: list[list[int]]) -> list[list[int]]:
+    reference.generation_config.eos_token_id = None  # run the whole length, as ignore_eos
+    reference.generation_config.pad_token_id = 0
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = reference.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)
+            outputs.append(ids[0, len(prompt) :].tolist())
+    return outputs
+
+
+def _paged_greedy(model_dir: Path, paged_runner: type, quantization: str = "auto") -> list[list[int]]:
+    """pagedllm's greedy tokens: one ragged prefill of every prompt, then decode steps."""
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    model_config = ModelConfig(
+        str(model_dir), str(model_dir), hf_config, torch.float32, 256, quantization=quantization
+    )
+    model = get_model(model_config, "auto", CPU, TorchAttentionBackend)
+    runner = paged_runner(model, model_config)
+    prompts = _prompts(hf_config.vocab_size)
+    logits = runner.step(dict(enumerate(prompts)))
+    outputs: list[list[int]] = [[] for _ in prompts]
+    for step in range(MAX_TOKENS):
+        tokens = {i: int(rows[-1].argmax()) for i, rows in logits.items()}
+        for i, token in tokens.items():
+            outputs[i].append(token)
+        if step + 1 < MAX_TOKENS:
+            logits = runner.step({i: [token] for i, token in tokens.items()})
+    return outputs
+
+
+def _calibration(vocab_size: int) -> torch.Tensor:
+    return torch.tensor([[token for prompt in _prompts(vocab_size) for token in prompt]])
+
+
+@pytest.fixture
+def tiny(make_tiny_model: Callable, tmp_path: Path) -> Callable[[str], tuple[PreTrainedModel, Path]]:
+    """tiny(architecture) -> (the dense HF model, a directory for its quantized checkpoint)."""
+
+    def make(architecture: str) -> tuple[PreTrainedModel, Path]:
+        config_class, overrides = {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}.get(
+            architecture
+        ) or ARCHITECTURES[architecture]
+        hf_model, _ = make_tiny_model(config_class, **overrides)
+        return hf_model, tmp_path / f"quantized-{architecture}"
+
+    return make
+
+
+def _assert_same_greedy(
+    reference: PreTrainedModel, model_dir: Path, paged_runner: type, **options: str
+) -> None:
+    prompts = _prompts(reference.config.vocab_size)
+    assert _paged_greedy(model_dir, paged_runner, **options) == _hf_greedy(reference, prompts)
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("scheme", sorted(COMPRESSED_TENSORS_SCHEMES))
+def test_compressed_tensors_checkpoints_generate_as_hf_dequantized(
+    tiny, paged_runner, architecture, scheme
+) -> None:
+    hf_model, model_dir = tiny(architecture)
+    fields, fmt = COMPRESSED_TENSORS_SCHEMES[scheme]
+    reference = write_compressed_tensors(
+        hf_model, model_dir, fields, fmt, _calibration(hf_model.config.vocab_size)
+    )
+    _assert_same_greedy(reference, model_dir, paged_runner)
+
+
+@pytest.mark.parametrize("architecture", [*sorted(ARCHITECTURES), "qwen3_moe", "mixtral"])
+def test_fp8_block_scaled_checkpoints_generate_as_hf_dequantized(tiny, paged_runner, architecture) -> None:
+    hf_model, model_dir = tiny(architecture)
+    reference = write_hf_fp8(hf_model, model_dir, block=(16, 16))
+    _assert_same_greedy(reference, model_dir, paged_runner)
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_fp8_per_tensor_static_checkpoints_generate_as_hf_dequantized(
+    tiny, paged_runner, architecture
+) -> None:
+    hf_model, model_dir = tiny(architecture)
+    reference = write_hf_fp8(
+        hf_model, model_dir, block=None, calibration=_calibration(hf_model.config.vocab_size)
+    )
+    _assert_same_greedy(reference, model_dir, paged_runner)
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_awq_checkpoints_generate_as_hf_dequantized(tiny, paged_runner, architecture) -> None:
+    hf_model, model_dir = tiny(architecture)
+    _assert_same_greedy(write_awq(hf_model, model_dir, group=32), model_dir, paged_runner)
+
+
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("desc_act", [True, False])
+def test_gptq_checkpoints_generate_as_hf_dequantized(tiny, paged_runner, architecture, desc_act) -> None:
+    hf_model, model_dir = tiny(architecture)
+    reference = write_gptq(hf_model, model_dir, group=16 if desc_act else 32, desc_act=desc_act)
+    _assert_same_greedy(reference, model_dir, paged_runner)
+
+
+def _online_fp8_reference(hf_model: PreTrainedModel) -> PreTrainedModel:
+    """Each linear weight rounded per output row under amax / 448, inputs per token."""
+    import copy
+
+    reference = copy.deepcopy(hf_model)
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            if (name.endswith("_proj.weight") and "embed" not in name) or name.endswith(
+                ("gate_up_proj", "down_proj")
+            ):
+                scale = param.abs().amax(-1, keepdim=True) / 448
+                param.copy_((param / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale)
+    round_linear_inputs(reference, per_token_qdq)
+    round_expert_inputs(reference, per_token_qdq)
+    return reference.eval()
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3_moe"])
+def test_online_fp8_of_a_dense_checkpoint_generates_as_hf_rounded(tiny, paged_runner, architecture) -> None:
+    hf_model, model_dir = tiny(architecture)
+    hf_model.save_pretrained(model_dir)
+    _assert_same_greedy(_online_fp8_reference(hf_model), model_dir, paged_runner, quantization="fp8")
+
+
+# --- refused before serving ------------------------------------------------------------------
+
+
+def _load(model_dir: Path, quantization: str = "auto", tp_size: int = 1) -> None:
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    model_config = ModelConfig(
+        str(model_dir), str(model_dir), hf_config, torch.float32, 256, quantization=quantization
+    )
+    get_model(model_config, "auto", CPU, TorchAttentionBackend)
+
+
+def _edit_config(model_dir: Path, **fields: object) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"].update(fields)
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+
+@pytest.fixture
+def awq_dir(tiny) -> Path:
+    hf_model, model_dir = tiny("llama")
+    write_awq(hf_model, model_dir, group=32)
+    return model_dir
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"quant_method": "bitsandbytes"},
+            r"quantization_config.quant_method 'bitsandbytes' is not supported",
+        ),
+        ({"bits": 3}, r"quantization_config.bits must be 4"),
+        ({"group_size": 12}, r"quantization_config.group_size must be a positive multiple of 8"),
+        ({"version": "gemv"}, r"quantization_config.version must be 'gemm'"),
+    ],
+)
+def test_impossible_quantization_configs_are_refused_naming_the_field(awq_dir, fields, message) -> None:
+    _edit_config(awq_dir, **fields)
+    with pytest.raises(ValueError, match=message):
+        _load(awq_dir)
+
+
+def test_gptq_bit_widths_other_than_4_and_8_are_refused(tiny) -> None:
+    hf_model, model_dir = tiny("llama")
+    write_gptq(hf_model, model_dir, group=16)
+    _edit_config(model_dir, bits=3)
+    with pytest.raises(ValueError, match=r"quantization_config.bits must be one of \[4, 8\], got 3"):
+        _load(model_dir)
+
+
+def test_a_missing_scale_tensor_is_refused_naming_it(tiny) -> None:
+    hf_model, model_dir = tiny("llama")
+    write_hf_fp8(hf_model, model_dir, block=(16, 16))
+    tensors = load_file(model_dir / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.weight_scale_inv"]
+    save_file(tensors, model_dir / "model.safetensors")
+    with pytest.raises(
+        ValueError, match=r"model.layers.1.self_attn.qkv_proj.weight_scale_inv \(from k_proj\)"
+    ):
+        _load(model_dir)
+
+
+def test_quantization_argument_must_match_the_checkpoint(awq_dir, tiny) -> None:
+    with pytest.raises(ValueError, match=r"quantization='gptq' does not match .*quant_method 'awq'"):
+        _load(awq_dir, quantization="gptq")
+    hf_model, dense_dir = tiny("qwen3")
+    hf_model.save_pretrained(dense_dir)
+    with pytest.raises(ValueError, match=r"quantization='awq' needs a checkpoint quantized with it"):
+        _load(dense_dir, quantization="awq")
+
+
+def test_an_unknown_quantization_argument_is_refused() -> None:
+    with pytest.raises(ValueError, match="quantization"):
+        ModelConfig("m", "m", LlamaConfig(), torch.float32, 16, quantization="int3")
+
+
+def test_block_scales_that_a_merged_projection_cuts_are_refused(tiny) -> None:
+    hf_model, model_dir = tiny("llama")
+    write_hf_fp8(hf_model, model_dir, block=(16, 16))
+    _edit_config(model_dir, weight_block_size=[48, 16])  # q has 64 rows: 48-row blocks cut it
+    with pytest.raises(
+        ValueError, match=r"weight_block_size\[0\]=48 does not divide QKVParallelLinear's output"
+    ):
+        _load(model_dir)
+
+
+def test_a_group_size_that_cuts_a_rank_shard_is_refused_naming_the_sizes_that_work(monkeypatch) -> None:
+    from pagedllm.layers import linear
+    from pagedllm.layers.quantization.wna16 import AWQMethod, IntWeightScheme
+
+    monkeypatch.setattr(linear, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(linear, "get_tensor_model_parallel_rank", lambda: 0)
+    down_proj = linear.RowParallelLinear(96, 64, bias=False)  # 48 inputs per rank
+    message = (
+        r"group_size=32 does not divide RowParallelLinear's input shard of 48 features "
+        r"\(96 over tensor_parallel_size=2\); tensor_parallel_size in \[1, 3\] works"
+    )
+    with pytest.raises(ValueError, match=message):
+        AWQMethod(IntWeightScheme(4, 32, symmetric=False)).create_weights(down_proj)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint", ["gptq-desc-act", "compressed-tensors-w4a16-asym", "fp8-block"])
+def test_two_ranks_give_the_greedy_tokens_of_one_on_a_quantized_checkpoint(tiny, checkpoint) -> None:
+    from pagedllm import LLM, SamplingParams
+
+    hf_model, model_dir = tiny("llama")
+    if checkpoint == "gptq-desc-act":
+        write_gptq(hf_model, model_dir, group=16)
+    elif checkpoint == "fp8-block":
+        write_hf_fp8(hf_model, model_dir, block=(16, 16))
+    else:
+        fields, fmt = COMPRESSED_TENSORS_SCHEMES["w4a16-asym-g16"]
+        write_compressed_tensors(hf_model, model_dir, fields, fmt, _calibration(hf_model.config.vocab_size))
+    prompts = _prompts(hf_model.config.vocab_size)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = {}
+    for tp_size in (1, 2):
+        llm = LLM(
+            str(model_dir), device="cpu", dtype="float32", swap_space=0.01, tensor_parallel_size=tp_size
+        )
+        try:
+            results = llm.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False)
+            outputs[tp_size] = [r.outputs[0].token_ids for r in results]
+        finally:
+            llm.llm_engine.shutdown()
+    assert outputs[2] == outputs[1]
+
+
+def test_a_bad_quantization_config_fails_the_engine_before_any_worker_starts(awq_dir) -> None:
+    from pagedllm.engine.arg_utils import EngineArgs
+
+    _edit_config(awq_dir, zero_point=False)
+    with pytest.raises(ValueError, match=r"quantization_config.zero_point must be true"):
+        EngineArgs(model=str(awq_dir), device="cpu").create_engine_config()
+
+
+def test_the_startup_summary_names_the_checkpoint_quantization(awq_dir) -> None:
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.entrypoints.utils import engine_summary
+
+    config = EngineArgs(model=str(awq_dir), device="cpu").create_engine_config()
+    assert "quantization awq," in engine_summary(config, num_gpu_blocks=8, load_seconds=0.0)
+
+
+def test_a_checkpoint_method_asked_of_a_gguf_file_is_refused() -> None:
+    from pagedllm.model_loader.quantized import resolve_quantization
+
+    model_config = ModelConfig("m.gguf", "m", LlamaConfig(), torch.float32, 16, quantization="fp8")
+    with pytest.raises(ValueError, match=r"quantization='fp8' applies to safetensors checkpoints"):
+        resolve_quantization(model_config)
+
+
+@pytest.mark.parametrize("writer", ["awq", "fp8-block"])
+def test_dummy_weights_fill_a_quantized_layout(tiny, writer) -> None:
+    """load_format="dummy" (benchmarks without a checkpoint) gives quantized layers values in range."""
+    hf_model, model_dir = tiny("llama")
+    if writer == "awq":
+        write_awq(hf_model, model_dir, group=32)
+    else:
+        write_hf_fp8(hf_model, model_dir, (16, 16))
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    model_config = ModelConfig(str(model_dir), str(model_dir), hf_config, torch.float32, 256)
+    model = get_model(model_config, "dummy", CPU, TorchAttentionBackend)
+    weight = model.model.layers[0].mlp.down_proj.weight
+    assert weight.shape == (64, 128) and torch.isfinite(weight).all()
