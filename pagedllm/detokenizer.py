@@ -50,10 +50,15 @@ def _decode_kwargs(skip_special_tokens: bool, spaces_between_special_tokens: boo
 
 
 def decode_incrementally(
-    tokenizer: Tokenizer, seq: Request, skip_special_tokens: bool, spaces_between_special_tokens: bool
+    tokenizer: Tokenizer,
+    seq: Request,
+    skip_special_tokens: bool,
+    spaces_between_special_tokens: bool,
+    end: int | None = None,
 ) -> str:
-    """Append the text of the request's newest tokens to ``seq.output_text``; return that text."""
-    end = seq.num_tokens
+    """Append the text of the request's tokens up to ``end`` (default: all) to
+    ``seq.output_text``; return that text."""
+    end = seq.num_tokens if end is None else end
     window = seq.get_token_ids_slice(seq.prefix_offset, end)
     num_prefix = seq.read_offset - seq.prefix_offset
     kwargs = _decode_kwargs(skip_special_tokens, spaces_between_special_tokens)

@@ -88,6 +88,16 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding, over the request's sequences: drafted tokens verified, and accepted.
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted drafts over verified drafts (None before any was verified)."""
+        if not self.spec_num_draft_tokens:
+            return None
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens
 
     @property
     def time_in_queue(self) -> float | None:
@@ -129,6 +139,9 @@ class RequestGroup:
         )
         beam = num_candidates(params.best_of, len(self.eos_token_ids)) if params.use_beam_search else 0
         self.num_top_tokens = max(params.logprobs or 0, beam)
+        # Its milestones and counters; the engine's RequestState reports this same object, so the
+        # core can count what it sees (speculative decoding's drafts) where it sees it.
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
 
     @property
     def max_running_seqs(self) -> int:
@@ -201,6 +214,8 @@ class Request:
         self.output_text = ""
         self.prefix_offset = 0
         self.read_offset = 0
+        # Output tokens the engine has processed (a step verifying drafts appends several at once).
+        self.num_processed_output_tokens = 0
         self.stop_reason: int | str | None = None
 
     # --- tokens -----------------------------------------------------------------------------
@@ -369,7 +384,8 @@ class RequestState:
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
-        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.metrics = self.seqs[0].group.metrics if self.seqs else RequestMetrics(self.arrival_time)
+        self.metrics.arrival_time = self.arrival_time
 
     def is_finished(self) -> bool:
         return all(seq.status >= _FIRST_FINISHED for seq in self.seqs)

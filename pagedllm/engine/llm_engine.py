@@ -135,6 +135,7 @@ class LLMEngine:
             enable_prefix_caching=config.cache_config.enable_prefix_caching,
             sliding_window=self.executor.get_kv_cache_spec().sliding_window,
             num_sink_tokens=model_config.attention_sinks,
+            speculative_config=config.speculative_config,
         )
         self.eos_token_ids = get_eos_token_ids(model_config, self.tokenizer)
         self.structured_output_manager = StructuredOutputManager.for_model(model_config, self.tokenizer)

@@ -17,27 +17,31 @@ class OutputProcessor:
     def process_token(
         self, state: RequestState, request: Request, runner_output: ModelRunnerOutput, row: int
     ) -> RequestStatus | None:
-        """Record the logprobs and text of the request's newest token (sampled in ``row``);
-        return FINISHED_STOPPED when its text completes a stop string."""
+        """Record the logprobs and text of the request's next unprocessed token (sampled in
+        ``row``: a step that verified drafts appends several, processed in order); return
+        FINISHED_STOPPED when its text completes a stop string."""
         params = state.sampling_params
+        request.num_processed_output_tokens += 1
         if params.logprobs is not None:
             rank, top_ids, top_logprobs = runner_output.top_tokens[row]
-            token_id = request.output_token_ids[-1]
+            token_id = runner_output.sampled_token_ids[row]
             logprob = runner_output.logprobs[row]
             request.output_logprobs.append(
                 self._logprob_entry(token_id, logprob, rank, top_ids, top_logprobs)
             )
-        new_char_count = self.detokenize(state, request)
+        new_char_count = self.detokenize(
+            state, request, request.num_prompt_tokens + request.num_processed_output_tokens
+        )
         return check_stop_strings(request, new_char_count, params)
 
-    def detokenize(self, state: RequestState, request: Request) -> int:
-        """Extend the request's text by its newest tokens when it is decoded token by token;
-        return the characters added."""
+    def detokenize(self, state: RequestState, request: Request, end: int | None = None) -> int:
+        """Extend the request's text by its tokens up to ``end`` (default: all) when it is decoded
+        token by token; return the characters added."""
         if self.tokenizer is None or not _decodes_incrementally(state):
             return 0
         params = state.sampling_params
         new_text = decode_incrementally(
-            self.tokenizer, request, params.skip_special_tokens, params.spaces_between_special_tokens
+            self.tokenizer, request, params.skip_special_tokens, params.spaces_between_special_tokens, end
         )
         return len(new_text)
 
