@@ -259,3 +259,129 @@ def test_speculation_turns_async_scheduling_off_and_refuses_it_explicitly(tiny_l
     _, model_config = tiny_llama
     with pytest.raises(ValueError, match="async_scheduling"):
         make_llm(model_config, speculative_config=NGRAM, async_scheduling=True)
+
+
+# --- sampling: the target's exact distribution ------------------------------------------------
+
+SAMPLED_CASES = {
+    "temperature": SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True),
+    "truncated-penalised": SamplingParams(
+        temperature=0.8,
+        top_k=6,
+        top_p=0.95,
+        min_p=0.02,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        repetition_penalty=1.3,
+        max_tokens=4,
+        ignore_eos=True,
+    ),
+}
+
+
+def processed_probs(logits: torch.Tensor, seen: list[list[int]], outputs: list[list[int]], p: SamplingParams):
+    """The sampling distribution of each row as vLLM defines it, written out plainly: repetition
+    penalty over prompt and output tokens, presence and frequency over the outputs, then
+    temperature, top-k, top-p, min-p. logits: [rows, vocab]."""
+    logits = logits.clone()
+    for row, (tokens, outs) in enumerate(zip(seen, outputs)):
+        for token in set(tokens):
+            value = logits[row, token]
+            logits[row, token] = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+        for token in set(outs):
+            logits[row, token] -= p.frequency_penalty * outs.count(token) + p.presence_penalty
+    logits = logits / p.temperature
+    if p.top_k > 0:
+        kth = logits.topk(p.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        outside = cumulative - sorted_logits.softmax(dim=-1) >= p.top_p  # mass before it already >= p
+        sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    probs = logits.softmax(dim=-1)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+@torch.no_grad()
+def exact_joint(hf_model, prompt: list[int], params: SamplingParams, length: int) -> dict[tuple, float]:
+    """P(first ``length`` outputs) under the HF model and ``params``, every sequence enumerated."""
+    joint = {(): 1.0}
+    for _ in range(length):
+        prefixes = list(joint)
+        inputs = torch.tensor([prompt + list(prefix) for prefix in prefixes])
+        logits = hf_model(inputs).logits[:, -1].float()
+        seen = [prompt + list(prefix) for prefix in prefixes]
+        probs = processed_probs(logits, seen, [list(prefix) for prefix in prefixes], params)
+        joint = {
+            (*prefix, token): joint[prefix] * float(probs[i, token])
+            for i, prefix in enumerate(prefixes)
+            for token in range(probs.shape[1])
+            if probs[i, token] > 0
+        }
+    return joint
+
+
+def pair_p_value(samples: list[tuple], joint: dict[tuple, float], first: int) -> float:
+    """Chi-square p-value of the samples' tokens (first, first + 1) against the exact joint's
+    marginal; cells expected below 5 are pooled (a token pair of probability 0 fails at once)."""
+    marginal: dict[tuple, float] = {}
+    for seq, prob in joint.items():
+        key = seq[first : first + 2]
+        marginal[key] = marginal.get(key, 0.0) + prob
+    counts: dict[tuple, int] = {}
+    for seq in samples:
+        key = tuple(seq[first : first + 2])
+        assert key in marginal, f"drew {key}, of probability 0"
+        counts[key] = counts.get(key, 0) + 1
+    n = len(samples)
+    observed, expected, pooled_obs, pooled_exp = [], [], 0, 0.0
+    for key, prob in marginal.items():
+        if n * prob < 5:
+            pooled_obs += counts.get(key, 0)
+            pooled_exp += n * prob
+        else:
+            observed.append(counts.get(key, 0))
+            expected.append(n * prob)
+    if pooled_exp > 0:
+        observed.append(pooled_obs)
+        expected.append(pooled_exp)
+    obs, exp = torch.tensor(observed, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64)
+    statistic = ((obs - exp) ** 2 / exp).sum()
+    return float(
+        1 - torch.special.gammainc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64), statistic / 2)
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_llama(make_tiny_model_for_module):
+    """Eight tokens: every sequence of four outputs can be enumerated, and n-gram drafts from a
+    prompt cycling through the vocabulary always find a match."""
+    return make_tiny_model_for_module(LlamaConfig, vocab_size=8, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SAMPLED_CASES))
+def test_sampled_outputs_follow_the_target_distribution_with_and_without_ngram(tiny_vocab_llama, case):
+    hf_model, model_config = tiny_vocab_llama
+    params = SAMPLED_CASES[case]
+    prompt = [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 5, 6]
+    joint = exact_joint(hf_model, prompt, params, 4)
+    num_samples = 3000
+    for speculative_config in (None, {"method": "ngram", "num_speculative_tokens": 3}):
+        llm = make_llm(model_config, block_size=4, max_num_seqs=256, speculative_config=speculative_config)
+        outputs = llm.generate(
+            prompt_token_ids=[prompt] * num_samples, sampling_params=params, use_tqdm=False
+        )
+        samples = [tuple(o.outputs[0].token_ids) for o in outputs]
+        for first in range(3):
+            assert pair_p_value(samples, joint, first) > 1e-3, (speculative_config, first)
+        if speculative_config is not None:
+            spec = llm.llm_engine.scheduler.spec_decoding
+            # Both acceptance and rejection happened, at the draft positions under test.
+            assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
+            assert spec.num_accepted_tokens_per_pos[1] > 0
