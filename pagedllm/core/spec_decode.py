@@ -26,10 +26,32 @@ tokens after it back).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from pagedllm.config import SpeculativeConfig
 from pagedllm.core.request import Request
+
+
+@dataclass
+class SpecDecodingStats:
+    """Engine-wide counters since start, named as vLLM's ``spec_decode_*`` metrics."""
+
+    num_drafts: int  # verifications (a request's drafts in one step)
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    # Per draft position i: drafts accepted there (only after every position before it).
+    num_accepted_tokens_per_pos: list[int]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / max(self.num_draft_tokens, 1)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification: the accepted drafts and the one sampled after them."""
+        return 1.0 + self.num_accepted_tokens / max(self.num_drafts, 1)
 
 
 class NgramProposer:
@@ -135,3 +157,11 @@ class SpecDecoding:
         metrics = request.group.metrics
         metrics.spec_num_draft_tokens += num_drafts
         metrics.spec_num_accepted_tokens += num_accepted
+
+    def stats(self) -> SpecDecodingStats:
+        return SpecDecodingStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.num_accepted_tokens_per_pos),
+        )

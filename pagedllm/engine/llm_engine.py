@@ -47,6 +47,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.core.request import BeamSearchState, PendingHypothesis, Request, RequestState, RequestStatus
 from pagedllm.core.scheduler import PreemptionMode, SampledRequests, Scheduler
+from pagedllm.core.spec_decode import SpecDecodingStats
 from pagedllm.core.stop_conditions import stop_status
 from pagedllm.detokenizer import init_detokenizer_state
 from pagedllm.engine.arg_utils import EngineArgs
@@ -111,6 +112,8 @@ class EngineStats:
     num_generation_tokens: int
     # Prompt tokens found in the prefix cache, over prompt tokens looked up (0 when it is off).
     prefix_cache_hit_rate: float
+    # Speculative decoding's counters (None without it).
+    spec_decoding: SpecDecodingStats | None = None
 
     @property
     def gpu_cache_usage(self) -> float:
@@ -480,6 +483,7 @@ class LLMEngine:
             num_prefill_tokens=scheduler.num_prefill_tokens,
             num_generation_tokens=scheduler.num_generation_tokens,
             prefix_cache_hit_rate=kv.get_prefix_cache_hit_rate(),
+            spec_decoding=None if scheduler.spec_decoding is None else scheduler.spec_decoding.stats(),
         )
 
 

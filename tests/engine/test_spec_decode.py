@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import itertools
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.metrics import EngineCollector
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -229,6 +231,18 @@ def test_acceptance_is_counted_per_request_and_engine_wide(tiny_llama):
     for o in outputs:
         rate = o.metrics.spec_acceptance_rate
         assert rate is None or 0.0 <= rate <= 1.0
+    # /metrics: vLLM's counter names, per position too.
+    engine = SimpleNamespace(stats=llm.llm_engine.get_stats(), num_aborted_requests=0, num_failed_requests=0)
+    samples = {
+        (s.name, s.labels.get("position")): s.value
+        for family in EngineCollector(engine, "tiny").collect()
+        for s in family.samples
+    }
+    assert samples["pagedllm:spec_decode_num_draft_tokens_total", None] == spec.num_draft_tokens
+    assert samples["pagedllm:spec_decode_num_accepted_tokens_total", None] == spec.num_accepted_tokens
+    assert samples["pagedllm:spec_decode_num_drafts_total", None] == spec.num_drafts
+    for position, value in enumerate(per_pos):
+        assert samples["pagedllm:spec_decode_num_accepted_tokens_per_pos_total", str(position)] == value
 
 
 @pytest.mark.parametrize(
