@@ -145,7 +145,12 @@ class SpecDecoding:
         if num <= 0:
             return []
         tokens = np.asarray(request.prompt_token_ids + request.output_token_ids, dtype=np.int64)
-        return self.proposer.propose(tokens, num)
+        drafts = self.proposer.propose(tokens, num)
+        if self.config.synthetic_acceptance_rate is not None:
+            # Benchmarks: always k drafts, so that the cost of verifying them is measured
+            # whatever the (dummy) weights generate; which tokens they are does not matter.
+            drafts += [int(tokens[-1])] * (num - len(drafts))
+        return drafts
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Count one verification: per user request (``RequestMetrics``) and engine-wide."""

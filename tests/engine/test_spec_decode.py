@@ -399,3 +399,23 @@ def test_sampled_outputs_follow_the_target_distribution_with_and_without_ngram(t
             # Both acceptance and rejection happened, at the draft positions under test.
             assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
             assert spec.num_accepted_tokens_per_pos[1] > 0
+
+
+def test_synthetic_acceptance_drafts_every_step_and_accepts_at_its_rate(tiny_llama):
+    """Benchmarks only (``bench latency --synthetic-acceptance-rate``): drafts every step, even on
+    random prompts, accepted at the given rate whatever the model says."""
+    _, model_config = tiny_llama
+    prompts = mixed_prompts(6, model_config.vocab_size, seed=6)[1::2]  # the random ones
+    params = SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True)
+    for rate in (1.0, 0.0):
+        config = {"method": "ngram", "num_speculative_tokens": 3, "synthetic_acceptance_rate": rate}
+        llm = make_llm(model_config, block_size=4, speculative_config=config)
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 13 for o in outputs)
+        spec = llm.llm_engine.scheduler.spec_decoding
+        # After the first token every step drafts min(3, 13 - outputs - 1): accepting all, 3 steps
+        # of 3 drafts (outputs 1, 5, 9); accepting none, 9 steps of 3 (outputs 1-9), then 2, 1, 0.
+        per_request = 9 if rate == 1.0 else 30
+        assert spec.num_draft_tokens == per_request * len(prompts)
+        assert spec.num_accepted_tokens == (spec.num_draft_tokens if rate == 1.0 else 0)
+        assert_all_blocks_free(llm)
