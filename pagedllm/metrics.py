@@ -187,3 +187,14 @@ class StatsLogger:
             stats.num_swapped,
             100 * stats.gpu_cache_usage,
         )
+        spec, last_spec = stats.spec_decoding, last.spec_decoding
+        if spec is not None and last_spec is not None and spec.num_drafts > last_spec.num_drafts:
+            num_drafts = spec.num_drafts - last_spec.num_drafts
+            num_draft_tokens = spec.num_draft_tokens - last_spec.num_draft_tokens
+            num_accepted = spec.num_accepted_tokens - last_spec.num_accepted_tokens
+            logger.info(
+                "speculative decoding: acceptance rate %.1f%%, mean acceptance length %.2f, drafts %d",
+                100 * num_accepted / max(num_draft_tokens, 1),
+                1 + num_accepted / num_drafts,
+                num_drafts,
+            )

@@ -4,7 +4,9 @@ target's exact distribution; bad configurations are refused before anything is l
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import random
 from types import SimpleNamespace
 
@@ -13,7 +15,8 @@ import torch
 from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.metrics import EngineCollector
+from pagedllm.core.spec_decode import SpecDecodingStats
+from pagedllm.metrics import EngineCollector, StatsLogger
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -211,7 +214,7 @@ def test_lengths_stop_tokens_min_tokens_and_logprobs_hold_with_ngram(tiny_llama)
     assert_all_blocks_free(spec)
 
 
-def test_acceptance_is_counted_per_request_and_engine_wide(tiny_llama):
+def test_acceptance_is_counted_per_request_and_engine_wide(tiny_llama, caplog):
     _, model_config = tiny_llama
     prompts = mixed_prompts(6, model_config.vocab_size, seed=5)
     llm = make_llm(model_config, block_size=4, speculative_config=NGRAM)
@@ -243,6 +246,17 @@ def test_acceptance_is_counted_per_request_and_engine_wide(tiny_llama):
     assert samples["pagedllm:spec_decode_num_drafts_total", None] == spec.num_drafts
     for position, value in enumerate(per_pos):
         assert samples["pagedllm:spec_decode_num_accepted_tokens_per_pos_total", str(position)] == value
+    # The periodic stats line says the acceptance since the last one.
+    stats = engine.stats
+    before = dataclasses.replace(
+        stats, num_generation_tokens=0, spec_decoding=SpecDecodingStats(0, 0, 0, [0] * 4)
+    )
+    stats_logger = StatsLogger(interval=0.0)
+    with caplog.at_level(logging.INFO, logger="pagedllm.metrics"):
+        stats_logger.log(before)
+        stats_logger.log(stats)
+    rate = 100 * spec.num_accepted_tokens / spec.num_draft_tokens
+    assert f"acceptance rate {rate:.1f}%" in caplog.text
 
 
 @pytest.mark.parametrize(
