@@ -4,8 +4,10 @@ target's exact distribution; bad configurations are refused before anything is l
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
+import json
 import logging
 import random
 from types import SimpleNamespace
@@ -15,7 +17,9 @@ import torch
 from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.config import SpeculativeConfig
 from pagedllm.core.spec_decode import SpecDecodingStats
+from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.metrics import EngineCollector, StatsLogger
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -433,3 +437,16 @@ def test_synthetic_acceptance_drafts_every_step_and_accepts_at_its_rate(tiny_lla
         assert spec.num_draft_tokens == per_request * len(prompts)
         assert spec.num_accepted_tokens == (spec.num_draft_tokens if rate == 1.0 else 0)
         assert_all_blocks_free(llm)
+
+
+def test_the_command_line_takes_the_config_as_json(tiny_llama):
+    _, model_config = tiny_llama
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = parser.parse_args(
+        ["--model", model_config.model, "--device", "cpu", "--speculative-config", json.dumps(NGRAM)]
+    )
+    config = EngineArgs.from_cli_args(args).create_engine_config()
+    assert config.speculative_config == SpeculativeConfig(
+        num_speculative_tokens=4, prompt_lookup_max=3, prompt_lookup_min=1
+    )
+    assert not config.async_scheduling
