@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 from pagedllm.outputs import RequestOutput
 
 if TYPE_CHECKING:
+    from pagedllm.core.spec_decode import SpecDecodingStats
     from pagedllm.engine.async_engine import AsyncLLMEngine
     from pagedllm.engine.stats import EngineStats
 
@@ -133,6 +134,29 @@ class EngineCollector(Collector):
             family = CounterMetricFamily(PREFIX + name, documentation, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+        if stats.spec_decoding is not None:
+            yield from self._spec_decoding(stats.spec_decoding)
+
+    def _spec_decoding(self, spec: SpecDecodingStats) -> Iterator[CounterMetricFamily]:
+        """vLLM's speculative decoding counters; acceptance rate = accepted / draft tokens, mean
+        acceptance length = 1 + accepted / drafts (rates of these, over a window, in PromQL)."""
+        counters = {
+            "spec_decode_num_drafts": ("Verifications of a request's drafts", spec.num_drafts),
+            "spec_decode_num_draft_tokens": ("Draft tokens verified", spec.num_draft_tokens),
+            "spec_decode_num_accepted_tokens": ("Draft tokens accepted", spec.num_accepted_tokens),
+        }
+        for name, (documentation, value) in counters.items():
+            family = CounterMetricFamily(PREFIX + name, documentation, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        family = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each position of the drafts",
+            labels=["model_name", "position"],
+        )
+        for position, value in enumerate(spec.num_accepted_tokens_per_pos):
+            family.add_metric([self.model_name, str(position)], value)
+        yield family
 
 
 class StatsLogger:
@@ -163,3 +187,14 @@ class StatsLogger:
             stats.num_swapped,
             100 * stats.gpu_cache_usage,
         )
+        spec, last_spec = stats.spec_decoding, last.spec_decoding
+        if spec is not None and last_spec is not None and spec.num_drafts > last_spec.num_drafts:
+            num_drafts = spec.num_drafts - last_spec.num_drafts
+            num_draft_tokens = spec.num_draft_tokens - last_spec.num_draft_tokens
+            num_accepted = spec.num_accepted_tokens - last_spec.num_accepted_tokens
+            logger.info(
+                "speculative decoding: acceptance rate %.1f%%, mean acceptance length %.2f, drafts %d",
+                100 * num_accepted / max(num_draft_tokens, 1),
+                1 + num_accepted / num_drafts,
+                num_drafts,
+            )

@@ -74,6 +74,9 @@ class SchedulerOutput:
     # or the request is sent in full). The attention kernels see a token at position p (past
     # them) at cache position p - this; rotary embeddings still see p.
     num_dropped_tokens: dict[int, int] = field(default_factory=dict)
+    # Speculative decoding: req_id -> draft tokens to verify, scheduled after the request's newest
+    # token (they count in num_scheduled_tokens; core/spec_decode.py).
+    scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def has_forward(self) -> bool:
@@ -96,7 +99,7 @@ class PromptLogprobsOutput:
 @dataclass
 class ModelRunnerOutput:
     """The samples of one step, one row per sample drawn (a request repeats on a best_of first
-    sample), in the order of ``req_ids``."""
+    sample, or for each token a verification of drafts emits), in the order of ``req_ids``."""
 
     req_ids: list[int] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
@@ -106,6 +109,9 @@ class ModelRunnerOutput:
     top_tokens: dict[int, tuple[int, list[int], list[float]]] = field(default_factory=dict)
     # req_id -> the prompt logprobs this step scored.
     prompt_logprobs: dict[int, PromptLogprobsOutput] = field(default_factory=dict)
+    # req_id -> drafts accepted, for each request that verified drafts: its rows (consecutive) are
+    # the accepted drafts, then one token sampled from the target after them.
+    num_accepted_tokens: dict[int, int] = field(default_factory=dict)
 
 
 class StepHandle(Protocol):
@@ -169,3 +175,6 @@ class EngineCoreOutputs:
     finished_requests: dict[str, str | None] = field(default_factory=dict)
     # request_id -> when the core first scheduled it, sent with the request's first token.
     first_scheduled: dict[str, float] = field(default_factory=dict)
+    # request_id -> (draft tokens verified, accepted) over its life, sent when it ends (speculative
+    # decoding).
+    spec_decoding: dict[str, tuple[int, int]] = field(default_factory=dict)

@@ -215,21 +215,40 @@ class KVCacheManager:
             num_required += 1
         return num_required
 
-    def try_append_slot(self, request: Request) -> tuple[int, int] | bool:
-        """Room for a decoding request's next token if the cache has it: ``True`` (or the
-        copy-on-write ``(src, dst)`` pair the worker must do first) once done, ``False`` when
-        there are not enough free blocks (nothing is changed then).
+    def try_append_slot(self, request: Request, num_new_tokens: int = 1) -> tuple[int, int] | bool:
+        """Room for a decoding request's next token (and, with speculative decoding, the drafts
+        after it: ``num_new_tokens`` in all) if the cache has it: ``True`` (or the copy-on-write
+        ``(src, dst)`` pair the worker must do first) once done, ``False`` when there are not
+        enough free blocks (nothing is changed then).
 
-        The common case, a token that lands in a private block the request already holds, is
-        answered without touching the allocator.
+        The common case, tokens that land in a private block the request already holds, is
+        answered without touching the allocator. (Only the first block written can be shared: a
+        fork shares its parent's table, which ends at the block of the parent's newest token.)
         """
         table = self._tables[request.req_id]
         index = request.num_computed_tokens // self.block_size - self._num_dropped[request.req_id]
-        if index < len(table) and table[index].ref_count == 1:
+        last = (request.num_computed_tokens + num_new_tokens - 1) // self.block_size - self._num_dropped[
+            request.req_id
+        ]
+        if last < len(table) and table[index].ref_count == 1:
             return True
-        if self.num_blocks_to_grow(request, 1) > self.gpu_allocator.get_num_free_blocks():
+        if self.num_blocks_to_grow(request, num_new_tokens) > self.gpu_allocator.get_num_free_blocks():
             return False
-        return self.append_slots(request) or True
+        return self.append_slots(request, num_new_tokens) or True
+
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past its first ``num_tokens`` tokens: those that held only
+        drafts the verification rejected (their slots are written again by later steps). The
+        workers keep the stale entries, which nothing reads until an append resends them."""
+        req_id = request.req_id
+        table = self._tables[req_id]
+        num_kept = self._num_blocks_for(num_tokens) - self._num_dropped[req_id]
+        if num_kept >= len(table):
+            return
+        allocator = self.gpu_allocator if table[-1].device == Device.DEVICE else self.cpu_allocator
+        for block in reversed(table[num_kept:]):
+            allocator.free(block)
+        del table[num_kept:], self._block_ids[req_id][num_kept:]
 
     def append_slots(self, request: Request, num_new_tokens: int = 1) -> tuple[int, int] | None:
         """Make room for the request's next ``num_new_tokens`` tokens.

@@ -89,6 +89,16 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding, over the request's sequences: drafted tokens verified, and accepted.
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted drafts over verified drafts (None before any was verified)."""
+        if not self.spec_num_draft_tokens:
+            return None
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens
 
     @property
     def time_in_queue(self) -> float | None:
@@ -130,6 +140,9 @@ class RequestGroup:
         )
         beam = num_candidates(params.best_of, len(self.eos_token_ids)) if params.use_beam_search else 0
         self.num_top_tokens = max(params.logprobs or 0, beam)
+        # What the core counts of it (speculative decoding's drafts), sent to the frontend's
+        # RequestMetrics when it ends.
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
 
     @property
     def max_running_seqs(self) -> int:

@@ -47,12 +47,13 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pagedllm.config import SchedulerConfig
+from pagedllm.config import SchedulerConfig, SpeculativeConfig
 from pagedllm.core.fanout import FanOut
 from pagedllm.core.isolation import IsolationPolicy, suspects_of
 from pagedllm.core.kv_cache_manager import AllocStatus, KVCacheManager
 from pagedllm.core.request import Request, RequestStatus, new_request_data
 from pagedllm.core.request_queues import PreemptionMode, RequestQueues
+from pagedllm.core.spec_decode import SpecDecoding
 from pagedllm.core.stop_conditions import ends_with_samples_in_flight, stop_reason, stop_status
 from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
 
@@ -97,6 +98,8 @@ class Scheduler:
         sliding_window, num_sink_tokens: the window every layer attends through (None: some layer
             is global) and the attention sinks kept beside it; blocks behind the window are freed
             and, with sinks, a request's length is not bounded by max_model_len.
+        speculative_config: draft tokens for decoding requests, verified by the same step
+            (core/spec_decode.py); None: one token per decoding request and step.
     """
 
     def __init__(
@@ -108,6 +111,7 @@ class Scheduler:
         enable_prefix_caching: bool = False,
         sliding_window: int | None = None,
         num_sink_tokens: int = 0,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.config = scheduler_config
         self.kv_cache_manager = KVCacheManager(
@@ -120,6 +124,9 @@ class Scheduler:
             max_blocks_per_request=-(-scheduler_config.max_model_len // block_size),
         )
         self.max_context_len = None if num_sink_tokens else scheduler_config.max_model_len
+        self.spec_decoding = (
+            None if speculative_config is None else SpecDecoding(speculative_config, self.max_context_len)
+        )
         self._req_ids = itertools.count()
         # Which requests may run while the suspects of failed steps are tested.
         self.isolation = IsolationPolicy()
@@ -188,13 +195,16 @@ class Scheduler:
         budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         budget.num_seqs = sum(group.max_running_seqs for group in {r.group for r in queues.running})
         scheduled: list[Request] = []
-        decodes, prefills = self._schedule_running(out, budget)
+        drafts: dict[int, list[int]] = {}
+        decodes, prefills = self._schedule_running(out, budget, drafts)
         # A decode is one token: those within the budget run (the rest keep their new slot).
         del decodes[max(budget.remaining_tokens, 0) :]
         num_scheduled_tokens = out.num_scheduled_tokens
         for request in decodes:
             num_scheduled_tokens[request.req_id] = 1
         budget.num_batched_tokens += len(decodes)
+        if drafts:
+            self._schedule_drafts(decodes, drafts, budget, out)
         scheduled += decodes
         for request in prefills:
             if not self._schedule_tokens(request, budget, out, scheduled):
@@ -212,9 +222,13 @@ class Scheduler:
         self._describe(scheduled, out)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: _Budget) -> tuple[list[Request], list[Request]]:
+    def _schedule_running(
+        self, out: SchedulerOutput, budget: _Budget, drafts: dict[int, list[int]]
+    ) -> tuple[list[Request], list[Request]]:
         """Reserve slots for decoding requests, preempting from the lowest priority up. Only the
-        requests the isolation policy admits are considered, and the others are preempted first."""
+        requests the isolation policy admits are considered, and the others are preempted first.
+        With speculative decoding a decoding request's drafts go into ``drafts`` and get slots
+        too, when the cache has them without preempting anyone."""
         running = self.queues.sorted_running()
         isolation = self.isolation
         queue = deque(filter(isolation.admits, running) if isolation.active else running)
@@ -223,6 +237,9 @@ class Scheduler:
         kv = self.kv_cache_manager
         windowed = kv.sliding_window is not None
         max_context_len = self.max_context_len
+        spec = self.spec_decoding
+        if spec is not None and not spec.is_enabled_for(len(queue)):
+            spec = None
         while queue:
             request = queue.popleft()
             if request.status != RequestStatus.RUNNING:
@@ -237,8 +254,16 @@ class Scheduler:
             if num_new_tokens > 1 or not (request.output_token_ids or request.num_output_placeholders):
                 prefills.append(request)  # its blocks were allocated at admission
                 continue
+            request_drafts = spec.propose(request) if spec is not None else None
             while True:
-                appended = kv.try_append_slot(request)
+                if request_drafts:
+                    appended = kv.try_append_slot(request, 1 + len(request_drafts))
+                    if appended is False:
+                        request_drafts = None  # the drafts do not fit: the token alone may
+                        continue
+                    drafts[request.req_id] = request_drafts
+                else:
+                    appended = kv.try_append_slot(request)
                 if appended is not False:
                     if appended is not True:
                         out.blocks_to_copy.append(appended)
@@ -255,6 +280,26 @@ class Scheduler:
                 if victim is request or request.status != RequestStatus.RUNNING:
                     break
         return decodes, prefills
+
+    def _schedule_drafts(
+        self, decodes: list[Request], drafts: dict[int, list[int]], budget: _Budget, out: SchedulerOutput
+    ) -> None:
+        """Schedule the drafts of the step's decodes after their own tokens, in priority order, as
+        far as the token budget goes (cut drafts give back the blocks only they needed)."""
+        kv = self.kv_cache_manager
+        num_scheduled_tokens = out.num_scheduled_tokens
+        for request in decodes:
+            request_drafts = drafts.get(request.req_id)
+            if not request_drafts:
+                continue
+            del request_drafts[max(budget.remaining_tokens, 0) :]
+            num_drafts = len(request_drafts)
+            kv.free_tail(request, request.num_computed_tokens + 1 + num_drafts)
+            if not num_drafts:
+                continue
+            out.scheduled_spec_decode_tokens[request.req_id] = request_drafts
+            num_scheduled_tokens[request.req_id] += num_drafts
+            budget.num_batched_tokens += num_drafts
 
     def _schedule_swapped(self, budget: _Budget, out: SchedulerOutput, scheduled: list[Request]) -> None:
         kv = self.kv_cache_manager
@@ -370,12 +415,15 @@ class Scheduler:
             num_new_tokens = num_scheduled_tokens[req_id]
             num_computed_tokens = request.num_computed_tokens
             num_prompt_tokens = len(request.prompt_token_ids)
-            if num_new_tokens > 1 or num_computed_tokens < num_prompt_tokens:
+            if num_computed_tokens < num_prompt_tokens or (
+                num_new_tokens > 1 and req_id not in out.scheduled_spec_decode_tokens
+            ):
                 self.num_prefill_tokens += num_new_tokens
             num_computed_tokens += num_new_tokens
             request.num_computed_tokens = num_computed_tokens
             num_known_tokens = num_prompt_tokens + len(request.output_token_ids)
-            if num_computed_tokens == num_known_tokens + request.num_output_placeholders:
+            # Past the end only by drafts, which update_from_output takes back when rejected.
+            if num_computed_tokens >= num_known_tokens + request.num_output_placeholders:
                 request.num_output_placeholders += 1
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = now
@@ -403,6 +451,7 @@ class Scheduler:
         max_context_len = self.max_context_len
         num_rows = len(req_ids)
         appended = result.appended
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         row = 0
         while row < num_rows:
             request = requests.get(req_ids[row])
@@ -411,6 +460,9 @@ class Scheduler:
                 continue
             request.num_output_placeholders -= 1
             self.num_generation_tokens += 1
+            if spec_tokens and request.req_id in spec_tokens:
+                row = self._append_verified(request, spec_tokens[request.req_id], row, output, appended)
+                continue
             if request.needs_host_between_steps:
                 if request.sampling_params.use_beam_search:
                     result.beams.append((request, row))
@@ -431,6 +483,35 @@ class Scheduler:
                 row += 1
         self.isolation.sampled(req_ids)
         return result
+
+    def _append_verified(
+        self,
+        request: Request,
+        drafts: list[int],
+        row: int,
+        output: ModelRunnerOutput,
+        appended: list[tuple[Request, int]],
+    ) -> int:
+        """Apply a verification of ``drafts``: its rows from ``row`` on are the accepted drafts and
+        one token more. Take back the rejected drafts' progress and the blocks only they used,
+        then append the tokens up to the first that stops the request. Returns the next row."""
+        assert self.spec_decoding is not None
+        num_accepted = output.num_accepted_tokens[request.req_id]
+        self.spec_decoding.record(request, len(drafts), num_accepted)
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        token_ids, logprobs = output.sampled_token_ids, output.logprobs
+        end = row + num_accepted + 1
+        self.num_generation_tokens += num_accepted  # the loop counted the first
+        for index in range(row, end):
+            token_id = token_ids[index]
+            request.append_output_token(token_id, logprobs[index])
+            appended.append((request, index))
+            status = stop_status(request, token_id, len(request.output_token_ids), self.max_context_len)
+            if status is not None:
+                self._stop(request, token_id, status)  # the tokens after it are dropped
+                return end
+        self.kv_cache_manager.free_tail(request, request.num_tokens)
+        return end
 
     def _stop(self, request: Request, token_id: int, status: RequestStatus) -> None:
         """End a request its newest token stopped."""

@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import glob
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,6 +25,7 @@ from pagedllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     derive_max_model_len,
     resolve_device,
     resolve_dtype,
@@ -147,6 +149,14 @@ class EngineArgs:
             "off on the CPU)"
         },
     )
+    speculative_config: dict | str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "speculative decoding, vLLM's keys as a dict (a JSON object on the command line), "
+            'e.g. \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}\' '
+            "(docs/spec_decode.md)"
+        },
+    )
     quantization: str = dataclasses.field(
         default="auto",
         metadata={
@@ -158,6 +168,7 @@ class EngineArgs:
     )
 
     def create_engine_config(self) -> EngineConfig:
+        speculative_config = self._speculative_config()  # refused before anything is read
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend
@@ -213,10 +224,24 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             compile_cpu_decode=self.cpu_compile and device.type == "cpu" and self.tensor_parallel_size == 1,
-            async_scheduling=device.type == "cuda"
+            async_scheduling=device.type == "cuda" and speculative_config is None
             if self.async_scheduling is None
             else self.async_scheduling,
+            speculative_config=speculative_config,
         )
+
+    def _speculative_config(self) -> SpeculativeConfig | None:
+        config = self.speculative_config
+        if config is None:
+            return None
+        if isinstance(config, str):
+            try:
+                config = json.loads(config)
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"speculative_config must be a JSON object, got {config!r}: {error}"
+                ) from None
+        return SpeculativeConfig.from_dict(config)
 
     def _set_attention_window(self, model_config: ModelConfig, model_class: type) -> None:
         """Hand the engine's window and sinks to the model through its config, after checking

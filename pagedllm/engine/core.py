@@ -135,6 +135,7 @@ class EngineCore:
             enable_prefix_caching=config.cache_config.enable_prefix_caching,
             sliding_window=self.executor.get_kv_cache_spec().sliding_window,
             num_sink_tokens=config.model_config.attention_sinks,
+            speculative_config=config.speculative_config,
         )
         self.async_scheduling = config.async_scheduling
         # Live requests, by the caller's id.
@@ -280,23 +281,28 @@ class EngineCore:
         sampled = self.scheduler.update_from_output(scheduler_output, runner_output)
         top_tokens = runner_output.top_tokens
         logprobs = runner_output.logprobs
+        token_ids = runner_output.sampled_token_ids
         outputs = out.outputs
         ended: list[_LiveRequest] = []
-        for request, row in sampled.appended:
+        # One entry per appended token, in order: a step that verified drafts appends several to a
+        # request, in consecutive entries, and only the last of them may have ended it.
+        appended = sampled.appended
+        for i, (request, row) in enumerate(appended):
             group = request.group
             new_logprobs = None
             if group.sampling_params.logprobs is not None:
                 rank, top_ids, top_logprobs = top_tokens[row]
                 new_logprobs = [(logprobs[row], rank, top_ids, top_logprobs)]
+            last = i + 1 == len(appended) or appended[i + 1][0] is not request
             outputs.append(
                 EngineCoreOutput(
                     group.request_id,
                     request.output_index,
-                    request.output_token_ids[-1:],
+                    [token_ids[row]],
                     new_logprobs,
                     request.cumulative_logprob,
-                    FINISH_REASONS.get(request.status),
-                    request.stop_reason,
+                    FINISH_REASONS.get(request.status) if last else None,
+                    request.stop_reason if last else None,
                 )
             )
             if request.output_index == 0 and len(request.output_token_ids) == 1:  # its first token
@@ -399,6 +405,12 @@ class EngineCore:
         request_id = live.group.request_id
         if self.requests.pop(request_id, None) is not None:
             out.finished_requests[request_id] = live.error
+            metrics = live.group.metrics
+            if metrics.spec_num_draft_tokens:
+                out.spec_decoding[request_id] = (
+                    metrics.spec_num_draft_tokens,
+                    metrics.spec_num_accepted_tokens,
+                )
 
     def check_health(self) -> None:
         """Raise ExecutorDeadError when a worker is gone or the core gave up."""
@@ -428,6 +440,7 @@ class EngineCore:
             num_prefill_tokens=scheduler.num_prefill_tokens,
             num_generation_tokens=scheduler.num_generation_tokens,
             prefix_cache_hit_rate=kv.get_prefix_cache_hit_rate(),
+            spec_decoding=None if scheduler.spec_decoding is None else scheduler.spec_decoding.stats(),
         )
 
 

@@ -143,6 +143,11 @@ class OutputProcessor:
                 stopped.append((request_id, output.index))
                 stopped_requests.add(request_id)
                 touched[request_id] = state
+        for request_id, (num_drafts, num_accepted) in core_outputs.spec_decoding.items():
+            state = requests.get(request_id)
+            if state is not None:
+                state.metrics.spec_num_draft_tokens = num_drafts
+                state.metrics.spec_num_accepted_tokens = num_accepted
         for request_id, error in core_outputs.finished_requests.items():
             state = requests.get(request_id)
             if state is not None:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pagedllm.core.spec_decode import SpecDecodingStats
 
 
 @dataclass
@@ -24,6 +28,8 @@ class EngineStats:
     num_generation_tokens: int
     # Prompt tokens found in the prefix cache, over prompt tokens looked up (0 when it is off).
     prefix_cache_hit_rate: float
+    # Speculative decoding's counters (None without it).
+    spec_decoding: SpecDecodingStats | None = None
 
     @property
     def gpu_cache_usage(self) -> float:

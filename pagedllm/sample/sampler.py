@@ -149,6 +149,22 @@ class Sampler(nn.Module):
         return output
 
 
+def sampling_distribution(
+    logits: torch.Tensor, metadata: SamplingMetadata
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What the sampler draws each row from, made explicit (speculative decoding's rejection
+    sampler needs the probabilities themselves): the argmax that greedy rows take, [num_rows]
+    int64, and the probabilities sampled rows draw from, [num_rows, vocab] float32, or None when
+    every row is greedy. Penalties, min_tokens bans, temperature, top-k, top-p and min-p as the
+    sampler applies them; ``logits`` may be edited in place (bans), as the sampler may."""
+    x = _penalised(logits, metadata)
+    argmax = x.argmax(dim=-1)
+    if metadata.all_greedy:
+        return argmax, None
+    x, inv_temperature = _truncate(x, metadata)
+    return argmax, torch.softmax(x * inv_temperature[:, None], dim=-1)
+
+
 def _penalised(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """What is sampled from: the logits with penalties, and min_tokens bans written in place (into
     the logits themselves when no row has a penalty: read what the logprobs need first)."""

@@ -208,8 +208,12 @@ class InputBatch:
 
     # --- sampling -------------------------------------------------------------------------
 
-    def sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
-        """Parameters of the sampled rows (a request's row repeated for each of its samples)."""
+    def sampling_metadata(
+        self, rows: np.ndarray, output_offsets: np.ndarray | None = None
+    ) -> SamplingMetadata:
+        """Parameters of the sampled rows (a request's row repeated for each of its samples, or
+        for each position it verifies). output_offsets: [len(rows)] outputs each row has beyond
+        its request's (a verified position: the drafts before it), for min_tokens."""
         device = self.device
         greedy = self.greedy[rows]
         all_greedy = bool(greedy.all())
@@ -237,7 +241,7 @@ class InputBatch:
             metadata.output_counts = self.output_counts.index_select(0, index)
             if (self.float_params[_REPETITION, rows] != 1.0).any():
                 metadata.prompt_mask = self.prompt_mask.index_select(0, index)
-        self._min_tokens_bans(rows, metadata)
+        self._min_tokens_bans(rows, metadata, output_offsets)
         top = self.num_top_tokens[rows]
         metadata.max_num_top_tokens = int(top.max()) if self.wants_logprobs[rows].any() else 0
         if metadata.max_num_top_tokens == 0 and self.wants_logprobs[rows].any():
@@ -253,8 +257,13 @@ class InputBatch:
             metadata.beam = to_device(beam, device)
         return metadata
 
-    def _min_tokens_bans(self, rows: np.ndarray, metadata: SamplingMetadata) -> None:
-        under = np.flatnonzero(self.num_output_tokens[rows] < self.min_tokens[rows])
+    def _min_tokens_bans(
+        self, rows: np.ndarray, metadata: SamplingMetadata, output_offsets: np.ndarray | None
+    ) -> None:
+        num_outputs = self.num_output_tokens[rows]
+        if output_offsets is not None:
+            num_outputs = num_outputs + output_offsets
+        under = np.flatnonzero(num_outputs < self.min_tokens[rows])
         if not len(under):
             return
         ban_rows: list[int] = []
@@ -310,3 +319,25 @@ class InputBatch:
         if self.output_counts is not None and self.has_penalty[rows].any():
             ones = torch.ones_like(tokens, dtype=self.output_counts.dtype)
             self.output_counts.index_put_((index, tokens), ones, accumulate=True)
+
+    def record_verified(self, rows: np.ndarray, token_ids: list[list[int]]) -> None:
+        """After a verification of drafts (speculative decoding): each request's emitted tokens
+        (its accepted drafts and the token after them, on the host: the verification waited for
+        them) extend its row; the last becomes its next decode input and all count for penalties.
+        (The output history constraints read is not extended: requests whose constraints read it,
+        bad words and grammars, get no drafts.)
+
+        rows: [num_reqs] the requests' rows; token_ids: each one's emitted tokens, in order.
+        """
+        counts = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
+        self.num_output_tokens[rows] += counts
+        self.num_tokens[rows] += counts
+        index = to_device(rows, self.device)
+        self.last_token_ids.index_copy_(
+            0, index, to_device([t[-1] for t in token_ids], self.device, torch.int64)
+        )
+        if self.output_counts is not None and self.has_penalty[rows].any():
+            flat = to_device([t for tokens in token_ids for t in tokens], self.device, torch.int64)
+            flat_rows = to_device(np.repeat(rows, counts), self.device)
+            ones = torch.ones(len(flat), dtype=self.output_counts.dtype, device=self.device)
+            self.output_counts.index_put_((flat_rows, flat), ones, accumulate=True)

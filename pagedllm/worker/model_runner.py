@@ -23,6 +23,7 @@ from pagedllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import InputBuffers, to_device
 from pagedllm.worker.request_logits import RequestLogitsProcessors
+from pagedllm.worker.spec_decode import DraftVerifier, VerifiedSamples
 from pagedllm.worker.step_inputs import ModelInput, plan_step, stage_model_input
 
 
@@ -37,8 +38,11 @@ class StepOutput:
         prompt_logprobs: list[tuple[int, int, list[int], torch.Tensor, tuple]],
         device: torch.device,
         num_top_tokens: list[int] | None = None,
+        verified: VerifiedSamples | None = None,
     ) -> None:
         self._model_input = model_input
+        # Tokens emitted by a verification of drafts, on the host already; rows after the others.
+        self._verified = verified
         self._top_rows = top_rows
         # Per top row, how many top tokens its request asked for.
         self._num_top_tokens = num_top_tokens or []
@@ -96,6 +100,8 @@ class StepOutput:
                 [ids[:k] for ids in top_ids.tolist()],
                 [values[:k] for values in top_values.tolist()],
             )
+        if self._verified is not None:
+            self._verified.append_to(output)
         return output
 
 
@@ -133,6 +139,12 @@ class ModelRunner:
         )
         self.graph_runner: CudaGraphRunner | None = None
         self.compiled_decode: CompiledDecode | None = None
+        spec_config = config.speculative_config
+        self.verifier = (
+            None
+            if spec_config is None
+            else DraftVerifier(self.input_batch, spec_config.synthetic_acceptance_rate)
+        )
 
     def load_model(self) -> None:
         from pagedllm.model_loader import get_model
@@ -191,7 +203,13 @@ class ModelRunner:
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInput:
         """The step's flattened batch, decodes first, in the input buffers (worker/step_inputs.py)."""
         num_scheduled = scheduler_output.num_scheduled_tokens
-        plan = plan_step(self.input_batch, num_scheduled, self.block_size, self.graph_runner)
+        plan = plan_step(
+            self.input_batch,
+            num_scheduled,
+            self.block_size,
+            self.graph_runner,
+            scheduler_output.scheduled_spec_decode_tokens,
+        )
         return stage_model_input(plan, self.input_batch, self.buffers, self.block_size)
 
     @torch.inference_mode()
@@ -234,9 +252,16 @@ class ModelRunner:
             batch.record_samples(model_input.sampling_req_rows, first, sampled.token_ids)
             if metadata.max_num_top_tokens:
                 top_rows = np.flatnonzero(batch.wants_logprobs[model_input.sample_rows]).tolist()
-        prompt_logprobs = self._score_prompts(logits[num_sample_rows:], model_input)
+        num_scored_rows = num_sample_rows + model_input.num_verify_rows
+        verified = None
+        if model_input.verify is not None:
+            assert self.verifier is not None, "drafts sent to a runner without speculative_config"
+            verified = self.verifier(logits[num_sample_rows:num_scored_rows], model_input.verify)
+        prompt_logprobs = self._score_prompts(logits[num_scored_rows:], model_input)
         num_top_tokens = batch.num_top_tokens[model_input.sample_rows[top_rows]].tolist() if top_rows else []
-        step = StepOutput(model_input, sampled, top_rows, prompt_logprobs, self.device, num_top_tokens)
+        step = StepOutput(
+            model_input, sampled, top_rows, prompt_logprobs, self.device, num_top_tokens, verified
+        )
         if num_sample_rows:
             self.logits_processors.after_launch(step)
         return step

@@ -14,9 +14,11 @@ function of per-request arrays, tested on its own (tests/worker/test_step_inputs
   positions (position - num_dropped) while the rotary embedding takes the positions themselves;
 - ``host_input_ids``: the tokens the host has; a decoding request's newest sample was drawn on the
   device and never came back, so its input is read from ``InputBatch.last_token_ids`` there;
-- ``sample_rows``, ``prompt_logprob_rows``: which hidden-state rows the step scores
-  (``logits_indices``): the last token of each request that reaches its end (a best_of request's
-  first samples repeat its row), then each prompt token a request asked logprobs for;
+- ``sample_rows``, ``verify_rows``, ``prompt_logprob_rows``: which hidden-state rows the step
+  scores (``logits_indices``): the last token of each request that reaches its end (a best_of
+  request's first samples repeat its row), then every row of a request verifying drafts
+  (speculative decoding: its newest token and each draft, whose logits score the draft after it),
+  then each prompt token a request asked logprobs for;
 - ``graph_padding``: a step of decodes only is padded to the next captured graph's batch size.
 
 ``stage_model_input`` then writes the plan into ``InputBuffers``: on a GPU each array costs one
@@ -55,10 +57,16 @@ class ModelInput:
     sample_rows: np.ndarray
     sampling_req_rows: np.ndarray
     first_sample_index: np.ndarray
-    # Prompt logprobs: (req_id, first position, target token ids), rows after the sample rows.
+    # Prompt logprobs: (req_id, first position, target token ids), rows after the verify rows.
     prompt_logprob_requests: list[tuple[int, int, list[int]]] = field(default_factory=list)
     # Set when the step replays a captured CUDA graph (all decodes): the real batch size.
     graph_num_seqs: int | None = None
+    # Requests verifying drafts, whose rows follow the sample rows; None when there are none.
+    verify: VerifyRows | None = None
+
+    @property
+    def num_verify_rows(self) -> int:
+        return 0 if self.verify is None else len(self.verify.logits_indices)
 
 
 @dataclass
@@ -69,6 +77,19 @@ class SampleRows:
     sample_rows: np.ndarray  # [num_sample_rows] batch row of each sample row
     first_sample_index: np.ndarray  # [num_sampling_reqs] its first sample row's index
     logits_indices: np.ndarray  # [num_sample_rows] hidden-state row (token index) of each sample
+
+
+@dataclass
+class VerifyRows:
+    """The requests verifying drafts in a step, in batch order: each one's last ``k + 1`` tokens
+    (its newest token, then its ``k`` drafts) are scored, and the logits of token j judge draft j
+    (the last row gives the token after every draft)."""
+
+    req_ids: list[int]
+    rows: np.ndarray  # [num_verify_reqs] batch row of each
+    num_drafts: np.ndarray  # [num_verify_reqs] int64: k of each
+    draft_token_ids: np.ndarray  # [num_verify_reqs, max k] int64, -1 past a request's drafts
+    logits_indices: np.ndarray  # [sum(k + 1)] int64 hidden-state rows, request by request
 
 
 @dataclass
@@ -91,6 +112,7 @@ class StepPlan:
     sample_req_ids: list[int]
     prompt_logprob_requests: list[tuple[int, int, list[int]]]
     pad_to: int  # rows of the captured graph's batch size the step replays, 0 when eager
+    verify: VerifyRows | None = None
 
 
 # --- the pieces: pure functions of per-request arrays ------------------------------------------
@@ -153,15 +175,20 @@ def host_input_ids(
     starts: np.ndarray,
     num_host_tokens: np.ndarray,
     query_start_loc: np.ndarray,
+    num_drafts: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """host_token_ids: per batch row, the tokens the host sent; num_host_tokens: [num_reqs] how
     many. Returns input_ids [num_tokens] int64, each request's scheduled tokens where the host
     has them; and for each request whose input the host lacks (a decode of the worker's own last
-    sample, left 0 in input_ids), its token's index and its batch row, where the device reads it."""
+    sample, left 0 in input_ids), its token's index and its batch row, where the device reads it.
+    num_drafts: [num_reqs] drafts scheduled last in each request's tokens (``place_drafts``
+    writes them), or None."""
     input_ids = np.zeros(int(query_start_loc[-1]), dtype=np.int64)
     from_host = starts < num_host_tokens
     for i in np.flatnonzero(from_host).tolist():
         begin, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+        if num_drafts is not None:
+            end -= int(num_drafts[i])
         tokens = host_token_ids[int(rows[i])]
         assert tokens is not None
         input_ids[begin:end] = tokens[int(starts[i]) : int(starts[i]) + end - begin]
@@ -175,12 +202,17 @@ def sample_rows(
     num_tokens: np.ndarray,
     num_samples: np.ndarray,
     query_start_loc: np.ndarray,
+    num_drafts: np.ndarray | None = None,
 ) -> SampleRows:
     """rows, ends, num_tokens, num_samples: [num_reqs] batch row, tokens after the step, tokens the
     request has, samples it draws. A request samples when the step reaches its last token (a
     prefill chunk short of it does not); a best_of request draws its first num_samples tokens from
-    the same hidden row, repeated."""
-    sampling_idx = np.flatnonzero(ends >= num_tokens)
+    the same hidden row, repeated. Requests with drafts (num_drafts > 0) verify instead
+    (``verify_rows``)."""
+    reaches_end = ends >= num_tokens
+    if num_drafts is not None:
+        reaches_end &= num_drafts == 0
+    sampling_idx = np.flatnonzero(reaches_end)
     repeats = num_samples[sampling_idx]
     first_sample_index = np.zeros(len(sampling_idx), dtype=np.int64)
     np.cumsum(repeats[:-1], out=first_sample_index[1:])
@@ -190,6 +222,37 @@ def sample_rows(
         first_sample_index=first_sample_index,
         logits_indices=np.repeat(query_start_loc[1:][sampling_idx] - 1, repeats),
     )
+
+
+def verify_rows(
+    req_ids: list[int],
+    rows: np.ndarray,
+    num_drafts: np.ndarray,
+    drafts: dict[int, list[int]],
+    query_start_loc: np.ndarray,
+) -> VerifyRows:
+    """rows, num_drafts: [num_reqs]; drafts: req_id -> its draft tokens. The rows of the requests
+    with drafts (see ``VerifyRows``)."""
+    index = np.flatnonzero(num_drafts)
+    counts = num_drafts[index]
+    verify_ids = [req_ids[i] for i in index.tolist()]
+    draft_token_ids = np.full((len(index), int(counts.max())), -1, dtype=np.int64)
+    for i, req_id in enumerate(verify_ids):
+        draft_token_ids[i, : counts[i]] = drafts[req_id]
+    # Request i's last k_i + 1 tokens end at query_start_loc[i + 1].
+    num_rows = counts + 1
+    first = np.repeat(query_start_loc[1:][index] - num_rows, num_rows)
+    offsets = np.arange(int(num_rows.sum())) - np.repeat(np.cumsum(num_rows) - num_rows, num_rows)
+    return VerifyRows(verify_ids, rows[index], counts, draft_token_ids, first + offsets)
+
+
+def place_drafts(
+    input_ids: np.ndarray, verify: VerifyRows, query_start_loc: np.ndarray, index: np.ndarray
+) -> None:
+    """Write each verifying request's drafts into its last input positions (after its newest
+    token). index: [num_verify_reqs] the requests' places in the step."""
+    for i, (k, end) in enumerate(zip(verify.num_drafts.tolist(), query_start_loc[1:][index].tolist())):
+        input_ids[end - k : end] = verify.draft_token_ids[i, :k]
 
 
 def prompt_logprob_rows(
@@ -240,9 +303,10 @@ def plan_step(
     num_scheduled_tokens: dict[int, int],
     block_size: int,
     graph_runner: CudaGraphRunner | None,
+    drafts: dict[int, list[int]] | None = None,
 ) -> StepPlan:
-    """The step's inputs on the host, from the persistent batch (already updated for the step)
-    and the tokens scheduled per request."""
+    """The step's inputs on the host, from the persistent batch (already updated for the step),
+    the tokens scheduled per request and the drafts among them (speculative decoding)."""
     req_ids = list(num_scheduled_tokens)
     query_lens = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
     rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
@@ -259,10 +323,21 @@ def plan_step(
     slot_mapping = compute_slot_mapping(
         batch.block_table[rows[req_index]], positions - num_dropped[req_index], block_size
     )
-    input_ids, device_input_index, device_input_rows = host_input_ids(
-        batch.host_token_ids, rows, starts, batch.num_host_tokens[rows], query_start_loc
+    num_drafts = (
+        np.fromiter((len(drafts.get(r, ())) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        if drafts
+        else None
     )
-    samples = sample_rows(rows, ends, batch.num_tokens[rows], batch.num_samples[rows], query_start_loc)
+    input_ids, device_input_index, device_input_rows = host_input_ids(
+        batch.host_token_ids, rows, starts, batch.num_host_tokens[rows], query_start_loc, num_drafts
+    )
+    samples = sample_rows(
+        rows, ends, batch.num_tokens[rows], batch.num_samples[rows], query_start_loc, num_drafts
+    )
+    verify = None
+    if num_drafts is not None:
+        verify = verify_rows(req_ids, rows, num_drafts, drafts, query_start_loc)
+        place_drafts(input_ids, verify, query_start_loc, np.flatnonzero(num_drafts))
     prompt_rows, prompt_requests = prompt_logprob_rows(
         req_ids,
         rows,
@@ -274,6 +349,8 @@ def plan_step(
         batch.host_token_ids,
     )
     logits_indices = samples.logits_indices
+    if verify is not None:
+        logits_indices = np.concatenate([logits_indices, verify.logits_indices])
     if prompt_rows:
         logits_indices = np.concatenate([logits_indices, np.asarray(prompt_rows, dtype=np.int64)])
     pad_to = graph_padding(graph_runner, len(req_ids), num_decodes)
@@ -296,6 +373,7 @@ def plan_step(
         sample_req_ids=[batch.req_ids[row] for row in samples.sample_rows.tolist()],
         prompt_logprob_requests=prompt_requests,
         pad_to=pad_to,
+        verify=verify,
     )
 
 
@@ -356,4 +434,5 @@ def stage_model_input(
         first_sample_index=samples.first_sample_index,
         prompt_logprob_requests=plan.prompt_logprob_requests,
         graph_num_seqs=len(plan.rows) if pad_to else None,
+        verify=plan.verify,
     )

@@ -22,11 +22,13 @@ from pagedllm.worker.step_inputs import (
     graph_padding,
     host_input_ids,
     order_decodes_first,
+    place_drafts,
     plan_step,
     prompt_logprob_rows,
     sample_rows,
     stage_model_input,
     token_positions,
+    verify_rows,
 )
 
 CPU = torch.device("cpu")
@@ -118,6 +120,36 @@ def test_sample_rows_best_of_repeats_a_row_and_a_short_chunk_samples_nothing():
     assert _ints(samples.first_sample_index) == [0, 1]
     # The last token of each: index 0, and index 7 (of tokens 5..7) three times.
     assert _ints(samples.logits_indices) == [0, 7, 7, 7]
+
+
+def test_drafts_follow_the_newest_token_and_their_rows_are_verified_not_sampled():
+    # Three requests at batch rows 3, 1, 5 (query start 0, 1, 4): a plain decode; a decode of
+    # a token the host holds (resent: its 6th of 6) with 2 drafts; a decode of the device's own
+    # sample with 3 drafts.
+    host_token_ids = [None, np.array([40, 41, 42, 43, 44, 45]), None, np.array([1, 2]), None, np.array([7])]
+    rows = np.array([3, 1, 5])
+    starts = np.array([2, 5, 4])
+    num_drafts = np.array([0, 2, 3])
+    query_start_loc = np.array([0, 1, 4, 8])
+    input_ids, device_index, device_rows = host_input_ids(
+        host_token_ids, rows, starts, np.array([2, 6, 1]), query_start_loc, num_drafts
+    )
+    # Only the resent request's own token comes from the host: 45 at index 1.
+    assert _ints(input_ids) == [0, 45, 0, 0, 0, 0, 0, 0]
+    assert _ints(device_index) == [0, 4] and _ints(device_rows) == [3, 5]
+    drafts = {11: [8, 9], 12: [5, 6, 7]}
+    verify = verify_rows([10, 11, 12], rows, num_drafts, drafts, query_start_loc)
+    place_drafts(input_ids, verify, query_start_loc, np.flatnonzero(num_drafts))
+    assert _ints(input_ids) == [0, 45, 8, 9, 0, 5, 6, 7]
+    assert verify.req_ids == [11, 12] and _ints(verify.rows) == [1, 5]
+    assert _ints(verify.draft_token_ids) == [[8, 9, -1], [5, 6, 7]]
+    # Every token of a verifying request is scored: indices 1-3 and 4-7.
+    assert _ints(verify.logits_indices) == [1, 2, 3, 4, 5, 6, 7]
+    # They reach their ends but do not sample: only the plain decode does.
+    samples = sample_rows(
+        rows, starts + np.array([1, 3, 4]), np.array([3, 6, 5]), np.ones(3, int), query_start_loc, num_drafts
+    )
+    assert _ints(samples.sampling_req_rows) == [3] and _ints(samples.logits_indices) == [0]
 
 
 def test_sample_rows_none():

@@ -1,0 +1,172 @@
+"""Speculative decoding, the scheduler's side: which requests get drafts this step, the n-gram
+drafter (prompt lookup) that proposes them on the host, and the acceptance counters.
+
+As in vLLM v1, a request's draft tokens are just more tokens to compute: a decoding request with
+``k`` drafts is scheduled ``1 + k`` tokens (its newest sample, then the drafts), its
+``num_computed_tokens`` advances by all of them, and the step's message carries the drafts
+(``SchedulerOutput.scheduled_spec_decode_tokens``). The worker verifies them in the same forward
+pass (one row per scheduled token) and returns the drafts it accepted and one token more;
+``rollback`` then takes back the rejected tokens' progress and the blocks that held only them::
+
+    tokens      [p p p p o o o]  d d d        3 drafts scheduled after the newest output o
+    computed    ----------^ +1+3             (num_computed_tokens runs through the drafts)
+    after       [p p p p o o o d d x]         2 accepted, x sampled from the target
+    computed    ----------------^             (one rejected draft rolled back)
+
+Drafts never enter a request's tokens before they are accepted, so the prefix cache, whose keys
+are the request's known tokens, registers only accepted ones.
+
+Requests whose next token depends on more than the target's logits get no drafts and decode one
+token at a time in the same steps: beam search (the host picks continuations), a best_of request
+before it forks, structured outputs and bad words (their masks depend on the tokens before, so
+each draft position would need its own grammar state), and stop strings (the engine matches them
+on the text after the step; one completed inside a verified run would need the core to take the
+tokens after it back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pagedllm.config import SpeculativeConfig
+from pagedllm.core.request import Request
+
+
+@dataclass
+class SpecDecodingStats:
+    """Engine-wide counters since start, named as vLLM's ``spec_decode_*`` metrics."""
+
+    num_drafts: int  # verifications (a request's drafts in one step)
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    # Per draft position i: drafts accepted there (only after every position before it).
+    num_accepted_tokens_per_pos: list[int]
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / max(self.num_draft_tokens, 1)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens per verification: the accepted drafts and the one sampled after them."""
+        return 1.0 + self.num_accepted_tokens / max(self.num_drafts, 1)
+
+
+class NgramProposer:
+    """Prompt lookup (Saxena, 2023; vLLM's ``ngram`` method): find the request's last n tokens
+    earlier in its prompt + output, for the largest n in [prompt_lookup_min, prompt_lookup_max]
+    that occurs, and draft the tokens that followed the latest such occurrence."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def propose(self, token_ids: np.ndarray, num_tokens: int) -> list[int]:
+        """token_ids: [L] int64, the request's prompt + output. Returns at most ``num_tokens``
+        drafts (none when no n-gram of the allowed sizes recurs)."""
+        length = len(token_ids)
+        if num_tokens <= 0 or length <= self.min_n:
+            return []
+        # Candidate ends of a match: earlier positions holding the last token, that have a token
+        # after them to draft.
+        ends = np.flatnonzero(token_ids[:-1] == token_ids[-1])
+        if not len(ends):
+            return []
+        # Grow every candidate's match backwards one token at a time, up to max_n.
+        match_len = np.ones(len(ends), dtype=np.int64)
+        alive = np.ones(len(ends), dtype=bool)
+        for offset in range(1, min(self.max_n, length - 1)):
+            starts = ends - offset
+            alive &= starts >= 0
+            alive[alive] &= token_ids[starts[alive]] == token_ids[length - 1 - offset]
+            if not alive.any():
+                break
+            match_len += alive
+        best = int(match_len.max())
+        if best < self.min_n:
+            return []
+        end = int(ends[np.flatnonzero(match_len == best)[-1]])  # the latest of the longest
+        return token_ids[end + 1 : end + 1 + num_tokens].tolist()
+
+
+def can_speculate(request: Request) -> bool:
+    """Whether drafts for the request can be verified from the target's logits alone (see the
+    module docstring for those that cannot)."""
+    params = request.sampling_params
+    return not (request.needs_host_between_steps or params.structured_outputs or params.bad_words_token_ids)
+
+
+def max_num_drafts(request: Request, num_speculative_tokens: int, max_context_len: int | None) -> int:
+    """Drafts the request may verify this step: ``num_speculative_tokens`` cut so that the drafts
+    and the token sampled after them fit under ``max_tokens`` and the context (a decoding request:
+    its one uncomputed token is its newest sample)."""
+    num = num_speculative_tokens
+    max_tokens = request.sampling_params.max_tokens
+    if max_tokens is not None:
+        num = min(num, max_tokens - request.num_output_tokens - 1)
+    if max_context_len is not None:
+        num = min(num, max_context_len - request.num_tokens - 1)
+    return max(num, 0)
+
+
+class SpecDecoding:
+    """The scheduler's drafter and acceptance counters (vLLM's ``spec_decode_*`` metrics).
+
+    Args:
+        config: the engine's speculative config.
+        max_context_len: the most tokens a request may hold (None with attention sinks).
+    """
+
+    def __init__(self, config: SpeculativeConfig, max_context_len: int | None) -> None:
+        self.config = config
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.max_context_len = max_context_len
+        self.proposer = NgramProposer(config)
+        # Engine-wide, since start: drafts verified, drafts accepted, and per draft position i the
+        # drafts accepted there (position i is accepted only when every one before it was).
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_accepted_tokens_per_pos = [0] * config.num_speculative_tokens
+
+    def is_enabled_for(self, num_running: int) -> bool:
+        """Drafts pay off while the step is bound by reading the weights; past
+        ``disable_by_batch_size`` running requests, verifying them costs more than it saves."""
+        limit = self.config.disable_by_batch_size
+        return limit is None or num_running < limit
+
+    def propose(self, request: Request) -> list[int]:
+        """Drafts for a decoding request (all of its tokens known to the host)."""
+        if not can_speculate(request):
+            return []
+        num = max_num_drafts(request, self.num_speculative_tokens, self.max_context_len)
+        if num <= 0:
+            return []
+        tokens = np.asarray(request.prompt_token_ids + request.output_token_ids, dtype=np.int64)
+        drafts = self.proposer.propose(tokens, num)
+        if self.config.synthetic_acceptance_rate is not None:
+            # Benchmarks: always k drafts, so that the cost of verifying them is measured
+            # whatever the (dummy) weights generate; which tokens they are does not matter.
+            drafts += [int(tokens[-1])] * (num - len(drafts))
+        return drafts
+
+    def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
+        """Count one verification: per user request (``RequestMetrics``) and engine-wide."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += num_accepted
+        for pos in range(num_accepted):
+            self.num_accepted_tokens_per_pos[pos] += 1
+        metrics = request.group.metrics
+        metrics.spec_num_draft_tokens += num_drafts
+        metrics.spec_num_accepted_tokens += num_accepted
+
+    def stats(self) -> SpecDecodingStats:
+        return SpecDecodingStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.num_accepted_tokens_per_pos),
+        )
