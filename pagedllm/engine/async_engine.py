@@ -62,6 +62,7 @@ from pagedllm.engine.core import (
 from pagedllm.engine.llm_engine import EngineStats, LLMEngine
 from pagedllm.engine.output_delta import OutputDeltaDecoder
 from pagedllm.logger import configured_level
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output import StructuredOutputManager
@@ -251,6 +252,7 @@ class AsyncLLMEngine:
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request; returns its output stream once the engine has taken it.
 
@@ -267,7 +269,9 @@ class AsyncLLMEngine:
         self._adds[op_id] = future
         try:
             self._core.send(
-                AddRequest(op_id, request_id, prompt, sampling_params, prompt_token_ids, arrival_time)
+                AddRequest(
+                    op_id, request_id, prompt, sampling_params, prompt_token_ids, arrival_time, lora_request
+                )
             )
             await future
         except asyncio.CancelledError:
@@ -288,9 +292,12 @@ class AsyncLLMEngine:
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """add_request, then yield its outputs; leaving the loop early aborts the request."""
-        stream = await self.add_request(request_id, prompt, sampling_params, prompt_token_ids, arrival_time)
+        stream = await self.add_request(
+            request_id, prompt, sampling_params, prompt_token_ids, arrival_time, lora_request
+        )
         try:
             async for output in stream:
                 yield output

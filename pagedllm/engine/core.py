@@ -39,6 +39,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import EngineStats, LLMEngine, freeze_startup_heap
 from pagedllm.engine.output_delta import OutputDeltaEncoder
 from pagedllm.logger import configure_logging
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import Tokenizer
@@ -64,6 +65,7 @@ class AddRequest:
     sampling_params: SamplingParams | None
     prompt_token_ids: list[int] | None
     arrival_time: float | None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -227,7 +229,12 @@ class EngineCore:
             if grammar is not None:
                 op.sampling_params.structured_outputs.compiled_grammar = grammar.result()
             self.engine.add_request(
-                op.request_id, op.prompt, op.sampling_params, op.prompt_token_ids, op.arrival_time
+                op.request_id,
+                op.prompt,
+                op.sampling_params,
+                op.prompt_token_ids,
+                op.arrival_time,
+                lora_request=op.lora_request,
             )
             self._active.add(op.request_id)
         except Exception as e:

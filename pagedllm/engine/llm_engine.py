@@ -54,6 +54,8 @@ from pagedllm.engine.beam_search import beam_search_step
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.executor import get_executor_class
 from pagedllm.executor.abstract import ExecutorDeadError
+from pagedllm.lora.registry import LoRARegistry
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.request_validation import validate_request
 from pagedllm.sampling_params import SamplingParams
@@ -135,7 +137,9 @@ class LLMEngine:
             enable_prefix_caching=config.cache_config.enable_prefix_caching,
             sliding_window=self.executor.get_kv_cache_spec().sliding_window,
             num_sink_tokens=model_config.attention_sinks,
+            max_loras=config.lora_config.max_loras if config.lora_config else None,
         )
+        self.lora_registry = LoRARegistry(config.lora_config, model_config.hf_config)
         self.eos_token_ids = get_eos_token_ids(model_config, self.tokenizer)
         self.structured_output_manager = StructuredOutputManager.for_model(model_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -177,8 +181,12 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         stream: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. Bad input raises ValueError here and leaves the engine unchanged.
+
+        ``lora_request`` runs it with that LoRA adapter (``enable_lora``); the adapter is checked
+        against the base model here, once.
 
         A prompt longer than max_model_len is accepted but never scheduled: the next step
         returns it finished, with ``RequestOutput.error`` saying why.
@@ -190,6 +198,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = sampling_params or SamplingParams()
+        self.lora_registry.check(lora_request)
         token_ids = validate_request(
             params,
             self._prompt_token_ids(prompt, prompt_token_ids),
@@ -208,6 +217,7 @@ class LLMEngine:
             arrival_time,
             request_id,
             self.eos_token_ids,
+            lora_request,
         )
         if self.tokenizer is not None:
             init_detokenizer_state(request)
