@@ -290,7 +290,7 @@ def _per_prompt_lora(
 ) -> list[LoRARequest | None]:
     if lora_request is None or isinstance(lora_request, LoRARequest):
         return [lora_request] * num_prompts
-    if not isinstance(lora_request, SequenceABC):
+    if isinstance(lora_request, str) or not isinstance(lora_request, SequenceABC):
         raise ValueError(
             f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}"
         )

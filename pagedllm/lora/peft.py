@@ -80,6 +80,11 @@ def check_adapter(
     shapes = _read_shapes(path, where)
     expected = expected_shapes(hf_config)
     for (layer, module), (a_shape, b_shape) in sorted(shapes.items()):
+        if module not in expected:
+            raise ValueError(
+                f"{where}: adapts {module}, but the base model's MLP is a mixture of experts, whose "
+                "projections LoRA does not adapt here (attention projections only)"
+            )
         if layer >= hf_config.num_hidden_layers:
             raise ValueError(
                 f"{where}: adapts layer {layer}, but the base model has {hf_config.num_hidden_layers}"
@@ -113,21 +118,27 @@ def load_adapter(
 
 
 def expected_shapes(hf_config: PretrainedConfig) -> dict[str, tuple[int, int]]:
-    """(in_features, out_features) of each supported projection of the base model, unsharded."""
+    """(in_features, out_features) of each projection of the base model an adapter may target,
+    unsharded."""
     hidden = hf_config.hidden_size
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hidden // num_heads
     num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
     intermediate = getattr(hf_config, "intermediate_size", None) or 4 * hidden
-    return {
+    attention = {
         "q_proj": (hidden, num_heads * head_dim),
         "k_proj": (hidden, num_kv_heads * head_dim),
         "v_proj": (hidden, num_kv_heads * head_dim),
         "o_proj": (num_heads * head_dim, hidden),
+    }
+    if getattr(hf_config, "num_experts", None) or getattr(hf_config, "num_local_experts", None):
+        return attention  # a mixture of experts: no dense gate/up/down
+    mlp = {
         "gate_proj": (hidden, intermediate),
         "up_proj": (hidden, intermediate),
         "down_proj": (intermediate, hidden),
     }
+    return attention | mlp
 
 
 # --- reading ------------------------------------------------------------------------------------
