@@ -60,7 +60,7 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> CompletionResponse | AsyncIterator[str]:
         """The response, or (``stream``) its server-sent events. Raises APIError for a bad request."""
         arrival_time = time.time()
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         self.check_request_options(request)
         if request.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
@@ -75,7 +75,9 @@ class OpenAIServingCompletion(OpenAIServing):
         prompt_logprobs = request.logprobs if request.echo else None
         params = await self.sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs)
         request_id = "cmpl-" + new_request_id(raw_request)
-        streams, guard = await self.add_requests(request_id, prompts, params, arrival_time, raw_request)
+        streams, guard = await self.add_requests(
+            request_id, prompts, params, arrival_time, raw_request, lora_request
+        )
         if request.stream:
             return self._stream(request, guard, request_id, prompts, streams)
         with guard:
