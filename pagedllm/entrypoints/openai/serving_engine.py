@@ -12,7 +12,7 @@ import math
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pagedllm.core.request import Logprob
 from pagedllm.engine.async_engine import AsyncEngineDeadError, AsyncLLMEngine, RequestStream
@@ -24,7 +24,6 @@ from pagedllm.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from starlette.requests import Request
 
-    from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
     from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -82,6 +81,12 @@ def top_logprobs(step: dict[int, Logprob], num_top: int) -> list[tuple[int, Logp
     return sorted(step.items(), key=lambda item: item[1].logprob, reverse=True)[:num_top]
 
 
+class ServedModels(Protocol):
+    """What the handlers ask of the served models (``serving_models.OpenAIServingModels``)."""
+
+    def lora_request(self, model: str | None) -> LoRARequest | None: ...
+
+
 class OpenAIServing:
     """Base of the endpoint handlers.
 
@@ -98,7 +103,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         # The served models (the base and its LoRA adapters), shared by the handlers; set by the
         # app. None: the base model alone.
-        self.models: OpenAIServingModels | None = None
+        self.models: ServedModels | None = None
         self.max_model_len = engine.config.model_config.max_model_len
         # None with attention sinks: the completion may run past max_model_len.
         self.max_context_len = engine.config.model_config.max_context_len
