@@ -96,6 +96,11 @@ class LoRAModelManager:
 
     # --- adapters ---------------------------------------------------------------------------
 
+    @property
+    def lora_slots(self) -> dict[int, int]:
+        """Adapter id -> slot, for the adapters in slots now."""
+        return dict(self._slot_of)
+
     def add_lora(self, lora_request: LoRARequest) -> None:
         """Know an adapter (its files are read when a step first needs it)."""
         self._known[lora_request.lora_int_id] = lora_request
