@@ -18,8 +18,13 @@ import torch
 from torch import nn
 
 from pagedllm.distributed import tensor_model_parallel_all_reduce
-from pagedllm.layers.linear import LinearBase, RowParallelLinear
-from pagedllm.lora.punica import LoRABatch, add_lora
+from pagedllm.layers.linear import (
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from pagedllm.lora.punica import LoRABatch
 
 # (A [r, in], B [out, r]) of one slice of one adapter, scale folded into B; None: not adapted.
 SliceWeights = tuple[torch.Tensor, torch.Tensor] | None
@@ -46,6 +51,7 @@ class LinearWithLoRA(nn.Module):
         self.register_buffer(
             "lora_b", torch.zeros(out_features, width, dtype=dtype, device=weight.device), persistent=False
         )
+        self.slice_starts = slice_starts(base)
 
     def set_slot(self, slot: int, slices: list[SliceWeights]) -> None:
         """Write one adapter's slices (one per shard id) into ``slot``; None clears a slice."""
@@ -71,7 +77,7 @@ class LinearWithLoRA(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in] -> [num_tokens, out] (this rank's sizes)."""
         y = self.base(x)
-        add_lora(y, x, self.lora_a, self.lora_b, self.batch.mask(self.num_slices, x.shape[0]))
+        self.batch.apply(y, x, self.lora_a, self.lora_b, self.num_slices, self.slice_starts)
         return y
 
 
@@ -88,5 +94,17 @@ class RowParallelLinearWithLoRA(LinearWithLoRA):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base
         y = base._matmul(x, base.bias if base.tp_rank == 0 else None)
-        add_lora(y, x, self.lora_a, self.lora_b, self.batch.mask(1, x.shape[0]))
+        self.batch.apply(y, x, self.lora_a, self.lora_b, 1, self.slice_starts)
         return y if base.tp_size == 1 else tensor_model_parallel_all_reduce(y)
+
+
+def slice_starts(base: LinearBase) -> tuple[int, int]:
+    """The first output row (this rank's) of slices 1 and 2 of a fused projection; the output
+    size for a slice it does not have (the BGMV expand kernel's ``slice_starts``)."""
+    out_features = base.weight.shape[0]
+    if isinstance(base, QKVParallelLinear):
+        q_size, kv_size = base.num_heads * base.head_size, base.num_kv_heads * base.head_size
+        return q_size, q_size + kv_size
+    if isinstance(base, MergedColumnParallelLinear) and len(base.output_sizes) == 2:
+        return base.output_sizes[0] // base.tp_size, out_features
+    return out_features, out_features
