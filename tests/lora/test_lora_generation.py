@@ -55,3 +55,23 @@ def test_mixed_adapters_in_one_batch_equal_peft_merged(
     # The adapters change the outputs (else the comparison above proves nothing).
     base_outputs = [greedy_reference(hf_model, p, GREEDY.max_tokens) for p in prompts[1:4]]
     assert all(o.outputs[0].token_ids != b for o, b in zip(outputs[1:4], base_outputs))
+
+
+@pytest.mark.slow
+def test_chat_runs_with_the_adapter(tiny_llama_with_tokenizer, make_adapter):
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.tokenizer import apply_chat_template
+
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_llama_with_tokenizer, dtype="float32")
+    lora = LoRARequest("chatty", 1, make_adapter(hf_model, 8, ["q_proj", "o_proj", "up_proj"], alpha=64.0))
+    llm = LLM(tiny_llama_with_tokenizer, device="cpu", dtype="float32", enable_lora=True, max_lora_rank=8)
+    messages = [{"role": "user", "content": "Name a color."}]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    chat = llm.chat(messages, params, lora_request=lora, use_tqdm=False)[0].outputs[0].token_ids
+    prompt = apply_chat_template(llm.get_tokenizer(), messages, True)
+    generated = llm.generate(
+        prompt_token_ids=[prompt], sampling_params=params, lora_request=lora, use_tqdm=False
+    )
+    assert chat == generated[0].outputs[0].token_ids
+    assert chat != llm.chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids
