@@ -110,3 +110,23 @@ def test_chat_picks_the_adapter_too(client):
         client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="sql", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_bad_lora_modules_stop_the_server_before_it_serves(tiny_model_dir):
+    from pagedllm.engine.arg_utils import EngineArgs
+    from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
+
+    with pytest.raises(ValueError, match="must be name=path or a JSON object"):
+        parse_lora_modules(["just-a-name"])
+    with pytest.raises(ValueError, match="not a JSON object with name and path"):
+        parse_lora_modules(['{"name": "x"}'])
+    assert parse_lora_modules(['{"name": "x", "path": "/p", "base_model_name": "b"}', "y=/q"]) == [
+        ("x", "/p", "b"),
+        ("y", "/q", None),
+    ]
+    config = EngineArgs(model=tiny_model_dir, device="cpu", enable_lora=True).create_engine_config()
+    with pytest.raises(ValueError, match="lora_path is not a directory"):
+        OpenAIServingModels(config, "base", [("x", "/nowhere", None)])
+    plain = EngineArgs(model=tiny_model_dir, device="cpu").create_engine_config()
+    with pytest.raises(ValueError, match="without --enable-lora"):
+        OpenAIServingModels(plain, "base", [("x", "/nowhere", None)])
