@@ -64,8 +64,8 @@ class LinearWithLoRA(nn.Module):
                 continue
             a, b = self._shard(i, *weights)
             r = a.shape[0]
-            self.lora_a[start : start + r].copy_(a)
-            self.lora_b[:, start : start + r].copy_(b)
+            self.lora_a[start : start + r].copy_(_staged(a, self.lora_a), non_blocking=True)
+            self.lora_b[:, start : start + r].copy_(_staged(b, self.lora_b), non_blocking=True)
 
     def _shard(self, index: int, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Column-parallel: this rank's rows of B for slice ``index``, at the slice's place in the
@@ -108,3 +108,12 @@ def slice_starts(base: LinearBase) -> tuple[int, int]:
     if isinstance(base, MergedColumnParallelLinear) and len(base.output_sizes) == 2:
         return base.output_sizes[0] // base.tp_size, out_features
     return out_features, out_features
+
+
+def _staged(host: torch.Tensor, device_tensor: torch.Tensor) -> torch.Tensor:
+    """``host`` in the slot's dtype, pinned when the slot is on a GPU: the copy is then queued on
+    the stream instead of waiting for the device to drain (CUDA's rule for pageable memory), so
+    filling a slot does not stall the step in flight (the caching host allocator keeps the pinned
+    buffer until its copy has run)."""
+    host = host.to(device_tensor.dtype)
+    return host.pin_memory() if device_tensor.is_cuda else host
