@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.cpu_info import cpu_has_bf16
+from pagedllm.lora.config import LoRAConfig
 
 # torch is imported where a function needs it: the CLI's parsers read this module (EngineArgs'
 # defaults), and `pagedllm --help` should not wait seconds for torch.
@@ -427,6 +428,8 @@ class EngineConfig:
     # Schedule step N + 1 while step N runs on the device; its samples reach the host a step late.
     async_scheduling: bool = False
     speculative_config: SpeculativeConfig | None = None
+    # LoRA adapters per request (enable_lora), or None: no projection is wrapped.
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         _require(

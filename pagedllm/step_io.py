@@ -2,7 +2,8 @@
 ModelRunnerOutput back, through a StepHandle that every executor returns. Nothing else crosses, so
 the messages are plain picklable data.
 
-This module is the lowest layer of the package: it imports nothing of it but ``sampling_params``,
+This module is the lowest layer of the package: it imports nothing of it but ``sampling_params``
+and ``lora.request`` (leaves),
 and the scheduler, the workers, the executors and the engine all speak in its types.
 
 Workers keep a persistent batch (worker/input_batch.py): a request is sent in full once
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -40,6 +42,8 @@ class NewRequestData:
     min_tokens_stop_ids: list[int]
     # Most likely tokens returned per sample: max(logprobs, beam search's candidates).
     num_top_tokens: int
+    # The adapter it runs with (enable_lora), or None.
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -134,6 +138,10 @@ class EngineCoreRequest:
     # The tokens that end a sequence (the core ignores them with ``ignore_eos``).
     eos_token_ids: tuple[int, ...]
     arrival_time: float
+    # The adapter it runs with (enable_lora; checked by the processor), or None.
+    lora_request: LoRARequest | None = None
+    # The adapter it runs with (enable_lora; checked by the processor), or None.
+    lora_request: LoRARequest | None = None
 
 
 # A sampled token's logprob, its rank, and the top tokens with theirs (when logprobs were asked).

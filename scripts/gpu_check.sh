@@ -4,6 +4,7 @@
 #
 #   scripts/gpu_check.sh                 tests, K1, K1 windowed, W1, W3 (the short set)
 #   scripts/gpu_check.sh tests k1 k1-sweep k1-w1 k1-window w1 w1-profile w2 w3 hf w4 w4-thread w5 moe moe-sweep cuda
+#       lora w1-lora w3-lora
 #       sanitize so sampler
 #       tp (tp-tests, tp-bench)
 #
@@ -16,7 +17,8 @@
 # thread of its own process, --no-engine-process), w5 (bench throughput of the
 # Qwen3-30B-A3B mixture of experts, against its floor), moe (bench moe: the fused MoE kernel against
 # the per-expert torch reference; moe-sweep: every launch too), cuda (W1 on the cuda backend),
-# sanitize (compute-sanitizer on the CUDA kernels), tp (two GPUs: the tensor-parallel GPU tests,
+# sanitize (compute-sanitizer on the CUDA kernels), lora (bench lora: the BGMV kernels against the
+# masked torch product), w1-lora / w3-lora (W1 with 8 rank-16 LoRA adapters, W3 with one), tp (two GPUs: the tensor-parallel GPU tests,
 # then all-reduce latency (benchmarks/all_reduce.py: NCCL against the one-shot kernel), W2 and W3
 # at tensor_parallel_size 1 and 2, W3 at 2 with NCCL alone; the table gives TP=2 over TP=1), so
 # (benchmarks/structured_output.py: 32 json_schema requests against 32 unconstrained), sampler
@@ -96,6 +98,14 @@ for stage in "${stages[@]}"; do
     w5) run w5 python3 -m pagedllm bench throughput --workload W5 --output-json "$OUT/w5.json" --output-png "$OUT/w5.png" ;;
     sampler) run sampler python3 benchmarks/sampler.py --output-json "$OUT/sampler.json" ;;
     moe) run moe python3 -m pagedllm bench moe --output-json "$OUT/moe.json" ;;
+    lora) run lora python3 -m pagedllm bench lora --output-json "$OUT/lora.json" ;;
+    w1-lora)  # issue 33's bar: >= 0.8x W1's output tok/s (run w1 in the same call)
+        run w1_lora python3 -m pagedllm bench throughput --workload W1 --num-loras 8 --lora-rank 16 \
+            --output-json "$OUT/w1_lora.json"
+        ;;
+    w3-lora)  # issue 33's bar: <= 1.1x W3's ms/token (run w3 in the same call)
+        run w3_lora python3 -m pagedllm bench latency --lora-rank 16 --skip-eager --output-json "$OUT/w3_lora.json"
+        ;;
     moe-sweep) run moe python3 -m pagedllm bench moe --sweep --output-json "$OUT/moe.json" ;;
     hf) run hf python3 benchmarks/compare_hf.py --output-json "$OUT/hf.json" ;;
     cuda)

@@ -31,11 +31,16 @@ LAYERS: list[tuple[str, ...]] = [
         "pagedllm.logger",
         "pagedllm.step_io",
         "pagedllm.platform",
+        # LoRA's request type, limits and adapter files: the core and the step messages carry them.
+        "pagedllm.lora.request",
+        "pagedllm.lora.config",
+        "pagedllm.lora.peft",
     ),
     ("pagedllm.core",),
     ("pagedllm.kernels",),
     ("pagedllm.attention",),
-    ("pagedllm.layers", "pagedllm.sample", "pagedllm.structured_output"),
+    # LoRA's layers, batched product and slots (pagedllm.lora.* below is the base's).
+    ("pagedllm.layers", "pagedllm.sample", "pagedllm.structured_output", "pagedllm.lora"),
     ("pagedllm.models",),
     ("pagedllm.model_loader",),
     ("pagedllm.worker",),
@@ -116,8 +121,8 @@ def test_core_imports_only_the_base():
     assert not outside, "\n".join(sorted(outside))
 
 
-def test_step_io_imports_only_sampling_params():
-    assert import_graph()["pagedllm.step_io"] <= {"pagedllm.sampling_params"}
+def test_step_io_imports_only_leaves():
+    assert import_graph()["pagedllm.step_io"] <= {"pagedllm.sampling_params", "pagedllm.lora.request"}
 
 
 def test_no_import_cycles():

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from pagedllm.step_io import NewRequestData
 
 if TYPE_CHECKING:
+    from pagedllm.lora.request import LoRARequest
     from pagedllm.sampling_params import SamplingParams
 
 
@@ -123,11 +124,21 @@ class RequestGroup:
         first: the request's first sequence; forks join the group (``core/fanout.py``).
         request_id: the caller's id of the request.
         eos_token_ids: the tokens that end a sequence (none with ``ignore_eos``).
+        lora_request: the adapter its sequences run with, or None.
     """
 
-    def __init__(self, first: Request, request_id: str, eos_token_ids: Iterable[int]) -> None:
+    def __init__(
+        self,
+        first: Request,
+        request_id: str,
+        eos_token_ids: Iterable[int],
+        lora_request: LoRARequest | None = None,
+    ) -> None:
         params = first.sampling_params
         self.request_id = request_id
+        self.lora_request = lora_request
+        # 0 without an adapter: the scheduler counts a step's distinct adapters by it.
+        self.lora_int_id = lora_request.lora_int_id if lora_request is not None else 0
         self.sampling_params = params
         self.arrival_time = first.arrival_time
         # Live sequences, in the order they were created (finished ones leave).
@@ -167,8 +178,8 @@ class Request:
         sampling_params: the user request's parameters.
         block_size: tokens per KV block (the unit of prefix-cache hashes).
         arrival_time: the user request's arrival: siblings share it, and FCFS orders by it.
-        request_id, eos_token_ids: the caller's id and the tokens that end a sequence, for the
-            request's group, which this first sequence creates.
+        request_id, eos_token_ids, lora_request: the caller's id, the tokens that end a sequence
+            and the adapter, for the request's group, which this first sequence creates.
     """
 
     def __init__(
@@ -180,6 +191,7 @@ class Request:
         arrival_time: float | None = None,
         request_id: str = "",
         eos_token_ids: Iterable[int] = (),
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.req_id = req_id
         self.prompt_token_ids = prompt_token_ids
@@ -194,7 +206,7 @@ class Request:
         # Rows drawn from the prompt's last position on the first sample: best_of until the
         # request forks, then 1 (beam search draws its candidates from one row per beam).
         self.num_samples = 1
-        self.group = RequestGroup(self, request_id, eos_token_ids)
+        self.group = RequestGroup(self, request_id, eos_token_ids, lora_request)
         # Prefix-cache keys of the full blocks of known tokens, computed as blocks fill.
         self.block_hashes: list[int] = []
         self.cumulative_logprob = 0.0
@@ -259,11 +271,14 @@ class Request:
 
     def update_block_hashes(self) -> list[int]:
         """The prefix-cache key of every full block of known tokens: a hash of the block's tokens
-        chained with the key of the block before it, so equal keys mean equal prefixes."""
+        chained with the key of the block before it, so equal keys mean equal prefixes. The first
+        block chains from the request's adapter: K/V under two adapters differ, never shared."""
         hashes = self.block_hashes
         block_size = self.block_size
+        lora_request = self.group.lora_request
+        first = None if lora_request is None else lora_request.cache_salt
         for index in range(len(hashes), self.num_tokens // block_size):
-            prev = hashes[-1] if hashes else None
+            prev = hashes[-1] if hashes else first
             tokens = tuple(self.get_token_ids_slice(index * block_size, (index + 1) * block_size))
             hashes.append(hash((prev, tokens)))
         return hashes
@@ -327,6 +342,7 @@ def new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
         num_samples=request.num_samples,
         min_tokens_stop_ids=group.min_tokens_stop_ids,
         num_top_tokens=group.num_top_tokens,
+        lora_request=group.lora_request,
     )
 
 

@@ -79,6 +79,10 @@ class _Budget:
     max_num_seqs: int
     num_batched_tokens: int = 0
     num_seqs: int = 0
+    # Distinct LoRA adapters of the running requests and of those admitted since, at most
+    # max_loras (None: no LoRA): each needs a slot of the workers' stacked adapter weights.
+    max_loras: int | None = None
+    lora_ids: set[int] = field(default_factory=set)
 
     @property
     def remaining_tokens(self) -> int:
@@ -86,6 +90,16 @@ class _Budget:
 
     def can_add_seqs(self, num_seqs: int) -> bool:
         return self.num_seqs + num_seqs <= self.max_num_seqs
+
+    def admit_lora(self, lora_int_id: int) -> bool:
+        """Count the adapter (0: none) in, or return False when the step has max_loras others
+        (the request then waits in its queue for a slot)."""
+        if not lora_int_id or lora_int_id in self.lora_ids or self.max_loras is None:
+            return True
+        if len(self.lora_ids) >= self.max_loras:
+            return False
+        self.lora_ids.add(lora_int_id)
+        return True
 
 
 class Scheduler:
@@ -100,6 +114,7 @@ class Scheduler:
             and, with sinks, a request's length is not bounded by max_model_len.
         speculative_config: draft tokens for decoding requests, verified by the same step
             (core/spec_decode.py); None: one token per decoding request and step.
+        max_loras: most distinct LoRA adapters running at once (None: no LoRA).
     """
 
     def __init__(
@@ -112,8 +127,10 @@ class Scheduler:
         sliding_window: int | None = None,
         num_sink_tokens: int = 0,
         speculative_config: SpeculativeConfig | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.config = scheduler_config
+        self.max_loras = max_loras
         self.kv_cache_manager = KVCacheManager(
             block_size,
             num_gpu_blocks,
@@ -209,6 +226,9 @@ class Scheduler:
         for request in prefills:
             if not self._schedule_tokens(request, budget, out, scheduled):
                 break
+        if self.max_loras is not None:
+            budget.max_loras = self.max_loras
+            budget.lora_ids = {r.group.lora_int_id for r in queues.running} - {0}
         isolating = self.isolation.active
         # While isolating, swapped groups (which hold no suspect: suspects are never swapped) wait
         # for the end, and hold back no probe.
@@ -317,7 +337,11 @@ class Scheduler:
             if status == AllocStatus.LATER:
                 break
             num_seqs = group.max_running_seqs
-            if not budget.can_add_seqs(num_seqs) or budget.remaining_tokens < len(members):
+            if (
+                not budget.can_add_seqs(num_seqs)
+                or budget.remaining_tokens < len(members)
+                or not budget.admit_lora(group.lora_int_id)
+            ):
                 break
             swapped.popleft()
             out.blocks_to_swap_in.extend(kv.swap_in(members).items())
@@ -356,7 +380,11 @@ class Scheduler:
                 continue
             if status == AllocStatus.LATER:
                 break
-            if not budget.can_add_seqs(num_seqs) or not self._fits(request, budget):
+            if (
+                not budget.can_add_seqs(num_seqs)
+                or not self._fits(request, budget)
+                or not budget.admit_lora(request.group.lora_int_id)
+            ):
                 break
             queues.pop_waiting(queue)
             kv.allocate(request)

@@ -31,6 +31,7 @@ from pagedllm.config import (
     resolve_dtype,
 )
 from pagedllm.cpu_info import physical_cpu_cores
+from pagedllm.lora.config import LoRAConfig
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -166,6 +167,15 @@ class EngineArgs:
             "checkpoint quantizes it at load"
         },
     )
+    enable_lora: bool = dataclasses.field(
+        default=False, metadata={"help": "serve LoRA adapters (PEFT directories) chosen per request"}
+    )
+    max_loras: int = dataclasses.field(default=1, metadata={"help": "most LoRA adapters in one step"})
+    max_lora_rank: int = dataclasses.field(default=16, metadata={"help": "largest LoRA rank served"})
+    max_cpu_loras: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "LoRA adapters kept loaded on the host, >= max_loras (default: max_loras)"},
+    )
 
     def create_engine_config(self) -> EngineConfig:
         speculative_config = self._speculative_config()  # refused before anything is read
@@ -228,6 +238,14 @@ class EngineArgs:
             if self.async_scheduling is None
             else self.async_scheduling,
             speculative_config=speculative_config,
+            lora_config=self._lora_config(),
+        )
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(
+            max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras
         )
 
     def _speculative_config(self) -> SpeculativeConfig | None:

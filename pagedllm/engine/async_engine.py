@@ -70,6 +70,7 @@ from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.processor import Processor
 from pagedllm.engine.stats import EngineStats
 from pagedllm.logger import configured_level
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.structured_output import StructuredOutputManager
@@ -269,6 +270,7 @@ class AsyncLLMEngine:
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Queue a request; returns its output stream once the engine has taken it. Its outputs
         are shaped by ``sampling_params.output_kind`` (CUMULATIVE unless asked).
@@ -284,7 +286,9 @@ class AsyncLLMEngine:
         if structured is not None and structured.compiled_grammar is None and manager is not None:
             # In the manager's threads: a large schema never stalls the event loop.
             structured.compiled_grammar = await asyncio.wrap_future(manager.compile(structured))
-        request = self.processor.process(request_id, prompt, sampling_params, prompt_token_ids, arrival_time)
+        request = self.processor.process(
+            request_id, prompt, sampling_params, prompt_token_ids, arrival_time, lora_request
+        )
         state = new_request_state(request, prompt, stream=True)
         stream = RequestStream(request_id, coalesce=state.output_kind == RequestOutputKind.CUMULATIVE)
         error = self.processor.too_long(request)
@@ -318,9 +322,12 @@ class AsyncLLMEngine:
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """add_request, then yield its outputs; leaving the loop early aborts the request."""
-        stream = await self.add_request(request_id, prompt, sampling_params, prompt_token_ids, arrival_time)
+        stream = await self.add_request(
+            request_id, prompt, sampling_params, prompt_token_ids, arrival_time, lora_request
+        )
         try:
             async for output in stream:
                 yield output

@@ -136,6 +136,7 @@ class EngineCore:
             sliding_window=self.executor.get_kv_cache_spec().sliding_window,
             num_sink_tokens=config.model_config.attention_sinks,
             speculative_config=config.speculative_config,
+            max_loras=config.lora_config.max_loras if config.lora_config else None,
         )
         self.async_scheduling = config.async_scheduling
         # Live requests, by the caller's id.
@@ -171,6 +172,7 @@ class EngineCore:
             request.arrival_time,
             request.request_id,
             request.eos_token_ids,
+            request.lora_request,
         )
         beams = BeamSearchState(beam_width=params.best_of) if params.use_beam_search else None
         self.requests[request.request_id] = _LiveRequest(first.group, beams)

@@ -25,6 +25,7 @@ from pagedllm.engine.output_processor import OutputProcessor, RequestState, Sequ
 from pagedllm.engine.processor import Processor
 from pagedllm.engine.stats import EngineStats
 from pagedllm.executor.abstract import Executor
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.step_io import EngineCoreRequest
@@ -74,8 +75,12 @@ class LLMEngine:
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         stream: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. Bad input raises ValueError here and leaves the engine unchanged.
+
+        ``lora_request`` runs it with that LoRA adapter (``enable_lora``); the adapter is checked
+        against the base model here, once.
 
         A prompt longer than max_model_len is accepted but never scheduled: the next step
         returns it finished, with ``RequestOutput.error`` saying why.
@@ -87,7 +92,9 @@ class LLMEngine:
         """
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        request = self.processor.process(request_id, prompt, sampling_params, prompt_token_ids, arrival_time)
+        request = self.processor.process(
+            request_id, prompt, sampling_params, prompt_token_ids, arrival_time, lora_request
+        )
         state = new_request_state(request, prompt, stream)
         error = self.processor.too_long(request)
         if error is not None:

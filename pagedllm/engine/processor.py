@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 
 from pagedllm.config import EngineConfig
+from pagedllm.lora.registry import LoRARegistry
+from pagedllm.lora.request import LoRARequest
 from pagedllm.request_validation import validate_request
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step_io import EngineCoreRequest
@@ -29,6 +31,7 @@ class Processor:
         self.num_gpu_blocks = num_gpu_blocks
         self.eos_token_ids = tuple(sorted(get_eos_token_ids(config.model_config, tokenizer)))
         self.structured_output_manager = StructuredOutputManager.for_model(config.model_config, tokenizer)
+        self.lora_registry = LoRARegistry(config.lora_config, config.model_config.hf_config)
 
     def process(
         self,
@@ -37,13 +40,16 @@ class Processor:
         sampling_params: SamplingParams | None,
         prompt_token_ids: list[int] | None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> EngineCoreRequest:
         """The request as the core takes it; bad input raises ValueError naming the field.
+        ``lora_request`` (``enable_lora``) is checked against the base model here, once.
 
         A prompt longer than max_model_len passes (``too_long`` says so): the caller reports it
         finished with an error rather than refusing it.
         """
         params = sampling_params or SamplingParams()
+        self.lora_registry.check(lora_request)
         token_ids = validate_request(
             params,
             self._prompt_token_ids(prompt, prompt_token_ids),
@@ -54,7 +60,7 @@ class Processor:
             self.structured_output_manager,
         )
         return EngineCoreRequest(
-            request_id, token_ids, params, self.eos_token_ids, arrival_time or time.time()
+            request_id, token_ids, params, self.eos_token_ids, arrival_time or time.time(), lora_request
         )
 
     def too_long(self, request: EngineCoreRequest) -> str | None:

@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.utils import engine_summary
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.tokenizer import Tokenizer, apply_chat_template
@@ -93,6 +94,7 @@ class LLM:
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         prompt_token_ids: list[int] | list[list[int]] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt; outputs come back in prompt order.
 
@@ -109,10 +111,12 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt.
             prompt_token_ids: token ids instead of (or, one for one, alongside) ``prompts``.
             use_tqdm: show a progress bar with requests done and output tokens per second.
+            lora_request: the LoRA adapter for all prompts, or one (or None) per prompt
+                (needs ``enable_lora=True``).
         """
         requests = _normalize_prompts(prompts, prompt_token_ids)
         params = _per_prompt_params(sampling_params, len(requests))
-        return self._run(requests, params, use_tqdm)
+        return self._run(requests, params, use_tqdm, _per_prompt_lora(lora_request, len(requests)))
 
     def chat(
         self,
@@ -121,9 +125,10 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation or to each of a list of them, through the
-        model's chat template."""
+        model's chat template (``lora_request`` as in ``generate``)."""
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer, and this engine has none")
@@ -137,15 +142,19 @@ class LLM:
             for conversation in conversations
         ]
         params = _per_prompt_params(sampling_params, len(requests))
-        return self._run(requests, params, use_tqdm)
+        return self._run(requests, params, use_tqdm, _per_prompt_lora(lora_request, len(requests)))
 
     def _run(
-        self, requests: list[dict[str, Any]], params: list[SamplingParams], use_tqdm: bool
+        self,
+        requests: list[dict[str, Any]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+        lora_requests: list[LoRARequest | None],
     ) -> list[RequestOutput]:
         engine = self.llm_engine
         request_ids: list[str] = []
         try:
-            for index, (request, request_params) in enumerate(zip(requests, params)):
+            for index, (request, request_params, lora) in enumerate(zip(requests, params, lora_requests)):
                 request_id = str(next(self._request_counter))
                 try:
                     with self._engine_lock:
@@ -155,6 +164,7 @@ class LLM:
                             sampling_params=request_params,
                             prompt_token_ids=request.get("prompt_token_ids"),
                             stream=False,
+                            lora_request=lora,
                         )
                         self._generating.add(request_id)
                 except ValueError as e:
@@ -273,3 +283,20 @@ def _per_prompt_params(
             "give one, or one per prompt"
         )
     return list(sampling_params)
+
+
+def _per_prompt_lora(
+    lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None]:
+    if lora_request is None or isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    if isinstance(lora_request, str) or not isinstance(lora_request, SequenceABC):
+        raise ValueError(
+            f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}"
+        )
+    if len(lora_request) != num_prompts:
+        raise ValueError(
+            f"lora_request has {len(lora_request)} entries for {num_prompts} prompts: "
+            "give one, or one per prompt"
+        )
+    return list(lora_request)

@@ -87,6 +87,8 @@ class InputBatch:
         self.has_penalty = np.zeros(max_num_rows, dtype=bool)
         # Rows with per-request logits processors (worker/request_logits.py).
         self.has_processors = np.zeros(max_num_rows, dtype=bool)
+        # Each row's LoRA adapter id (0: none).
+        self.lora_int_ids = np.zeros(max_num_rows, dtype=np.int64)
         # Seeded requests' generators, by request id: kept across preemption, dropped at the end.
         self.generators: dict[int, torch.Generator] = {}
         self.output_counts: torch.Tensor | None = None
@@ -133,6 +135,7 @@ class InputBatch:
         self.num_host_tokens[row] = self.num_tokens[row] = len(tokens)
         self.num_dropped_tokens[row] = 0
         self.set_block_ids(row, 0, data.block_ids)
+        self.lora_int_ids[row] = data.lora_request.lora_int_id if data.lora_request is not None else 0
         self._add_sampling(row, data)
         return row
 

@@ -24,6 +24,7 @@ class InputBuffers:
     ) -> None:
         self.device = device
         self.on_host = device.type == "cpu"
+        self.max_num_tokens = max_num_tokens
         sizes = {
             "input_ids": (max_num_tokens, torch.int64),
             "positions": (max_num_tokens, torch.int64),

@@ -15,6 +15,7 @@ from torch import nn
 
 from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.config import EngineConfig
+from pagedllm.lora.model_manager import LoRAModelManager
 from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step_io import ModelRunnerOutput, NewRequestData, PromptLogprobsOutput, SchedulerOutput
@@ -145,13 +146,24 @@ class ModelRunner:
             if spec_config is None
             else DraftVerifier(self.input_batch, spec_config.synthetic_acceptance_rate)
         )
+        # With enable_lora: the model's projections wrapped, and the adapters' slots.
+        self.lora_manager: LoRAModelManager | None = None
 
     def load_model(self) -> None:
         from pagedllm.model_loader import get_model
 
+        config = self.config
         self.model = get_model(
-            self.config.model_config, self.config.load_config.load_format, self.device, self.attn_backend
+            config.model_config, config.load_config.load_format, self.device, self.attn_backend
         )
+        if config.lora_config is not None:
+            self.lora_manager = LoRAModelManager(
+                self.model,
+                config.lora_config,
+                config.model_config.hf_config,
+                self.buffers.max_num_tokens,
+                self.device,
+            )
 
     # --- setup: memory profile and CUDA graphs ----------------------------------------------
 
@@ -210,6 +222,13 @@ class ModelRunner:
             self.graph_runner,
             scheduler_output.scheduled_spec_decode_tokens,
         )
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_step(
+                (data.lora_request for data in scheduler_output.scheduled_new_reqs),
+                self.input_batch.lora_int_ids[plan.rows],
+                plan.query_start_loc,
+                plan.pad_to,
+            )
         return stage_model_input(plan, self.input_batch, self.buffers, self.block_size)
 
     @torch.inference_mode()

@@ -12,6 +12,7 @@ import torch
 from pagedllm.kernels.bench import DecodeInputs, DecodeShape
 from pagedllm.kernels.triton.activation import silu_and_mul
 from pagedllm.kernels.triton.fused_moe import fused_moe
+from pagedllm.kernels.triton.lora import lora_shrink_expand
 from pagedllm.kernels.triton.paged_decode import paged_decode
 from pagedllm.kernels.triton.paged_prefill import paged_prefill
 from pagedllm.kernels.triton.reshape_and_cache import reshape_and_cache
@@ -129,4 +130,18 @@ def layers() -> None:
     warm_up(49152, CPU)  # the sampler's variants and the grammar bitmask
 
 
-LAUNCHES: list[Callable[[], None]] = [decode, prefill, cache_write, moe, layers]
+def lora() -> None:
+    # A fused q/k/v projection with 8 slots of rank 16, and a rank-8 unfused one.
+    for dtype in DTYPES:
+        for slices, rank in (((4096, 1024, 1024), 16), ((4096,), 8)):
+            x = torch.empty(5, 4096, dtype=dtype)
+            width = len(slices) * 8 * rank
+            y = torch.empty(5, sum(slices), dtype=dtype)
+            starts = (slices[0], slices[0] + slices[1]) if len(slices) == 3 else (slices[0], slices[0])
+            lora_shrink_expand(
+                y, x, torch.empty(width, 4096, dtype=dtype), torch.empty(sum(slices), width, dtype=dtype),
+                torch.zeros(5, dtype=torch.int64), 8, rank, starts,
+            )  # fmt: skip
+
+
+LAUNCHES: list[Callable[[], None]] = [decode, prefill, cache_write, moe, layers, lora]

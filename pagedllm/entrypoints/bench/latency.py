@@ -3,7 +3,8 @@
 A single request (128 prompt tokens, 256 output tokens, greedy, EOS ignored) on dummy weights,
 with CUDA graphs and, for comparison, eagerly. The floor is reading every weight once per token
 at the device's measured copy bandwidth (bytes read + written over time, as benchmarks/README.md
-measures it): the per-token latency over that floor is the gap.
+measures it): the per-token latency over that floor is the gap. ``--lora-rank R`` runs the
+request with one random rank-R LoRA adapter (``lora_adapters.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import tempfile
 import time
 from typing import Any
 
@@ -20,8 +22,10 @@ import torch
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.bench.ceilings import copy_bandwidth
+from pagedllm.entrypoints.bench.lora_adapters import write_random_adapters
 from pagedllm.entrypoints.bench.throughput import profile_steps_of
 from pagedllm.entrypoints.bench.workloads import WORKLOADS
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -39,15 +43,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "with this probability whatever the model says, to measure drafting and verifying on dummy "
         "weights (every figure is labelled synthetic; the outputs are not the model's)",
     )
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="run the request with one random LoRA adapter of this rank"
+    )
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(load_format="dummy", model=None, max_num_seqs=1)
     return parser
 
 
-def time_request(engine: LLMEngine, prompt: list[int], output_len: int) -> tuple[float, float]:
+def time_request(
+    engine: LLMEngine, prompt: list[int], output_len: int, lora_request: LoRARequest | None = None
+) -> tuple[float, float]:
     """(seconds to the first token, seconds per later token) of one request alone."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    engine.add_request("w3", sampling_params=params, prompt_token_ids=prompt)
+    engine.add_request("w3", sampling_params=params, prompt_token_ids=prompt, lora_request=lora_request)
     start = time.perf_counter()
     first = None
     while engine.has_unfinished_requests():
@@ -64,11 +73,24 @@ def model_weight_bytes(worker: Any) -> int:
 
 
 def measure(
-    engine_args: EngineArgs, prompt: list[int], output_len: int, num_iters: int, profile_steps: int = 0
+    engine_args: EngineArgs,
+    prompt: list[int],
+    output_len: int,
+    num_iters: int,
+    profile_steps: int = 0,
+    lora_rank: int = 0,
 ) -> dict[str, Any]:
+    if lora_rank:
+        engine_args = dataclasses.replace(
+            engine_args, enable_lora=True, max_lora_rank=max(engine_args.max_lora_rank, lora_rank)
+        )
     engine = LLMEngine.from_engine_args(engine_args)
-    time_request(engine, prompt, 8)  # warm-up
-    runs = sorted(time_request(engine, prompt, output_len) for _ in range(num_iters))
+    adapter_dir = tempfile.TemporaryDirectory(prefix="pagedllm-bench-lora-")
+    hf_config = engine.config.model_config.hf_config
+    lora = write_random_adapters(hf_config, 1, lora_rank, adapter_dir.name)[0] if lora_rank else None
+    time_request(engine, prompt, 8, lora)  # warm-up (and the adapter into its slot)
+    runs = sorted(time_request(engine, prompt, output_len, lora) for _ in range(num_iters))
+    adapter_dir.cleanup()
     profiled = None
     if profile_steps:
         params = SamplingParams(temperature=0.0, max_tokens=profile_steps + 2, ignore_eos=True)
@@ -124,7 +146,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     modes = [("cuda_graphs", False)] + ([] if args.skip_eager else [("eager", True)])
     for mode, enforce_eager in modes:
         mode_args = dataclasses.replace(engine_args, enforce_eager=enforce_eager)
-        result[mode] = measure(mode_args, prompt, workload.output_len, args.num_iters, args.profile_steps)
+        result[mode] = measure(
+            mode_args, prompt, workload.output_len, args.num_iters, args.profile_steps, args.lora_rank
+        )
         profiled = result[mode]["profile"]
         if profiled:
             print(profiled.pop("table"))
@@ -137,8 +161,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     for mode, _ in modes:
         m = result[mode]
         m["over_floor"] = m["tpot_ms"] / floor_ms
+        lora_note = f" with a rank-{args.lora_rank} LoRA" if args.lora_rank else ""
         print(
-            f"W3 {mode} at TP={engine_args.tensor_parallel_size}: {m['tpot_ms']:.2f} ms/token "
+            f"W3{lora_note} {mode} at TP={engine_args.tensor_parallel_size}: {m['tpot_ms']:.2f} ms/token "
             f"({m['over_floor']:.2f}x the {floor_ms:.2f} ms "
             f"weight-read floor), first token {m['ttft_ms']:.1f} ms{synthetic}"
         )

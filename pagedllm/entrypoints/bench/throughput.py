@@ -5,7 +5,9 @@ dummy weights of the workload's architecture). Reports output and total tokens p
 the step timeline: each step's wall time and the tokens it computed, so that the prefill phase,
 the decode phase and the per-step overhead can be read apart. ``--profile-steps N`` also records N
 decode steps with the torch profiler and prints where host and device time go. For a mixture of
-experts (W5) it also reports the run against its floor (``moe_floor.py``).
+experts (W5) it also reports the run against its floor (``moe_floor.py``). ``--num-loras K
+--lora-rank R`` runs the requests with K random rank-R LoRA adapters, request i with adapter i mod K
+(``lora_adapters.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import tempfile
 import time
 from typing import Any
 
@@ -21,8 +24,10 @@ import torch
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.bench.ceilings import copy_bandwidth, matmul_peak_flops
+from pagedllm.entrypoints.bench.lora_adapters import write_random_adapters
 from pagedllm.entrypoints.bench.moe_floor import MoeShape, moe_floor
 from pagedllm.entrypoints.bench.workloads import WORKLOADS, Workload
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
 # Tokens per step for offline batches, vLLM's offline default on H100/H200-class GPUs: half as many
@@ -38,6 +43,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--output-png", default=None)
     parser.add_argument("--profile-steps", type=int, default=0, help="torch-profile N decode steps")
     parser.add_argument("--profile-dir", default=None, help="where to write the profiler's trace")
+    parser.add_argument(
+        "--num-loras", type=int, default=0, help="random LoRA adapters spread over the requests (0: none)"
+    )
+    parser.add_argument("--lora-rank", type=int, default=16, help="rank of the random LoRA adapters")
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(
         load_format="dummy",
@@ -50,20 +59,37 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def engine_args_for(workload: Workload, args: argparse.Namespace) -> EngineArgs:
     engine_args = EngineArgs.from_cli_args(args)
-    return dataclasses.replace(
+    engine_args = dataclasses.replace(
         engine_args,
         model=engine_args.model or workload.model,
         max_model_len=engine_args.max_model_len or workload.max_model_len,
     )
+    if args.num_loras:
+        # Every adapter in a slot of its own: the batch mixes all of them every step.
+        engine_args = dataclasses.replace(
+            engine_args,
+            enable_lora=True,
+            max_loras=max(engine_args.max_loras, args.num_loras),
+            max_lora_rank=max(engine_args.max_lora_rank, args.lora_rank),
+        )
+    return engine_args
 
 
 def run(
-    engine: LLMEngine, prompts: list[list[int]], output_len: int, profile_steps: int = 0
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    output_len: int,
+    profile_steps: int = 0,
+    lora_requests: list[LoRARequest] | None = None,
 ) -> dict[str, Any]:
-    """Queue every prompt, step until done; returns timings and the step timeline."""
+    """Queue every prompt (prompt i with adapter i mod len(lora_requests)), step until done;
+    returns timings and the step timeline."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), sampling_params=params, prompt_token_ids=prompt, stream=False)
+        lora = lora_requests[i % len(lora_requests)] if lora_requests else None
+        engine.add_request(
+            str(i), sampling_params=params, prompt_token_ids=prompt, stream=False, lora_request=lora
+        )
     prefill_at_start = engine.get_stats().num_prefill_tokens
     timeline: list[tuple[float, int, int]] = []  # (step seconds, prefill tokens, sampled tokens)
     num_prompt = sum(len(p) for p in prompts)
@@ -188,11 +214,19 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     workload = WORKLOADS[args.workload]
     prompts = workload.prompts(args.num_prompts)
     engine = LLMEngine.from_engine_args(engine_args_for(workload, args))
+    adapter_dir = tempfile.TemporaryDirectory(prefix="pagedllm-bench-lora-")
+    loras = write_random_adapters(
+        engine.config.model_config.hf_config, args.num_loras, args.lora_rank, adapter_dir.name
+    )
     # Warm-up: a small run of the same shape (chunked prompts beside decodes of every count up to
-    # 64) compiles the kernels' specialisations and touches the cache before the timed run.
-    run(engine, workload.prompts(64), 16)
-    result = run(engine, prompts, workload.output_len, args.profile_steps)
+    # 64) compiles the kernels' specialisations, touches the cache and fills the adapters' slots
+    # before the timed run.
+    run(engine, workload.prompts(64), 16, lora_requests=loras)
+    result = run(engine, prompts, workload.output_len, args.profile_steps, lora_requests=loras)
+    adapter_dir.cleanup()
     result.update(
+        num_loras=args.num_loras,
+        lora_rank=args.lora_rank if args.num_loras else None,
         workload=workload.name,
         device=torch.cuda.get_device_name(),
         attention_backend=engine.executor.collective_rpc(attention_backend_name)[0],
@@ -215,8 +249,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             f"{profiled['wall_ms_per_step']:.2f} ms of wall time per step"
         )
     engine.shutdown()
+    loras_note = f" with {args.num_loras} rank-{args.lora_rank} LoRAs" if args.num_loras else ""
     print(
-        f"{workload.name} at TP={result['tensor_parallel_size']}: "
+        f"{workload.name}{loras_note} at TP={result['tensor_parallel_size']}: "
         f"{result['num_requests']} requests in {result['elapsed_s']:.2f} s: "
         f"{result['output_tok_s']:.0f} output tok/s, {result['total_tok_s']:.0f} total tok/s "
         f"(prefill {result['prefill_s']:.2f} s, decode {result['decode_s']:.2f} s over "

@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -33,13 +33,18 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
     ModelList,
     TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import REQUEST_ID_HEADER, APIError
+from pagedllm.entrypoints.openai.serving_models import (
+    LoadLoRAAdapterRequest,
+    OpenAIServingModels,
+    UnloadLoRAAdapterRequest,
+    parse_lora_modules,
+)
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.utils import engine_summary
@@ -79,6 +84,8 @@ class ServerSettings:
     trust_request_chat_template: bool = False
     # The tool-call parser for tool_choice "auto" (None: auto is refused).
     tool_call_parser: str | None = None
+    # LoRA adapters served from the start: (name, path, base model name or None).
+    lora_modules: list[tuple[str, str, str | None]] = field(default_factory=list)
 
 
 def error_response(error: APIError) -> Response:
@@ -230,6 +237,9 @@ def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI
         tool_parser=tool_parser,
     )
     tokenization = OpenAIServingTokenization(async_engine, settings.model_name, tokenizer, chat=chat)
+    models = OpenAIServingModels(async_engine.config, settings.model_name, settings.lora_modules)
+    for handler in (completions, chat, tokenization):
+        handler.models = models
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -271,21 +281,24 @@ def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    # The served name only: the weights' path on this machine is nobody else's business.
-    card = ModelCard(
-        id=settings.model_name,
-        root=settings.model_name,
-        max_model_len=async_engine.config.model_config.max_model_len,
-    )
-
+    # Served names only: the weights' and adapters' paths on this machine are nobody else's business.
     @app.get("/v1/models")
-    async def models() -> Response:
-        return Response(ModelList(data=[card]).model_dump_json(), media_type="application/json")
+    async def list_models() -> Response:
+        return Response(ModelList(data=models.cards()).model_dump_json(), media_type="application/json")
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> Response:
-        completions.check_model(model_id)
-        return Response(card.model_dump_json(), media_type="application/json")
+        return Response(models.card(model_id).model_dump_json(), media_type="application/json")
+
+    if async_engine.config.lora_config is not None:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+            return Response(await models.load_lora_adapter(request), media_type="text/plain")
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+            return Response(models.unload_lora_adapter(request), media_type="text/plain")
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> Response:
@@ -391,6 +404,12 @@ def run_server(args: argparse.Namespace) -> None:
     configure_logging(args.log_level)
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("pagedllm serve: --enable-auto-tool-choice needs --tool-call-parser")
+    if args.lora_modules and not args.enable_lora:
+        raise SystemExit("pagedllm serve: --lora-modules needs --enable-lora")
+    try:
+        lora_modules = parse_lora_modules(args.lora_modules or [])
+    except ValueError as e:
+        raise SystemExit(f"pagedllm serve: {e}") from e
     engine_args = EngineArgs.from_cli_args(args)
     start = time.perf_counter()
     if args.engine_process:
@@ -407,8 +426,13 @@ def run_server(args: argparse.Namespace) -> None:
         limit_concurrency=args.limit_concurrency,
         trust_request_chat_template=args.trust_request_chat_template,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        lora_modules=lora_modules,
     )
-    app = build_app(async_engine, settings)
+    try:
+        app = build_app(async_engine, settings)
+    except ValueError as e:  # an adapter of --lora-modules that cannot run
+        async_engine.close()
+        raise SystemExit(f"pagedllm serve: {e}") from e
     config = uvicorn.Config(
         app,
         host=args.host,

@@ -84,6 +84,14 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="run the engine in a process of its own, so that HTTP work never delays a step "
         "(off: a thread of the server's process)",
     )
+    server.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters to serve (with --enable-lora), each name=path or vLLM's JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request\'s model field picks one',
+    )
     EngineArgs.add_cli_args(parser)
     # A server serves streams: chunked prefill keeps a long prompt from stalling them for more
     # than one step (of max_num_batched_tokens tokens). Synchronous scheduling, because a request

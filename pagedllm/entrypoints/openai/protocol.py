@@ -313,6 +313,8 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedllm"
     root: str | None = None
+    # A LoRA adapter's base model.
+    parent: str | None = None
     max_model_len: int | None = None
 
 

@@ -120,7 +120,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """The response, or (``stream``) its server-sent events. Raises APIError for a bad request."""
         arrival_time = time.time()
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         self.check_request_options(request)
         self._check_logprobs(request)
         try:
@@ -147,7 +147,7 @@ class OpenAIServingChat(OpenAIServing):
             await self.compile_structured_outputs(params, "tools")
         request_id = "chatcmpl-" + new_request_id(raw_request)
         [stream], guard = await self.add_requests(
-            request_id, [prompt], params, arrival_time, raw_request, bool(request.stream)
+            request_id, [prompt], params, arrival_time, raw_request, bool(request.stream), lora_request
         )
         if request.stream:
             return self._stream(request, mode, guard, request_id, stream, params.n)

@@ -61,7 +61,7 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> CompletionResponse | AsyncIterator[str]:
         """The response, or (``stream``) its server-sent events. Raises APIError for a bad request."""
         arrival_time = time.time()
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         self.check_request_options(request)
         if request.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
@@ -77,7 +77,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = await self.sampling_params(request, request.max_tokens, request.logprobs, prompt_logprobs)
         request_id = "cmpl-" + new_request_id(raw_request)
         streams, guard = await self.add_requests(
-            request_id, prompts, params, arrival_time, raw_request, bool(request.stream)
+            request_id, prompts, params, arrival_time, raw_request, bool(request.stream), lora_request
         )
         if request.stream:
             return self._stream(request, guard, request_id, prompts, streams)

@@ -12,11 +12,12 @@ import math
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pagedllm.core.request import Logprob
 from pagedllm.engine.async_engine import AsyncEngineDeadError, AsyncLLMEngine, RequestStream
 from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest, UsageInfo
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -80,6 +81,12 @@ def top_logprobs(step: dict[int, Logprob], num_top: int) -> list[tuple[int, Logp
     return sorted(step.items(), key=lambda item: item[1].logprob, reverse=True)[:num_top]
 
 
+class ServedModels(Protocol):
+    """What the handlers ask of the served models (``serving_models.OpenAIServingModels``)."""
+
+    def lora_request(self, model: str | None) -> LoRARequest | None: ...
+
+
 class OpenAIServing:
     """Base of the endpoint handlers.
 
@@ -94,6 +101,9 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = tokenizer
+        # The served models (the base and its LoRA adapters), shared by the handlers; set by the
+        # app. None: the base model alone.
+        self.models: ServedModels | None = None
         self.max_model_len = engine.config.model_config.max_model_len
         # None with attention sinks: the completion may run past max_model_len.
         self.max_context_len = engine.config.model_config.max_context_len
@@ -110,9 +120,13 @@ class OpenAIServing:
 
     # --- checks -----------------------------------------------------------------------------
 
-    def check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names (None: the base model); 404 for an unknown model."""
+        if self.models is not None:
+            return self.models.lora_request(model)
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return None
 
     def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str) -> None:
         """400 when the prompt, or the prompt plus max_tokens, does not fit the context."""
@@ -232,6 +246,7 @@ class OpenAIServing:
         arrival_time: float,
         raw_request: Request,
         stream: bool,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[list[RequestStream], DisconnectGuard]:
         """Queue one engine request per prompt; the guard aborts them all when the client leaves,
         even while the later ones are still being queued. With ``stream`` each output holds what
@@ -255,6 +270,7 @@ class OpenAIServing:
                         sampling_params=params,
                         prompt_token_ids=prompt.token_ids,
                         arrival_time=arrival_time,
+                        lora_request=lora_request,
                     )
                 )
         except BaseException as e:

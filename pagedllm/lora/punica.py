@@ -1,0 +1,144 @@
+"""The batched LoRA product of a step, Punica's contract (Chen et al., 2023, "Punica: Multi-Tenant
+LoRA Serving"; vLLM's ``punica_wrapper``): every token t of the batch runs with the adapter in
+slot ``s(t)`` (or none) and adds
+
+    y[t] += (x[t] @ A[s(t)]^T) @ B[s(t)]^T          A[s]: [R, in], B[s]: [out, R], scale in B
+
+to its projection's output, all adapters of the batch in one pass per projection.
+
+The torch path here stacks the slots: ``A_all [S * R, in]`` holds every slot's A (slot s in rows
+``s * R .. (s + 1) * R``, a rank-r adapter zero-padded to R), ``B_all [out, S * R]`` every B. Then
+
+    shrink:  h = x @ A_all^T                 [T, S * R]   every slot's rank-R projection
+    select:  h *= mask                       mask[t, s * R + k] = 1 if s(t) == s else 0
+    expand:  y += h @ B_all^T                [T, out]
+
+Two matmuls and a multiply per projection whatever the mix of adapters: the shapes depend on
+the number of tokens only, so a decode step is captured in a CUDA graph as it is (the mask is
+a buffer at a fixed address, refilled each step), and a token's result does not depend on the
+other tokens of its batch (the masked columns add exact zeros). It costs ``S * R * (in + out)``
+multiply-adds per token, against ``in * out`` for the projection: 3% for a 4096-wide layer with
+8 slots of rank 16.
+
+A fused projection (q/k/v, gate/up) has one block of ``S * R`` columns per slice: slice i's A in
+rows ``i * S * R ..``, its B only in slice i's output rows, so one shrink and one expand serve
+all slices (the mask repeats per slice).
+
+On CUDA the same contract runs as Punica's BGMV kernels (``kernels/triton/lora.py``): each token
+reads only its own adapter's rows, so the work does not grow with ``max_loras``; the per-token
+slots live in a buffer at a fixed address, as the masks do here. ``LoRABatch`` picks one of the
+two at construction; the torch product is the reference the kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# The slot of a token that runs without an adapter (vLLM's punica convention).
+NO_SLOT = -1
+
+
+def add_lora(
+    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mask: torch.Tensor
+) -> None:
+    """y: [T, out] += ((x [T, in] @ lora_a [C, in]^T) * mask [T, C]) @ lora_b [out, C]^T, in place."""
+    y += F.linear(F.linear(x, lora_a) * mask, lora_b)
+
+
+def token_lora_ids(row_lora_ids: np.ndarray, query_start_loc: np.ndarray, pad_to: int) -> np.ndarray:
+    """[num_tokens (or pad_to)] int64: each token's adapter id (0: none), from its request's.
+
+    row_lora_ids: [num_reqs] the step's requests' adapter ids in batch order; query_start_loc:
+    their CSR offsets ([pad_to + 1] under a CUDA graph, where every request is one decode and the
+    padding rows run without adapter)."""
+    if pad_to:
+        out = np.zeros(pad_to, dtype=np.int64)
+        out[: len(row_lora_ids)] = row_lora_ids
+        return out
+    return np.repeat(row_lora_ids, np.diff(query_start_loc[: len(row_lora_ids) + 1]))
+
+
+class LoRABatch:
+    """The step's token -> slot mapping, and the product that reads it (``apply``), chosen once:
+    BGMV kernels on CUDA (the slots in a buffer), the masked product elsewhere (one mask buffer
+    per number of slices, 1, 2 or 3). Buffers stay at fixed addresses: a captured graph reads
+    ``[:T]`` of them.
+
+    Args:
+        num_slots: S, adapters per step (max_loras).
+        max_rank: R, the rank every slot is sized for (max_lora_rank).
+        max_num_tokens: most tokens in a step (or a captured graph's batch).
+        slice_counts: the slice counts of the wrapped projections.
+        use_kernels: the Triton kernels (default: on CUDA); tests run them on the CPU, interpreted.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        max_rank: int,
+        max_num_tokens: int,
+        slice_counts: set[int],
+        dtype: torch.dtype,
+        device: torch.device,
+        use_kernels: bool | None = None,
+    ) -> None:
+        self.num_slots, self.max_rank, self.device = num_slots, max_rank, device
+        if use_kernels is None:
+            use_kernels = device.type == "cuda"
+        self._masks: dict[int, torch.Tensor] = {}
+        self._token_slots = torch.full((max_num_tokens,), NO_SLOT, dtype=torch.int64, device=device)
+        if use_kernels:
+            from pagedllm.kernels.triton.lora import lora_shrink_expand
+
+            self._kernel = lora_shrink_expand
+            self.apply = self._apply_kernels
+            return
+        width = num_slots * max_rank
+        self._masks = {
+            n: torch.zeros(max_num_tokens, n * width, dtype=dtype, device=device) for n in slice_counts
+        }
+        # [S * R]: the slot each shrink column belongs to.
+        self._column_slots = torch.arange(num_slots, device=device).repeat_interleave(max_rank)
+        self.apply = self._apply_masked
+
+    def set_token_slots(self, token_slots: np.ndarray) -> None:
+        """token_slots: [num_tokens] int64, each token's slot or NO_SLOT."""
+        slots = torch.from_numpy(np.ascontiguousarray(token_slots, dtype=np.int64))
+        if self.device.type != "cpu":
+            # Pinned, asynchronous: a pageable copy would wait for the device to drain.
+            slots = slots.pin_memory().to(self.device, non_blocking=True)
+        num_tokens = len(token_slots)
+        self._token_slots[:num_tokens].copy_(slots)
+        if self._masks:
+            selected = slots[:, None] == self._column_slots[None, :]  # [T, S * R]
+            for num_slices, mask in self._masks.items():
+                mask[:num_tokens].copy_(selected.repeat(1, num_slices))
+
+    def mask(self, num_slices: int, num_tokens: int) -> torch.Tensor:
+        """[num_tokens, num_slices * S * R] in the run dtype (the masked product's)."""
+        return self._masks[num_slices][:num_tokens]
+
+    def _apply_masked(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        num_slices: int,
+        slice_starts: tuple[int, int],
+    ) -> None:
+        add_lora(y, x, lora_a, lora_b, self.mask(num_slices, x.shape[0]))
+
+    def _apply_kernels(
+        self,
+        y: torch.Tensor,
+        x: torch.Tensor,
+        lora_a: torch.Tensor,
+        lora_b: torch.Tensor,
+        num_slices: int,
+        slice_starts: tuple[int, int],
+    ) -> None:
+        token_slots = self._token_slots[: x.shape[0]]
+        self._kernel(y, x, lora_a, lora_b, token_slots, self.num_slots, self.max_rank, slice_starts)

@@ -1,0 +1,44 @@
+"""LoRA at two tensor-parallel CPU ranks (gloo, the "mp" executor): A and B sharded with their
+projection (B's rows by head for q/k/v, a KV head replicated on both ranks; A's columns for o and
+down) give PEFT's merged model's greedy tokens, as one rank does."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import LlamaConfig
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.lora.request import LoRARequest
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CASES = {
+    "gqa-split": {"num_attention_heads": 4, "num_key_value_heads": 2},
+    "kv1-replicated-bias": {"num_attention_heads": 4, "num_key_value_heads": 1, "attention_bias": True},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_with_adapters_give_peft_merged_tokens(
+    make_tiny_model, make_adapter, peft_merged, greedy_reference, make_prompts, case
+):
+    hf_model, model_config = make_tiny_model(LlamaConfig, **CASES[case])
+    loras = [
+        LoRARequest("all", 1, make_adapter(hf_model, 8, ALL_TARGETS)),
+        LoRARequest("kv", 2, make_adapter(hf_model, 4, ["k_proj", "v_proj", "down_proj"])),
+    ]
+    choices = [loras[0], None, loras[1], loras[0]]
+    prompts = make_prompts(len(choices), model_config.vocab_size, seed=11)
+    llm = LLM(
+        model_config.model, device="cpu", swap_space=0.01, tensor_parallel_size=2,
+        enable_lora=True, max_loras=2, max_lora_rank=8,
+    )  # fmt: skip
+    outputs = llm.generate(
+        prompt_token_ids=prompts, sampling_params=GREEDY, lora_request=choices, use_tqdm=False
+    )
+    merged = {lora.lora_int_id: peft_merged(hf_model, lora.lora_path) for lora in loras}
+    for prompt, lora, output in zip(prompts, choices, outputs):
+        reference = merged[lora.lora_int_id] if lora else hf_model
+        assert output.outputs[0].token_ids == greedy_reference(reference, prompt, GREEDY.max_tokens), lora
+    llm.llm_engine.shutdown()
