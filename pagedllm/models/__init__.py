@@ -6,9 +6,11 @@ from torch import nn
 
 from pagedllm.models.bloom import BloomForCausalLM
 from pagedllm.models.gemma import GemmaForCausalLM
+from pagedllm.models.glm4_moe import Glm4MoeForCausalLM
 from pagedllm.models.gpt2 import GPT2LMHeadModel
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
+from pagedllm.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM
 from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # Hugging Face architecture name -> our implementation.
@@ -23,6 +25,11 @@ _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "BloomForCausalLM": BloomForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
+    "SmolLM3ForCausalLM": LlamaForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
 }
 
 # config.model_type -> the architecture it means, for configs without ``architectures`` (as
@@ -38,6 +45,11 @@ _MODEL_TYPE_ARCHITECTURES = {
     "bloom": "BloomForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 
 
@@ -61,10 +73,13 @@ def get_supported_architectures() -> list[str]:
 
 __all__ = [
     "BloomForCausalLM",
+    "Exaone4ForCausalLM",
     "GPT2LMHeadModel",
     "GemmaForCausalLM",
+    "Glm4MoeForCausalLM",
     "LlamaForCausalLM",
     "MixtralForCausalLM",
+    "Olmo2ForCausalLM",
     "Qwen3MoeForCausalLM",
     "get_model_class",
     "get_supported_architectures",

@@ -1,0 +1,166 @@
+"""The breadth families (Phi-3, OLMo-2, SmolLM3, EXAONE-4, GLM-4-MoE) against Hugging Face
+``generate`` (greedy, float32, CPU), through ``LLM`` on every attention backend that runs on the
+CPU: torch, cpu and Triton (under the interpreter).
+
+Each family is a tiny random model (head_dim 64, so the Triton kernels take it) whose windows are
+shorter than its prompts, built to exercise what the family adds: a partial rotation, post-norms,
+a q/k norm over the whole projection, NoPE layers, grouped routing with shared experts. The batch
+is ragged (112-160 tokens), the second prompt shares the first's 96-token prefix with prefix
+caching on, and prefills are chunked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from transformers import Exaone4Config, Glm4MoeConfig, Olmo2Config, Phi3Config, SmolLM3Config
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.fused_moe import select_experts_grouped
+from pagedllm.models import get_model_class
+from pagedllm.models.glm4_moe import Glm4MoeForCausalLM
+from pagedllm.models.llama import LlamaForCausalLM
+from pagedllm.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM
+
+MAX_TOKENS = 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+# Special tokens inside the tiny vocabulary (the families' defaults are real tokenizers' ids).
+_BASE = {
+    "max_position_embeddings": 512,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+# name: (config class, overrides).
+CASES: dict[str, tuple[type, dict[str, Any]]] = {
+    # Fused qkv/gate_up checkpoint tensors, 3/4 of each head rotated, a window on every layer.
+    "phi3-partial-rotary-window32": (
+        Phi3Config,
+        {
+            **_BASE,
+            "sliding_window": 32,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+        },
+    ),
+    # Post-norms, q/k RMSNorm over the whole projections.
+    "olmo2": (Olmo2Config, {**_BASE, "num_attention_heads": 4, "num_key_value_heads": 2}),
+    # Layer 1 is NoPE and slides (SmolLM3 puts its windows on the NoPE layers).
+    "smollm3-nope-window24": (
+        SmolLM3Config,
+        {**_BASE, "no_rope_layers": [1, 0], "use_sliding_window": True, "sliding_window": 24},
+    ),
+    # Layer 0 slides and rotates, layer 1 is global and NoPE; per-head q/k norms; post-norms.
+    "exaone4-window16": (Exaone4Config, {**_BASE, "sliding_window": 16, "sliding_window_pattern": 2}),
+    # Layer 0 dense, 1-2 sparse: 8 experts in 4 groups, 2 groups kept, top-2, one shared expert.
+    "glm4moe-grouped": (
+        Glm4MoeConfig,
+        {
+            **_BASE,
+            "num_hidden_layers": 3,
+            "first_k_dense_replace": 1,
+            "moe_intermediate_size": 32,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_group": 4,
+            "topk_group": 2,
+            "n_shared_experts": 1,
+            "routed_scaling_factor": 2.5,
+            "partial_rotary_factor": 0.5,
+            "attention_bias": True,
+            "use_qk_norm": True,
+        },
+    ),
+}
+
+# The Triton interpreter takes ~10-20 s a case.
+BACKENDS = ("torch", "cpu", pytest.param("triton", marks=pytest.mark.slow))
+
+
+@pytest.fixture(scope="module")
+def case_model(greedy_reference: Callable) -> Callable[[str], tuple[str, list, list]]:
+    def get(case: str) -> tuple[str, list, list]:
+        config_class, overrides = CASES[case]
+        return greedy_reference(config_class, overrides, MAX_TOKENS, "cpu", list(CASES).index(case))
+
+    return get
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_equals_hf(case_model: Callable, case: str, backend: str) -> None:
+    model, prompts, expected = case_model(case)
+    # The Triton interpreter is slow: two prompts (the prefix-sharing pair) are its whole test.
+    num_prompts = 2 if backend == "triton" else len(prompts)
+    llm = LLM(
+        model,
+        device="cpu",
+        attention_backend=backend,
+        max_model_len=512,
+        block_size=8,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=48,
+        max_num_seqs=4,
+        enable_prefix_caching=True,
+    )
+    outputs = llm.generate(prompt_token_ids=prompts[:num_prompts], sampling_params=GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected[:num_prompts]
+
+
+def test_registry_and_layer_choices(make_tiny_model: Callable) -> None:
+    assert get_model_class(["Phi3ForCausalLM"]) is LlamaForCausalLM
+    assert get_model_class(["SmolLM3ForCausalLM"]) is LlamaForCausalLM
+    assert get_model_class([], "olmo2") is Olmo2ForCausalLM
+    assert get_model_class(["Exaone4ForCausalLM"]) is Exaone4ForCausalLM
+    assert get_model_class(["Glm4MoeForCausalLM"]) is Glm4MoeForCausalLM
+    config = Exaone4Config(
+        **{**_BASE, "num_hidden_layers": 4, "sliding_window": 16, "sliding_window_pattern": 2}
+    )
+    # HF's rule: with a window, the sliding layers rotate and the global ones are NoPE.
+    assert [Exaone4ForCausalLM.uses_rope(config, i) for i in range(4)] == [True, False, True, False]
+    assert [LlamaForCausalLM.uses_rope(SmolLM3Config(num_hidden_layers=4), i) for i in range(4)] == [
+        True,
+        True,
+        True,
+        False,
+    ]
+
+
+def test_grouped_router_matches_transformers() -> None:
+    """select_experts_grouped against transformers' Glm4MoeTopkRouter on random logits."""
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+
+    config = Glm4MoeConfig(
+        hidden_size=16,
+        n_routed_experts=16,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.7,
+    )
+    router = Glm4MoeTopkRouter(config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 16, generator=generator))
+        router.e_score_correction_bias.copy_(torch.randn(16, generator=generator) * 0.3)
+    hidden = torch.randn(64, 16, generator=generator)
+    logits, hf_weights, hf_ids = router(hidden)
+    weights, ids = select_experts_grouped(logits, 3, 4, 2, router.e_score_correction_bias, True, 1.7)
+    # Same experts with the same weights (each side's order within a token is its own).
+    hf_order, order = hf_ids.argsort(dim=-1), ids.argsort(dim=-1)
+    assert torch.equal(hf_ids.gather(1, hf_order), ids.gather(1, order))
+    torch.testing.assert_close(weights.gather(1, order), hf_weights.gather(1, hf_order))
+
+
+def test_grouped_router_rejects_groups_that_do_not_divide() -> None:
+    from pagedllm.models.glm4_moe import GroupedTopkRouter
+
+    with pytest.raises(ValueError, match=r"n_group \(3\) must divide n_routed_experts \(8\)"):
+        GroupedTopkRouter(Glm4MoeConfig(hidden_size=16, n_routed_experts=8, n_group=3, topk_group=1))
