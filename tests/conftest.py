@@ -60,6 +60,8 @@ def _randomize(model: PreTrainedModel) -> None:
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(".sinks"):  # gpt-oss's learned sink logits: large enough to take weight
+                param.copy_(2.0 * torch.randn(param.shape, generator=generator))
             else:
                 param.copy_(0.1 * torch.randn(param.shape, generator=generator))
 

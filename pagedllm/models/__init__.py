@@ -8,6 +8,7 @@ from pagedllm.models.bloom import BloomForCausalLM
 from pagedllm.models.gemma import GemmaForCausalLM
 from pagedllm.models.glm4_moe import Glm4MoeForCausalLM
 from pagedllm.models.gpt2 import GPT2LMHeadModel
+from pagedllm.models.gpt_oss import GptOssForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM
@@ -30,6 +31,7 @@ _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 # config.model_type -> the architecture it means, for configs without ``architectures`` (as
@@ -50,6 +52,7 @@ _MODEL_TYPE_ARCHITECTURES = {
     "olmo2": "Olmo2ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -77,6 +80,7 @@ __all__ = [
     "GPT2LMHeadModel",
     "GemmaForCausalLM",
     "Glm4MoeForCausalLM",
+    "GptOssForCausalLM",
     "LlamaForCausalLM",
     "MixtralForCausalLM",
     "Olmo2ForCausalLM",

@@ -55,6 +55,8 @@ class AttentionOptions:
     norm_class: type[RMSNorm] = RMSNorm
     # qk_norm over each head (Qwen3, Gemma 3), or over the whole q and k projections (OLMo-2).
     qk_norm_per_head: bool = True
+    # A learned sink logit per head in every softmax (gpt-oss's ``sinks``).
+    learned_sinks: bool = False
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> AttentionOptions:
@@ -67,6 +69,7 @@ class AttentionOptions:
             o_bias=bias and model_type not in _NO_O_BIAS_FAMILIES,
             qk_norm=model_type in _QK_NORM_FAMILIES or bool(getattr(config, "use_qk_norm", False)),
             qk_norm_per_head=model_type != "olmo2",
+            learned_sinks=model_type == "gpt_oss",
         )
 
 
@@ -151,6 +154,10 @@ class LlamaAttention(nn.Module):
         self.num_sinks = attention_sinks(config)
         self.max_sink_distance = self.num_sinks + (sliding_window or 0) - 1
         scale = options.scale if options.scale is not None else self.head_dim**-0.5
+        self.sinks = None
+        if options.learned_sinks:  # this rank's heads
+            self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
+            self.sinks.weight_loader = self.qkv_proj.head_weight_loader
         self.attn = Attention(
             num_heads,
             self.head_dim,
@@ -161,6 +168,7 @@ class LlamaAttention(nn.Module):
             logits_soft_cap=options.logits_soft_cap,
             attention_sinks=self.num_sinks,
             rotary=backend_rotary,
+            sinks=self.sinks,
         )
 
     def _full_qk_sizes(self) -> tuple[int, int]:

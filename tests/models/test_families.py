@@ -1,10 +1,11 @@
-"""The breadth families (Phi-3, OLMo-2, SmolLM3, EXAONE-4, GLM-4-MoE) against Hugging Face
+"""The breadth families (Phi-3, OLMo-2, SmolLM3, EXAONE-4, GLM-4-MoE) and gpt-oss against Hugging Face
 ``generate`` (greedy, float32, CPU), through ``LLM`` on every attention backend that runs on the
 CPU: torch, cpu and Triton (under the interpreter).
 
 Each family is a tiny random model (head_dim 64, so the Triton kernels take it) whose windows are
 shorter than its prompts, built to exercise what the family adds: a partial rotation, post-norms,
-a q/k norm over the whole projection, NoPE layers, grouped routing with shared experts. The batch
+a q/k norm over the whole projection, NoPE layers, grouped routing with shared experts, learned
+sinks with alternating windows and a clamped SwiGLU. The batch
 is ragged (112-160 tokens), the second prompt shares the first's 96-token prefix with prefix
 caching on, and prefills are chunked.
 """
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import Exaone4Config, Glm4MoeConfig, Olmo2Config, Phi3Config, SmolLM3Config
+from transformers import Exaone4Config, Glm4MoeConfig, GptOssConfig, Olmo2Config, Phi3Config, SmolLM3Config
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.fused_moe import select_experts_grouped
@@ -75,6 +76,30 @@ CASES: dict[str, tuple[type, dict[str, Any]]] = {
             "partial_rotary_factor": 0.5,
             "attention_bias": True,
             "use_qk_norm": True,
+        },
+    ),
+    # Learned sinks, layer 0 in a 16-token window and layer 1 global, YaRN, 4 experts top-2 with
+    # biases and a SwiGLU limit small enough to clamp.
+    "gptoss-sinks-window16-yarn": (
+        GptOssConfig,
+        {
+            **_BASE,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 16,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "swiglu_limit": 0.5,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+            },
         },
     ),
 }

@@ -9,8 +9,14 @@ is why CUDA takes the kernel instead.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 def fused_experts_torch(
@@ -19,12 +25,17 @@ def fused_experts_torch(
     w2: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = silu_and_mul,
 ) -> torch.Tensor:
-    """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))`` with ``e = topk_ids[t, j]``.
+    """``sum_j topk_weights[t, j] * down_e(act(gate_e(x_t), up_e(x_t)))`` with ``e = topk_ids[t, j]``.
 
     hidden_states: [num_tokens, hidden_size]; w13: [num_experts, 2 * intermediate, hidden_size]
     (each expert's gate rows, then its up rows); w2: [num_experts, hidden_size, intermediate];
     topk_weights: [num_tokens, top_k] (any float dtype); topk_ids: [num_tokens, top_k].
+    w13_bias: [num_experts, 2 * intermediate], w2_bias: [num_experts, hidden_size], or None;
+    activation(gate, up): SwiGLU's ``silu(gate) * up`` unless the family has its own (gpt-oss).
     Returns [num_tokens, hidden_size] in the dtype of hidden_states.
     """
     num_tokens, top_k = topk_ids.shape
@@ -39,8 +50,10 @@ def fused_experts_torch(
     for expert, count in zip(hit.tolist(), counts[hit].tolist()):
         pairs = order[start : start + count]
         start += count
-        gate_up = F.linear(hidden_states[pairs // top_k], w13[expert])
-        act = F.silu(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        out[pairs] = F.linear(act, w2[expert])
+        gate_up = F.linear(
+            hidden_states[pairs // top_k], w13[expert], None if w13_bias is None else w13_bias[expert]
+        )
+        act = activation(gate_up[:, :intermediate], gate_up[:, intermediate:])
+        out[pairs] = F.linear(act, w2[expert], None if w2_bias is None else w2_bias[expert])
     weighted = out.view(num_tokens, top_k, -1) * topk_weights.unsqueeze(-1).float()
     return weighted.sum(dim=1).to(hidden_states.dtype)
