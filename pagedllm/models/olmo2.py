@@ -21,10 +21,10 @@ from pagedllm.attention import AttentionMetadata
 from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
-from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM
+from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
-class PostNormDecoderLayer(nn.Module):
+class PostNormDecoderLayer(LlamaDecoderLayer):
     def __init__(
         self,
         config: PretrainedConfig,
@@ -33,10 +33,9 @@ class PostNormDecoderLayer(nn.Module):
         sliding_window: int | None,
         mlp: nn.Module,
     ) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb, attn_backend, sliding_window)
-        self.mlp = mlp
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        super().__init__(config, rotary_emb, attn_backend, sliding_window, mlp)
+        # No input norm: each block's output is normalized instead.
+        del self.input_layernorm
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
