@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from pagedllm.models.bloom import BloomForCausalLM
+from pagedllm.models.deepseek_v2 import DeepseekV2ForCausalLM
 from pagedllm.models.gemma import GemmaForCausalLM
 from pagedllm.models.glm4_moe import Glm4MoeForCausalLM
 from pagedllm.models.gpt2 import GPT2LMHeadModel
@@ -32,6 +33,7 @@ _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
 }
 
 # config.model_type -> the architecture it means, for configs without ``architectures`` (as
@@ -53,6 +55,7 @@ _MODEL_TYPE_ARCHITECTURES = {
     "exaone4": "Exaone4ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
 }
 
 
@@ -76,6 +79,7 @@ def get_supported_architectures() -> list[str]:
 
 __all__ = [
     "BloomForCausalLM",
+    "DeepseekV2ForCausalLM",
     "Exaone4ForCausalLM",
     "GPT2LMHeadModel",
     "GemmaForCausalLM",

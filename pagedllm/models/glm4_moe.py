@@ -62,11 +62,12 @@ class GroupedTopkRouter(nn.Module):
 
 
 class SharedExpertsMoeBlock(nn.Module):
-    """Routed experts plus shared experts every token takes."""
+    """Routed experts plus shared experts every token takes; ``gate``: hidden_states ->
+    (topk_weights, topk_ids), GLM-4-MoE's router unless given another (DeepSeek-V2's)."""
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, gate: nn.Module | None = None) -> None:
         super().__init__()
-        self.gate = GroupedTopkRouter(config)
+        self.gate = gate or GroupedTopkRouter(config)
         self.experts = FusedMoE(
             config.n_routed_experts,
             config.num_experts_per_tok,

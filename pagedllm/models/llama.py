@@ -215,6 +215,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # The attention block: __init__(config, rotary_emb, attn_backend, sliding_window).
+    attention_class: type[nn.Module] = LlamaAttention
+
     def __init__(
         self,
         config: PretrainedConfig,
@@ -224,7 +227,7 @@ class LlamaDecoderLayer(nn.Module):
         mlp: nn.Module,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb, attn_backend, sliding_window)
+        self.self_attn = self.attention_class(config, rotary_emb, attn_backend, sliding_window)
         self.mlp = mlp  # LlamaMLP, or a mixture of experts (models/moe.py): [num_tokens, hidden] -> same
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -17,10 +17,21 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import Exaone4Config, Glm4MoeConfig, GptOssConfig, Olmo2Config, Phi3Config, SmolLM3Config
+from transformers import (
+    DeepseekV2Config,
+    Exaone4Config,
+    Glm4MoeConfig,
+    GptOssConfig,
+    Olmo2Config,
+    Phi3Config,
+    SmolLM3Config,
+)
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.layers.fused_moe import select_experts_grouped
+from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
+from pagedllm.attention.backends.triton_backend import TritonAttentionBackend
+from pagedllm.layers.fused_moe import select_experts_group_limited, select_experts_grouped
+from pagedllm.model_loader import get_model
 from pagedllm.models import get_model_class
 from pagedllm.models.glm4_moe import Glm4MoeForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
@@ -104,8 +115,67 @@ CASES: dict[str, tuple[type, dict[str, Any]]] = {
     ),
 }
 
+# DeepSeek-V2's multi-head latent attention: the latent cache in the torch layout, so the torch and
+# cpu backends; with and without q_lora, greedy and group-limited routing, YaRN's mscale.
+_MLA = {
+    **_BASE,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 24,
+    "moe_intermediate_size": 32,
+    "num_experts_per_tok": 2,
+}
+MLA_CASES: dict[str, tuple[type, dict[str, Any]]] = {
+    "deepseekv2-group-limited": (
+        DeepseekV2Config,
+        {
+            **_MLA,
+            "num_hidden_layers": 3,
+            "first_k_dense_replace": 1,
+            "q_lora_rank": None,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "routed_scaling_factor": 1.5,
+        },
+    ),
+    "deepseekv2-q-lora-yarn": (
+        DeepseekV2Config,
+        {
+            **_MLA,
+            "q_lora_rank": 24,
+            "n_routed_experts": 4,
+            "n_shared_experts": 2,
+            "topk_method": "greedy",
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "mscale": 0.707,
+                "mscale_all_dim": 0.707,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+        },
+    ),
+}
+CASES.update(MLA_CASES)
+
 # The Triton interpreter takes ~10-20 s a case.
-BACKENDS = ("torch", "cpu", pytest.param("triton", marks=pytest.mark.slow))
+BACKENDS = ("torch", "cpu", "triton")
+# Every family on every backend that takes it (MLA: not Triton, see test_mla_refuses_other_backends).
+GREEDY_CASES = [
+    pytest.param(case, backend, marks=[pytest.mark.slow] if backend == "triton" else [])
+    for case in CASES
+    for backend in BACKENDS
+    if not (case in MLA_CASES and backend == "triton")
+]
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +187,7 @@ def case_model(greedy_reference: Callable) -> Callable[[str], tuple[str, list, l
     return get
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case, backend", GREEDY_CASES)
 def test_greedy_equals_hf(case_model: Callable, case: str, backend: str) -> None:
     model, prompts, expected = case_model(case)
     # The Triton interpreter is slow: two prompts (the prefix-sharing pair) are its whole test.
@@ -189,3 +258,53 @@ def test_grouped_router_rejects_groups_that_do_not_divide() -> None:
 
     with pytest.raises(ValueError, match=r"n_group \(3\) must divide n_routed_experts \(8\)"):
         GroupedTopkRouter(Glm4MoeConfig(hidden_size=16, n_routed_experts=8, n_group=3, topk_group=1))
+
+
+def test_mla_refuses_other_backends(make_tiny_model: Callable) -> None:
+    config_class, overrides = MLA_CASES["deepseekv2-group-limited"]
+    _, model_config = make_tiny_model(config_class, **overrides)
+    with pytest.raises(
+        ValueError, match="runs on the 'torch' and 'cpu' attention backends only, got 'triton'"
+    ):
+        get_model(model_config, "auto", torch.device("cpu"), TritonAttentionBackend)
+
+
+def test_mla_caches_one_latent_per_token(make_tiny_model: Callable) -> None:
+    config_class, overrides = MLA_CASES["deepseekv2-group-limited"]
+    _, model_config = make_tiny_model(config_class, **overrides)
+    assert (model_config.num_kv_heads, model_config.head_size) == (1, 32 + 8)  # kv_lora_rank + rope dims
+
+
+def test_group_limited_router_matches_transformers() -> None:
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    config = DeepseekV2Config(
+        hidden_size=16,
+        num_attention_heads=2,
+        n_routed_experts=16,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        topk_method="group_limited_greedy",
+        routed_scaling_factor=1.7,
+    )
+    router = DeepseekV2TopkRouter(config)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(16, 16, generator=generator))
+    logits, hf_weights, hf_ids = router(torch.randn(64, 16, generator=generator))
+    weights, ids = select_experts_group_limited(logits, 3, 4, 2, 1.7)
+    hf_order, order = hf_ids.argsort(dim=-1), ids.argsort(dim=-1)
+    assert torch.equal(hf_ids.gather(1, hf_order), ids.gather(1, order))
+    torch.testing.assert_close(weights.gather(1, order), hf_weights.gather(1, hf_order))
+
+
+@pytest.mark.parametrize("case", list(MLA_CASES))
+def test_mla_logits_match_hf(
+    make_tiny_model: Callable, prefill_then_decode_match_hf: Callable, case: str
+) -> None:
+    """Logits, not only the argmax: a ragged prefill, then a decode reading the latent cache back."""
+    config_class, overrides = MLA_CASES[case]
+    hf_model, model_config = make_tiny_model(config_class, **overrides)
+    model = get_model(model_config, "auto", torch.device("cpu"), TorchAttentionBackend)
+    prefill_then_decode_match_hf(hf_model, model_config, model, atol=1e-4)

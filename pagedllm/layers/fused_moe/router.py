@@ -57,3 +57,29 @@ def select_experts_grouped(
     if renormalize:
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     return topk_weights * routed_scaling_factor, topk_ids
+
+
+def select_experts_group_limited(
+    router_logits: torch.Tensor,
+    top_k: int,
+    num_groups: int | None,
+    topk_groups: int | None,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's routing, as transformers' ``DeepseekV2TopkRouter`` computes it: softmax over
+    the experts, then (``group_limited_greedy``, with ``num_groups``) only the ``topk_groups``
+    groups with the best single expert keep their scores; the top-k scores, not renormalised,
+    times ``routed_scaling_factor``. None for the groups: plain top-k (``greedy``).
+
+    router_logits: [num_tokens, num_experts] -> (topk_weights float32, topk_ids), [num_tokens, top_k].
+    """
+    scores = router_logits.float().softmax(dim=-1)
+    if num_groups is not None:
+        num_tokens, num_experts = scores.shape
+        grouped = scores.view(num_tokens, num_groups, num_experts // num_groups)
+        kept_groups = grouped.amax(dim=-1).topk(topk_groups, dim=-1).indices
+        group_mask = torch.zeros(num_tokens, num_groups, dtype=torch.bool, device=scores.device)
+        group_mask.scatter_(1, kept_groups, True)
+        scores = scores.masked_fill(~group_mask[:, :, None].expand_as(grouped).reshape(num_tokens, -1), 0.0)
+    topk_weights, topk_ids = scores.topk(top_k, dim=-1)
+    return topk_weights * routed_scaling_factor, topk_ids
