@@ -43,7 +43,9 @@ def _random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torc
     return blocks, scales
 
 
-def test_dequantize_matches_transformers() -> None:
+@pytest.mark.parametrize("chunk_blocks", [7, 1 << 18])  # chunks that split rows, and one chunk
+def test_dequantize_matches_transformers(chunk_blocks: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("pagedllm.layers.quantization.mxfp4._CHUNK_BLOCKS", chunk_blocks)
     blocks, scales = _random_mxfp4((3, 8, 4), seed=0)  # [experts, rows, column blocks]
     ours = dequantize_mxfp4(blocks, scales, torch.float32)  # [3, 8, 128]
     # transformers returns the weight transposed, as its experts multiply x @ W.

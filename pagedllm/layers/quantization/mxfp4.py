@@ -19,6 +19,8 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -
 MXFP4_BLOCK_SIZE = 32
 # Bytes a block of 32 elements takes: 16 bytes of nibbles and one scale.
 MXFP4_BYTES_PER_BLOCK = MXFP4_BLOCK_SIZE // 2 + 1
+# Blocks dequantized at a time: ~100 MiB of temporaries.
+_CHUNK_BLOCKS = 1 << 18
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -33,6 +35,17 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
             f"must be [..., num_blocks, {MXFP4_BLOCK_SIZE // 2}] and scales [..., num_blocks]"
         )
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).flatten(-2).long()  # [..., nb, 32]
-    values = torch.ldexp(lut[codes], scales.to(torch.int32)[..., None] - 127)
-    return values.flatten(-2).to(dtype)
+    out = torch.empty(*scales.shape, MXFP4_BLOCK_SIZE, dtype=dtype, device=blocks.device)
+    flat_blocks, flat_scales, flat_out = (
+        blocks.reshape(-1, 16),
+        scales.reshape(-1),
+        out.view(-1, MXFP4_BLOCK_SIZE),
+    )
+    # In chunks: the int64 codes and float32 values of a whole gpt-oss-120b expert tensor would
+    # take ~25 GiB of temporaries.
+    for start in range(0, flat_scales.shape[0], _CHUNK_BLOCKS):
+        chunk = flat_blocks[start : start + _CHUNK_BLOCKS]
+        codes = torch.stack((chunk & 0x0F, chunk >> 4), dim=-1).flatten(-2).long()  # [n, 32]
+        exponents = flat_scales[start : start + _CHUNK_BLOCKS].to(torch.int32)[:, None] - 127
+        flat_out[start : start + _CHUNK_BLOCKS] = torch.ldexp(lut[codes], exponents)
+    return out.flatten(-2)
