@@ -12,7 +12,7 @@ the paged cache, expands them with ``kv_b_proj`` into every head's ``k_nope`` an
 ``k_pe`` and attends, causal, as written out in ``_attend``. (The absorbed form, which folds
 ``kv_b_proj`` into the query and the output and attends over the latents directly, is what makes
 decoding fast; it is not done here.) The cache is the torch layout, which the torch and cpu
-backends share; the value cache the engine allocates beside it is unused.
+backends share; the engine allocates no value cache beside it (``KVCacheSpec.keys_only``).
 
 Rotary embedding: DeepSeek rotates interleaved pairs ``(x[2i], x[2i + 1])`` (complex
 multiplication in the reference), with the usual angles and YaRN's attention factor; the softmax
@@ -130,7 +130,7 @@ class MLAAttention(nn.Module):
         k_pe = _rotate_interleaved(k_pe[:, None], cos, sin)
         # The cache entry of a token: [c_kv | k_pe], one "head".
         entry = torch.cat((self.kv_a_layernorm(latent)[:, None], k_pe), dim=-1)
-        key_cache = kv_cache[0]  # (the value cache is unused: the latent is both)
+        key_cache = kv_cache[0]  # (the value cache is the same tensor: the latent is both)
         slot_mapping = attn_metadata.slot_mapping
         valid = slot_mapping >= 0
         key_cache.view(-1, 1, key_cache.shape[-1])[slot_mapping[valid]] = entry[valid].to(key_cache.dtype)

@@ -308,3 +308,17 @@ def test_mla_logits_match_hf(
     hf_model, model_config = make_tiny_model(config_class, **overrides)
     model = get_model(model_config, "auto", torch.device("cpu"), TorchAttentionBackend)
     prefill_then_decode_match_hf(hf_model, model_config, model, atol=1e-4)
+
+
+def test_mla_allocates_one_cache_per_layer(case_model: Callable) -> None:
+    """The latent is key and value: each layer's value cache is its key cache, and a block costs
+    the latent's bytes once."""
+    model, prompts, expected = case_model("deepseekv2-group-limited")
+    llm = LLM(model, device="cpu", attention_backend="torch", max_model_len=512, block_size=8)
+    worker = llm.llm_engine.executor.worker
+    spec = worker.get_kv_cache_spec()
+    assert spec.keys_only and spec.block_bytes == 3 * 8 * (32 + 8) * 4  # layers * block * latent * fp32
+    key_cache, value_cache = worker.cache_engine.gpu_cache[0]
+    assert value_cache is key_cache
+    outputs = llm.generate(prompt_token_ids=prompts[:1], sampling_params=GREEDY, use_tqdm=False)
+    assert outputs[0].outputs[0].token_ids == expected[0]
