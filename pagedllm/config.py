@@ -139,7 +139,15 @@ class ModelConfig:
         return self.hf_config.num_hidden_layers
 
     @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2): the cache holds one latent per token."""
+        return getattr(self.hf_config, "kv_lora_rank", None) is not None
+
+    @property
     def head_size(self) -> int:
+        """The cache's head size: with MLA, one latent (kv_lora_rank + qk_rope_head_dim) per token."""
+        if self.is_mla:
+            return self.hf_config.kv_lora_rank + self.hf_config.qk_rope_head_dim
         head_dim = getattr(self.hf_config, "head_dim", None)
         return head_dim or self.hf_config.hidden_size // self.hf_config.num_attention_heads
 
@@ -149,6 +157,8 @@ class ModelConfig:
 
     @property
     def num_kv_heads(self) -> int:
+        if self.is_mla:  # one latent "head", replicated on every rank
+            return 1
         return getattr(self.hf_config, "num_key_value_heads", None) or self.num_attention_heads
 
     def num_kv_heads_per_rank(self, tp_size: int) -> int:

@@ -61,6 +61,8 @@ def _randomize(model: PreTrainedModel) -> None:
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=generator))
+            elif name.endswith(".sinks"):  # gpt-oss's learned sink logits: large enough to take weight
+                param.copy_(2.0 * torch.randn(param.shape, generator=generator))
             else:
                 param.copy_(0.1 * torch.randn(param.shape, generator=generator))
 
@@ -430,21 +432,38 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 
 @pytest.fixture(scope="module")
-def long_context_model(
+def greedy_reference(
     make_tiny_model_for_module: Callable,
+) -> Callable[..., tuple[str, list[list[int]], list[list[int]]]]:
+    """get(config_class, overrides, max_tokens, device, seed) -> (model directory, three ragged
+    prompts of 112-160 tokens, the second sharing the first's 96-token prefix, and HF's greedy
+    outputs), each distinct request built once per module."""
+    built: dict[tuple, tuple[str, list[list[int]], list[list[int]]]] = {}
+
+    def get(
+        config_class: type, overrides: dict[str, Any], max_tokens: int, device: str, seed: int
+    ) -> tuple[str, list[list[int]], list[list[int]]]:
+        key = (config_class, repr(sorted(overrides.items())), max_tokens, device, seed)
+        if key not in built:
+            hf_model, model_config = make_tiny_model_for_module(config_class, **overrides)
+            prompts = _long_prompts(model_config.vocab_size, seed=seed)
+            built[key] = (model_config.model, prompts, hf_greedy(hf_model, prompts, max_tokens, device))
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def long_context_model(
+    greedy_reference: Callable,
 ) -> Callable[[str, int, str], tuple[str, list[list[int]], list[list[int]]]]:
     """get(case, max_tokens, device) -> (model directory, prompts, HF greedy outputs), each case
     built once per module."""
-    built: dict[tuple[str, int, str], tuple[str, list[list[int]], list[list[int]]]] = {}
 
     def get(case: str, max_tokens: int, device: str) -> tuple[str, list[list[int]], list[list[int]]]:
-        if (case, max_tokens, device) not in built:
-            config_class, overrides = LONG_CONTEXT_CASES[case]
-            hf_model, model_config = make_tiny_model_for_module(config_class, **overrides)
-            prompts = _long_prompts(model_config.vocab_size, seed=list(LONG_CONTEXT_CASES).index(case))
-            expected = hf_greedy(hf_model, prompts, max_tokens, device)
-            built[case, max_tokens, device] = (model_config.model, prompts, expected)
-        return built[case, max_tokens, device]
+        config_class, overrides = LONG_CONTEXT_CASES[case]
+        seed = list(LONG_CONTEXT_CASES).index(case)
+        return greedy_reference(config_class, overrides, max_tokens, device, seed)
 
     return get
 
@@ -508,7 +527,7 @@ def peft_merged() -> Callable[[PreTrainedModel, str], PreTrainedModel]:
 
 
 @pytest.fixture(scope="session")
-def greedy_reference() -> Callable[[PreTrainedModel, list[int], int], list[int]]:
+def hf_greedy_tokens() -> Callable[[PreTrainedModel, list[int], int], list[int]]:
     """greedy(hf_model, prompt, max_tokens): HF generate's greedy tokens for one prompt."""
     return lambda hf_model, prompt, max_tokens: hf_greedy(hf_model, [prompt], max_tokens, "cpu")[0]
 

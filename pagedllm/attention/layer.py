@@ -91,6 +91,7 @@ class Attention(nn.Module):
         logits_soft_cap: float | None = None,
         attention_sinks: int = 0,
         rotary: Rotary | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """The keyword arguments are this layer's attention variants (``AttentionBackend.__init__``)."""
         super().__init__()
@@ -109,6 +110,7 @@ class Attention(nn.Module):
             logits_soft_cap=logits_soft_cap,
             attention_sinks=attention_sinks,
             rotary=rotary,
+            sinks=sinks,
         )
         self.layer_id = next(_layer_ids)
         _LAYERS[self.layer_id] = self

@@ -256,6 +256,15 @@ class QKVParallelLinear(ColumnParallelLinear):
         kv_size = self.num_kv_heads * self.head_size
         return [self.num_heads * self.head_size, kv_size, kv_size]
 
+    def head_weight_loader(
+        self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None
+    ) -> None:
+        """Loader of a per-query-head parameter of the attention (gpt-oss's sinks, [num_heads]):
+        this rank's heads, as the q projection splits them."""
+        if shard_id is not None:
+            raise ValueError(f"a per-head parameter has no shards, got shard_id={shard_id!r}")
+        copy_weight(param.data, narrow_shard(loaded_weight, 0, self.tp_rank, self.num_heads, self.tp_size))
+
 
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; the partial outputs are summed by an all-reduce.

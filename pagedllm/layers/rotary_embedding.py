@@ -56,6 +56,8 @@ def get_rope_parameters(config: Any, layer_type: str | None = None) -> dict[str,
         params = dict(params[layer_type])
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if getattr(config, "partial_rotary_factor", None) is not None:
+        params.setdefault("partial_rotary_factor", config.partial_rotary_factor)
     return params
 
 
@@ -151,11 +153,9 @@ def check_rope_parameters(rope_parameters: dict[str, Any]) -> None:
         raise ValueError(
             f"rope_type {rope_type!r} is not supported; supported: {sorted(_INV_FREQ_FUNCTIONS)}"
         )
-    if rope_parameters.get("partial_rotary_factor", 1.0) != 1.0:
-        # No family implemented here rotates part of a head in Hugging Face's modeling code.
-        raise ValueError(
-            f"partial_rotary_factor {rope_parameters['partial_rotary_factor']} is not supported; only 1.0 is"
-        )
+    factor = rope_parameters.get("partial_rotary_factor", 1.0)
+    if not 0 < factor <= 1:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {factor}")
 
 
 def compute_inv_freq(head_size: int, rope_parameters: dict[str, Any]) -> torch.Tensor:
@@ -192,6 +192,13 @@ class RotaryEmbedding(CustomOp):
     computed in float32 and stored in ``dtype``: the reference casts cos and sin to the activations'
     dtype before multiplying, so storing them cast gives the same numbers with no per-step cast.
 
+    ``partial_rotary_factor`` (in ``rope_parameters``; Phi-3/Phi-4-mini, GLM-4-MoE) rotates only
+    each head's first ``rotary_dim = int(head_size * factor)`` dimensions, neox style among
+    themselves, and passes the rest through; the frequencies are those of a ``rotary_dim`` head, as
+    Hugging Face computes them. Only the torch path rotates part of a head (``is_partial``): the
+    fused kernels rotate whole heads, so a model gives a partial rotation to no backend and
+    rotates before attention instead.
+
     ``unbounded`` is for positions past ``max_position`` (attention sinks let generation run on
     with the relative distances still within it): cos and sin are then computed for each step's
     positions from float64 angles, exact however large the position, and no table is kept.
@@ -207,8 +214,13 @@ class RotaryEmbedding(CustomOp):
         dtype: torch.dtype,
         unbounded: bool = False,
     ) -> None:
-        super().__init__()
+        # Set before CustomOp.__init__, whose dispatch_forward reads is_partial.
         self.head_size = head_size
+        self.rotary_dim = int(head_size * rope_parameters.get("partial_rotary_factor", 1.0))
+        self.is_partial = self.rotary_dim != head_size
+        super().__init__()
+        # The tables below are those of a rotary_dim head.
+        head_size = self.rotary_dim
         self.scale = attention_factor(rope_parameters, max_position)
         self.unbounded = unbounded
         if unbounded:
@@ -251,6 +263,8 @@ class RotaryEmbedding(CustomOp):
         return self.forward_method(positions, query, key)
 
     def dispatch_forward(self, platform: Platform, dtype: torch.dtype) -> RotaryForward:
+        if self.is_partial:
+            return self.forward_torch
         if platform.triton:
             return self.forward_triton
         if platform.cpu_kernels and cpu_kernels_available():
@@ -286,14 +300,18 @@ class RotaryEmbedding(CustomOp):
         return self._rotate_flat(query, *self._cos_sin(positions))
 
     def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[num_tokens, 1, head_size // 2] cos and sin: broadcast over the heads."""
+        """[num_tokens, 1, rotary_dim // 2] cos and sin: broadcast over the heads."""
         table, index = self.cos_sin_rows(positions)
         cos, sin = table.index_select(0, index).chunk(2, dim=-1)
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
     def _rotate_flat(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = x.shape[0]
-        return _rotate(x.view(num_tokens, -1, self.head_size), cos, sin).view(num_tokens, -1)
+        heads = x.view(num_tokens, -1, self.head_size)
+        if self.is_partial:
+            rotated = _rotate(heads[..., : self.rotary_dim], cos, sin)
+            return torch.cat((rotated, heads[..., self.rotary_dim :]), dim=-1).view(num_tokens, -1)
+        return _rotate(heads, cos, sin).view(num_tokens, -1)
 
     def forward_triton(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor

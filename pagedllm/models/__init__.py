@@ -5,10 +5,14 @@ from __future__ import annotations
 from torch import nn
 
 from pagedllm.models.bloom import BloomForCausalLM
+from pagedllm.models.deepseek_v2 import DeepseekV2ForCausalLM
 from pagedllm.models.gemma import GemmaForCausalLM
+from pagedllm.models.glm4_moe import Glm4MoeForCausalLM
 from pagedllm.models.gpt2 import GPT2LMHeadModel
+from pagedllm.models.gpt_oss import GptOssForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
+from pagedllm.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM
 from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 # Hugging Face architecture name -> our implementation.
@@ -23,6 +27,13 @@ _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "BloomForCausalLM": BloomForCausalLM,
+    "Phi3ForCausalLM": LlamaForCausalLM,
+    "SmolLM3ForCausalLM": LlamaForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
 }
 
 # config.model_type -> the architecture it means, for configs without ``architectures`` (as
@@ -38,6 +49,13 @@ _MODEL_TYPE_ARCHITECTURES = {
     "bloom": "BloomForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
 }
 
 
@@ -61,10 +79,15 @@ def get_supported_architectures() -> list[str]:
 
 __all__ = [
     "BloomForCausalLM",
+    "DeepseekV2ForCausalLM",
+    "Exaone4ForCausalLM",
     "GPT2LMHeadModel",
     "GemmaForCausalLM",
+    "Glm4MoeForCausalLM",
+    "GptOssForCausalLM",
     "LlamaForCausalLM",
     "MixtralForCausalLM",
+    "Olmo2ForCausalLM",
     "Qwen3MoeForCausalLM",
     "get_model_class",
     "get_supported_architectures",

@@ -8,8 +8,13 @@ MLP) and differ in a few switches read from the config:
 * Llama: ``attention_bias`` (q/k/v and o) and ``mlp_bias``.
 * Mistral: a sliding window on every layer; Qwen2/Qwen3: on the layers that ``layer_types`` (from
   ``use_sliding_window`` and ``max_window_layers``) marks as sliding (``layer_sliding_windows``).
+* Phi-3 (Phi-3.5, Phi-4-mini): checkpoints store q/k/v and gate/up packed already (our
+  ``qkv_proj``/``gate_up_proj``) and may rotate part of each head (``partial_rotary_factor``).
+* SmolLM3: no rotary embedding on the layers ``no_rope_layers`` marks 0 (NoPE).
 
-Gemma 2/3 (``gemma.py``) build their layers from this file's attention and MLP blocks.
+OLMo-2 and EXAONE-4 (``olmo2.py``) swap the decoder layer for a post-norm one; Gemma 2/3
+(``gemma.py``) for a sandwich-norm one. Each family picks its layer (``decoder_layer``), its
+feed-forward block (``make_mlp``) and which layers rotate (``uses_rope``).
 
 The file reads as single-device code: tensor parallelism lives in the linear layers, which hold
 this rank's heads and features, and in their weight loaders.
@@ -48,13 +53,30 @@ class AttentionOptions:
     logits_soft_cap: float | None = None
     # The norm over each head's q and k when qk_norm (Gemma's adds 1 to its weight).
     norm_class: type[RMSNorm] = RMSNorm
+    # qk_norm over each head (Qwen3, Gemma 3), or over the whole q and k projections (OLMo-2).
+    qk_norm_per_head: bool = True
+    # A learned sink logit per head in every softmax (gpt-oss's ``sinks``).
+    learned_sinks: bool = False
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> AttentionOptions:
-        if config.model_type == "qwen2":
+        model_type = config.model_type
+        if model_type == "qwen2":
             return cls(qkv_bias=True, o_bias=False, qk_norm=False)
         bias = getattr(config, "attention_bias", False)
-        return cls(qkv_bias=bias, o_bias=bias, qk_norm=config.model_type in ("qwen3", "qwen3_moe"))
+        return cls(
+            qkv_bias=bias,
+            o_bias=bias and model_type not in _NO_O_BIAS_FAMILIES,
+            qk_norm=model_type in _QK_NORM_FAMILIES or bool(getattr(config, "use_qk_norm", False)),
+            qk_norm_per_head=model_type != "olmo2",
+            learned_sinks=model_type == "gpt_oss",
+        )
+
+
+# Families whose q and k are RMS-normalized before the rotation (GLM-4-MoE: when use_qk_norm).
+_QK_NORM_FAMILIES = ("qwen3", "qwen3_moe", "olmo2", "exaone4")
+# Families whose attention_bias is on q/k/v only.
+_NO_O_BIAS_FAMILIES = ("glm4_moe",)
 
 
 def head_dim(config: PretrainedConfig) -> int:
@@ -66,18 +88,19 @@ _GATED_ACTIVATIONS: dict[str, type[nn.Module]] = {"silu": SiluAndMul, "gelu_pyto
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, hidden_act: str | None = None) -> None:
+    def __init__(
+        self, config: PretrainedConfig, hidden_act: str | None = None, intermediate_size: int | None = None
+    ) -> None:
         super().__init__()
         hidden_act = hidden_act or config.hidden_act
+        intermediate_size = intermediate_size or config.intermediate_size
         if hidden_act not in _GATED_ACTIVATIONS:
             raise ValueError(
                 f"hidden_act {hidden_act!r} is not supported; supported: {sorted(_GATED_ACTIVATIONS)}"
             )
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=bias
-        )
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, bias=bias)
         self.act_fn = _GATED_ACTIVATIONS[hidden_act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -89,7 +112,7 @@ class LlamaAttention(nn.Module):
     def __init__(
         self,
         config: PretrainedConfig,
-        rotary_emb: RotaryEmbedding,
+        rotary_emb: RotaryEmbedding | None,
         attn_backend: type[AttentionBackend],
         sliding_window: int | None = None,
         options: AttentionOptions | None = None,
@@ -111,10 +134,18 @@ class LlamaAttention(nn.Module):
         num_heads, num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = num_heads * self.head_dim
         self.kv_size = num_kv_heads * self.head_dim
-        norm = options.norm_class
-        self.q_norm = norm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
-        self.k_norm = norm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
+        self.q_norm = self.k_norm = None
+        if options.qk_norm:
+            self.qk_norm_per_head = options.qk_norm_per_head
+            q_dim, k_dim = (self.head_dim, self.head_dim) if self.qk_norm_per_head else self._full_qk_sizes()
+            self.q_norm = options.norm_class(q_dim, config.rms_norm_eps)
+            self.k_norm = options.norm_class(k_dim, config.rms_norm_eps)
+        # None: a NoPE layer (no positions in q and k). A partial rotation (part of each head) is
+        # applied here, since the backends' fused kernels rotate whole heads; a whole-head one is
+        # the backend's to apply or fuse.
         self.rotary_emb = rotary_emb
+        self.model_rotary = rotary_emb if rotary_emb is not None and rotary_emb.is_partial else None
+        backend_rotary = rotary_emb if self.model_rotary is None else None
         # With attention sinks (StreamingLLM), keys are cached rotated at their own positions, so
         # distances within the window are the true ones; a sink must sit where StreamingLLM's
         # cache puts the query, at most num_sinks + window - 1 past it. The sinks' scores
@@ -123,6 +154,10 @@ class LlamaAttention(nn.Module):
         self.num_sinks = attention_sinks(config)
         self.max_sink_distance = self.num_sinks + (sliding_window or 0) - 1
         scale = options.scale if options.scale is not None else self.head_dim**-0.5
+        self.sinks = None
+        if options.learned_sinks:  # this rank's heads
+            self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False)
+            self.sinks.weight_loader = self.qkv_proj.head_weight_loader
         self.attn = Attention(
             num_heads,
             self.head_dim,
@@ -132,8 +167,18 @@ class LlamaAttention(nn.Module):
             sliding_window=sliding_window,
             logits_soft_cap=options.logits_soft_cap,
             attention_sinks=self.num_sinks,
-            rotary=rotary_emb,
+            rotary=backend_rotary,
+            sinks=self.sinks,
         )
+
+    def _full_qk_sizes(self) -> tuple[int, int]:
+        """(q, k) widths of an OLMo-2 norm over the whole projections, which every head's values
+        enter: with heads split across ranks, the sum of squares would need an all-reduce."""
+        if self.qkv_proj.tp_size > 1:
+            raise ValueError(
+                "a q/k norm over the whole projection (OLMo-2) is not supported with tensor_parallel_size > 1"
+            )
+        return self.q_size, self.kv_size
 
     def forward(
         self,
@@ -146,10 +191,16 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
-            q, k = self._norm_heads(q, k)
+            q, k = self._norm_heads(q, k) if self.qk_norm_per_head else (self.q_norm(q), self.k_norm(k))
         sink_q = None
         if self.num_sinks:
-            sink_q = self.rotary_emb.rotate_query(positions.clamp(max=self.max_sink_distance), q)
+            sink_q = (
+                q
+                if self.rotary_emb is None
+                else self.rotary_emb.rotate_query(positions.clamp(max=self.max_sink_distance), q)
+            )
+        if self.model_rotary is not None:  # (the torch path: returns new tensors)
+            q, k = self.model_rotary(positions, q, k)
         # The backend rotates q and k to their positions (or fuses the rotation into its cache write).
         return self.o_proj(
             self.attn(q, k, v, kv_cache, attn_metadata, sink_query=sink_q, positions=positions)
@@ -164,16 +215,19 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    # The attention block: __init__(config, rotary_emb, attn_backend, sliding_window).
+    attention_class: type[nn.Module] = LlamaAttention
+
     def __init__(
         self,
         config: PretrainedConfig,
-        rotary_emb: RotaryEmbedding,
+        rotary_emb: RotaryEmbedding | None,
         attn_backend: type[AttentionBackend],
         sliding_window: int | None,
         mlp: nn.Module,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary_emb, attn_backend, sliding_window)
+        self.self_attn = self.attention_class(config, rotary_emb, attn_backend, sliding_window)
         self.mlp = mlp  # LlamaMLP, or a mixture of experts (models/moe.py): [num_tokens, hidden] -> same
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -198,14 +252,16 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+# make_layer(config, layer_index, rotary_emb, attn_backend, sliding_window): one decoder layer.
+MakeLayer = Callable[[PretrainedConfig, int, RotaryEmbedding, type[AttentionBackend], int | None], nn.Module]
+
+
 class LlamaModel(nn.Module):
     def __init__(
-        self,
-        config: PretrainedConfig,
-        attn_backend: type[AttentionBackend],
-        make_mlp: Callable[[PretrainedConfig, int], nn.Module],
+        self, config: PretrainedConfig, attn_backend: type[AttentionBackend], make_layer: MakeLayer
     ) -> None:
-        """make_mlp(config, layer_index): the feed-forward block of each layer."""
+        """make_layer builds each decoder layer: forward(positions, hidden_states, residual,
+        kv_cache, attn_metadata) -> (hidden_states, residual), the stream being their sum."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin cache shared by every layer: it is the same table, and can be large.
@@ -217,7 +273,7 @@ class LlamaModel(nn.Module):
             unbounded=attention_sinks(config) > 0,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, attn_backend, window, make_mlp(config, i))
+            make_layer(config, i, rotary_emb, attn_backend, window)
             for i, window in enumerate(layer_sliding_windows(config))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -246,19 +302,40 @@ class LlamaForCausalLM(CausalLM):
     }
     # inv_freq is a buffer older checkpoints saved; we derive it from the config.
     skipped_checkpoint_names = ("rotary_emb.inv_freq",)
+    # The decoder layer: __init__(config, rotary_emb, attn_backend, sliding_window, mlp).
+    decoder_layer: ClassVar[type[nn.Module]] = LlamaDecoderLayer
 
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = LlamaModel(config, attn_backend, self.make_mlp)
+        self.model = LlamaModel(config, attn_backend, self.make_layer)
         if self.tie_word_embeddings:
             self.lm_head = self.model.embed_tokens
         else:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
+    def make_layer(
+        self,
+        config: PretrainedConfig,
+        layer_index: int,
+        rotary_emb: RotaryEmbedding,
+        attn_backend: type[AttentionBackend],
+        sliding_window: int | None,
+    ) -> nn.Module:
+        rotary = rotary_emb if self.uses_rope(config, layer_index) else None
+        mlp = self.make_mlp(config, layer_index)
+        return self.decoder_layer(config, rotary, attn_backend, sliding_window, mlp)
+
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_index: int) -> nn.Module:
         """The feed-forward block of layer ``layer_index``: the SwiGLU MLP in every layer here;
         mixture-of-experts subclasses choose per layer."""
         return LlamaMLP(config)
+
+    @staticmethod
+    def uses_rope(config: PretrainedConfig, layer_index: int) -> bool:
+        """Whether layer ``layer_index`` rotates q and k: all but those SmolLM3's
+        ``no_rope_layers`` marks 0 (NoPE layers)."""
+        no_rope_layers = getattr(config, "no_rope_layers", None)
+        return no_rope_layers is None or bool(no_rope_layers[layer_index])

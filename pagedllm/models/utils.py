@@ -30,11 +30,13 @@ def layer_sliding_windows(config: Any) -> list[int | None]:
     ``config.sliding_window`` is the window; ``config.layer_types``, where the config has it, says
     which layers use it (Gemma 2/3 alternate; Qwen2/Qwen3 configs derive it from
     ``use_sliding_window`` and ``max_window_layers``: layers ``>= max_window_layers`` slide, and
-    ``sliding_window`` is None when ``use_sliding_window`` is off). Without ``layer_types`` every
+    no layer slides when ``use_sliding_window`` is off). Without ``layer_types`` every
     layer slides (Mistral). The engine's ``sliding_window`` option puts every layer in one window.
     """
     num_layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_sliding_window", True) is False:  # SmolLM3 keeps the window when off
+        window = None
     override = getattr(config, ENGINE_SLIDING_WINDOW, None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:

@@ -21,12 +21,18 @@ class KVCacheSpec:
     block_size: int
     dtype: torch.dtype
     sliding_window: int | None = None
+    # One cache per layer, not K and V: multi-head latent attention caches a latent per token that
+    # is both (the layer's value cache is its key cache).
+    keys_only: bool = False
 
     @property
     def block_bytes(self) -> int:
         """Bytes one block takes over all layers, K and V (vLLM's get_cache_block_size)."""
         element_size = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * element_size
+        num_caches = 1 if self.keys_only else 2
+        return (
+            num_caches * self.num_layers * self.block_size * self.num_kv_heads * self.head_size * element_size
+        )
 
 
 class CacheEngine:
@@ -64,13 +70,16 @@ class CacheEngine:
         )
         # torch.empty: the OS commits host pages only when a block is first written. Backends
         # never read a slot before writing it (nor past a sequence's length).
-        return [
-            (
-                torch.empty(key_shape, dtype=s.dtype, device=device, pin_memory=pin_memory),
-                torch.empty(value_shape, dtype=s.dtype, device=device, pin_memory=pin_memory),
+        caches = []
+        for _ in range(s.num_layers):
+            key = torch.empty(key_shape, dtype=s.dtype, device=device, pin_memory=pin_memory)
+            value = (
+                key
+                if s.keys_only
+                else torch.empty(value_shape, dtype=s.dtype, device=device, pin_memory=pin_memory)
             )
-            for _ in range(s.num_layers)
-        ]
+            caches.append((key, value))
+        return caches
 
     def run_cache_ops(
         self,

@@ -50,6 +50,7 @@ class Worker:
             block_size=cache_config.block_size,
             dtype=model_config.dtype,
             sliding_window=kv_cache_window(model_config.hf_config),
+            keys_only=model_config.is_mla,
         )
         self.model_runner = ModelRunner(config, self.attn_backend)
         self.cache_engine: CacheEngine | None = None

@@ -147,8 +147,11 @@ def dense_reference(
     sinks: int,
     soft_cap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    learned_sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[num_real_tokens, num_heads, head_size] float32, one query at a time from the definition."""
+    """[num_real_tokens, num_heads, head_size] float32, one query at a time from the definition.
+    learned_sinks ([num_heads], gpt-oss): one more logit per head in the softmax, attending to
+    nothing (its probability is dropped)."""
     num_heads = step.query.shape[1]
     num_kv_heads = step.keys[0].shape[1]
     group = num_heads // num_kv_heads
@@ -170,7 +173,10 @@ def dense_reference(
                 if alibi_slopes is not None:
                     score = score + alibi_slopes * (k - q)
                 scores.append(score)
-            probs = torch.softmax(torch.stack(scores), dim=0)  # [len(visible), num_heads]
+            scores = torch.stack(scores)  # [len(visible), num_heads]
+            if learned_sinks is not None:
+                scores = torch.cat((scores, learned_sinks[None]))
+            probs = torch.softmax(scores, dim=0)[: len(visible)]
             out[token] = (probs[:, :, None] * values[visible]).sum(0)
     return out
 
@@ -375,3 +381,34 @@ def test_scale_is_applied_once() -> None:
     w0, w1 = math.exp(s0), math.exp(s1)
     expected = (w0 * step.values[0][0, 0] + w1 * step.values[0][1, 0]) / (w0 + w1)
     torch.testing.assert_close(out[0, 0], expected, atol=1e-6, rtol=1e-6)
+
+
+# Learned sinks (gpt-oss): a logit per head in every softmax, with or without a window.
+LEARNED_CASES = [(None, 16, (8, 2)), (24, 8, (4, 4)), (16, 16, (8, 2))]
+
+
+@pytest.mark.parametrize("window, block_size, heads", LEARNED_CASES)
+def test_learned_sinks_torch_and_cpu_match_dense_reference(
+    window: int | None, block_size: int, heads: tuple[int, int]
+) -> None:
+    num_heads, num_kv_heads = heads
+    step = make_sink_step(
+        CONTEXT_LENS, QUERY_LENS, num_heads, num_kv_heads, 16, block_size, num_padding_tokens=2
+    )
+    # Logits around the scores' scale: the sink takes a real share of some rows, not all.
+    learned = torch.linspace(-2.0, 3.0, num_heads)
+    n, scale = step.num_real_tokens, 0.25
+    dense = dense_reference(step, scale, window or 10**6, 0, learned_sinks=learned)
+    for backend_cls in (TorchAttentionBackend, CpuAttentionBackend):
+        backend = backend_cls(num_heads, 16, scale, num_kv_heads, sliding_window=window, sinks=learned)
+        out = step.run(backend, with_sink_query=False)
+        assert not out[:n].isnan().any()
+        torch.testing.assert_close(out[:n], dense, atol=1e-5, rtol=1e-5)
+    # The comparison can fail: without the sinks the output differs.
+    plain = dense_reference(step, scale, window or 10**6, 0)
+    assert (plain - dense).abs().amax() > 1e-2
+
+
+def test_learned_sinks_of_the_wrong_shape_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"sinks must have shape \[4\]"):
+        TorchAttentionBackend(4, 16, 0.25, 2, sinks=torch.zeros(2))

@@ -171,9 +171,29 @@ def test_unsupported_rope_type_is_named() -> None:
         compute_inv_freq(64, {"rope_type": "ntk-by-parts", "rope_theta": 10000.0, "factor": 4.0})
 
 
-def test_partial_rotary_factor_is_refused() -> None:
-    with pytest.raises(ValueError, match="partial_rotary_factor"):
-        compute_inv_freq(64, {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})
+def test_partial_rotary_matches_transformers() -> None:
+    """Phi-3's partial rotation (the first 3/4 of each head) against transformers' own."""
+    from transformers import Phi3Config
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+    from transformers.models.phi3.modeling_phi3 import apply_rotary_pos_emb as phi3_apply_rotary
+
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75}
+    config = Phi3Config(
+        hidden_size=128, num_attention_heads=2, max_position_embeddings=64, rope_parameters=rope
+    )
+    rotary = RotaryEmbedding(64, 64, get_rope_parameters(config), torch.float32)
+    assert rotary.rotary_dim == 48 and rotary.is_partial
+    positions = torch.tensor([0, 5, 17, 63])
+    q, k = torch.randn(4, 2 * 64), torch.randn(4, 64)
+    ours_q, ours_k = rotary(positions, q, k)
+    cos, sin = Phi3RotaryEmbedding(config)(q, positions[None])
+    ref_q, ref_k = phi3_apply_rotary(
+        q.view(1, 4, 2, 64).transpose(1, 2), k.view(1, 4, 1, 64).transpose(1, 2), cos, sin
+    )
+    torch.testing.assert_close(ours_q, ref_q.transpose(1, 2).reshape(4, -1), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ours_k, ref_k.transpose(1, 2).reshape(4, -1), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="partial_rotary_factor must be in"):
+        compute_inv_freq(64, {**rope, "partial_rotary_factor": 1.5})
 
 
 def test_rope_parameters_per_layer_type() -> None:

@@ -31,7 +31,7 @@ ADAPTERS = [
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_mixed_adapters_in_one_batch_equal_peft_merged(
-    make_tiny_model, make_adapter, peft_merged, greedy_reference, make_prompts, arch
+    make_tiny_model, make_adapter, peft_merged, hf_greedy_tokens, make_prompts, arch
 ):
     config_class, overrides = ARCHITECTURES[arch]
     hf_model, model_config = make_tiny_model(config_class, **overrides)
@@ -51,9 +51,9 @@ def test_mixed_adapters_in_one_batch_equal_peft_merged(
     }
     for prompt, lora, output in zip(prompts, choices, outputs):
         reference = references[lora.lora_int_id if lora else None]
-        assert output.outputs[0].token_ids == greedy_reference(reference, prompt, GREEDY.max_tokens), lora
+        assert output.outputs[0].token_ids == hf_greedy_tokens(reference, prompt, GREEDY.max_tokens), lora
     # The adapters change the outputs (else the comparison above proves nothing).
-    base_outputs = [greedy_reference(hf_model, p, GREEDY.max_tokens) for p in prompts[1:4]]
+    base_outputs = [hf_greedy_tokens(hf_model, p, GREEDY.max_tokens) for p in prompts[1:4]]
     assert all(o.outputs[0].token_ids != b for o, b in zip(outputs[1:4], base_outputs))
 
 

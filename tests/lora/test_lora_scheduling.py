@@ -24,18 +24,18 @@ def adapters(base, make_adapter):
     return [LoRARequest(f"a{i}", i + 1, make_adapter(base[0], 2 + 2 * i, t)) for i, t in enumerate(targets)]
 
 
-def expected_outputs(base, prompts, choices, peft_merged, greedy_reference):
+def expected_outputs(base, prompts, choices, peft_merged, hf_greedy_tokens):
     merged = {}
     for lora in {c for c in choices if c is not None}:
         merged[lora.lora_int_id] = peft_merged(base[0], lora.lora_path)
     return [
-        greedy_reference(merged[c.lora_int_id] if c else base[0], p, GREEDY.max_tokens)
+        hf_greedy_tokens(merged[c.lora_int_id] if c else base[0], p, GREEDY.max_tokens)
         for p, c in zip(prompts, choices)
     ]
 
 
 def test_more_adapters_than_slots_wait_their_turn(
-    base, adapters, make_prompts, peft_merged, greedy_reference
+    base, adapters, make_prompts, peft_merged, hf_greedy_tokens
 ):
     llm = LLM(base[1].model, device="cpu", enable_lora=True, max_loras=1, max_cpu_loras=1, max_lora_rank=8)
     scheduler = llm.llm_engine.scheduler
@@ -60,10 +60,10 @@ def test_more_adapters_than_slots_wait_their_turn(
     assert {i for ids in per_step for i in ids} == {1, 2, 3}
     assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     got = [o.outputs[0].token_ids for o in outputs]
-    assert got == expected_outputs(base, prompts, choices, peft_merged, greedy_reference)
+    assert got == expected_outputs(base, prompts, choices, peft_merged, hf_greedy_tokens)
 
 
-def test_prefix_cache_is_kept_apart_per_adapter(base, adapters, make_prompts, peft_merged, greedy_reference):
+def test_prefix_cache_is_kept_apart_per_adapter(base, adapters, make_prompts, peft_merged, hf_greedy_tokens):
     llm = LLM(
         base[1].model, device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8,
         enable_prefix_caching=True, block_size=4,
@@ -80,7 +80,7 @@ def test_prefix_cache_is_kept_apart_per_adapter(base, adapters, make_prompts, pe
         got.append(output[0].outputs[0].token_ids)
         if lora is choices[0] and len(got) == 1:
             assert llm.llm_engine.get_stats().prefix_cache_hit_rate == 0.0
-    expected = expected_outputs(base, [prompt] * 4, choices, peft_merged, greedy_reference)
+    expected = expected_outputs(base, [prompt] * 4, choices, peft_merged, hf_greedy_tokens)
     assert got == expected
     assert len({tuple(tokens) for tokens in got[:3]}) == 3
     # Only the repeat of adapter 0 found blocks: 4 full blocks of 20 prompt tokens (the last

@@ -21,7 +21,7 @@ CASES = {
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_with_adapters_give_peft_merged_tokens(
-    make_tiny_model, make_adapter, peft_merged, greedy_reference, make_prompts, case
+    make_tiny_model, make_adapter, peft_merged, hf_greedy_tokens, make_prompts, case
 ):
     hf_model, model_config = make_tiny_model(LlamaConfig, **CASES[case])
     loras = [
@@ -40,5 +40,5 @@ def test_two_ranks_with_adapters_give_peft_merged_tokens(
     merged = {lora.lora_int_id: peft_merged(hf_model, lora.lora_path) for lora in loras}
     for prompt, lora, output in zip(prompts, choices, outputs):
         reference = merged[lora.lora_int_id] if lora else hf_model
-        assert output.outputs[0].token_ids == greedy_reference(reference, prompt, GREEDY.max_tokens), lora
+        assert output.outputs[0].token_ids == hf_greedy_tokens(reference, prompt, GREEDY.max_tokens), lora
     llm.llm_engine.shutdown()

@@ -46,6 +46,7 @@ class AttentionBackend(ABC):
         logits_soft_cap: float | None = None,
         attention_sinks: int = 0,
         rotary: Rotary | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         """Per-layer attention variants (None, or 0 for attention_sinks: off):
 
@@ -64,6 +65,11 @@ class AttentionBackend(ABC):
             sink should see are the model's choice, not the kernel's); every other visible key
             with ``query``. Scale, soft cap, ALiBi (distance k - q) and one softmax over all
             visible keys apply as for any key. Needs a sliding_window.
+        sinks: [num_heads], this rank's heads: a learned sink logit per head (gpt-oss; vLLM's
+            ``sinks``), one more term in every row's softmax denominator, attending to nothing:
+            ``p_k = exp(s_k) / (exp(sink_h) + sum_j exp(s_j))``, so a row may give less than all
+            its weight to the keys. Not StreamingLLM's ``attention_sinks`` (kept tokens). Kept
+            by reference (the model loads it after construction); read in float32.
         rotary: the rotary embedding (neox style) that turns ``forward``'s query and key to their
             ``positions``. The backend applies it, or fuses it into its cache write where its
             kernels can (Triton's), so that models call every backend alike.
@@ -74,6 +80,8 @@ class AttentionBackend(ABC):
             raise ValueError(f"logits_soft_cap must be > 0 or None, got {logits_soft_cap}")
         if alibi_slopes is not None and tuple(alibi_slopes.shape) != (num_heads,):
             raise ValueError(f"alibi_slopes must have shape [{num_heads}], got {tuple(alibi_slopes.shape)}")
+        if sinks is not None and tuple(sinks.shape) != (num_heads,):
+            raise ValueError(f"sinks must have shape [{num_heads}], got {tuple(sinks.shape)}")
         if isinstance(attention_sinks, bool) or not isinstance(attention_sinks, int) or attention_sinks < 0:
             raise ValueError(f"attention_sinks must be an int >= 0, got {attention_sinks!r}")
         if attention_sinks > 0 and sliding_window is None:
@@ -90,6 +98,7 @@ class AttentionBackend(ABC):
         self.alibi_slopes = None if alibi_slopes is None else alibi_slopes.float().contiguous()
         self.logits_soft_cap = logits_soft_cap
         self.attention_sinks = attention_sinks
+        self.sinks = sinks
         self.rotary = rotary
 
     @staticmethod

@@ -34,6 +34,10 @@ way a CPU is fast at:
   anything, NaN included (``torch.empty`` caches): they are zeroed in the gathered copy, since a
   masked NaN would still poison the ``P @ V`` sums (0 * NaN = NaN).
 
+Learned sinks (gpt-oss: a logit per head in every softmax's denominator, attending to nothing)
+are not in the kernel nor in SDPA: a layer with them takes the explicit path, its softmax over the
+scores and one more column.
+
 ALiBi (Press et al., 2022: bias ``slope_h * (key_pos - query_pos)``) and logit soft-capping (Gemma
 2: ``cap * tanh(score / cap)``) change the scores themselves, so with either one prefill chunks
 also take the explicit path (matmul, cap, bias, mask, float32 softmax, matmul).
@@ -123,6 +127,7 @@ class CpuAttentionBackend(AttentionBackend):
         logits_soft_cap: float | None = None,
         attention_sinks: int = 0,
         rotary: Rotary | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         super().__init__(
             num_heads,
@@ -134,6 +139,7 @@ class CpuAttentionBackend(AttentionBackend):
             logits_soft_cap=logits_soft_cap,
             attention_sinks=attention_sinks,
             rotary=rotary,
+            sinks=sinks,
         )
         # [num_heads] float32 for the kernel.
         slopes = self.alibi_slopes
@@ -144,7 +150,7 @@ class CpuAttentionBackend(AttentionBackend):
             if self.alibi_slopes is None
             else self.alibi_slopes.view(num_kv_heads, self.num_queries_per_kv, 1, 1)
         )
-        self.use_kernel = attention_sinks == 0 and cpu_kernels_available()
+        self.use_kernel = attention_sinks == 0 and sinks is None and cpu_kernels_available()
 
     # The reference's layout: caches, swaps and tests are shared with it.
     get_kv_cache_shape = TorchAttentionBackend.get_kv_cache_shape
@@ -255,6 +261,7 @@ class CpuAttentionBackend(AttentionBackend):
         if (
             num_decodes == 1
             and sink_query is None
+            and self.sinks is None
             and self.alibi_slopes is None
             and self.logits_soft_cap is None
         ):
@@ -345,7 +352,7 @@ class CpuAttentionBackend(AttentionBackend):
         if sink_query is not None:
             sinks = (fold(sink_query), fold_mask(sink_mask))
             out = self._attend_explicit(q, keys, values, mask, query_pos, key_pos, sinks)
-        elif few_rows and self.alibi_slopes is None and self.logits_soft_cap is None:
+        elif few_rows and self.alibi_slopes is None and self.logits_soft_cap is None and self.sinks is None:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale)
         else:
             out = self._attend_explicit(q, keys, values, mask, query_pos, key_pos)
@@ -379,5 +386,13 @@ class CpuAttentionBackend(AttentionBackend):
             distance = (key_pos - query_pos[:, :, None]).float()  # [num_seqs, query_len, ctx_len]
             bias = self.alibi_slopes * distance[:, None, None]  # [num_seqs, kv_heads, group, query_len, ctx]
             scores = scores + bias.view(num_seqs, num_kv_heads, rows, ctx_len)
-        probs = torch.softmax(scores.masked_fill_(~mask, float("-inf")), dim=-1)
+        scores = scores.masked_fill_(~mask, float("-inf"))
+        if self.sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            # The learned sinks: one more logit per row (row g * query_len + i is head kv * group + g).
+            query_len = rows // self.num_queries_per_kv
+            sink = self.sinks.float().view(num_kv_heads, -1, 1).repeat_interleave(query_len, 1)
+            sink = sink.expand(num_seqs, -1, -1, -1)  # [num_seqs, kv_heads, rows, 1]
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
         return torch.matmul(probs.to(values.dtype), values)

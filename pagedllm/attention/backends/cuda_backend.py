@@ -61,7 +61,8 @@ def cuda_decode(
     out: torch.Tensor,
 ) -> None:
     """PagedAttention V1 or V2 (from host ints, ``ops.use_v1``); shapes as ``triton_decode``'s."""
-    if layer.sliding_window is not None or layer.logits_soft_cap is not None or layer.attention_sinks:
+    variants = layer.sliding_window, layer.logits_soft_cap, layer.sinks
+    if any(v is not None for v in variants) or layer.attention_sinks:
         # vLLM's original kernels know ALiBi only: a windowed, soft-capped or sink-keeping layer
         # decodes with the layer's prefill (one query per sequence), which reads this layout,
         # starts at the window's first tile and scores the sinks with sink_query.

@@ -54,6 +54,7 @@ class PagedAttentionBackend(AttentionBackend):
             "alibi_slopes": self.alibi_slopes,
             "logits_soft_cap": self.logits_soft_cap,
             "attention_sinks": self.attention_sinks,
+            "sinks": self.sinks,
         }
 
     def forward(

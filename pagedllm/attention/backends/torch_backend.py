@@ -14,7 +14,8 @@ computed one sequence at a time with a causal mask aligned to the end of the con
 queries are the last ``query_len`` positions). Both go through one written-out softmax
 (``_attend``) that applies the layer's variants the way their papers define them: soft-capping,
 ALiBi, the sliding window, attention sinks (StreamingLLM: the first ``attention_sinks`` keys stay
-visible past the window, scored with a second query). Cost is linear in the number of sequences.
+visible past the window, scored with a second query), learned sinks (gpt-oss: a per-head logit in
+every softmax's denominator). Cost is linear in the number of sequences.
 """
 
 from __future__ import annotations
@@ -205,5 +206,12 @@ class TorchAttentionBackend(AttentionBackend):
             slopes = self.alibi_slopes.view(self.num_kv_heads, group)
             scores = scores + slopes[None, :, :, None, None] * distance[:, None, None].float()
         scores = torch.where(visible[:, None, None], scores, float("-inf"))
-        out = torch.einsum("bhgqk,bkhd->bqhgd", torch.softmax(scores, dim=-1), values)
+        if self.sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            # The learned sink: one more logit per head in the softmax, its probability dropped.
+            sink = self.sinks.float().view(self.num_kv_heads, group)[None, :, :, None, None]
+            sink = sink.expand(*scores.shape[:-1], 1)
+            probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+        out = torch.einsum("bhgqk,bkhd->bqhgd", probs, values)
         return out.flatten(2, 3).to(query.dtype)

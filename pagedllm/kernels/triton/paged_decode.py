@@ -92,6 +92,7 @@ def _paged_decode_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     alibi_slopes_ptr,  # [num_heads] float32, read when ALIBI
+    learned_sinks_ptr,  # [num_heads], read when LEARNED_SINKS
     qk_scale,
     sliding_window,  # 0: no window
     attention_sinks,  # read when SINKS
@@ -132,6 +133,7 @@ def _paged_decode_kernel(
     SOFT_CAP: tl.constexpr,
     ALIBI: tl.constexpr,
     SINKS: tl.constexpr,
+    LEARNED_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
@@ -179,6 +181,13 @@ def _paged_decode_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    if LEARNED_SINKS:
+        # The learned sink enters partition 0 (always live) as a key of score sink_h and value 0:
+        # m_i = sink_h, l_i = exp2(0) = 1, acc = 0. The reduce then counts it exactly once.
+        head_mask = offs_h < NUM_QUERIES_PER_KV
+        sink = tl.load(learned_sinks_ptr + heads, mask=head_mask, other=float("-inf")).to(tl.float32)
+        m_i = tl.where(part == 0, sink * 1.4426950408889634, m_i)
+        l_i = tl.where((part == 0) & head_mask, 1.0, l_i)
     k_head_ptr = key_cache_ptr + kv_head * stride_k_head
     v_head_ptr = value_cache_ptr + kv_head * stride_v_head
     block_table_ptr = block_tables_ptr + seq * stride_bt_seq
@@ -453,6 +462,7 @@ def paged_decode(
     logits_soft_cap: float | None = None,
     attention_sinks: int = 0,
     sink_query: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     partition_size: int = 512,
     block_n: int = 64,
     num_warps: int = 4,
@@ -467,14 +477,15 @@ def paged_decode(
     The variants (sliding_window, alibi_slopes [num_heads] float32, logits_soft_cap) are
     ``AttentionBackend``'s; with a window, partitions wholly before it exit at once. With
     ``attention_sinks > 0`` (and a window), ``sink_query`` (the shape of ``query``) scores the
-    sinks outside each sequence's window.
+    sinks outside each sequence's window. ``sinks`` ([num_heads]): gpt-oss's learned sink logits.
     """
     layout = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
+    assert sinks is None or (sinks.shape == query.shape[1:2] and sinks.is_contiguous())
     assert layout.key_chunk == 0, "paged_decode reads the Triton layout (the cuda backend has its own decode)"
     assert block_tables.shape[0] == seq_lens.shape[0] == query.shape[0], "one query per sequence"
-    sinks = attention_sinks > 0
-    assert not sinks or (sliding_window is not None and sink_query is not None), "sinks need both"
-    assert not sinks or (sink_query.shape == query.shape and sink_query.stride(2) == 1)
+    streaming_sinks = attention_sinks > 0
+    assert not streaming_sinks or (sliding_window is not None and sink_query is not None), "sinks need both"
+    assert not streaming_sinks or (sink_query.shape == query.shape and sink_query.stride(2) == 1)
     num_seqs, num_heads, head_size = query.shape
     num_kv_heads, block_size = key_cache.shape[1:3]
     assert partition_size % block_n == 0 and partition_size % block_size == 0, (
@@ -502,18 +513,19 @@ def paged_decode(
         max_logits,
         exp_sums,
         query,
-        sink_query if sinks else query,  # a pointer never read without sinks
+        sink_query if streaming_sinks else query,  # a pointer never read without sinks
         key_cache,
         value_cache,
         block_tables,
         seq_lens,
         query if alibi_slopes is None else alibi_slopes,  # a pointer never read without ALiBi
+        query if sinks is None else sinks,  # a pointer never read without learned sinks
         scale * math.log2(math.e),
         sliding_window or 0,
         attention_sinks,
         (logits_soft_cap or 0.0) * math.log2(math.e),
         *query.stride(),
-        *(sink_query if sinks else query).stride(),
+        *(sink_query if streaming_sinks else query).stride(),
         *out.stride(),
         *partial_out.stride(),
         *max_logits.stride(),
@@ -529,7 +541,8 @@ def paged_decode(
         BLOCK_N=block_n,
         SOFT_CAP=logits_soft_cap is not None,
         ALIBI=alibi_slopes is not None,
-        SINKS=sinks,
+        SINKS=streaming_sinks,
+        LEARNED_SINKS=sinks is not None,
         DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -75,6 +75,7 @@ def _paged_prefill_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     alibi_slopes_ptr,  # [num_heads] float32, read when ALIBI
+    learned_sinks_ptr,  # [num_heads], read when LEARNED_SINKS
     qk_scale,
     first_seq,
     sliding_window,  # read when WINDOW
@@ -111,6 +112,7 @@ def _paged_prefill_kernel(
     SOFT_CAP: tl.constexpr,
     ALIBI: tl.constexpr,
     SINKS: tl.constexpr,  # needs WINDOW
+    LEARNED_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     m_block = tl.program_id(0)
@@ -158,6 +160,11 @@ def _paged_prefill_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if LEARNED_SINKS:
+        # The learned sink as a key of score sink_h and value 0, seen by every row first.
+        sink = tl.load(learned_sinks_ptr + head).to(tl.float32) * 1.4426950408889634  # log2 units
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
+        l_i += 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     k_head_ptr = key_cache_ptr + kv_head * stride_k_head
     v_head_ptr = value_cache_ptr + kv_head * stride_v_head
@@ -311,6 +318,7 @@ def paged_prefill(
     logits_soft_cap: float | None = None,
     attention_sinks: int = 0,
     sink_query: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int = 64,
     num_warps: int = 4,
@@ -327,13 +335,15 @@ def paged_prefill(
     those sequences and sets the grid. The variants (sliding_window, alibi_slopes [num_heads]
     float32, logits_soft_cap) are ``AttentionBackend``'s. With ``attention_sinks > 0`` (and a
     window), ``sink_query`` (the shape of ``query``) scores the sinks outside each row's window.
+    ``sinks`` ([num_heads]): gpt-oss's learned sink logits.
     """
     layout = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
+    assert sinks is None or (sinks.shape == query.shape[1:2] and sinks.is_contiguous())
     assert query_start_loc.dtype == torch.int32 and query_start_loc.shape[0] == seq_lens.shape[0] + 1
     assert first_seq >= 0 and first_seq + num_prefills <= seq_lens.shape[0]
-    sinks = attention_sinks > 0
-    assert not sinks or (sliding_window is not None and sink_query is not None), "sinks need both"
-    assert not sinks or (sink_query.shape == query.shape and sink_query.stride(2) == 1)
+    streaming_sinks = attention_sinks > 0
+    assert not streaming_sinks or (sliding_window is not None and sink_query is not None), "sinks need both"
+    assert not streaming_sinks or (sink_query.shape == query.shape and sink_query.stride(2) == 1)
     _, num_heads, head_size = query.shape
     if num_prefills == 0 or max_query_len == 0:
         return out
@@ -341,20 +351,21 @@ def paged_prefill(
     _paged_prefill_kernel[grid](
         out,
         query,
-        sink_query if sinks else query,  # a pointer never read without sinks
+        sink_query if streaming_sinks else query,  # a pointer never read without sinks
         key_cache,
         value_cache,
         block_tables,
         seq_lens,
         query_start_loc,
         query if alibi_slopes is None else alibi_slopes,  # a pointer never read without ALiBi
+        query if sinks is None else sinks,  # a pointer never read without learned sinks
         scale * math.log2(math.e),
         first_seq,
         sliding_window or 0,
         attention_sinks,
         (logits_soft_cap or 0.0) * math.log2(math.e),
         *query.stride(),
-        *(sink_query if sinks else query).stride(),
+        *(sink_query if streaming_sinks else query).stride(),
         *out.stride(),
         *layout.key_strides,
         *layout.value_strides,
@@ -369,7 +380,8 @@ def paged_prefill(
         WINDOW=sliding_window is not None,
         SOFT_CAP=logits_soft_cap is not None,
         ALIBI=alibi_slopes is not None,
-        SINKS=sinks,
+        SINKS=streaming_sinks,
+        LEARNED_SINKS=sinks is not None,
         DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32),
         num_warps=num_warps,
         num_stages=num_stages,

@@ -77,6 +77,13 @@ class FusedMoE(CustomOp):
         """hidden_states: [num_tokens, hidden_size]; router_logits: [num_tokens, num_experts]
         -> [num_tokens, hidden_size], reduced over the tensor-parallel ranks."""
         topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.forward_routed(hidden_states, topk_weights, topk_ids)
+
+    def forward_routed(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The experts under a routing chosen by the caller (a grouped router,
+        ``router.select_experts_grouped``). topk_weights, topk_ids: [num_tokens, top_k]."""
         out = self.forward_method(hidden_states, topk_weights, topk_ids)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 

@@ -1,0 +1,203 @@
+"""DeepSeek-V2 (``DeepseekV2ForCausalLM``: DeepSeek-V2, V2-Lite, V2.5): multi-head latent
+attention (MLA, DeepSeek-AI 2024, "DeepSeek-V2") and a mixture of experts with shared experts, as
+Hugging Face transformers computes it.
+
+MLA compresses each token's keys and values into one latent: ``c_kv = RMSNorm(W_dkv x)`` of
+``kv_lora_rank`` dims, plus one rotary key ``k_pe`` of ``qk_rope_head_dim`` dims shared by every
+head. The cache holds exactly that, ``[c_kv | k_pe]``, one "head" of ``kv_lora_rank +
+qk_rope_head_dim`` per token (``ModelConfig.head_size`` and ``num_kv_heads`` say so to the cache
+engine): 576 numbers a token for DeepSeek-V2 against 128 heads x (192 + 128) for its keys and
+values expanded. Attention here is the expanded form: each step gathers a sequence's latents from
+the paged cache, expands them with ``kv_b_proj`` into every head's ``k_nope`` and ``v``, appends
+``k_pe`` and attends, causal, as written out in ``_attend``. (The absorbed form, which folds
+``kv_b_proj`` into the query and the output and attends over the latents directly, is what makes
+decoding fast; it is not done here.) The cache is the torch layout, which the torch and cpu
+backends share; the engine allocates no value cache beside it (``KVCacheSpec.keys_only``).
+
+Rotary embedding: DeepSeek rotates interleaved pairs ``(x[2i], x[2i + 1])`` (complex
+multiplication in the reference), with the usual angles and YaRN's attention factor; the softmax
+scale is ``qk_head_dim ** -0.5`` times ``mscale(factor, mscale_all_dim) ** 2`` under YaRN.
+
+MoE: layers ``>= first_k_dense_replace`` route with a softmax, top-k within the ``topk_group``
+best groups (``group_limited_greedy``) or over all experts (``greedy``), weights times
+``routed_scaling_factor`` without renormalising, plus ``n_shared_experts`` shared experts.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from pagedllm.attention import AttentionMetadata
+from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention.backends.torch_backend import TorchAttentionBackend, gather_context
+from pagedllm.layers.fused_moe import select_experts_group_limited
+from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
+from pagedllm.models.glm4_moe import SharedExpertsMoeBlock
+from pagedllm.models.llama import LlamaDecoderLayer, LlamaMLP
+from pagedllm.models.moe import MoeForCausalLM
+
+
+def _softmax_scale(config: PretrainedConfig, qk_head_dim: int) -> float:
+    params = get_rope_parameters(config)
+    scale = qk_head_dim**-0.5
+    mscale_all_dim = params.get("mscale_all_dim") or 0
+    if params["rope_type"] == "yarn" and mscale_all_dim and params["factor"] > 1:
+        mscale = 0.1 * mscale_all_dim * math.log(params["factor"]) + 1.0
+        scale *= mscale * mscale
+    return scale
+
+
+def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, heads, rope_dim], pairs (2i, 2i + 1) rotated by angle i; cos, sin:
+    [num_tokens, 1, rope_dim // 2]. Computed in float32, as the reference's complex product."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    cos, sin = cos.float(), sin.float()
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2).to(x.dtype)
+
+
+class MLAAttention(nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        rotary_emb: RotaryEmbedding | None,
+        attn_backend: type[AttentionBackend],
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__()
+        torch_layout = TorchAttentionBackend.get_kv_cache_shape(1, 16, 1, 8, torch.float32)
+        if attn_backend.get_kv_cache_shape(1, 16, 1, 8, torch.float32) != torch_layout:
+            raise ValueError(
+                f"multi-head latent attention (DeepSeek-V2) runs on the 'torch' and 'cpu' attention "
+                f"backends only, got {attn_backend.name!r}"
+            )
+        if sliding_window is not None or rotary_emb is None:
+            raise ValueError(
+                "multi-head latent attention takes no sliding window and needs its rotary embedding"
+            )
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        num_heads, hidden, bias = config.num_attention_heads, config.hidden_size, config.attention_bias
+        if self.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(hidden, num_heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias
+        )
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
+        per_head = self.qk_nope_head_dim + self.v_head_dim
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, num_heads * per_head, bias=False)
+        self.o_proj = RowParallelLinear(num_heads * self.v_head_dim, hidden, bias=bias)
+        self.num_heads = self.kv_b_proj.weight.shape[0] // per_head  # this rank's heads
+        self.rotary_emb = rotary_emb
+        self.scale = _softmax_scale(config, self.qk_head_dim)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """positions: [num_tokens]; hidden_states: [num_tokens, hidden_size] -> same shape."""
+        num_tokens = hidden_states.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden_states)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q = q.view(num_tokens, self.num_heads, self.qk_head_dim)
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden_states).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], -1
+        )
+        table, index = self.rotary_emb.cos_sin_rows(positions)
+        cos, sin = table.index_select(0, index)[:, None].chunk(2, dim=-1)
+        q_pe = _rotate_interleaved(q[..., self.qk_nope_head_dim :], cos, sin)
+        q = torch.cat((q[..., : self.qk_nope_head_dim], q_pe), dim=-1)
+        k_pe = _rotate_interleaved(k_pe[:, None], cos, sin)
+        # The cache entry of a token: [c_kv | k_pe], one "head".
+        entry = torch.cat((self.kv_a_layernorm(latent)[:, None], k_pe), dim=-1)
+        key_cache = kv_cache[0]  # (the value cache is the same tensor: the latent is both)
+        slot_mapping = attn_metadata.slot_mapping
+        valid = slot_mapping >= 0
+        key_cache.view(-1, 1, key_cache.shape[-1])[slot_mapping[valid]] = entry[valid].to(key_cache.dtype)
+        output = q.new_empty(num_tokens, self.num_heads, self.v_head_dim)
+        starts = attn_metadata.query_start_loc_cpu.tolist()
+        for i, seq_len in enumerate(attn_metadata.seq_lens_cpu.tolist()):
+            context = gather_context(key_cache, attn_metadata.block_tables[i], seq_len)[:, 0]
+            output[starts[i] : starts[i + 1]] = self._attend(q[starts[i] : starts[i + 1]], context)
+        return self.o_proj(output.flatten(1))
+
+    def _attend(self, query: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """query: [query_len, num_heads, qk_head_dim], the last query_len positions of a context
+        of latents [seq_len, kv_lora_rank + qk_rope_head_dim] -> [query_len, num_heads, v_head_dim]."""
+        seq_len, query_len = context.shape[0], query.shape[0]
+        latent, k_pe = context.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(latent).view(seq_len, self.num_heads, -1)
+        k_nope, values = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        keys = torch.cat((k_nope, k_pe[:, None].expand(-1, self.num_heads, -1)), dim=-1)
+        scores = torch.einsum("qhd,khd->hqk", query.float(), keys.float()) * self.scale
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
+        causal = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        return torch.einsum("hqk,khd->qhd", probs, values.float()).to(query.dtype)
+
+
+class MLADecoderLayer(LlamaDecoderLayer):
+    attention_class = MLAAttention
+
+
+class GroupLimitedRouter(nn.Module):
+    """DeepSeek-V2's router weights (``gate.weight``), logits in float32 as the reference's."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(config.n_routed_experts, config.hidden_size), requires_grad=False
+        )
+        self.top_k = config.num_experts_per_tok
+        grouped = config.topk_method == "group_limited_greedy"
+        if config.topk_method not in ("greedy", "group_limited_greedy"):
+            raise ValueError(
+                f"topk_method must be 'greedy' or 'group_limited_greedy', got {config.topk_method!r}"
+            )
+        if grouped and (not config.n_group or config.n_routed_experts % config.n_group):
+            raise ValueError(
+                f"n_group ({config.n_group}) must divide n_routed_experts ({config.n_routed_experts})"
+            )
+        self.num_groups = config.n_group if grouped else None
+        self.topk_groups = config.topk_group if grouped else None
+        self.routed_scaling_factor = config.routed_scaling_factor
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(hidden_states.float(), self.weight.float())
+        return select_experts_group_limited(
+            logits, self.top_k, self.num_groups, self.topk_groups, self.routed_scaling_factor
+        )
+
+
+class DeepseekV2ForCausalLM(MoeForCausalLM):
+    decoder_layer = MLADecoderLayer
+    # MLA's projections load as they are: only the MLPs' gate and up are packed.
+    packed_modules_mapping: ClassVar[dict[str, tuple[tuple[str, int | str], ...]]] = {
+        "gate_up_proj": (("gate_proj", 0), ("up_proj", 1)),
+    }
+
+    @staticmethod
+    def make_mlp(config: PretrainedConfig, layer_index: int) -> nn.Module:
+        if layer_index < config.first_k_dense_replace:
+            return LlamaMLP(config)
+        return SharedExpertsMoeBlock(config, GroupLimitedRouter(config))
