@@ -32,6 +32,12 @@ def test_bgmv_equals_the_masked_product_at_8b_shape(num_tokens):
     x = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).bfloat16()
     lora_a = (0.05 * torch.randn(3 * slots * rank, hidden, device=DEVICE, generator=gen)).bfloat16()
     lora_b = (0.05 * torch.randn(sum(sizes), 3 * slots * rank, device=DEVICE, generator=gen)).bfloat16()
+    # The slots' layout: slice i's adapters only in slice i's output rows (lora/layers.py).
+    width, row = slots * rank, 0
+    for i, size in enumerate(sizes):
+        lora_b[:row, i * width : (i + 1) * width] = 0
+        lora_b[row + size :, i * width : (i + 1) * width] = 0
+        row += size
     token_slots = np.random.default_rng(0).integers(NO_SLOT, slots, num_tokens)
     y = torch.randn(num_tokens, sum(sizes), device=DEVICE, generator=gen).bfloat16()
     starts = (sizes[0], sizes[0] + sizes[1])
@@ -72,7 +78,10 @@ def test_bgmv_replays_in_a_cuda_graph():
 
 
 def test_engine_with_adapters_on_cuda_gives_the_cpu_tokens(make_tiny_model, make_adapter, make_prompts):
-    hf_model, model_config = make_tiny_model(LlamaConfig, num_attention_heads=4, num_key_value_heads=2)
+    # head_dim 64: a head size the GPU attention kernels take.
+    hf_model, model_config = make_tiny_model(
+        LlamaConfig, hidden_size=256, num_attention_heads=4, num_key_value_heads=2
+    )
     loras = [
         LoRARequest("a", 1, make_adapter(hf_model, 8, ["q_proj", "v_proj", "down_proj"])),
         LoRARequest("b", 2, make_adapter(hf_model, 4, ["k_proj", "o_proj", "gate_proj", "up_proj"])),
