@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,17 @@ def test_serve_logs_the_engine_summary(launch_server, tiny_server_args: list[str
     log = server.log_tail()
     assert "INFO pagedllm.entrypoints.openai.api_server: engine ready in " in log
     assert "KV cache 2,048 blocks x 16 = 32,768 tokens" in log
+
+
+def test_serve_on_a_taken_port_fails_before_loading_the_model(tiny_server_args: list[str]):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "pagedllm", "serve", *tiny_server_args, "--port", str(port)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert f"pagedllm serve: cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    # Refused before the engine was built: nothing was loaded.
+    assert "engine ready" not in result.stderr
+    assert "Traceback" not in result.stderr
