@@ -174,3 +174,16 @@ def test_serve_on_a_taken_port_fails_before_loading_the_model(tiny_server_args: 
     # Refused before the engine was built: nothing was loaded.
     assert "engine ready" not in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_serve_starts_with_an_unwritable_cache_dir(launch_server, tmp_path: Path):
+    blocker = tmp_path / "not-a-directory"  # nothing can be created under it, even by root
+    blocker.write_text("")
+    # The embedded GGUF: its tokenizer and config are what start-up caches. The CPU kernels'
+    # build (a minute) is left out; its fallback to a temporary directory is test_cache_dir's.
+    env = {"PAGEDLLM_CACHE_DIR": str(blocker / "cache"), "PAGEDLLM_CPU_KERNELS": "0"}
+    server = launch_server(["--max-model-len", "256", "--threads", "1"], env=env)
+    assert "not caching the converted GGUF tokenizer in " in server.log_tail(20000)
+    body = {"prompt": "The capital of France is", "max_tokens": 2}
+    assert server.request("POST", "/v1/completions", body)[0] == 200
