@@ -236,6 +236,8 @@ def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        if async_engine.structured_output_manager is not None:
+            async_engine.structured_output_manager.prepare()
         tasks = [asyncio.ensure_future(_watch_health(async_engine, app))]
         if settings.stats_interval > 0:
             tasks.append(asyncio.ensure_future(_log_stats(async_engine, settings.stats_interval)))
