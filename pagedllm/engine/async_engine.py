@@ -355,7 +355,11 @@ class AsyncLLMEngine:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:
-                continue  # aborted by the caller meanwhile
+                # Aborted by the caller meanwhile. Finished too: the engine finished it before the
+                # abort reached it, so the abort counts nothing and the success is counted here.
+                if output.finished and not output.failed and self.on_request_finished is not None:
+                    self.on_request_finished(output)
+                continue
             if output.failed:
                 del self._streams[output.request_id]
                 stream.put(RequestFailedError(output.error))

@@ -277,6 +277,8 @@ class OpenAIServing:
             try:
                 async for output in stream:
                     final = output
+            except AsyncEngineDeadError as e:  # the server shutting down, or the engine gone
+                raise APIError(503, str(e), code="engine_unavailable") from e
             except Exception as e:
                 raise APIError(500, str(e)) from e
             if final is None or not final.finished:
