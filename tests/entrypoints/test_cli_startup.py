@@ -187,3 +187,13 @@ def test_serve_starts_with_an_unwritable_cache_dir(launch_server, tmp_path: Path
     assert "not caching the converted GGUF tokenizer in " in server.log_tail(20000)
     body = {"prompt": "The capital of France is", "max_tokens": 2}
     assert server.request("POST", "/v1/completions", body)[0] == 200
+
+
+def test_generate_from_a_prompts_file_shows_a_progress_bar_on_stderr(
+    tiny_llama_with_tokenizer: str, tmp_path
+):
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("one\ntwo\nthree\n")
+    result = _generate("--model", tiny_llama_with_tokenizer, "--prompts-file", str(prompts_file))
+    assert "Processed prompts" in result.stderr and "3/3" in result.stderr
+    assert "Processed prompts" not in result.stdout and result.stdout.count("=== ") == 3
