@@ -52,3 +52,20 @@ def test_q4_matmul_agrees_with_the_dequantized_oracle_at_every_size(
     assert bool(calls) == (num_rows >= gguf_q4.DEQUANTIZE_MIN_ROWS)
     error = (out - expected).norm() / expected.norm()
     assert error < 1e-2, error
+
+
+@pytest.mark.parametrize("tensor_type", TYPES)
+def test_the_cpu_kernels_dequantization_is_the_torch_formulations(tensor_type: str):
+    from pagedllm.kernels.cpu import ops as cpu_ops
+    from pagedllm.kernels.cpu.build import available
+
+    if not available():
+        pytest.skip("the CPU kernels do not build here")
+    raw, oracle = _quantized(tensor_type, 320, 96)
+    packed, scales_and_zeros = gguf_q4.pack_q4(raw, tensor_type)
+    for start, end in ((0, 320), (128, 256)):
+        kernel = cpu_ops.int4_dequantize(packed, scales_and_zeros, start, end)
+        reference = gguf_q4.dequantize_packed(packed, scales_and_zeros, start, end)
+        # Each rounds q * scale + offset once to bf16 (the offset's float32 rounding may differ).
+        torch.testing.assert_close(kernel.float(), reference.float(), rtol=8e-3, atol=1e-6)
+        torch.testing.assert_close(kernel.float(), oracle[start:end], rtol=2e-2, atol=2e-3)
