@@ -181,8 +181,13 @@ def test_serve_starts_with_an_unwritable_cache_dir(launch_server, tmp_path: Path
     blocker = tmp_path / "not-a-directory"  # nothing can be created under it, even by root
     blocker.write_text("")
     # The embedded GGUF: its tokenizer and config are what start-up caches. The CPU kernels'
-    # build (a minute) is left out; its fallback to a temporary directory is test_cache_dir's.
-    env = {"PAGEDLLM_CACHE_DIR": str(blocker / "cache"), "PAGEDLLM_CPU_KERNELS": "0"}
+    # and grammar extension's builds (a minute each) are left out; their fallback to a temporary
+    # directory is test_cache_dir's.
+    env = {
+        "PAGEDLLM_CACHE_DIR": str(blocker / "cache"),
+        "PAGEDLLM_CPU_KERNELS": "0",
+        "PAGEDLLM_NATIVE_GRAMMAR": "0",
+    }
     server = launch_server(["--max-model-len", "256", "--threads", "1"], env=env)
     assert "not caching the converted GGUF tokenizer in " in server.log_tail(20000)
     body = {"prompt": "The capital of France is", "max_tokens": 2}
