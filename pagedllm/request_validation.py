@@ -35,6 +35,7 @@ def validate_request(
     """
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+    params.verify()  # again: a caller may have changed a field since it was made
     vocab_size = config.model_config.vocab_size
     token_ids = check_token_ids(prompt_token_ids, vocab_size, "prompt token id")
     if not token_ids:

@@ -7,6 +7,7 @@ import json
 import math
 import numbers
 import operator
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,8 +255,18 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # bad_words as token-id sequences, set by the engine's request validation (it has the tokenizer).
     bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
+    # The best_of that _normalize filled in for None (n's value then); see verify().
+    _defaulted_best_of: int | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self.verify()
+
+    def verify(self) -> None:
+        """Normalise and check every field; ValueError names the first that is wrong. Run at
+        construction and again by the engine on every request, so that a SamplingParams changed
+        after it was made (``params.temperature = -1``) is checked as a new one would be."""
+        if self._defaulted_best_of is not None and self.best_of == self._defaulted_best_of:
+            self.best_of = None  # still the default: it follows a changed n
         self._normalize()
         try:
             self.output_kind = RequestOutputKind(self.output_kind)
@@ -282,7 +293,7 @@ class SamplingParams:
         ValueError naming the field."""
         self._normalize_scalars()
         if self.best_of is None:
-            self.best_of = self.n
+            self.best_of = self._defaulted_best_of = self.n
         self._normalize_lists()
 
     def _normalize_scalars(self) -> None:
@@ -484,6 +495,10 @@ class SamplingParams:
         return max((len(s) for s in self.stop), default=0)
 
 
+# A logit_bias key as JSON carries a token id: an optional sign and up to 20 ASCII digits.
+_TOKEN_ID_KEY = re.compile(r"\s*-?[0-9]{1,20}\s*")
+
+
 def _logit_bias(logit_bias: object) -> dict[int, float]:
     """Token id (an int, or its decimal string as JSON keys are) -> finite bias in [-100, 100]."""
     if not isinstance(logit_bias, dict):
@@ -491,9 +506,8 @@ def _logit_bias(logit_bias: object) -> dict[int, float]:
     result = {}
     for key, value in logit_bias.items():
         if isinstance(key, str):
-            _check(
-                key.strip().lstrip("-").isdigit() and len(key) <= 20, "logit_bias", "keyed by token ids", key
-            )
+            # ASCII digits only: str.isdigit() and int() also take "²" and Arabic-Indic digits.
+            _check(_TOKEN_ID_KEY.fullmatch(key) is not None, "logit_bias", "keyed by token ids", key)
             key = int(key)
         token_id = as_int(key, "logit_bias")
         _check(token_id >= 0, "logit_bias", "keyed by non-negative token ids", token_id)

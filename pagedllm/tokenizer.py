@@ -6,13 +6,12 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from typing import Any
 
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pagedllm.cache_dir import cache_root
+from pagedllm.cache_dir import cache_root, save_atomically
 from pagedllm.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -61,13 +60,7 @@ def _load_gguf_tokenizer(gguf_file: str) -> Tokenizer:
         return AutoTokenizer.from_pretrained(cache_dir)
     directory, name = os.path.split(os.path.abspath(gguf_file))
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    try:
-        # Written aside and renamed, so a concurrent reader never sees half a tokenizer.
-        staging = tempfile.mkdtemp(dir=os.path.dirname(cache_dir))
-        tokenizer.save_pretrained(staging)
-        os.replace(staging, cache_dir)
-    except OSError as e:
-        logger.info("not caching the converted GGUF tokenizer (%s)", e)
+    save_atomically(cache_dir, tokenizer.save_pretrained, "the converted GGUF tokenizer", is_dir=True)
     return tokenizer
 
 
@@ -75,12 +68,10 @@ def gguf_cache_path(gguf_file: str, kind: str, suffix: str = "") -> str:
     """Where something derived from a GGUF file (its converted tokenizer, its config) is cached:
     ``<cache>/pagedllm/<kind>/<key><suffix>``, keyed by the file's path, size and modification
     time and by the transformers version that derived it (``PAGEDLLM_CACHE_DIR`` overrides the
-    root). The directory ``kind`` is created; the path itself may not exist yet."""
+    root). Nothing is created: save there with ``cache_dir.save_atomically``."""
     stat = os.stat(gguf_file)
     key = f"{os.path.abspath(gguf_file)}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
-    root = str(cache_root())
-    os.makedirs(os.path.join(root, kind), exist_ok=True)
-    return os.path.join(root, kind, hashlib.sha256(key.encode()).hexdigest()[:32] + suffix)
+    return os.path.join(str(cache_root()), kind, hashlib.sha256(key.encode()).hexdigest()[:32] + suffix)
 
 
 def _as_id_set(value: Any) -> set[int]:

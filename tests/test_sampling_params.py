@@ -75,6 +75,9 @@ def test_defaults_and_normalisation():
         ({"allowed_token_ids": [-3]}, "allowed_token_ids"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"logit_bias": {"five": 1}}, "logit_bias"),
+        # Digits to str.isdigit() and int(), but no token ids: superscripts, Arabic-Indic digits.
+        ({"logit_bias": {"\u00b2": 1}}, "logit_bias"),
+        ({"logit_bias": {"\u0661\u0662": 1}}, "logit_bias"),
         ({"logit_bias": {5: float("inf")}}, "logit_bias"),
         ({"logit_bias": [1, 2]}, "logit_bias"),
         ({"bad_words": [""]}, "bad_words"),

@@ -13,7 +13,7 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from pagedllm import __version__
 from pagedllm.engine.arg_utils import EngineArgs, cli_type
@@ -93,10 +93,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
     prompts = _read_prompts(args)
     params = _sampling_params(args)
     llm = LLM(**dataclasses.asdict(EngineArgs.from_cli_args(args)))
+    # A file's prompts get a progress bar (tqdm's, on stderr: stdout stays the outputs).
+    use_tqdm = args.prompts_file is not None
     if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=use_tqdm)
     else:
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+        outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     num_failed = 0
     for prompt, output in zip(prompts, outputs):
         if len(prompts) > 1:
@@ -119,45 +121,13 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_chat(args: argparse.Namespace) -> None:
     from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.entrypoints.chat import ChatSession, run_chat
     from pagedllm.entrypoints.utils import engine_summary
-    from pagedllm.tokenizer import apply_chat_template
 
     start = time.perf_counter()
     engine = LLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
     logger.info("%s", engine_summary(engine.config, engine.num_gpu_blocks, time.perf_counter() - start))
-    if engine.tokenizer is None:
-        raise SystemExit("pagedllm chat: this model has no tokenizer")
-    params = _sampling_params(args)
-    messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    print("Chat with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
-    for turn in range(sys.maxsize):
-        try:
-            user = input("> ")
-        except EOFError:
-            break
-        if not user.strip():
-            break
-        messages.append({"role": "user", "content": user})
-        token_ids = apply_chat_template(engine.tokenizer, messages)
-        engine.add_request(str(turn), sampling_params=params, prompt_token_ids=token_ids)
-        reply = _stream_reply(engine, lambda text: print(text, end="", flush=True))
-        print()
-        messages.append({"role": "assistant", "content": reply})
-
-
-def _stream_reply(engine, write: Callable[[str], None]) -> str:
-    """Step the engine until its one request finishes, writing text as it arrives."""
-    text = ""
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.error:
-                raise SystemExit(f"error: {output.error}")
-            new_text = output.outputs[0].text
-            write(new_text[len(text) :])
-            text = new_text
-    return text
+    run_chat(ChatSession(engine, _sampling_params(args), args.system))
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -198,7 +168,10 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
         "generate", help="answer prompts and print the outputs", formatter_class=HelpFormatter
     )
     generate.add_argument("prompts", nargs="*", help="prompts (or use --prompts-file)")
-    generate.add_argument("--prompts-file", help="a file with one prompt per line, or a JSON list of strings")
+    generate.add_argument(
+        "--prompts-file",
+        help="a file with one prompt per line, or a JSON list of strings (shows a progress bar)",
+    )
     generate.add_argument(
         "--chat", action="store_true", help="send each prompt as a user message via the chat template"
     )

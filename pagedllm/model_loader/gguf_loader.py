@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import struct
-import tempfile
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, PretrainedConfig
 
+from pagedllm.cache_dir import save_atomically
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.onednn_linear import onednn_available
 from pagedllm.layers.quantization.gguf import (
@@ -124,14 +124,12 @@ def load_gguf_config(path: str) -> PretrainedConfig:
             logger.warning("ignoring the cached config %s (%s)", cached, e)
     config = _derive_gguf_config(path)
     if _fields_only(type(config)):
-        try:
-            # Written aside and renamed, so a concurrent reader never sees half a file.
-            fd, staging = tempfile.mkstemp(dir=os.path.dirname(cached), suffix=".json")
-            with os.fdopen(fd, "w") as f:
+
+        def write(staging: str) -> None:
+            with open(staging, "w") as f:
                 json.dump(config.to_dict(), f)
-            os.replace(staging, cached)
-        except OSError as e:
-            logger.info("not caching the GGUF's config (%s)", e)
+
+        save_atomically(cached, write, "the GGUF's config")
     return config
 
 

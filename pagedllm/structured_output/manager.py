@@ -79,6 +79,8 @@ class StructuredOutputManager:
         )
         self._lock = threading.Lock()
         self.vocab_size = vocab_size
+        # The grammar extension's build started by prepare(); None: built by the first compile.
+        self._native_build: Future[bool] | None = None
 
     @classmethod
     def for_model(
@@ -102,6 +104,23 @@ class StructuredOutputManager:
                     self._cache.popitem(last=False)
             self._cache.move_to_end(key)
             return future
+
+    def prepare(self) -> None:
+        """Start building the grammar extension (about a minute, once per machine; loading a built
+        one takes milliseconds) in a compile thread, so that no request's compile time limit pays
+        for it. The server calls this at start-up and answers constrained requests 503 until
+        ``is_ready``; offline, the first compilation builds it, with no limit to beat."""
+        if native.is_built():
+            native.available()  # loaded now: no request meets a build that is already done
+            return
+        with self._lock:
+            if self._native_build is None:
+                self._native_build = self._executor.submit(native.available)
+
+    @property
+    def is_ready(self) -> bool:
+        """False while prepare()'s build runs."""
+        return self._native_build is None or self._native_build.done()
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

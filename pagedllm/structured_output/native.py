@@ -27,7 +27,7 @@ from types import ModuleType
 
 import llguidance._lib
 
-from pagedllm.kernels.cpu.build import build_extension
+from pagedllm.kernels.cpu.build import build_extension, cache_dir
 from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -52,6 +52,11 @@ def load() -> ModuleType:
     )
     assert module is not None
     return module
+
+
+def is_built() -> bool:
+    """Whether this machine's cache holds the built extension (loading it takes milliseconds)."""
+    return (cache_dir(CSRC, CXX_FLAGS) / f"{EXTENSION_NAME}.so").exists()
 
 
 @functools.cache

@@ -5,6 +5,7 @@ without leaving anyone waiting."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Coroutine
 from typing import Any
 
@@ -214,5 +215,33 @@ def test_shutdown_ends_running_requests_with_an_error(make_engine):
             async for _ in stream:
                 pass
         assert not engine.is_running
+
+    run(main())
+
+
+def test_a_request_aborted_as_it_finishes_is_counted_exactly_once(make_engine):
+    """The client leaves after the engine finished its request but before the output reached the
+    event loop: the frontend has not seen it finish, so it counts an abort, and the finished output
+    that arrives after is dropped, not counted as a success too."""
+
+    async def main() -> None:
+        llm_engine = make_engine()
+        finished: list[str] = []
+        engine = AsyncLLMEngine(
+            llm_engine, on_request_finished=lambda output: finished.append(output.request_id)
+        )
+        engine.start()
+        await engine.add_request("racing", prompt_token_ids=[1, 2, 3], sampling_params=params(2))
+        # Block the event loop (so no output is delivered) until the engine has finished it.
+        deadline = time.monotonic() + TIMEOUT_S
+        while llm_engine.has_unfinished_requests() or llm_engine.get_stats().num_running:
+            assert time.monotonic() < deadline, "the engine did not finish the request"
+            time.sleep(0.01)
+        time.sleep(0.1)  # and has handed its outputs to the event loop's queue
+        engine.abort("racing")  # the client leaves now
+        await wait_for(lambda: engine.stats.num_running == 0 and all_blocks_free(engine), "the engine idle")
+        await asyncio.sleep(0.2)  # the abort applied (or found nothing) on the engine's side
+        assert len(finished) + engine.num_aborted_requests == 1, (finished, engine.num_aborted_requests)
+        await engine.shutdown()
 
     run(main())

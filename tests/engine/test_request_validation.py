@@ -56,6 +56,28 @@ def test_refused_requests_name_the_field_and_leave_the_engine_usable(llm, prompt
     assert engine.scheduler.kv_cache_manager.get_num_free_gpu_blocks() == engine.num_gpu_blocks
 
 
+@pytest.mark.parametrize(
+    "field, value", [("temperature", -1.0), ("top_p", 0.0), ("max_tokens", 0), ("logit_bias", {"\u00b2": 1})]
+)
+def test_a_sampling_params_changed_after_it_was_made_is_checked_again(llm, field, value):
+    params = SamplingParams(temperature=0.5, max_tokens=3)
+    setattr(params, field, value)
+    with pytest.raises(ValueError, match=rf"^prompt 0: {field} must be"):
+        llm.generate(prompt_token_ids=[1, 2, 3], sampling_params=params, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_changed_n_takes_the_default_best_of_along(llm):
+    params = SamplingParams(temperature=1.0, max_tokens=2, seed=0)
+    params.n = 3  # best_of was left to default to n: it follows
+    [output] = llm.generate(prompt_token_ids=[1, 2, 3], sampling_params=params, use_tqdm=False)
+    assert params.best_of == 3 and len(output.outputs) == 3
+    explicit = SamplingParams(temperature=1.0, max_tokens=2, best_of=2)
+    explicit.n = 3  # best_of was given: it stays, and is now too small
+    with pytest.raises(ValueError, match=r"^prompt 0: best_of must be an integer >= n \(3\)"):
+        llm.generate(prompt_token_ids=[1, 2, 3], sampling_params=explicit, use_tqdm=False)
+
+
 def test_sampling_params_of_another_type_is_refused(llm):
     with pytest.raises(ValueError, match="sampling_params must be a SamplingParams"):
         llm.llm_engine.add_request("x", prompt_token_ids=[1], sampling_params={"temperature": 0})

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -159,3 +160,45 @@ def test_serve_logs_the_engine_summary(launch_server, tiny_server_args: list[str
     log = server.log_tail()
     assert "INFO pagedllm.entrypoints.openai.api_server: engine ready in " in log
     assert "KV cache 2,048 blocks x 16 = 32,768 tokens" in log
+
+
+def test_serve_on_a_taken_port_fails_before_loading_the_model(tiny_server_args: list[str]):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "pagedllm", "serve", *tiny_server_args, "--port", str(port)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert f"pagedllm serve: cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    # Refused before the engine was built: nothing was loaded.
+    assert "engine ready" not in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_serve_starts_with_an_unwritable_cache_dir(launch_server, tmp_path: Path):
+    blocker = tmp_path / "not-a-directory"  # nothing can be created under it, even by root
+    blocker.write_text("")
+    # The embedded GGUF: its tokenizer and config are what start-up caches. The CPU kernels'
+    # and grammar extension's builds (a minute each) are left out; their fallback to a temporary
+    # directory is test_cache_dir's.
+    env = {
+        "PAGEDLLM_CACHE_DIR": str(blocker / "cache"),
+        "PAGEDLLM_CPU_KERNELS": "0",
+        "PAGEDLLM_NATIVE_GRAMMAR": "0",
+    }
+    server = launch_server(["--max-model-len", "256", "--threads", "1"], env=env)
+    assert "not caching the converted GGUF tokenizer in " in server.log_tail(20000)
+    body = {"prompt": "The capital of France is", "max_tokens": 2}
+    assert server.request("POST", "/v1/completions", body)[0] == 200
+
+
+def test_generate_from_a_prompts_file_shows_a_progress_bar_on_stderr(
+    tiny_llama_with_tokenizer: str, tmp_path
+):
+    prompts_file = tmp_path / "prompts.txt"
+    prompts_file.write_text("one\ntwo\nthree\n")
+    result = _generate("--model", tiny_llama_with_tokenizer, "--prompts-file", str(prompts_file))
+    assert "Processed prompts" in result.stderr and "3/3" in result.stderr
+    assert "Processed prompts" not in result.stdout and result.stdout.count("=== ") == 3

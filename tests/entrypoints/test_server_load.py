@@ -149,6 +149,34 @@ def test_bench_serve_against_the_server(server, tiny_vocab_size, tmp_path, capsy
     assert plot_file.read_bytes().startswith(b"\x89PNG")
 
 
+def test_random_lengths_replace_w4s_and_allow_more_prompts():
+    requests = bench_serve.w4_requests(600, input_len=7, output_len=5)
+    assert len(requests) == 600
+    assert all(len(r.prompt_token_ids) == 7 and r.output_len == 5 for r in requests)
+    only_output = bench_serve.w4_requests(3, output_len=9)
+    assert [r.output_len for r in only_output] == [9, 9, 9]
+    assert all(100 <= len(r.prompt_token_ids) <= 1024 for r in only_output)
+    with pytest.raises(ValueError, match="random_input_len must be at least 1"):
+        bench_serve.w4_requests(3, input_len=0)
+    with pytest.raises(ValueError, match="num_prompts must be in"):
+        bench_serve.w4_requests(501)
+
+
+def test_max_concurrency_bounds_the_requests_in_flight_and_a_bar_shows_progress(server, model, capsys):
+    requests = bench_serve.w4_requests(6, vocab_size=160, input_len=8, output_len=16)
+    results, _ = asyncio.run(
+        bench_serve.run_at_rate(
+            server.url + "/v1/completions", model, requests, float("inf"), {}, 60.0, 2, show_progress=True
+        )
+    )
+    assert all(r.success for r in results) and all(r.num_output_tokens == 16 for r in results)
+    # Every moment a request was sent, at most two were in flight.
+    spans = [(r.start, r.start + r.latency) for r in results]
+    for start, _ in spans:
+        assert sum(s <= start < e for s, e in spans) <= 2, spans
+    assert "6/6" in capsys.readouterr().err
+
+
 def test_shutdown_with_open_streams_does_not_hang(launch_server, tiny_server_args, tiny_vocab_size):
     server = launch_server(tiny_server_args)
 

@@ -406,3 +406,31 @@ def test_apply_token_bitmask_equals_llguidances_and_the_definition(vocab_size):
 def test_apply_token_bitmask_refuses_a_wrong_shape():
     with pytest.raises(ValueError, match="bitmask must be int32"):
         apply_token_bitmask(torch.zeros((2, 64)), allocate_token_bitmask(1, 64))
+
+
+def test_prepare_builds_the_extension_aside_and_says_when_it_is_ready(smollm2_tokenizer, monkeypatch):
+    build_done = threading.Event()
+    monkeypatch.setattr(native, "is_built", lambda: False)
+    monkeypatch.setattr(native, "available", lambda: build_done.wait(30))
+    manager = StructuredOutputManager(smollm2_tokenizer, 49152, [smollm2_tokenizer.eos_token_id])
+    try:
+        assert manager.is_ready  # offline: the first compile builds it, with no limit to beat
+        manager.prepare()
+        assert not manager.is_ready
+        build_done.set()
+        deadline = time.monotonic() + 10
+        while not manager.is_ready and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert manager.is_ready
+    finally:
+        manager.shutdown()
+
+
+def test_prepare_loads_a_built_extension_at_once(smollm2_tokenizer, monkeypatch):
+    loaded = []
+    monkeypatch.setattr(native, "is_built", lambda: True)
+    monkeypatch.setattr(native, "available", lambda: loaded.append(True) or True)
+    manager = StructuredOutputManager(smollm2_tokenizer, 49152, [smollm2_tokenizer.eos_token_id])
+    manager.prepare()
+    assert loaded == [True] and manager.is_ready
+    manager.shutdown()

@@ -56,19 +56,34 @@ class RequestResult:
     start: float = 0.0
 
 
-def w4_requests(num_prompts: int = W4_NUM_PROMPTS, vocab_size: int | None = None) -> list[BenchRequest]:
+def w4_requests(
+    num_prompts: int = W4_NUM_PROMPTS,
+    vocab_size: int | None = None,
+    input_len: int | None = None,
+    output_len: int | None = None,
+) -> list[BenchRequest]:
     """The first ``num_prompts`` requests of W4.
 
     Args:
         num_prompts: at most 500; fewer takes a prefix of the same workload.
         vocab_size: when the served model's vocabulary is smaller than W4's ids (tiny test models),
             each id is folded into it (id % vocab_size), keeping the ids varied.
+        input_len, output_len: every prompt, or every output, exactly this long instead of W4's
+            uniform draws (vLLM's ``--random-input-len`` and ``--random-output-len``); the token ids
+            are still drawn from W4's seeded stream, and any number of prompts may be asked.
     """
-    if not 1 <= num_prompts <= W4_NUM_PROMPTS:
-        raise ValueError(f"num_prompts must be in [1, {W4_NUM_PROMPTS}], got {num_prompts}")
+    custom = input_len is not None or output_len is not None
+    if num_prompts < 1 or (num_prompts > W4_NUM_PROMPTS and not custom):
+        raise ValueError(f"num_prompts must be in [1, {W4_NUM_PROMPTS}] for W4's lengths, got {num_prompts}")
+    for name, value in (("random_input_len", input_len), ("random_output_len", output_len)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    num_drawn = max(num_prompts, W4_NUM_PROMPTS)
     rng = random.Random(W4_SEED)  # the same stream as random.seed(0) and the module functions
-    prompts = [[rng.randint(0, 10000) for _ in range(rng.randint(100, 1024))] for _ in range(W4_NUM_PROMPTS)]
-    output_lens = [rng.randint(32, 512) for _ in range(W4_NUM_PROMPTS)]
+    prompts = [
+        [rng.randint(0, 10000) for _ in range(input_len or rng.randint(100, 1024))] for _ in range(num_drawn)
+    ]
+    output_lens = [output_len or rng.randint(32, 512) for _ in range(num_drawn)]
     if vocab_size is not None:
         prompts = [[token_id % vocab_size for token_id in prompt] for prompt in prompts]
     return [BenchRequest(p, n) for p, n in zip(prompts[:num_prompts], output_lens[:num_prompts])]
@@ -133,28 +148,46 @@ async def run_at_rate(
     request_rate: float,
     headers: dict[str, str],
     timeout_s: float,
+    max_concurrency: int | None = None,
+    show_progress: bool = False,
 ) -> tuple[list[RequestResult], float]:
     """Send every request, starting them at Poisson arrivals of ``request_rate`` per second (all at
-    once when infinite). Returns the results and the run's duration in seconds."""
+    once when infinite), at most ``max_concurrency`` in flight (None: no bound; an arrival beyond
+    it waits, and its times start when it is sent, as vLLM's benchmark does). Returns the results
+    and the run's duration in seconds; ``show_progress``: a bar of requests done on stderr."""
     import aiohttp
+    from tqdm.auto import tqdm
 
     # Seeded: every run, and every server compared, sees the same arrival times.
     arrivals = random.Random(W4_SEED)
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     # No connection limit: a client-side queue would add its wait to the server's TTFT.
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=timeout_s)
+    progress = tqdm(
+        total=len(requests),
+        desc=f"rate {request_rate:g}/s",
+        unit="req",
+        file=sys.stderr,
+        disable=not show_progress,
+    )
+
+    async def send(request: BenchRequest) -> RequestResult:
+        if slots is None:
+            return await send_request(session, url, model, request, headers, time.perf_counter() - start)
+        async with slots:
+            return await send_request(session, url, model, request, headers, time.perf_counter() - start)
+
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         start = time.perf_counter()
         tasks = []
         for request in requests:
-            tasks.append(
-                asyncio.ensure_future(
-                    send_request(session, url, model, request, headers, time.perf_counter() - start)
-                )
-            )
+            tasks.append(asyncio.ensure_future(send(request)))
+            tasks[-1].add_done_callback(lambda _: progress.update())
             if math.isfinite(request_rate):
                 await asyncio.sleep(arrivals.expovariate(request_rate))
         results = await asyncio.gather(*tasks)
+        progress.close()
         return list(results), time.perf_counter() - start
 
 
@@ -272,11 +305,18 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     base_url = args.base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     model = args.model or await _served_model(base_url, headers)
-    requests = w4_requests(args.num_prompts, args.vocab_size)
+    requests = w4_requests(args.num_prompts, args.vocab_size, args.random_input_len, args.random_output_len)
     summaries = []
     for rate in args.request_rate:
         results, duration = await run_at_rate(
-            f"{base_url}/v1/completions", model, requests, rate, headers, args.timeout
+            f"{base_url}/v1/completions",
+            model,
+            requests,
+            rate,
+            headers,
+            args.timeout,
+            args.max_concurrency,
+            show_progress=args.progress,
         )
         summaries.append(summarize(rate, results, duration))
         print(format_summary(summaries[-1]), flush=True)
@@ -298,6 +338,27 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--num-prompts", type=int, default=W4_NUM_PROMPTS, help="the first N requests of W4")
     parser.add_argument(
+        "--random-input-len",
+        type=int,
+        default=None,
+        help="every prompt this many tokens (default: W4's, uniform in [100, 1024])",
+    )
+    parser.add_argument(
+        "--random-output-len",
+        type=int,
+        default=None,
+        help="every output this many tokens (default: W4's, uniform in [32, 512])",
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=None,
+        help="most requests in flight; later arrivals wait to be sent (default: no bound)",
+    )
+    parser.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=True, help="a progress bar on stderr"
+    )
+    parser.add_argument(
         "--vocab-size", type=int, default=None, help="fold prompt token ids into a smaller vocabulary"
     )
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds one request may take")
@@ -318,6 +379,9 @@ def main(args: argparse.Namespace) -> None:
                 "base_url": args.base_url,
                 "num_prompts": args.num_prompts,
                 "vocab_size": args.vocab_size,
+                "random_input_len": args.random_input_len,
+                "random_output_len": args.random_output_len,
+                "max_concurrency": args.max_concurrency,
                 "results": summaries,
             },
             f,

@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import hmac
 import logging
 import os
+import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -244,6 +246,8 @@ def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async_engine.start()
+        if async_engine.structured_output_manager is not None:
+            async_engine.structured_output_manager.prepare()
         tasks = [asyncio.ensure_future(_watch_health(async_engine, app))]
         if settings.stats_interval > 0:
             tasks.append(asyncio.ensure_future(_log_stats(async_engine, settings.stats_interval)))
@@ -399,8 +403,26 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (not listening yet: a client connecting while the model
+    loads is refused rather than left waiting). Binding before loading means a taken port fails
+    in a second, not after the minute the model takes; SystemExit names the address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    # As uvicorn does: a port left in TIME_WAIT by the last server can be bound again at once.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        hint = " (another server is using it; pick one with --port)" if e.errno == errno.EADDRINUSE else ""
+        raise SystemExit(f"pagedllm serve: cannot listen on {host}:{port}: {e.strerror}{hint}") from None
+    return sock
+
+
 def run_server(args: argparse.Namespace) -> None:
-    """Build the engine from the EngineArgs flags in ``args``, then serve until interrupted."""
+    """Bind the port, build the engine from the EngineArgs flags in ``args``, then serve until
+    interrupted."""
     configure_logging(args.log_level)
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("pagedllm serve: --enable-auto-tool-choice needs --tool-call-parser")
@@ -411,6 +433,7 @@ def run_server(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise SystemExit(f"pagedllm serve: {e}") from e
     engine_args = EngineArgs.from_cli_args(args)
+    sock = bind_port(args.host, args.port)
     start = time.perf_counter()
     if args.engine_process:
         async_engine = AsyncLLMEngine.in_engine_process(engine_args)
@@ -459,8 +482,9 @@ def run_server(args: argparse.Namespace) -> None:
     # uvicorn shuts down gracefully on Ctrl-C, then raises it again: that is a normal exit here.
     try:
         with contextlib.suppress(KeyboardInterrupt):
-            server.run()
+            server.run(sockets=[sock])
     finally:
         async_engine.close()
+        sock.close()
     if engine_died:
         raise SystemExit("pagedllm serve: the engine died (see the log above); the server stopped")

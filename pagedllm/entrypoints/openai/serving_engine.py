@@ -186,6 +186,11 @@ class OpenAIServing:
         manager = self.engine.structured_output_manager
         if manager is None:
             raise APIError(400, "structured outputs need a tokenizer, and this model has none", param=field)
+        if not manager.is_ready:
+            # A native build is no request's compile time: retry once it is done.
+            message = "structured outputs are not ready: the grammar extension is being built "
+            message += "(about a minute, once per machine); try again shortly"
+            raise APIError(503, message, param=field, code="grammar_building")
         try:
             structured.compiled_grammar = await asyncio.wait_for(
                 asyncio.wrap_future(manager.compile(structured)), COMPILE_TIMEOUT_S
@@ -292,6 +297,8 @@ class OpenAIServing:
             try:
                 async for output in stream:
                     final = output
+            except AsyncEngineDeadError as e:  # the server shutting down, or the engine gone
+                raise APIError(503, str(e), code="engine_unavailable") from e
             except Exception as e:
                 raise APIError(500, str(e)) from e
             if final is None or not final.finished:

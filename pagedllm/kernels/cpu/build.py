@@ -29,7 +29,7 @@ from types import ModuleType
 
 import torch
 
-from pagedllm.cache_dir import cache_root
+from pagedllm.cache_dir import cache_root, writable_dir
 from pagedllm.cpu_info import cpu_isa_key
 
 logger = logging.getLogger(__name__)
@@ -98,7 +98,7 @@ def build_extension(
     check_build_requirements()
     from torch.utils import cpp_extension
 
-    build_dir.mkdir(parents=True, exist_ok=True)
+    build_dir = writable_dir(build_dir, description or name)
     # A warning, so that even a script that configured no logging says why its first run pauses.
     logger.warning(
         "building %s (about a minute the first time; cached in %s)", description or name, build_dir

@@ -78,6 +78,17 @@ def int4_matmul_few_rows(
     return out
 
 
+def int4_dequantize(
+    packed: torch.Tensor, scales_and_zeros: torch.Tensor, start: int, end: int
+) -> torch.Tensor:
+    """Output rows [start, end) (multiples of 64) of an ``int4_matmul_few_rows`` weight as bf16
+    [end - start, K]: ``q * scale + (zero - 8 scale)`` in float32, rounded once."""
+    load()
+    out = torch.empty(end - start, packed.shape[1] * 2, dtype=torch.bfloat16)
+    torch.ops.pagedllm_cpu.int4_dequantize(out, packed, scales_and_zeros, start)
+    return out
+
+
 def argmax_logsumexp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's first maximum and log-sum-exp, in one read of the logits: ([rows] int64,
     [rows] float32). logits: [num_rows, vocab] float32, rows contiguous."""

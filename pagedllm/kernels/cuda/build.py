@@ -23,7 +23,7 @@ from types import ModuleType
 
 import torch
 
-from pagedllm.cache_dir import cache_root
+from pagedllm.cache_dir import cache_root, writable_dir
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +84,7 @@ def load() -> ModuleType:
     check_build_requirements()
     from torch.utils import cpp_extension
 
-    build_dir = cache_dir()
-    build_dir.mkdir(parents=True, exist_ok=True)
+    build_dir = writable_dir(cache_dir(), "pagedllm's CUDA kernels")
     logger.info("loading pagedllm's CUDA kernels from %s (a first build takes under a minute)", build_dir)
     return cpp_extension.load(
         name=EXTENSION_NAME,

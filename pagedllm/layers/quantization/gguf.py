@@ -126,14 +126,66 @@ FEW_ROWS = 4
 FEW_ROWS_BLOCK_N = 64  # its blocks of outputs: the int4 packing's tile of 64 rows
 
 
+# Rows from which a product dequantizes the weight a tile at a time into bf16 GEMMs (prefill):
+# torch's int4 kernel computes at about a third of a bf16 GEMM's rate there (a ~1,000-token
+# prompt of SmolLM2, one thread: 61 against 181 prompt tok/s), while dequantizing costs one pass
+# over the weight per call, amortised over the rows. Below it (decode) the int4 kernels win, by
+# reading a quarter of the bytes.
+DEQUANTIZE_MIN_ROWS = 128
+# Weight values dequantized per tile (1 MB in float32): a tile stays in cache from its decoding to
+# its GEMM, and a large model's layer never has a dense copy at once.
+DEQUANTIZE_TILE_VALUES = 1 << 18
+
+
 def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """x [M, K] times a pack_q4 weight [N, K] transposed -> [M, N] in x's dtype."""
     x_bf16 = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
-    if x.shape[0] <= FEW_ROWS and packed.shape[0] % FEW_ROWS_BLOCK_N == 0 and cpu_kernels_available():
+    num_rows, blocked = x.shape[0], packed.shape[0] % FEW_ROWS_BLOCK_N == 0
+    if num_rows <= FEW_ROWS and blocked and cpu_kernels_available():
         out = cpu_ops.int4_matmul_few_rows(x_bf16.contiguous(), packed, scales_and_zeros)
+    elif num_rows >= DEQUANTIZE_MIN_ROWS and blocked:
+        out = dequantized_matmul(x_bf16, packed, scales_and_zeros)
     else:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x_bf16, packed, GROUP_SIZE, scales_and_zeros)
     return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+
+
+def dequantized_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """x bf16 [M, K] times a pack_q4 weight [N, K] (N a multiple of 64) transposed -> bf16 [M, N]:
+    the weight dequantized a tile of output rows at a time (``dequantize_packed``), each tile one
+    bf16 GEMM. Reads the 4-bit weight once per call and does 2 M N K FLOPs at the GEMM's rate."""
+    num_outputs, input_size = packed.shape[0], x.shape[1]
+    tile = max(1, DEQUANTIZE_TILE_VALUES // (input_size * FEW_ROWS_BLOCK_N)) * FEW_ROWS_BLOCK_N
+    # The C++ kernel decodes in one pass; the torch formulation takes about eight (0.85 s of a
+    # 1,000-token prompt's 5.7 s with SmolLM2, one thread).
+    dequantize = cpu_ops.int4_dequantize if cpu_kernels_available() else dequantize_packed
+    out = torch.empty(x.shape[0], num_outputs, dtype=torch.bfloat16)
+    for start in range(0, num_outputs, tile):
+        weight = dequantize(packed, scales_and_zeros, start, min(start + tile, num_outputs))
+        torch.mm(x, weight.t(), out=out[:, start : start + weight.shape[0]])
+    return out
+
+
+def dequantize_packed(
+    packed: torch.Tensor, scales_and_zeros: torch.Tensor, start: int, end: int
+) -> torch.Tensor:
+    """Output rows [start, end) (multiples of 64) of a pack_q4 weight as bf16 [end - start, K]:
+    ``w = (q - 8) * scale + zero`` in float32, as the int4 kernels compute it. The PyTorch
+    formulation of ``kernels.cpu.ops.int4_dequantize``, where the CPU kernels do not build.
+
+    The packing (kernels/cpu/csrc/int4_matmul.cpp): uint8 [N / 64, K, 32], byte j of input k of
+    block b holding q[64 b + j, k] in its low nibble and q[64 b + 32 + j, k] in its high one."""
+    input_size = packed.numel() * 2 // packed.shape[0]
+    blocks = packed.view(-1, input_size, 32)[start // 64 : end // 64]  # [B, K, 32]
+    q = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1)  # [B, K, 64]: q[64 b + r, k] at [b, k, r]
+    q = q.transpose(1, 2).reshape(end - start, input_size // GROUP_SIZE, GROUP_SIZE)
+    pairs = scales_and_zeros[:, start:end].transpose(0, 1).float()  # [rows, groups, 2]
+    scale, zero = pairs[..., :1], pairs[..., 1:]
+    # q * scale + (zero - 8 scale), in float32 as the kernels compute, rounded once to bf16. (A
+    # bf16 or mixed-dtype addcmul does it in one pass, but broadcasting a scale over each group's 32
+    # values defeats its vectorisation: slower, measured.)
+    weight = q.float().mul_(scale).add_(zero - 8 * scale)
+    return weight.view(end - start, input_size).to(torch.bfloat16)
 
 
 def dequantize_rows(raw: torch.Tensor, tensor_type: str) -> torch.Tensor:

@@ -1,0 +1,73 @@
+"""The mp executor forks its ranks where that is safe, as vLLM does, so that a user's quick script
+(``LLM(..., tensor_parallel_size=2)`` at top level, no ``__main__`` guard) works; where fork is
+unsafe it spawns, with one line saying what the script needs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.executor import multiproc_executor
+from pagedllm.executor.multiproc_executor import START_METHOD_ENV, choose_start_method
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+PROMPTS = ["The capital of France is", "One, two, three,"]
+
+
+@pytest.mark.slow
+def test_a_script_without_a_main_guard_runs_at_two_ranks(
+    tiny_llama_with_tokenizer: str, tmp_path, monkeypatch
+):
+    script = tmp_path / "quick.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import json
+            from pagedllm import LLM, SamplingParams
+
+            llm = LLM({tiny_llama_with_tokenizer!r}, device="cpu", swap_space=0.01, tensor_parallel_size=2)
+            params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            outputs = llm.generate({PROMPTS!r}, params, use_tqdm=False)
+            print(json.dumps([output.outputs[0].token_ids for output in outputs]))
+            """
+        )
+    )
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "spawning the tensor-parallel ranks" not in result.stderr
+    one = LLM(tiny_llama_with_tokenizer, device="cpu", swap_space=0.01)
+    expected = [output.outputs[0].token_ids for output in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == expected
+
+
+def test_cuda_initialised_spawns_and_says_what_a_script_needs(monkeypatch, caplog):
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(multiproc_executor.torch.cuda, "is_initialized", lambda: True)
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        assert choose_start_method() == "spawn"
+    [message] = [record.getMessage() for record in caplog.records]
+    assert "CUDA is initialised in this process, so fork is unsafe" in message
+    assert 'build the engine under `if __name__ == "__main__":`' in message
+
+
+def test_fork_is_chosen_on_linux_without_cuda(monkeypatch):
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    monkeypatch.setattr(sys, "platform", "linux")
+    monkeypatch.setattr(multiproc_executor.torch.cuda, "is_initialized", lambda: False)
+    assert choose_start_method() == "fork"
+
+
+def test_the_environment_names_the_start_method(monkeypatch):
+    monkeypatch.setenv(START_METHOD_ENV, "spawn")
+    assert choose_start_method() == "spawn"
+    monkeypatch.setenv(START_METHOD_ENV, "vfork")
+    with pytest.raises(ValueError, match=f"{START_METHOD_ENV}='vfork': expected one of fork, spawn"):
+        choose_start_method()
