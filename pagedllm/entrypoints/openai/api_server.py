@@ -342,9 +342,15 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> Response:
+    async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        return error_response(APIError(exc.status_code, str(exc.detail), code=code))
+        message = str(exc.detail)
+        if exc.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):
+            # Starlette's bare words: say which route, so a client calling an API this server does
+            # not implement (e.g. /v1/embeddings) learns that rather than guessing.
+            what = "route" if exc.status_code == 404 else "method for the route"
+            message = f"{message}: this server has no {what} {request.method} {request.url.path}"
+        return error_response(APIError(exc.status_code, message, code=code))
 
 
 async def _watch_health(engine: AsyncLLMEngine, app: FastAPI) -> None:
