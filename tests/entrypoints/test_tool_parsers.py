@@ -69,7 +69,7 @@ def test_required_schema_accepts_calls_of_the_tools_only():
     for bad in ([], [{"name": "h", "parameters": {}}], [{"name": "f", "parameters": {"x": "no"}}]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
-    content, calls = extract_tool_calls(request, "required", None, '[{"name": "f", "parameters": {"x": 3}}]')
+    content, calls = extract_tool_calls(request, "required", '[{"name": "f", "parameters": {"x": 3}}]')
     assert (
         content is None
         and calls[0].function.name == "f"
@@ -81,7 +81,7 @@ def test_named_choice_constrains_to_the_functions_arguments():
     request = _request(tool_choice={"type": "function", "function": {"name": "f"}})
     assert tool_mode(request, None) == "named"
     assert json.loads(tool_constraint(request, "named").json) == TOOLS[0]["function"]["parameters"]
-    _, [call] = extract_tool_calls(request, "named", None, '{"x": 5}')
+    _, [call] = extract_tool_calls(request, "named", '{"x": 5}')
     assert call.function.name == "f" and call.function.arguments == '{"x": 5}'
 
 

@@ -37,6 +37,7 @@ from pagedllm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import REQUEST_ID_HEADER, APIError
@@ -79,6 +80,8 @@ class ServerSettings:
     trust_request_chat_template: bool = False
     # The tool-call parser for tool_choice "auto" (None: auto is refused).
     tool_call_parser: str | None = None
+    # The reasoning parser that fills reasoning_content (None: all output is content).
+    reasoning_parser: str | None = None
 
 
 def error_response(error: APIError) -> Response:
@@ -221,13 +224,15 @@ def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI
     async_engine.on_request_finished = metrics.observe_finished
     tokenizer = async_engine.tokenizer
     completions = OpenAIServingCompletion(async_engine, settings.model_name, tokenizer)
-    tool_parser = TOOL_PARSERS[settings.tool_call_parser]() if settings.tool_call_parser else None
+    tool_parser = TOOL_PARSERS[settings.tool_call_parser] if settings.tool_call_parser else None
+    reasoning_parser = REASONING_PARSERS[settings.reasoning_parser] if settings.reasoning_parser else None
     chat = OpenAIServingChat(
         async_engine,
         settings.model_name,
         tokenizer,
         trust_request_chat_template=settings.trust_request_chat_template,
         tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
     )
     tokenization = OpenAIServingTokenization(async_engine, settings.model_name, tokenizer, chat=chat)
 
@@ -413,6 +418,7 @@ def run_server(args: argparse.Namespace) -> None:
         limit_concurrency=args.limit_concurrency,
         trust_request_chat_template=args.trust_request_chat_template,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        reasoning_parser=args.reasoning_parser,
     )
     app = build_app(async_engine, settings)
     config = uvicorn.Config(

@@ -5,8 +5,9 @@ indices 0, 1, ... in the order they are written.
 
 Text before the calls streams as content as soon as the parser knows it is not a call; a call
 is announced once its whole name is written. When the output ends, ``finish`` checks the whole
-output with the parser's ``extract``: an output whose calls are not well-formed (and none of
-which was announced yet) comes back as content, never an error.
+output with the parser's ``extract``: when its calls are not well-formed, the text not yet sent
+comes back as content, never an error (a call announced before its JSON broke keeps what was
+sent of it, as vLLM's streams do, and the finish reason stays "stop").
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class ToolCallStreamer:
         self._num_content_chars = 0
         # Per announced call: the arguments text sent so far.
         self._sent_arguments: list[str] = []
+        self._malformed = False
 
     def feed(self, delta_text: str) -> tuple[str, list[ToolCallDelta]]:
         """The content and call deltas ``delta_text`` makes certain."""
@@ -53,13 +55,15 @@ class ToolCallStreamer:
         if self.parser.extract(self.text).calls:
             return "", self._call_deltas(self.parser.partial(self.text).calls)
         # Not a well-formed call: the text not yet sent is the answer.
+        self._malformed = True
         content = self.text[self._num_content_chars :]
         self._num_content_chars = len(self.text)
         return content, []
 
     @property
-    def num_calls(self) -> int:
-        return len(self._sent_arguments)
+    def called(self) -> bool:
+        """Whether the output calls tools (finish reason "tool_calls")."""
+        return bool(self._sent_arguments) and not self._malformed
 
     def _call_deltas(self, calls: list[PartialCall]) -> list[ToolCallDelta]:
         deltas = []
