@@ -2,30 +2,21 @@
 ``openai`` client: reasoning separation (``--reasoning-parser``), auto tool calls streamed as
 deltas, ``reasoning_effort``, advisory fields, and a missing route's 404.
 
-The model is a tiny random Llama with SmolLM2's tokenizer and a chat template with a thinking
-section; a regex (structured outputs) makes it write exactly the text a test needs, so what is
-checked is how the server reads that text, against the literal text itself.
+The server is conftest's ``surface_server``: a tiny random Llama with a thinking chat template; a
+regex (structured outputs) makes it write exactly the text a test needs, so what is checked is
+how the server reads that text, against the literal text itself.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
 
 import openai
 import pytest
 
-API_KEY = "surface-key"
-THINKING_TEMPLATE = (
-    "{% if tools %}TOOLS: {{ tools | tojson }}\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if reasoning_effort %}Reasoning effort: {{ reasoning_effort }}\n{% endif %}"
-    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
-    "{% endif %}"
-)
 PLAIN_TEMPLATE = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+
 MESSAGES = [{"role": "user", "content": "Hi"}]
 REASONING, ANSWER = "\nThe user greets me.\n", "Hello there!"
 TOOLS = [
@@ -49,35 +40,13 @@ def forced(text: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def thinking_model_dir(tiny_llama_with_tokenizer, tmp_path_factory) -> str:
-    from transformers import AutoTokenizer
-
-    path = tmp_path_factory.mktemp("thinking-model")
-    shutil.copytree(tiny_llama_with_tokenizer, path, dirs_exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_with_tokenizer)
-    tokenizer.chat_template = THINKING_TEMPLATE
-    tokenizer.save_pretrained(path)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def server(launch_server, thinking_model_dir):
-    args = [
-        thinking_model_dir,
-        "--max-model-len",
-        "256",
-        "--swap-space",
-        "0.1",
-        "--served-model-name",
-        "tiny",
-    ]
-    args += ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
-    return launch_server([*args, "--trust-request-chat-template"], api_key=API_KEY)
+def server(surface_server):
+    return surface_server
 
 
 @pytest.fixture(scope="module")
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0)
 
 
 def _chat(client, stream=False, **kwargs):

@@ -37,10 +37,12 @@ from pagedllm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import REQUEST_ID_HEADER, APIError
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.utils import engine_summary
@@ -235,6 +237,7 @@ def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI
         reasoning_parser=reasoning_parser,
     )
     tokenization = OpenAIServingTokenization(async_engine, settings.model_name, tokenizer, chat=chat)
+    responses = OpenAIServingResponses(chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -309,6 +312,14 @@ def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         result = await chat.create_chat_completion(request, raw_request)
         return _respond(result, raw_request)
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return _respond(await responses.create_response(request, raw_request), raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return _respond(responses.retrieve(response_id), None)
 
     return app
 

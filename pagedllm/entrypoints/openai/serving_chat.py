@@ -99,6 +99,18 @@ class _ChoiceProgress:
     holding: bool = False
 
 
+@dataclasses.dataclass
+class PreparedChat:
+    """A chat request made ready for the engine."""
+
+    # How tool calls are read: "none", "auto", "required" or "named" (tools.tool_mode).
+    mode: str
+    prompt: EnginePrompt
+    params: SamplingParams
+    # Makes each choice's ChatOutputParser; None when the text is all content.
+    output_parsers: Callable[[], ChatOutputParser] | None
+
+
 class OpenAIServingChat(OpenAIServing):
     """Args (beyond OpenAIServing's):
     trust_request_chat_template: allow a request's own ``chat_template``; off, it is a 400.
@@ -126,6 +138,21 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """The response, or (``stream``) its server-sent events. Raises APIError for a bad request."""
         arrival_time = time.time()
+        prepared = await self.prepare(request)
+        mode, params, output_parsers = prepared.mode, prepared.params, prepared.output_parsers
+        request_id = "chatcmpl-" + new_request_id(raw_request)
+        [stream], guard = await self.add_requests(
+            request_id, [prepared.prompt], params, arrival_time, raw_request
+        )
+        if request.stream:
+            return self._stream(request, mode, guard, request_id, stream, params.n, output_parsers)
+        with guard:
+            [final] = await self.collect([stream])
+        return self._response(request, mode, request_id, final, output_parsers)
+
+    async def prepare(self, request: ChatCompletionRequest) -> PreparedChat:
+        """The checked request's prompt, sampling parameters and output parsing (also what
+        /v1/responses and /v1/messages run, after turning their requests into chat requests)."""
         self.check_model(request.model)
         self.check_request_options(request)
         self._check_logprobs(request)
@@ -151,14 +178,7 @@ class OpenAIServingChat(OpenAIServing):
                 )
             params.structured_outputs = constraint
             await self.compile_structured_outputs(params, "tools")
-        output_parsers = self.output_parsers(request, mode, params)
-        request_id = "chatcmpl-" + new_request_id(raw_request)
-        [stream], guard = await self.add_requests(request_id, [prompt], params, arrival_time, raw_request)
-        if request.stream:
-            return self._stream(request, mode, guard, request_id, stream, params.n, output_parsers)
-        with guard:
-            [final] = await self.collect([stream])
-        return self._response(request, mode, request_id, final, output_parsers)
+        return PreparedChat(mode, prompt, params, self.output_parsers(request, mode, params))
 
     def output_parsers(
         self, request: ChatCompletionRequest, mode: str, params: SamplingParams
