@@ -196,10 +196,13 @@ def tiny_vocab_size() -> int:
 # --- one server for the API-surface tests (chat parsers, /v1/responses, /v1/messages) ----------
 
 SURFACE_API_KEY = "surface-key"
-# A chat template with a thinking section (Qwen3's shape) that takes tools and reasoning_effort.
+# A chat template with a thinking section (Qwen3's shape) that takes tools, tool calls and
+# reasoning_effort.
 THINKING_TEMPLATE = (
     "{% if tools %}TOOLS: {{ tools | tojson }}\n{% endif %}"
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if reasoning_effort %}Reasoning effort: {{ reasoning_effort }}\n{% endif %}"
     "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"

@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -37,11 +37,13 @@ from pagedllm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.protocol_messages import MessagesCountTokensRequest, MessagesRequest
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import REQUEST_ID_HEADER, APIError
+from pagedllm.entrypoints.openai.serving_messages import OpenAIServingMessages
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -98,8 +100,9 @@ _PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"})
 
 class ApiKeyMiddleware:
     """401 for an API request (every route but /health, /version and /metrics) without the right
-    bearer token, before its body is even read: /tokenize and /detokenize spend the server's time
-    as completions do. The scheme is case-insensitive (RFC 7235)."""
+    bearer token (or x-api-key header, as Anthropic's clients send it), before its body is even
+    read: /tokenize and /detokenize spend the server's time as completions do. The scheme is
+    case-insensitive (RFC 7235)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -107,9 +110,12 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in _PUBLIC_PATHS:
-            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            headers = dict(scope["headers"])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             # Constant time, so the key cannot be guessed byte by byte from response times.
-            if not (hmac.compare_digest(token.strip(), self.expected) and scheme.lower() == b"bearer"):
+            bearer = hmac.compare_digest(token.strip(), self.expected) and scheme.lower() == b"bearer"
+            # Anthropic's clients send the key as x-api-key (/v1/messages).
+            if not (bearer or hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected)):
                 error = APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
                 await error_response(error)(scope, receive, send)
                 return
@@ -238,6 +244,7 @@ def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI
     )
     tokenization = OpenAIServingTokenization(async_engine, settings.model_name, tokenizer, chat=chat)
     responses = OpenAIServingResponses(chat)
+    messages = OpenAIServingMessages(chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -321,14 +328,24 @@ def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI
     async def retrieve_response(response_id: str) -> Response:
         return _respond(responses.retrieve(response_id), None)
 
+    @app.post("/v1/messages")
+    async def create_message(request: MessagesRequest, raw_request: Request) -> Response:
+        return _respond(await messages.create_message(request, raw_request), raw_request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(request: MessagesCountTokensRequest) -> Response:
+        return JSONResponse(await messages.count_tokens(request))
+
     return app
 
 
-def _respond(result: BaseModel | AsyncIterator[str], raw_request: Request | None) -> Response:
+def _respond(result: BaseModel | dict | AsyncIterator[str], raw_request: Request | None) -> Response:
     request_id = None if raw_request is None else raw_request.headers.get(REQUEST_ID_HEADER)
     headers = {REQUEST_ID_HEADER: request_id} if request_id else None
     if isinstance(result, AsyncIterator):
         return StreamingResponse(result, media_type="text/event-stream", headers=headers)
+    if isinstance(result, dict):
+        return JSONResponse(result, headers=headers)
     return Response(result.model_dump_json(), media_type="application/json", headers=headers)
 
 

@@ -52,7 +52,7 @@ class ResponsesRequest(TopLevelRequest):
     structured_outputs: dict[str, Any] | None = None
 
 
-class ResponsesInputError(ValueError):
+class RequestFieldError(ValueError):
     """A request the chat path cannot run; ``param`` names the field."""
 
     def __init__(self, message: str, param: str) -> None:
@@ -118,7 +118,7 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 {"role": "tool", "tool_call_id": _string(index, item, "call_id"), "content": content}
             )
         elif kind != "reasoning":  # a reasoning item sent back is the model's own: templates drop it
-            raise ResponsesInputError(
+            raise RequestFieldError(
                 f"input[{index}] has type {kind!r}, which this server does not take", "input"
             )
     return messages
@@ -127,9 +127,7 @@ def input_messages(given: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _role(index: int, item: dict[str, Any]) -> str:
     role = item.get("role")
     if role not in ("user", "system", "developer", "assistant"):
-        raise ResponsesInputError(
-            f"input[{index}].role must be user, system, developer or assistant", "input"
-        )
+        raise RequestFieldError(f"input[{index}].role must be user, system, developer or assistant", "input")
     return role
 
 
@@ -137,12 +135,12 @@ def _text(index: int, content: Any) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ResponsesInputError(f"input[{index}].content must be text or a list of text parts", "input")
+        raise RequestFieldError(f"input[{index}].content must be text or a list of text parts", "input")
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-            raise ResponsesInputError(
+            raise RequestFieldError(
                 f"input[{index}].content has a part of type {kind!r}: only text parts are supported", "input"
             )
         texts.append(part["text"])
@@ -152,14 +150,14 @@ def _text(index: int, content: Any) -> str:
 def _string(index: int, item: dict[str, Any], key: str) -> str:
     value = item.get(key)
     if not isinstance(value, str):
-        raise ResponsesInputError(f"input[{index}].{key} must be a string", "input")
+        raise RequestFieldError(f"input[{index}].{key} must be a string", "input")
     return value
 
 
 def _chat_tool(index: int, tool: dict[str, Any]) -> dict[str, Any]:
     kind = tool.get("type")
     if kind not in SUPPORTED_TOOL_TYPES:
-        raise ResponsesInputError(
+        raise RequestFieldError(
             f"tools[{index}] has type {kind!r}: this server runs no hosted tools, only function tools",
             "tools",
         )
@@ -172,7 +170,7 @@ def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise ResponsesInputError(f"tool_choice {json.dumps(choice)[:200]} names no function tool", "tool_choice")
+    raise RequestFieldError(f"tool_choice {json.dumps(choice)[:200]} names no function tool", "tool_choice")
 
 
 def _response_format(text_format: dict[str, Any]) -> dict[str, Any]:
@@ -185,7 +183,7 @@ def _response_format(text_format: dict[str, Any]) -> dict[str, Any]:
             "type": "json_schema",
             "json_schema": {key: text_format[key] for key in keys if key in text_format},
         }
-    raise ResponsesInputError(f"text.format has type {kind!r}: text, json_object or json_schema", "text")
+    raise RequestFieldError(f"text.format has type {kind!r}: text, json_object or json_schema", "text")
 
 
 # --- the response -----------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import collections
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -22,8 +22,8 @@ from pydantic import ValidationError
 from pagedllm.entrypoints.openai.chat_output import ChatDelta, ChatOutputParser
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_responses import (
+    RequestFieldError,
     ResponseObject,
-    ResponsesInputError,
     ResponsesRequest,
     ResponseUsage,
     chat_fields,
@@ -73,7 +73,7 @@ class OpenAIServingResponses:
         arrival_time = time.time()
         log_advisory_fields(request)
         history = self._history(request.previous_response_id)
-        chat_request = _chat_request(request, history)
+        chat_request = build_chat_request(lambda: chat_fields(request, history))
         prepared = await self.chat.prepare(chat_request)
         if prepared.params.n != 1:
             raise APIError(400, "a response has one output", param="n")
@@ -226,10 +226,12 @@ class _EventWriter:
         return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
-def _chat_request(request: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+def build_chat_request(make_fields: Callable[[], dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request that ``make_fields`` describes; what it cannot take is a 400 naming the
+    field (also /v1/messages')."""
     try:
-        return ChatCompletionRequest.model_validate(chat_fields(request, history))
-    except ResponsesInputError as e:
+        return ChatCompletionRequest.model_validate(make_fields())
+    except RequestFieldError as e:
         raise APIError(400, str(e), param=e.param) from e
     except ValidationError as e:
         first = e.errors()[0]
