@@ -79,6 +79,7 @@ def test_reasoning_item_whole_and_streamed(client):
     assert types.count("response.reasoning_text.delta") > 1 and types.count("response.output_text.delta") > 1
     streamed_reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     assert streamed_reasoning == REASONING and final.output_text == ANSWER
+    assert final.usage.output_tokens == response.usage.output_tokens  # the same text, counted streamed
     assert [e.sequence_number for e in events] == list(range(len(events)))
 
 

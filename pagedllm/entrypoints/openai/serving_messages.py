@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.entrypoints.openai.chat_output import ChatDelta
+from pagedllm.entrypoints.openai.choice_deltas import ChoiceDeltas
 from pagedllm.entrypoints.openai.protocol_messages import (
     MessagesCountTokensRequest,
     MessagesRequest,
@@ -88,15 +89,18 @@ class OpenAIServingMessages:
         self, message_id: str, blocks: _Blocks, stream: RequestStream, guard: Any
     ) -> AsyncIterator[str]:
         final = None
+        choice_deltas = ChoiceDeltas()
+        num_output_tokens = 0
         with guard:
             try:
                 async for output in stream:
                     if final is None:
                         yield _event({"type": "message_start", "message": self._message(message_id, output)})
                     final = output
-                    completion = output.outputs[0]
-                    for event in blocks.feed(completion.text, finished=completion.finish_reason is not None):
-                        yield _event(event)
+                    for delta in choice_deltas.of(output):
+                        num_output_tokens += len(delta.token_ids)
+                        for event in blocks.feed(delta.text, finished=delta.finish_reason is not None):
+                            yield _event(event)
             except Exception as e:
                 yield _event({"type": "error", "error": {"type": "api_error", "message": str(e)}})
                 return
@@ -104,7 +108,7 @@ class OpenAIServingMessages:
             return
         for event in blocks.close():
             yield _event(event)
-        usage = {"output_tokens": len(final.outputs[0].token_ids)}
+        usage = {"output_tokens": num_output_tokens}
         yield _event({"type": "message_delta", "delta": blocks.stop(final.outputs[0]), "usage": usage})
         yield _event({"type": "message_stop"})
 
@@ -119,12 +123,14 @@ class _Blocks:
         self.content: list[dict[str, Any]] = []
         self._open: int | None = None
         self._calls: dict[int, int] = {}  # tool call index -> block index
-        self._num_chars = 0
+        # The output so far (constrained JSON is read whole).
+        self._output_text = ""
 
-    def feed(self, text: str, finished: bool) -> list[Event]:
-        delta_text, self._num_chars = text[self._num_chars :], len(text)
+    def feed(self, delta_text: str, finished: bool) -> list[Event]:
+        """Events for the output's next text."""
+        self._output_text += delta_text
         if self.mode in ("required", "named"):  # constrained JSON, read whole at the end
-            return self._delta(self._constrained(text)) if finished else []
+            return self._delta(self._constrained(self._output_text)) if finished else []
         if self.parser is None:
             return self._delta(ChatDelta(content=delta_text))
         return self._delta(self.parser.feed(delta_text, finished))

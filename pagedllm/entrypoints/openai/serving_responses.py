@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from pagedllm.entrypoints.openai.chat_output import ChatDelta, ChatOutputParser
+from pagedllm.entrypoints.openai.choice_deltas import ChoiceDeltas
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.protocol_responses import (
     RequestFieldError,
@@ -119,13 +120,15 @@ class OpenAIServingResponses:
         yield events.write({"type": "response.created", "response": run.response.model_dump()})
         yield events.write({"type": "response.in_progress", "response": run.response.model_dump()})
         final = None
+        choice_deltas = ChoiceDeltas()
         with guard:
             try:
                 async for output in stream:
                     final = output
-                    completion = output.outputs[0]
-                    for event in run.feed(completion.text, finished=completion.finish_reason is not None):
-                        yield events.write(event)
+                    for delta in choice_deltas.of(output):
+                        run.num_output_tokens += len(delta.token_ids)
+                        for event in run.feed(delta.text, finished=delta.finish_reason is not None):
+                            yield events.write(event)
             except Exception as e:
                 yield events.write(
                     {"type": "error", "code": "server_error", "message": str(e), "param": None}
@@ -157,16 +160,18 @@ class _Run:
         self.response = response
         self.conversation = conversation
         self.items = OutputItems()
-        self._num_chars = 0
+        # The output so far (constrained JSON is read whole), and its tokens when streamed.
+        self._output_text = ""
+        self.num_output_tokens = 0
 
-    def feed(self, text: str, finished: bool) -> list[dict[str, Any]]:
-        """Events for the output's text so far (``text`` is all of it)."""
-        delta_text, self._num_chars = text[self._num_chars :], len(text)
+    def feed(self, delta_text: str, finished: bool) -> list[dict[str, Any]]:
+        """Events for the output's next text."""
+        self._output_text += delta_text
         if self.mode in ("required", "named"):
             # Constrained JSON: the calls are read whole when the output ends.
             if not finished:
                 return []
-            content, calls = extract_tool_calls(self.chat_request, self.mode, text)
+            content, calls = extract_tool_calls(self.chat_request, self.mode, self._output_text)
             deltas = [
                 d
                 for i, c in enumerate(calls)
@@ -203,7 +208,10 @@ class _Run:
                 "failed",
                 {"code": "server_error", "message": final.error or "aborted"},
             )
-        num_input, num_output = len(final.prompt_token_ids), len(completion.token_ids)
+        num_input, num_output = (
+            len(final.prompt_token_ids),
+            self.num_output_tokens or len(completion.token_ids),
+        )
         response.usage = ResponseUsage(
             input_tokens=num_input, output_tokens=num_output, total_tokens=num_input + num_output
         )
