@@ -95,7 +95,7 @@ class _ChoiceProgress:
     num_chars: int = 0
     num_tokens: int = 0
     finished: bool = False
-    # With tools: the text is held back (it may be a call) until the choice ends.
+    # With required or a named tool: the constrained JSON is held back until the choice ends.
     holding: bool = False
 
 
