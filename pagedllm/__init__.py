@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 # `pagedllm --help` included.
 _LAZY_IMPORTS = {
     "LLM": "pagedllm.entrypoints.llm",
+    "BeamSearchParams": "pagedllm.sampling_params",
     "CompletionOutput": "pagedllm.outputs",
     "EngineArgs": "pagedllm.engine.arg_utils",
     "LLMEngine": "pagedllm.engine.llm_engine",
@@ -24,10 +25,11 @@ if TYPE_CHECKING:
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.entrypoints.llm import LLM
     from pagedllm.outputs import CompletionOutput, RequestOutput
-    from pagedllm.sampling_params import SamplingParams
+    from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "CompletionOutput",
     "EngineArgs",
     "LLMEngine",

@@ -520,3 +520,68 @@ def _logit_bias(logit_bias: object) -> dict[int, float]:
         )
         result[token_id] = bias
     return result
+
+
+@dataclass
+class BeamSearchParams:
+    """``LLM.beam_search``'s parameters (vLLM's names).
+
+    Args:
+        beam_width: beams kept each step; also the number of sequences returned.
+        max_tokens: most tokens a beam generates.
+        ignore_eos: keep extending beams past EOS.
+        temperature: 0 only: beams are scored by unscaled logprobs here (vLLM also scales
+            them by a temperature; that changes which beams win, so it is refused, not ignored).
+        length_penalty: a finished beam scores ``cumulative_logprob / length ** length_penalty``.
+        include_stop_str_in_output: keep a matched stop string in the text.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check(
+            _is_int(self.beam_width) and self.beam_width >= 1,
+            "beam_width",
+            "an integer >= 1",
+            self.beam_width,
+        )
+        _check(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            "an integer >= 1",
+            self.max_tokens,
+        )
+        _check(
+            self.temperature == 0.0,
+            "temperature",
+            "0 (beams are scored by unscaled logprobs)",
+            self.temperature,
+        )
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The SamplingParams that run it: beam search of ``beam_width`` beams returning them all;
+        one beam is greedy decoding (with logprobs, for the cumulative logprob)."""
+        common = {
+            "max_tokens": self.max_tokens,
+            "ignore_eos": self.ignore_eos,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "temperature": 0.0,
+        }
+        if self.beam_width == 1:
+            return SamplingParams(logprobs=0, **common)
+        return SamplingParams(
+            n=self.beam_width,
+            best_of=self.beam_width,
+            use_beam_search=True,
+            length_penalty=self.length_penalty,
+            **common,
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)

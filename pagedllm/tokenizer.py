@@ -95,13 +95,13 @@ def get_eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer | None) ->
 
 
 def apply_chat_template(
-    tokenizer: Tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True, **kwargs: Any
+    tokenizer: Tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
 ) -> list[int]:
     """Render messages with the model's chat template and tokenize the result.
 
     The rendered text already carries the template's special tokens, so none are added again.
     """
-    if tokenizer.chat_template is None:
+    if tokenizer.chat_template is None and kwargs.get("chat_template") is None:
         raise ValueError("this model's tokenizer has no chat template: use generate() with a plain prompt")
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs

@@ -1,4 +1,5 @@
-"""The offline API: ``LLM(...).generate(prompts, params)`` and ``LLM(...).chat(messages)``."""
+"""The offline API: ``LLM(...).generate(prompts, params)``, ``.chat(messages)`` and
+``.beam_search(prompts, BeamSearchParams(...))``."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from pagedllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.utils import engine_summary
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.tokenizer import Tokenizer, apply_chat_template
 
 logger = logging.getLogger(__name__)
@@ -26,7 +28,7 @@ logger = logging.getLogger(__name__)
 # A prompt: text, or a dict with "prompt" (text) or "prompt_token_ids" (vLLM's TextPrompt /
 # TokensPrompt).
 PromptType = str | dict[str, Any]
-ChatMessages = list[dict[str, str]]
+ChatMessages = list[dict[str, Any]]
 
 
 class LLM:
@@ -123,26 +125,74 @@ class LLM:
         messages: ChatMessages | list[ChatMessages],
         sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate a reply to one conversation or to each of a list of them, through the
-        model's chat template (``lora_request`` as in ``generate``)."""
+        model's chat template (vLLM's arguments; ``lora_request`` as in ``generate``).
+
+        Args:
+            chat_template: a Jinja template to use instead of the tokenizer's.
+            add_generation_prompt: end the prompt with the template's assistant header.
+            continue_final_message: leave the last (assistant) message open, so the reply
+                continues it; needs ``add_generation_prompt=False``.
+            tools: OpenAI-style tool definitions, rendered by templates that take ``tools``.
+            chat_template_kwargs: more variables for the template (e.g. ``enable_thinking``).
+        """
         tokenizer = self.get_tokenizer()
         if tokenizer is None:
             raise ValueError("chat needs a tokenizer, and this engine has none")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
+        kwargs = dict(chat_template_kwargs or {})
+        kwargs["continue_final_message"] = continue_final_message
+        if chat_template is not None:
+            kwargs["chat_template"] = chat_template
+        if tools is not None:
+            kwargs["tools"] = tools
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         requests = [
             {
                 "prompt_token_ids": apply_chat_template(
-                    tokenizer, conversation, add_generation_prompt, **(chat_template_kwargs or {})
+                    tokenizer, conversation, add_generation_prompt, **kwargs
                 )
             }
             for conversation in conversations
         ]
         params = _per_prompt_params(sampling_params, len(requests))
         return self._run(requests, params, use_tqdm, _per_prompt_lora(lora_request, len(requests)))
+
+    def beam_search(
+        self,
+        prompts: PromptType | SequenceABC[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """The ``params.beam_width`` best beams of each prompt (vLLM's ``LLM.beam_search``), run
+        by the engine's beam search (scores as Hugging Face ``generate(num_beams=...)``)."""
+        outputs = self.generate(prompts, params.to_sampling_params(), use_tqdm=use_tqdm)
+        tokenizer = self.get_tokenizer()
+        results = []
+        for output in outputs:
+            sequences = []
+            for completion in output.outputs:
+                tokens = [*output.prompt_token_ids, *completion.token_ids]
+                sequences.append(
+                    BeamSearchSequence(
+                        tokens=tokens,
+                        logprobs=list(completion.logprobs or []),
+                        cum_logprob=completion.cumulative_logprob or 0.0,
+                        text=None if tokenizer is None else tokenizer.decode(tokens),
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+                )
+            results.append(BeamSearchOutput(sequences=sequences))
+        return results
 
     def _run(
         self,
@@ -151,6 +201,7 @@ class LLM:
         use_tqdm: bool,
         lora_requests: list[LoRARequest | None],
     ) -> list[RequestOutput]:
+        self._check_prompt_lengths(requests, params)
         engine = self.llm_engine
         request_ids: list[str] = []
         try:
@@ -175,6 +226,28 @@ class LLM:
             self._end_call(request_ids, abort=True)
             raise
         return self._run_engine(request_ids, use_tqdm)
+
+    def _check_prompt_lengths(self, requests: list[dict[str, Any]], params: list[SamplingParams]) -> None:
+        """ValueError for a prompt longer than max_model_len, before anything is queued (as
+        vLLM); text prompts are tokenized here, once, and go to the engine as token ids."""
+        max_model_len = self.llm_engine.config.model_config.max_model_len
+        tokenizer = self.get_tokenizer()
+        for index, (request, request_params) in enumerate(zip(requests, params)):
+            prompt = request.get("prompt")
+            if request.get("prompt_token_ids") is None and isinstance(prompt, str) and tokenizer is not None:
+                request["prompt_token_ids"] = tokenizer(prompt)["input_ids"]
+            token_ids = request.get("prompt_token_ids")
+            if token_ids is None:
+                continue  # the engine's add_request says what is missing
+            num_tokens = len(token_ids)
+            # Not yet a checked SamplingParams: the engine names a wrong type.
+            truncate = getattr(request_params, "truncate_prompt_tokens", None)
+            if isinstance(truncate, int) and truncate >= 1:
+                num_tokens = min(num_tokens, truncate)
+            if num_tokens > max_model_len:
+                raise ValueError(
+                    f"prompt {index} has {num_tokens} tokens, more than max_model_len={max_model_len}"
+                )
 
     def _end_call(self, request_ids: list[str], abort: bool) -> None:
         """Forget a generate() call's requests; with ``abort``, end those still live."""

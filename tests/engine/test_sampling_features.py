@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaConfig, Qwen2Config
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, BeamSearchParams, SamplingParams
 from pagedllm.sample.metadata import SamplingMetadata
 from pagedllm.sample.penalties import apply_penalties
 from pagedllm.tokenizer import apply_chat_template
@@ -346,3 +346,45 @@ def test_a_long_prompt_never_stalls_running_decodes(make_tiny_model):
 def test_bad_combinations_are_refused(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field} must be"):
         SamplingParams(**kwargs)
+
+
+def test_llm_beam_search_returns_the_hf_beams_in_vllms_shape(tiny):
+    hf_model, model_config = tiny
+    eos = model_config.hf_config.eos_token_id
+    llm = LLM(model_config.model, device="cpu", block_size=4)
+    prompts = ragged_prompts(2, model_config.vocab_size, seed=7)
+    params = BeamSearchParams(beam_width=3, max_tokens=10, length_penalty=0.5)
+    outputs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], params)
+    for prompt, output in zip(prompts, outputs):
+        expected = hf_beam_search(hf_model, prompt, 3, 3, 10, 0.5, False, eos)
+        assert [s.tokens for s in output.sequences] == [prompt + beam for beam in expected]
+    # One beam is greedy decoding: HF's argmax continuation, with its cumulative logprob.
+    [greedy] = llm.beam_search(
+        [{"prompt_token_ids": prompts[0]}], BeamSearchParams(beam_width=1, max_tokens=6)
+    )
+    input_ids = torch.tensor([prompts[0]])
+    hf = hf_model.generate(
+        input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        do_sample=False,
+        max_new_tokens=6,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    generated = hf.sequences[0, len(prompts[0]) :].tolist()
+    generated = generated[: generated.index(eos) + 1] if eos in generated else generated
+    [sequence] = greedy.sequences
+    assert sequence.tokens == prompts[0] + generated
+    hf_logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(hf.scores, generated)]
+    assert sequence.cum_logprob == pytest.approx(sum(hf_logprobs), abs=1e-3)
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize(
+    "fields, name", [({"temperature": 0.7}, "temperature"), ({"beam_width": 0}, "beam_width")]
+)
+def test_beam_search_params_refuse_what_they_cannot_honour(fields, name):
+    with pytest.raises(ValueError, match=f"^{name} must be"):
+        BeamSearchParams(**{"beam_width": 2, "max_tokens": 4, **fields})

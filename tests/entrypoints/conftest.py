@@ -191,3 +191,42 @@ def tiny_server_args(tiny_model_dir: str) -> list[str]:
 @pytest.fixture(scope="module")
 def tiny_vocab_size() -> int:
     return TINY_VOCAB_SIZE
+
+
+# --- one server for the API-surface tests (chat parsers, /v1/responses, /v1/messages) ----------
+
+SURFACE_API_KEY = "surface-key"
+# A chat template with a thinking section (Qwen3's shape) that takes tools, tool calls and
+# reasoning_effort.
+THINKING_TEMPLATE = (
+    "{% if tools %}TOOLS: {{ tools | tojson }}\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>{{ c.function | tojson }}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if reasoning_effort %}Reasoning effort: {{ reasoning_effort }}\n{% endif %}"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    "{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def surface_server(tiny_llama_with_tokenizer, tmp_path_factory) -> Iterator[Server]:
+    """The tiny Llama with SmolLM2's tokenizer and THINKING_TEMPLATE, served with the qwen3
+    reasoning parser, hermes tool calls and an API key; shared by the test modules of the API
+    surface (one start instead of one per module)."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("thinking-model")
+    shutil.copytree(tiny_llama_with_tokenizer, path, dirs_exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_with_tokenizer)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    tokenizer.save_pretrained(path)
+    args = [str(path), "--max-model-len", "256", "--swap-space", "0.1", "--served-model-name", "tiny"]
+    args += ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
+    args += ["--trust-request-chat-template"]
+    server = start_server(args, tmp_path_factory.mktemp("surface") / "server.log", SURFACE_API_KEY)
+    yield server
+    server.stop()

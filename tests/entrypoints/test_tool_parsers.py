@@ -40,8 +40,9 @@ def test_hermes_text_without_a_well_formed_call_is_content(text):
 
 def test_hermes_holds_back_what_may_become_a_call():
     parser = HermesToolParser()
-    assert parser.may_start_call("Sure <tool") and parser.may_start_call("x <tool_call>{")
-    assert not parser.may_start_call("Sure, the weather")
+    assert parser.partial("Sure <tool").content_end == len("Sure ")
+    assert parser.partial("x <tool_call>{").content_end == len("x ")
+    assert parser.partial("Sure, the weather").content_end == len("Sure, the weather")
 
 
 def test_llama3_json_one_or_several_calls():
@@ -54,7 +55,7 @@ def test_llama3_json_one_or_several_calls():
     assert [c.name for c in several.calls] == ["f", "g"]
     assert parser.extract("Paris is sunny.").calls == []
     assert parser.extract('{"name": "f", "parameters": {').content is not None
-    assert parser.may_start_call("  {") and not parser.may_start_call("Hello")
+    assert parser.partial("  {").content_end == 0 and parser.partial("Hello").content_end == len("Hello")
 
 
 def _request(**fields) -> ChatCompletionRequest:
@@ -68,7 +69,7 @@ def test_required_schema_accepts_calls_of_the_tools_only():
     for bad in ([], [{"name": "h", "parameters": {}}], [{"name": "f", "parameters": {"x": "no"}}]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
-    content, calls = extract_tool_calls(request, "required", None, '[{"name": "f", "parameters": {"x": 3}}]')
+    content, calls = extract_tool_calls(request, "required", '[{"name": "f", "parameters": {"x": 3}}]')
     assert (
         content is None
         and calls[0].function.name == "f"
@@ -80,7 +81,7 @@ def test_named_choice_constrains_to_the_functions_arguments():
     request = _request(tool_choice={"type": "function", "function": {"name": "f"}})
     assert tool_mode(request, None) == "named"
     assert json.loads(tool_constraint(request, "named").json) == TOOLS[0]["function"]["parameters"]
-    _, [call] = extract_tool_calls(request, "named", None, '{"x": 5}')
+    _, [call] = extract_tool_calls(request, "named", '{"x": 5}')
     assert call.function.name == "f" and call.function.arguments == '{"x": 5}'
 
 

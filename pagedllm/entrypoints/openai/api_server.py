@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -38,15 +38,20 @@ from pagedllm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from pagedllm.entrypoints.openai.protocol_messages import MessagesCountTokensRequest, MessagesRequest
+from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
+from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_engine import REQUEST_ID_HEADER, APIError
+from pagedllm.entrypoints.openai.serving_messages import OpenAIServingMessages
 from pagedllm.entrypoints.openai.serving_models import (
     LoadLoRAAdapterRequest,
     OpenAIServingModels,
     UnloadLoRAAdapterRequest,
     parse_lora_modules,
 )
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.utils import engine_summary
@@ -88,6 +93,8 @@ class ServerSettings:
     tool_call_parser: str | None = None
     # LoRA adapters served from the start: (name, path, base model name or None).
     lora_modules: list[tuple[str, str, str | None]] = field(default_factory=list)
+    # The reasoning parser that fills reasoning_content (None: all output is content).
+    reasoning_parser: str | None = None
 
 
 def error_response(error: APIError) -> Response:
@@ -102,8 +109,9 @@ _PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics"})
 
 class ApiKeyMiddleware:
     """401 for an API request (every route but /health, /version and /metrics) without the right
-    bearer token, before its body is even read: /tokenize and /detokenize spend the server's time
-    as completions do. The scheme is case-insensitive (RFC 7235)."""
+    bearer token (or x-api-key header, as Anthropic's clients send it), before its body is even
+    read: /tokenize and /detokenize spend the server's time as completions do. The scheme is
+    case-insensitive (RFC 7235)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -111,9 +119,12 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"] not in _PUBLIC_PATHS:
-            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            headers = dict(scope["headers"])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             # Constant time, so the key cannot be guessed byte by byte from response times.
-            if not (hmac.compare_digest(token.strip(), self.expected) and scheme.lower() == b"bearer"):
+            bearer = hmac.compare_digest(token.strip(), self.expected) and scheme.lower() == b"bearer"
+            # Anthropic's clients send the key as x-api-key (/v1/messages).
+            if not (bearer or hmac.compare_digest(headers.get(b"x-api-key", b""), self.expected)):
                 error = APIError(401, "Incorrect or missing API key.", code="invalid_api_key")
                 await error_response(error)(scope, receive, send)
                 return
@@ -230,18 +241,22 @@ def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI
     async_engine.on_request_finished = metrics.observe_finished
     tokenizer = async_engine.tokenizer
     completions = OpenAIServingCompletion(async_engine, settings.model_name, tokenizer)
-    tool_parser = TOOL_PARSERS[settings.tool_call_parser]() if settings.tool_call_parser else None
+    tool_parser = TOOL_PARSERS[settings.tool_call_parser] if settings.tool_call_parser else None
+    reasoning_parser = REASONING_PARSERS[settings.reasoning_parser] if settings.reasoning_parser else None
     chat = OpenAIServingChat(
         async_engine,
         settings.model_name,
         tokenizer,
         trust_request_chat_template=settings.trust_request_chat_template,
         tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
     )
     tokenization = OpenAIServingTokenization(async_engine, settings.model_name, tokenizer, chat=chat)
     models = OpenAIServingModels(async_engine.config, settings.model_name, settings.lora_modules)
     for handler in (completions, chat, tokenization):
         handler.models = models
+    responses = OpenAIServingResponses(chat)
+    messages = OpenAIServingMessages(chat)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -322,14 +337,32 @@ def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI
         result = await chat.create_chat_completion(request, raw_request)
         return _respond(result, raw_request)
 
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return _respond(await responses.create_response(request, raw_request), raw_request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return _respond(responses.retrieve(response_id), None)
+
+    @app.post("/v1/messages")
+    async def create_message(request: MessagesRequest, raw_request: Request) -> Response:
+        return _respond(await messages.create_message(request, raw_request), raw_request)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(request: MessagesCountTokensRequest) -> Response:
+        return JSONResponse(await messages.count_tokens(request))
+
     return app
 
 
-def _respond(result: BaseModel | AsyncIterator[str], raw_request: Request | None) -> Response:
+def _respond(result: BaseModel | dict | AsyncIterator[str], raw_request: Request | None) -> Response:
     request_id = None if raw_request is None else raw_request.headers.get(REQUEST_ID_HEADER)
     headers = {REQUEST_ID_HEADER: request_id} if request_id else None
     if isinstance(result, AsyncIterator):
         return StreamingResponse(result, media_type="text/event-stream", headers=headers)
+    if isinstance(result, dict):
+        return JSONResponse(result, headers=headers)
     return Response(result.model_dump_json(), media_type="application/json", headers=headers)
 
 
@@ -359,9 +392,15 @@ def _add_error_handlers(app: FastAPI) -> None:
         return error_response(APIError(500, f"internal error: {type(exc).__name__}"))
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, exc: HTTPException) -> Response:
+    async def http_error(request: Request, exc: HTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(exc.status_code)
-        return error_response(APIError(exc.status_code, str(exc.detail), code=code))
+        message = str(exc.detail)
+        if exc.status_code in (404, 405) and message in ("Not Found", "Method Not Allowed"):
+            # Starlette's bare words: say which route, so a client calling an API this server does
+            # not implement (e.g. /v1/embeddings) learns that rather than guessing.
+            what = "route" if exc.status_code == 404 else "method for the route"
+            message = f"{message}: this server has no {what} {request.method} {request.url.path}"
+        return error_response(APIError(exc.status_code, message, code=code))
 
 
 async def _watch_health(engine: AsyncLLMEngine, app: FastAPI) -> None:
@@ -450,6 +489,7 @@ def run_server(args: argparse.Namespace) -> None:
         trust_request_chat_template=args.trust_request_chat_template,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         lora_modules=lora_modules,
+        reasoning_parser=args.reasoning_parser,
     )
     try:
         app = build_app(async_engine, settings)

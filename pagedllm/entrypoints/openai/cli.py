@@ -9,6 +9,7 @@ import argparse
 import os
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.logger import DEFAULT_LOG_LEVEL, LOG_LEVELS
 
@@ -67,6 +68,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         choices=sorted(TOOL_PARSERS),
         help="the format the model writes tool calls in (default: none)",
+    )
+    server.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="separate the model's reasoning into reasoning_content (default: none)",
     )
     server.add_argument(
         "--timeout-keep-alive", type=float, default=5.0, help="seconds an idle connection stays open"

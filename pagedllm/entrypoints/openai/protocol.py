@@ -77,8 +77,21 @@ class ResponseFormat(RequestModel):
     json_schema: JsonSchemaFormat | None = None
 
 
-# Fields OpenAI clients send that change nothing here (bookkeeping on OpenAI's side).
-_BOOKKEEPING_FIELDS = ("user", "metadata", "store", "service_tier")
+# Fields newer OpenAI clients send that do not change the output: bookkeeping on OpenAI's side,
+# or hints this server has no use for (prefix caching is automatic, so ``prompt_cache_key`` only
+# names what it would find anyway). They are accepted and logged once (vLLM accepts and logs
+# extra fields); a field that would change the output and is not honoured stays a 400.
+ADVISORY_FIELDS = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+    "verbosity",
+    "prediction",
+    "modalities",
+)
 
 
 class SamplingRequest(TopLevelRequest):
@@ -101,6 +114,13 @@ class SamplingRequest(TopLevelRequest):
     metadata: dict[str, Any] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    # Predicted outputs speed OpenAI's decoding up; the output is the same without them.
+    prediction: dict[str, Any] | None = None
+    # Only text is generated here: ["text"] is accepted, audio is refused (a 400 naming it).
+    modalities: list[Literal["text"]] | None = None
     # vLLM's extras.
     best_of: int | None = None
     top_k: int | None = None
@@ -279,6 +299,8 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Passed to chat templates that take it (gpt-oss'); a 400 naming it for those that do not.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     # vLLM's extras.
     add_generation_prompt: bool | None = True
     continue_final_message: bool | None = False
@@ -376,6 +398,8 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
+    # vLLM's, with --reasoning-parser: the thinking before the answer.
+    reasoning_content: str | None = None
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
@@ -413,6 +437,7 @@ class DeltaToolCall(OpenAIBaseModel):
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

@@ -7,13 +7,14 @@ import dataclasses
 import json
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import jinja2
 
 from pagedllm.core.request import Logprob, SampleLogprobs
+from pagedllm.entrypoints.openai.chat_output import ChatDelta, ChatOutputParser
 from pagedllm.entrypoints.openai.protocol import (
     SSE_DONE,
     ChatCompletionLogProb,
@@ -33,6 +34,7 @@ from pagedllm.entrypoints.openai.protocol import (
     UsageInfo,
     sse_event,
 )
+from pagedllm.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedllm.entrypoints.openai.serving_engine import (
     MIN_LOGPROB,
     APIError,
@@ -48,9 +50,15 @@ from pagedllm.entrypoints.openai.serving_engine import (
     usage_info,
 )
 from pagedllm.entrypoints.openai.tool_parsers import ToolParser
-from pagedllm.entrypoints.openai.tools import extract_tool_calls, tool_constraint, tool_mode
+from pagedllm.entrypoints.openai.tools import (
+    extract_tool_calls,
+    parse_whole_output,
+    tool_constraint,
+    tool_mode,
+)
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.sampling_params import MAX_LOGPROBS
+from pagedllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
     from starlette.requests import Request
@@ -89,30 +97,48 @@ class _ChoiceProgress:
     # Tokens generated so far (usage).
     num_tokens: int = 0
     finished: bool = False
-    # With tools: the text is held back (it may be a call) until the choice ends, with its tokens
-    # and their logprobs.
+    # With required or a named tool: the constrained JSON is held back until the choice ends,
+    # with its tokens and their logprobs.
     holding: bool = False
     held_text: str = ""
     held_token_ids: list[int] = dataclasses.field(default_factory=list)
     held_logprobs: SampleLogprobs = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass
+class PreparedChat:
+    """A chat request made ready for the engine."""
+
+    # How tool calls are read: "none", "auto", "required" or "named" (tools.tool_mode).
+    mode: str
+    prompt: EnginePrompt
+    params: SamplingParams
+    # Makes each choice's ChatOutputParser; None when the text is all content.
+    output_parsers: Callable[[], ChatOutputParser] | None
+    # The adapter the request's ``model`` names (enable_lora), or None: the base model.
+    lora_request: LoRARequest | None = None
+
+
 class OpenAIServingChat(OpenAIServing):
     """Args (beyond OpenAIServing's):
     trust_request_chat_template: allow a request's own ``chat_template``; off, it is a 400.
-    tool_parser: reads tool calls for ``tool_choice`` auto; None turns auto off.
+    tool_parser: reads tool calls for ``tool_choice`` auto (made per request, with its tools);
+        None turns auto off.
+    reasoning_parser: separates the reasoning (``reasoning_content``); None: all text is content.
     """
 
     def __init__(
         self,
         *args: Any,
         trust_request_chat_template: bool = False,
-        tool_parser: ToolParser | None = None,
+        tool_parser: type[ToolParser] | None = None,
+        reasoning_parser: type[ReasoningParser] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.trust_request_chat_template = trust_request_chat_template
         self.tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
         self._render_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="chat-template")
 
     async def create_chat_completion(
@@ -120,6 +146,22 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """The response, or (``stream``) its server-sent events. Raises APIError for a bad request."""
         arrival_time = time.time()
+        prepared = await self.prepare(request)
+        mode, params, output_parsers = prepared.mode, prepared.params, prepared.output_parsers
+        request_id = "chatcmpl-" + new_request_id(raw_request)
+        [stream], guard = await self.add_requests(
+            request_id, [prepared.prompt], params, arrival_time, raw_request, bool(request.stream),
+            prepared.lora_request,
+        )  # fmt: skip
+        if request.stream:
+            return self._stream(request, mode, guard, request_id, stream, params.n, output_parsers)
+        with guard:
+            [final] = await self.collect([stream])
+        return self._response(request, mode, request_id, final, output_parsers)
+
+    async def prepare(self, request: ChatCompletionRequest) -> PreparedChat:
+        """The checked request's prompt, sampling parameters and output parsing (also what
+        /v1/responses and /v1/messages run, after turning their requests into chat requests)."""
         lora_request = self.check_model(request.model)
         self.check_request_options(request)
         self._check_logprobs(request)
@@ -145,15 +187,26 @@ class OpenAIServingChat(OpenAIServing):
                 )
             params.structured_outputs = constraint
             await self.compile_structured_outputs(params, "tools")
-        request_id = "chatcmpl-" + new_request_id(raw_request)
-        [stream], guard = await self.add_requests(
-            request_id, [prompt], params, arrival_time, raw_request, bool(request.stream), lora_request
-        )
-        if request.stream:
-            return self._stream(request, mode, guard, request_id, stream, params.n)
-        with guard:
-            [final] = await self.collect([stream])
-        return self._response(request, mode, request_id, final)
+        return PreparedChat(mode, prompt, params, self.output_parsers(request, mode, params), lora_request)
+
+    def output_parsers(
+        self, request: ChatCompletionRequest, mode: str, params: SamplingParams
+    ) -> Callable[[], ChatOutputParser] | None:
+        """What makes each choice's ChatOutputParser, or None when the text is all content (no
+        reasoning parser, no auto tool calls). An output constrained to JSON (a schema, required
+        or named tools) is read as it is: its grammar leaves no room for reasoning. A regex,
+        choice or grammar shapes the whole text, a thinking section included if it has one."""
+        tool_parser = None
+        if mode == "auto" and self.tool_parser is not None:
+            tool_parser = self.tool_parser([tool.model_dump(exclude_none=True) for tool in request.tools])
+            if tool_parser.keeps_special_tokens:
+                params.skip_special_tokens = False
+        structured = params.structured_outputs
+        json_output = structured is not None and (structured.json is not None or structured.json_object)
+        reasoning = None if json_output else self.reasoning_parser
+        if tool_parser is None and reasoning is None:
+            return None
+        return lambda: ChatOutputParser(reasoning() if reasoning is not None else None, tool_parser)
 
     @staticmethod
     def _check_logprobs(request: ChatCompletionRequest) -> None:
@@ -219,20 +272,46 @@ class OpenAIServingChat(OpenAIServing):
         }
         if template is not None:
             kwargs["chat_template"] = template
+        if request.reasoning_effort is not None:
+            if "reasoning_effort" not in self._template_source(template):
+                raise APIError(
+                    400,
+                    "this model's chat template takes no reasoning_effort (chat_template_kwargs "
+                    "passes the variables it does take, e.g. enable_thinking)",
+                    param="reasoning_effort",
+                )
+            kwargs["reasoning_effort"] = request.reasoning_effort
         if request.tools and request.tool_choice != "none":
             kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in request.tools]
         return kwargs
 
+    def _template_source(self, template: str | None) -> str:
+        """The chat template's text (every named template's, for a tokenizer with several)."""
+        source = template if template is not None else self.tokenizer.chat_template
+        return " ".join(source.values()) if isinstance(source, dict) else source or ""
+
     # --- responses --------------------------------------------------------------------------
 
     def _response(
-        self, request: ChatCompletionRequest, mode: str, request_id: str, final: RequestOutput
+        self,
+        request: ChatCompletionRequest,
+        mode: str,
+        request_id: str,
+        final: RequestOutput,
+        output_parsers: Callable[[], ChatOutputParser] | None,
     ) -> ChatCompletionResponse:
         choices = []
         for output in final.outputs:
-            content, tool_calls = extract_tool_calls(request, mode, self.tool_parser, output.text)
+            reasoning = None
+            if output_parsers is not None:
+                reasoning, content, tool_calls = parse_whole_output(output_parsers(), output.text)
+            else:
+                content, tool_calls = extract_tool_calls(request, mode, output.text)
             message = ChatMessage(
-                role=ASSISTANT, content=_echo(request) + (content or ""), tool_calls=tool_calls
+                role=ASSISTANT,
+                content=_echo(request) + (content or ""),
+                reasoning_content=reasoning,
+                tool_calls=tool_calls,
             )
             if content is None and not _echo(request):
                 message.content = None
@@ -260,6 +339,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id: str,
         stream: RequestStream,
         n: int,
+        output_parsers: Callable[[], ChatOutputParser] | None,
     ) -> AsyncIterator[str]:
         created = int(time.time())
         include_usage = request.include_usage_in_stream
@@ -271,6 +351,7 @@ class OpenAIServingChat(OpenAIServing):
             return sse_event(response, include_usage)
 
         progress: dict[int, _ChoiceProgress] = defaultdict(_ChoiceProgress)
+        parsers: dict[int, ChatOutputParser | None] = defaultdict(output_parsers or (lambda: None))
         num_prompt_tokens = 0
 
         def usage_so_far() -> UsageInfo:
@@ -288,7 +369,9 @@ class OpenAIServingChat(OpenAIServing):
                     num_prompt_tokens = len(output.prompt_token_ids)
                     choices = []
                     for completion in output.outputs:
-                        choice = self._stream_choice(request, mode, completion, progress[completion.index])
+                        choice = self._stream_choice(
+                            request, mode, completion, progress[completion.index], parsers[completion.index]
+                        )
                         if choice is not None:
                             choices.append(choice)
                     if choices:
@@ -307,39 +390,47 @@ class OpenAIServingChat(OpenAIServing):
         mode: str,
         completion: CompletionOutput,
         progress: _ChoiceProgress,
+        output_parser: ChatOutputParser | None,
     ) -> ChatCompletionResponseStreamChoice | None:
         """The choice's chunk for ``completion``, what it gained since its last output, or None
         when there is nothing to send.
 
-        With tools, text that may be a call is held back; when the choice ends its calls go out
-        whole, one delta each (clients join a call's deltas by index).
+        ``output_parser`` splits reasoning and streams auto tool calls as they are written; with
+        ``required`` or a named tool the whole output is held back, and its calls go out whole
+        when the choice ends, one delta each (clients join a call's deltas by index).
         """
         if progress.finished:
             return None
         finish_reason = completion.finish_reason
         progress.num_tokens += len(completion.token_ids)
-        if mode in ("required", "named") or (
-            mode == "auto" and not progress.holding and self.tool_parser.may_start_call(completion.text)
-        ):
+        if mode in ("required", "named"):
             progress.holding = True
         tool_calls: list[ToolCall] = []
-        text, token_ids, logprobs_seen = completion.text, completion.token_ids, completion.logprobs or []
+        parsed = ChatDelta()
+        token_ids, token_logprobs = completion.token_ids, completion.logprobs or []
         if progress.holding:
-            progress.held_text += text
+            progress.held_text += completion.text
             progress.held_token_ids += token_ids
-            progress.held_logprobs += logprobs_seen
+            progress.held_logprobs += token_logprobs
             if finish_reason is None:
                 return None
-            content, tool_calls = extract_tool_calls(request, mode, self.tool_parser, progress.held_text)
-            text, token_ids, logprobs_seen = content or "", progress.held_token_ids, progress.held_logprobs
+            content, tool_calls = extract_tool_calls(request, mode, progress.held_text)
+            delta_text = content or ""
+            token_ids, token_logprobs = progress.held_token_ids, progress.held_logprobs
+        elif output_parser is not None:
+            parsed = output_parser.feed(completion.text, finish_reason is not None)
+            delta_text = parsed.content
+        else:
+            delta_text = completion.text
         logprobs = None
         if request.logprobs and token_ids:
-            logprobs = self._logprobs(request, token_ids, logprobs_seen)
-        if not (text or logprobs or finish_reason or tool_calls):
+            logprobs = self._logprobs(request, token_ids, token_logprobs)
+        if not (delta_text or logprobs or finish_reason or tool_calls or parsed):
             return None
         progress.finished = finish_reason is not None
-        delta_text = text
-        delta = DeltaMessage(content=delta_text if delta_text or logprobs else None)
+        delta = DeltaMessage(
+            content=delta_text if delta_text or logprobs else None, reasoning_content=parsed.reasoning or None
+        )
         if tool_calls:
             delta.tool_calls = [
                 DeltaToolCall(
@@ -350,12 +441,23 @@ class OpenAIServingChat(OpenAIServing):
                 )
                 for i, call in enumerate(tool_calls)
             ]
+        elif parsed.tool_calls:
+            delta.tool_calls = [
+                DeltaToolCall(
+                    index=call.index,
+                    id=call.id,
+                    type="function" if call.id else None,
+                    function=DeltaFunctionCall(name=call.name, arguments=call.arguments),
+                )
+                for call in parsed.tool_calls
+            ]
+        called = bool(tool_calls) or (output_parser is not None and output_parser.called)
         return ChatCompletionResponseStreamChoice(
             index=completion.index,
             # The closing chunk of a choice has an empty delta unless text came with it.
             delta=delta,
             logprobs=logprobs,
-            finish_reason=_finish_reason(finish_reason, tool_calls),
+            finish_reason="tool_calls" if called and finish_reason == "stop" else finish_reason,
         )
 
     def _logprobs(

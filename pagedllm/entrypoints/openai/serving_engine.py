@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from pagedllm.core.request import Logprob
 from pagedllm.engine.async_engine import AsyncEngineDeadError, AsyncLLMEngine, RequestStream
-from pagedllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequest, UsageInfo
+from pagedllm.entrypoints.openai.protocol import (
+    ADVISORY_FIELDS,
+    ErrorInfo,
+    ErrorResponse,
+    SamplingRequest,
+    UsageInfo,
+)
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
@@ -38,6 +44,8 @@ COMPILE_TIMEOUT_S = 30.0
 # Engine request ids are internal and unique: a counter ahead of whatever the client sent, so
 # two requests with the same X-Request-Id never clash.
 _engine_request_counter = itertools.count()
+# Advisory fields already logged: each is logged once per process, not once per request.
+_logged_advisory_fields: set[str] = set()
 
 
 class APIError(Exception):
@@ -158,6 +166,7 @@ class OpenAIServing:
     def check_request_options(request: SamplingRequest) -> None:
         if request.stream_options is not None and not request.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        log_advisory_fields(request)
 
     async def sampling_params(
         self,
@@ -373,6 +382,15 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
     finally:
         for task in tasks:
             task.cancel()
+
+
+def log_advisory_fields(request: Any) -> None:
+    """Log, once per process, each advisory field (protocol.ADVISORY_FIELDS) a request gave."""
+    given = sorted(set(ADVISORY_FIELDS) & request.model_fields_set - _logged_advisory_fields)
+    for name in given:
+        if getattr(request, name) is not None:
+            _logged_advisory_fields.add(name)
+            logger.info("accepting the advisory field %r, which does not change the output here", name)
 
 
 def new_request_id(raw_request: Request) -> str:

@@ -3,28 +3,29 @@
 ``required`` and a named function are enforced with structured outputs: the output is JSON that a
 schema built from the tools accepts (a list of ``{"name", "parameters"}`` for ``required``, the
 function's arguments for a named one), so it always parses. ``auto`` lets the model choose and
-reads its calls with the server's ``--tool-call-parser``; ``none`` never returns calls.
+reads its calls with the server's ``--tool-call-parser`` (``chat_output``, streamed as they are
+written); ``none`` never returns calls.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
+from pagedllm.entrypoints.openai.chat_output import ChatOutputParser
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     FunctionCall,
     NamedToolChoice,
     ToolCall,
 )
-from pagedllm.entrypoints.openai.tool_parsers import ToolParser
+from pagedllm.entrypoints.openai.tool_parsers.streaming import new_tool_call_id
 from pagedllm.sampling_params import StructuredOutputsParams
 
 ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
-def tool_mode(request: ChatCompletionRequest, parser: ToolParser | None) -> str:
+def tool_mode(request: ChatCompletionRequest, parser: object | None) -> str:
     """'none', 'auto' (the parser reads calls), 'required' or 'named'."""
     if not request.tools:
         if request.tool_choice not in (None, "none"):
@@ -69,9 +70,10 @@ def tool_constraint(request: ChatCompletionRequest, mode: str) -> StructuredOutp
 
 
 def extract_tool_calls(
-    request: ChatCompletionRequest, mode: str, parser: ToolParser | None, text: str
+    request: ChatCompletionRequest, mode: str, text: str
 ) -> tuple[str | None, list[ToolCall]]:
-    """(content, tool calls) of a finished output."""
+    """(content, tool calls) of a finished output whose calls a constraint shaped (``required``,
+    ``named``); other outputs are read by a ChatOutputParser."""
     if mode == "named":
         return None, [_tool_call(request.tool_choice.function.name, text)]
     if mode == "required":
@@ -80,11 +82,14 @@ def extract_tool_calls(
         except ValueError:
             return text, []  # cut by max_tokens: the constraint could not finish
         return None, [_tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
-    if mode == "auto" and parser is not None:
-        extracted = parser.extract(text)
-        return extracted.content, [_tool_call(c.name, c.arguments) for c in extracted.calls]
     return text, []
 
 
+def parse_whole_output(parser: ChatOutputParser, text: str) -> tuple[str | None, str | None, list[ToolCall]]:
+    """(reasoning, content, tool calls) of a finished output."""
+    reasoning, content, calls = parser.parse_whole(text)
+    return reasoning, content, [_tool_call(call.name, call.arguments) for call in calls]
+
+
 def _tool_call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments))
+    return ToolCall(id=new_tool_call_id(), function=FunctionCall(name=name, arguments=arguments))

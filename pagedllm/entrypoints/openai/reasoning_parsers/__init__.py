@@ -1,0 +1,21 @@
+"""Reasoning parsers: a model's output -> its reasoning and its answer (vLLM's
+``--reasoning-parser``)."""
+
+from pagedllm.entrypoints.openai.reasoning_parsers.base import ReasoningDelta, ReasoningParser
+from pagedllm.entrypoints.openai.reasoning_parsers.think_tags import (
+    DeepSeekR1ReasoningParser,
+    Qwen3ReasoningParser,
+)
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    "qwen3": Qwen3ReasoningParser,
+    "deepseek_r1": DeepSeekR1ReasoningParser,
+}
+
+__all__ = [
+    "REASONING_PARSERS",
+    "DeepSeekR1ReasoningParser",
+    "Qwen3ReasoningParser",
+    "ReasoningDelta",
+    "ReasoningParser",
+]

@@ -1,0 +1,92 @@
+"""Qwen3-Coder's XML-like format, one block per call::
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    </function>
+    </tool_call>
+
+A parameter's value is raw text, typed by the tool's JSON schema (as vLLM's ``qwen3_coder``
+parser does): a string parameter stays text, any other type is read as JSON (text if it is not
+JSON), a parameter the schema does not name stays text. Arguments stream a parameter at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from pagedllm.entrypoints.openai.text_markers import held_prefix_len
+from pagedllm.entrypoints.openai.tool_parsers.base import (
+    ExtractedToolCalls,
+    ParsedCall,
+    PartialCall,
+    PartialToolCalls,
+    ToolParser,
+)
+
+START, END = "<tool_call>", "</tool_call>"
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
+_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+_FUNCTION_END = re.compile(r"\s*</function>")
+
+
+class Qwen3CoderToolParser(ToolParser):
+    def extract(self, text: str) -> ExtractedToolCalls:
+        start = text.find(START)
+        if start < 0:
+            return ExtractedToolCalls(content=text)
+        calls = self.partial(text).calls
+        if not calls or not all(call.done and call.name for call in calls):
+            return ExtractedToolCalls(content=text)
+        content = text[:start].strip()
+        return ExtractedToolCalls(
+            content=content or None, calls=[ParsedCall(c.name, c.arguments) for c in calls]
+        )
+
+    def partial(self, text: str) -> PartialToolCalls:
+        start = text.find(START)
+        if start < 0:
+            return PartialToolCalls(len(text) - held_prefix_len(text, START))
+        result = PartialToolCalls(start)
+        while start >= 0:
+            end = text.find(END, start)
+            result.calls.append(self._call(text[start + len(START) : end if end >= 0 else len(text)]))
+            start = -1 if end < 0 else text.find(START, end)
+        return result
+
+    def _call(self, block: str) -> PartialCall:
+        function = _FUNCTION.match(block)
+        if function is None:
+            return PartialCall(None, "", False)
+        name = function.group(1).strip()
+        types = self._parameter_types(name)
+        members = []
+        position = function.end()
+        while (parameter := _PARAMETER.match(block, position)) is not None:
+            key = parameter.group(1).strip()
+            value = _typed(parameter.group(2), types.get(key))
+            members.append(f"{json.dumps(key, ensure_ascii=False)}: {json.dumps(value, ensure_ascii=False)}")
+            position = parameter.end()
+        done = _FUNCTION_END.match(block, position) is not None
+        return PartialCall(name, "{" + ", ".join(members) + ("}" if done else ""), done)
+
+    def _parameter_types(self, name: str) -> dict[str, Any]:
+        for tool in self.tools:
+            function = tool.get("function", {})
+            if function.get("name") == name:
+                properties = (function.get("parameters") or {}).get("properties") or {}
+                return {key: spec.get("type") for key, spec in properties.items() if isinstance(spec, dict)}
+        return {}
+
+
+def _typed(text: str, schema_type: Any) -> Any:
+    if schema_type is None or schema_type == "string":
+        return text
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
