@@ -42,7 +42,6 @@ then says which requests may run, until one group is convicted or all are cleare
 from __future__ import annotations
 
 import itertools
-import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -51,9 +50,11 @@ from pagedllm.config import SchedulerConfig, SpeculativeConfig
 from pagedllm.core.fanout import FanOut
 from pagedllm.core.isolation import IsolationPolicy, suspects_of
 from pagedllm.core.kv_cache_manager import AllocStatus, KVCacheManager
-from pagedllm.core.request import Request, RequestStatus, new_request_data
+from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.request_queues import PreemptionMode, RequestQueues
 from pagedllm.core.spec_decode import SpecDecoding
+from pagedllm.core.step_budget import StepBudget
+from pagedllm.core.step_message import describe_step
 from pagedllm.core.stop_conditions import ends_with_samples_in_flight, stop_reason, stop_status
 from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
 
@@ -69,37 +70,6 @@ class SampledRequests:
     appended: list[tuple[Request, int]] = field(default_factory=list)
     forked: list[tuple[Request, Request]] = field(default_factory=list)
     beams: list[tuple[Request, int]] = field(default_factory=list)
-
-
-@dataclass
-class _Budget:
-    """What is left of this step's token and sequence limits."""
-
-    token_budget: int
-    max_num_seqs: int
-    num_batched_tokens: int = 0
-    num_seqs: int = 0
-    # Distinct LoRA adapters of the running requests and of those admitted since, at most
-    # max_loras (None: no LoRA): each needs a slot of the workers' stacked adapter weights.
-    max_loras: int | None = None
-    lora_ids: set[int] = field(default_factory=set)
-
-    @property
-    def remaining_tokens(self) -> int:
-        return self.token_budget - self.num_batched_tokens
-
-    def can_add_seqs(self, num_seqs: int) -> bool:
-        return self.num_seqs + num_seqs <= self.max_num_seqs
-
-    def admit_lora(self, lora_int_id: int) -> bool:
-        """Count the adapter (0: none) in, or return False when the step has max_loras others
-        (the request then waits in its queue for a slot)."""
-        if not lora_int_id or lora_int_id in self.lora_ids or self.max_loras is None:
-            return True
-        if len(self.lora_ids) >= self.max_loras:
-            return False
-        self.lora_ids.add(lora_int_id)
-        return True
 
 
 class Scheduler:
@@ -209,7 +179,7 @@ class Scheduler:
         queues.finished_req_ids = set()
         self.last_preemptions = {}
         self.kv_cache_manager.start_step()
-        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        budget = StepBudget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         budget.num_seqs = sum(group.max_running_seqs for group in {r.group for r in queues.running})
         scheduled: list[Request] = []
         drafts: dict[int, list[int]] = {}
@@ -221,7 +191,7 @@ class Scheduler:
             num_scheduled_tokens[request.req_id] = 1
         budget.num_batched_tokens += len(decodes)
         if drafts:
-            self._schedule_drafts(decodes, drafts, budget, out)
+            self.spec_decoding.schedule_drafts(decodes, drafts, budget, out, self.kv_cache_manager)
         scheduled += decodes
         for request in prefills:
             if not self._schedule_tokens(request, budget, out, scheduled):
@@ -239,11 +209,11 @@ class Scheduler:
         out.total_num_scheduled_tokens = budget.num_batched_tokens
         out.preempted_req_ids = queues.preempted_req_ids
         queues.preempted_req_ids = set()
-        self._describe(scheduled, out)
+        self.num_prefill_tokens += describe_step(scheduled, out, self.kv_cache_manager)
         return out
 
     def _schedule_running(
-        self, out: SchedulerOutput, budget: _Budget, drafts: dict[int, list[int]]
+        self, out: SchedulerOutput, budget: StepBudget, drafts: dict[int, list[int]]
     ) -> tuple[list[Request], list[Request]]:
         """Reserve slots for decoding requests, preempting from the lowest priority up. Only the
         requests the isolation policy admits are considered, and the others are preempted first.
@@ -301,27 +271,7 @@ class Scheduler:
                     break
         return decodes, prefills
 
-    def _schedule_drafts(
-        self, decodes: list[Request], drafts: dict[int, list[int]], budget: _Budget, out: SchedulerOutput
-    ) -> None:
-        """Schedule the drafts of the step's decodes after their own tokens, in priority order, as
-        far as the token budget goes (cut drafts give back the blocks only they needed)."""
-        kv = self.kv_cache_manager
-        num_scheduled_tokens = out.num_scheduled_tokens
-        for request in decodes:
-            request_drafts = drafts.get(request.req_id)
-            if not request_drafts:
-                continue
-            del request_drafts[max(budget.remaining_tokens, 0) :]
-            num_drafts = len(request_drafts)
-            kv.free_tail(request, request.num_computed_tokens + 1 + num_drafts)
-            if not num_drafts:
-                continue
-            out.scheduled_spec_decode_tokens[request.req_id] = request_drafts
-            num_scheduled_tokens[request.req_id] += num_drafts
-            budget.num_batched_tokens += num_drafts
-
-    def _schedule_swapped(self, budget: _Budget, out: SchedulerOutput, scheduled: list[Request]) -> None:
+    def _schedule_swapped(self, budget: StepBudget, out: SchedulerOutput, scheduled: list[Request]) -> None:
         kv = self.kv_cache_manager
         swapped = self.queues.swapped
         while swapped:
@@ -356,7 +306,7 @@ class Scheduler:
                         out.blocks_to_copy.append(cow)
                 self._schedule_tokens(request, budget, out, scheduled)
 
-    def _schedule_waiting(self, budget: _Budget, out: SchedulerOutput, scheduled: list[Request]) -> None:
+    def _schedule_waiting(self, budget: StepBudget, out: SchedulerOutput, scheduled: list[Request]) -> None:
         """Admit waiting requests, FCFS: those the isolation policy admits, preempting the others
         to make room for them."""
         kv = self.kv_cache_manager
@@ -397,14 +347,14 @@ class Scheduler:
     def _group_running(self, request: Request) -> bool:
         return any(r.status == RequestStatus.RUNNING for r in request.group.members if r is not request)
 
-    def _fits(self, request: Request, budget: _Budget) -> bool:
+    def _fits(self, request: Request, budget: StepBudget) -> bool:
         """Whether some of the request's tokens fit this step (all of them, without chunking)."""
         if self.config.enable_chunked_prefill:
             return budget.remaining_tokens > 0
         return request.num_tokens - request.num_computed_tokens <= budget.remaining_tokens
 
     def _schedule_tokens(
-        self, request: Request, budget: _Budget, out: SchedulerOutput, scheduled: list[Request]
+        self, request: Request, budget: StepBudget, out: SchedulerOutput, scheduled: list[Request]
     ) -> bool:
         """Schedule the request's next tokens within the budget; False when nothing fit."""
         num_tokens = request.num_uncomputed_tokens
@@ -418,43 +368,6 @@ class Scheduler:
         budget.num_batched_tokens += num_tokens
         scheduled.append(request)
         return True
-
-    def _describe(self, scheduled: list[Request], out: SchedulerOutput) -> None:
-        """Write each scheduled request into the step's message (in full, or as a diff), then
-        advance its progress: the step's tokens count as computed from now on, and a request
-        that reaches its end holds a placeholder for the token the step samples."""
-        kv = self.kv_cache_manager
-        cached = out.scheduled_cached_reqs
-        num_scheduled_tokens = out.num_scheduled_tokens
-        now = time.time()
-        windowed = kv.sliding_window is not None
-        for request in scheduled:
-            req_id = request.req_id
-            if windowed and (request.resend or kv.has_unsent_blocks(request)):
-                out.num_dropped_tokens[req_id] = kv.get_num_dropped_tokens(request)
-            if request.resend:
-                request.resend = False
-                out.scheduled_new_reqs.append(new_request_data(request, kv.get_block_ids(request)))
-                kv.mark_sent(request)
-            else:
-                cached.req_ids.append(req_id)
-                cached.block_table_diffs.append(kv.take_block_table_diff(request))
-                cached.num_computed_tokens.append(request.num_computed_tokens)
-            num_new_tokens = num_scheduled_tokens[req_id]
-            num_computed_tokens = request.num_computed_tokens
-            num_prompt_tokens = len(request.prompt_token_ids)
-            if num_computed_tokens < num_prompt_tokens or (
-                num_new_tokens > 1 and req_id not in out.scheduled_spec_decode_tokens
-            ):
-                self.num_prefill_tokens += num_new_tokens
-            num_computed_tokens += num_new_tokens
-            request.num_computed_tokens = num_computed_tokens
-            num_known_tokens = num_prompt_tokens + len(request.output_token_ids)
-            # Past the end only by drafts, which update_from_output takes back when rejected.
-            if num_computed_tokens >= num_known_tokens + request.num_output_placeholders:
-                request.num_output_placeholders += 1
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = now
 
     # --- after the step -------------------------------------------------------------------
 
@@ -476,10 +389,11 @@ class Scheduler:
         token_ids = output.sampled_token_ids
         logprobs = output.logprobs
         req_ids = output.req_ids
-        max_context_len = self.max_context_len
         num_rows = len(req_ids)
         appended = result.appended
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+        kv = self.kv_cache_manager
+        max_context_len = self.max_context_len
         row = 0
         while row < num_rows:
             request = requests.get(req_ids[row])
@@ -489,7 +403,10 @@ class Scheduler:
             request.num_output_placeholders -= 1
             self.num_generation_tokens += 1
             if spec_tokens and request.req_id in spec_tokens:
-                row = self._append_verified(request, spec_tokens[request.req_id], row, output, appended)
+                row, num_tokens = self.spec_decoding.apply_verification(
+                    request, spec_tokens[request.req_id], row, output, appended, self._stop_if_ends, kv
+                )
+                self.num_generation_tokens += num_tokens - 1  # the loop counted the first
                 continue
             if request.needs_host_between_steps:
                 if request.sampling_params.use_beam_search:
@@ -512,34 +429,12 @@ class Scheduler:
         self.isolation.sampled(req_ids)
         return result
 
-    def _append_verified(
-        self,
-        request: Request,
-        drafts: list[int],
-        row: int,
-        output: ModelRunnerOutput,
-        appended: list[tuple[Request, int]],
-    ) -> int:
-        """Apply a verification of ``drafts``: its rows from ``row`` on are the accepted drafts and
-        one token more. Take back the rejected drafts' progress and the blocks only they used,
-        then append the tokens up to the first that stops the request. Returns the next row."""
-        assert self.spec_decoding is not None
-        num_accepted = output.num_accepted_tokens[request.req_id]
-        self.spec_decoding.record(request, len(drafts), num_accepted)
-        request.num_computed_tokens -= len(drafts) - num_accepted
-        token_ids, logprobs = output.sampled_token_ids, output.logprobs
-        end = row + num_accepted + 1
-        self.num_generation_tokens += num_accepted  # the loop counted the first
-        for index in range(row, end):
-            token_id = token_ids[index]
-            request.append_output_token(token_id, logprobs[index])
-            appended.append((request, index))
-            status = stop_status(request, token_id, len(request.output_token_ids), self.max_context_len)
-            if status is not None:
-                self._stop(request, token_id, status)  # the tokens after it are dropped
-                return end
-        self.kv_cache_manager.free_tail(request, request.num_tokens)
-        return end
+    def _stop_if_ends(self, request: Request, token_id: int) -> bool:
+        """End the request if its newest token (``token_id``) stops it; whether it did."""
+        status = stop_status(request, token_id, len(request.output_token_ids), self.max_context_len)
+        if status is not None:
+            self._stop(request, token_id, status)
+        return status is not None
 
     def _stop(self, request: Request, token_id: int, status: RequestStatus) -> None:
         """End a request its newest token stopped."""
@@ -570,7 +465,7 @@ class Scheduler:
             self.last_preemptions[member.req_id] = mode
         self.num_preemptions[mode] += 1
 
-    def _preempt_outside_probe(self, budget: _Budget, out: SchedulerOutput) -> bool:
+    def _preempt_outside_probe(self, budget: StepBudget, out: SchedulerOutput) -> bool:
         """Preempt the group the isolation policy names to make room for a probe; False when it
         names none (always, when not isolating)."""
         victim = self.isolation.victim_outside_probe(self.queues.running)

@@ -26,12 +26,16 @@ tokens after it back).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from pagedllm.config import SpeculativeConfig
+from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
+from pagedllm.core.step_budget import StepBudget
+from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass
@@ -151,6 +155,58 @@ class SpecDecoding:
             # whatever the (dummy) weights generate; which tokens they are does not matter.
             drafts += [int(tokens[-1])] * (num - len(drafts))
         return drafts
+
+    def schedule_drafts(
+        self,
+        decodes: list[Request],
+        drafts: dict[int, list[int]],
+        budget: StepBudget,
+        out: SchedulerOutput,
+        kv: KVCacheManager,
+    ) -> None:
+        """Schedule the drafts of the step's decodes after their own tokens, in priority order, as
+        far as the token budget goes (cut drafts give back the blocks only they needed)."""
+        num_scheduled_tokens = out.num_scheduled_tokens
+        for request in decodes:
+            request_drafts = drafts.get(request.req_id)
+            if not request_drafts:
+                continue
+            del request_drafts[max(budget.remaining_tokens, 0) :]
+            num_drafts = len(request_drafts)
+            kv.free_tail(request, request.num_computed_tokens + 1 + num_drafts)
+            if not num_drafts:
+                continue
+            out.scheduled_spec_decode_tokens[request.req_id] = request_drafts
+            num_scheduled_tokens[request.req_id] += num_drafts
+            budget.num_batched_tokens += num_drafts
+
+    def apply_verification(
+        self,
+        request: Request,
+        drafts: list[int],
+        row: int,
+        output: ModelRunnerOutput,
+        appended: list[tuple[Request, int]],
+        stop_if_ends: Callable[[Request, int], bool],
+        kv: KVCacheManager,
+    ) -> tuple[int, int]:
+        """Apply a verification of ``drafts``: its rows from ``row`` on are the accepted drafts and
+        one token more. Take back the rejected drafts' progress and the blocks only they used,
+        then append the tokens up to the first that stops the request. Returns the next row and
+        the tokens generated."""
+        num_accepted = output.num_accepted_tokens[request.req_id]
+        self.record(request, len(drafts), num_accepted)
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        token_ids, logprobs = output.sampled_token_ids, output.logprobs
+        end = row + num_accepted + 1
+        for index in range(row, end):
+            token_id = token_ids[index]
+            request.append_output_token(token_id, logprobs[index])
+            appended.append((request, index))
+            if stop_if_ends(request, token_id):
+                return end, num_accepted + 1  # the tokens after it are dropped
+        kv.free_tail(request, request.num_tokens)
+        return end, num_accepted + 1
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:
         """Count one verification: per user request (``RequestMetrics``) and engine-wide."""
