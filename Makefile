@@ -4,7 +4,7 @@ PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 PROMPT ?= What is the capital of France?
 
-.PHONY: install install-test run test lint
+.PHONY: install install-test run test test-slow test-all lint
 
 # Each package is looked up (find_spec: no import, ~50 ms) and installed only when missing, so
 # on a warm machine these checks cost well under a second. torch 2.13.0 first: the CPU wheel on
@@ -32,6 +32,15 @@ run: install
 lint: install-test
 	$(PYTHON) -m ruff check .
 
+# The CPU suite without the end-to-end cases marked slow (each over ~7 s here: servers, CLIs,
+# the embedded model, multi-process ranks), which test-slow runs; test-all runs both.
 test: install-test
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m pytest -q -m "not slow" tests
+
+test-slow: install-test
+	$(PYTHON) -m pytest -q -m slow tests
+
+test-all: install-test
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m pytest -q tests

@@ -84,9 +84,9 @@ class GptOssExperts(FusedMoE):
             self.down_proj,
             topk_weights,
             topk_ids,
-            self.gate_up_proj_bias,
-            down_bias,
-            self._clamped_swiglu,
+            w13_bias=self.gate_up_proj_bias,
+            w2_bias=down_bias,
+            activation=self._clamped_swiglu,
         )
 
     def _clamped_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -88,6 +88,7 @@ def test_greedy_with_stop_strings_stop_tokens_eos_and_lengths(model_dir, smollm2
         assert len(output.outputs[0].token_ids) <= p.max_tokens
 
 
+@pytest.mark.slow
 def test_n_best_of_seeded_and_beam_search(model_dir):
     ids = prompts(4, seed=1)
     sampled = SamplingParams(n=3, best_of=4, temperature=0.9, seed=11, max_tokens=10, logprobs=2)

@@ -27,6 +27,7 @@ def llm() -> LLM:
     return LLM(device="cpu", max_model_len=512, dtype="float32")  # compared with HF in float32
 
 
+@pytest.mark.slow
 def test_greedy_chat_equals_hf_generate(llm, smollm2_hf_model):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     outputs = llm.chat([[{"role": "user", "content": p}] for p in PROMPTS], params, use_tqdm=False)
@@ -86,6 +87,7 @@ def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess
     )
 
 
+@pytest.mark.slow
 def test_cli_generate_and_chat(tmp_path: Path):
     result = run_cli("generate", "--chat", "--temperature", "0", "--max-tokens", "16", PROMPTS[0])
     assert result.returncode == 0, result.stderr
@@ -112,6 +114,7 @@ def test_cli_reports_bad_input_without_a_traceback(tmp_path: Path):
     assert result.returncode != 0 and "top_p must be in (0, 1]" in result.stderr
 
 
+@pytest.mark.slow
 def test_attention_sinks_keep_a_long_text_that_a_window_alone_loses():
     """StreamingLLM's finding (Xiao et al. 2023) on the embedded model: with a 64-token window the
     perplexity of a 572-token public-domain text explodes once its first tokens leave the window,

@@ -150,6 +150,7 @@ def _requests() -> dict[str, tuple[list[int], SamplingParams]]:
     }
 
 
+@pytest.mark.slow
 def test_the_engine_process_serves_what_the_thread_serves(tiny_llama_with_tokenizer):
     async def serve(engine: AsyncLLMEngine) -> tuple[dict, Any]:
         engine.start()
@@ -198,6 +199,7 @@ def test_bad_requests_are_refused_across_the_process_and_aborts_free_blocks(tiny
     run(body())
 
 
+@pytest.mark.slow
 def test_a_dead_engine_process_fails_every_stream_and_turns_unhealthy(tiny_llama_with_tokenizer):
     async def body() -> None:
         engine = AsyncLLMEngine.in_engine_process(engine_args(tiny_llama_with_tokenizer))
@@ -225,6 +227,7 @@ def test_a_dead_engine_process_fails_every_stream_and_turns_unhealthy(tiny_llama
     run(body())
 
 
+@pytest.mark.slow
 def test_bad_engine_arguments_fail_at_startup_with_their_error(tiny_llama_with_tokenizer):
     with pytest.raises(ValueError, match="max_model_len"):
         AsyncLLMEngine.in_engine_process(engine_args(tiny_llama_with_tokenizer, num_kv_blocks=2))
@@ -243,6 +246,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_the_engine_process_exits_when_its_frontend_dies(tiny_llama_with_tokenizer, tmp_path):
     """A server killed outright (no shutdown) must not leave its engine holding the device."""
     script = tmp_path / "frontend.py"
@@ -268,6 +272,7 @@ def test_the_engine_process_exits_when_its_frontend_dies(tiny_llama_with_tokeniz
     pytest.fail("the engine process outlived its frontend by 20 s")
 
 
+@pytest.mark.slow
 def test_a_stopped_engine_neither_freezes_the_event_loop_nor_looks_responsive(tiny_llama_with_tokenizer):
     """SIGSTOP: adds keep going into the (filling) pipe without blocking the loop, and the engine
     turns unresponsive once no heartbeat came for heartbeat_timeout_s; SIGCONT: it serves them all."""

@@ -133,6 +133,7 @@ def test_greedy_equals_hf_on_a_ragged_batch(make_tiny_model, case):
 
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.slow
 def test_greedy_equals_hf_for_other_block_sizes(tiny_llama, block_size):
     hf_model, model_config = tiny_llama
     prompts = ragged_prompts(4, model_config.vocab_size, seed=block_size)

@@ -244,6 +244,7 @@ def test_prefix_caching_computes_only_the_suffix_and_changes_nothing(tiny):
     assert_all_blocks_free(cached)
 
 
+@pytest.mark.slow
 def test_prefix_cache_eviction_under_memory_pressure_loses_nothing(tiny):
     _, model_config = tiny
     rng = random.Random(7)

@@ -156,6 +156,7 @@ def test_preemption_and_prefix_caching_with_ngram_change_no_output(tiny_llama):
     assert_all_blocks_free(tight)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_a_small_token_budget_with_ngram_change_no_output(tiny_llama):
     _, model_config = tiny_llama
     prompts = mixed_prompts(6, model_config.vocab_size, seed=2)
@@ -176,6 +177,7 @@ def test_chunked_prefill_and_a_small_token_budget_with_ngram_change_no_output(ti
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.slow
 def test_lengths_stop_tokens_min_tokens_and_logprobs_hold_with_ngram(tiny_llama):
     """Drafts are cut at max_tokens and the context; a stop token inside an accepted run ends the
     request there; min_tokens bans EOS at every verified position; logprobs are the emitted
@@ -218,6 +220,7 @@ def test_lengths_stop_tokens_min_tokens_and_logprobs_hold_with_ngram(tiny_llama)
     assert_all_blocks_free(spec)
 
 
+@pytest.mark.slow
 def test_acceptance_is_counted_per_request_and_engine_wide(tiny_llama, caplog):
     _, model_config = tiny_llama
     prompts = mixed_prompts(6, model_config.vocab_size, seed=5)
@@ -419,6 +422,7 @@ def test_sampled_outputs_follow_the_target_distribution_with_and_without_ngram(t
             assert spec.num_accepted_tokens_per_pos[1] > 0
 
 
+@pytest.mark.slow
 def test_synthetic_acceptance_drafts_every_step_and_accepts_at_its_rate(tiny_llama):
     """Benchmarks only (``bench latency --synthetic-acceptance-rate``): drafts every step, even on
     random prompts, accepted at the given rate whatever the model says."""

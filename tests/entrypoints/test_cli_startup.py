@@ -147,6 +147,7 @@ def _generate(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_generate_logs_the_engine_and_says_why_an_output_stopped():
     result = _generate("The capital of France is")
     assert "INFO pagedllm.entrypoints.llm: engine ready in " in result.stderr
@@ -155,6 +156,7 @@ def test_generate_logs_the_engine_and_says_why_an_output_stopped():
     assert "engine ready" not in quiet.stderr
 
 
+@pytest.mark.slow
 def test_serve_logs_the_engine_summary(launch_server, tiny_server_args: list[str]):
     server = launch_server(tiny_server_args)  # the engine in a process of its own
     log = server.log_tail()

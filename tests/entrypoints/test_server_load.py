@@ -177,6 +177,7 @@ def test_max_concurrency_bounds_the_requests_in_flight_and_a_bar_shows_progress(
     assert "6/6" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_shutdown_with_open_streams_does_not_hang(launch_server, tiny_server_args, tiny_vocab_size):
     server = launch_server(tiny_server_args)
 
@@ -217,6 +218,7 @@ def _timed_get(server, path: str) -> tuple[int, float]:
     return status, time.perf_counter() - start
 
 
+@pytest.mark.slow
 def test_idle_and_slowloris_sockets_neither_starve_requests_nor_stay_open(launch_server, tiny_server_args):
     """Idle sockets and sockets that trickle headers never count against --limit-concurrency and
     are closed after the header timeout; real requests in progress still do count."""

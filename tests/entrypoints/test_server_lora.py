@@ -61,12 +61,12 @@ def test_models_lists_adapters_with_their_base_as_parent(client):
     assert client.models.retrieve("sql").parent == "base"
 
 
-def test_the_model_field_picks_the_adapter(client, hf_model, adapter_dirs, peft_merged, greedy_reference):
+def test_the_model_field_picks_the_adapter(client, hf_model, adapter_dirs, peft_merged, hf_greedy_tokens):
     for name in ("sql", "chat"):
-        expected = greedy_reference(peft_merged(hf_model, adapter_dirs[name]), PROMPT, MAX_TOKENS)
+        expected = hf_greedy_tokens(peft_merged(hf_model, adapter_dirs[name]), PROMPT, MAX_TOKENS)
         assert completion_tokens(client, name) == expected, name
     base = completion_tokens(client, "base")
-    assert base == greedy_reference(hf_model, PROMPT, MAX_TOKENS)
+    assert base == hf_greedy_tokens(hf_model, PROMPT, MAX_TOKENS)
     assert base != completion_tokens(client, "sql")
 
 
@@ -75,13 +75,13 @@ def test_unknown_model_is_404(client):
         client.completions.create(model="nope", prompt=PROMPT, max_tokens=2)
 
 
-def test_load_and_unload_at_run_time(server, client, hf_model, adapter_dirs, peft_merged, greedy_reference):
+def test_load_and_unload_at_run_time(server, client, hf_model, adapter_dirs, peft_merged, hf_greedy_tokens):
     load = {"lora_name": "late", "lora_path": adapter_dirs["late"]}
     assert server.request("POST", "/v1/load_lora_adapter", load, authorize=False)[0] == 401
     status, _, body = server.request("POST", "/v1/load_lora_adapter", load)
     assert status == 200, body
     assert "late" in {model.id for model in client.models.list().data}
-    expected = greedy_reference(peft_merged(hf_model, adapter_dirs["late"]), PROMPT, MAX_TOKENS)
+    expected = hf_greedy_tokens(peft_merged(hf_model, adapter_dirs["late"]), PROMPT, MAX_TOKENS)
     assert completion_tokens(client, "late") == expected
     # Loading the same name again is refused; so is a directory that is no adapter.
     assert server.request("POST", "/v1/load_lora_adapter", load)[0] == 400
@@ -98,7 +98,7 @@ def test_load_and_unload_at_run_time(server, client, hf_model, adapter_dirs, pef
         client.completions.create(model="late", prompt=PROMPT, max_tokens=2)
     assert server.request("POST", "/v1/unload_lora_adapter", unload)[0] == 404
     # The other adapters are unaffected.
-    assert completion_tokens(client, "sql") == greedy_reference(
+    assert completion_tokens(client, "sql") == hf_greedy_tokens(
         peft_merged(hf_model, adapter_dirs["sql"]), PROMPT, MAX_TOKENS
     )
 

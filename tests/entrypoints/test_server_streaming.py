@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 MAX_MODEL_LEN = 128
 
 
+@pytest.mark.slow
 def test_sinks_let_a_completion_run_past_max_model_len(launch_server, tiny_model_dir):
     flags = [tiny_model_dir, "--max-model-len", str(MAX_MODEL_LEN), "--swap-space", "0.1"]
     body = {"prompt": [5, 6, 7, 8], "max_tokens": 3 * MAX_MODEL_LEN, "ignore_eos": True, "temperature": 0}

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,7 @@ from pagedllm.executor.multiproc_executor import START_METHOD_ENV, choose_start_
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 PROMPTS = ["The capital of France is", "One, two, three,"]
+ROOT = str(Path(__file__).resolve().parents[2])
 
 
 @pytest.mark.slow
@@ -39,6 +42,8 @@ def test_a_script_without_a_main_guard_runs_at_two_ranks(
         )
     )
     monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    # The script imports the package under test, installed or not.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "spawning the tensor-parallel ranks" not in result.stderr

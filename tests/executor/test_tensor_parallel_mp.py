@@ -183,6 +183,7 @@ def test_small_step_messages_go_out_before_the_previous_answer_is_read(
         two.llm_engine.shutdown()
 
 
+@pytest.mark.slow
 def test_a_sliding_window_with_sinks_at_two_ranks_gives_the_tokens_of_one(
     make_tiny_model_once, random_prompts, assert_every_block_free
 ):

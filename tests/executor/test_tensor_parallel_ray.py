@@ -129,6 +129,7 @@ def _wait_for_port(port: int, process: subprocess.Popen, log: Path) -> None:
     ],
     ids=["llama-kv1-bias", "qwen3-gqa"],
 )
+@pytest.mark.slow
 def test_one_rank_per_node_gives_the_tokens_of_one_rank(
     two_node_cluster, make_tiny_model_once, random_prompts, assert_every_block_free, config_class, overrides
 ):
@@ -165,6 +166,7 @@ def test_a_cluster_with_fewer_devices_than_ranks_is_refused(two_node_cluster, ma
     assert time.monotonic() - start < 5  # no actor was started, no weight read
 
 
+@pytest.mark.slow
 def test_a_killed_rank_fails_the_requests_within_seconds(
     two_node_cluster, make_tiny_model_once, kill_a_rank_mid_batch
 ):

@@ -21,6 +21,7 @@ pytest.importorskip("triton", reason="needs the triton package")
 SCRIPT = Path(__file__).with_name("sm90_compile.py")
 
 
+@pytest.mark.slow
 def test_every_kernel_launch_compiles_for_sm90() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(

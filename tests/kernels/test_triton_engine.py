@@ -14,6 +14,7 @@ pytest.importorskip("triton")
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.slow
 def test_triton_backend_matches_torch_end_to_end(make_tiny_model, block_size):
     _, model_config = make_tiny_model(
         LlamaConfig, num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=64

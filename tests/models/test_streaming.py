@@ -48,6 +48,7 @@ def run_checking_blocks(
     return [outputs[str(i)] for i in range(len(prompts))]
 
 
+@pytest.mark.slow
 def test_a_windowed_model_holds_a_bounded_number_of_blocks(make_tiny_model: Any) -> None:
     window, num_tokens = 32, 4000
     _, model_config = make_tiny_model(MistralConfig, sliding_window=window, max_position_embeddings=4200)
@@ -93,6 +94,7 @@ def streaming_llm_greedy(
     ],
     ids=["torch", "torch-chunked-prefix-cached", "torch-async", "triton"],
 )
+@pytest.mark.slow
 def test_sinks_equal_streaming_llm_past_max_model_len(
     make_tiny_model: Any, backend: str, engine_kwargs: dict
 ) -> None:

@@ -26,6 +26,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.slow
 def test_compiled_decode_matches_eager_in_float32(case: str, make_tiny_model, paged_runner) -> None:
     config_class, overrides = CASES[case]
     _, model_config = make_tiny_model(config_class, **overrides)
