@@ -113,8 +113,6 @@ class _LiveRequest:
     beams: BeamSearchState | None
     # Why the scheduler ended it early, once it did.
     error: str | None = None
-    # Whether its first scheduling time went out (with its first tokens).
-    reported_scheduled: bool = False
 
 
 class EngineCore:
@@ -325,6 +323,11 @@ class EngineCore:
             by_request.setdefault(request.group.request_id, []).append((request, top_ids, top_logprobs))
         for request_id, candidates in by_request.items():
             live = self.requests[request_id]
+            # Its first beam step (the beams take their tokens in it): as for a sampled request's
+            # first token, the first scheduling time goes out with it.
+            first = candidates[0][0]
+            if not first.output_token_ids:
+                out.first_scheduled[request_id] = first.first_scheduled_time
             seqs = self._beam_step(live, candidates)
             out.replaced_request_ids.add(request_id)
             for index, seq in enumerate(seqs):
@@ -339,9 +342,6 @@ class EngineCore:
                         seq.stop_reason,
                     )
                 )
-            if not live.reported_scheduled:
-                live.reported_scheduled = True
-                out.first_scheduled[request_id] = candidates[0][0].first_scheduled_time
             if not live.group.members:
                 self._end(live, out)
 

@@ -77,22 +77,6 @@ def mixed_prompts(n: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-def hf_greedy(hf_model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    hf_model.generation_config.eos_token_id = None
-    outputs = []
-    for prompt in prompts:
-        input_ids = torch.tensor([prompt])
-        ids = hf_model.generate(
-            input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        outputs.append(ids[0, len(prompt) :].tolist())
-    return outputs
-
-
 def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
@@ -113,14 +97,14 @@ def tiny_llama(make_tiny_model):
 
 
 @pytest.mark.parametrize("case", list(MODEL_CASES))
-def test_greedy_with_ngram_equals_hf_and_decoding_without_it(make_tiny_model, case):
+def test_greedy_with_ngram_equals_hf_and_decoding_without_it(make_tiny_model, hf_greedy_tokens, case):
     config_class, overrides = MODEL_CASES[case]
     hf_model, model_config = make_tiny_model(config_class, **overrides)
     prompts = mixed_prompts(6, model_config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     llm = make_llm(model_config, block_size=4, speculative_config=NGRAM)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    assert token_ids(outputs) == hf_greedy(hf_model, prompts, 16)
+    assert token_ids(outputs) == [hf_greedy_tokens(hf_model, prompt, 16) for prompt in prompts]
     spec = llm.llm_engine.scheduler.spec_decoding
     assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0, "the test must verify drafts"
     assert_all_blocks_free(llm)
