@@ -72,7 +72,19 @@ tp_bench() {  # W2 and W3 at tensor_parallel_size 1 and 2, in the same call; all
 
 for stage in "${stages[@]}"; do
     case $stage in
-    tests) run tests python3 -m pytest -q -p no:cacheprovider tests/gpu -ra ;;
+    tests)
+        # Several GPUs: one pytest-xdist worker per GPU (tests/conftest.py pins each to its own),
+        # then the tests that need two GPUs, which no such worker sees.
+        num_gpus=$(nvidia-smi -L | wc -l)
+        if [ "$num_gpus" -gt 1 ]; then
+            PAGEDLLM_TEST_NUM_GPUS=$num_gpus run tests python3 -m pytest -q -p no:cacheprovider tests/gpu -ra \
+                -n "$num_gpus" --dist loadfile --durations=15 \
+                --ignore=tests/gpu/test_tensor_parallel_gpu.py --ignore=tests/gpu/test_symm_mem_all_reduce_gpu.py
+            tp_tests
+        else
+            run tests python3 -m pytest -q -p no:cacheprovider tests/gpu -ra --durations=15
+        fi
+        ;;
     k1) run k1 python3 -m pagedllm bench kernels --output-json "$OUT/k1.json" --output-png "$OUT/k1.png" ;;
     k1-sweep)
         run k1 python3 -m pagedllm bench kernels --sweep --output-json "$OUT/k1.json" --output-png "$OUT/k1.png"

@@ -7,6 +7,14 @@ from __future__ import annotations
 
 import os
 
+# Under pytest-xdist on a machine of several GPUs (scripts/gpu_check.sh sets
+# PAGEDLLM_TEST_NUM_GPUS), each worker takes a GPU of its own: every engine sizes its KV cache from
+# the memory free on its device, so two on one GPU would leave each other none. Set before CUDA
+# starts (torch.cuda.is_available() below starts it).
+if "PYTEST_XDIST_WORKER" in os.environ and int(os.environ.get("PAGEDLLM_TEST_NUM_GPUS", "0")) > 0:
+    worker = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw"))
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(worker % int(os.environ["PAGEDLLM_TEST_NUM_GPUS"]))
+
 import torch
 
 # Triton reads TRITON_INTERPRET once, when first imported, and importing transformers imports it:

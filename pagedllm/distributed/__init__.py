@@ -5,6 +5,7 @@ from pagedllm.distributed.parallel_state import (
     init_distributed_environment,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
+    tensor_model_parallel_broadcast,
     uses_custom_all_reduce,
 )
 
@@ -15,5 +16,6 @@ __all__ = [
     "init_distributed_environment",
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",
+    "tensor_model_parallel_broadcast",
     "uses_custom_all_reduce",
 ]

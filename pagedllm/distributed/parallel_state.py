@@ -89,3 +89,10 @@ def tensor_model_parallel_all_gather(input_: torch.Tensor, dim: int = -1) -> tor
     chunks = [torch.empty_like(input_) for _ in range(dist.get_world_size())]
     dist.all_gather(chunks, input_.contiguous())
     return torch.cat(chunks, dim=dim)
+
+
+def tensor_model_parallel_broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """``tensor`` as rank ``src`` holds it, on every rank (in place)."""
+    if _is_distributed():
+        dist.broadcast(tensor, src=src)
+    return tensor

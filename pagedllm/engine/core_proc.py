@@ -135,7 +135,8 @@ class EngineCoreLoop:
     Only the thread in ``run`` touches the core; ops arrive through ``ops`` from any thread.
     ``structured_output_manager`` compiles the constraints of requests that arrive without their
     compiled grammar (a compiled grammar does not cross processes), in its threads, so that no
-    schema stalls the requests running; None where requests arrive compiled.
+    schema stalls the requests running; None where requests arrive compiled, or where rank 0 runs
+    in a process of its own (which compiles them itself).
     """
 
     def __init__(
@@ -254,7 +255,12 @@ def run_engine_core_process(engine_args: EngineArgs, conn: Connection, log_level
     # Messages go out from a thread of their own: pickling a step's outputs then overlaps the
     # engine thread's wait for the device's next step.
     outbox: queue.SimpleQueue[CoreMessage | None] = queue.SimpleQueue()
-    loop = EngineCoreLoop(core, outbox.put, StructuredOutputManager.for_model(config.model_config, tokenizer))
+    # The frontend compiled each constraint to validate it, but a native matcher does not cross
+    # the pipe: it is compiled again here when rank 0 runs here, else by rank 0 itself.
+    manager = None
+    if core.executor.rank_zero_in_process:
+        manager = StructuredOutputManager.for_model(config.model_config, tokenizer)
+    loop = EngineCoreLoop(core, outbox.put, manager)
 
     def send_messages() -> None:
         while (message := outbox.get()) is not None:

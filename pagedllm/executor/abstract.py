@@ -33,6 +33,10 @@ class Executor:
     Construction starts the workers, joins their process group and loads the model's shards.
     """
 
+    # Whether rank 0 runs in this process: a grammar compiled here then reaches its matcher
+    # as is; a rank 0 elsewhere compiles the constraint itself.
+    rank_zero_in_process: bool = False
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._init_workers()

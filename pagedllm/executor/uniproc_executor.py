@@ -12,6 +12,8 @@ from pagedllm.worker.worker import Worker
 class UniProcExecutor(Executor):
     """One rank, called directly: no process, no message, no copy."""
 
+    rank_zero_in_process = True
+
     def _init_workers(self) -> None:
         self.worker = Worker(self.config)
 

@@ -1,7 +1,7 @@
 """Structured outputs: grammars compiled off the critical path, a matcher per request, and the
 token bitmask that keeps each row's next token inside its grammar (through llguidance)."""
 
-from pagedllm.structured_output.bitmask import allocate_token_bitmask, apply_token_bitmask
+from pagedllm.structured_output.bitmask import allocate_token_bitmask, apply_token_bitmask, bitmask_words
 from pagedllm.structured_output.grammar import (
     AheadResult,
     GrammarAheadWorker,
@@ -19,4 +19,5 @@ __all__ = [
     "StructuredOutputManager",
     "allocate_token_bitmask",
     "apply_token_bitmask",
+    "bitmask_words",
 ]

@@ -20,10 +20,14 @@ from pagedllm.platform import platform_for
 BITS_PER_WORD = 32
 
 
+def bitmask_words(vocab_size: int) -> int:
+    """A bitmask row's width in int32 words."""
+    return -(-vocab_size // BITS_PER_WORD)
+
+
 def allocate_token_bitmask(num_rows: int, vocab_size: int, pin_memory: bool = False) -> torch.Tensor:
     """An all-allowed bitmask [num_rows, ceil(vocab_size / 32)] (int32) on the host."""
-    num_words = -(-vocab_size // BITS_PER_WORD)
-    bitmask = torch.empty((num_rows, num_words), dtype=torch.int32, pin_memory=pin_memory)
+    bitmask = torch.empty((num_rows, bitmask_words(vocab_size)), dtype=torch.int32, pin_memory=pin_memory)
     # Filled through numpy, on this thread: torch's fill would wake its OpenMP pool.
     bitmask.numpy().fill(-1)
     return bitmask
@@ -56,7 +60,7 @@ def _apply(
     apply: Callable[[torch.Tensor, torch.Tensor], None], logits: torch.Tensor, bitmask: torch.Tensor
 ) -> None:
     num_rows, vocab_size = logits.shape
-    if bitmask.shape != (num_rows, -(-vocab_size // BITS_PER_WORD)) or bitmask.dtype != torch.int32:
+    if bitmask.shape != (num_rows, bitmask_words(vocab_size)) or bitmask.dtype != torch.int32:
         raise ValueError(
             f"bitmask must be int32 [{num_rows}, ceil({vocab_size} / 32)], "
             f"got {bitmask.dtype} {tuple(bitmask.shape)}"

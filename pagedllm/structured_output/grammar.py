@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pagedllm.structured_output import native
-from pagedllm.structured_output.bitmask import BITS_PER_WORD, allocate_token_bitmask
+from pagedllm.structured_output.bitmask import allocate_token_bitmask, bitmask_words
 from pagedllm.structured_output.manager import CompiledGrammar
 
 
@@ -141,7 +141,7 @@ class GrammarBatch:
             out.dtype == torch.int32
             and out.is_contiguous()
             and out.device.type == "cpu"
-            and out.shape[1] == -(-vocab_size // BITS_PER_WORD)
+            and out.shape[1] == bitmask_words(vocab_size)
             and out.shape[0] >= len(grammars)
         ):
             # llguidance writes through a raw pointer: a wrong buffer would be corrupted memory.

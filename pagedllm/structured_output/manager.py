@@ -26,6 +26,7 @@ from llguidance.gbnf_to_lark import any_to_lark
 from pagedllm.config import ModelConfig
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output import native
+from pagedllm.structured_output.bitmask import bitmask_words
 from pagedllm.tokenizer import Tokenizer, get_eos_token_ids
 
 # Compiled grammars kept for reuse; each holds a matcher at the grammar's start.
@@ -159,7 +160,7 @@ class StructuredOutputManager:
         if matcher.is_error():
             raise fail(_short(matcher.get_error()))
         # An empty rule body, say ("root ::= "): a request could only stop at once.
-        mask = np.zeros(-(-self.vocab_size // 32), dtype=np.int32)
+        mask = np.zeros(bitmask_words(self.vocab_size), dtype=np.int32)
         matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
         allowed = np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little"))
         if self._stop_token_ids.issuperset(allowed.tolist()):

@@ -21,6 +21,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.step_io import ModelRunnerOutput, NewRequestData, PromptLogprobsOutput, SchedulerOutput
 from pagedllm.worker.cpu_compile import CompiledDecode
 from pagedllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
+from pagedllm.worker.grammar_ranks import grammar_constraint
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import InputBuffers, to_device
 from pagedllm.worker.request_logits import RequestLogitsProcessors
@@ -107,7 +108,7 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, attn_backend: type[AttentionBackend]) -> None:
+    def __init__(self, config: EngineConfig, attn_backend: type[AttentionBackend], rank: int = 0) -> None:
         self.config = config
         self.device = config.device_config.device
         self.block_size = config.cache_config.block_size
@@ -135,9 +136,13 @@ class ModelRunner:
         self.input_batch = InputBatch(
             2 * scheduler_config.max_num_seqs, max_blocks_per_req, config.model_config.vocab_size, self.device
         )
-        self.logits_processors = RequestLogitsProcessors(
-            self.input_batch, config.model_config, fill_ahead=self.device.type == "cuda"
+        grammars = grammar_constraint(
+            config.model_config,
+            rank,
+            config.parallel_config.tensor_parallel_size,
+            fill_ahead=self.device.type == "cuda",
         )
+        self.logits_processors = RequestLogitsProcessors(self.input_batch, grammars)
         self.graph_runner: CudaGraphRunner | None = None
         self.compiled_decode: CompiledDecode | None = None
         spec_config = config.speculative_config

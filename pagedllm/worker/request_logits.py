@@ -7,9 +7,10 @@ Grammar state lives here, one matcher per request (a forked request gets its own
 step with the tokens its request generated since the last. The output history a grammar or bad
 words read is the persistent batch's: the tokens the host sent, then the worker's own samples
 (``InputBatch.append_sampled``), so these requests need no resend and no wait for the host between
-steps. Compilation happened when the request was validated (``compiled_grammar``), in the engine's
-process; a rank in a process of its own gets the constraint without its native matcher and
-compiles it once more (``RankGrammarCompiler``; cached per constraint).
+steps. Compilation happened when the request was validated (``compiled_grammar``); a rank 0 in a
+process of its own gets the constraint without its native matcher and compiles it there
+(``grammar_ranks.RankGrammarCompiler``); under tensor parallelism the other ranks only receive
+rank 0's bitmask (``grammar_ranks``).
 
 On CUDA a grammar's next mask is made ahead (``after_launch``): once a step's sampler is launched,
 a native thread (the grammar extension's ``AheadWorker``) waits for the samples, advances each
@@ -33,12 +34,12 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from pagedllm.config import ModelConfig
 from pagedllm.sample.constraints import (
     AllowedTokenIds,
     BadWords,
     ConstraintRows,
     LogitBias,
+    LogitsConstraint,
     LogitsConstraints,
     SampledRequest,
 )
@@ -48,11 +49,9 @@ from pagedllm.structured_output import (
     GrammarAheadWorker,
     GrammarBatch,
     StructuredOutputGrammar,
-    StructuredOutputManager,
     allocate_token_bitmask,
     native,
 )
-from pagedllm.tokenizer import get_tokenizer
 from pagedllm.worker.input_batch import InputBatch
 
 logger = logging.getLogger(__name__)
@@ -103,6 +102,12 @@ class _Ahead:
     sample_rows: list[int]
     counts: list[int]
     all_consumed: bool
+
+
+class GrammarSeam(LogitsConstraint, Protocol):
+    """What structured outputs are to the seam: a constraint that also forgets requests."""
+
+    def drop(self, req_ids: Iterable[int]) -> None: ...
 
 
 class GrammarConstraint:
@@ -381,13 +386,14 @@ class RequestLogitsProcessors:
 
     Args:
         input_batch: the worker's persistent batch.
-        model_config: the model's, for a grammar this rank compiles (``RankGrammarCompiler``).
-        fill_ahead: the grammars' (``GrammarConstraint``).
+        grammars: the structured outputs' constraint: the grammars themselves
+            (``GrammarConstraint``), or under tensor parallelism their bitmask sent from rank 0 or
+            received there (``grammar_ranks.grammar_constraint`` chooses).
     """
 
-    def __init__(self, input_batch: InputBatch, model_config: ModelConfig, fill_ahead: bool = False) -> None:
+    def __init__(self, input_batch: InputBatch, grammars: GrammarSeam) -> None:
         self._batch = input_batch
-        self.grammars = GrammarConstraint(RankGrammarCompiler(model_config), fill_ahead)
+        self.grammars = grammars
         self.constraints = LogitsConstraints([AllowedTokenIds(), LogitBias(), BadWords(), self.grammars])
         # This step's first sample of each request with a constraint (``SampledRequest``s).
         self._requests: list[SampledRequest] = []
@@ -451,21 +457,3 @@ class RequestLogitsProcessors:
         self._unrecorded_samples = None
         token_ids = step.sampled_token_ids()
         self._batch.append_sampled((req_id, index, token_ids[row]) for req_id, index, row in requests)
-
-
-class RankGrammarCompiler:
-    """For a rank in a process of its own: the engine's compiled grammar does not cross processes
-    (a native matcher), so the rank compiles the constraint too, at its first step (once per
-    constraint: the manager caches them)."""
-
-    def __init__(self, model_config: ModelConfig) -> None:
-        self._model_config = model_config
-        self._manager: StructuredOutputManager | None = None  # made at the first grammar
-
-    def __call__(self, params: StructuredOutputsParams) -> CompiledGrammar:
-        if self._manager is None:
-            manager = StructuredOutputManager.for_model(self._model_config, get_tokenizer(self._model_config))
-            if manager is None:
-                raise ValueError("structured_outputs needs a tokenizer, and this model has none")
-            self._manager = manager
-        return self._manager.compile(params).result()

@@ -52,7 +52,7 @@ class Worker:
             sliding_window=kv_cache_window(model_config.hf_config),
             keys_only=model_config.is_mla,
         )
-        self.model_runner = ModelRunner(config, self.attn_backend)
+        self.model_runner = ModelRunner(config, self.attn_backend, rank)
         self.cache_engine: CacheEngine | None = None
 
     def init_device(self) -> None:

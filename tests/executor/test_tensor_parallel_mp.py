@@ -206,9 +206,18 @@ def test_a_sliding_window_with_sinks_at_two_ranks_gives_the_tokens_of_one(
         two.llm_engine.shutdown()
 
 
+def grammar_role(worker) -> tuple[str, bool]:
+    """A rank's part in structured outputs, and whether it built a grammar compiler's manager."""
+    grammars = worker.model_runner.logits_processors.grammars
+    compiler = getattr(getattr(grammars, "grammars", None), "_compile_grammar", None)
+    return type(grammars).__name__, getattr(compiler, "_manager", None) is not None
+
+
 def test_output_constraints_hold_at_two_ranks(tiny_llama_with_tokenizer):
-    """A compiled grammar is a native object that does not cross processes: each rank compiles
-    the constraint it receives, and its sampled tokens stay inside it, as at one rank."""
+    """A compiled grammar is a native object that does not cross processes: rank 0 compiles the
+    constraint it receives and broadcasts each step's bitmask; rank 1 compiles nothing. The sampled
+    tokens stay inside the grammar, as at one rank (a rank sampling under another mask would feed
+    itself other tokens, and the two ranks' shards would no longer add up)."""
     regex = StructuredOutputsParams(regex="(ab|c){1,3}x")
     choice = StructuredOutputsParams(choice=["alpha beta", "gamma"])
     params = [
@@ -221,8 +230,10 @@ def test_output_constraints_hold_at_two_ranks(tiny_llama_with_tokenizer):
     two = LLM(tiny_llama_with_tokenizer, device="cpu", swap_space=0.01, tensor_parallel_size=2)
     try:
         outputs = two.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        roles = two.llm_engine.executor.collective_rpc(grammar_role)
     finally:
         two.llm_engine.shutdown()
+    assert roles == [("SourceGrammarMask", True), ("ReceivedGrammarMask", False)]
     assert [o.outputs[0].text for o in outputs] == [o.outputs[0].text for o in expected]
     assert re.fullmatch("(ab|c){1,3}x", outputs[0].outputs[0].text)
     assert outputs[1].outputs[0].text in ("alpha beta", "gamma")

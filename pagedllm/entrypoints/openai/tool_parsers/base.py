@@ -11,8 +11,11 @@ from __future__ import annotations
 import abc
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from pagedllm.entrypoints.openai.text_markers import held_prefix_len
 
 
 @dataclass
@@ -70,6 +73,32 @@ class ToolParser(abc.ABC):
     @abc.abstractmethod
     def partial(self, text: str) -> PartialToolCalls:
         """What the output so far certainly is: its leading content and the calls begun."""
+
+
+def calls_after(text: str, start: int, calls: list[ParsedCall | None]) -> ExtractedToolCalls:
+    """The calls that begin at ``start``, the text before it as the content; the whole text as
+    the content when there is no call or one is malformed."""
+    if not calls or any(call is None for call in calls):
+        return ExtractedToolCalls(content=text)
+    content = text[:start].strip()
+    return ExtractedToolCalls(content=content or None, calls=[call for call in calls if call is not None])
+
+
+def tagged_calls(
+    text: str, start_tag: str, end_tag: str, read_call: Callable[[str, int, int], PartialCall]
+) -> PartialToolCalls:
+    """The calls of a format with one ``start_tag ... end_tag`` block per call, as far as they are
+    written: ``read_call(text, body_start, body_end)`` reads one block's body (``body_end`` is the
+    text's end while the block is open). Text that may still become ``start_tag`` is held back."""
+    start = text.find(start_tag)
+    if start < 0:
+        return PartialToolCalls(len(text) - held_prefix_len(text, start_tag))
+    result = PartialToolCalls(start)
+    while start >= 0:
+        end = text.find(end_tag, start)
+        result.calls.append(read_call(text, start + len(start_tag), end if end >= 0 else len(text)))
+        start = -1 if end < 0 else text.find(start_tag, end)
+    return result
 
 
 # --- a JSON object read as far as it is written -----------------------------------------------

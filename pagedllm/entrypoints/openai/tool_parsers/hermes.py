@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import re
 
-from pagedllm.entrypoints.openai.text_markers import held_prefix_len
 from pagedllm.entrypoints.openai.tool_parsers.base import (
     ExtractedToolCalls,
+    PartialCall,
     PartialToolCalls,
     ToolParser,
+    calls_after,
     parse_call,
     partial_json_call,
+    tagged_calls,
 )
 
 START, END = "<tool_call>", "</tool_call>"
@@ -26,23 +28,11 @@ class HermesToolParser(ToolParser):
         if start < 0:
             return ExtractedToolCalls(content=text)
         calls = [parse_call(match.group(1), ARGUMENTS_KEYS) for match in _BLOCK.finditer(text, start)]
-        if not calls or any(call is None for call in calls):
-            return ExtractedToolCalls(content=text)  # not a well-formed call: the text is the answer
-        content = text[:start].strip()
-        return ExtractedToolCalls(content=content or None, calls=calls)
+        return calls_after(text, start, calls)
 
     def partial(self, text: str) -> PartialToolCalls:
-        start = text.find(START)
-        if start < 0:
-            return PartialToolCalls(len(text) - held_prefix_len(text, START))
-        result = PartialToolCalls(start)
-        while start >= 0:
-            end = text.find(END, start)
-            call, _ = partial_json_call(
-                text[: end if end >= 0 else len(text)], start + len(START), ARGUMENTS_KEYS
-            )
-            result.calls.append(call)
-            if end < 0:
-                break
-            start = text.find(START, end)
-        return result
+        return tagged_calls(text, START, END, _json_call)
+
+
+def _json_call(text: str, body_start: int, body_end: int) -> PartialCall:
+    return partial_json_call(text[:body_end], body_start, ARGUMENTS_KEYS)[0]

@@ -16,6 +16,7 @@ from pagedllm.entrypoints.openai.tool_parsers.base import (
     PartialCall,
     PartialToolCalls,
     ToolParser,
+    calls_after,
     parse_call,
     partial_json_call,
     value_end,
@@ -32,12 +33,7 @@ class MistralToolParser(ToolParser):
         start = text.find(TOOL_CALLS)
         if start < 0:
             return ExtractedToolCalls(content=text)
-        partial = self.partial(text)
-        calls = [_whole(call) for call in partial.calls]
-        if not calls or any(call is None for call in calls):
-            return ExtractedToolCalls(content=text)
-        content = text[:start].strip()
-        return ExtractedToolCalls(content=content or None, calls=calls)
+        return calls_after(text, start, [_whole(call) for call in self.partial(text).calls])
 
     def partial(self, text: str) -> PartialToolCalls:
         start = text.find(TOOL_CALLS)

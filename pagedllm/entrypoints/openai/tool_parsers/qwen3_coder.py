@@ -19,13 +19,14 @@ import json
 import re
 from typing import Any
 
-from pagedllm.entrypoints.openai.text_markers import held_prefix_len
 from pagedllm.entrypoints.openai.tool_parsers.base import (
     ExtractedToolCalls,
     ParsedCall,
     PartialCall,
     PartialToolCalls,
     ToolParser,
+    calls_after,
+    tagged_calls,
 )
 
 START, END = "<tool_call>", "</tool_call>"
@@ -39,24 +40,13 @@ class Qwen3CoderToolParser(ToolParser):
         start = text.find(START)
         if start < 0:
             return ExtractedToolCalls(content=text)
-        calls = self.partial(text).calls
-        if not calls or not all(call.done and call.name for call in calls):
-            return ExtractedToolCalls(content=text)
-        content = text[:start].strip()
-        return ExtractedToolCalls(
-            content=content or None, calls=[ParsedCall(c.name, c.arguments) for c in calls]
-        )
+        calls = [
+            ParsedCall(c.name, c.arguments) if c.done and c.name else None for c in self.partial(text).calls
+        ]
+        return calls_after(text, start, calls)
 
     def partial(self, text: str) -> PartialToolCalls:
-        start = text.find(START)
-        if start < 0:
-            return PartialToolCalls(len(text) - held_prefix_len(text, START))
-        result = PartialToolCalls(start)
-        while start >= 0:
-            end = text.find(END, start)
-            result.calls.append(self._call(text[start + len(START) : end if end >= 0 else len(text)]))
-            start = -1 if end < 0 else text.find(START, end)
-        return result
+        return tagged_calls(text, START, END, lambda text, start, end: self._call(text[start:end]))
 
     def _call(self, block: str) -> PartialCall:
         function = _FUNCTION.match(block)
