@@ -3,13 +3,16 @@ ranks equal one rank's, with CUDA graphs captured on both ranks and eagerly."""
 
 from __future__ import annotations
 
+import json
 import random
+import re
 
 import pytest
 import torch
 from transformers import LlamaConfig, Qwen3Config
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.sampling_params import StructuredOutputsParams
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 
@@ -72,3 +75,40 @@ def test_more_ranks_than_gpus_are_refused_before_loading(make_tiny_model):
         ValueError, match=f"tensor_parallel_size must be <= the {num_gpus} visible CUDA devices"
     ):
         LLM(model_config.model, device="cuda", tensor_parallel_size=2 * num_gpus)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_two_gpus_share_rank_zeros_grammar_bitmask(tiny_llama_with_tokenizer, enforce_eager):
+    """Rank 0 keeps the grammars and broadcasts each step's bitmask over NCCL (its masks made
+    ahead on the grammar thread): the constrained outputs of two ranks equal one rank's and stay
+    inside their grammars; a rank under another mask would sample other tokens and the shards
+    would stop adding up."""
+    constraints = [
+        StructuredOutputsParams(regex="(ab|c){1,3}x"),
+        StructuredOutputsParams(choice=["alpha beta", "gamma"]),
+        StructuredOutputsParams(
+            json={
+                "type": "object",
+                "properties": {"n": {"type": "integer", "maximum": 99}},
+                "required": ["n"],
+            }
+        ),
+        None,
+    ]
+    params = [SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=c) for c in constraints]
+    prompts = [[10, 11, 12], [40, 41], [7, 8, 9, 10], [5, 6]]
+    kwargs = dict(device="cuda", dtype="float32", enforce_eager=enforce_eager, num_kv_blocks=256)
+    one = LLM(tiny_llama_with_tokenizer, **kwargs)
+    expected = [o.outputs[0].text for o in one.generate(prompt_token_ids=prompts, sampling_params=params)]
+    one.llm_engine.shutdown()
+    del one
+    torch.cuda.empty_cache()
+    two = LLM(tiny_llama_with_tokenizer, tensor_parallel_size=2, **kwargs)
+    try:
+        texts = [o.outputs[0].text for o in two.generate(prompt_token_ids=prompts, sampling_params=params)]
+    finally:
+        two.llm_engine.shutdown()
+    assert texts == expected
+    assert re.fullmatch("(ab|c){1,3}x", texts[0])
+    assert texts[1] in ("alpha beta", "gamma")
+    assert isinstance(json.loads(texts[2]), dict)
