@@ -9,7 +9,7 @@ import re
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import StructuredOutputsParams
@@ -77,8 +77,28 @@ def test_more_ranks_than_gpus_are_refused_before_loading(make_tiny_model):
         LLM(model_config.model, device="cuda", tensor_parallel_size=2 * num_gpus)
 
 
+@pytest.fixture(scope="module")
+def llama_head64_with_tokenizer(tmp_path_factory, smollm2_tokenizer) -> str:
+    """A tiny random Llama with SmolLM2's tokenizer and head size 64 (the GPU kernels' smallest),
+    2 KV heads so that each rank holds one."""
+    config = LlamaConfig(
+        vocab_size=len(smollm2_tokenizer),
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        eos_token_id=smollm2_tokenizer.eos_token_id,
+    )
+    path = tmp_path_factory.mktemp("llama-head64-tokenizer")
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    smollm2_tokenizer.save_pretrained(path)
+    return str(path)
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
-def test_two_gpus_share_rank_zeros_grammar_bitmask(tiny_llama_with_tokenizer, enforce_eager):
+def test_two_gpus_share_rank_zeros_grammar_bitmask(llama_head64_with_tokenizer, enforce_eager):
     """Rank 0 keeps the grammars and broadcasts each step's bitmask over NCCL (its masks made
     ahead on the grammar thread): the constrained outputs of two ranks equal one rank's and stay
     inside their grammars; a rank under another mask would sample other tokens and the shards
@@ -98,12 +118,12 @@ def test_two_gpus_share_rank_zeros_grammar_bitmask(tiny_llama_with_tokenizer, en
     params = [SamplingParams(temperature=0.0, max_tokens=48, structured_outputs=c) for c in constraints]
     prompts = [[10, 11, 12], [40, 41], [7, 8, 9, 10], [5, 6]]
     kwargs = dict(device="cuda", dtype="float32", enforce_eager=enforce_eager, num_kv_blocks=256)
-    one = LLM(tiny_llama_with_tokenizer, **kwargs)
+    one = LLM(llama_head64_with_tokenizer, **kwargs)
     expected = [o.outputs[0].text for o in one.generate(prompt_token_ids=prompts, sampling_params=params)]
     one.llm_engine.shutdown()
     del one
     torch.cuda.empty_cache()
-    two = LLM(tiny_llama_with_tokenizer, tensor_parallel_size=2, **kwargs)
+    two = LLM(llama_head64_with_tokenizer, tensor_parallel_size=2, **kwargs)
     try:
         texts = [o.outputs[0].text for o in two.generate(prompt_token_ids=prompts, sampling_params=params)]
     finally:
