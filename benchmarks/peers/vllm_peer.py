@@ -16,7 +16,8 @@ the order alternates between repeats. W4 starts ``pagedllm serve`` and ``vllm se
 rates.
 
 vLLM comes from ``--vllm-site`` (a ``pip install --target`` directory, scripts/install_peer.sh),
-prepended to PYTHONPATH for its subprocesses only, or from the running Python when it has vllm.
+prepended to PYTHONPATH for its subprocesses only; or from ``--vllm-python``, a virtualenv of its
+own (``pip install vllm==0.26.0`` where there is a network); or from the running Python.
 A missing or failing peer is said in one line per workload; pagedllm's side still runs, and the
 table and JSON mark the peer's cell as not measured.
 
@@ -161,6 +162,11 @@ def child(engine: str, spec_path: str) -> None:
 # --- the sitting: engines alternated in subprocesses ----------------------------------------------
 
 
+def engine_python(engine: str, vllm_python: str | None) -> str:
+    """The interpreter of ``engine``'s processes: vLLM's own virtualenv where one is given."""
+    return vllm_python if engine == "vllm" and vllm_python else sys.executable
+
+
 def engine_env(engine: str, vllm_site: str | None) -> dict[str, str]:
     """The environment of ``engine``'s processes: vLLM's site directory first for vLLM alone."""
     paths = [str(REPO)] + ([vllm_site] if engine == "vllm" and vllm_site else [])
@@ -169,18 +175,20 @@ def engine_env(engine: str, vllm_site: str | None) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths + ([existing] if existing else []))}
 
 
-def peer_problem(vllm_site: str | None) -> str | None:
-    """Why vLLM cannot run here (one line), or None when ``import vllm`` works."""
+def peer_version(vllm_site: str | None, vllm_python: str | None = None) -> tuple[str | None, str | None]:
+    """(vLLM's version, None) when ``import vllm`` works for its processes, else (None, why: one
+    line)."""
     if vllm_site and not os.path.isdir(os.path.join(vllm_site, "vllm")):
-        return f"no vllm in {vllm_site} (scripts/install_peer.sh installs it there)"
+        return None, f"no vllm in {vllm_site} (scripts/install_peer.sh installs it there)"
+    if vllm_python and not os.access(vllm_python, os.X_OK):
+        return None, f"no Python at {vllm_python}"
     check = subprocess.run(
-        [sys.executable, "-c", "import vllm; print(vllm.__version__)"],
+        [engine_python("vllm", vllm_python), "-c", "import vllm; print(vllm.__version__)"],
         capture_output=True, text=True, env=engine_env("vllm", vllm_site), timeout=300,
     )  # fmt: skip
     if check.returncode != 0:
-        lines = check.stderr.strip().splitlines() or ["(no output)"]
-        return f"import vllm failed: {lines[-1]}"
-    return None
+        return None, f"import vllm failed: {last_line(check.stderr)}"
+    return last_line(check.stdout), None
 
 
 def last_line(text: str) -> str:
@@ -188,17 +196,17 @@ def last_line(text: str) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
-def run_child(engine: str, spec: dict[str, Any], vllm_site: str | None, timeout_s: float) -> dict[str, Any]:
+def run_child(engine: str, spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """One offline run in a subprocess: its result, or {"error": one line}."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
-    cmd = [sys.executable, __file__, "--child", engine, "--child-spec", f.name]
+    cmd = [engine_python(engine, args.vllm_python), __file__, "--child", engine, "--child-spec", f.name]
     try:
         out = subprocess.run(
-            cmd, capture_output=True, text=True, env=engine_env(engine, vllm_site), timeout=timeout_s
+            cmd, capture_output=True, text=True, env=engine_env(engine, args.vllm_site), timeout=args.timeout
         )
     except subprocess.TimeoutExpired:
-        return {"error": f"no result within {timeout_s:.0f} s"}
+        return {"error": f"no result within {args.timeout:.0f} s"}
     finally:
         os.unlink(f.name)
     results = [line for line in out.stdout.splitlines() if line.startswith(RESULT_MARK)]
@@ -234,7 +242,7 @@ def run_offline(
         for engine in engine_order(repeat, engines):
             if engine in problems:
                 continue
-            result = run_child(engine, spec, args.vllm_site, args.timeout)
+            result = run_child(engine, spec, args)
             if "error" in result:
                 print(f"{name}: {engine} failed: {result['error']}", flush=True)
             runs[engine].append(result)
@@ -244,9 +252,10 @@ def run_offline(
 # --- W4: a server per engine ------------------------------------------------------------------------
 
 
-def server_command(engine: str, settings: Settings, port: int) -> list[str]:
+def server_command(engine: str, settings: Settings, port: int, vllm_python: str | None = None) -> list[str]:
     module = "pagedllm" if engine == "pagedllm" else "vllm.entrypoints.cli.main"
-    return [sys.executable, "-m", module, "serve", *settings.serve_flags(engine), "--port", str(port)]
+    python = engine_python(engine, vllm_python)
+    return [python, "-m", module, "serve", *settings.serve_flags(engine), "--port", str(port)]
 
 
 def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float) -> str | None:
@@ -273,7 +282,7 @@ def run_serve(engine: str, args: argparse.Namespace, out_dir: Path, repeat: int)
     log_path = out_dir / f"w4_{engine}_{repeat}_server.log"
     with open(log_path, "w") as log:
         server = subprocess.Popen(
-            server_command(engine, settings, port), stdout=log, stderr=subprocess.STDOUT,
+            server_command(engine, settings, port, args.vllm_python), stdout=log, stderr=subprocess.STDOUT,
             env=engine_env(engine, args.vllm_site), start_new_session=True,
         )  # fmt: skip
     try:
@@ -284,6 +293,7 @@ def run_serve(engine: str, args: argparse.Namespace, out_dir: Path, repeat: int)
         client = [
             sys.executable, "-m", "pagedllm", "bench", "serve", "--base-url", url,
             "--request-rate", *[str(r) for r in args.request_rates],
+            *(["--num-prompts", str(args.num_prompts)] if args.num_prompts else []),
             "--result-file", str(result_file), "--plot-file", str(out_dir / f"w4_{engine}_{repeat}.png"),
         ]  # fmt: skip
         done = subprocess.run(client, capture_output=True, text=True, env=engine_env("pagedllm", None))
@@ -399,16 +409,6 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(head + table_rows(result))
 
 
-def _versions(result_runs: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, str]:
-    versions = {}
-    for runs in result_runs.values():
-        for engine, engine_runs in runs.items():
-            for run in engine_runs:
-                if "version" in run:
-                    versions[engine] = run["version"]
-    return versions
-
-
 def _device() -> str:
     try:
         import torch
@@ -419,11 +419,18 @@ def _device() -> str:
 
 
 def sitting(args: argparse.Namespace) -> dict[str, Any]:
+    import pagedllm
+
     engines = list(args.engines)
     problems: dict[str, str] = {}
-    if "vllm" in engines and (problem := peer_problem(args.vllm_site)):
-        problems["vllm"] = problem
-        print(f"vLLM peer unavailable, running pagedllm only: {problem}", flush=True)
+    versions = {"pagedllm": pagedllm.__version__}
+    if "vllm" in engines:
+        version, problem = peer_version(args.vllm_site, args.vllm_python)
+        if problem:
+            problems["vllm"] = problem
+            print(f"vLLM peer unavailable, running pagedllm only: {problem}", flush=True)
+        else:
+            versions["vllm"] = version
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     workloads: dict[str, dict[str, list[dict[str, Any]]]] = {}
@@ -439,7 +446,7 @@ def sitting(args: argparse.Namespace) -> dict[str, Any]:
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "repeats": args.repeats,
         "problems": problems,
-        "versions": _versions(workloads),
+        "versions": versions,
         "workloads": workloads,
     }
 
@@ -453,10 +460,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=None, help="instead of the workload's (smoke runs)")
     parser.add_argument("--model", default=None, help="instead of the workload's config directory")
     parser.add_argument("--vllm-site", default=None, help="a pip --target directory holding vllm")
+    parser.add_argument("--vllm-python", default=None, help="the python of a virtualenv with vllm")
     parser.add_argument("--request-rates", nargs="+", type=float, default=[32.0], help="W4's rates")
     parser.add_argument("--port", type=int, default=18100, help="W4: the first server's port")
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds one run (or start) may take")
-    parser.add_argument("--out-dir", default=os.environ.get("OUT", "/tmp/vllm_peer"), help="W4's logs")
+    parser.add_argument("--out-dir", default="/tmp/vllm_peer", help="W4: server logs, results, plots")
     parser.add_argument("--output-json", default=str(REPO / "benchmarks" / "results" / "vllm_peer.json"))
     parser.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--child-spec", help=argparse.SUPPRESS)

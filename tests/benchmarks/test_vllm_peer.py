@@ -31,7 +31,7 @@ def _w1_prompts_by_the_readme(n: int) -> list[list[int]]:
 def test_both_engines_run_the_same_prompt_ids_lengths_and_settings(monkeypatch):
     seen = []
 
-    def fake_run_child(engine, spec, vllm_site, timeout_s):
+    def fake_run_child(engine, spec, args):
         seen.append((engine, spec))
         return {"output_tok_s": 1.0}
 
@@ -75,9 +75,9 @@ def test_vllm_site_shadows_the_image_for_the_peer_alone(monkeypatch):
 def test_a_failing_vllm_import_is_one_line(tmp_path):
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text("raise ImportError('libcudart.so.13: cannot open')\n")
-    problem = vllm_peer.peer_problem(str(tmp_path))
-    assert problem == "import vllm failed: ImportError: libcudart.so.13: cannot open"
-    assert vllm_peer.peer_problem(str(tmp_path / "absent")).startswith("no vllm in ")
+    version, problem = vllm_peer.peer_version(str(tmp_path))
+    assert version is None and problem == "import vllm failed: ImportError: libcudart.so.13: cannot open"
+    assert vllm_peer.peer_version(str(tmp_path / "absent"))[1].startswith("no vllm in ")
 
 
 def test_the_table_marks_an_unmeasured_peer_and_gives_no_ratio():
