@@ -30,6 +30,7 @@ request's. Ratios are pagedllm / vLLM.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -47,7 +48,7 @@ REPO = Path(__file__).resolve().parents[2]
 ENGINES = ("pagedllm", "vllm")
 RESULT_MARK = "PEER_RESULT "  # the child's result line; engines also log to stdout
 OFFLINE = ("W1", "W2", "W3", "W5")
-# The bars of issue 34: (metric, pagedllm / vLLM must be at least, or at most).
+# Issue 34's bars for pagedllm / vLLM: tok/s at least 1.1x, W3's ms/token and W4's p99s at most.
 TARGETS = {"W1": ">= 1.1", "W2": ">= 1.1", "W5": ">= 1.1", "W3": "<= 0.9", "W4": "<= 1.0"}
 W3_ITERS = 3
 
@@ -137,16 +138,21 @@ def measure_offline(llm: Any, sampling_params: Any, spec: dict[str, Any]) -> dic
 
     if spec["workload"] == "W3":
         _timed_generate(llm, prompts, params(8))  # warm-up
-        firsts = [_timed_generate(llm, prompts, params(1))[0] for _ in range(W3_ITERS)]
-        fulls = [_timed_generate(llm, prompts, params(output_len))[0] for _ in range(W3_ITERS)]
-        first, full = statistics.median(firsts), statistics.median(fulls)
+        firsts = [_timed_generate(llm, prompts, params(1)) for _ in range(W3_ITERS)]
+        fulls = [_timed_generate(llm, prompts, params(output_len)) for _ in range(W3_ITERS)]
+        _check_tokens([n for _, n in fulls], output_len)
+        first, full = statistics.median(t for t, _ in firsts), statistics.median(t for t, _ in fulls)
         return {"ms_per_token": 1e3 * (full - first) / (output_len - 1), "first_token_ms": 1e3 * first}
     _timed_generate(llm, prompts[:64], params(16))  # warm-up: kernels, graphs, the cache touched
     elapsed, num_output = _timed_generate(llm, prompts, params(output_len))
-    expected = len(prompts) * output_len
-    if num_output != expected:  # ignore_eos not honoured, or requests lost: not a comparable run
-        raise RuntimeError(f"{num_output} output tokens, expected {expected}")
+    _check_tokens([num_output], len(prompts) * output_len)
     return {"output_tok_s": num_output / elapsed, "elapsed_s": elapsed, "output_tokens": num_output}
+
+
+def _check_tokens(counts: list[int], expected: int) -> None:
+    # Fewer tokens: ignore_eos not honoured, or requests lost; the run would not be comparable.
+    if any(n != expected for n in counts):
+        raise RuntimeError(f"{counts} output tokens, expected {expected} each time")
 
 
 def child(engine: str, spec_path: str) -> None:
@@ -196,23 +202,42 @@ def last_line(text: str) -> str:
     return lines[-1][:300] if lines else "(no output)"
 
 
-def run_child(engine: str, spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    """One offline run in a subprocess: its result, or {"error": one line}."""
+def run_child(engine: str, spec: dict[str, Any], args: argparse.Namespace, log_path: Path) -> dict[str, Any]:
+    """One offline run in a subprocess (its output kept in ``log_path``): its result, or
+    {"error": one line}."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     cmd = [engine_python(engine, args.vllm_python), __file__, "--child", engine, "--child-spec", f.name]
+    # A session of its own: a timeout ends the engine's own subprocesses too (vLLM's engine core),
+    # which would otherwise keep their GPU memory from the next run.
+    process = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=engine_env(engine, args.vllm_site), start_new_session=True,
+    )  # fmt: skip
     try:
-        out = subprocess.run(
-            cmd, capture_output=True, text=True, env=engine_env(engine, args.vllm_site), timeout=args.timeout
-        )
+        stdout, stderr = process.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:
-        return {"error": f"no result within {args.timeout:.0f} s"}
+        stop_group(process)
+        return {"error": f"no result within {args.timeout:.0f} s (log: {log_path})"}
     finally:
         os.unlink(f.name)
-    results = [line for line in out.stdout.splitlines() if line.startswith(RESULT_MARK)]
-    if out.returncode != 0 or not results:
-        return {"error": f"exit {out.returncode}: {last_line(out.stderr or out.stdout)}"}
+    stop_group(process)
+    log_path.write_text(stdout + stderr)
+    results = [line for line in stdout.splitlines() if line.startswith(RESULT_MARK)]
+    if process.returncode != 0 or not results:
+        return {"error": f"exit {process.returncode}: {last_line(stderr or stdout)} (log: {log_path})"}
     return json.loads(results[-1][len(RESULT_MARK) :])
+
+
+def stop_group(process: subprocess.Popen) -> None:
+    """End ``process`` and every process of its session: SIGTERM, then SIGKILL whatever is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=30)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def offline_spec(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -234,7 +259,7 @@ def engine_order(repeat: int, engines: list[str]) -> list[str]:
 
 
 def run_offline(
-    name: str, engines: list[str], args: argparse.Namespace, problems: dict[str, str]
+    name: str, engines: list[str], args: argparse.Namespace, problems: dict[str, str], out_dir: Path
 ) -> dict[str, list[dict[str, Any]]]:
     spec = offline_spec(name, args)
     runs: dict[str, list[dict[str, Any]]] = {e: [] for e in engines}
@@ -242,7 +267,7 @@ def run_offline(
         for engine in engine_order(repeat, engines):
             if engine in problems:
                 continue
-            result = run_child(engine, spec, args)
+            result = run_child(engine, spec, args, out_dir / f"{name.lower()}_{engine}_{repeat}.log")
             if "error" in result:
                 print(f"{name}: {engine} failed: {result['error']}", flush=True)
             runs[engine].append(result)
@@ -302,12 +327,7 @@ def run_serve(engine: str, args: argparse.Namespace, out_dir: Path, repeat: int)
         summaries = json.loads(result_file.read_text())["results"]
         return {"engine": engine, "rates": [_serve_figures(s) for s in summaries]}
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_group(server)
 
 
 def _serve_figures(summary: dict[str, Any]) -> dict[str, Any]:
@@ -439,7 +459,7 @@ def sitting(args: argparse.Namespace) -> dict[str, Any]:
         if name == "W4":
             workloads[name] = run_w4(engines, args, problems, out_dir)
         else:
-            workloads[name] = run_offline(name, engines, args, problems)
+            workloads[name] = run_offline(name, engines, args, problems, out_dir)
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "device": _device(),
@@ -464,7 +484,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--request-rates", nargs="+", type=float, default=[32.0], help="W4's rates")
     parser.add_argument("--port", type=int, default=18100, help="W4: the first server's port")
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds one run (or start) may take")
-    parser.add_argument("--out-dir", default="/tmp/vllm_peer", help="W4: server logs, results, plots")
+    parser.add_argument("--out-dir", default="/tmp/vllm_peer", help="each run's log; W4's results, plots")
     parser.add_argument("--output-json", default=str(REPO / "benchmarks" / "results" / "vllm_peer.json"))
     parser.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--child-spec", help=argparse.SUPPRESS)

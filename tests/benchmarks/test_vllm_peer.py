@@ -31,13 +31,13 @@ def _w1_prompts_by_the_readme(n: int) -> list[list[int]]:
 def test_both_engines_run_the_same_prompt_ids_lengths_and_settings(monkeypatch):
     seen = []
 
-    def fake_run_child(engine, spec, args):
+    def fake_run_child(engine, spec, args, log_path):
         seen.append((engine, spec))
         return {"output_tok_s": 1.0}
 
     monkeypatch.setattr(vllm_peer, "run_child", fake_run_child)
     args = vllm_peer.parse_args(["--workloads", "W1", "--num-prompts", "5", "--repeats", "2"])
-    runs = vllm_peer.run_offline("W1", ["pagedllm", "vllm"], args, problems={})
+    runs = vllm_peer.run_offline("W1", ["pagedllm", "vllm"], args, problems={}, out_dir=Path("/nowhere"))
     # Alternating: pagedllm first, then vLLM first.
     assert [engine for engine, _ in seen] == ["pagedllm", "vllm", "vllm", "pagedllm"]
     specs = [spec for _, spec in seen]
@@ -78,6 +78,38 @@ def test_a_failing_vllm_import_is_one_line(tmp_path):
     version, problem = vllm_peer.peer_version(str(tmp_path))
     assert version is None and problem == "import vllm failed: ImportError: libcudart.so.13: cannot open"
     assert vllm_peer.peer_version(str(tmp_path / "absent"))[1].startswith("no vllm in ")
+
+
+def _failing_vllm(site: Path) -> str:
+    """A ``vllm`` package that imports but cannot start an engine or a server."""
+    (site / "vllm" / "entrypoints" / "cli").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text(
+        "class LLM:\n    def __init__(self, **kwargs):\n        raise RuntimeError('no CUDA device')\n"
+        "SamplingParams = dict\n__version__ = '0.26.0'\n"
+    )
+    for package in ("entrypoints", "entrypoints/cli"):
+        (site / "vllm" / package / "__init__.py").write_text("")
+    (site / "vllm" / "entrypoints" / "cli" / "main.py").write_text(
+        "import sys\nprint('ValueError: No valid attention backend found')\nsys.exit(1)\n"
+    )
+    return str(site)
+
+
+def test_a_peer_failing_to_start_is_one_line_per_run(tmp_path, capsys):
+    site = _failing_vllm(tmp_path)
+    args = vllm_peer.parse_args(["--workloads", "W1", "--num-prompts", "1", "--vllm-site", site])
+    runs = vllm_peer.run_offline("W1", ["vllm"], args, problems={}, out_dir=tmp_path)
+    error = runs["vllm"][0]["error"]
+    assert error.startswith("exit 1: RuntimeError: no CUDA device (log: ")
+    assert capsys.readouterr().out == f"W1: vllm failed: {error}\n"
+    assert "Traceback" in (tmp_path / "w1_vllm_0.log").read_text()
+
+
+def test_a_server_failing_to_start_is_one_line(tmp_path):
+    site = _failing_vllm(tmp_path / "site")
+    args = vllm_peer.parse_args(["--workloads", "W4", "--vllm-site", site, "--timeout", "60"])
+    result = vllm_peer.run_serve("vllm", args, tmp_path, repeat=0)
+    assert result == {"error": "server exited with 1: ValueError: No valid attention backend found"}
 
 
 def test_the_table_marks_an_unmeasured_peer_and_gives_no_ratio():
