@@ -105,6 +105,27 @@ def test_a_peer_failing_to_start_is_one_line_per_run(tmp_path, capsys):
     assert "Traceback" in (tmp_path / "w1_vllm_0.log").read_text()
 
 
+def test_a_run_past_its_timeout_is_ended_with_its_subprocesses(tmp_path):
+    # An engine that starts a worker of its own (as vLLM's engine core) and then hangs.
+    (tmp_path / "site" / "vllm").mkdir(parents=True)
+    (tmp_path / "site" / "vllm" / "__init__.py").write_text(
+        "import subprocess, time\n"
+        "class LLM:\n"
+        "    def __init__(self, **kwargs):\n"
+        f"        worker = subprocess.Popen(['sleep', '600'])\n"
+        f"        open({str(tmp_path / 'worker.pid')!r}, 'w').write(str(worker.pid))\n"
+        "        time.sleep(600)\n"
+        "SamplingParams = dict\n__version__ = '0.26.0'\n"
+    )
+    args = vllm_peer.parse_args(["--vllm-site", str(tmp_path / "site"), "--timeout", "3"])
+    spec = vllm_peer.offline_spec("W3", args)
+    result = vllm_peer.run_child("vllm", spec, args, tmp_path / "w3.log")
+    assert result == {"error": f"no result within 3 s (log: {tmp_path / 'w3.log'})"}
+    worker = Path(f"/proc/{int((tmp_path / 'worker.pid').read_text())}/stat")
+    # Gone, or a zombie its new parent has yet to reap: either way it holds nothing.
+    assert not worker.exists() or worker.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
 def test_a_server_failing_to_start_is_one_line(tmp_path):
     site = _failing_vllm(tmp_path / "site")
     args = vllm_peer.parse_args(["--workloads", "W4", "--vllm-site", site, "--timeout", "60"])
