@@ -130,6 +130,9 @@ for stage in "${stages[@]}"; do
         run racecheck compute-sanitizer --tool racecheck --error-exitcode 1 python3 scripts/cuda_sanitize.py
         ;;
     w4) run w4 scripts/serve_bench.sh "$OUT" ;;
+    peers)  # vLLM 0.26 beside pagedllm, W1 and W3 (PEER_WORKLOADS); install it first: benchmarks/README.md
+        run peers python3 benchmarks/peers/vllm_peer.py --vllm-site /tmp/vllm-site \
+            --workloads ${PEER_WORKLOADS:-W1 W3} --output-json "$OUT/vllm_peer.json" ;;
     w4-thread) W4_NAME=w4_thread run w4_thread scripts/serve_bench.sh "$OUT" --no-engine-process ;;
     tp)
         tp_tests
