@@ -86,6 +86,12 @@ class PoolingRequestOutput(Generic[_O]):
     prompt_token_ids: list[int]
     finished: bool
     metrics: RequestMetrics | None = None
+    # Why it ended without a vector (the engine failed it: a model step raised whenever it ran).
+    error: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
 
 @dataclass
@@ -112,6 +118,7 @@ class EmbeddingRequestOutput(PoolingRequestOutput[EmbeddingOutput]):
             request_output.prompt_token_ids,
             request_output.finished,
             request_output.metrics,
+            request_output.error,
         )
 
 

@@ -297,7 +297,12 @@ def _pooling_request_output(state: RequestState) -> PoolingRequestOutput:
     assert state.pooling_params is not None
     data = torch.empty(0) if state.pooled is None else embedding_head(state.pooled, state.pooling_params)
     return PoolingRequestOutput(
-        state.request_id, PoolingOutput(data), state.prompt_token_ids, state.finished, state.metrics
+        state.request_id,
+        PoolingOutput(data),
+        state.prompt_token_ids,
+        state.finished,
+        state.metrics,
+        state.error,
     )
 
 
