@@ -193,7 +193,10 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         speculative_config = self._speculative_config()  # refused before anything is read
-        runner = self._runner()
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.task is not None and self.task not in TASKS:
+            raise ValueError(f"task must be one of {list(TASKS)} (or use runner=), got {self.task!r}")
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend
@@ -204,6 +207,7 @@ class EngineArgs:
         model_path, gguf_file = resolve_model_path(self.model)
         hf_config = load_hf_config(model_path, gguf_file)
         model_class = check_architecture(hf_config)
+        runner = self._runner(hf_config)
         model_config = ModelConfig(
             model=model_path,
             tokenizer=self.tokenizer or model_path,
@@ -257,15 +261,14 @@ class EngineArgs:
             pooler_config=load_pooler_config(model_path, hf_config) if runner == "pooling" else None,
         )
 
-    def _runner(self) -> str:
-        """generate or pooling, from ``runner`` and vLLM's older ``task`` (which must agree)."""
-        if self.runner not in RUNNERS:
-            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
-        runner = "generate" if self.runner == "auto" else self.runner
+    def _runner(self, hf_config: PretrainedConfig) -> str:
+        """generate or pooling, from ``runner`` and vLLM's older ``task`` (which must agree); auto
+        is pooling for a bare decoder's checkpoint (an embedding model's), else generate."""
+        runner = self.runner
+        if runner == "auto":
+            runner = "pooling" if is_pooling_architecture(hf_config) else "generate"
         if self.task is None:
             return runner
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {list(TASKS)} (or use runner=), got {self.task!r}")
         if self.runner != "auto" and TASKS[self.task] != runner:
             raise ValueError(f"task={self.task!r} contradicts runner={self.runner!r}: give one of them")
         return TASKS[self.task]
@@ -424,6 +427,13 @@ def check_quantization(model_config: ModelConfig) -> None:
     from pagedllm.model_loader.quantized import resolve_quantization
 
     resolve_quantization(model_config)
+
+
+def is_pooling_architecture(hf_config: PretrainedConfig) -> bool:
+    """Whether the config names a bare decoder (no LM head): an embedding model's checkpoint."""
+    from pagedllm.models import POOLING_ARCHITECTURES
+
+    return any(name in POOLING_ARCHITECTURES for name in getattr(hf_config, "architectures", None) or [])
 
 
 def check_architecture(hf_config: PretrainedConfig) -> type:

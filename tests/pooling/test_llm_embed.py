@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModel, LlamaConfig
 
 from pagedllm import LLM
 from pagedllm.pooling_params import PoolingParams
-from tests.pooling.conftest import PROMPTS, hf_pooled
+from tests.pooling.conftest import PROMPTS, TINY, hf_pooled
 
 ENGINE = dict(runner="pooling", device="cpu", dtype="float32", num_kv_blocks=64, block_size=16)
 
@@ -103,3 +104,29 @@ def test_task_embed_is_the_pooling_runner(tiny_decoder) -> None:
     )
     got = llm.embed({"prompt_token_ids": PROMPTS[0]}, use_tqdm=False)
     _assert_close([torch.tensor(got[0].outputs.embedding)], hf_pooled(model_dir, PROMPTS[:1]))
+
+
+def test_async_scheduling_embeddings_equal_hf(tiny_decoder) -> None:
+    """With the next step scheduled before this one's vectors come back (the GPU default)."""
+    model_dir = tiny_decoder("llama", pooling_mode="mean_tokens")
+    got = _embed(
+        model_dir,
+        PROMPTS,
+        async_scheduling=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+    )
+    _assert_close(got, hf_pooled(model_dir, PROMPTS, "MEAN"))
+
+
+def test_bare_decoder_checkpoint_runs_as_pooling_model_by_default(tmp_path) -> None:
+    """A checkpoint saved from transformers' LlamaModel (no LM head, no "model." prefix, as
+    embedding models ship theirs): runner "auto" pools it."""
+    config = LlamaConfig(**TINY)
+    torch.manual_seed(0)
+    AutoModel.from_config(config, dtype=torch.float32).save_pretrained(tmp_path)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, device="cpu", dtype="float32", num_kv_blocks=64)
+    assert llm.llm_engine.config.pooler_config is not None
+    got = llm.embed([{"prompt_token_ids": p} for p in PROMPTS], use_tqdm=False)
+    _assert_close([torch.tensor(o.outputs.embedding) for o in got], hf_pooled(str(tmp_path), PROMPTS))
