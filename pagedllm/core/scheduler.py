@@ -27,7 +27,9 @@ reach the host, and the worker feeds the placeholder from the device.
 ``update_from_output()`` applies a step's samples: registers computed blocks in the prefix
 cache, appends tokens, has the fan-out fork a best_of request after its first sample
 (``core/fanout.py``, which beam search's driver uses too), and ends the requests a token stops
-(EOS, stop token ids, max_tokens, the context: ``core/stop_conditions.py``). Only the core changes
+(EOS, stop token ids, max_tokens, the context: ``core/stop_conditions.py``). A pooling model's
+request (max_tokens=1) gets a vector instead of a token when its prompt is computed, and ends
+there (``_finish_pooled``). Only the core changes
 a request's progress or blocks; the engine reads requests, matches stop strings and asks the
 scheduler to finish what they end. Where requests are and how they move between queues is
 ``core/request_queues.py``'s; this module decides who moves.

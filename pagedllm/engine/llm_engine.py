@@ -27,7 +27,7 @@ from pagedllm.engine.processor import Processor
 from pagedllm.engine.stats import EngineStats
 from pagedllm.executor.abstract import Executor
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.step_io import EngineCoreRequest
@@ -133,7 +133,7 @@ class LLMEngine:
 
     # --- the step ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one iteration of continuous batching.
 
         Returns an output for each request that finished (failed ones included: see ``core.py``),

@@ -115,7 +115,7 @@ class OutputProcessor:
 
     def process_outputs(
         self, core_outputs: EngineCoreOutputs
-    ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+    ) -> tuple[list[RequestOutput | PoolingRequestOutput], list[tuple[str, int]]]:
         """Apply a step's outputs. Returns the RequestOutputs due now, and the sequences that a
         stop string ended, as (request_id, index), for the core to end too."""
         requests = self.requests
@@ -175,7 +175,7 @@ class OutputProcessor:
                 results.append(_request_output(state))
         return results, stopped
 
-    def finish(self, state: RequestState, now: float | None = None) -> RequestOutput:
+    def finish(self, state: RequestState, now: float | None = None) -> RequestOutput | PoolingRequestOutput:
         """The request's final output; the processor forgets it."""
         self.requests.pop(state.request_id, None)
         state.finished = True
