@@ -21,7 +21,13 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.score_utils import cosine_similarity, pair_inputs
 from pagedllm.entrypoints.utils import engine_summary
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
+from pagedllm.outputs import (
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.tokenizer import Tokenizer, apply_chat_template
@@ -213,15 +219,34 @@ class LLM:
         (Matryoshka models only), ``normalize`` overrides the model's pooler config. Prompts
         longer than max_model_len raise ValueError before anything is queued.
         """
+        outputs = self.encode(
+            prompts,
+            pooling_params,
+            prompt_token_ids=prompt_token_ids,
+            use_tqdm=use_tqdm,
+            lora_request=lora_request,
+        )
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
+
+    def encode(
+        self,
+        prompts: PromptType | SequenceABC[PromptType] | None = None,
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+        *,
+        prompt_token_ids: list[int] | list[list[int]] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled vector as a PoolingRequestOutput (``outputs.data``, a tensor);
+        ``embed`` returns the same as lists of floats. Arguments as ``embed``'s."""
         if self.llm_engine.config.pooler_config is None:
             raise ValueError(
-                "LLM.embed needs a pooling model: this LLM runs with runner='generate' "
+                "LLM.embed and LLM.encode need a pooling model: this LLM runs with runner='generate' "
                 "(create it with runner='pooling')"
             )
         requests = _normalize_prompts(prompts, prompt_token_ids)
         params = _per_prompt(pooling_params, PoolingParams, len(requests), "pooling_params")
-        outputs = self._run(requests, params, use_tqdm, _per_prompt_lora(lora_request, len(requests)))
-        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
+        return self._run(requests, params, use_tqdm, _per_prompt_lora(lora_request, len(requests)))
 
     def score(
         self,

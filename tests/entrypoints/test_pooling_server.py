@@ -68,6 +68,14 @@ def test_openai_client_embeddings_equal_hf_in_floats_and_base64(client, want, sm
     torch.testing.assert_close(torch.tensor(by_ids.data[0].embedding), want[0], atol=2e-5, rtol=1e-4)
 
 
+def test_pooling_route_returns_the_same_vectors(server, want) -> None:
+    status, body = _post(server, "/pooling", {"model": "tiny-embed", "input": TEXTS[:2]})
+    assert status == 200, body
+    assert [d["object"] for d in body["data"]] == ["pooling", "pooling"]
+    for data, expected in zip(body["data"], want):
+        torch.testing.assert_close(torch.tensor(data["data"]), expected, atol=2e-5, rtol=1e-4)
+
+
 def test_score_is_the_cosine_of_hf_embeddings(server, want) -> None:
     for path in ("/v1/score", "/score"):
         status, body = _post(server, path, {"model": "tiny-embed", "text_1": TEXTS[0], "text_2": TEXTS[1:]})
@@ -123,7 +131,7 @@ def test_generation_routes_are_refused_naming_the_route(server, client) -> None:
 
 
 def test_every_pooling_route_needs_the_api_key(server) -> None:
-    for path in ("/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank"):
+    for path in ("/v1/embeddings", "/pooling", "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank"):
         status, _ = _post(server, path, {"input": "x"}, authorize=False)
         assert status == 401, path
 

@@ -93,7 +93,7 @@ def test_bad_uses_are_refused_naming_what(tiny_decoder) -> None:
     with pytest.raises(ValueError, match="task"):
         LLM(model_dir, task="classify", device="cpu")
     generator = LLM(model_dir, skip_tokenizer_init=True, device="cpu", dtype="float32", num_kv_blocks=64)
-    with pytest.raises(ValueError, match="needs a pooling model"):
+    with pytest.raises(ValueError, match="need a pooling model"):
         generator.embed({"prompt_token_ids": [1, 2]}, use_tqdm=False)
 
 

@@ -364,6 +364,10 @@ def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI
     async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
         return _respond(await pooling.create_embedding(request, raw_request), raw_request)
 
+    @app.post("/pooling")
+    async def create_pooling(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return _respond(await pooling.create_pooling(request, raw_request), raw_request)
+
     @app.post("/v1/score")
     @app.post("/score")
     async def create_score(request: ScoreRequest, raw_request: Request) -> Response:

@@ -43,6 +43,23 @@ class EmbeddingResponse(OpenAIBaseModel):
     usage: UsageInfo
 
 
+class PoolingResponseData(OpenAIBaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str
+
+
+class PoolingResponse(OpenAIBaseModel):
+    """vLLM's /pooling answer: the pooled vectors, whatever the model's task (here: embeddings)."""
+
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    data: list[PoolingResponseData]
+    usage: UsageInfo
+
+
 class ScoreRequest(TopLevelRequest):
     model: str | None = None
     # One text_1 against each text_2 (1 -> N), or the lists one for one (N -> N).

@@ -1,5 +1,5 @@
-"""The pooling routes: ``/v1/embeddings`` (OpenAI's), ``/v1/score`` and ``/v1/rerank`` (vLLM's, for
-embedding models: the cosine of two embeddings).
+"""The pooling routes: ``/v1/embeddings`` (OpenAI's), ``/pooling``, ``/v1/score`` and ``/v1/rerank``
+(vLLM's; score and rerank for embedding models: the cosine of two embeddings).
 
 A server runs one kind of model. A ``--runner pooling`` server answers these and refuses the
 generation routes with a 400 naming the route; a generating server refuses these the same way,
@@ -17,14 +17,17 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-import numpy as np
+import torch
 
 from pagedllm.engine.pooling_output import resolve_pooling_params
+from pagedllm.entrypoints.openai.protocol import UsageInfo
 from pagedllm.entrypoints.openai.protocol_pooling import (
     EmbeddingRequest,
     EmbeddingResponse,
     EmbeddingResponseData,
     PoolingInput,
+    PoolingResponse,
+    PoolingResponseData,
     RerankDocument,
     RerankRequest,
     RerankResponse,
@@ -53,7 +56,6 @@ if TYPE_CHECKING:
 
 # What a pooling server does not serve: every route that generates.
 GENERATION_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages")
-POOLING_ROUTES = ("/v1/embeddings", "/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank")
 
 
 def refuse_generation_routes(app: FastAPI) -> None:
@@ -131,25 +133,41 @@ class OpenAIServingPooling(OpenAIServing):
     # --- the routes -------------------------------------------------------------------------
 
     async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> EmbeddingResponse:
-        self._check_pooling("/v1/embeddings")
-        log_advisory_fields(request)
-        lora_request = self.check_model(request.model)
-        params = self._pooling_params(request.dimensions, request.normalize)
-        prompts = await self._prompts(request.input, "input", request.add_special_tokens)
-        finals = await self._embed(prompts, params, raw_request, lora_request)
+        finals = await self._embed_request(request, raw_request, "/v1/embeddings")
         data = [
-            EmbeddingResponseData(
-                index=i, embedding=_encode(final.outputs.data.numpy(), request.encoding_format)
-            )
+            EmbeddingResponseData(index=i, embedding=_encode(final.outputs.data, request.encoding_format))
             for i, final in enumerate(finals)
         ]
-        num_tokens = sum(len(final.prompt_token_ids) for final in finals)
         return EmbeddingResponse(
             id=f"embd-{uuid.uuid4().hex}",
             model=request.model or self.model_name,
             data=data,
-            usage=usage(num_tokens, 0),
+            usage=_usage(finals),
         )
+
+    async def create_pooling(self, request: EmbeddingRequest, raw_request: Request) -> PoolingResponse:
+        """vLLM's /pooling: an embedding request's body, the vectors as ``data[i].data``."""
+        finals = await self._embed_request(request, raw_request, "/pooling")
+        data = [
+            PoolingResponseData(index=i, data=_encode(final.outputs.data, request.encoding_format))
+            for i, final in enumerate(finals)
+        ]
+        return PoolingResponse(
+            id=f"pool-{uuid.uuid4().hex}",
+            model=request.model or self.model_name,
+            data=data,
+            usage=_usage(finals),
+        )
+
+    async def _embed_request(
+        self, request: EmbeddingRequest, raw_request: Request, route: str
+    ) -> list[PoolingRequestOutput]:
+        self._check_pooling(route)
+        log_advisory_fields(request)
+        lora_request = self.check_model(request.model)
+        params = self._pooling_params(request.dimensions, request.normalize)
+        prompts = await self._prompts(request.input, "input", request.add_special_tokens)
+        return await self._embed(prompts, params, raw_request, lora_request)
 
     async def create_score(self, request: ScoreRequest, raw_request: Request) -> ScoreResponse:
         self._check_pooling("/v1/score")
@@ -158,7 +176,7 @@ class OpenAIServingPooling(OpenAIServing):
             pairs = pair_inputs(request.text_1, request.text_2, str)
         except ValueError as e:
             raise APIError(400, str(e), param="text_1") from e
-        scores, num_tokens = await self._score_pairs(pairs, raw_request, lora_request)
+        scores, num_tokens = await self._score_pairs(pairs, raw_request, lora_request, "text_1")
         data = [ScoreResponseData(index=i, score=score) for i, score in enumerate(scores)]
         return ScoreResponse(
             id=f"score-{uuid.uuid4().hex}",
@@ -175,7 +193,7 @@ class OpenAIServingPooling(OpenAIServing):
         if request.top_n < 0:
             raise APIError(400, f"top_n must be >= 0 (0: every document), got {request.top_n}", param="top_n")
         pairs = [(request.query, document) for document in request.documents]
-        scores, num_tokens = await self._score_pairs(pairs, raw_request, lora_request)
+        scores, num_tokens = await self._score_pairs(pairs, raw_request, lora_request, "documents")
         ranked = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)
         if request.top_n:
             ranked = ranked[: request.top_n]
@@ -195,12 +213,16 @@ class OpenAIServingPooling(OpenAIServing):
         )
 
     async def _score_pairs(
-        self, pairs: list[tuple[str, str]], raw_request: Request, lora_request: LoRARequest | None
+        self,
+        pairs: list[tuple[str, str]],
+        raw_request: Request,
+        lora_request: LoRARequest | None,
+        param: str,
     ) -> tuple[list[float], int]:
         """The cosine of each pair's embeddings (each distinct text embedded once), and the tokens
         of the pairs (as vLLM counts them: both texts of each pair)."""
         texts = list(dict.fromkeys(text for pair in pairs for text in pair))
-        prompts = await self._prompts(texts, "text_1")
+        prompts = await self._prompts(texts, param)
         finals = await self._embed(prompts, self._pooling_params(), raw_request, lora_request)
         by_text = {text: final for text, final in zip(texts, finals)}
         scores = [
@@ -213,8 +235,12 @@ class OpenAIServingPooling(OpenAIServing):
         return scores, num_tokens
 
 
-def _encode(embedding: np.ndarray, encoding_format: str) -> list[float] | str:
+def _encode(embedding: torch.Tensor, encoding_format: str) -> list[float] | str:
     """OpenAI's encodings: a list of floats, or base64 of the little-endian float32 bytes."""
     if encoding_format == "base64":
-        return base64.b64encode(embedding.astype("<f4").tobytes()).decode("ascii")
+        return base64.b64encode(embedding.numpy().astype("<f4").tobytes()).decode("ascii")
     return embedding.tolist()
+
+
+def _usage(finals: list[PoolingRequestOutput]) -> UsageInfo:
+    return usage(sum(len(final.prompt_token_ids) for final in finals), 0)
