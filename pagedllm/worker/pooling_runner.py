@@ -10,10 +10,11 @@ scheduler then finishes it (``Scheduler.update_from_output``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
-from pagedllm.config import EngineConfig
+from pagedllm.attention.backends.abstract import KVCache
 from pagedllm.layers.pooler import get_pooler
 from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.model_runner import ModelRunner, StepOutput
@@ -48,10 +49,11 @@ class PooledStepOutput(StepOutput):
 class PoolingModelRunner(ModelRunner):
     """A ModelRunner whose step pools finished prompts instead of sampling."""
 
-    def __init__(self, config: EngineConfig, attn_backend: type[AttentionBackend]) -> None:
-        super().__init__(config, attn_backend)
-        assert config.pooler_config is not None, "a pooling runner needs the model's pooler_config"
-        self.pooler = get_pooler(config.pooler_config)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # ModelRunner's arguments
+        super().__init__(*args, **kwargs)
+        pooler_config = self.config.pooler_config
+        assert pooler_config is not None, "a pooling runner needs the model's pooler_config"
+        self.pooler = get_pooler(pooler_config)
         # req_id -> the pooler's state of a request whose prompt is partly computed.
         self._states: dict[int, torch.Tensor] = {}
 
