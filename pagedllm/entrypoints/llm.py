@@ -261,7 +261,7 @@ class LLM:
         """The similarity of text pairs with an embedding model: the cosine of their embeddings
         (vLLM's score for embedding models). One ``data_1`` is paired with each ``data_2`` (1 -> N),
         else the two lists one for one (N -> N)."""
-        pairs = pair_inputs(data_1, data_2, str)
+        pairs = pair_inputs(data_1, data_2, str, ("data_1", "data_2"))
         embeddings = self.embed(
             [text for pair in pairs for text in pair],
             pooling_params,

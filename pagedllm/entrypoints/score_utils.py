@@ -13,21 +13,25 @@ T = TypeVar("T")
 
 
 def pair_inputs(
-    data_1: T | Sequence[T], data_2: T | Sequence[T], is_single: type | tuple
+    data_1: T | Sequence[T],
+    data_2: T | Sequence[T],
+    is_single: type | tuple,
+    names: tuple[str, str] = ("text_1", "text_2"),
 ) -> list[tuple[T, T]]:
     """vLLM's pairing: one first input against each of the second ones (1 -> N), or the two
-    lists one for one (N -> N). ``is_single`` tells one input from a list of them (str: text;
-    a list of ints is one tokenized input to the caller that says so). ValueError otherwise."""
+    lists one for one (N -> N). ``is_single`` tells one input from a list of them (str: text).
+    ValueError naming the inputs (``names``) otherwise."""
+    name_1, name_2 = names
     firsts = [data_1] if isinstance(data_1, is_single) else list(data_1)
     seconds = [data_2] if isinstance(data_2, is_single) else list(data_2)
     if not firsts or not seconds:
-        raise ValueError("text_1 and text_2 must each hold at least one input")
+        raise ValueError(f"{name_1} and {name_2} must each hold at least one input")
     if len(firsts) == 1:
         firsts = firsts * len(seconds)
     if len(firsts) != len(seconds):
         raise ValueError(
-            f"text_1 has {len(firsts)} inputs and text_2 {len(seconds)}: "
-            "give one text_1, or as many as text_2"
+            f"{name_1} has {len(firsts)} inputs and {name_2} {len(seconds)}: "
+            f"give one {name_1}, or as many as {name_2}"
         )
     return list(zip(firsts, seconds))
 

@@ -112,6 +112,8 @@ def test_rerank_orders_documents_by_hf_cosine(server, want) -> None:
         ("/v1/embeddings", {"input": [[1, 2], "x"]}, "input"),
         ("/v1/embeddings", {"input": [10**9]}, "prompt"),
         ("/v1/score", {"text_1": TEXTS[:2], "text_2": TEXTS}, "text_1"),
+        ("/v1/score", {"text_1": [], "text_2": "x"}, "text_1"),
+        ("/v1/embeddings", {"input": [1] * 300}, "input"),  # over max_model_len (256)
         ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
         ("/v1/rerank", {"query": "q", "documents": ["d"], "top_n": -1}, "top_n"),
     ],

@@ -75,7 +75,7 @@ def test_score_is_the_cosine_of_hf_embeddings(tiny_embedder_with_tokenizer, smol
     assert scores[0].prompt_token_ids == token_ids[0] + token_ids[1]
     pairwise = llm.score(documents, documents[::-1], use_tqdm=False)  # N -> N
     assert pairwise[1].outputs.score == pytest.approx(1.0, abs=1e-5)
-    with pytest.raises(ValueError, match="text_1 has 2 inputs and text_2 3"):
+    with pytest.raises(ValueError, match="data_1 has 2 inputs and data_2 3"):
         llm.score(documents[:2], documents, use_tqdm=False)
 
 
