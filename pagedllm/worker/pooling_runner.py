@@ -18,7 +18,7 @@ from pagedllm.attention.backends.abstract import KVCache
 from pagedllm.layers.pooler import get_pooler
 from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.model_runner import ModelRunner, StepOutput
-from pagedllm.worker.step_inputs import stage_model_input
+from pagedllm.worker.step_inputs import StepPlan, stage_model_input
 
 
 class PooledStepOutput(StepOutput):
@@ -59,21 +59,31 @@ class PoolingModelRunner(ModelRunner):
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput, kv_caches: list[KVCache]) -> StepOutput:
+        """One forward pass over every scheduled token; the vectors of the prompts it completes."""
         assert self.model is not None, "load_model() first"
         self.update_states(scheduler_output)
-        for req_id in scheduler_output.finished_req_ids:
-            self._states.pop(req_id, None)
-        for new in scheduler_output.scheduled_new_reqs:
-            if new.num_computed_tokens == 0:  # (re)started from its first token: recomputed
-                self._states.pop(new.req_id, None)
+        self._forget_states(scheduler_output)
         num_tokens = scheduler_output.total_num_scheduled_tokens
         if not num_tokens:
             return PooledStepOutput([], None, self.device)
         plan = self.plan_inputs(scheduler_output)
         model_input = stage_model_input(plan, self.input_batch, self.buffers, self.block_size)
-        hidden_states = self.run_model(model_input, num_tokens, kv_caches)
+        return self._pool(plan, self.run_model(model_input, num_tokens, kv_caches))
+
+    def _forget_states(self, scheduler_output: SchedulerOutput) -> None:
+        """Drop the states of requests that ended, and of those computed again from their first
+        token (preempted by recompute: they come back new, with nothing computed)."""
+        for req_id in scheduler_output.finished_req_ids:
+            self._states.pop(req_id, None)
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.num_computed_tokens == 0:
+                self._states.pop(new.req_id, None)
+
+    def _pool(self, plan: StepPlan, hidden_states: torch.Tensor) -> PooledStepOutput:
+        """Fold each request's rows (hidden_states: [num_tokens, hidden_size], requests in the
+        plan's order at ``query_start_loc``) into its state; finish those whose prompt ends here."""
         batch = self.input_batch
-        completes = set(plan.sample_req_ids)  # requests whose prompt this step completes
+        completes = set(plan.sample_req_ids)  # the plan "samples" a request when its prompt ends
         query_start_loc = plan.query_start_loc.tolist()
         pooled_ids: list[int] = []
         pooled: list[torch.Tensor] = []
@@ -86,4 +96,5 @@ class PoolingModelRunner(ModelRunner):
                 pooled.append(self.pooler.finish(state, int(batch.num_prompt_tokens[row])))
             else:
                 self._states[req_id] = state
+        # The stack copies each vector out of the hidden states (a captured graph's buffer).
         return PooledStepOutput(pooled_ids, torch.stack(pooled) if pooled else None, self.device)
