@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pagedllm.cpu_info import cpu_has_bf16
 from pagedllm.lora.config import LoRAConfig
+from pagedllm.pooling_params import PoolerConfig
 
 # torch is imported where a function needs it: the CLI's parsers read this module (EngineArgs'
 # defaults), and `pagedllm --help` should not wait seconds for torch.
@@ -440,6 +441,8 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     # LoRA adapters per request (enable_lora), or None: no projection is wrapped.
     lora_config: LoRAConfig | None = None
+    # runner="pooling": prompts in, one pooled vector each out (pooling_params.py); None: generate.
+    pooler_config: PoolerConfig | None = None
 
     def __post_init__(self) -> None:
         _require(
@@ -457,6 +460,20 @@ class EngineConfig:
                 "async_scheduling",
                 "False with speculative_config (drafts need the previous step's tokens on the host)",
                 self.async_scheduling,
+            )
+        if self.pooler_config is not None:
+            # The pooler reads every prompt token's hidden state: none may come from the cache.
+            _require(
+                not self.cache_config.enable_prefix_caching,
+                "enable_prefix_caching",
+                "False with runner='pooling' (the pooler needs every prompt token's hidden state)",
+                self.cache_config.enable_prefix_caching,
+            )
+            _require(
+                self.speculative_config is None,
+                "speculative_config",
+                "None with runner='pooling' (a pooling model generates nothing)",
+                self.speculative_config,
             )
 
 

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 
 if TYPE_CHECKING:
     from pagedllm.core.spec_decode import SpecDecodingStats
@@ -69,8 +69,11 @@ class ServerMetrics:
         )
         self.model_name = model_name
 
-    def observe_finished(self, output: RequestOutput) -> None:
+    def observe_finished(self, output: RequestOutput | PoolingRequestOutput) -> None:
         """Record a finished request's latencies (AsyncLLMEngine's on_request_finished hook)."""
+        if not isinstance(output, RequestOutput):  # a pooling model's: no tokens, no latencies
+            self.request_success.labels(self.model_name, "stop").inc()
+            return
         reason = "error" if output.error else output.outputs[0].finish_reason
         self.request_success.labels(self.model_name, reason).inc()
         metrics = output.metrics

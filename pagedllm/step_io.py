@@ -116,6 +116,9 @@ class ModelRunnerOutput:
     # req_id -> drafts accepted, for each request that verified drafts: its rows (consecutive) are
     # the accepted drafts, then one token sampled from the target after them.
     num_accepted_tokens: dict[int, int] = field(default_factory=dict)
+    # Pooling models: req_id -> the pooled vector of each request whose prompt the step completed
+    # (in place of a sample; worker/pooling_runner.py).
+    pooler_output: dict[int, list[float]] = field(default_factory=dict)
 
 
 class StepHandle(Protocol):
@@ -166,6 +169,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     # The stop token id that ended it (None for EOS, a length limit, or still running).
     stop_reason: int | None = None
+    # A pooling model's vector for the request (its only output; no tokens), else None.
+    pooling_output: list[float] | None = None
 
 
 @dataclass

@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
         "pagedllm.tokenizer",
         "pagedllm.logger",
         "pagedllm.step_io",
+        "pagedllm.pooling_params",
         "pagedllm.platform",
         # LoRA's request type, limits and adapter files: the core and the step messages carry them.
         "pagedllm.lora.request",

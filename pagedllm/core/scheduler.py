@@ -27,7 +27,9 @@ reach the host, and the worker feeds the placeholder from the device.
 ``update_from_output()`` applies a step's samples: registers computed blocks in the prefix
 cache, appends tokens, has the fan-out fork a best_of request after its first sample
 (``core/fanout.py``, which beam search's driver uses too), and ends the requests a token stops
-(EOS, stop token ids, max_tokens, the context: ``core/stop_conditions.py``). Only the core changes
+(EOS, stop token ids, max_tokens, the context: ``core/stop_conditions.py``). A pooling model's
+request (max_tokens=1) gets a vector instead of a token when its prompt is computed, and ends
+there (``_finish_pooled``). Only the core changes
 a request's progress or blocks; the engine reads requests, matches stop strings and asks the
 scheduler to finish what they end. Where requests are and how they move between queues is
 ``core/request_queues.py``'s; this module decides who moves.
@@ -70,6 +72,8 @@ class SampledRequests:
     appended: list[tuple[Request, int]] = field(default_factory=list)
     forked: list[tuple[Request, Request]] = field(default_factory=list)
     beams: list[tuple[Request, int]] = field(default_factory=list)
+    # A pooling model's requests the step completed, each with its vector (they ended here).
+    pooled: list[tuple[Request, list[float]]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -385,6 +389,8 @@ class Scheduler:
         """
         self.kv_cache_manager.cache_computed_blocks(scheduler_output, self.queues.requests)
         result = SampledRequests()
+        if output.pooler_output:
+            result.pooled = self._finish_pooled(output.pooler_output)
         requests = self.queues.requests
         token_ids = output.sampled_token_ids
         logprobs = output.logprobs
@@ -428,6 +434,19 @@ class Scheduler:
                 row += 1
         self.isolation.sampled(req_ids)
         return result
+
+    def _finish_pooled(self, pooler_output: dict[int, list[float]]) -> list[tuple[Request, list[float]]]:
+        """A pooling model's requests whose prompt the step completed: each one's vector takes the
+        place of its one sample (a pooling request asks for max_tokens=1), and it ends."""
+        pooled = []
+        for req_id, vector in pooler_output.items():
+            request = self.queues.requests.get(req_id)
+            if request is None:
+                continue  # aborted meanwhile
+            request.num_output_placeholders -= 1
+            self.queues.finish((request,), RequestStatus.FINISHED_STOPPED)
+            pooled.append((request, vector))
+        return pooled
 
     def _stop_if_ends(self, request: Request, token_id: int) -> bool:
         """End the request if its newest token (``token_id``) stops it; whether it did."""

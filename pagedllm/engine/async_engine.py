@@ -67,11 +67,13 @@ from pagedllm.engine.core_proc import (
 )
 from pagedllm.engine.llm_engine import LLMEngine, finish_refused, new_request_state
 from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.pooling_output import resolve_pooling_params
 from pagedllm.engine.processor import Processor
 from pagedllm.engine.stats import EngineStats
 from pagedllm.logger import configured_level
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.structured_output import StructuredOutputManager
 from pagedllm.tokenizer import Tokenizer
@@ -271,9 +273,11 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int] | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> RequestStream:
         """Queue a request; returns its output stream once the engine has taken it. Its outputs
-        are shaped by ``sampling_params.output_kind`` (CUMULATIVE unless asked).
+        are shaped by ``sampling_params.output_kind`` (CUMULATIVE unless asked); a pooling
+        model's request (``pooling_params``) has one, its PoolingRequestOutput.
 
         Raises ValueError for bad input (naming the field), before any output, or
         AsyncEngineDeadError.
@@ -286,10 +290,11 @@ class AsyncLLMEngine:
         if structured is not None and structured.compiled_grammar is None and manager is not None:
             # In the manager's threads: a large schema never stalls the event loop.
             structured.compiled_grammar = await asyncio.wrap_future(manager.compile(structured))
+        pooling_params = resolve_pooling_params(pooling_params, self.config)
         request = self.processor.process(
             request_id, prompt, sampling_params, prompt_token_ids, arrival_time, lora_request
         )
-        state = new_request_state(request, prompt, stream=True)
+        state = new_request_state(request, prompt, stream=True, pooling_params=pooling_params)
         stream = RequestStream(request_id, coalesce=state.output_kind == RequestOutputKind.CUMULATIVE)
         error = self.processor.too_long(request)
         if error is not None:

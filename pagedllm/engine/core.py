@@ -309,6 +309,13 @@ class EngineCore:
                 out.first_scheduled[group.request_id] = request.first_scheduled_time
             if not group.members:
                 ended.append(self.requests[group.request_id])
+        for request, vector in sampled.pooled:
+            group = request.group
+            outputs.append(
+                EngineCoreOutput(group.request_id, 0, [], None, 0.0, "stop", pooling_output=vector)
+            )
+            out.first_scheduled[group.request_id] = request.first_scheduled_time
+            ended.append(self.requests[group.request_id])
         if sampled.beams:
             self._apply_beam_search(sampled.beams, runner_output, out)
         for live in ended:

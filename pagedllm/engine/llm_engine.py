@@ -22,11 +22,13 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.output_processor import OutputProcessor, RequestState, SequenceState
+from pagedllm.engine.pooling_output import resolve_pooling_params
 from pagedllm.engine.processor import Processor
 from pagedllm.engine.stats import EngineStats
 from pagedllm.executor.abstract import Executor
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.step_io import EngineCoreRequest
 from pagedllm.structured_output import StructuredOutputManager
@@ -76,8 +78,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         stream: bool = True,
         lora_request: LoRARequest | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         """Queue a request. Bad input raises ValueError here and leaves the engine unchanged.
+
+        A pooling model (runner="pooling") takes ``pooling_params`` (or none: the model's
+        defaults) and no ``sampling_params``; its request finishes with a PoolingRequestOutput.
 
         ``lora_request`` runs it with that LoRA adapter (``enable_lora``); the adapter is checked
         against the base model here, once.
@@ -92,10 +98,11 @@ class LLMEngine:
         """
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        pooling_params = resolve_pooling_params(pooling_params, self.config)
         request = self.processor.process(
             request_id, prompt, sampling_params, prompt_token_ids, arrival_time, lora_request
         )
-        state = new_request_state(request, prompt, stream)
+        state = new_request_state(request, prompt, stream, pooling_params)
         error = self.processor.too_long(request)
         if error is not None:
             self._finished_at_once.append(finish_refused(self.output_processor, state, error))
@@ -126,7 +133,7 @@ class LLMEngine:
 
     # --- the step ---------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """Run one iteration of continuous batching.
 
         Returns an output for each request that finished (failed ones included: see ``core.py``),
@@ -151,10 +158,17 @@ class LLMEngine:
         return self.engine_core.get_stats()
 
 
-def new_request_state(request: EngineCoreRequest, prompt: str | None, stream: bool) -> RequestState:
+def new_request_state(
+    request: EngineCoreRequest,
+    prompt: str | None,
+    stream: bool,
+    pooling_params: PoolingParams | None = None,
+) -> RequestState:
     """The frontend's state of a request the processor made: its outputs shaped by
-    ``output_kind``, or FINAL_ONLY when the caller does not stream."""
+    ``output_kind``, or FINAL_ONLY when the caller does not stream (or it is a pooling request,
+    whose one output comes at its end)."""
     params = request.sampling_params
+    stream = stream and pooling_params is None
     return RequestState(
         request.request_id,
         prompt,
@@ -162,6 +176,7 @@ def new_request_state(request: EngineCoreRequest, prompt: str | None, stream: bo
         params,
         params.output_kind if stream else RequestOutputKind.FINAL_ONLY,
         request.arrival_time,
+        pooling_params=pooling_params,
     )
 
 

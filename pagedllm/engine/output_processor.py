@@ -21,10 +21,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from pagedllm.core.request import Logprob, PromptLogprobs, RequestMetrics, SampleLogprobs
 from pagedllm.detokenizer import decode_all, decode_incrementally, init_detokenizer_state
+from pagedllm.engine.pooling_output import embedding_head
 from pagedllm.engine.stop_checker import check_stop_strings
-from pagedllm.outputs import CompletionOutput, RequestOutput
+from pagedllm.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.step_io import EngineCoreOutput, EngineCoreOutputs, PromptLogprobsOutput, TokenLogprobs
 from pagedllm.tokenizer import Tokenizer
@@ -67,6 +71,9 @@ class RequestState:
     # Why the request ended without running to its end.
     error: str | None = None
     finished: bool = False
+    # A pooling model's request: its resolved parameters, and its pooled vector once computed.
+    pooling_params: PoolingParams | None = None
+    pooled: list[float] | None = None
     metrics: RequestMetrics = field(init=False)
     # Characters held back from unfinished text: a stop string may start there.
     holdback: int = field(init=False)
@@ -108,7 +115,7 @@ class OutputProcessor:
 
     def process_outputs(
         self, core_outputs: EngineCoreOutputs
-    ) -> tuple[list[RequestOutput], list[tuple[str, int]]]:
+    ) -> tuple[list[RequestOutput | PoolingRequestOutput], list[tuple[str, int]]]:
         """Apply a step's outputs. Returns the RequestOutputs due now, and the sequences that a
         stop string ended, as (request_id, index), for the core to end too."""
         requests = self.requests
@@ -168,7 +175,7 @@ class OutputProcessor:
                 results.append(_request_output(state))
         return results, stopped
 
-    def finish(self, state: RequestState, now: float | None = None) -> RequestOutput:
+    def finish(self, state: RequestState, now: float | None = None) -> RequestOutput | PoolingRequestOutput:
         """The request's final output; the processor forgets it."""
         self.requests.pop(state.request_id, None)
         state.finished = True
@@ -195,6 +202,9 @@ class OutputProcessor:
 
     def _apply(self, state: RequestState, output: EngineCoreOutput) -> bool:
         """One sequence's news; whether a stop string ended it now."""
+        if output.pooling_output is not None:
+            state.pooled = output.pooling_output
+            return False
         seq = state.seq(output.index)  # a new one when replaced: its whole tokens, decoded afresh
         seq.token_ids += output.new_token_ids
         seq.cumulative_logprob = output.cumulative_logprob
@@ -267,7 +277,9 @@ def _sampling_ended(state: RequestState) -> bool:
     return all(seq.finish_reason is not None for seq in state.seqs)
 
 
-def _request_output(state: RequestState) -> RequestOutput:
+def _request_output(state: RequestState) -> RequestOutput | PoolingRequestOutput:
+    if state.pooling_params is not None:
+        return _pooling_request_output(state)
     # Sequences join in index order (forks are made in it; beam search sends its own in order).
     seqs = state.seqs
     params = state.sampling_params
@@ -278,6 +290,20 @@ def _request_output(state: RequestState) -> RequestOutput:
             seqs = sorted(seqs, key=lambda seq: seq.cumulative_logprob, reverse=True)
         return _build(state, seqs[: params.n], renumber=True)
     return _build(state, seqs, renumber=False)
+
+
+def _pooling_request_output(state: RequestState) -> PoolingRequestOutput:
+    """A pooling request's output: its embedding (empty when it ended without one: aborted)."""
+    assert state.pooling_params is not None
+    data = torch.empty(0) if state.pooled is None else embedding_head(state.pooled, state.pooling_params)
+    return PoolingRequestOutput(
+        state.request_id,
+        PoolingOutput(data),
+        state.prompt_token_ids,
+        state.finished,
+        state.metrics,
+        state.error,
+    )
 
 
 def _build(state: RequestState, seqs: list[SequenceState], renumber: bool) -> RequestOutput:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 
 from pagedllm.config import EngineConfig
+from pagedllm.engine.pooling_output import POOLING_SAMPLING_PARAMS
 from pagedllm.lora.registry import LoRARegistry
 from pagedllm.lora.request import LoRARequest
 from pagedllm.request_validation import validate_request
@@ -44,10 +45,19 @@ class Processor:
     ) -> EngineCoreRequest:
         """The request as the core takes it; bad input raises ValueError naming the field.
         ``lora_request`` (``enable_lora``) is checked against the base model here, once.
+        A pooling model's request (its PoolingParams resolved by the caller: ``pooling_output.py``)
+        runs with ``POOLING_SAMPLING_PARAMS``.
 
         A prompt longer than max_model_len passes (``too_long`` says so): the caller reports it
         finished with an error rather than refusing it.
         """
+        if self.config.pooler_config is not None:
+            if sampling_params is not None:
+                raise ValueError(
+                    "this engine runs a pooling model (runner='pooling'): it returns embeddings "
+                    "(LLM.embed, /v1/embeddings), it does not generate"
+                )
+            sampling_params = POOLING_SAMPLING_PARAMS
         params = sampling_params or SamplingParams()
         self.lora_registry.check(lora_request)
         token_ids = validate_request(

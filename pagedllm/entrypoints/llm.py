@@ -1,5 +1,6 @@
-"""The offline API: ``LLM(...).generate(prompts, params)``, ``.chat(messages)`` and
-``.beam_search(prompts, BeamSearchParams(...))``."""
+"""The offline API: ``LLM(...).generate(prompts, params)``, ``.chat(messages)``,
+``.beam_search(prompts, BeamSearchParams(...))``, and for pooling models ``.embed(prompts)`` and
+``.score(text_1, text_2)``."""
 
 from __future__ import annotations
 
@@ -10,16 +11,24 @@ import operator
 import threading
 import time
 from collections.abc import Sequence as SequenceABC
-from typing import Any
+from typing import Any, TypeVar
 
 from tqdm.auto import tqdm
 
 from pagedllm.beam_search import BeamSearchOutput, BeamSearchSequence
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.score_utils import cosine_similarity, pair_inputs
 from pagedllm.entrypoints.utils import engine_summary
 from pagedllm.lora.request import LoRARequest
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import (
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import BeamSearchParams, SamplingParams
 from pagedllm.tokenizer import Tokenizer, apply_chat_template
 
@@ -29,6 +38,7 @@ logger = logging.getLogger(__name__)
 # TokensPrompt).
 PromptType = str | dict[str, Any]
 ChatMessages = list[dict[str, Any]]
+P = TypeVar("P", SamplingParams, PoolingParams)
 
 
 class LLM:
@@ -117,7 +127,7 @@ class LLM:
                 (needs ``enable_lora=True``).
         """
         requests = _normalize_prompts(prompts, prompt_token_ids)
-        params = _per_prompt_params(sampling_params, len(requests))
+        params = _per_prompt(sampling_params, SamplingParams, len(requests), "sampling_params")
         return self._run(requests, params, use_tqdm, _per_prompt_lora(lora_request, len(requests)))
 
     def chat(
@@ -163,7 +173,7 @@ class LLM:
             }
             for conversation in conversations
         ]
-        params = _per_prompt_params(sampling_params, len(requests))
+        params = _per_prompt(sampling_params, SamplingParams, len(requests), "sampling_params")
         return self._run(requests, params, use_tqdm, _per_prompt_lora(lora_request, len(requests)))
 
     def beam_search(
@@ -194,10 +204,87 @@ class LLM:
             results.append(BeamSearchOutput(sequences=sequences))
         return results
 
+    def embed(
+        self,
+        prompts: PromptType | SequenceABC[PromptType] | None = None,
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+        *,
+        prompt_token_ids: list[int] | list[list[int]] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """The embedding of each prompt, in prompt order (a pooling model: ``runner="pooling"``).
+
+        ``pooling_params``: one for all prompts, or one per prompt; ``dimensions`` truncates
+        (Matryoshka models only), ``normalize`` overrides the model's pooler config. Prompts
+        longer than max_model_len raise ValueError before anything is queued.
+        """
+        outputs = self.encode(
+            prompts,
+            pooling_params,
+            prompt_token_ids=prompt_token_ids,
+            use_tqdm=use_tqdm,
+            lora_request=lora_request,
+        )
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
+
+    def encode(
+        self,
+        prompts: PromptType | SequenceABC[PromptType] | None = None,
+        pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+        *,
+        prompt_token_ids: list[int] | list[list[int]] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled vector as a PoolingRequestOutput (``outputs.data``, a tensor);
+        ``embed`` returns the same as lists of floats. Arguments as ``embed``'s."""
+        if self.llm_engine.config.pooler_config is None:
+            raise ValueError(
+                "LLM.embed and LLM.encode need a pooling model: this LLM runs with runner='generate' "
+                "(create it with runner='pooling')"
+            )
+        requests = _normalize_prompts(prompts, prompt_token_ids)
+        params = _per_prompt(pooling_params, PoolingParams, len(requests), "pooling_params")
+        return self._run(requests, params, use_tqdm, _per_prompt_lora(lora_request, len(requests)))
+
+    def score(
+        self,
+        data_1: str | SequenceABC[str],
+        data_2: str | SequenceABC[str],
+        /,
+        *,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """The similarity of text pairs with an embedding model: the cosine of their embeddings
+        (vLLM's score for embedding models). One ``data_1`` is paired with each ``data_2`` (1 -> N),
+        else the two lists one for one (N -> N)."""
+        pairs = pair_inputs(data_1, data_2, str, ("data_1", "data_2"))
+        embeddings = self.embed(
+            [text for pair in pairs for text in pair],
+            pooling_params,
+            use_tqdm=use_tqdm,
+            lora_request=lora_request,
+        )
+        outputs = []
+        for first, second in zip(embeddings[::2], embeddings[1::2]):
+            score = cosine_similarity(first.outputs.embedding, second.outputs.embedding)
+            outputs.append(
+                ScoringRequestOutput(
+                    f"{first.request_id}_{second.request_id}",
+                    ScoringOutput(score),
+                    first.prompt_token_ids + second.prompt_token_ids,
+                    True,
+                )
+            )
+        return outputs
+
     def _run(
         self,
         requests: list[dict[str, Any]],
-        params: list[SamplingParams],
+        params: list[SamplingParams] | list[PoolingParams],
         use_tqdm: bool,
         lora_requests: list[LoRARequest | None],
     ) -> list[RequestOutput]:
@@ -209,13 +296,15 @@ class LLM:
                 request_id = str(next(self._request_counter))
                 try:
                     with self._engine_lock:
+                        pooling = isinstance(request_params, PoolingParams)
                         engine.add_request(
                             request_id,
                             prompt=request.get("prompt"),
-                            sampling_params=request_params,
+                            sampling_params=None if pooling else request_params,
                             prompt_token_ids=request.get("prompt_token_ids"),
                             stream=False,
                             lora_request=lora,
+                            pooling_params=request_params if pooling else None,
                         )
                         self._generating.add(request_id)
                 except ValueError as e:
@@ -295,10 +384,12 @@ class LLM:
                 if not output.finished:
                     continue
                 finished[output.request_id] = output
+                progress.update(1)
+                if not isinstance(output, RequestOutput):
+                    continue  # a pooling model's: no tokens out
                 num_output_tokens += sum(len(o.token_ids) for o in output.outputs)
                 if output.error and not output.failed:  # the engine logs the failed ones
                     logger.warning("request %s failed: %s", output.request_id, output.error)
-                progress.update(1)
                 progress.set_postfix_str(
                     f"output {num_output_tokens / (time.perf_counter() - start):.1f} tok/s"
                 )
@@ -343,19 +434,17 @@ def _is_token_id(value: object) -> bool:
     return not isinstance(value, bool)
 
 
-def _per_prompt_params(
-    sampling_params: SamplingParams | SequenceABC[SamplingParams] | None, num_prompts: int
-) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * num_prompts
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * num_prompts
-    if len(sampling_params) != num_prompts:
+def _per_prompt(params: Any, kind: type[P], num_prompts: int, name: str) -> list[P]:
+    """One ``kind`` (default-made when None) for all prompts, or the list of one per prompt."""
+    if params is None:
+        return [kind()] * num_prompts
+    if isinstance(params, kind):
+        return [params] * num_prompts
+    if len(params) != num_prompts:
         raise ValueError(
-            f"sampling_params has {len(sampling_params)} entries for {num_prompts} prompts: "
-            "give one, or one per prompt"
+            f"{name} has {len(params)} entries for {num_prompts} prompts: give one, or one per prompt"
         )
-    return list(sampling_params)
+    return list(params)
 
 
 def _per_prompt_lora(

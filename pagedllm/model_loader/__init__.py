@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import os
 from collections.abc import Callable, Iterator
 
@@ -132,8 +133,24 @@ def _load_weights(
             ) | keep_embedding_quantized(path, model, hf_config, model_config.dtype)
         weights = iterate_gguf_weights(path, model, hf_config, model_config.dtype, raw_names)
     else:
-        weights = iterate_safetensors_weights(model_config.model)
+        weights = _with_decoder_prefix(iterate_safetensors_weights(model_config.model))
     model.load_weights(weights)
+
+
+# The first tensor names of a bare Llama-style decoder's checkpoint (transformers' *Model).
+_BARE_DECODER_NAMES = ("embed_tokens.", "layers.", "norm.")
+
+
+def _with_decoder_prefix(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A bare decoder's checkpoint (transformers' *Model, as embedding models such as
+    Qwen3-Embedding ship theirs) names its tensors without the "model." of the *ForCausalLM
+    implementation it runs on: add it (vLLM's pooling models load both layouts)."""
+    first = next(weights, None)
+    if first is None:
+        return
+    bare = first[0].startswith(_BARE_DECODER_NAMES)
+    for name, tensor in itertools.chain([first], weights):
+        yield (f"model.{name}" if bare and not name.startswith("lm_head.") else name), tensor
 
 
 def _gguf_path(model_config: ModelConfig) -> str | None:

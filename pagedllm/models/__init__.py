@@ -36,6 +36,17 @@ _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
 }
 
+# Bare decoders (transformers' *Model, no LM head): checkpoints of embedding models such as
+# Qwen3-Embedding's or e5-mistral's. They run as pooling models (runner "auto" picks pooling), on
+# the same implementation: their tensors lack the "model." prefix (model_loader adds it).
+POOLING_ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaModel": LlamaForCausalLM,
+    "MistralModel": LlamaForCausalLM,
+    "Qwen2Model": LlamaForCausalLM,
+    "Qwen3Model": LlamaForCausalLM,
+}
+_MODEL_REGISTRY.update(POOLING_ARCHITECTURES)
+
 # config.model_type -> the architecture it means, for configs without ``architectures`` (as
 # transformers' AutoModelForCausalLM maps them).
 _MODEL_TYPE_ARCHITECTURES = {

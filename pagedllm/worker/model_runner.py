@@ -26,7 +26,7 @@ from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import InputBuffers, to_device
 from pagedllm.worker.request_logits import RequestLogitsProcessors
 from pagedllm.worker.spec_decode import DraftVerifier, VerifiedSamples
-from pagedllm.worker.step_inputs import ModelInput, plan_step, stage_model_input
+from pagedllm.worker.step_inputs import ModelInput, StepPlan, plan_step, stage_model_input
 
 
 class StepOutput:
@@ -219,6 +219,11 @@ class ModelRunner:
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInput:
         """The step's flattened batch, decodes first, in the input buffers (worker/step_inputs.py)."""
+        plan = self.plan_inputs(scheduler_output)
+        return stage_model_input(plan, self.input_batch, self.buffers, self.block_size)
+
+    def plan_inputs(self, scheduler_output: SchedulerOutput) -> StepPlan:
+        """The step's flattened batch on the host (and the adapters' rows, with LoRA)."""
         num_scheduled = scheduler_output.num_scheduled_tokens
         plan = plan_step(
             self.input_batch,
@@ -234,7 +239,7 @@ class ModelRunner:
                 plan.query_start_loc,
                 plan.pad_to,
             )
-        return stage_model_input(plan, self.input_batch, self.buffers, self.block_size)
+        return plan
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput, kv_caches: list[KVCache]) -> StepOutput:
@@ -246,19 +251,7 @@ class ModelRunner:
         if not scheduler_output.total_num_scheduled_tokens:
             return StepOutput(None, None, [], [], self.device)
         model_input = self.prepare_inputs(scheduler_output)
-        if model_input.graph_num_seqs is not None:
-            assert self.graph_runner is not None
-            hidden_states = self.graph_runner.replay(model_input.graph_num_seqs)
-        elif self.compiled_decode is not None and CompiledDecode.applies(
-            model_input.attn_metadata, scheduler_output.total_num_scheduled_tokens
-        ):
-            hidden_states = self.compiled_decode(
-                model_input.input_ids, model_input.positions, kv_caches, model_input.attn_metadata
-            )
-        else:
-            hidden_states = self.model(
-                model_input.input_ids, model_input.positions, kv_caches, model_input.attn_metadata
-            )
+        hidden_states = self.run_model(model_input, scheduler_output.total_num_scheduled_tokens, kv_caches)
         if model_input.logits_indices.numel() == 0:
             return StepOutput(model_input, None, [], [], self.device)
         logits = self.model.compute_logits(hidden_states[model_input.logits_indices])
@@ -289,6 +282,19 @@ class ModelRunner:
         if num_sample_rows:
             self.logits_processors.after_launch(step)
         return step
+
+    def run_model(self, model_input: ModelInput, num_tokens: int, kv_caches: list[KVCache]) -> torch.Tensor:
+        """The forward pass: a captured graph, the compiled decode step or the eager model.
+        Returns the final hidden states, [num_tokens (padded under a graph), hidden_size]."""
+        assert self.model is not None
+        if model_input.graph_num_seqs is not None:
+            assert self.graph_runner is not None
+            return self.graph_runner.replay(model_input.graph_num_seqs)
+        if self.compiled_decode is not None and CompiledDecode.applies(model_input.attn_metadata, num_tokens):
+            return self.compiled_decode(
+                model_input.input_ids, model_input.positions, kv_caches, model_input.attn_metadata
+            )
+        return self.model(model_input.input_ids, model_input.positions, kv_caches, model_input.attn_metadata)
 
     def _score_prompts(
         self, logits: torch.Tensor, model_input: ModelInput

@@ -14,6 +14,7 @@ from pagedllm.models.utils import kv_cache_window
 from pagedllm.step_io import SchedulerOutput
 from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
 from pagedllm.worker.model_runner import ModelRunner, StepOutput
+from pagedllm.worker.pooling_runner import PoolingModelRunner
 
 
 class Worker:
@@ -52,7 +53,9 @@ class Worker:
             sliding_window=kv_cache_window(model_config.hf_config),
             keys_only=model_config.is_mla,
         )
-        self.model_runner = ModelRunner(config, self.attn_backend, rank)
+        # A pooling model's runner pools finished prompts where a generating one samples.
+        runner_class = ModelRunner if config.pooler_config is None else PoolingModelRunner
+        self.model_runner = runner_class(config, self.attn_backend, rank)
         self.cache_engine: CacheEngine | None = None
 
     def init_device(self) -> None:

@@ -155,7 +155,7 @@ def test_advisory_fields_are_accepted_and_output_changing_ones_refused(client, s
 
 
 def test_a_route_that_does_not_exist_is_named(server):
-    status, _, body = server.request("POST", "/v1/embeddings", {"input": "x"})
+    status, _, body = server.request("POST", "/v1/audio/speech", {"input": "x"})
     error = json.loads(body)["error"]
-    assert status == 404 and "POST /v1/embeddings" in error["message"]
-    assert server.request("POST", "/v1/embeddings", {"input": "x"}, authorize=False)[0] == 401
+    assert status == 404 and "POST /v1/audio/speech" in error["message"]
+    assert server.request("POST", "/v1/audio/speech", {"input": "x"}, authorize=False)[0] == 401

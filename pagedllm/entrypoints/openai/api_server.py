@@ -39,6 +39,7 @@ from pagedllm.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from pagedllm.entrypoints.openai.protocol_messages import MessagesCountTokensRequest, MessagesRequest
+from pagedllm.entrypoints.openai.protocol_pooling import EmbeddingRequest, RerankRequest, ScoreRequest
 from pagedllm.entrypoints.openai.protocol_responses import ResponsesRequest
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -51,6 +52,7 @@ from pagedllm.entrypoints.openai.serving_models import (
     UnloadLoRAAdapterRequest,
     parse_lora_modules,
 )
+from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling, refuse_generation_routes
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -253,7 +255,8 @@ def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI
     )
     tokenization = OpenAIServingTokenization(async_engine, settings.model_name, tokenizer, chat=chat)
     models = OpenAIServingModels(async_engine.config, settings.model_name, settings.lora_modules)
-    for handler in (completions, chat, tokenization):
+    pooling = OpenAIServingPooling(async_engine, settings.model_name, tokenizer)
+    for handler in (completions, chat, tokenization, pooling):
         handler.models = models
     responses = OpenAIServingResponses(chat)
     messages = OpenAIServingMessages(chat)
@@ -282,6 +285,9 @@ def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI
     if settings.limit_concurrency is not None:
         app.add_middleware(RequestLimitMiddleware, limit=settings.limit_concurrency)
     _add_error_handlers(app)
+
+    if async_engine.config.pooler_config is not None:
+        refuse_generation_routes(app)  # before the routes they refuse, so they match first
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
@@ -352,6 +358,26 @@ def build_app(async_engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI
     @app.post("/v1/messages/count_tokens")
     async def count_message_tokens(request: MessagesCountTokensRequest) -> Response:
         return JSONResponse(await messages.count_tokens(request))
+
+    # Pooling models (--runner pooling); a generating server answers them with a 400 saying so.
+    @app.post("/v1/embeddings")
+    async def create_embedding(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return _respond(await pooling.create_embedding(request, raw_request), raw_request)
+
+    @app.post("/pooling")
+    async def create_pooling(request: EmbeddingRequest, raw_request: Request) -> Response:
+        return _respond(await pooling.create_pooling(request, raw_request), raw_request)
+
+    @app.post("/v1/score")
+    @app.post("/score")
+    async def create_score(request: ScoreRequest, raw_request: Request) -> Response:
+        return _respond(await pooling.create_score(request, raw_request), raw_request)
+
+    @app.post("/v1/rerank")
+    @app.post("/rerank")
+    @app.post("/v2/rerank")
+    async def create_rerank(request: RerankRequest, raw_request: Request) -> Response:
+        return _respond(await pooling.create_rerank(request, raw_request), raw_request)
 
     return app
 

@@ -25,6 +25,7 @@ from pagedllm.entrypoints.openai.protocol import (
 )
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
@@ -256,7 +257,7 @@ class OpenAIServing:
         self,
         request_id: str,
         prompts: list[EnginePrompt],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         arrival_time: float,
         raw_request: Request,
         stream: bool,
@@ -265,11 +266,13 @@ class OpenAIServing:
         """Queue one engine request per prompt; the guard aborts them all when the client leaves,
         even while the later ones are still being queued. With ``stream`` each output holds what
         is new since the last (DELTA: the engine's frontend diffs, not the handler); without, one
-        output at the end (FINAL_ONLY).
+        output at the end (FINAL_ONLY; always, for a pooling model's PoolingParams).
 
         Refusals become APIErrors before anything streams; a refused prompt withdraws the others.
         """
-        params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        pooling = isinstance(params, PoolingParams)
+        if not pooling:
+            params.output_kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         engine_ids = [f"{request_id}-{next(_engine_request_counter)}" for _ in prompts]
         guard = DisconnectGuard(self.engine, raw_request, engine_ids)
         streams: list[RequestStream] = []
@@ -281,16 +284,17 @@ class OpenAIServing:
                     await self.engine.add_request(
                         engine_request_id,
                         prompt=prompt.text,
-                        sampling_params=params,
+                        sampling_params=None if pooling else params,
                         prompt_token_ids=prompt.token_ids,
                         arrival_time=arrival_time,
                         lora_request=lora_request,
+                        pooling_params=params if pooling else None,
                     )
                 )
         except BaseException as e:
             guard.close()
             if isinstance(e, ValueError):
-                fields = ("prompt", *SamplingParams.__dataclass_fields__)
+                fields = ("prompt", *type(params).__dataclass_fields__)
                 raise APIError(400, str(e), param=_named_field(str(e), fields)) from e
             if isinstance(e, AsyncEngineDeadError):
                 raise APIError(503, str(e), code="engine_unavailable") from e
