@@ -111,11 +111,11 @@ for stage in "${stages[@]}"; do
     sampler) run sampler python3 benchmarks/sampler.py --output-json "$OUT/sampler.json" ;;
     moe) run moe python3 -m pagedllm bench moe --output-json "$OUT/moe.json" ;;
     lora) run lora python3 -m pagedllm bench lora --output-json "$OUT/lora.json" ;;
-    w1-lora)  # issue 33's bar: >= 0.8x W1's output tok/s (run w1 in the same call)
+    w1-lora)  # LoRA's target: >= 0.8x W1's output tok/s (run w1 in the same call)
         run w1_lora python3 -m pagedllm bench throughput --workload W1 --num-loras 8 --lora-rank 16 \
             --output-json "$OUT/w1_lora.json"
         ;;
-    w3-lora)  # issue 33's bar: <= 1.1x W3's ms/token (run w3 in the same call)
+    w3-lora)  # LoRA's target: <= 1.1x W3's ms/token (run w3 in the same call)
         run w3_lora python3 -m pagedllm bench latency --lora-rank 16 --skip-eager --output-json "$OUT/w3_lora.json"
         ;;
     moe-sweep) run moe python3 -m pagedllm bench moe --sweep --output-json "$OUT/moe.json" ;;

@@ -1,4 +1,4 @@
-"""vLLM beside pagedllm on the GPU workloads (issue 34), alternating, in one call.
+"""vLLM beside pagedllm on the GPU workloads, alternating, in one call.
 
     python benchmarks/peers/vllm_peer.py --workloads W1 W3 W4 [--repeats 2] [--vllm-site /tmp/vllm-site]
         [--output-json benchmarks/results/vllm_peer.json]
