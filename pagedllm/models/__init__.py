@@ -14,6 +14,7 @@ from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM
 from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
+from pagedllm.models.qwen3_next import Qwen3NextForCausalLM
 
 # Hugging Face architecture name -> our implementation.
 _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -23,6 +24,7 @@ _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
@@ -49,6 +51,7 @@ _MODEL_TYPE_ARCHITECTURES = {
     "bloom": "BloomForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
@@ -89,6 +92,7 @@ __all__ = [
     "MixtralForCausalLM",
     "Olmo2ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM",
     "get_model_class",
     "get_supported_architectures",
 ]

@@ -148,6 +148,9 @@ class ModelRunner:
         )
         # With enable_lora: the model's projections wrapped, and the adapters' slots.
         self.lora_manager: LoRAModelManager | None = None
+        # Whether the model keeps a recurrent state per request (hybrid models): the step then
+        # carries each request's state row (worker/state_cache.py binds the state).
+        self.has_state = False
 
     def load_model(self) -> None:
         from pagedllm.model_loader import get_model
@@ -193,7 +196,7 @@ class ModelRunner:
 
     def capture_model(self, kv_caches: list[KVCache]) -> None:
         assert self.model is not None
-        if self.config.compile_cpu_decode and CompiledDecode.supports(self.model):
+        if self.config.compile_cpu_decode and not self.has_state and CompiledDecode.supports(self.model):
             self.compiled_decode = CompiledDecode(self.model)
             self.compiled_decode.compile(kv_caches)
         if not self.use_cuda_graphs:
@@ -229,7 +232,7 @@ class ModelRunner:
                 plan.query_start_loc,
                 plan.pad_to,
             )
-        return stage_model_input(plan, self.input_batch, self.buffers, self.block_size)
+        return stage_model_input(plan, self.input_batch, self.buffers, self.block_size, self.has_state)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput, kv_caches: list[KVCache]) -> StepOutput:

@@ -1,0 +1,232 @@
+"""Gated DeltaNet (Yang, Kautz and Hatamizadeh, ICLR 2025), the linear-attention layer of Qwen3-Next
+and Qwen3.5, over a flattened batch of requests each with its own recurrent state.
+
+Per token: projections to q, k (``num_k_heads`` of ``d_k``), v and an output gate z
+(``num_v_heads`` of ``d_v``, each key head serving ``num_v_heads / num_k_heads`` value heads), a
+write strength beta = sigmoid(b) and a decay g = -exp(A_log) * softplus(a + dt_bias) per value
+head; a causal depthwise conv1d (kernel ``linear_conv_kernel_dim``, SiLU) over [q | k | v]; the
+gated delta rule (gated_delta_rule.py); a gated RMSNorm per head, norm(o) * silu(z); the output
+projection.
+
+The step's sequences come as the attention metadata lays them out, decodes first: the decodes
+update their conv windows and states in one batched step; each prefill chunk runs the chunked rule
+from its request's state (zeros when the chunk starts at position 0). Both read and write
+``conv_state`` / ``ssm_state`` at the request's row, ``attn_metadata.state_slots``.
+
+Tensor parallelism splits the key heads (and the value heads they serve) across ranks: the
+checkpoint's fused projections group their outputs by key head, so a contiguous split of them is
+a split by head; the conv weight, whose channels are [q | k | v], is split in each part.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear, divide, narrow_shard
+from pagedllm.layers.linear_attention.conv1d import causal_conv1d_prefill, causal_conv1d_update
+from pagedllm.layers.linear_attention.gated_delta_rule import (
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
+from pagedllm.layers.linear_attention.state import LayerStateShape
+from pagedllm.layers.utils import CheckpointTensor, copy_weight
+
+
+class RMSNormGated(nn.Module):
+    """RMSNorm over each head's d_v features, then a SiLU gate: norm(x) * weight * silu(z)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """x, gate: [..., hidden_size] -> same shape and dtype as x."""
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * normed.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """Args: the config's ``hidden_size``, ``linear_num_key_heads``, ``linear_num_value_heads``,
+    ``linear_key_head_dim``, ``linear_value_head_dim``, ``linear_conv_kernel_dim`` and
+    ``rms_norm_eps`` (totals over ranks: this rank keeps 1 / tensor_parallel_size of the heads).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        tp_size = get_tensor_model_parallel_world_size()
+        check_head_split(num_k_heads, num_v_heads, tp_size)
+        self.num_k_heads = divide(num_k_heads, tp_size)  # this rank's
+        self.num_v_heads = divide(num_v_heads, tp_size)
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.group = num_v_heads // num_k_heads  # value heads per key head
+        self.key_dim = self.num_k_heads * head_k_dim
+        self.value_dim = self.num_v_heads * head_v_dim
+        total_key, total_value = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        self.in_proj_qkvz = ColumnParallelLinear(hidden_size, 2 * total_key + 2 * total_value, bias=False)
+        self.in_proj_ba = ColumnParallelLinear(hidden_size, 2 * num_v_heads, bias=False)
+        conv_dim = 2 * self.key_dim + self.value_dim
+        # Its weight only ([conv_dim, 1, kernel], this rank's channels): the conv runs in conv1d.py.
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False)
+        self.conv1d.weight.requires_grad_(False)
+        self.conv1d.weight.weight_loader = self._conv_weight_loader
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
+        for param in (self.dt_bias, self.A_log):
+            param.weight_loader = self._head_weight_loader
+        self.norm = RMSNormGated(head_v_dim, eps)
+        self.out_proj = RowParallelLinear(total_value, hidden_size, bias=False)
+        self.state_shape = LayerStateShape(
+            (conv_dim, conv_kernel - 1), (self.num_v_heads, head_k_dim, head_v_dim)
+        )
+        # This layer's rows of the state cache (bind_state): [slots + 1, ...] each.
+        self.conv_state: torch.Tensor | None = None
+        self.ssm_state: torch.Tensor | None = None
+
+    @classmethod
+    def from_config(cls, config) -> GatedDeltaNet:
+        return cls(
+            config.hidden_size,
+            config.linear_num_key_heads,
+            config.linear_num_value_heads,
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
+            config.linear_conv_kernel_dim,
+            config.rms_norm_eps,
+        )
+
+    @staticmethod
+    def state_shape_of(config, tp_size: int) -> LayerStateShape:
+        """The state one request keeps in such a layer on one of ``tp_size`` ranks."""
+        check_head_split(config.linear_num_key_heads, config.linear_num_value_heads, tp_size)
+        num_k_heads = config.linear_num_key_heads // tp_size
+        num_v_heads = config.linear_num_value_heads // tp_size
+        dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+        conv_dim = 2 * num_k_heads * dk + num_v_heads * dv
+        return LayerStateShape((conv_dim, config.linear_conv_kernel_dim - 1), (num_v_heads, dk, dv))
+
+    def bind_state(self, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
+        assert conv_state.shape[1:] == self.state_shape.conv_shape, conv_state.shape
+        assert ssm_state.shape[1:] == self.state_shape.ssm_shape, ssm_state.shape
+        self.conv_state, self.ssm_state = conv_state, ssm_state
+
+    # --- loading ----------------------------------------------------------------------------
+
+    def _conv_weight_loader(
+        self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None
+    ) -> None:
+        """The checkpoint's [2 * key + value, 1, kernel]: this rank's heads of q, of k, of v."""
+        rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        key, value = self.key_dim, self.value_dim
+        parts = loaded_weight.split([key * tp_size, key * tp_size, value * tp_size], dim=0)
+        offset = 0
+        for part, size in zip(parts, (key, key, value)):
+            copy_weight(param.data[offset : offset + size], narrow_shard(part, 0, rank, size, tp_size))
+            offset += size
+
+    def _head_weight_loader(
+        self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None
+    ) -> None:
+        rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        copy_weight(param.data, narrow_shard(loaded_weight, 0, rank, self.num_v_heads, tp_size))
+
+    # --- forward ----------------------------------------------------------------------------
+
+    def forward(self, hidden_states: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """hidden_states: [num_tokens, hidden_size] -> same shape."""
+        num_tokens = hidden_states.shape[0]
+        dk, dv, group = self.head_k_dim, self.head_v_dim, self.group
+        # Outputs grouped by key head: [q (dk) | k (dk) | v (group * dv) | z (group * dv)] each.
+        qkvz = self.in_proj_qkvz(hidden_states).view(num_tokens, self.num_k_heads, -1)
+        q, k, v, z = qkvz.split([dk, dk, group * dv, group * dv], dim=-1)
+        b, a = self.in_proj_ba(hidden_states).view(num_tokens, self.num_k_heads, -1).split([group, group], -1)
+        mixed = torch.cat(
+            [q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1)], -1
+        )
+        beta = b.reshape(num_tokens, -1).sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.reshape(num_tokens, -1).float() + self.dt_bias)
+        core = self._mix(mixed, g, beta, attn_metadata)  # [num_tokens, num_v_heads, dv]
+        out = self.norm(core.to(hidden_states.dtype), z.reshape(num_tokens, self.num_v_heads, dv))
+        return self.out_proj(out.reshape(num_tokens, self.value_dim))
+
+    def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[n, conv_dim] -> q, k [n, num_k_heads, dk], v [n, num_v_heads, dv]."""
+        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        n = mixed.shape[0]
+        return (
+            q.reshape(n, self.num_k_heads, self.head_k_dim),
+            k.reshape(n, self.num_k_heads, self.head_k_dim),
+            v.reshape(n, self.num_v_heads, self.head_v_dim),
+        )
+
+    def _mix(
+        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        """The conv and the delta rule over every sequence of the step, reading and writing the
+        state rows. mixed: [num_tokens, conv_dim]; g, beta: [num_tokens, num_v_heads]."""
+        assert self.conv_state is not None and self.ssm_state is not None, "bind_state() first"
+        assert md.state_slots is not None, "a hybrid model's step needs state_slots"
+        out = mixed.new_empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32)
+        num_decodes = md.num_decodes
+        if num_decodes:
+            self._decode(mixed, g, beta, md, out)
+        weight = self.conv1d.weight[:, 0]
+        query_start_loc, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
+        for i in range(num_decodes, md.num_seqs):
+            start, end = query_start_loc[i], query_start_loc[i + 1]
+            slot = md.state_slots[i]
+            has_state = seq_lens[i] > end - start  # tokens before this chunk
+            conv_out, self.conv_state[slot] = causal_conv1d_prefill(
+                mixed[start:end], weight, None, self.conv_state[slot] if has_state else None
+            )
+            q, k, v = self._split_heads(conv_out)
+            out[start:end], self.ssm_state[slot] = chunk_gated_delta_rule(
+                q, k, v, g[start:end], beta[start:end], self.ssm_state[slot] if has_state else None
+            )
+        return out
+
+    def _decode(
+        self,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        md: AttentionMetadata,
+        out: torch.Tensor,
+    ) -> None:
+        """The decodes' one token each, batched, without a host sync (CUDA graphs replay it)."""
+        n = md.num_decodes
+        slots = md.state_slots[:n]
+        has_state = md.seq_lens[:n] > 1  # a one-token prompt starts from zeros
+        conv_out, self.conv_state[slots] = causal_conv1d_update(
+            mixed[:n], self.conv1d.weight[:, 0], None, self.conv_state[slots], has_state
+        )
+        q, k, v = self._split_heads(conv_out)
+        state = self.ssm_state[slots].float() * has_state[:, None, None, None]
+        out[:n], new_state = recurrent_gated_delta_rule(q, k, v, g[:n], beta[:n], state)
+        self.ssm_state[slots] = new_state.to(self.ssm_state.dtype)
+
+
+def check_head_split(num_k_heads: int, num_v_heads: int, tp_size: int) -> None:
+    """Refuse a head count the ranks cannot split (nor the value heads their key heads)."""
+    if num_v_heads % num_k_heads:
+        raise ValueError(
+            f"linear_num_value_heads ({num_v_heads}) must be a multiple of "
+            f"linear_num_key_heads ({num_k_heads})"
+        )
+    if num_k_heads % tp_size:
+        raise ValueError(
+            f"linear_num_key_heads ({num_k_heads}) must be divisible by tensor_parallel_size ({tp_size})"
+        )
