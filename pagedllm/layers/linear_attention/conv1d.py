@@ -41,7 +41,8 @@ def causal_conv1d_update(
     channels, kernel - 1]; has_state: [batch] bool, False for a sequence at its first token (its
     window is zeros whatever the slot holds). Returns (silu(conv(x)) [batch, channels], the new
     windows [batch, channels, kernel - 1])."""
-    conv_states = conv_states.to(x.dtype) * has_state[:, None, None].to(x.dtype)
+    # A select, not a product: whatever a fresh sequence's slot holds (even NaN) must not leak in.
+    conv_states = torch.where(has_state[:, None, None], conv_states.to(x.dtype), 0.0)
     window = torch.cat([conv_states, x[:, :, None]], dim=2)  # [batch, channels, kernel]
     out = (window * weight[None]).sum(dim=2)
     if bias is not None:

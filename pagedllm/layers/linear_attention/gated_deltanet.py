@@ -214,7 +214,7 @@ class GatedDeltaNet(nn.Module):
             mixed[:n], self.conv1d.weight[:, 0], None, self.conv_state[slots], has_state
         )
         q, k, v = self._split_heads(conv_out)
-        state = self.ssm_state[slots].float() * has_state[:, None, None, None]
+        state = torch.where(has_state[:, None, None, None], self.ssm_state[slots].float(), 0.0)
         out[:n], new_state = recurrent_gated_delta_rule(q, k, v, g[:n], beta[:n], state)
         self.ssm_state[slots] = new_state.to(self.ssm_state.dtype)
 
