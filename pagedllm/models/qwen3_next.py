@@ -11,6 +11,11 @@ few (``layer_types``, by default 3 linear then 1 full), as Hugging Face transfor
 * Feed-forward: sparse MoE (softmax top-k, renormalised when ``norm_topk_prob``) plus a shared
   expert scaled by sigmoid(shared_expert_gate(x)); dense SwiGLU on ``mlp_only_layers``.
 
+Qwen3.5's text models (``Qwen3_5ForCausalLM``, dense SwiGLU everywhere, and
+``Qwen3_5MoeForCausalLM``, MoE everywhere) are the same network with the Gated DeltaNet's input
+projections kept apart (``split_projections``); their multimodal rotary embedding reduces to the
+plain one on text, whose three position components are equal.
+
 Only the full-attention layers have a KV cache: ``kv_caches`` holds one per such layer, in order.
 """
 
@@ -33,10 +38,22 @@ from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope_parameter
 from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.models.llama import LlamaMLP, head_dim
 from pagedllm.models.moe import MoeForCausalLM, SparseMoeBlock
-from pagedllm.models.qwen3_moe import is_sparse_layer
 from pagedllm.models.utils import CausalLM
 
 LINEAR_ATTENTION = "linear_attention"
+# Qwen3.5's text model types, whose Gated DeltaNet keeps its four input projections apart.
+_SPLIT_PROJECTION_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
+
+
+def is_moe_layer(config: PretrainedConfig, layer_index: int) -> bool:
+    """Qwen3-Next's rule (``mlp_only_layers``, ``decoder_sparse_step``); Qwen3.5-MoE configs have
+    neither (every layer sparse), Qwen3.5's dense ones no experts."""
+    if not getattr(config, "num_experts", 0):
+        return False
+    step = getattr(config, "decoder_sparse_step", 1)
+    return (
+        layer_index not in (getattr(config, "mlp_only_layers", None) or []) and (layer_index + 1) % step == 0
+    )
 
 
 class Qwen3NextAttention(nn.Module):
@@ -102,7 +119,7 @@ class Qwen3NextSparseMoeBlock(SparseMoeBlock):
             config.num_experts_per_tok,
             config.hidden_size,
             config.moe_intermediate_size,
-            renormalize=config.norm_topk_prob,
+            renormalize=getattr(config, "norm_topk_prob", True),  # Qwen3.5-MoE always renormalises
             hidden_act=config.hidden_act,
         )
         self.shared_expert = LlamaMLP(config, intermediate_size=config.shared_expert_intermediate_size)
@@ -126,12 +143,13 @@ class Qwen3NextDecoderLayer(nn.Module):
         super().__init__()
         self.is_linear = config.layer_types[layer_index] == LINEAR_ATTENTION
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet.from_config(config)
+            split = config.model_type in _SPLIT_PROJECTION_TYPES
+            self.linear_attn = GatedDeltaNet.from_config(config, split_projections=split)
         else:
             self.self_attn = Qwen3NextAttention(config, rotary_emb, attn_backend)
         self.mlp = (
             Qwen3NextSparseMoeBlock(config)
-            if is_sparse_layer(config, layer_index)
+            if is_moe_layer(config, layer_index)
             else LlamaMLP(config, intermediate_size=config.intermediate_size)
         )
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -1,4 +1,4 @@
-"""Qwen3-Next (Gated DeltaNet + gated attention, shared-expert MoE) end to end against Hugging
+"""Qwen3-Next (Gated DeltaNet + gated attention, shared-expert MoE) and Qwen3.5 end to end against Hugging
 Face ``generate`` in float32 on the CPU: prompts several prefill chunks long, ragged batches with a
 one-token prompt, fewer state slots than requests (slots reused), preemption by recompute (a tiny
 KV cache), prefix caching asked for (disabled with a logged reason), and the refusals."""
@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3NextConfig
+from transformers import (
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
+)
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.scheduler import PreemptionMode
@@ -55,18 +61,43 @@ def _randomize(model: torch.nn.Module) -> None:
             param.copy_(scale * torch.randn(param.shape, generator=gen))
 
 
+# Qwen3.5's text models: the Gated DeltaNet's projections kept apart; dense, or MoE on every layer.
+_QWEN3_5_COMMON = {
+    key: value
+    for key, value in TINY_QWEN3_NEXT.items()
+    if key not in ("intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    and key not in ("shared_expert_intermediate_size", "mlp_only_layers")
+}
+QWEN3_5_CASES = {
+    "qwen3.5-dense": lambda: Qwen3_5TextConfig(intermediate_size=96, **_QWEN3_5_COMMON),
+    "qwen3.5-moe": lambda: Qwen3_5MoeTextConfig(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        **_QWEN3_5_COMMON,
+    ),
+}
+
+
 @pytest.fixture(scope="module")
 def qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list[int]], list[list[int]]]:
     """(model directory, ragged prompts, HF's greedy continuations)."""
     config = Qwen3NextConfig(**TINY_QWEN3_NEXT)
     assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    return _reference(config, tmp_path_factory, PROMPT_LENS)
+
+
+def _reference(
+    config: PretrainedConfig, tmp_path_factory: pytest.TempPathFactory, prompt_lens: tuple[int, ...]
+) -> tuple[str, list[list[int]], list[list[int]]]:
     torch.manual_seed(0)
     hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     _randomize(hf_model)
-    path = Path(tmp_path_factory.mktemp("tiny-qwen3-next"))
+    path = Path(tmp_path_factory.mktemp(config.model_type))
     hf_model.save_pretrained(path)
     rng = random.Random(0)
-    prompts = [[rng.randrange(config.vocab_size) for _ in range(n)] for n in PROMPT_LENS]
+    prompts = [[rng.randrange(config.vocab_size) for _ in range(n)] for n in prompt_lens]
     expected = []
     for prompt in prompts:
         ids = torch.tensor([prompt])
@@ -105,6 +136,15 @@ def test_greedy_matches_hf_over_chunked_prefills_and_a_ragged_batch(qwen3_next) 
     path, prompts, expected = qwen3_next
     llm, outputs = _generate(path, prompts[:4], max_num_seqs=4)
     assert outputs == expected[:4]
+    _assert_state_slots_free(llm)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(QWEN3_5_CASES))
+def test_qwen3_5_greedy_matches_hf(case: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    path, prompts, expected = _reference(QWEN3_5_CASES[case](), tmp_path_factory, PROMPT_LENS[:3])
+    llm, outputs = _generate(path, prompts, max_num_seqs=4)
+    assert outputs == expected
     _assert_state_slots_free(llm)
 
 

@@ -13,6 +13,10 @@ update their conv windows and states in one batched step; each prefill chunk run
 from its request's state (zeros when the chunk starts at position 0). Both read and write
 ``conv_state`` / ``ssm_state`` at the request's row, ``attn_metadata.state_slots``.
 
+Qwen3-Next's checkpoints fuse the input projections as ``in_proj_qkvz`` and ``in_proj_ba``, their
+outputs grouped by key head; Qwen3.5's keep ``in_proj_qkv`` ([q | k | v], the conv's channel
+order), ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` (``split_projections``, chosen once).
+
 Tensor parallelism splits the key heads (and the value heads they serve) across ranks: the
 checkpoint's fused projections group their outputs by key head, so a contiguous split of them is
 a split by head; the conv weight, whose channels are [q | k | v], is split in each part.
@@ -53,7 +57,8 @@ class RMSNormGated(nn.Module):
 class GatedDeltaNet(nn.Module):
     """Args: the config's ``hidden_size``, ``linear_num_key_heads``, ``linear_num_value_heads``,
     ``linear_key_head_dim``, ``linear_value_head_dim``, ``linear_conv_kernel_dim`` and
-    ``rms_norm_eps`` (totals over ranks: this rank keeps 1 / tensor_parallel_size of the heads).
+    ``rms_norm_eps`` (totals over ranks: this rank keeps 1 / tensor_parallel_size of the heads);
+    ``split_projections``: Qwen3.5's four input projections instead of Qwen3-Next's two.
     """
 
     def __init__(
@@ -65,6 +70,7 @@ class GatedDeltaNet(nn.Module):
         head_v_dim: int,
         conv_kernel: int,
         eps: float,
+        split_projections: bool = False,
     ) -> None:
         super().__init__()
         tp_size = get_tensor_model_parallel_world_size()
@@ -76,13 +82,22 @@ class GatedDeltaNet(nn.Module):
         self.key_dim = self.num_k_heads * head_k_dim
         self.value_dim = self.num_v_heads * head_v_dim
         total_key, total_value = num_k_heads * head_k_dim, num_v_heads * head_v_dim
-        self.in_proj_qkvz = ColumnParallelLinear(hidden_size, 2 * total_key + 2 * total_value, bias=False)
-        self.in_proj_ba = ColumnParallelLinear(hidden_size, 2 * num_v_heads, bias=False)
+        if split_projections:
+            self.in_proj_qkv = ColumnParallelLinear(hidden_size, 2 * total_key + total_value, bias=False)
+            self.in_proj_qkv.weight.weight_loader = self._qkv_weight_loader
+            self.in_proj_z = ColumnParallelLinear(hidden_size, total_value, bias=False)
+            self.in_proj_b = ColumnParallelLinear(hidden_size, num_v_heads, bias=False)
+            self.in_proj_a = ColumnParallelLinear(hidden_size, num_v_heads, bias=False)
+            self._project = self._project_split
+        else:
+            self.in_proj_qkvz = ColumnParallelLinear(hidden_size, 2 * total_key + 2 * total_value, bias=False)
+            self.in_proj_ba = ColumnParallelLinear(hidden_size, 2 * num_v_heads, bias=False)
+            self._project = self._project_fused
         conv_dim = 2 * self.key_dim + self.value_dim
         # Its weight only ([conv_dim, 1, kernel], this rank's channels): the conv runs in conv1d.py.
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False)
         self.conv1d.weight.requires_grad_(False)
-        self.conv1d.weight.weight_loader = self._conv_weight_loader
+        self.conv1d.weight.weight_loader = self._qkv_weight_loader
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_v_heads), requires_grad=False)
         for param in (self.dt_bias, self.A_log):
@@ -97,7 +112,7 @@ class GatedDeltaNet(nn.Module):
         self.ssm_state: torch.Tensor | None = None
 
     @classmethod
-    def from_config(cls, config) -> GatedDeltaNet:
+    def from_config(cls, config, split_projections: bool = False) -> GatedDeltaNet:
         return cls(
             config.hidden_size,
             config.linear_num_key_heads,
@@ -106,6 +121,7 @@ class GatedDeltaNet(nn.Module):
             config.linear_value_head_dim,
             config.linear_conv_kernel_dim,
             config.rms_norm_eps,
+            split_projections,
         )
 
     @staticmethod
@@ -125,10 +141,11 @@ class GatedDeltaNet(nn.Module):
 
     # --- loading ----------------------------------------------------------------------------
 
-    def _conv_weight_loader(
+    def _qkv_weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None
     ) -> None:
-        """The checkpoint's [2 * key + value, 1, kernel]: this rank's heads of q, of k, of v."""
+        """A checkpoint tensor whose rows are [q | k | v] (the conv weight, [2 * key + value, 1,
+        kernel]; Qwen3.5's in_proj_qkv): this rank's heads of q, of k, of v."""
         rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         key, value = self.key_dim, self.value_dim
         parts = loaded_weight.split([key * tp_size, key * tp_size, value * tp_size], dim=0)
@@ -148,19 +165,28 @@ class GatedDeltaNet(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """hidden_states: [num_tokens, hidden_size] -> same shape."""
         num_tokens = hidden_states.shape[0]
-        dk, dv, group = self.head_k_dim, self.head_v_dim, self.group
-        # Outputs grouped by key head: [q (dk) | k (dk) | v (group * dv) | z (group * dv)] each.
-        qkvz = self.in_proj_qkvz(hidden_states).view(num_tokens, self.num_k_heads, -1)
-        q, k, v, z = qkvz.split([dk, dk, group * dv, group * dv], dim=-1)
-        b, a = self.in_proj_ba(hidden_states).view(num_tokens, self.num_k_heads, -1).split([group, group], -1)
-        mixed = torch.cat(
-            [q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1)], -1
-        )
-        beta = b.reshape(num_tokens, -1).sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.reshape(num_tokens, -1).float() + self.dt_bias)
+        mixed, z, b, a = self._project(hidden_states)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         core = self._mix(mixed, g, beta, attn_metadata)  # [num_tokens, num_v_heads, dv]
-        out = self.norm(core.to(hidden_states.dtype), z.reshape(num_tokens, self.num_v_heads, dv))
+        out = self.norm(
+            core.to(hidden_states.dtype), z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
+        )
         return self.out_proj(out.reshape(num_tokens, self.value_dim))
+
+    def _project_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x: [n, hidden] -> mixed [n, conv_dim] ([q | k | v]), z [n, value_dim], b, a [n, heads]."""
+        n, dk, dv, group = x.shape[0], self.head_k_dim, self.head_v_dim, self.group
+        # Outputs grouped by key head: [q (dk) | k (dk) | v (group * dv) | z (group * dv)] each.
+        q, k, v, z = (
+            self.in_proj_qkvz(x).view(n, self.num_k_heads, -1).split([dk, dk, group * dv, group * dv], -1)
+        )
+        b, a = self.in_proj_ba(x).view(n, self.num_k_heads, -1).split([group, group], -1)
+        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], -1)
+        return mixed, z.reshape(n, -1), b.reshape(n, -1), a.reshape(n, -1)
+
+    def _project_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
     def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[n, conv_dim] -> q, k [n, num_k_heads, dk], v [n, num_v_heads, dv]."""
