@@ -8,10 +8,8 @@ head; a causal depthwise conv1d (kernel ``linear_conv_kernel_dim``, SiLU) over [
 gated delta rule (gated_delta_rule.py); a gated RMSNorm per head, norm(o) * silu(z); the output
 projection.
 
-The step's sequences come as the attention metadata lays them out, decodes first: the decodes
-update their conv windows and states in one batched step; each prefill chunk runs the chunked rule
-from its request's state (zeros when the chunk starts at position 0). Both read and write
-``conv_state`` / ``ssm_state`` at the request's row, ``attn_metadata.state_slots``.
+The decodes of a step run the one-token rule as a batch, each prefill chunk the chunked rule,
+from and into the request's state row (mixer.py).
 
 Qwen3-Next's checkpoints fuse the input projections as ``in_proj_qkvz`` and ``in_proj_ba``, their
 outputs grouped by key head; Qwen3.5's keep ``in_proj_qkv`` ([q | k | v], the conv's channel
@@ -31,11 +29,11 @@ from torch import nn
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear, divide, narrow_shard
-from pagedllm.layers.linear_attention.conv1d import causal_conv1d_prefill, causal_conv1d_update
 from pagedllm.layers.linear_attention.gated_delta_rule import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
+from pagedllm.layers.linear_attention.mixer import StatefulMixer
 from pagedllm.layers.linear_attention.state import LayerStateShape
 from pagedllm.layers.utils import CheckpointTensor, copy_weight
 
@@ -54,7 +52,7 @@ class RMSNormGated(nn.Module):
         return ((self.weight * normed.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(StatefulMixer):
     """Args: the config's ``hidden_size``, ``linear_num_key_heads``, ``linear_num_value_heads``,
     ``linear_key_head_dim``, ``linear_value_head_dim``, ``linear_conv_kernel_dim`` and
     ``rms_norm_eps`` (totals over ranks: this rank keeps 1 / tensor_parallel_size of the heads);
@@ -107,9 +105,6 @@ class GatedDeltaNet(nn.Module):
         self.state_shape = LayerStateShape(
             (conv_dim, conv_kernel - 1), (self.num_v_heads, head_k_dim, head_v_dim)
         )
-        # This layer's rows of the state cache (bind_state): [slots + 1, ...] each.
-        self.conv_state: torch.Tensor | None = None
-        self.ssm_state: torch.Tensor | None = None
 
     @classmethod
     def from_config(cls, config, split_projections: bool = False) -> GatedDeltaNet:
@@ -133,11 +128,6 @@ class GatedDeltaNet(nn.Module):
         dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
         conv_dim = 2 * num_k_heads * dk + num_v_heads * dv
         return LayerStateShape((conv_dim, config.linear_conv_kernel_dim - 1), (num_v_heads, dk, dv))
-
-    def bind_state(self, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
-        assert conv_state.shape[1:] == self.state_shape.conv_shape, conv_state.shape
-        assert ssm_state.shape[1:] == self.state_shape.ssm_shape, ssm_state.shape
-        self.conv_state, self.ssm_state = conv_state, ssm_state
 
     # --- loading ----------------------------------------------------------------------------
 
@@ -168,7 +158,7 @@ class GatedDeltaNet(nn.Module):
         mixed, z, b, a = self._project(hidden_states)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        core = self._mix(mixed, g, beta, attn_metadata)  # [num_tokens, num_v_heads, dv]
+        core = self.mix(mixed, (g, beta), attn_metadata)  # [num_tokens, num_v_heads, dv]
         out = self.norm(
             core.to(hidden_states.dtype), z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
         )
@@ -198,51 +188,17 @@ class GatedDeltaNet(nn.Module):
             v.reshape(n, self.num_v_heads, self.head_v_dim),
         )
 
-    def _mix(
-        self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, md: AttentionMetadata
-    ) -> torch.Tensor:
-        """The conv and the delta rule over every sequence of the step, reading and writing the
-        state rows. mixed: [num_tokens, conv_dim]; g, beta: [num_tokens, num_v_heads]."""
-        assert self.conv_state is not None and self.ssm_state is not None, "bind_state() first"
-        assert md.state_slots is not None, "a hybrid model's step needs state_slots"
-        out = mixed.new_empty(mixed.shape[0], self.num_v_heads, self.head_v_dim, dtype=torch.float32)
-        num_decodes = md.num_decodes
-        if num_decodes:
-            self._decode(mixed, g, beta, md, out)
-        weight = self.conv1d.weight[:, 0]
-        query_start_loc, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
-        for i in range(num_decodes, md.num_seqs):
-            start, end = query_start_loc[i], query_start_loc[i + 1]
-            slot = md.state_slots[i]
-            has_state = seq_lens[i] > end - start  # tokens before this chunk
-            conv_out, self.conv_state[slot] = causal_conv1d_prefill(
-                mixed[start:end], weight, None, self.conv_state[slot] if has_state else None
-            )
-            q, k, v = self._split_heads(conv_out)
-            out[start:end], self.ssm_state[slot] = chunk_gated_delta_rule(
-                q, k, v, g[start:end], beta[start:end], self.ssm_state[slot] if has_state else None
-            )
-        return out
-
-    def _decode(
-        self,
-        mixed: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
-        md: AttentionMetadata,
-        out: torch.Tensor,
-    ) -> None:
-        """The decodes' one token each, batched, without a host sync (CUDA graphs replay it)."""
-        n = md.num_decodes
-        slots = md.state_slots[:n]
-        has_state = md.seq_lens[:n] > 1  # a one-token prompt starts from zeros
-        conv_out, self.conv_state[slots] = causal_conv1d_update(
-            mixed[:n], self.conv1d.weight[:, 0], None, self.conv_state[slots], has_state
-        )
+    def _step(
+        self, conv_out: torch.Tensor, inputs: tuple[torch.Tensor, ...], state: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v = self._split_heads(conv_out)
-        state = torch.where(has_state[:, None, None, None], self.ssm_state[slots].float(), 0.0)
-        out[:n], new_state = recurrent_gated_delta_rule(q, k, v, g[:n], beta[:n], state)
-        self.ssm_state[slots] = new_state.to(self.ssm_state.dtype)
+        return recurrent_gated_delta_rule(q, k, v, *inputs, state)
+
+    def _chunk(
+        self, conv_out: torch.Tensor, inputs: tuple[torch.Tensor, ...], state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = self._split_heads(conv_out)
+        return chunk_gated_delta_rule(q, k, v, *inputs, state)
 
 
 def check_head_split(num_k_heads: int, num_v_heads: int, tp_size: int) -> None:
