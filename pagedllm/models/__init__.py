@@ -12,6 +12,7 @@ from pagedllm.models.gpt2 import GPT2LMHeadModel
 from pagedllm.models.gpt_oss import GptOssForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
+from pagedllm.models.nemotron_h import NemotronHForCausalLM
 from pagedllm.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM
 from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
 from pagedllm.models.qwen3_next import Qwen3NextForCausalLM
@@ -38,6 +39,7 @@ _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 
 # config.model_type -> the architecture it means, for configs without ``architectures`` (as
@@ -63,6 +65,7 @@ _MODEL_TYPE_ARCHITECTURES = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
 }
 
 
@@ -94,6 +97,7 @@ __all__ = [
     "GptOssForCausalLM",
     "LlamaForCausalLM",
     "MixtralForCausalLM",
+    "NemotronHForCausalLM",
     "Olmo2ForCausalLM",
     "Qwen3MoeForCausalLM",
     "Qwen3NextForCausalLM",

@@ -1,12 +1,17 @@
-"""Gated DeltaNet's torch references against independent oracles: transformers' token-by-token
-gated delta rule (``torch_recurrent_gated_delta_rule``) for the chunked prefill form and the
-one-step update, and a whole-sequence ``F.conv1d`` for the conv window carried across chunks."""
+"""The linear-attention torch references against independent oracles: transformers' token-by-token
+gated delta rule (``torch_recurrent_gated_delta_rule``) for Gated DeltaNet's chunked prefill form
+and one-step update; transformers' Mamba-2 chunk scan and selective state update for the SSD
+forms; a whole-sequence ``F.conv1d`` for the conv window carried across chunks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.models.nemotron_h.modeling_nemotron_h import (
+    mamba2_chunk_scan,
+    mamba2_selective_state_update,
+)
 from transformers.models.qwen3_next.modeling_qwen3_next import torch_recurrent_gated_delta_rule
 
 from pagedllm.layers.linear_attention.conv1d import causal_conv1d_prefill, causal_conv1d_update
@@ -14,6 +19,7 @@ from pagedllm.layers.linear_attention.gated_delta_rule import (
     chunk_gated_delta_rule,
     recurrent_gated_delta_rule,
 )
+from pagedllm.layers.linear_attention.ssd import ssd_chunk_scan, ssd_step
 
 ATOL = 1e-5
 
@@ -105,3 +111,51 @@ def test_conv_window_across_chunks_and_decodes_matches_whole_sequence_conv(kerne
         outs.append(out[:1])
         state = new_states[0]
     torch.testing.assert_close(torch.cat(outs), expected, atol=ATOL, rtol=0)
+
+
+def _ssd_inputs(num_tokens: int, num_heads: int = 4, n_groups: int = 2, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, num_heads, 6, generator=gen)
+    dt = F.softplus(torch.randn(num_tokens, num_heads, generator=gen))
+    A = -2 * torch.rand(num_heads, generator=gen)
+    B = torch.randn(num_tokens, n_groups, 5, generator=gen)
+    C = torch.randn(num_tokens, n_groups, 5, generator=gen)
+    D = torch.randn(num_heads, generator=gen)
+    state = torch.randn(num_heads, 6, 5, generator=gen)
+    return x, dt, A, B, C, D, state
+
+
+@pytest.mark.parametrize("num_tokens", [1, 9, 37])
+@pytest.mark.parametrize("chunk_size", [4, 16])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_ssd_chunk_scan_matches_transformers(num_tokens: int, chunk_size: int, with_state: bool) -> None:
+    x, dt, A, B, C, D, state = _ssd_inputs(num_tokens)
+    state = state if with_state else None
+    expected, expected_state = mamba2_chunk_scan(
+        x[None],
+        dt[None],
+        A,
+        B[None],
+        C[None],
+        chunk_size=8,
+        D=D,
+        initial_states=None if state is None else state[None],
+        return_final_states=True,
+    )
+    y, final = ssd_chunk_scan(x, dt, A, B, C, D, state, chunk_size=chunk_size)
+    torch.testing.assert_close(y, expected[0], atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(final, expected_state[0], atol=ATOL, rtol=1e-5)
+
+
+def test_ssd_step_matches_transformers_selective_state_update() -> None:
+    x, dt, A, B, C, D, _ = _ssd_inputs(3)  # three sequences, one token each
+    gen = torch.Generator().manual_seed(5)
+    state = torch.randn(3, 4, 6, 5, generator=gen)
+    expected_state = state.clone()
+    heads = lambda t: t[:, :, None].expand(-1, -1, 6)  # noqa: E731 (per head -> per head and dim)
+    expected = mamba2_selective_state_update(
+        expected_state, x, heads(dt), A[:, None, None].expand(-1, 6, 5), B, C, D[:, None].expand(-1, 6)
+    )
+    y, new_state = ssd_step(x, dt, A, B, C, D, state)
+    torch.testing.assert_close(y, expected, atol=ATOL, rtol=1e-5)
+    torch.testing.assert_close(new_state, expected_state, atol=ATOL, rtol=1e-5)

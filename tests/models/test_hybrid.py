@@ -1,4 +1,5 @@
-"""Qwen3-Next (Gated DeltaNet + gated attention, shared-expert MoE) and Qwen3.5 end to end against Hugging
+"""Hybrid models end to end: Qwen3-Next (Gated DeltaNet + gated attention, shared-expert MoE),
+Qwen3.5 (dense and MoE) and Nemotron-H (Mamba-2 + attention + MLP layers), against Hugging
 Face ``generate`` in float32 on the CPU: prompts several prefill chunks long, ragged batches with a
 one-token prompt, fewer state slots than requests (slots reused), preemption by recompute (a tiny
 KV cache), prefix caching asked for (disabled with a logged reason), and the refusals."""
@@ -13,6 +14,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    NemotronHConfig,
     PretrainedConfig,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
@@ -20,9 +22,11 @@ from transformers import (
 )
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.core.scheduler import PreemptionMode
 from pagedllm.layers.linear_attention.gated_deltanet import GatedDeltaNet
 from pagedllm.layers.linear_attention.state import LayerStateShape, StateCacheSpec
+from pagedllm.models.nemotron_h import NemotronHBlock
 from pagedllm.worker.state_cache import kv_budget_after_state
 
 MAX_TOKENS = 10
@@ -57,7 +61,7 @@ def _randomize(model: torch.nn.Module) -> None:
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            scale = 1.0 if "A_log" in name else 0.2 if param.ndim > 1 else 0.1
+            scale = 1.0 if "A_log" in name or "dt_bias" in name else 0.2 if param.ndim > 1 else 0.1
             param.copy_(scale * torch.randn(param.shape, generator=gen))
 
 
@@ -78,6 +82,30 @@ QWEN3_5_CASES = {
         **_QWEN3_5_COMMON,
     ),
 }
+
+
+# Nemotron-H: Mamba-2, MLP, attention (no positions), Mamba-2, MLP; 8 heads of 8 in 2 groups.
+TINY_NEMOTRON_H = dict(
+    vocab_size=160,
+    hidden_size=64,
+    num_hidden_layers=5,
+    layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    mamba_num_heads=8,
+    mamba_head_dim=8,
+    n_groups=2,
+    ssm_state_size=16,
+    intermediate_size=96,
+    chunk_size=16,
+    max_position_embeddings=512,
+)
+
+
+@pytest.fixture(scope="module")
+def nemotron_h(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list[int]], list[list[int]]]:
+    return _reference(NemotronHConfig(**TINY_NEMOTRON_H), tmp_path_factory, PROMPT_LENS)
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +165,31 @@ def test_greedy_matches_hf_over_chunked_prefills_and_a_ragged_batch(qwen3_next) 
     llm, outputs = _generate(path, prompts[:4], max_num_seqs=4)
     assert outputs == expected[:4]
     _assert_state_slots_free(llm)
+
+
+@pytest.mark.slow
+def test_nemotron_h_greedy_matches_hf_over_chunked_prefills_and_a_ragged_batch(nemotron_h) -> None:
+    path, prompts, expected = nemotron_h
+    llm, outputs = _generate(path, prompts[:4], max_num_seqs=4)
+    assert outputs == expected[:4]
+    _assert_state_slots_free(llm)
+
+
+@pytest.mark.slow
+def test_nemotron_h_greedy_matches_hf_through_preemption_and_slot_reuse(nemotron_h) -> None:
+    path, prompts, expected = nemotron_h
+    llm, outputs = _generate(
+        path, prompts[4:], max_num_seqs=2, block_size=4, num_kv_blocks=18, max_model_len=64
+    )
+    assert outputs == expected[4:]
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions[PreemptionMode.RECOMPUTE] >= 1
+    _assert_state_slots_free(llm)
+
+
+def test_nemotron_h_moe_layers_are_refused() -> None:
+    config = NemotronHConfig(**{**TINY_NEMOTRON_H, "layers_block_type": ["linear_attention", "moe"]})
+    with pytest.raises(ValueError, match="layers_block_type 'moe'"):
+        NemotronHBlock(config, 1, TorchAttentionBackend)
 
 
 @pytest.mark.slow
