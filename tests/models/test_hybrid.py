@@ -7,15 +7,12 @@ KV cache), prefix caching asked for (disabled with a logged reason), and the ref
 from __future__ import annotations
 
 import logging
-import random
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import torch
 from transformers import (
-    AutoModelForCausalLM,
     NemotronHConfig,
-    PretrainedConfig,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
     Qwen3NextConfig,
@@ -54,15 +51,6 @@ TINY_QWEN3_NEXT = dict(
     mlp_only_layers=[1],
     tie_word_embeddings=False,
 )
-
-
-def _randomize(model: torch.nn.Module) -> None:
-    """Weights large enough that every one matters (HF's init zeroes the zero-centred norms)."""
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            scale = 1.0 if "A_log" in name or "dt_bias" in name else 0.2 if param.ndim > 1 else 0.1
-            param.copy_(scale * torch.randn(param.shape, generator=gen))
 
 
 # Qwen3.5's text models: the Gated DeltaNet's projections kept apart; dense, or MoE on every layer.
@@ -104,41 +92,16 @@ TINY_NEMOTRON_H = dict(
 
 
 @pytest.fixture(scope="module")
-def nemotron_h(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list[int]], list[list[int]]]:
-    return _reference(NemotronHConfig(**TINY_NEMOTRON_H), tmp_path_factory, PROMPT_LENS)
+def nemotron_h(make_hybrid_reference: Callable) -> tuple[str, list[list[int]], list[list[int]]]:
+    return make_hybrid_reference(NemotronHConfig(**TINY_NEMOTRON_H), PROMPT_LENS, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
-def qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list[int]], list[list[int]]]:
+def qwen3_next(make_hybrid_reference: Callable) -> tuple[str, list[list[int]], list[list[int]]]:
     """(model directory, ragged prompts, HF's greedy continuations)."""
     config = Qwen3NextConfig(**TINY_QWEN3_NEXT)
     assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
-    return _reference(config, tmp_path_factory, PROMPT_LENS)
-
-
-def _reference(
-    config: PretrainedConfig, tmp_path_factory: pytest.TempPathFactory, prompt_lens: tuple[int, ...]
-) -> tuple[str, list[list[int]], list[list[int]]]:
-    torch.manual_seed(0)
-    hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    _randomize(hf_model)
-    path = Path(tmp_path_factory.mktemp(config.model_type))
-    hf_model.save_pretrained(path)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(config.vocab_size) for _ in range(n)] for n in prompt_lens]
-    expected = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        out = hf_model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-            eos_token_id=None,
-        )
-        expected.append(out[0, len(prompt) :].tolist())
-    return str(path), prompts, expected
+    return make_hybrid_reference(config, PROMPT_LENS, MAX_TOKENS)
 
 
 def _generate(path: str, prompts: list[list[int]], **kwargs) -> tuple[LLM, list[list[int]]]:
@@ -194,8 +157,8 @@ def test_nemotron_h_moe_layers_are_refused() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(QWEN3_5_CASES))
-def test_qwen3_5_greedy_matches_hf(case: str, tmp_path_factory: pytest.TempPathFactory) -> None:
-    path, prompts, expected = _reference(QWEN3_5_CASES[case](), tmp_path_factory, PROMPT_LENS[:3])
+def test_qwen3_5_greedy_matches_hf(case: str, make_hybrid_reference: Callable) -> None:
+    path, prompts, expected = make_hybrid_reference(QWEN3_5_CASES[case](), PROMPT_LENS[:3], MAX_TOKENS)
     llm, outputs = _generate(path, prompts, max_num_seqs=4)
     assert outputs == expected
     _assert_state_slots_free(llm)

@@ -53,6 +53,8 @@ class RMSNormGated(nn.Module):
 
 
 class GatedDeltaNet(StatefulMixer):
+    has_triton_decode = True
+
     """Args: the config's ``hidden_size``, ``linear_num_key_heads``, ``linear_num_value_heads``,
     ``linear_key_head_dim``, ``linear_value_head_dim``, ``linear_conv_kernel_dim`` and
     ``rms_norm_eps`` (totals over ranks: this rank keeps 1 / tensor_parallel_size of the heads);
@@ -193,6 +195,21 @@ class GatedDeltaNet(StatefulMixer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v = self._split_heads(conv_out)
         return recurrent_gated_delta_rule(q, k, v, *inputs, state)
+
+    def _decode_triton(
+        self, mixed: torch.Tensor, inputs: list[torch.Tensor], md: AttentionMetadata
+    ) -> torch.Tensor:
+        """The conv and the rule's step as two fused kernels, each reading and writing the state
+        rows in place (kernels/triton/linear_attention.py)."""
+        from pagedllm.kernels.triton.linear_attention import causal_conv1d_update, gated_delta_rule_update
+
+        n = md.num_decodes
+        slots, has_state = md.state_slots[:n], md.seq_lens[:n] > 1
+        conv_out = causal_conv1d_update(
+            mixed, self.conv1d.weight[:, 0], self.conv1d.bias, self.conv_state, slots, has_state
+        )
+        q, k, v = self._split_heads(conv_out)
+        return gated_delta_rule_update(q, k, v, *inputs, self.ssm_state, slots, has_state)
 
     def _chunk(
         self, conv_out: torch.Tensor, inputs: tuple[torch.Tensor, ...], state: torch.Tensor | None

@@ -6,19 +6,28 @@ as one batch (``_step``: one token each, from their states, without a host sync,
 can replay it); each prefill chunk runs on its own (``_chunk``) from its request's state, or from
 zeros when it starts at position 0 (the slot may still hold a previous owner's state). Both read
 and write ``conv_state`` / ``ssm_state`` at the rows ``attn_metadata.state_slots`` names.
+
+The decode step is chosen once for the device (a ``CustomOp``: ``forward_method`` is the decode
+step here): the torch reference, which gathers the rows, steps and scatters them back, or, where
+Triton runs and the layer has them, its fused kernels, which update the rows in place.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
 
 import torch
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.linear_attention.conv1d import causal_conv1d_prefill, causal_conv1d_update
 from pagedllm.layers.linear_attention.state import LayerStateShape
+from pagedllm.platform import Platform
 
 
-class StatefulMixer(nn.Module):
+class StatefulMixer(CustomOp):
     """A subclass sets ``conv1d`` (its weight [conv_dim, 1, kernel] and bias, used as parameters
     only), ``state_shape``, and the recurrence: ``_step`` over a batch of single tokens, ``_chunk``
     over one sequence's tokens. ``inputs`` are per-token tensors ([num_tokens, ...]) beside the
@@ -26,12 +35,23 @@ class StatefulMixer(nn.Module):
 
     conv1d: nn.Conv1d
     state_shape: LayerStateShape
+    # Whether the subclass has fused decode kernels (``_decode_triton``).
+    has_triton_decode: ClassVar[bool] = False
 
     def __init__(self) -> None:
         super().__init__()
         # This layer's rows of the state cache (bind_state): [slots + 1, ...] each.
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+
+    def dispatch_forward(self, platform: Platform, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+        """The decode step for the device."""
+        return self._decode_triton if platform.triton and self.has_triton_decode else self._decode_torch
+
+    def _decode_triton(
+        self, mixed: torch.Tensor, inputs: list[torch.Tensor], md: AttentionMetadata
+    ) -> torch.Tensor:
+        raise NotImplementedError
 
     def bind_state(self, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
         assert conv_state.shape[1:] == self.state_shape.conv_shape, conv_state.shape
@@ -62,7 +82,7 @@ class StatefulMixer(nn.Module):
         outputs = []
         num_decodes = md.num_decodes
         if num_decodes:
-            outputs.append(self._decode(mixed[:num_decodes], [x[:num_decodes] for x in inputs], md))
+            outputs.append(self.forward_method(mixed[:num_decodes], [x[:num_decodes] for x in inputs], md))
         query_start_loc, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
         for i in range(num_decodes, md.num_seqs):
             start, end = query_start_loc[i], query_start_loc[i + 1]
@@ -77,7 +97,10 @@ class StatefulMixer(nn.Module):
             outputs.append(out)
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
-    def _decode(self, mixed: torch.Tensor, inputs: list[torch.Tensor], md: AttentionMetadata) -> torch.Tensor:
+    def _decode_torch(
+        self, mixed: torch.Tensor, inputs: list[torch.Tensor], md: AttentionMetadata
+    ) -> torch.Tensor:
+        """mixed: [num_decodes, conv_dim]; inputs: [num_decodes, ...] each."""
         n = md.num_decodes
         slots = md.state_slots[:n]
         has_state = md.seq_lens[:n] > 1  # a one-token prompt starts from zeros
