@@ -126,3 +126,34 @@ def test_greedy_on_cuda_matches_hf(case: str, enforce_eager: bool, make_hybrid_r
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_fla_varlen_prefill_matches_the_torch_chunked_rule(group: int) -> None:
+    """Gated DeltaNet's prefill through flash-linear-attention (when installed): three chunks,
+    one continuing its sequence's state, in one varlen call, against the torch chunked rule."""
+    pytest.importorskip("fla", reason="the fla extra (flash-linear-attention) is not installed")
+    from pagedllm.layers.linear_attention.gated_deltanet import GatedDeltaNet
+
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        layer = GatedDeltaNet(128, 2, 2 * group, 64, 64, 4, 1e-6)
+    assert layer.prefill_method == layer._prefill_fla
+    num_rows = 6
+    layer.bind_state(
+        torch.zeros(num_rows, *layer.state_shape.conv_shape, device=DEVICE),
+        torch.randn(num_rows, *layer.state_shape.ssm_shape, device=DEVICE),
+    )
+    lengths, has_state = [37, 1, 130], [False, True, False]
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    total = sum(lengths)
+    conv_out = torch.randn(total, layer.state_shape.conv_shape[0], device=DEVICE)
+    g = -torch.rand(total, layer.num_v_heads, device=DEVICE)
+    beta = torch.rand(total, layer.num_v_heads, device=DEVICE)
+    before = layer.ssm_state.clone()
+    out = layer._prefill_fla(conv_out, (g, beta), lengths, slots, has_state)
+    after = layer.ssm_state.clone()
+    layer.ssm_state.copy_(before)
+    expected = layer._prefill_torch(conv_out, (g, beta), lengths, slots, has_state)
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(after, layer.ssm_state, atol=2e-3, rtol=2e-3)

@@ -22,6 +22,8 @@ a split by head; the conv weight, whose channels are [q | k | v], is split in ea
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,6 +56,7 @@ class RMSNormGated(nn.Module):
 
 class GatedDeltaNet(StatefulMixer):
     has_triton_decode = True
+    has_fla_prefill = True
 
     """Args: the config's ``hidden_size``, ``linear_num_key_heads``, ``linear_num_value_heads``,
     ``linear_key_head_dim``, ``linear_value_head_dim``, ``linear_conv_kernel_dim`` and
@@ -210,6 +213,39 @@ class GatedDeltaNet(StatefulMixer):
         )
         q, k, v = self._split_heads(conv_out)
         return gated_delta_rule_update(q, k, v, *inputs, self.ssm_state, slots, has_state)
+
+    def _prefill_fla(
+        self,
+        conv_out: torch.Tensor,
+        inputs: tuple[torch.Tensor, ...],
+        lengths: list[int],
+        slots: torch.Tensor,
+        has_state: list[bool],
+    ) -> torch.Tensor:
+        """Every prefill chunk of the step in one varlen call of flash-linear-attention's chunked
+        gated delta rule (the WY/UT form on the GPU), from and into the chunks' state rows."""
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+
+        g, beta = inputs
+        q, k, v = self._split_heads(conv_out)
+        if self.group > 1:  # each key head serves `group` value heads
+            q, k = q.repeat_interleave(self.group, dim=1), k.repeat_interleave(self.group, dim=1)
+        keep = torch.tensor(has_state, device=conv_out.device)[:, None, None, None]
+        initial = torch.where(keep, self.ssm_state[slots].float(), 0.0)
+        cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], device=conv_out.device)
+        out, final = fla_chunk_gated_delta_rule(
+            q[None].contiguous(),
+            k[None].contiguous(),
+            v[None].contiguous(),
+            g[None].float(),
+            beta[None].to(q.dtype),
+            initial_state=initial,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            cu_seqlens=cu_seqlens,
+        )
+        self.ssm_state[slots] = final.to(self.ssm_state.dtype)
+        return out[0].float()
 
     def _chunk(
         self, conv_out: torch.Tensor, inputs: tuple[torch.Tensor, ...], state: torch.Tensor | None

@@ -9,11 +9,15 @@ and write ``conv_state`` / ``ssm_state`` at the rows ``attn_metadata.state_slots
 
 The decode step is chosen once for the device (a ``CustomOp``: ``forward_method`` is the decode
 step here): the torch reference, which gathers the rows, steps and scatters them back, or, where
-Triton runs and the layer has them, its fused kernels, which update the rows in place.
+Triton runs and the layer has them, its fused kernels, which update the rows in place. So is the
+prefill recurrence (``prefill_method``): the torch reference, a chunk at a time, or one varlen call
+of flash-linear-attention's chunked kernels over every chunk of the step (Gated DeltaNet on CUDA,
+with the ``fla`` package installed: ``pip install pagedllm[fla]``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -27,6 +31,11 @@ from pagedllm.layers.linear_attention.state import LayerStateShape
 from pagedllm.platform import Platform
 
 
+def fla_installed() -> bool:
+    """Whether flash-linear-attention (the ``fla`` package) is installed (looked up, not imported)."""
+    return importlib.util.find_spec("fla") is not None
+
+
 class StatefulMixer(CustomOp):
     """A subclass sets ``conv1d`` (its weight [conv_dim, 1, kernel] and bias, used as parameters
     only), ``state_shape``, and the recurrence: ``_step`` over a batch of single tokens, ``_chunk``
@@ -35,8 +44,10 @@ class StatefulMixer(CustomOp):
 
     conv1d: nn.Conv1d
     state_shape: LayerStateShape
-    # Whether the subclass has fused decode kernels (``_decode_triton``).
+    # Whether the subclass has fused decode kernels (``_decode_triton``), and a varlen prefill
+    # through flash-linear-attention (``_prefill_fla``, used where Triton runs and fla is installed).
     has_triton_decode: ClassVar[bool] = False
+    has_fla_prefill: ClassVar[bool] = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,8 +56,20 @@ class StatefulMixer(CustomOp):
         self.ssm_state: torch.Tensor | None = None
 
     def dispatch_forward(self, platform: Platform, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
-        """The decode step for the device."""
+        """The decode step for the device; sets the prefill recurrence (``prefill_method``) too."""
+        fused_prefill = platform.triton and self.has_fla_prefill and fla_installed()
+        self.prefill_method = self._prefill_fla if fused_prefill else self._prefill_torch
         return self._decode_triton if platform.triton and self.has_triton_decode else self._decode_torch
+
+    def _prefill_fla(
+        self,
+        conv_out: torch.Tensor,
+        inputs: tuple[torch.Tensor, ...],
+        lengths: list[int],
+        slots: torch.Tensor,
+        has_state: list[bool],
+    ) -> torch.Tensor:
+        raise NotImplementedError
 
     def _decode_triton(
         self, mixed: torch.Tensor, inputs: list[torch.Tensor], md: AttentionMetadata
@@ -83,19 +106,52 @@ class StatefulMixer(CustomOp):
         num_decodes = md.num_decodes
         if num_decodes:
             outputs.append(self.forward_method(mixed[:num_decodes], [x[:num_decodes] for x in inputs], md))
-        query_start_loc, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
-        for i in range(num_decodes, md.num_seqs):
-            start, end = query_start_loc[i], query_start_loc[i + 1]
-            slot = md.state_slots[i]
-            has_state = seq_lens[i] > end - start  # tokens before this chunk
-            conv_out, self.conv_state[slot] = causal_conv1d_prefill(
-                mixed[start:end], weight, bias, self.conv_state[slot] if has_state else None
+        if md.num_seqs > num_decodes:
+            query_start_loc, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
+            lengths, has_state, conv_outs = [], [], []
+            for i in range(num_decodes, md.num_seqs):
+                start, end = query_start_loc[i], query_start_loc[i + 1]
+                slot = md.state_slots[i]
+                lengths.append(end - start)
+                has_state.append(seq_lens[i] > end - start)  # tokens before this chunk
+                conv_out, self.conv_state[slot] = causal_conv1d_prefill(
+                    mixed[start:end], weight, bias, self.conv_state[slot] if has_state[-1] else None
+                )
+                conv_outs.append(conv_out)
+            first = query_start_loc[num_decodes]
+            outputs.append(
+                self.prefill_method(
+                    torch.cat(conv_outs),
+                    tuple(x[first:] for x in inputs),
+                    lengths,
+                    md.state_slots[num_decodes:],
+                    has_state,
+                )
             )
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+    def _prefill_torch(
+        self,
+        conv_out: torch.Tensor,
+        inputs: tuple[torch.Tensor, ...],
+        lengths: list[int],
+        slots: torch.Tensor,
+        has_state: list[bool],
+    ) -> torch.Tensor:
+        """The prefill chunks' recurrence, one sequence at a time. conv_out, inputs: the chunks'
+        tokens, [sum(lengths), ...]; slots: [num_chunks]; has_state: whether each chunk continues
+        its sequence (else it starts from zeros)."""
+        outputs, start = [], 0
+        for slot, length, keep in zip(slots, lengths, has_state):
+            end = start + length
             out, self.ssm_state[slot] = self._chunk(
-                conv_out, tuple(x[start:end] for x in inputs), self.ssm_state[slot] if has_state else None
+                conv_out[start:end],
+                tuple(x[start:end] for x in inputs),
+                self.ssm_state[slot] if keep else None,
             )
             outputs.append(out)
-        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+            start = end
+        return torch.cat(outputs)
 
     def _decode_torch(
         self, mixed: torch.Tensor, inputs: list[torch.Tensor], md: AttentionMetadata
