@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from transformers import (
+    AutoConfig,
     NemotronHConfig,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
@@ -21,9 +22,11 @@ from transformers import (
 from pagedllm import LLM, SamplingParams
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.core.scheduler import PreemptionMode
+from pagedllm.entrypoints.bench.workloads import WORKLOADS
 from pagedllm.layers.linear_attention.gated_deltanet import GatedDeltaNet
 from pagedllm.layers.linear_attention.state import LayerStateShape, StateCacheSpec
 from pagedllm.models.nemotron_h import NemotronHBlock
+from pagedllm.models.qwen3_next import Qwen3NextForCausalLM
 from pagedllm.worker.state_cache import kv_budget_after_state
 
 MAX_TOKENS = 10
@@ -226,6 +229,15 @@ def test_state_per_request_is_constant_in_the_context_length() -> None:
     for max_len in (512, 32768):
         config.max_position_embeddings = max_len
         assert GatedDeltaNet.state_shape_of(config, 1) == LayerStateShape((64, 3), (4, 8, 8))
+
+
+def test_w6_config_is_a_hybrid_with_constant_state_per_request() -> None:
+    """benchmarks/README.md's figures for W6: 18 linear and 6 attention layers, 19.8 MB of bf16
+    state per request."""
+    config = AutoConfig.from_pretrained(WORKLOADS["W6"].model)
+    assert Qwen3NextForCausalLM.num_attention_layers(config) == 6
+    spec = StateCacheSpec(tuple(Qwen3NextForCausalLM.state_shapes(config, 1)), torch.bfloat16, 256)
+    assert len(spec.layer_shapes) == 18 and spec.slot_bytes == 18 * (8192 * 3 + 32 * 128 * 128) * 2
 
 
 def test_state_cache_comes_out_of_the_kv_budget() -> None:
