@@ -126,6 +126,7 @@ def _assert_state_slots_free(llm: LLM) -> None:
     assert pool is not None and pool.get_num_free_slots() == pool.num_slots
 
 
+@pytest.mark.slow
 def test_greedy_matches_hf_over_chunked_prefills_and_a_ragged_batch(qwen3_next) -> None:
     path, prompts, expected = qwen3_next
     llm, outputs = _generate(path, prompts[:4], max_num_seqs=4)
