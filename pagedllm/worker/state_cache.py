@@ -62,7 +62,8 @@ def kv_budget_after_state(budget: int, spec: StateCacheSpec | None) -> int:
     if left <= 0:
         raise ValueError(
             f"the recurrent-state cache needs {spec.total_bytes} bytes ({spec.num_slots} slots of "
-            f"{spec.slot_bytes} bytes, max_num_seqs), more than the KV budget of {budget} bytes: lower "
-            "max_num_seqs or raise kv_cache_memory"
+            f"{spec.slot_bytes} bytes, max_num_seqs), more than the {budget} bytes it can have: lower "
+            "max_num_seqs or give the cache more memory (kv_cache_memory on the CPU, "
+            "gpu_memory_utilization on a GPU)"
         )
     return left

@@ -87,6 +87,10 @@ class Worker:
             self._check_weights_fit()
         self.model_runner.load_model()
         if self.state_cache_spec is not None:
+            if self.device.type == "cuda":  # refuse it before an allocation fails
+                free, total = torch.cuda.mem_get_info(self.device)
+                utilization = self.config.cache_config.gpu_memory_utilization
+                kv_budget_after_state(int(min(free, total * utilization)), self.state_cache_spec)
             # Before the profile run: on a GPU the profiler then counts the state as in use.
             self.state_cache = StateCache(self.state_cache_spec, self.device)
             self.state_cache.bind(self.model_runner.model)

@@ -245,5 +245,5 @@ def test_state_cache_comes_out_of_the_kv_budget() -> None:
     spec = StateCacheSpec((LayerStateShape((48, 3), (4, 8, 8)),) * 3, torch.float32, num_slots=4)
     assert spec.slot_bytes == 3 * (48 * 3 + 4 * 8 * 8) * 4
     assert kv_budget_after_state(10**6, spec) == 10**6 - 5 * spec.slot_bytes  # 4 slots + scratch
-    with pytest.raises(ValueError, match="lower max_num_seqs or raise kv_cache_memory"):
+    with pytest.raises(ValueError, match="lower max_num_seqs or give the cache more memory"):
         kv_budget_after_state(spec.slot_bytes, spec)
