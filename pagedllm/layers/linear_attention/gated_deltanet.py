@@ -27,6 +27,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
@@ -112,7 +113,7 @@ class GatedDeltaNet(StatefulMixer):
         )
 
     @classmethod
-    def from_config(cls, config, split_projections: bool = False) -> GatedDeltaNet:
+    def from_config(cls, config: PretrainedConfig, split_projections: bool = False) -> GatedDeltaNet:
         return cls(
             config.hidden_size,
             config.linear_num_key_heads,
@@ -125,7 +126,7 @@ class GatedDeltaNet(StatefulMixer):
         )
 
     @staticmethod
-    def state_shape_of(config, tp_size: int) -> LayerStateShape:
+    def state_shape_of(config: PretrainedConfig, tp_size: int) -> LayerStateShape:
         """The state one request keeps in such a layer on one of ``tp_size`` ranks."""
         check_head_split(config.linear_num_key_heads, config.linear_num_value_heads, tp_size)
         num_k_heads = config.linear_num_key_heads // tp_size

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PretrainedConfig
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.layers.linear import ReplicatedLinear
@@ -45,7 +46,7 @@ class Mamba2Mixer(StatefulMixer):
     ``n_groups``, ``ssm_state_size``, ``conv_kernel``, ``use_conv_bias``, ``use_bias``,
     ``chunk_size``, ``time_step_min``, ``layer_norm_epsilon``."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         self.num_heads, self.head_dim = config.mamba_num_heads, config.mamba_head_dim
         self.n_groups, self.state_size = config.n_groups, config.ssm_state_size
@@ -75,7 +76,7 @@ class Mamba2Mixer(StatefulMixer):
         self.state_shape = self.state_shape_of(config)
 
     @staticmethod
-    def state_shape_of(config) -> LayerStateShape:
+    def state_shape_of(config: PretrainedConfig) -> LayerStateShape:
         """The state one request keeps in such a layer (the same on every rank)."""
         d_inner = config.mamba_num_heads * config.mamba_head_dim
         conv_dim = d_inner + 2 * config.n_groups * config.ssm_state_size
