@@ -140,6 +140,12 @@ class ModelConfig:
         return self.hf_config.num_hidden_layers
 
     @property
+    def has_recurrent_state(self) -> bool:
+        """A hybrid model: some layers keep a recurrent state per request instead of a KV cache
+        (Qwen3-Next's Gated DeltaNet ``linear_attention`` layers)."""
+        return "linear_attention" in (getattr(self.hf_config, "layer_types", None) or ())
+
+    @property
     def is_mla(self) -> bool:
         """Multi-head latent attention (DeepSeek-V2): the cache holds one latent per token."""
         return getattr(self.hf_config, "kv_lora_rank", None) is not None
@@ -461,6 +467,11 @@ class EngineConfig:
                 "False with speculative_config (drafts need the previous step's tokens on the host)",
                 self.async_scheduling,
             )
+            if self.model_config.has_recurrent_state:
+                raise ValueError(
+                    "speculative_config is not supported on models with linear-attention layers: their "
+                    "recurrent state cannot roll back rejected drafts"
+                )
         if self.pooler_config is not None:
             # The pooler reads every prompt token's hidden state: none may come from the cache.
             _require(

@@ -44,6 +44,8 @@ class NewRequestData:
     num_top_tokens: int
     # The adapter it runs with (enable_lora), or None.
     lora_request: LoRARequest | None = None
+    # Its row of the recurrent-state cache (hybrid models, core/state_cache.py); -1: none.
+    state_slot: int = -1
 
 
 @dataclass

@@ -562,3 +562,35 @@ def make_prompts() -> Callable[..., list[list[int]]]:
 def save_peft_adapter() -> Callable[..., str]:
     """save_adapter(hf_model, directory, rank, targets, alpha=16.0, use_rslora=False, seed=0)."""
     return save_adapter
+
+
+def _randomize_hybrid(model: PreTrainedModel) -> None:
+    """Weights large enough that every one matters (HF's init zeroes the zero-centred norms; the
+    state-space decay parameters get unit scale so that the states both keep and forget)."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            scale = 1.0 if "A_log" in name or "dt_bias" in name else 0.2 if param.ndim > 1 else 0.1
+            param.copy_(scale * torch.randn(param.shape, generator=generator))
+
+
+@pytest.fixture(scope="session")
+def make_hybrid_reference(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Callable[[PretrainedConfig, tuple[int, ...], int], tuple[str, list[list[int]], list[list[int]]]]:
+    """make(config, prompt_lens, max_tokens) -> (directory of a random float32 model of ``config``
+    saved there, random prompts of those lengths, HF ``generate``'s greedy continuations)."""
+
+    def make(
+        config: PretrainedConfig, prompt_lens: tuple[int, ...], max_tokens: int
+    ) -> tuple[str, list[list[int]], list[list[int]]]:
+        torch.manual_seed(0)
+        hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        _randomize_hybrid(hf_model)
+        path = tmp_path_factory.mktemp(config.model_type)
+        hf_model.save_pretrained(path)
+        rng = random.Random(0)
+        prompts = [[rng.randrange(config.vocab_size) for _ in range(n)] for n in prompt_lens]
+        return str(path), prompts, hf_greedy(hf_model, prompts, max_tokens, "cpu")
+
+    return make

@@ -42,6 +42,9 @@ class AttentionMetadata:
     # The shortest decode context (host int), for launches that size work by the spread of
     # lengths; 0 where unknown (a captured CUDA graph serves every length).
     min_decode_seq_len: int = 0
+    # [num_seqs] int64: each sequence's row of the recurrent-state cache (hybrid models'
+    # linear-attention layers; -1, the scratch row, for padding); None for other models.
+    state_slots: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

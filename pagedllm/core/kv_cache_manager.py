@@ -34,6 +34,11 @@ so the window's mask, are unchanged; blocks are dropped only once every query of
 least ``sliding_window`` past the sink blocks' last slot, so the sink blocks' tail (tokens past
 ``num_sink_tokens``) always falls outside the window.
 
+Hybrid models (linear-attention layers beside attention ones) also own a recurrent-state slot
+per request (``num_state_slots``, core/state_cache.py): taken at admission with the blocks, held
+while swapped, given back with them. Prefix reuse is off for them: a cached block carries the
+attention layers' K/V but not the state after its tokens.
+
 The scheduler asks questions (``can_allocate``, ``try_append_slot``, ``can_swap_in``) and gives
 orders; it never reads the tables. Workers hold a copy of every running request's table: the
 manager records which entries changed since they were last sent (``take_block_table_diff``).
@@ -42,12 +47,16 @@ manager records which entries changed since they were last sent (``take_block_ta
 from __future__ import annotations
 
 import enum
+import logging
 
 from pagedllm.core.block_pool import BlockAllocator, CachingBlockAllocator, Device, PhysicalTokenBlock
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.state_cache import StateSlotPool
 from pagedllm.step_io import SchedulerOutput
 
 BlockTable = list[PhysicalTokenBlock]
+
+logger = logging.getLogger(__name__)
 
 
 class AllocStatus(enum.Enum):
@@ -71,6 +80,8 @@ class KVCacheManager:
         num_sink_tokens: leading tokens kept whatever the window (attention sinks).
         max_blocks_per_request: the workers' block table width; with sinks a request may outgrow
             it in tokens, and is then never given all of its blocks at once (recomputed).
+        num_state_slots: recurrent-state slots of a hybrid model's linear-attention layers (0:
+            none); a request is admitted only with a free one.
     """
 
     def __init__(
@@ -83,6 +94,7 @@ class KVCacheManager:
         sliding_window: int | None = None,
         num_sink_tokens: int = 0,
         max_blocks_per_request: int | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         if num_sink_tokens and sliding_window is None:
             raise ValueError("num_sink_tokens needs a sliding_window")
@@ -93,6 +105,13 @@ class KVCacheManager:
         self.num_total_gpu_blocks = num_gpu_blocks
         self.num_total_cpu_blocks = num_cpu_blocks
         self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.state_pool = StateSlotPool(num_state_slots) if num_state_slots else None
+        if enable_prefix_caching and self.state_pool is not None:
+            logger.info(
+                "prefix caching disabled: the model's linear-attention layers keep a recurrent state "
+                "that cached KV blocks do not hold"
+            )
+            enable_prefix_caching = False
         self.enable_prefix_caching = enable_prefix_caching
         allocator_class = CachingBlockAllocator if enable_prefix_caching else BlockAllocator
         self.gpu_allocator = allocator_class(Device.DEVICE, block_size, num_gpu_blocks)
@@ -125,6 +144,8 @@ class KVCacheManager:
             return AllocStatus.NEVER
         if self.max_blocks_per_request is not None and num_required > self.max_blocks_per_request:
             return AllocStatus.NEVER
+        if self.state_pool is not None and not self.state_pool.can_allocate():
+            return AllocStatus.LATER
         if self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
@@ -138,6 +159,8 @@ class KVCacheManager:
         self._set_table(request.req_id, cached + [self.gpu_allocator.allocate() for _ in range(num_fresh)])
         self._num_cached_blocks[request.req_id] = len(cached)
         self._num_dropped[request.req_id] = 0
+        if self.state_pool is not None:
+            self.state_pool.allocate(request.req_id)
         request.num_computed_tokens = len(cached) * self.block_size
         if self.enable_prefix_caching:
             self.num_cache_queried_tokens += request.num_tokens
@@ -302,6 +325,8 @@ class KVCacheManager:
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent."""
+        if self.state_pool is not None:
+            raise ValueError("a request of a model with recurrent state cannot be forked (n, best_of, beams)")
         table = self._tables[parent.req_id]
         self._set_table(child.req_id, table.copy())
         self._num_cached_blocks[child.req_id] = self._num_cached_blocks[parent.req_id]
@@ -392,7 +417,10 @@ class KVCacheManager:
     # --- release --------------------------------------------------------------------------
 
     def free(self, request: Request) -> None:
-        """Drop the request's references to its blocks (a no-op if it holds none)."""
+        """Drop the request's references to its blocks and its state slot (a no-op if it holds
+        none)."""
+        if self.state_pool is not None:
+            self.state_pool.free(request.req_id)
         table = self._tables.pop(request.req_id, None)
         if table is None:
             return
@@ -418,6 +446,10 @@ class KVCacheManager:
         """The request's physical block numbers. The list itself, not a copy: read it, and only
         until the request's blocks next change."""
         return self._block_ids[request.req_id]
+
+    def get_state_slot(self, request: Request) -> int:
+        """The request's recurrent-state slot; -1 for a model without one."""
+        return -1 if self.state_pool is None else self.state_pool.slot_of(request.req_id)
 
     def get_blocks(self, request: Request) -> list[PhysicalTokenBlock]:
         """The request's blocks themselves (their ref counts and locations), for checks."""

@@ -328,7 +328,7 @@ def priority(request: Request) -> tuple[float, int]:
     return request.arrival_time, request.req_id
 
 
-def new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
+def new_request_data(request: Request, block_ids: list[int], state_slot: int = -1) -> NewRequestData:
     """The request in full, for workers that hold no row for it."""
     group = request.group
     return NewRequestData(
@@ -343,6 +343,7 @@ def new_request_data(request: Request, block_ids: list[int]) -> NewRequestData:
         min_tokens_stop_ids=group.min_tokens_stop_ids,
         num_top_tokens=group.num_top_tokens,
         lora_request=group.lora_request,
+        state_slot=state_slot,
     )
 
 

@@ -89,6 +89,7 @@ class Scheduler:
         speculative_config: draft tokens for decoding requests, verified by the same step
             (core/spec_decode.py); None: one token per decoding request and step.
         max_loras: most distinct LoRA adapters running at once (None: no LoRA).
+        num_state_slots: recurrent-state slots of a hybrid model (0: none; core/state_cache.py).
     """
 
     def __init__(
@@ -102,6 +103,7 @@ class Scheduler:
         num_sink_tokens: int = 0,
         speculative_config: SpeculativeConfig | None = None,
         max_loras: int | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         self.config = scheduler_config
         self.max_loras = max_loras
@@ -113,6 +115,7 @@ class Scheduler:
             sliding_window=sliding_window,
             num_sink_tokens=num_sink_tokens,
             max_blocks_per_request=-(-scheduler_config.max_model_len // block_size),
+            num_state_slots=num_state_slots,
         )
         self.max_context_len = None if num_sink_tokens else scheduler_config.max_model_len
         self.spec_decoding = (

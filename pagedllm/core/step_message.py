@@ -26,7 +26,9 @@ def describe_step(scheduled: list[Request], out: SchedulerOutput, kv: KVCacheMan
             out.num_dropped_tokens[req_id] = kv.get_num_dropped_tokens(request)
         if request.resend:
             request.resend = False
-            out.scheduled_new_reqs.append(new_request_data(request, kv.get_block_ids(request)))
+            out.scheduled_new_reqs.append(
+                new_request_data(request, kv.get_block_ids(request), kv.get_state_slot(request))
+            )
             kv.mark_sent(request)
         else:
             cached.req_ids.append(req_id)

@@ -135,6 +135,7 @@ class EngineCore:
             num_sink_tokens=config.model_config.attention_sinks,
             speculative_config=config.speculative_config,
             max_loras=config.lora_config.max_loras if config.lora_config else None,
+            num_state_slots=self.executor.get_kv_cache_spec().num_state_slots,
         )
         self.async_scheduling = config.async_scheduling
         # Live requests, by the caller's id.

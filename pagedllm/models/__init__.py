@@ -12,8 +12,10 @@ from pagedllm.models.gpt2 import GPT2LMHeadModel
 from pagedllm.models.gpt_oss import GptOssForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
+from pagedllm.models.nemotron_h import NemotronHForCausalLM
 from pagedllm.models.olmo2 import Exaone4ForCausalLM, Olmo2ForCausalLM
 from pagedllm.models.qwen3_moe import Qwen3MoeForCausalLM
+from pagedllm.models.qwen3_next import Qwen3NextForCausalLM
 
 # Hugging Face architecture name -> our implementation.
 _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -23,6 +25,9 @@ _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3NextForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
@@ -34,6 +39,7 @@ _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 
 # Bare decoders (transformers' *Model, no LM head): checkpoints of embedding models such as
@@ -60,6 +66,9 @@ _MODEL_TYPE_ARCHITECTURES = {
     "bloom": "BloomForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "phi3": "Phi3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
@@ -67,6 +76,7 @@ _MODEL_TYPE_ARCHITECTURES = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
+    "nemotron_h": "NemotronHForCausalLM",
 }
 
 
@@ -98,8 +108,10 @@ __all__ = [
     "GptOssForCausalLM",
     "LlamaForCausalLM",
     "MixtralForCausalLM",
+    "NemotronHForCausalLM",
     "Olmo2ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM",
     "get_model_class",
     "get_supported_architectures",
 ]

@@ -15,7 +15,15 @@ from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.utils import CheckpointSlice, CheckpointTensor, default_weight_loader
 
 # Hugging Face layer types (config.layer_types) and whether they attend through a window.
-_LAYER_TYPE_SLIDES = {"full_attention": False, "sliding_attention": True}
+# Hybrid models' other layers keep no KV cache, so none slides: linear attention (Qwen3-Next's
+# Gated DeltaNet, Nemotron-H's Mamba-2) and Nemotron-H's feed-forward-only layers.
+_LAYER_TYPE_SLIDES = {
+    "full_attention": False,
+    "sliding_attention": True,
+    "linear_attention": False,
+    "mlp": False,
+    "moe": False,
+}
 
 # Config attributes the engine sets from its own options (``sliding_window`` and
 # ``attention_sinks``): a window for every layer, and StreamingLLM's sink tokens. The checkpoint's

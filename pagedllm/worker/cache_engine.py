@@ -24,6 +24,8 @@ class KVCacheSpec:
     # One cache per layer, not K and V: multi-head latent attention caches a latent per token that
     # is both (the layer's value cache is its key cache).
     keys_only: bool = False
+    # Recurrent-state slots of a hybrid model (worker/state_cache.py), for the scheduler; 0: none.
+    num_state_slots: int = 0
 
     @property
     def block_bytes(self) -> int:

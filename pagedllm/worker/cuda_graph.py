@@ -74,6 +74,7 @@ class CudaGraphRunner:
             max_seq_len=self.max_model_len,
             query_start_loc_cpu=torch.arange(batch_size + 1, dtype=torch.int32),
             seq_lens_cpu=torch.ones(batch_size, dtype=torch.int32),
+            state_slots=self.buffers.device_view("state_slots", batch_size),
         )
 
     @torch.inference_mode()
@@ -82,7 +83,9 @@ class CudaGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         # Dummy decodes while capturing: slot -1 writes nothing, length 1 reads block 0 only.
         max_size = self.max_batch_size
-        for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("seq_lens", 1)):
+        # State slot -1 is the state cache's scratch row (hybrid models).
+        dummies = (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("seq_lens", 1))
+        for name, value in (*dummies, ("state_slots", -1)):
             self.buffers.put(name, np.full(max_size, value))
         self.buffers.put("query_start_loc", np.arange(max_size + 1))
         self.buffers.put("block_tables", np.zeros((max_size, 1), dtype=np.int32))

@@ -65,6 +65,8 @@ class InputBatch:
         # Tokens whose blocks left the row's table behind a sliding window: the attention kernels
         # see position p at cache position p - this.
         self.num_dropped_tokens = np.zeros(max_num_rows, dtype=np.int64)
+        # Recurrent-state row of each request (hybrid models; -1: none).
+        self.state_slots = np.full(max_num_rows, -1, dtype=np.int64)
         self.block_table_device = (
             torch.from_numpy(self.block_table)
             if device.type == "cpu"
@@ -134,6 +136,7 @@ class InputBatch:
         self.sampled_output_ids[row] = []
         self.num_host_tokens[row] = self.num_tokens[row] = len(tokens)
         self.num_dropped_tokens[row] = 0
+        self.state_slots[row] = data.state_slot
         self.set_block_ids(row, 0, data.block_ids)
         self.lora_int_ids[row] = data.lora_request.lora_int_id if data.lora_request is not None else 0
         self._add_sampling(row, data)

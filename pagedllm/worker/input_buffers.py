@@ -35,6 +35,8 @@ class InputBuffers:
             "req_rows": (max_num_seqs, torch.int64),
             "device_input_index": (max_num_seqs, torch.int64),
             "device_input_rows": (max_num_seqs, torch.int64),
+            # Recurrent-state rows of hybrid models (-1: the scratch row).
+            "state_slots": (max_num_seqs, torch.int64),
         }
         if self.on_host:
             return

@@ -153,6 +153,9 @@ class ModelRunner:
         )
         # With enable_lora: the model's projections wrapped, and the adapters' slots.
         self.lora_manager: LoRAModelManager | None = None
+        # Whether the model keeps a recurrent state per request (hybrid models): the step then
+        # carries each request's state row (worker/state_cache.py binds the state).
+        self.has_state = False
 
     def load_model(self) -> None:
         from pagedllm.model_loader import get_model
@@ -198,7 +201,7 @@ class ModelRunner:
 
     def capture_model(self, kv_caches: list[KVCache]) -> None:
         assert self.model is not None
-        if self.config.compile_cpu_decode and CompiledDecode.supports(self.model):
+        if self.config.compile_cpu_decode and not self.has_state and CompiledDecode.supports(self.model):
             self.compiled_decode = CompiledDecode(self.model)
             self.compiled_decode.compile(kv_caches)
         if not self.use_cuda_graphs:
@@ -220,7 +223,7 @@ class ModelRunner:
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInput:
         """The step's flattened batch, decodes first, in the input buffers (worker/step_inputs.py)."""
         plan = self.plan_inputs(scheduler_output)
-        return stage_model_input(plan, self.input_batch, self.buffers, self.block_size)
+        return stage_model_input(plan, self.input_batch, self.buffers, self.block_size, self.has_state)
 
     def plan_inputs(self, scheduler_output: SchedulerOutput) -> StepPlan:
         """The step's flattened batch on the host (and the adapters' rows, with LoRA)."""

@@ -67,7 +67,7 @@ class PoolingModelRunner(ModelRunner):
         if not num_tokens:
             return PooledStepOutput([], None, self.device)
         plan = self.plan_inputs(scheduler_output)
-        model_input = stage_model_input(plan, self.input_batch, self.buffers, self.block_size)
+        model_input = stage_model_input(plan, self.input_batch, self.buffers, self.block_size, self.has_state)
         return self._pool(plan, self.run_model(model_input, num_tokens, kv_caches))
 
     def _forget_states(self, scheduler_output: SchedulerOutput) -> None:

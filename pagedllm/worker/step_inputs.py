@@ -112,6 +112,7 @@ class StepPlan:
     sample_req_ids: list[int]
     prompt_logprob_requests: list[tuple[int, int, list[int]]]
     pad_to: int  # rows of the captured graph's batch size the step replays, 0 when eager
+    state_slots: np.ndarray  # int64 recurrent-state row of each request (-1: none)
     verify: VerifyRows | None = None
 
 
@@ -373,6 +374,7 @@ def plan_step(
         sample_req_ids=[batch.req_ids[row] for row in samples.sample_rows.tolist()],
         prompt_logprob_requests=prompt_requests,
         pad_to=pad_to,
+        state_slots=batch.state_slots[rows],
         verify=verify,
     )
 
@@ -393,10 +395,11 @@ def stage_block_tables(
 
 
 def stage_model_input(
-    plan: StepPlan, batch: InputBatch, buffers: InputBuffers, block_size: int
+    plan: StepPlan, batch: InputBatch, buffers: InputBuffers, block_size: int, has_state: bool = False
 ) -> ModelInput:
     """The plan in device tensors: each array copied into its buffer (padded to the graph's batch
-    size with tokens that write nothing, slot -1, and attend to one, seq_len 1), decode inputs
+    size with tokens that write nothing, slot -1, and attend to one, seq_len 1; with
+    ``has_state``, a hybrid model's, their state rows, the scratch row -1), decode inputs
     the device holds copied from ``last_token_ids``, block table rows gathered on the device."""
     put, pad_to = buffers.put, plan.pad_to
     input_ids = put("input_ids", plan.input_ids, pad_to)
@@ -421,6 +424,7 @@ def stage_model_input(
         query_start_loc_cpu=torch.from_numpy(plan.query_start_loc),
         seq_lens_cpu=torch.from_numpy(seq_lens),
         min_decode_seq_len=int(seq_lens[:num_decodes].min()) if num_decodes else 0,
+        state_slots=put("state_slots", plan.state_slots, pad_to, -1) if has_state else None,
     )
     samples = plan.samples
     return ModelInput(

@@ -15,6 +15,12 @@ from pagedllm.step_io import SchedulerOutput
 from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
 from pagedllm.worker.model_runner import ModelRunner, StepOutput
 from pagedllm.worker.pooling_runner import PoolingModelRunner
+from pagedllm.worker.state_cache import (
+    StateCache,
+    kv_budget_after_state,
+    num_kv_cache_layers,
+    state_cache_spec,
+)
 
 
 class Worker:
@@ -44,14 +50,17 @@ class Worker:
         self.attn_backend.check_supported(
             model_config.head_size, cache_config.block_size, model_config.dtype, self.device
         )
+        self.state_cache_spec = state_cache_spec(config)
+        self.state_cache: StateCache | None = None
         self.kv_cache_spec = KVCacheSpec(
-            num_layers=model_config.num_layers,
+            num_layers=num_kv_cache_layers(config),
             num_kv_heads=model_config.num_kv_heads_per_rank(config.parallel_config.tensor_parallel_size),
             head_size=model_config.head_size,
             block_size=cache_config.block_size,
             dtype=model_config.dtype,
             sliding_window=kv_cache_window(model_config.hf_config),
             keys_only=model_config.is_mla,
+            num_state_slots=self.state_cache_spec.num_slots if self.state_cache_spec else 0,
         )
         # A pooling model's runner pools finished prompts where a generating one samples.
         runner_class = ModelRunner if config.pooler_config is None else PoolingModelRunner
@@ -80,6 +89,15 @@ class Worker:
         if self.device.type == "cuda":
             self._check_weights_fit()
         self.model_runner.load_model()
+        if self.state_cache_spec is not None:
+            if self.device.type == "cuda":  # refuse it before an allocation fails
+                free, total = torch.cuda.mem_get_info(self.device)
+                utilization = self.config.cache_config.gpu_memory_utilization
+                kv_budget_after_state(int(min(free, total * utilization)), self.state_cache_spec)
+            # Before the profile run: on a GPU the profiler then counts the state as in use.
+            self.state_cache = StateCache(self.state_cache_spec, self.device)
+            self.state_cache.bind(self.model_runner.model)
+            self.model_runner.has_state = True
         if self.device.type == "cpu" and onednn_available(self.config.model_config.dtype):
             prepack_dense_weights(self.model_runner.model)
 
@@ -117,7 +135,8 @@ class Worker:
         if cache_config.num_kv_blocks is not None:
             return cache_config.num_kv_blocks, num_cpu_blocks
         if self.device.type == "cpu":
-            return cache_config.kv_cache_memory // block_bytes, num_cpu_blocks
+            budget = kv_budget_after_state(cache_config.kv_cache_memory, self.state_cache_spec)
+            return budget // block_bytes, num_cpu_blocks
         return self._profile_num_gpu_blocks(block_bytes), num_cpu_blocks
 
     def _profile_num_gpu_blocks(self, block_bytes: int) -> int:

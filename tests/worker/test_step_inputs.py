@@ -352,3 +352,16 @@ def test_stage_model_input_on_the_cpu():
     assert _ints(model_input.sampling_req_rows) == [batch.row_of[r] for r in (10, 13, 12)]
     assert model_input.prompt_logprob_requests == [(12, 0, [41, 42])]
     assert model_input.graph_num_seqs is None
+
+
+def test_state_slots_follow_the_requests_in_batch_order():
+    """A hybrid model's state rows, staged decodes first as the requests are; None otherwise."""
+    batch = _mixed_batch()
+    for req_id, slot in {10: 3, 11: 0, 12: 2, 13: 1}.items():
+        batch.state_slots[batch.row_of[req_id]] = slot
+    num_scheduled = {11: 4, 10: 1, 12: 3, 13: 1}
+    plan = plan_step(batch, num_scheduled, BLOCK_SIZE, graph_runner=None)
+    buffers = InputBuffers(16, 8, 8, CPU)
+    staged = stage_model_input(plan, batch, buffers, BLOCK_SIZE, has_state=True)
+    assert staged.attn_metadata.state_slots.tolist() == [3, 1, 0, 2]  # requests 10, 13, 11, 12
+    assert stage_model_input(plan, batch, buffers, BLOCK_SIZE).attn_metadata.state_slots is None

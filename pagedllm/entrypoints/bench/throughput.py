@@ -1,4 +1,4 @@
-"""``pagedllm bench throughput``: offline throughput, W1, W2 and W5 (benchmarks/README.md).
+"""``pagedllm bench throughput``: offline throughput, W1, W2, W5 and W6 (benchmarks/README.md).
 
 Every request is queued at once and the engine steps until all finish (greedy, EOS ignored,
 dummy weights of the workload's architecture). Reports output and total tokens per second, and
@@ -37,7 +37,7 @@ OFFLINE_MAX_NUM_BATCHED_TOKENS = 16384
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--workload", choices=["W1", "W2", "W5"], default="W1")
+    parser.add_argument("--workload", choices=["W1", "W2", "W5", "W6"], default="W1")
     parser.add_argument("--num-prompts", type=int, default=None, help="the workload's first N prompts")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--output-png", default=None)

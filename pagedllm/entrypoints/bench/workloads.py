@@ -42,4 +42,6 @@ WORKLOADS = {
     "W2": Workload("W2", _config("llama-3.1-8b"), 1000, (1024, 1024), 128),
     "W3": Workload("W3", _config("llama-3.1-8b"), 1, (128, 128), 256),
     "W5": Workload("W5", _config("qwen3-30b-a3b"), 512, (100, 1024), 256),
+    # A hybrid (Gated DeltaNet + attention) model: docs/hybrid_models.md.
+    "W6": Workload("W6", _config("qwen3-next-2b"), 256, (100, 1024), 256),
 }

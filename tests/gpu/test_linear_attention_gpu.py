@@ -1,0 +1,159 @@
+"""Hybrid models on CUDA: the linear-attention decode kernels against the torch references at
+Qwen3-Next's and Qwen3.5's shapes, and Qwen3-Next / Nemotron-H end to end in float32 (Triton
+kernels, CUDA graphs for decode steps, whose padding rows write the scratch state row) against
+Hugging Face ``generate``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("needs CUDA and compiled (not interpreted) Triton kernels", allow_module_level=True)
+pytest.importorskip("triton")
+
+from transformers import NemotronHConfig, Qwen3NextConfig
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.kernels.triton.linear_attention import causal_conv1d_update, gated_delta_rule_update
+from pagedllm.layers.linear_attention import conv1d
+from pagedllm.layers.linear_attention.gated_delta_rule import recurrent_gated_delta_rule
+
+pytestmark = pytest.mark.gpu
+
+DEVICE = torch.device("cuda")
+TOLERANCES = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+def _slots(batch: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct scattered rows (the last request on the scratch row -1) and every third request
+    at its first token."""
+    slots = torch.randperm(num_rows - 1, device=DEVICE)[:batch]
+    slots[-1] = -1
+    has_state = torch.arange(batch, device=DEVICE) % 3 != 1
+    return slots, has_state
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [1, 7, 64, 256])
+@pytest.mark.parametrize(
+    ("num_k_heads", "num_v_heads", "d_k", "d_v"), [(16, 32, 128, 128), (4, 8, 128, 128), (2, 2, 64, 96)]
+)
+def test_decode_kernels_match_the_torch_references(dtype, batch, num_k_heads, num_v_heads, d_k, d_v) -> None:
+    torch.manual_seed(0)
+    conv_dim = 2 * num_k_heads * d_k + num_v_heads * d_v
+    num_rows = batch + 9
+    slots, has_state = _slots(batch, num_rows)
+    x = torch.randn(batch, conv_dim, device=DEVICE, dtype=dtype)
+    weight = torch.randn(conv_dim, 4, device=DEVICE, dtype=dtype)
+    conv_state = torch.randn(num_rows, conv_dim, 3, device=DEVICE, dtype=dtype)
+    expected, expected_window = conv1d.causal_conv1d_update(x, weight, None, conv_state[slots], has_state)
+    out = causal_conv1d_update(x, weight, None, conv_state, slots, has_state)
+    torch.testing.assert_close(out, expected, **TOLERANCES[dtype])
+    torch.testing.assert_close(conv_state[slots], expected_window.to(dtype), **TOLERANCES[dtype])
+
+    q, k, v = out.split([num_k_heads * d_k, num_k_heads * d_k, num_v_heads * d_v], dim=-1)
+    q, k, v = (
+        q.view(batch, num_k_heads, d_k),
+        k.view(batch, num_k_heads, d_k),
+        v.view(batch, num_v_heads, d_v),
+    )
+    g = -torch.rand(batch, num_v_heads, device=DEVICE)
+    beta = torch.rand(batch, num_v_heads, device=DEVICE)
+    ssm_state = torch.randn(num_rows, num_v_heads, d_k, d_v, device=DEVICE, dtype=dtype)
+    start = torch.where(has_state[:, None, None, None], ssm_state[slots].float(), 0.0)
+    expected_o, expected_s = recurrent_gated_delta_rule(q, k, v, g, beta, start)
+    o = gated_delta_rule_update(q, k, v, g, beta, ssm_state, slots, has_state)
+    torch.testing.assert_close(o, expected_o, **TOLERANCES[dtype])
+    torch.testing.assert_close(ssm_state[slots].float(), expected_s.to(dtype).float(), **TOLERANCES[dtype])
+
+
+QWEN3_NEXT = dict(
+    vocab_size=256,
+    hidden_size=256,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=1024,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=96,
+)
+NEMOTRON_H = dict(
+    vocab_size=256,
+    hidden_size=256,
+    num_hidden_layers=4,
+    layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    mamba_num_heads=8,
+    mamba_head_dim=32,
+    n_groups=2,
+    ssm_state_size=32,
+    intermediate_size=384,
+    chunk_size=32,
+    max_position_embeddings=1024,
+)
+CASES = {"qwen3-next": (Qwen3NextConfig, QWEN3_NEXT), "nemotron-h": (NemotronHConfig, NEMOTRON_H)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_greedy_on_cuda_matches_hf(case: str, enforce_eager: bool, make_hybrid_reference: Callable) -> None:
+    config_class, overrides = CASES[case]
+    path, prompts, expected = make_hybrid_reference(config_class(**overrides), (300, 1, 77, 513, 20), 16)
+    llm = LLM(
+        path,
+        device="cuda",
+        dtype="float32",
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=128,
+        max_num_seqs=3,  # fewer state slots than requests: slots are reused
+        enforce_eager=enforce_eager,
+        gpu_memory_utilization=0.3,
+    )
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_fla_varlen_prefill_matches_the_torch_chunked_rule(group: int) -> None:
+    """Gated DeltaNet's prefill through flash-linear-attention (when installed): three chunks,
+    one continuing its sequence's state, in one varlen call, against the torch chunked rule."""
+    pytest.importorskip("fla", reason="the fla extra (flash-linear-attention) is not installed")
+    from pagedllm.layers.linear_attention.gated_deltanet import GatedDeltaNet
+
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        layer = GatedDeltaNet(128, 2, 2 * group, 64, 64, 4, 1e-6)
+    assert layer.prefill_method == layer._prefill_fla
+    num_rows = 6
+    layer.bind_state(
+        torch.zeros(num_rows, *layer.state_shape.conv_shape, device=DEVICE),
+        torch.randn(num_rows, *layer.state_shape.ssm_shape, device=DEVICE),
+    )
+    lengths, has_state = [37, 1, 130], [False, True, False]
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    total = sum(lengths)
+    conv_out = torch.randn(total, layer.state_shape.conv_shape[0], device=DEVICE)
+    g = -torch.rand(total, layer.num_v_heads, device=DEVICE)
+    beta = torch.rand(total, layer.num_v_heads, device=DEVICE)
+    before = layer.ssm_state.clone()
+    out = layer._prefill_fla(conv_out, (g, beta), lengths, slots, has_state)
+    after = layer.ssm_state.clone()
+    layer.ssm_state.copy_(before)
+    expected = layer._prefill_torch(conv_out, (g, beta), lengths, slots, has_state)
+    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(after, layer.ssm_state, atol=2e-3, rtol=2e-3)

@@ -1,0 +1,249 @@
+"""Hybrid models end to end: Qwen3-Next (Gated DeltaNet + gated attention, shared-expert MoE),
+Qwen3.5 (dense and MoE) and Nemotron-H (Mamba-2 + attention + MLP layers), against Hugging
+Face ``generate`` in float32 on the CPU: prompts several prefill chunks long, ragged batches with a
+one-token prompt, fewer state slots than requests (slots reused), preemption by recompute (a tiny
+KV cache), prefix caching asked for (disabled with a logged reason), and the refusals."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+import torch
+from transformers import (
+    AutoConfig,
+    NemotronHConfig,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
+)
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
+from pagedllm.core.scheduler import PreemptionMode
+from pagedllm.entrypoints.bench.workloads import WORKLOADS
+from pagedllm.layers.linear_attention.gated_deltanet import GatedDeltaNet
+from pagedllm.layers.linear_attention.state import LayerStateShape, StateCacheSpec
+from pagedllm.models.nemotron_h import NemotronHBlock
+from pagedllm.models.qwen3_next import Qwen3NextForCausalLM
+from pagedllm.worker.state_cache import kv_budget_after_state
+
+MAX_TOKENS = 10
+# A ragged batch, then two prompts for the preemption test.
+PROMPT_LENS = (70, 1, 33, 150, 30, 31)
+# Layers: linear, linear, linear, full (the default 3:1 pattern); MoE everywhere but layer 1.
+TINY_QWEN3_NEXT = dict(
+    vocab_size=160,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+    mlp_only_layers=[1],
+    tie_word_embeddings=False,
+)
+
+
+# Qwen3.5's text models: the Gated DeltaNet's projections kept apart; dense, or MoE on every layer.
+_QWEN3_5_COMMON = {
+    key: value
+    for key, value in TINY_QWEN3_NEXT.items()
+    if key not in ("intermediate_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+    and key not in ("shared_expert_intermediate_size", "mlp_only_layers")
+}
+QWEN3_5_CASES = {
+    "qwen3.5-dense": lambda: Qwen3_5TextConfig(intermediate_size=96, **_QWEN3_5_COMMON),
+    "qwen3.5-moe": lambda: Qwen3_5MoeTextConfig(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        **_QWEN3_5_COMMON,
+    ),
+}
+
+
+# Nemotron-H: Mamba-2, MLP, attention (no positions), Mamba-2, MLP; 8 heads of 8 in 2 groups.
+TINY_NEMOTRON_H = dict(
+    vocab_size=160,
+    hidden_size=64,
+    num_hidden_layers=5,
+    layers_block_type=["linear_attention", "mlp", "full_attention", "linear_attention", "mlp"],
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    mamba_num_heads=8,
+    mamba_head_dim=8,
+    n_groups=2,
+    ssm_state_size=16,
+    intermediate_size=96,
+    chunk_size=16,
+    max_position_embeddings=512,
+)
+
+
+@pytest.fixture(scope="module")
+def nemotron_h(make_hybrid_reference: Callable) -> tuple[str, list[list[int]], list[list[int]]]:
+    return make_hybrid_reference(NemotronHConfig(**TINY_NEMOTRON_H), PROMPT_LENS, MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(make_hybrid_reference: Callable) -> tuple[str, list[list[int]], list[list[int]]]:
+    """(model directory, ragged prompts, HF's greedy continuations)."""
+    config = Qwen3NextConfig(**TINY_QWEN3_NEXT)
+    assert config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    return make_hybrid_reference(config, PROMPT_LENS, MAX_TOKENS)
+
+
+def _generate(path: str, prompts: list[list[int]], **kwargs) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(
+        path,
+        device="cpu",
+        dtype="float32",
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=32,  # prompts of up to 150 tokens: five chunks
+        **kwargs,
+    )
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    return llm, [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _assert_state_slots_free(llm: LLM) -> None:
+    pool = llm.llm_engine.engine_core.scheduler.kv_cache_manager.state_pool
+    assert pool is not None and pool.get_num_free_slots() == pool.num_slots
+
+
+@pytest.mark.slow
+def test_greedy_matches_hf_over_chunked_prefills_and_a_ragged_batch(qwen3_next) -> None:
+    path, prompts, expected = qwen3_next
+    llm, outputs = _generate(path, prompts[:4], max_num_seqs=4)
+    assert outputs == expected[:4]
+    _assert_state_slots_free(llm)
+
+
+@pytest.mark.slow
+def test_nemotron_h_greedy_matches_hf_over_chunked_prefills_and_a_ragged_batch(nemotron_h) -> None:
+    path, prompts, expected = nemotron_h
+    llm, outputs = _generate(path, prompts[:4], max_num_seqs=4)
+    assert outputs == expected[:4]
+    _assert_state_slots_free(llm)
+
+
+@pytest.mark.slow
+def test_nemotron_h_greedy_matches_hf_through_preemption_and_slot_reuse(nemotron_h) -> None:
+    path, prompts, expected = nemotron_h
+    llm, outputs = _generate(
+        path, prompts[4:], max_num_seqs=2, block_size=4, num_kv_blocks=18, max_model_len=64
+    )
+    assert outputs == expected[4:]
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions[PreemptionMode.RECOMPUTE] >= 1
+    _assert_state_slots_free(llm)
+
+
+def test_nemotron_h_moe_layers_are_refused() -> None:
+    config = NemotronHConfig(**{**TINY_NEMOTRON_H, "layers_block_type": ["linear_attention", "moe"]})
+    with pytest.raises(ValueError, match="layers_block_type 'moe'"):
+        NemotronHBlock(config, 1, TorchAttentionBackend)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(QWEN3_5_CASES))
+def test_qwen3_5_greedy_matches_hf(case: str, make_hybrid_reference: Callable) -> None:
+    path, prompts, expected = make_hybrid_reference(QWEN3_5_CASES[case](), PROMPT_LENS[:3], MAX_TOKENS)
+    llm, outputs = _generate(path, prompts, max_num_seqs=4)
+    assert outputs == expected
+    _assert_state_slots_free(llm)
+
+
+@pytest.mark.slow
+def test_greedy_matches_hf_with_fewer_state_slots_than_requests(qwen3_next) -> None:
+    """Two slots for four requests: requests join while others decode (different positions in
+    one step) and take slots others freed, whose stale state they must not read."""
+    path, prompts, expected = qwen3_next
+    llm, outputs = _generate(path, prompts[:4], max_num_seqs=2)
+    assert outputs == expected[:4]
+    assert llm.llm_engine.engine_core.scheduler.kv_cache_manager.state_pool.num_slots == 2
+    _assert_state_slots_free(llm)
+
+
+@pytest.mark.slow
+def test_greedy_matches_hf_through_preemption_by_recompute(qwen3_next) -> None:
+    """Two prompts of 8 blocks of 4 each in a cache of 18: both start, both grow, one is
+    preempted, freeing its state slot, and recomputed from position 0 (its state from zeros)."""
+    path, prompts, expected = qwen3_next
+    llm, outputs = _generate(
+        path, prompts[4:], max_num_seqs=2, block_size=4, num_kv_blocks=18, max_model_len=64
+    )
+    assert outputs == expected[4:]
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions[PreemptionMode.RECOMPUTE] >= 1
+    _assert_state_slots_free(llm)
+
+
+@pytest.mark.slow
+def test_prefix_caching_is_disabled_with_a_logged_reason(qwen3_next, caplog) -> None:
+    path, prompts, expected = qwen3_next
+    shared = [prompts[3][:100] + prompts[0][:20], prompts[3]]  # a 100-token common prefix
+    with caplog.at_level(logging.INFO, logger="pagedllm.core.kv_cache_manager"):
+        llm, outputs = _generate(path, shared, max_num_seqs=2, enable_prefix_caching=True)
+    assert "prefix caching disabled" in caplog.text
+    assert not llm.llm_engine.engine_core.scheduler.kv_cache_manager.enable_prefix_caching
+    assert outputs[1] == expected[3]
+
+
+def test_forking_requests_are_refused_before_queueing(qwen3_next) -> None:
+    path, prompts, _ = qwen3_next
+    llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=4)
+    with pytest.raises(ValueError, match="n and best_of must be 1"):
+        llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(n=2, max_tokens=2))
+
+
+def test_speculative_decoding_is_refused(qwen3_next) -> None:
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    with pytest.raises(ValueError, match="speculative_config is not supported"):
+        LLM(qwen3_next[0], device="cpu", async_scheduling=False, speculative_config=ngram)
+
+
+@pytest.mark.parametrize("tp_size", [3, 4])
+def test_head_counts_the_ranks_cannot_split_are_refused(tp_size: int) -> None:
+    config = Qwen3NextConfig(**TINY_QWEN3_NEXT)  # 2 key heads
+    with pytest.raises(ValueError, match=r"linear_num_key_heads .* tensor_parallel_size"):
+        GatedDeltaNet.state_shape_of(config, tp_size)
+
+
+def test_state_per_request_is_constant_in_the_context_length() -> None:
+    """What a request keeps per linear layer is its conv window and one d_k x d_v state per head,
+    whatever max_model_len: (2 x 2 x 8 + 4 x 8) conv channels x 3, and 4 x 8 x 8."""
+    config = Qwen3NextConfig(**TINY_QWEN3_NEXT)
+    for max_len in (512, 32768):
+        config.max_position_embeddings = max_len
+        assert GatedDeltaNet.state_shape_of(config, 1) == LayerStateShape((64, 3), (4, 8, 8))
+
+
+def test_w6_config_is_a_hybrid_with_constant_state_per_request() -> None:
+    """benchmarks/README.md's figures for W6: 18 linear and 6 attention layers, 19.8 MB of bf16
+    state per request."""
+    config = AutoConfig.from_pretrained(WORKLOADS["W6"].model)
+    assert Qwen3NextForCausalLM.num_attention_layers(config) == 6
+    spec = StateCacheSpec(tuple(Qwen3NextForCausalLM.state_shapes(config, 1)), torch.bfloat16, 256)
+    assert len(spec.layer_shapes) == 18 and spec.slot_bytes == 18 * (8192 * 3 + 32 * 128 * 128) * 2
+
+
+def test_state_cache_comes_out_of_the_kv_budget() -> None:
+    spec = StateCacheSpec((LayerStateShape((48, 3), (4, 8, 8)),) * 3, torch.float32, num_slots=4)
+    assert spec.slot_bytes == 3 * (48 * 3 + 4 * 8 * 8) * 4
+    assert kv_budget_after_state(10**6, spec) == 10**6 - 5 * spec.slot_bytes  # 4 slots + scratch
+    with pytest.raises(ValueError, match="lower max_num_seqs or give the cache more memory"):
+        kv_budget_after_state(spec.slot_bytes, spec)
