@@ -440,6 +440,10 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
     # LoRA adapters per request (enable_lora), or None: no projection is wrapped.
     lora_config: LoRAConfig | None = None
+    # Every kernel of a step reduces in an order fixed by the row's own data and position, so a
+    # request's tokens and logprobs do not depend on its batch (docs/determinism.md). Chosen once,
+    # where the worker picks its kernels; engine/batch_invariant.py refuses what cannot follow.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         _require(
