@@ -34,15 +34,21 @@ def _refusal(config: EngineConfig) -> str | None:
     if config.lora_config is not None:
         return "enable_lora is not supported (the punica LoRA kernels group rows by adapter across the batch)"
     if config.compile_cpu_decode:
-        return "cpu_compile is not supported (the compiled decode step fuses its reductions unlike the eager prefill)"
+        return (
+            "cpu_compile is not supported (the compiled decode step fuses its reductions unlike the "
+            "eager prefill)"
+        )
     quantized = _quantized_weights(config)
     if quantized is not None:
         return f"{quantized} has no batch-invariant GEMM; load the model dense (quantization='none')"
     hf_config = model_config.hf_config
     if any(getattr(hf_config, key, 0) for key in _MOE_KEYS):
-        return "mixture-of-experts models are not supported (the fused MoE kernel tiles the tokens routed to each expert)"
+        return (
+            "mixture-of-experts models are not supported (the fused MoE kernel tiles the tokens "
+            "routed to each expert by their count)"
+        )
     if config.device_config.device.type != "cuda":
-        return None  # the CPU's kernels reduce each row alone (tests/test_batch_invariant.py)
+        return None  # the CPU's kernels reduce each row alone (tests/engine/test_batch_invariant.py)
     if config.attention_backend not in _CUDA_BACKENDS:
         return (
             f"attention_backend={config.attention_backend!r} has no batch-invariant path on CUDA; "

@@ -91,10 +91,7 @@ def test_generated_logprobs_equal_the_scoring_pass(engine):
     score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
     outputs = llm.generate(prompt_token_ids=full, sampling_params=score, use_tqdm=False)
     for prompt, (tokens, logprobs), output in zip(prompts, alone, outputs):
-        scored = [
-            entry[token].logprob
-            for token, entry in zip(tokens, output.prompt_logprobs[len(prompt) :])
-        ]
+        scored = [entry[token].logprob for token, entry in zip(tokens, output.prompt_logprobs[len(prompt) :])]
         assert scored == logprobs
 
 

@@ -323,6 +323,7 @@ def paged_prefill(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    enable_fp_fusion: bool = True,
 ) -> torch.Tensor:
     """Causal attention of sequences ``[first_seq, first_seq + num_prefills)`` over their paged
     context (cached prefix + the chunk itself); writes their rows of ``out``.
@@ -335,7 +336,9 @@ def paged_prefill(
     those sequences and sets the grid. The variants (sliding_window, alibi_slopes [num_heads]
     float32, logits_soft_cap) are ``AttentionBackend``'s. With ``attention_sinks > 0`` (and a
     window), ``sink_query`` (the shape of ``query``) scores the sinks outside each row's window.
-    ``sinks`` ([num_heads]): gpt-oss's learned sink logits.
+    ``sinks`` ([num_heads]): gpt-oss's learned sink logits. ``enable_fp_fusion=False`` keeps every
+    multiply and add rounded on its own (no FMA contraction), so that a (row, key tile) gives the
+    same bits in the unmasked stage and in the masked one (the batch-invariant backend's need).
     """
     layout = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
     assert sinks is None or (sinks.shape == query.shape[1:2] and sinks.is_contiguous())
@@ -385,5 +388,6 @@ def paged_prefill(
         DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32),
         num_warps=num_warps,
         num_stages=num_stages,
+        enable_fp_fusion=enable_fp_fusion,
     )
     return out
