@@ -69,7 +69,7 @@ def num_k_splits(n: int, k: int, num_sms: int, tiles: MatmulTiles = TILES) -> in
     return max(1, min(wanted, most))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _split_range(
     x_ptrs,
     w_ptrs,
@@ -97,7 +97,7 @@ def _split_range(
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     x_ptr,
     w_ptr,
@@ -193,7 +193,7 @@ def _matmul_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _reduce_kernel(
     partials_ptr, bias_ptr, out_ptr, MN, N, num_splits, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr
 ):
