@@ -61,7 +61,11 @@ def test_matches_torch_matmul(dtype: torch.dtype, tolerance: float, num_splits: 
 
 def test_split_count_depends_on_the_layer_and_the_gpu_only() -> None:
     # Qwen3-0.6B on an H100 (132 SMs): qkv (4096 x 1024), o_proj (1024 x 2048), down (1024 x 3072), LM head.
-    assert num_k_splits(4096, 1024, 132) == 4  # 32 tiles want 5 splits; 1024 inputs allow 4
+    assert num_k_splits(4096, 1024, 132) == 4  # 32 tiles want 9 splits; 1024 inputs allow 4
     assert num_k_splits(1024, 2048, 132) == 8
     assert num_k_splits(1024, 3072, 132) == 12
     assert num_k_splits(151936, 1024, 132) == 1
+    # Llama-3.1-8B: qkv (6144 x 4096), gate_up (28672 x 4096), down (4096 x 14336).
+    assert num_k_splits(6144, 4096, 132) == 6
+    assert num_k_splits(28672, 4096, 132) == 2
+    assert num_k_splits(4096, 14336, 132) == 9

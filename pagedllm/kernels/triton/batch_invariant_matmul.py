@@ -18,10 +18,10 @@ fill them, the way split-K does in cuBLAS, but with a split count that does not 
 
 Two schedules compute those same sums; the host picks by M, which changes only where they run:
 
-* ``SPLIT_IN_GRID`` (few rows, few tiles): grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N),
-  num_splits)``; program ``(m, n, s)`` writes ``partial[s]`` of its tile to a float32 buffer
-  ``[num_splits, M, N]``, and ``_reduce_kernel`` (grid ``cdiv(M * N, BLOCK)``) adds the partials
-  in order, adds the bias and casts.
+* ``SPLIT_IN_GRID`` (few rows and tiles, partials smaller than the weight): grid
+  ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), num_splits)``; program ``(m, n, s)`` writes
+  ``partial[s]`` of its tile to a float32 buffer ``[num_splits, M, N]``, and ``_reduce_kernel``
+  (grid ``cdiv(M * N, BLOCK)``) adds the partials in order, adds the bias and casts.
 * in program (many rows: the tiles fill the GPU already, and the partials would cost
   ``8 * num_splits * M * N`` bytes of traffic): grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), 1)``;
   each program runs the splits one after the other, each into a fresh accumulator, and adds them
@@ -60,11 +60,12 @@ _MIN_TILES_PER_SPLIT = 4
 
 
 def num_k_splits(n: int, k: int, num_sms: int, tiles: MatmulTiles = TILES) -> int:
-    """How many K ranges a layer of ``n`` outputs and ``k`` inputs sums separately: enough for one
-    program per SM at a single row (cdiv(n, BLOCK_N) tiles x splits), each range at least
+    """How many K ranges a layer of ``n`` outputs and ``k`` inputs sums separately: enough for two
+    programs per SM at a single row (cdiv(n, BLOCK_N) tiles x splits; two, so that the SMs that
+    get one more program than the others wait on a smaller share), each range at least
     ``_MIN_TILES_PER_SPLIT`` K tiles. A function of the layer and the GPU, never of M."""
     num_tiles = triton.cdiv(n, tiles.block_n)
-    wanted = triton.cdiv(num_sms, num_tiles)
+    wanted = triton.cdiv(2 * num_sms, num_tiles)
     most = max(1, triton.cdiv(k, tiles.block_k) // _MIN_TILES_PER_SPLIT)
     return max(1, min(wanted, most))
 
@@ -239,9 +240,10 @@ def batch_invariant_matmul(
     num_splits = triton.cdiv(k, k_per_split)  # the same ranges, none empty
     num_tiles = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
     # Where the splits run (the sums are the same): across programs while the tiles alone leave
-    # SMs idle, else inside each program, with no partials to write and read back.
+    # SMs idle and the partials (4 bytes per split and output) cost less traffic than the weight
+    # (2 K bytes per output), else inside each program, with nothing to write and read back.
     if split_in_grid is None:
-        split_in_grid = num_tiles < num_sms(x.device)
+        split_in_grid = num_tiles < num_sms(x.device) and 4 * num_splits * m <= 2 * k
     split_in_grid = split_in_grid and num_splits > 1
     target = torch.empty((num_splits, m, n), dtype=torch.float32, device=x.device) if split_in_grid else out
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), num_splits if split_in_grid else 1)
