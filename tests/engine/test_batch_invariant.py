@@ -60,6 +60,7 @@ def test_tokens_and_logprobs_equal_alone_and_in_batches(engine, batch_size: int)
     assert batched == alone
 
 
+@pytest.mark.slow
 def test_equal_behind_a_cached_prefix(tiny_llama_dir: str):
     llm = _llm(tiny_llama_dir, enable_prefix_caching=True)
     prefix = _prompts(1, 160, seed=2, lo=21, hi=21)[0]  # 5 full blocks and a partial one
@@ -71,17 +72,25 @@ def test_equal_behind_a_cached_prefix(tiny_llama_dir: str):
     assert _generate(llm, prompts) == cold  # every prompt behind the cached prefix, batched
 
 
-@pytest.mark.parametrize("max_num_batched_tokens", [5, 13, 32])
-def test_equal_with_chunked_prefill_at_several_boundaries(tiny_llama_dir: str, max_num_batched_tokens: int):
+@pytest.fixture(scope="module")
+def long_prompts_alone(tiny_llama_dir: str) -> tuple[list[list[int]], list[Result]]:
     prompts = _prompts(4, 160, seed=4, lo=20, hi=60)
-    unchunked = _alone(_llm(tiny_llama_dir), prompts)
+    return prompts, _alone(_llm(tiny_llama_dir), prompts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_num_batched_tokens", [5, 13, 32])
+def test_equal_with_chunked_prefill_at_several_boundaries(
+    tiny_llama_dir: str, long_prompts_alone, max_num_batched_tokens: int
+):
+    prompts, alone = long_prompts_alone
     chunked = _llm(
         tiny_llama_dir,
         enable_chunked_prefill=True,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=4,
     )
-    assert _generate(chunked, prompts) == unchunked
+    assert _generate(chunked, prompts) == alone
 
 
 def test_generated_logprobs_equal_the_scoring_pass(engine):
