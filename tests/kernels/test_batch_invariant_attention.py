@@ -99,3 +99,49 @@ def test_matches_torch_attention(dtype: torch.dtype, tolerance: float) -> None:
     for s, out in enumerate(seqs.attend([(0, 0), (1, 20)])):
         expected = seqs.reference(s)[-out.shape[0] :]
         torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.slow
+def test_engine_on_the_invariant_backend_keeps_rows_and_scores_equal(make_tiny_model) -> None:
+    """The whole engine with batch_invariant=True on the Triton backend (its attention under the
+    interpreter on the CPU): greedy tokens and logprobs alone equal those in a batch, through
+    chunked prefill and a prefix-cache hit, and equal a scoring pass over prompt + output."""
+    from transformers import LlamaConfig
+
+    from pagedllm import LLM, SamplingParams
+
+    _, model_config = make_tiny_model(
+        LlamaConfig, num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=64
+    )
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 160, (n,), generator=generator).tolist() for n in (9, 30, 17)]
+    prompts.append([*prompts[1][:24], 5, 6])  # behind a cached prefix of sequence 1
+    llm = LLM(
+        model_config.model,
+        device=DEVICE,
+        dtype="float32",
+        attention_backend="triton",
+        batch_invariant=True,
+        block_size=8,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, logprobs=0, ignore_eos=True)
+
+    def generate(batch: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+        outputs = llm.generate(prompt_token_ids=batch, sampling_params=greedy, use_tqdm=False)
+        return [
+            (c.token_ids, [e[t].logprob for t, e in zip(c.token_ids, c.logprobs)])
+            for c in (o.outputs[0] for o in outputs)
+        ]
+
+    alone = [generate([p])[0] for p in prompts]
+    assert generate(prompts) == alone
+    score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+    full = [p + tokens for p, (tokens, _) in zip(prompts, alone)]
+    for p, (tokens, logprobs), out in zip(
+        prompts, alone, llm.generate(prompt_token_ids=full, sampling_params=score, use_tqdm=False)
+    ):
+        assert [e[t].logprob for t, e in zip(tokens, out.prompt_logprobs[len(p) :])] == logprobs

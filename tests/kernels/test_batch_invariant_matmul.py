@@ -69,3 +69,31 @@ def test_split_count_depends_on_the_layer_and_the_gpu_only() -> None:
     assert num_k_splits(6144, 4096, 132) == 6
     assert num_k_splits(28672, 4096, 132) == 2
     assert num_k_splits(4096, 14336, 132) == 9
+
+
+def test_use_batch_invariant_gemms_routes_dense_layers_and_a_tied_head() -> None:
+    from torch import nn
+
+    from pagedllm.layers.batch_invariant_linear import BatchInvariantLinearMethod, use_batch_invariant_gemms
+    from pagedllm.layers.linear import QKVParallelLinear
+    from pagedllm.layers.logits_processor import LogitsProcessor
+    from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    generator = torch.Generator().manual_seed(2)
+    model = nn.Module()
+    model.qkv = QKVParallelLinear(64, 16, total_num_heads=4, total_num_kv_heads=2, bias=True)
+    model.embed_tokens = VocabParallelEmbedding(150, 64)
+    model.lm_head = model.embed_tokens  # tied
+    for param in model.parameters():
+        param.data = torch.randn(param.shape, generator=generator).to(DEVICE) / 8
+    x = torch.randn(5, 64, generator=generator).to(DEVICE)
+    ids = torch.tensor([0, 7, 149]).to(DEVICE)
+    expected = (model.qkv(x), model.embed_tokens(ids), LogitsProcessor(150)(model.lm_head, x))
+
+    use_batch_invariant_gemms(model, torch.device(DEVICE))
+    assert isinstance(model.qkv.quant_method, BatchInvariantLinearMethod)
+    got = (model.qkv(x), model.embed_tokens(ids), LogitsProcessor(150)(model.lm_head, x))
+    torch.testing.assert_close(got[0], expected[0], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[1], expected[1])  # lookups read the table as before
+    torch.testing.assert_close(got[2], expected[2], atol=1e-5, rtol=1e-5)
+    assert torch.equal(model.qkv(x[:2]), got[0][:2])
