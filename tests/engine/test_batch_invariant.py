@@ -6,6 +6,7 @@ different batch must not change a single bit."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -115,3 +116,14 @@ def test_generated_logprobs_equal_the_scoring_pass(engine):
 def test_refuses_pieces_without_an_invariant_path(tiny_llama_dir: str, kwargs: dict, piece: str):
     with pytest.raises(ValueError, match=f"batch_invariant=True: {piece}"):
         _llm(tiny_llama_dir, **kwargs)
+
+
+def test_refuses_a_mixture_of_experts_before_loading():
+    config = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs", "qwen3-30b-a3b")
+    with pytest.raises(ValueError, match="batch_invariant=True: mixture-of-experts"):
+        LLM(config, device="cpu", load_format="dummy", skip_tokenizer_init=True, batch_invariant=True)
+
+
+def test_refuses_quantized_weights(smollm2_gguf: str):
+    with pytest.raises(ValueError, match="batch_invariant=True: a GGUF model kept quantized"):
+        LLM(smollm2_gguf, device="cpu", quantization="gguf", batch_invariant=True)
