@@ -62,6 +62,7 @@ def use_batch_invariant_gemms(model: nn.Module, device: torch.device) -> None:
             n, k = module.weight.shape
             module.quant_method = BatchInvariantLinearMethod(num_k_splits(n, k, sms))
     lm_head = getattr(model, "lm_head", None)
-    if isinstance(lm_head, VocabParallelEmbedding):
-        n, k = lm_head.weight.shape
-        lm_head.quant_method = BatchInvariantLMHeadMethod(num_k_splits(n, k, sms))
+    if not isinstance(lm_head, VocabParallelEmbedding):  # LogitsProcessor would take F.linear
+        raise ValueError(f"batch_invariant=True: {type(model).__name__} has no lm_head to route")
+    n, k = lm_head.weight.shape
+    lm_head.quant_method = BatchInvariantLMHeadMethod(num_k_splits(n, k, sms))
