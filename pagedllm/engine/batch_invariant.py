@@ -47,20 +47,27 @@ def _refusal(config: EngineConfig) -> str | None:
             "mixture-of-experts models are not supported (the fused MoE kernel tiles the tokens "
             "routed to each expert by their count)"
         )
+    if config.parallel_config.tensor_parallel_size > 2:
+        # Two ranks' partial sums add to the same bits whichever rank's comes first and whatever
+        # the algorithm (one correctly rounded addition); three or more add in an order that NCCL
+        # and the custom all-reduce choose by message size, which grows with the batch.
+        return (
+            "tensor_parallel_size > 2 is not supported (the all-reduce's summation order is "
+            "chosen by message size, which grows with the batch)"
+        )
     if config.device_config.device.type != "cuda":
         return None  # the CPU's kernels reduce each row alone (tests/engine/test_batch_invariant.py)
+    return _cuda_refusal(config)
+
+
+def _cuda_refusal(config: EngineConfig) -> str | None:
     if config.attention_backend not in _CUDA_BACKENDS:
         return (
             f"attention_backend={config.attention_backend!r} has no batch-invariant path on CUDA; "
             f"use one of {_CUDA_BACKENDS}"
         )
-    if model_config.is_mla:
+    if config.model_config.is_mla:
         return "multi-head latent attention (MLA) has no batch-invariant kernel"
-    if config.parallel_config.tensor_parallel_size > 1:
-        return (
-            "tensor_parallel_size > 1 is not supported on CUDA (the all-reduce's algorithm, hence its "
-            "summation order, is chosen by message size, which grows with the batch)"
-        )
     return None
 
 

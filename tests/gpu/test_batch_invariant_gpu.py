@@ -123,3 +123,22 @@ def test_refuses_a_backend_without_an_invariant_path():
             attention_backend="cuda",
             batch_invariant=True,
         )
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tensor_parallel_2_is_identical_to_itself_across_batch_sizes():
+    llm = LLM(
+        MODEL,
+        device="cuda",
+        dtype="bfloat16",
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        max_model_len=1024,
+        gpu_memory_utilization=0.5,
+        tensor_parallel_size=2,
+        batch_invariant=True,
+    )
+    prompts, params = _requests(32, seed=2)
+    alone = [_generate(llm, [p], [sp])[0] for p, sp in zip(prompts[:8], params[:8])]
+    assert _generate(llm, prompts[:8], params[:8]) == alone
+    assert _generate(llm, prompts, params)[:8] == alone

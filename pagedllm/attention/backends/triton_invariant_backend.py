@@ -15,8 +15,8 @@ rows share the program's ``BLOCK_M`` tile (a row's dot products and row reductio
 neighbours; tiles past its position are fully masked, adding exact zeros with a rescale by exactly
 1). One launch configuration for every batch (``invariant_launch``), and no FMA contraction, so a
 tile gives the same bits in the kernel's unmasked stage and in its masked one (which stage a tile
-falls in depends on where the program's rows start; with contraction, ptxas fuses the unmasked
-stage's score scaling into its exponent's subtraction: 12 ``fma.rn.f32`` for sm_90, 0 without).
+falls in depends on where the program's rows start; compiled for sm_90 with contraction, the
+kernel has 12 ``fma.rn.f32``, without it none).
 
 Cost: a decode program computes ``BLOCK_M = 16`` query rows for one (``tl.dot`` needs 16), and a
 context is not split across SMs, which a batch of one long context would want.
