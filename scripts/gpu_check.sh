@@ -24,7 +24,8 @@
 # at tensor_parallel_size 1 and 2, W3 at 2 with NCCL alone; the table gives TP=2 over TP=1), so
 # (benchmarks/structured_output.py: 32 json_schema requests against 32 unconstrained), sampler
 # (benchmarks/sampler.py: the fused last sampling pass against the torch path), determinism (issue
-# 35: the batch-invariant GPU and kernel tests, then W1 and W3 in the default mode and with
+# 35: the batch-invariant GPU and kernel tests, its GEMM against cuBLAS at W1's and W3's layer
+# shapes (benchmarks/batch_invariant_gemm.py), then W1 and W3 in the default mode and with
 # --batch-invariant; the table gives the ratios, targets W1 >= 0.9x and W3 <= 1.05x). Results go
 # to $OUT (the device tool's output folder) or /tmp/gpu_check.
 set -uo pipefail
@@ -63,6 +64,7 @@ tp_tests() {
 determinism() {  # batch_invariant=True: its tests, then its cost on W1 and W3 (same call, same GPU)
     run determinism_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_batch_invariant_gpu.py \
         tests/kernels/test_batch_invariant_matmul.py tests/kernels/test_batch_invariant_attention.py -ra
+    run determinism_gemm python3 benchmarks/batch_invariant_gemm.py --output-json "$OUT/determinism_gemm.json"
     for mode in default batch_invariant; do
         flag=()
         [ "$mode" = batch_invariant ] && flag=(--batch-invariant)
