@@ -163,7 +163,7 @@ def batch_invariant() -> None:
             paged_prefill(
                 query, inputs.key_cache, inputs.value_cache, inputs.block_tables, inputs.seq_lens,
                 query_start_loc, inputs.scale, 0, 2, 40, torch.empty_like(query),
-                **invariant_launch(HEAD_SIZE, dtype), enable_fp_fusion=False, **variant,
+                **invariant_launch(HEAD_SIZE, dtype), **variant,
             )  # fmt: skip
 
 

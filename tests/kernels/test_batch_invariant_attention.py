@@ -58,7 +58,6 @@ class Sequences:
             max(query_lens),
             out,
             **invariant_launch(HEAD_SIZE, self.key_cache.dtype),
-            enable_fp_fusion=False,
         )
         return list(out.split(query_lens))
 
@@ -145,3 +144,45 @@ def test_engine_on_the_invariant_backend_keeps_rows_and_scores_equal(make_tiny_m
         prompts, alone, llm.generate(prompt_token_ids=full, sampling_params=score, use_tqdm=False)
     ):
         assert [e[t].logprob for t, e in zip(tokens, out.prompt_logprobs[len(p) :])] == logprobs
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"sliding_window": 24},
+        {"alibi_slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625])},
+        {"logits_soft_cap": 5.0},
+        {"sinks": torch.tensor([0.5, -1.0, 2.0, 0.0])},
+    ],
+    ids=["plain", "window", "alibi", "soft-cap", "learned-sinks"],
+)
+def test_packing_a_kv_group_into_the_rows_changes_no_bit(variant: dict) -> None:
+    """pack_gqa puts a KV group's heads in one program's rows; each row's arithmetic is unchanged,
+    so the unpacked launch (one head per program) gives the same bits, attention variants included."""
+    seqs = Sequences([SEQ_LEN, 37, 5], torch.float32)
+    variant = {key: value.to(DEVICE) if torch.is_tensor(value) else value for key, value in variant.items()}
+    query = torch.cat([seqs.queries[0][30:], seqs.queries[1][36:], seqs.queries[2]])
+    query_start_loc = torch.tensor([0, SEQ_LEN - 30, SEQ_LEN - 29, SEQ_LEN - 24], dtype=torch.int32)
+    outs = []
+    for pack_gqa in (True, False):
+        launch = {**invariant_launch(HEAD_SIZE, torch.float32), "pack_gqa": pack_gqa}
+        out = torch.empty_like(query)
+        seq_lens = torch.tensor(seqs.seq_lens, dtype=torch.int32, device=DEVICE)
+        paged_prefill(
+            query,
+            seqs.key_cache,
+            seqs.value_cache,
+            seqs.block_tables,
+            seq_lens,
+            query_start_loc.to(DEVICE),
+            SCALE,
+            0,
+            3,
+            SEQ_LEN - 30,
+            out,
+            **variant,
+            **launch,
+        )
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])

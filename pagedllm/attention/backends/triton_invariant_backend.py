@@ -18,8 +18,9 @@ tile gives the same bits in the kernel's unmasked stage and in its masked one (w
 falls in depends on where the program's rows start; compiled for sm_90 with contraction, the
 kernel has 12 ``fma.rn.f32``, without it none).
 
-Cost: a decode program computes ``BLOCK_M = 16`` query rows for one (``tl.dot`` needs 16), and a
-context is not split across SMs, which a batch of one long context would want.
+Cost: a decode program computes ``BLOCK_M = 16`` query rows for the ``NUM_QUERIES_PER_KV`` it
+needs (``tl.dot`` needs 16), and a context is not split across SMs, which a batch of one long
+context would want.
 """
 
 from __future__ import annotations
@@ -37,12 +38,15 @@ from pagedllm.kernels.triton.launch import PrefillLaunch
 
 
 @functools.cache
-def invariant_launch(head_size: int, dtype: torch.dtype) -> dict[str, int]:
-    """The one launch of a model's layers (a function of head size and dtype, never of the batch):
-    16-row query tiles, the smallest ``tl.dot`` takes (a decode uses one row of it); key tiles as
-    the default prefill's (``launch.default_launches``)."""
+def invariant_launch(head_size: int, dtype: torch.dtype) -> dict[str, int | bool]:
+    """``paged_prefill``'s keyword arguments for every launch of a model's layers (a function of
+    head size and dtype, never of the batch): 16-row tiles, the smallest ``tl.dot`` takes, holding
+    (token, head) pairs of a KV group (``pack_gqa``: a decode fills the group's rows, which share
+    each K/V tile read); key tiles as the default prefill's (``launch.default_launches``); no FMA
+    contraction (module docstring)."""
     block_n = 32 if head_size > 128 or dtype == torch.float32 else 64
-    return asdict(PrefillLaunch(block_m=16, block_n=block_n, num_warps=4, num_stages=2))
+    launch = asdict(PrefillLaunch(block_m=16, block_n=block_n, num_warps=4, num_stages=2))
+    return {**launch, "enable_fp_fusion": False, "pack_gqa": True}
 
 
 class TritonInvariantAttentionBackend(TritonAttentionBackend):
@@ -102,5 +106,4 @@ class TritonInvariantAttentionBackend(TritonAttentionBackend):
             sink_query=sink_query,
             **self.kernel_variants,
             **invariant_launch(self.head_size, key_cache.dtype),
-            enable_fp_fusion=False,
         )
