@@ -45,7 +45,7 @@ def _llm(model: str, **kwargs) -> LLM:
     return LLM(model, device="cpu", skip_tokenizer_init=True, batch_invariant=True, block_size=4, **kwargs)
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+@pytest.fixture(scope="module", params=["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def engine(request, tiny_llama_dir: str) -> tuple[LLM, list[list[int]], list[Result]]:
     llm = _llm(tiny_llama_dir, dtype=request.param, max_num_seqs=16)
     prompts = _prompts(9, 160, seed=1)
