@@ -449,6 +449,10 @@ class EngineConfig:
     lora_config: LoRAConfig | None = None
     # runner="pooling": prompts in, one pooled vector each out (pooling_params.py); None: generate.
     pooler_config: PoolerConfig | None = None
+    # Every kernel of a step reduces in an order fixed by the row's own data and position, so a
+    # request's tokens and logprobs do not depend on its batch (docs/determinism.md). Chosen once,
+    # where the worker picks its kernels; engine/batch_invariant.py refuses what cannot follow.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         _require(

@@ -7,6 +7,7 @@
 #       lora w1-lora w3-lora
 #       sanitize so sampler
 #       tp (tp-tests, tp-bench)
+#       determinism
 #
 # Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too; k1-w1: the
 # sweep at W1's decode shape; k1-window:
@@ -22,7 +23,10 @@
 # then all-reduce latency (benchmarks/all_reduce.py: NCCL against the one-shot kernel), W2 and W3
 # at tensor_parallel_size 1 and 2, W3 at 2 with NCCL alone; the table gives TP=2 over TP=1), so
 # (benchmarks/structured_output.py: 32 json_schema requests against 32 unconstrained), sampler
-# (benchmarks/sampler.py: the fused last sampling pass against the torch path). Results go
+# (benchmarks/sampler.py: the fused last sampling pass against the torch path), determinism (issue
+# 35: the batch-invariant GPU and kernel tests, its GEMM against cuBLAS at W1's and W3's layer
+# shapes (benchmarks/batch_invariant_gemm.py), then W1 and W3 in the default mode and with
+# --batch-invariant; the table gives the ratios, targets W1 >= 0.9x and W3 <= 1.05x). Results go
 # to $OUT (the device tool's output folder) or /tmp/gpu_check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +59,20 @@ run() {  # run NAME COMMAND...: log to $OUT/NAME.log, remember failures
 tp_tests() {
     run tp_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py \
         tests/gpu/test_symm_mem_all_reduce_gpu.py -ra
+}
+
+determinism() {  # batch_invariant=True: its tests, then its cost on W1 and W3 (same call, same GPU)
+    run determinism_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_batch_invariant_gpu.py \
+        tests/kernels/test_batch_invariant_matmul.py tests/kernels/test_batch_invariant_attention.py -ra
+    run determinism_gemm python3 benchmarks/batch_invariant_gemm.py --output-json "$OUT/determinism_gemm.json"
+    for mode in default batch_invariant; do
+        flag=()
+        [ "$mode" = batch_invariant ] && flag=(--batch-invariant)
+        run "w1_$mode" python3 -m pagedllm bench throughput --workload W1 "${flag[@]}" \
+            --output-json "$OUT/determinism_w1_$mode.json"
+        run "w3_$mode" python3 -m pagedllm bench latency --skip-eager "${flag[@]}" \
+            --output-json "$OUT/determinism_w3_$mode.json"
+    done
 }
 
 tp_bench() {  # W2 and W3 at tensor_parallel_size 1 and 2, in the same call; all-reduce latency
@@ -139,6 +157,7 @@ for stage in "${stages[@]}"; do
         tp_bench
         ;;
     tp-tests) tp_tests ;;
+    determinism) determinism ;;
     tp-bench) tp_bench ;;
     so)
         # The GPU image lacks the embedded model's package: with .models/smollm2-135m (its config

@@ -49,6 +49,7 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
                     cell = f"{profiled['device_ms_per_step']:.2f} / {profiled['wall_ms_per_step']:.2f}"
                     table.append((f"W3 {mode}", "profiled device / wall ms per token", cell))
     table += _tensor_parallel_rows(folder)
+    table += _determinism_rows(folder)
     r = _load(folder, "hf")
     if r:
         for mode in ("hf_static", "hf_generate_batch", "pagedllm"):
@@ -134,6 +135,26 @@ def _tensor_parallel_rows(folder: str) -> list[tuple[str, str, str]]:
                 f"({row['nccl_us'] / row['one_shot_us']:.2f}x)",
             )
         )
+    return table
+
+
+def _determinism_rows(folder: str) -> list[tuple[str, str, str]]:
+    """W1 output tok/s and W3 ms/token in the default mode and with batch_invariant=True, and
+    their ratios (issue 35's targets: W1 >= 0.9x, W3 <= 1.05x)."""
+    table = []
+    w1 = {mode: _load(folder, f"determinism_w1_{mode}") for mode in ("default", "batch_invariant")}
+    w3 = {mode: _load(folder, f"determinism_w3_{mode}") for mode in ("default", "batch_invariant")}
+    for mode in ("default", "batch_invariant"):
+        if w1[mode]:
+            table.append((f"W1 {mode}", "output tok/s", f"{w1[mode]['output_tok_s']:.0f}"))
+        if w3[mode]:
+            table.append((f"W3 {mode}", "ms/token", f"{w3[mode]['cuda_graphs']['tpot_ms']:.2f}"))
+    if w1["default"] and w1["batch_invariant"]:
+        ratio = w1["batch_invariant"]["output_tok_s"] / w1["default"]["output_tok_s"]
+        table.append(("W1 batch_invariant / default", "output tok/s (target >= 0.9x)", f"{ratio:.3f}x"))
+    if w3["default"] and w3["batch_invariant"]:
+        ratio = w3["batch_invariant"]["cuda_graphs"]["tpot_ms"] / w3["default"]["cuda_graphs"]["tpot_ms"]
+        table.append(("W3 batch_invariant / default", "ms/token (target <= 1.05x)", f"{ratio:.3f}x"))
     return table
 
 

@@ -31,6 +31,7 @@ from pagedllm.config import (
     resolve_dtype,
 )
 from pagedllm.cpu_info import physical_cpu_cores
+from pagedllm.engine.batch_invariant import check_batch_invariant
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.pooling_params import load_pooler_config
 
@@ -181,6 +182,13 @@ class EngineArgs:
             "checkpoint quantizes it at load"
         },
     )
+    batch_invariant: bool = dataclasses.field(
+        default=False,
+        metadata={
+            "help": "deterministic inference: a request's tokens and logprobs do not depend on the "
+            "batch it runs in (docs/determinism.md); refuses what has no batch-invariant kernel"
+        },
+    )
     enable_lora: bool = dataclasses.field(
         default=False, metadata={"help": "serve LoRA adapters (PEFT directories) chosen per request"}
     )
@@ -228,7 +236,7 @@ class EngineArgs:
         if max_num_batched_tokens is None:
             max_num_batched_tokens = 2048 if self.enable_chunked_prefill else max(max_len, 2048)
             max_num_batched_tokens = max(max_num_batched_tokens, self.max_num_seqs)
-        return EngineConfig(
+        config = EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=self.block_size,
@@ -259,7 +267,11 @@ class EngineArgs:
             speculative_config=speculative_config,
             lora_config=self._lora_config(),
             pooler_config=load_pooler_config(model_path, hf_config) if runner == "pooling" else None,
+            batch_invariant=self.batch_invariant,
         )
+        if config.batch_invariant:
+            check_batch_invariant(config)
+        return config
 
     def _runner(self, hf_config: PretrainedConfig) -> str:
         """generate or pooling, from ``runner`` and vLLM's older ``task`` (which must agree); auto

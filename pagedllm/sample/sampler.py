@@ -54,15 +54,21 @@ class Sampler(nn.Module):
         pagedllm's kernels, each row's argmax and log-sum-exp in one pass (kernels/cpu); else
         torch's log_softmax. The CPU draws by inverting each row's CDF, other devices by the
         exponential race.
+    batch_invariant: always torch's log_softmax, which reduces each row in one pass whatever the
+        number of rows (the fused pass splits a few rows' vocabulary into more chunks than a
+        batch's), and is what prompt logprobs are scored with: a generated token's logprob then
+        equals its score in a later pass over prompt + output, bit for bit.
     """
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
+    def __init__(self, device: torch.device | str = "cpu", batch_invariant: bool = False) -> None:
         super().__init__()
         self.device = torch.device(device)
         on_cpu = self.device.type == "cpu"
         self._draw = _draw_by_inverse_cdf if on_cpu else _draw_by_race
         self._apply_token_bitmask = token_bitmask_applier(self.device)
-        if platform_for(self.device).triton:
+        if batch_invariant:
+            self._sample = self._torch_pass
+        elif platform_for(self.device).triton:
             from pagedllm.kernels.triton.sampling import sample_tokens
 
             self._sample_tokens = sample_tokens

@@ -114,7 +114,7 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.attn_backend = attn_backend
         self.model: nn.Module | None = None
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device, batch_invariant=config.batch_invariant)
         scheduler_config = config.scheduler_config
         self.max_model_len = config.model_config.max_model_len
         self.use_cuda_graphs = (

@@ -46,7 +46,7 @@ class Worker:
             config, device_config=dataclasses.replace(config.device_config, device=self.device)
         )
         model_config, cache_config = config.model_config, config.cache_config
-        self.attn_backend = get_attn_backend(config.attention_backend, self.device)
+        self.attn_backend = get_attn_backend(config.attention_backend, self.device, config.batch_invariant)
         self.attn_backend.check_supported(
             model_config.head_size, cache_config.block_size, model_config.dtype, self.device
         )
@@ -100,6 +100,10 @@ class Worker:
             self.model_runner.has_state = True
         if self.device.type == "cpu" and onednn_available(self.config.model_config.dtype):
             prepack_dense_weights(self.model_runner.model)
+        if self.config.batch_invariant and self.device.type == "cuda":
+            from pagedllm.layers.batch_invariant_linear import use_batch_invariant_gemms
+
+            use_batch_invariant_gemms(self.model_runner.model, self.device)
 
     def _check_weights_fit(self) -> None:
         """Refuse, before loading anything, a model whose weights alone exceed the memory budget."""

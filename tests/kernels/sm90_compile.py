@@ -48,7 +48,11 @@ def _arg_type(value: object) -> str:
 
 
 def compile_instead(self: JITFunction, *args: object, grid: object, warmup: bool, **kwargs: object) -> None:
-    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "launch_pdl") if key in kwargs}
+    options = {
+        key: kwargs.pop(key)
+        for key in ("num_warps", "num_stages", "launch_pdl", "enable_fp_fusion")
+        if key in kwargs
+    }
     values = dict(zip([p.name for p in self.params], args))
     values.update(kwargs)
     signature, constexprs = {}, {}

@@ -9,8 +9,10 @@ from collections.abc import Callable
 
 import torch
 
+from pagedllm.attention.backends.triton_invariant_backend import invariant_launch
 from pagedllm.kernels.bench import DecodeInputs, DecodeShape
 from pagedllm.kernels.triton.activation import silu_and_mul
+from pagedllm.kernels.triton.batch_invariant_matmul import batch_invariant_matmul
 from pagedllm.kernels.triton.fused_moe import fused_moe
 from pagedllm.kernels.triton.lora import lora_shrink_expand
 from pagedllm.kernels.triton.paged_decode import paged_decode
@@ -144,4 +146,25 @@ def lora() -> None:
             )  # fmt: skip
 
 
-LAUNCHES: list[Callable[[], None]] = [decode, prefill, cache_write, moe, layers, lora]
+def batch_invariant() -> None:
+    """batch_invariant=True's GEMM (both schedules, with and without a bias) and its one attention
+    launch (no FMA contraction)."""
+    for dtype in DTYPES:
+        x, weight, bias = torch.empty(5, 1024, dtype=dtype), torch.empty(384, 1024, dtype=dtype), None
+        for split_in_grid in (True, False):
+            for bias in (None, torch.empty(384, dtype=dtype)):
+                batch_invariant_matmul(x, weight, bias, 4, split_in_grid=split_in_grid)
+        inputs = DecodeInputs.random(
+            DecodeShape((40, 300), NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype), CPU, seed=0
+        )
+        query = torch.empty(41, NUM_HEADS, HEAD_SIZE, dtype=dtype)  # a decode and a 40-token chunk
+        query_start_loc = torch.tensor([0, 1, 41], dtype=torch.int32)
+        for variant in _variants(NUM_HEADS, query):
+            paged_prefill(
+                query, inputs.key_cache, inputs.value_cache, inputs.block_tables, inputs.seq_lens,
+                query_start_loc, inputs.scale, 0, 2, 40, torch.empty_like(query),
+                **invariant_launch(HEAD_SIZE, dtype), **variant,
+            )  # fmt: skip
+
+
+LAUNCHES: list[Callable[[], None]] = [decode, prefill, cache_write, moe, layers, lora, batch_invariant]

@@ -8,11 +8,19 @@ from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.platform import platform_for
 
 
-def get_attn_backend(name: str, device: torch.device) -> type[AttentionBackend]:
+def get_attn_backend(
+    name: str, device: torch.device, batch_invariant: bool = False
+) -> type[AttentionBackend]:
     """The backend class for ``name``. 'auto' is the Triton kernels on a GPU and the vectorised
-    CPU backend on the CPU (each measured fastest there: benchmarks/RESULTS.md)."""
+    CPU backend on the CPU (each measured fastest there: benchmarks/RESULTS.md). With
+    ``batch_invariant``, Triton's is its one-kernel invariant variant (the CPU's is invariant as
+    it is; engine/batch_invariant.py refuses the others on CUDA)."""
     if name == "auto":
         name = "triton" if platform_for(device).is_cuda() else "cpu"
+    if name == "triton" and batch_invariant:
+        from pagedllm.attention.backends.triton_invariant_backend import TritonInvariantAttentionBackend
+
+        return TritonInvariantAttentionBackend
     if name == "cpu":
         from pagedllm.attention.backends.cpu_backend import CpuAttentionBackend
 

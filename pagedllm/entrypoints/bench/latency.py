@@ -142,6 +142,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "tensor_parallel_size": engine_args.tensor_parallel_size,
         "speculative_config": engine_args.speculative_config,
         "synthetic_acceptance_rate": rate,
+        "batch_invariant": engine_args.batch_invariant,
     }
     modes = [("cuda_graphs", False)] + ([] if args.skip_eager else [("eager", True)])
     for mode, enforce_eager in modes:

@@ -232,6 +232,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         attention_backend=engine.executor.collective_rpc(attention_backend_name)[0],
         tensor_parallel_size=engine.config.parallel_config.tensor_parallel_size,
         enforce_eager=engine.config.enforce_eager,
+        batch_invariant=engine.config.batch_invariant,
         num_gpu_blocks=engine.num_gpu_blocks,
     )
     if engine.config.model_config.hf_config.model_type in ("qwen3_moe", "mixtral"):

@@ -18,6 +18,13 @@ K/V run together and share it through L2. With a sliding window both stages star
 first tile of the program's first row (keys before it are not even loaded: their blocks may be
 freed) and mask every tile, since the window's lower edge moves with the row like the diagonal.
 
+With ``PACK_GQA`` (the batch-invariant backend's launch), a program owns one KV head instead, and
+its ``BLOCK_M`` rows are (token, query head) pairs, the ``NUM_QUERIES_PER_KV`` heads of the group
+adjacent: row ``r`` is token ``r // G`` of head ``kv_head * G + r % G``, grid ``(cdiv(max_query_len
+* G, BLOCK_M), num_kv_heads, num_prefills)``. The group's heads then share each K/V tile read, as in
+``paged_decode``: a decode (one token) fills G rows of a tile rather than one. The stages' bounds
+come from the program's first and last token as before; every row's arithmetic is the same.
+
 Attention sinks (``SINKS``; StreamingLLM, Xiao et al. 2023) add one stage before those, over the
 tile(s) of keys ``[0, min(attention_sinks, kv_end - sliding_window))``: the sinks the window of the
 program's last row has passed. It scores them with the rows of ``sink_query`` and keeps, per row,
@@ -114,26 +121,42 @@ def _paged_prefill_kernel(
     SINKS: tl.constexpr,  # needs WINDOW
     LEARNED_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PACK_GQA: tl.constexpr,  # rows are (token, head of the KV group) pairs: see the module docstring
 ):
     m_block = tl.program_id(0)
-    head = tl.program_id(1)
     seq = first_seq + tl.program_id(2)
+    if PACK_GQA:
+        kv_head = tl.program_id(1)
+        rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_m = rows // NUM_QUERIES_PER_KV  # each row's token in the chunk
+        head = kv_head * NUM_QUERIES_PER_KV + rows % NUM_QUERIES_PER_KV  # [BLOCK_M]
+        head_col = head[:, None]
+        first_row = m_block * BLOCK_M // NUM_QUERIES_PER_KV
+        last_row = (m_block * BLOCK_M + BLOCK_M - 1) // NUM_QUERIES_PER_KV
+    else:
+        head = tl.program_id(1)
+        kv_head = head // NUM_QUERIES_PER_KV
+        head_col = head
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        first_row = m_block * BLOCK_M
+        last_row = m_block * BLOCK_M + BLOCK_M - 1
     query_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
-    if m_block * BLOCK_M >= query_len:
+    if first_row >= query_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - query_len
-    kv_head = head // NUM_QUERIES_PER_KV
 
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     k_dim_offs = dim_offsets(offs_d, stride_k_chunk, stride_k_dim, K_CHUNK)
     v_dim_offs = offs_d * stride_v_dim
     io_mask = (offs_m[:, None] < query_len) & (offs_d[None, :] < HEAD_SIZE)
     tokens = (query_start + offs_m).to(tl.int64)
     q = tl.load(
-        query_ptr + tokens[:, None] * stride_q_tok + head * stride_q_head + offs_d[None, :] * stride_q_dim,
+        query_ptr
+        + tokens[:, None] * stride_q_tok
+        + head_col * stride_q_head
+        + offs_d[None, :] * stride_q_dim,
         mask=io_mask,
         other=0.0,
     ).to(key_cache_ptr.dtype.element_ty)
@@ -145,10 +168,10 @@ def _paged_prefill_kernel(
 
     # Keys <= the tile's first query position are visible to all its rows (first_pos < seq_len
     # because the tile holds at least one real row); the tiles after that straddle the diagonal.
-    first_pos = context_len + m_block * BLOCK_M
+    first_pos = context_len + first_row
     unmasked_lo = 0
     unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
-    kv_end = tl.minimum(seq_len, first_pos + BLOCK_M)
+    kv_end = tl.minimum(seq_len, context_len + last_row + 1)
     kv_lo = unmasked_end
     if WINDOW:
         # Only keys > first_pos - sliding_window are visible to any row: start at that key's
@@ -177,7 +200,7 @@ def _paged_prefill_kernel(
         sink_q = tl.load(
             sink_query_ptr
             + tokens[:, None] * stride_sq_tok
-            + head * stride_sq_head
+            + head_col * stride_sq_head
             + offs_d[None, :] * stride_sq_dim,
             # (sink_end broadcast by hand: Triton's interpreter refuses a scalar in a block mask)
             mask=io_mask & (offs_m[:, None] * 0 + sink_end > 0),
@@ -294,7 +317,7 @@ def _paged_prefill_kernel(
 
     out = acc / l_i[:, None]
     tl.store(
-        out_ptr + tokens[:, None] * stride_o_tok + head * stride_o_head + offs_d[None, :] * stride_o_dim,
+        out_ptr + tokens[:, None] * stride_o_tok + head_col * stride_o_head + offs_d[None, :] * stride_o_dim,
         out.to(out_ptr.dtype.element_ty),
         mask=io_mask,
     )
@@ -323,6 +346,8 @@ def paged_prefill(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 2,
+    enable_fp_fusion: bool = True,
+    pack_gqa: bool = False,
 ) -> torch.Tensor:
     """Causal attention of sequences ``[first_seq, first_seq + num_prefills)`` over their paged
     context (cached prefix + the chunk itself); writes their rows of ``out``.
@@ -335,7 +360,10 @@ def paged_prefill(
     those sequences and sets the grid. The variants (sliding_window, alibi_slopes [num_heads]
     float32, logits_soft_cap) are ``AttentionBackend``'s. With ``attention_sinks > 0`` (and a
     window), ``sink_query`` (the shape of ``query``) scores the sinks outside each row's window.
-    ``sinks`` ([num_heads]): gpt-oss's learned sink logits.
+    ``sinks`` ([num_heads]): gpt-oss's learned sink logits. ``enable_fp_fusion=False`` keeps every
+    multiply and add rounded on its own (no FMA contraction), so that a (row, key tile) gives the
+    same bits in the unmasked stage and in the masked one (the batch-invariant backend's need).
+    ``pack_gqa``: a program's rows are (token, head) pairs of one KV head's group (module docstring).
     """
     layout = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
     assert sinks is None or (sinks.shape == query.shape[1:2] and sinks.is_contiguous())
@@ -347,7 +375,12 @@ def paged_prefill(
     _, num_heads, head_size = query.shape
     if num_prefills == 0 or max_query_len == 0:
         return out
-    grid = (triton.cdiv(max_query_len, block_m), num_heads, num_prefills)
+    num_queries_per_kv = num_heads // layout.num_kv_heads
+    grid = (
+        (triton.cdiv(max_query_len * num_queries_per_kv, block_m), layout.num_kv_heads, num_prefills)
+        if pack_gqa
+        else (triton.cdiv(max_query_len, block_m), num_heads, num_prefills)
+    )
     _paged_prefill_kernel[grid](
         out,
         query,
@@ -370,7 +403,7 @@ def paged_prefill(
         *layout.key_strides,
         *layout.value_strides,
         *block_tables.stride(),
-        NUM_QUERIES_PER_KV=num_heads // layout.num_kv_heads,
+        NUM_QUERIES_PER_KV=num_queries_per_kv,
         HEAD_SIZE=head_size,
         HEAD_DIM=triton.next_power_of_2(head_size),
         BLOCK_SIZE=layout.block_size,
@@ -383,7 +416,9 @@ def paged_prefill(
         SINKS=streaming_sinks,
         LEARNED_SINKS=sinks is not None,
         DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32),
+        PACK_GQA=pack_gqa,
         num_warps=num_warps,
         num_stages=num_stages,
+        enable_fp_fusion=enable_fp_fusion,
     )
     return out

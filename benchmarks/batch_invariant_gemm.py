@@ -1,0 +1,141 @@
+"""The batch-invariant GEMM (kernels/triton/batch_invariant_matmul.py) against cuBLAS (``F.linear``)
+at the layer shapes of W1 (Qwen3-0.6B) and W3 (Llama-3.1-8B), bf16, for the row counts a step
+sees: 1 (W3's decode), 64 and 256 (W1's decode batches), 2,048 (a prefill chunk).
+
+    PYTHONPATH=. python benchmarks/batch_invariant_gemm.py [--sweep] [--output-json F]
+
+``--sweep``: the same for other candidate tile configurations (``SWEEP``), each summarised by the
+geometric mean of its speedups over cuBLAS: the kernel's one configuration (``TILES``) is a constant,
+since changing it changes the numerics, and this is how to choose it.
+
+Each figure is the device time of one call replayed from a captured CUDA graph (what a decode
+step runs), median of 5 repeats of 50 calls; GB/s counts the weight, activations and output once,
+TFLOP/s ``2 M N K``. The ratio is cuBLAS's time over ours (above 1: ours is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagedllm.kernels.triton.batch_invariant_matmul import (
+    TILES,
+    MatmulTiles,
+    batch_invariant_matmul,
+    num_k_splits,
+    num_sms,
+)
+
+# (model, layer): (N, K) of one rank's weight.
+LAYERS = {
+    ("Qwen3-0.6B", "qkv_proj"): (4096, 1024),
+    ("Qwen3-0.6B", "o_proj"): (1024, 2048),
+    ("Qwen3-0.6B", "gate_up_proj"): (6144, 1024),
+    ("Qwen3-0.6B", "down_proj"): (1024, 3072),
+    ("Qwen3-0.6B", "lm_head"): (151_936, 1024),
+    ("Llama-3.1-8B", "qkv_proj"): (6144, 4096),
+    ("Llama-3.1-8B", "o_proj"): (4096, 4096),
+    ("Llama-3.1-8B", "gate_up_proj"): (28_672, 4096),
+    ("Llama-3.1-8B", "down_proj"): (4096, 14_336),
+    ("Llama-3.1-8B", "lm_head"): (128_256, 4096),
+}
+ROWS = (1, 64, 256, 2048)
+# Candidates for TILES (block_m, block_n, block_k, num_warps, num_stages); all fit Hopper's shared memory.
+SWEEP = [
+    MatmulTiles(64, 128, 64, 4, 3),
+    MatmulTiles(64, 128, 64, 4, 4),
+    MatmulTiles(64, 64, 64, 4, 4),
+    MatmulTiles(64, 256, 64, 8, 3),
+    MatmulTiles(128, 128, 64, 8, 3),
+    MatmulTiles(128, 256, 64, 8, 3),
+]
+
+
+def _graph_us(fn, repeats: int = 5, calls: int = 50) -> float:
+    """Device microseconds per call, replayed from a CUDA graph of ``calls`` calls."""
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        for _ in range(3):  # compile and settle allocations outside the capture
+            fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def measure(n: int, k: int, m: int, device: torch.device, tiles: MatmulTiles = TILES) -> dict:
+    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
+    splits = num_k_splits(n, k, num_sms(device), tiles)
+    ours = _graph_us(lambda: batch_invariant_matmul(x, weight, None, splits, tiles))
+    cublas = _graph_us(lambda: F.linear(x, weight))
+    num_bytes = 2 * (n * k + m * k + m * n)
+    return {
+        "n": n,
+        "k": k,
+        "m": m,
+        "num_splits": splits,
+        "invariant_us": ours,
+        "cublas_us": cublas,
+        "invariant_gbps": num_bytes / ours / 1e3,
+        "invariant_tflops": 2 * m * n * k / ours / 1e6,
+        "speedup_vs_cublas": cublas / ours,
+    }
+
+
+def table(tiles: MatmulTiles, device: torch.device) -> list[dict]:
+    """Every layer at every row count, printed as it goes."""
+    header = ("M", "splits", "ours us", "cuBLAS us", "GB/s", "TFLOP/s", "x")
+    widths = (5, 6, 9, 9, 7, 8, 6)
+    print(f"{tiles}\n{'layer':<28} " + " ".join(f"{h:>{w}}" for h, w in zip(header, widths)))
+    rows = []
+    for (model, layer), (n, k) in LAYERS.items():
+        for m in ROWS:
+            row = {"model": model, "layer": layer, **measure(n, k, m, device, tiles)}
+            rows.append(row)
+            print(
+                f"{model + ' ' + layer:<28} {m:>5} {row['num_splits']:>6} {row['invariant_us']:>9.1f} "
+                f"{row['cublas_us']:>9.1f} {row['invariant_gbps']:>7.0f} {row['invariant_tflops']:>8.1f} "
+                f"{row['speedup_vs_cublas']:>6.2f}"
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="also the candidate configurations in SWEEP")
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    results = {}
+    for tiles in [TILES] + ([t for t in SWEEP if t != TILES] if args.sweep else []):
+        rows = table(tiles, device)
+        speedups = [row["speedup_vs_cublas"] for row in rows]
+        geomean = statistics.geometric_mean(speedups)
+        print(f"{tiles}: geometric mean speedup over cuBLAS {geomean:.3f}\n")
+        results[str(tiles)] = {"rows": rows, "geomean_speedup": geomean}
+    if args.output_json:
+        summary = {"device": torch.cuda.get_device_name(), "default": str(TILES), "configs": results}
+        Path(args.output_json).write_text(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

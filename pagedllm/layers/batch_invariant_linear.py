@@ -1,0 +1,68 @@
+"""Dense linear layers and the LM head through the batch-invariant GEMM (``batch_invariant=True``
+on CUDA; docs/determinism.md).
+
+A ``LinearMethod`` like any other (the seam quantization and oneDNN's prepacking use): the worker
+attaches it to every dense layer after loading, choosing each layer's K split once, from its shape
+and the GPU (``num_k_splits``), so a step runs no choice at all. The weight stays as loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.kernels.triton.batch_invariant_matmul import batch_invariant_matmul, num_k_splits, num_sms
+from pagedllm.layers.fused_moe.layer import FusedMoE
+from pagedllm.layers.linear import LinearBase
+from pagedllm.layers.quantization.base import EmbeddingMethod, LinearMethod
+from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+
+class BatchInvariantLinearMethod(LinearMethod):
+    """``x W^T + b`` with K summed in ``num_splits`` fixed ranges, whatever the number of rows."""
+
+    def __init__(self, num_splits: int) -> None:
+        self.num_splits = num_splits
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        pass  # the kernel reads nn.Linear's [N, K] weight as it is
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        return batch_invariant_matmul(rows, layer.weight, bias, self.num_splits).view(*x.shape[:-1], -1)
+
+
+class BatchInvariantLMHeadMethod(BatchInvariantLinearMethod, EmbeddingMethod):
+    """The LM head's product through the kernel; a tied head is also the embedding table, which
+    lookups go on reading as before."""
+
+    def embedding(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, layer.weight)
+
+    def dequantize(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight.data
+
+
+def use_batch_invariant_gemms(model: nn.Module, device: torch.device) -> None:
+    """Every dense linear layer and the LM head of ``model`` (loaded, on ``device``) through the
+    batch-invariant GEMM. ValueError naming a layer that has no invariant path."""
+    sms = num_sms(device)
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            raise ValueError(
+                f"batch_invariant=True: the fused MoE layer {name} has no batch-invariant kernel"
+            )
+        if isinstance(module, LinearBase | VocabParallelEmbedding) and module.quant_method is not None:
+            raise ValueError(
+                f"batch_invariant=True: {name} is quantized ({type(module.quant_method).__name__}), "
+                "which has no batch-invariant GEMM"
+            )
+        if isinstance(module, LinearBase):
+            n, k = module.weight.shape
+            module.quant_method = BatchInvariantLinearMethod(num_k_splits(n, k, sms))
+    lm_head = getattr(model, "lm_head", None)
+    if not isinstance(lm_head, VocabParallelEmbedding):  # LogitsProcessor would take F.linear
+        raise ValueError(f"batch_invariant=True: {type(model).__name__} has no lm_head to route")
+    n, k = lm_head.weight.shape
+    lm_head.quant_method = BatchInvariantLMHeadMethod(num_k_splits(n, k, sms))
