@@ -38,6 +38,11 @@ def _refusal(config: EngineConfig) -> str | None:
             "cpu_compile is not supported (the compiled decode step fuses its reductions unlike the "
             "eager prefill)"
         )
+    if model_config.has_recurrent_state:
+        return (
+            "models with linear-attention layers are not supported (their prefill kernels split a "
+            "chunk into blocks from its start, which the chunk boundaries move)"
+        )
     quantized = _quantized_weights(config)
     if quantized is not None:
         return f"{quantized} has no batch-invariant GEMM; load the model dense (quantization='none')"

@@ -128,3 +128,9 @@ def test_refuses_a_mixture_of_experts_before_loading():
 def test_refuses_quantized_weights(smollm2_gguf: str):
     with pytest.raises(ValueError, match="batch_invariant=True: a GGUF model kept quantized"):
         LLM(smollm2_gguf, device="cpu", quantization="gguf", batch_invariant=True)
+
+
+def test_refuses_a_linear_attention_hybrid_before_loading():
+    config = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs", "qwen3-next-2b")
+    with pytest.raises(ValueError, match="batch_invariant=True: models with linear-attention layers"):
+        LLM(config, device="cpu", load_format="dummy", skip_tokenizer_init=True, batch_invariant=True)
