@@ -578,11 +578,12 @@ def _randomize_hybrid(model: PreTrainedModel) -> None:
 def make_hybrid_reference(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Callable[[PretrainedConfig, tuple[int, ...], int], tuple[str, list[list[int]], list[list[int]]]]:
-    """make(config, prompt_lens, max_tokens) -> (directory of a random float32 model of ``config``
-    saved there, random prompts of those lengths, HF ``generate``'s greedy continuations)."""
+    """make(config, prompt_lens, max_tokens, device="cpu") -> (directory of a random float32 model
+    of ``config`` saved there, random prompts of those lengths, HF ``generate``'s greedy
+    continuations on ``device``)."""
 
     def make(
-        config: PretrainedConfig, prompt_lens: tuple[int, ...], max_tokens: int
+        config: PretrainedConfig, prompt_lens: tuple[int, ...], max_tokens: int, device: str = "cpu"
     ) -> tuple[str, list[list[int]], list[list[int]]]:
         torch.manual_seed(0)
         hf_model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -591,6 +592,6 @@ def make_hybrid_reference(
         hf_model.save_pretrained(path)
         rng = random.Random(0)
         prompts = [[rng.randrange(config.vocab_size) for _ in range(n)] for n in prompt_lens]
-        return str(path), prompts, hf_greedy(hf_model, prompts, max_tokens, "cpu")
+        return str(path), prompts, hf_greedy(hf_model, prompts, max_tokens, device)
 
     return make
