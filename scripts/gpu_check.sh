@@ -56,9 +56,8 @@ run() {  # run NAME COMMAND...: log to $OUT/NAME.log, remember failures
     echo "=== $name took $((SECONDS - start)) s"
 }
 
-tp_tests() {
-    run tp_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_tensor_parallel_gpu.py \
-        tests/gpu/test_symm_mem_all_reduce_gpu.py -ra
+tp_tests() {  # every test that needs two GPUs in one process (marked two_gpus)
+    run tp_tests python3 -m pytest -q -p no:cacheprovider tests/gpu -m two_gpus -ra
 }
 
 determinism() {  # batch_invariant=True: its tests, then its cost on W1 and W3 (same call, same GPU)
@@ -96,8 +95,7 @@ for stage in "${stages[@]}"; do
         num_gpus=$(nvidia-smi -L | wc -l)
         if [ "$num_gpus" -gt 1 ]; then
             PAGEDLLM_TEST_NUM_GPUS=$num_gpus run tests python3 -m pytest -q -p no:cacheprovider tests/gpu -ra \
-                -n "$num_gpus" --dist loadfile --durations=15 \
-                --ignore=tests/gpu/test_tensor_parallel_gpu.py --ignore=tests/gpu/test_symm_mem_all_reduce_gpu.py
+                -n "$num_gpus" --dist loadfile --durations=15 -m "not two_gpus"
             tp_tests
         else
             run tests python3 -m pytest -q -p no:cacheprovider tests/gpu -ra --durations=15

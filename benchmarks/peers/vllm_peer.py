@@ -101,7 +101,9 @@ def workload_settings(name: str, model: str | None = None) -> Settings:
     workload = WORKLOADS[name]
     model = model or workload.model
     if name == "W3":
-        return Settings(model, workload.max_model_len, 1, 2048)
+        # One request either way; 8 sequences, not 1: vLLM 0.26.0's CUDA-graph capture at sizes
+        # [1, 2] (max_num_seqs=1) hit an illegal memory access on an H100 (2026-11-27).
+        return Settings(model, workload.max_model_len, 8, 2048)
     return Settings(model, workload.max_model_len, 256, OFFLINE_MAX_NUM_BATCHED_TOKENS)
 
 

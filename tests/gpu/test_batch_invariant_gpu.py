@@ -127,6 +127,7 @@ def test_refuses_a_backend_without_an_invariant_path():
         )
 
 
+@pytest.mark.two_gpus
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_tensor_parallel_2_is_identical_to_itself_across_batch_sizes():
     llm = LLM(

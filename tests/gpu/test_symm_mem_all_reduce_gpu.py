@@ -16,7 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+pytestmark = [
+    pytest.mark.two_gpus,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+]
 
 WORLD_SIZE = 2
 # (numel, dtype, storage offset of the input): decode-size messages, sizes that are not a multiple

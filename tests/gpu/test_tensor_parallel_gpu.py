@@ -14,7 +14,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import StructuredOutputsParams
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+pytestmark = [
+    pytest.mark.two_gpus,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices"),
+]
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
