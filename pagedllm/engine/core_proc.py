@@ -38,6 +38,7 @@ from multiprocessing.connection import Connection
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import EngineCore
+from pagedllm.engine.heap import HeapTrimmer
 from pagedllm.engine.llm_engine import freeze_startup_heap
 from pagedllm.engine.stats import EngineStats
 from pagedllm.logger import configure_logging
@@ -154,9 +155,14 @@ class EngineCoreLoop:
         self._stopping = False
 
     def run(self) -> None:
+        trimmer = HeapTrimmer()
+        was_busy = False
         try:
             while not self._stopping:
                 busy = self.core.has_unfinished_requests()
+                if was_busy and not busy:
+                    trimmer.maybe_trim()  # the work just ended: hand back what it freed
+                was_busy = busy
                 self._apply_ops(busy)
                 if not self._stopping and self.core.has_unfinished_requests():
                     self._emit(CoreOutputs(self.core.step(), self.core.get_stats()))
