@@ -444,6 +444,10 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
     model_path, gguf_file = resolve_model_path(spec.model)
     hf_config = load_hf_config(model_path, gguf_file)
     check_architecture(hf_config)
+    if is_pooling_architecture(hf_config):
+        raise ValueError(
+            f"speculative_config.model {spec.model!r} is a bare decoder (no LM head): it cannot draft"
+        )
     if getattr(hf_config, "vocab_size", None) != target.vocab_size:
         raise ValueError(
             f"speculative_config.model {spec.model!r} has a vocabulary of {hf_config.vocab_size} tokens, the "
@@ -473,6 +477,11 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
         skip_tokenizer_init=True,
         seed=target.seed,
     )
+    if config.has_recurrent_state:
+        raise ValueError(
+            f"speculative_config.model {spec.model!r} has linear-attention layers: their recurrent state "
+            "cannot roll back rejected drafts"
+        )
     check_quantization(config)
     return config
 
