@@ -441,9 +441,12 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
     """The draft model's config (speculative_config method "draft_model"), from its config file
     only: refused before any weight is read when the engine could not run it beside the target."""
     assert spec.model is not None
-    model_path, gguf_file = resolve_model_path(spec.model)
-    hf_config = load_hf_config(model_path, gguf_file)
-    check_architecture(hf_config)
+    try:
+        model_path, gguf_file = resolve_model_path(spec.model)
+        hf_config = load_hf_config(model_path, gguf_file)
+        check_architecture(hf_config)
+    except ValueError as error:
+        raise ValueError(f"speculative_config.model: {error}") from error
     if is_pooling_architecture(hf_config):
         raise ValueError(
             f"speculative_config.model {spec.model!r} is a bare decoder (no LM head): it cannot draft"
