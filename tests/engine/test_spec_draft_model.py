@@ -86,6 +86,7 @@ def test_greedy_with_a_draft_model_equals_hf_and_decoding_without_it(target, dra
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.slow
 def test_the_target_as_its_own_draft_is_always_accepted_through_preemption_prefix_caching_and_chunks(
     target, drafts
 ):
@@ -97,15 +98,16 @@ def test_the_target_as_its_own_draft_is_always_accepted_through_preemption_prefi
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain = make_llm(model_config, block_size=4)
     expected = token_ids(plain.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False))
-    # 40 blocks of 4 tokens: less than the 8 requests need at once; 12-token steps cut prompts.
+    # 24 blocks of 4 tokens: less than 6 requests need at once; 16-token steps cut prompts.
     tight = make_llm(
         model_config,
         block_size=4,
-        num_kv_blocks=40,
+        num_kv_blocks=24,
         max_model_len=96,
         enable_prefix_caching=True,
         enable_chunked_prefill=True,
-        max_num_batched_tokens=12,
+        max_num_batched_tokens=16,
+        max_num_seqs=6,
         speculative_config=draft_config(drafts["self"]),
     )
     for _ in range(2):  # the second run finds the first one's blocks in the prefix cache
@@ -120,6 +122,7 @@ def test_the_target_as_its_own_draft_is_always_accepted_through_preemption_prefi
     assert_all_blocks_free(tight)
 
 
+@pytest.mark.slow
 def test_a_perturbed_draft_changes_no_output_under_preemption_and_prefix_caching(target, drafts):
     _, model_config = target
     prompts = mixed_prompts(8, model_config.vocab_size, seed=2)
@@ -141,6 +144,7 @@ def test_a_perturbed_draft_changes_no_output_under_preemption_and_prefix_caching
     assert_all_blocks_free(tight)
 
 
+@pytest.mark.slow
 def test_drafts_are_cut_at_max_tokens_and_max_model_len(target, drafts):
     _, model_config = target
     prompts = mixed_prompts(4, model_config.vocab_size, seed=4)
@@ -237,6 +241,7 @@ def test_a_draft_the_engine_cannot_run_beside_the_target_is_refused_before_loadi
         make_llm(model_config, speculative_config=draft_config("/nonexistent/draft"))
 
 
+@pytest.mark.slow
 def test_a_block_costs_both_models_bytes(target, drafts):
     """The draft's cache shares the target's block ids: the same kv_cache_memory holds fewer
     blocks, by exactly the draft's share (after its proposals' scratch blocks)."""
