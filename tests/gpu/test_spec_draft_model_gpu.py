@@ -72,6 +72,7 @@ def test_the_target_as_its_own_draft_through_preemption_prefix_caching_and_chunk
         enable_prefix_caching=True,
         enable_chunked_prefill=True,
         max_num_batched_tokens=48,
+        max_num_seqs=16,
         speculative_config={"method": "draft_model", "model": drafts["self"], "num_speculative_tokens": 4},
     )
     expected = hf_greedy(hf_model, prompts, GREEDY.max_tokens)
