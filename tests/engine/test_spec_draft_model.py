@@ -260,3 +260,33 @@ def test_a_block_costs_both_models_bytes(target, drafts):
     num_blocks = llm.llm_engine.scheduler.kv_cache_manager.num_total_gpu_blocks
     assert num_blocks == (budget - drafter.scratch_bytes) // (target_bytes + drafter.block_bytes)
     assert plain.llm_engine.scheduler.kv_cache_manager.num_total_gpu_blocks == budget // target_bytes
+
+
+@pytest.mark.slow
+def test_swapped_groups_bring_the_drafts_cache_back_with_the_targets(target, drafts):
+    """n = 2 requests are groups, which preemption swaps out: the swap moves the draft's blocks
+    too, so the target as its own draft is still always accepted. (top_k=1: both samples are the
+    greedy tokens, which n > 1 refuses at temperature 0.)"""
+    _, model_config = target
+    prompts = mixed_prompts(6, model_config.vocab_size, seed=7)
+    params = SamplingParams(n=2, temperature=1.0, top_k=1, max_tokens=24, ignore_eos=True)
+    plain = make_llm(model_config, block_size=4)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    expected = [
+        [t, t]
+        for t in token_ids(plain.generate(prompt_token_ids=prompts, sampling_params=greedy, use_tqdm=False))
+    ]
+    tight = make_llm(
+        model_config,
+        block_size=4,
+        num_kv_blocks=40,
+        max_model_len=96,
+        swap_space=0.01,
+        speculative_config=draft_config(drafts["self"]),
+    )
+    outputs = tight.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == expected
+    assert tight.llm_engine.get_stats().num_preemptions_swap > 0
+    counters = spec(tight)
+    assert counters.num_accepted_tokens == counters.num_draft_tokens > 0
+    assert_all_blocks_free(tight)
