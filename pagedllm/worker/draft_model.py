@@ -92,6 +92,7 @@ class DraftModelRunner:
         self.num_scratch_blocks = self.max_num_proposals * self.scratch_per_request
         self.model: nn.Module | None = None
         self.cache_engine: CacheEngine | None = None
+        self.first_scratch_block = 0  # the cache's real blocks come first (initialize_cache)
 
     @property
     def block_bytes(self) -> int:
