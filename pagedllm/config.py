@@ -320,9 +320,9 @@ class LoadConfig:
         _require(self.load_format in LOAD_FORMATS, "load_format", f"one of {LOAD_FORMATS}", self.load_format)
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # Methods vLLM names that pagedllm does not run yet: refused by name rather than as unknown.
-_SPECULATIVE_METHODS_NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
+_SPECULATIVE_METHODS_NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
 # Drafted tokens per request and step, at most: each is one more query row to verify and one more
 # [vocab] row of target probabilities; past ~8 an n-gram draft is almost never accepted whole.
 MAX_NUM_SPECULATIVE_TOKENS = 16
@@ -344,8 +344,11 @@ class SpeculativeConfig:
     target model over all of them (docs/spec_decode.md).
 
     ``method="ngram"`` (prompt lookup, no model): the draft continues the latest earlier match of
-    the request's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens. ``model`` is vLLM's
-    older spelling of the method ("ngram" or "[ngram]"). ``disable_by_batch_size``: no drafts in a
+    the request's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens. ``method="draft_model"``:
+    ``model`` (a path) is a smaller model with the target's vocabulary that drafts greedily, run by
+    the worker beside the target (worker/draft_model.py); ``draft_model_config`` is filled from it
+    by ``EngineArgs`` once the target's config is known. ``model`` "ngram" or "[ngram]" is vLLM's
+    older spelling of the n-gram method. ``disable_by_batch_size``: no drafts in a
     step with at least this many running requests (verification then costs more than it saves).
     ``synthetic_acceptance_rate`` is for benchmarks only: each drafted token is accepted with this
     probability whatever the model says, so outputs are NOT the model's (``pagedllm bench latency``
@@ -358,6 +361,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     disable_by_batch_size: int | None = None
     synthetic_acceptance_rate: float | None = None
+    model: str | None = None
+    draft_model_config: ModelConfig | None = None
 
     def __post_init__(self) -> None:
         method = self.method
@@ -400,6 +405,12 @@ class SpeculativeConfig:
             "None or in [0, 1]",
             rate,
         )
+        _require(
+            (method == "draft_model") == (self.model is not None),
+            "speculative_config.model",
+            "a model path with method 'draft_model' (and only then)",
+            self.model,
+        )
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
@@ -415,12 +426,10 @@ class SpeculativeConfig:
         values = dict(config)
         model = values.pop("model", None)
         if model is not None and str(model).strip("[]") != "ngram":
-            method = values.get("method", "draft_model")
-            raise ValueError(
-                f"speculative_config.model {model!r} (method {method!r}): draft models are not supported "
-                f"yet; supported methods: {SPECULATIVE_METHODS}"
-            )
-        if "method" not in values:
+            # A model path: vLLM's draft model (its older configs give the path without a method).
+            values.setdefault("method", "draft_model")
+            values["model"] = model
+        elif "method" not in values:
             if model is None:
                 raise ValueError(f"speculative_config.method is required: one of {SPECULATIVE_METHODS}")
             values["method"] = "ngram"
@@ -475,6 +484,13 @@ class EngineConfig:
                 raise ValueError(
                     "speculative_config is not supported on models with linear-attention layers: their "
                     "recurrent state cannot roll back rejected drafts"
+                )
+            if self.speculative_config.method == "draft_model":
+                _require(
+                    self.parallel_config.tensor_parallel_size == 1,
+                    "tensor_parallel_size",
+                    "1 with speculative_config method 'draft_model' (a sharded draft is not supported yet)",
+                    self.parallel_config.tensor_parallel_size,
                 )
         if self.pooler_config is not None:
             # The pooler reads every prompt token's hidden state: none may come from the cache.

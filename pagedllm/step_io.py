@@ -118,6 +118,9 @@ class ModelRunnerOutput:
     # req_id -> drafts accepted, for each request that verified drafts: its rows (consecutive) are
     # the accepted drafts, then one token sampled from the target after them.
     num_accepted_tokens: dict[int, int] = field(default_factory=dict)
+    # Speculative decoding with a draft model: req_id -> the drafts the worker proposed after this
+    # step's tokens, for the scheduler to verify next step (worker/draft_model.py).
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # Pooling models: req_id -> the pooled vector of each request whose prompt the step completed
     # (in place of a sample; worker/pooling_runner.py).
     pooler_output: dict[int, list[float]] = field(default_factory=dict)

@@ -391,6 +391,8 @@ class Scheduler:
         computed; it is never returned).
         """
         self.kv_cache_manager.cache_computed_blocks(scheduler_output, self.queues.requests)
+        if self.spec_decoding is not None:
+            self.spec_decoding.drafter.receive(output)
         result = SampledRequests()
         if output.pooler_output:
             result.pooled = self._finish_pooled(output.pooler_output)

@@ -1,5 +1,7 @@
-"""Speculative decoding, the scheduler's side: which requests get drafts this step, the n-gram
-drafter (prompt lookup) that proposes them on the host, and the acceptance counters.
+"""Speculative decoding, the scheduler's side: which requests get drafts this step, where the
+drafts come from (a ``Drafter``, chosen once from the method: the n-gram lookup on the host, or
+the draft model's proposals the worker sent with the previous step's samples), and the acceptance
+counters.
 
 As in vLLM v1, a request's draft tokens are just more tokens to compute: a decoding request with
 ``k`` drafts is scheduled ``1 + k`` tokens (its newest sample, then the drafts), its
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -56,6 +59,18 @@ class SpecDecodingStats:
     def mean_acceptance_length(self) -> float:
         """Tokens per verification: the accepted drafts and the one sampled after them."""
         return 1.0 + self.num_accepted_tokens / max(self.num_drafts, 1)
+
+
+class Drafter(Protocol):
+    """Where a decoding request's drafts come from."""
+
+    def draft(self, request: Request, num_tokens: int) -> list[int]:
+        """At most ``num_tokens`` drafts to follow the request's newest token."""
+        ...
+
+    def receive(self, output: ModelRunnerOutput) -> None:
+        """A step's samples, applied (the worker's proposals travel with them)."""
+        ...
 
 
 class NgramProposer:
@@ -94,6 +109,29 @@ class NgramProposer:
         end = int(ends[np.flatnonzero(match_len == best)[-1]])  # the latest of the longest
         return token_ids[end + 1 : end + 1 + num_tokens].tolist()
 
+    def draft(self, request: Request, num_tokens: int) -> list[int]:
+        tokens = np.asarray(request.prompt_token_ids + request.output_token_ids, dtype=np.int64)
+        return self.propose(tokens, num_tokens)
+
+    def receive(self, output: ModelRunnerOutput) -> None:
+        pass  # drafts come from the tokens alone
+
+
+class WorkerProposals:
+    """The draft model's proposals (``draft_model``; worker/draft_model.py): the worker drafts
+    after each step's samples and returns the drafts with them, so a request's drafts for this
+    step are those of the step just applied (steps are synchronous with speculation). A request
+    the worker did not draft for (it did not sample last step) decodes one token meanwhile."""
+
+    def __init__(self) -> None:
+        self.proposals: dict[int, list[int]] = {}
+
+    def draft(self, request: Request, num_tokens: int) -> list[int]:
+        return self.proposals.get(request.req_id, [])[:num_tokens]
+
+    def receive(self, output: ModelRunnerOutput) -> None:
+        self.proposals = output.draft_token_ids
+
 
 def can_speculate(request: Request) -> bool:
     """Whether drafts for the request can be verified from the target's logits alone (see the
@@ -127,7 +165,7 @@ class SpecDecoding:
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
         self.max_context_len = max_context_len
-        self.proposer = NgramProposer(config)
+        self.drafter: Drafter = WorkerProposals() if config.method == "draft_model" else NgramProposer(config)
         # Engine-wide, since start: drafts verified, drafts accepted, and per draft position i the
         # drafts accepted there (position i is accepted only when every one before it was).
         self.num_drafts = 0
@@ -148,12 +186,12 @@ class SpecDecoding:
         num = max_num_drafts(request, self.num_speculative_tokens, self.max_context_len)
         if num <= 0:
             return []
-        tokens = np.asarray(request.prompt_token_ids + request.output_token_ids, dtype=np.int64)
-        drafts = self.proposer.propose(tokens, num)
+        drafts = self.drafter.draft(request, num)
         if self.config.synthetic_acceptance_rate is not None:
             # Benchmarks: always k drafts, so that the cost of verifying them is measured
             # whatever the (dummy) weights generate; which tokens they are does not matter.
-            drafts += [int(tokens[-1])] * (num - len(drafts))
+            last = (request.output_token_ids or request.prompt_token_ids)[-1]
+            drafts = drafts + [last] * (num - len(drafts))
         return drafts
 
     def schedule_drafts(

@@ -231,6 +231,10 @@ class EngineArgs:
         )
         self._set_attention_window(model_config, model_class)
         check_quantization(model_config)
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            speculative_config = dataclasses.replace(
+                speculative_config, draft_model_config=draft_model_config(speculative_config, model_config)
+            )
         max_len = model_config.max_model_len
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
@@ -431,6 +435,58 @@ def load_hf_config(model_path: str, gguf_file: str | None) -> PretrainedConfig:
         return AutoConfig.from_pretrained(model_path)
     except (ValueError, KeyError, OSError) as e:
         raise ValueError(f"cannot read the model config in {model_path!r}: {e}") from e
+
+
+def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
+    """The draft model's config (speculative_config method "draft_model"), from its config file
+    only: refused before any weight is read when the engine could not run it beside the target."""
+    assert spec.model is not None
+    try:
+        model_path, gguf_file = resolve_model_path(spec.model)
+        hf_config = load_hf_config(model_path, gguf_file)
+        check_architecture(hf_config)
+    except ValueError as error:
+        raise ValueError(f"speculative_config.model: {error}") from error
+    if is_pooling_architecture(hf_config):
+        raise ValueError(
+            f"speculative_config.model {spec.model!r} is a bare decoder (no LM head): it cannot draft"
+        )
+    if getattr(hf_config, "vocab_size", None) != target.vocab_size:
+        raise ValueError(
+            f"speculative_config.model {spec.model!r} has a vocabulary of {hf_config.vocab_size} tokens, the "
+            f"target's has {target.vocab_size}: a draft model must share the target's vocabulary"
+        )
+    draft_max_len = derive_max_model_len(hf_config)
+    if draft_max_len is not None and draft_max_len < target.max_model_len:
+        raise ValueError(
+            f"speculative_config.model {spec.model!r} supports max_model_len {draft_max_len}, less than the "
+            f"engine's max_model_len {target.max_model_len}: lower max_model_len or choose another draft"
+        )
+    from pagedllm.models.utils import kv_cache_window
+
+    if kv_cache_window(target.hf_config) is not None or target.attention_sinks:
+        raise ValueError(
+            "speculative_config method 'draft_model' is not supported yet on a target whose every layer "
+            "slides a window (sliding_window, attention_sinks): the draft's cache would lose the blocks "
+            "the target drops behind it"
+        )
+    config = ModelConfig(
+        model=model_path,
+        tokenizer=target.tokenizer,
+        hf_config=hf_config,
+        dtype=target.dtype,
+        max_model_len=target.max_model_len,
+        gguf_file=gguf_file,
+        skip_tokenizer_init=True,
+        seed=target.seed,
+    )
+    if config.has_recurrent_state:
+        raise ValueError(
+            f"speculative_config.model {spec.model!r} has linear-attention layers: their recurrent state "
+            "cannot roll back rejected drafts"
+        )
+    check_quantization(config)
+    return config
 
 
 def check_quantization(model_config: ModelConfig) -> None:

@@ -21,6 +21,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.step_io import ModelRunnerOutput, NewRequestData, PromptLogprobsOutput, SchedulerOutput
 from pagedllm.worker.cpu_compile import CompiledDecode
 from pagedllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
+from pagedllm.worker.draft_model import DraftModelRunner
 from pagedllm.worker.grammar_ranks import grammar_constraint
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import InputBuffers, to_device
@@ -51,6 +52,8 @@ class StepOutput:
         self._prompt_logprobs = prompt_logprobs
         self._host: list[torch.Tensor | None] = []
         self._event = None
+        # The draft model's proposals (worker/draft_model.py), on the host.
+        self.draft_token_ids: dict[int, list[int]] = {}
         if sampled is None:
             return
         tensors = [sampled.token_ids, sampled.logprobs]
@@ -104,6 +107,7 @@ class StepOutput:
             )
         if self._verified is not None:
             self._verified.append_to(output)
+        output.draft_token_ids = self.draft_token_ids
         return output
 
 
@@ -151,6 +155,12 @@ class ModelRunner:
             if spec_config is None
             else DraftVerifier(self.input_batch, spec_config.synthetic_acceptance_rate)
         )
+        # Speculative decoding with a draft model: it runs after every step's samples.
+        self.drafter = (
+            DraftModelRunner(config, attn_backend, self.input_batch)
+            if spec_config is not None and spec_config.method == "draft_model"
+            else None
+        )
         # With enable_lora: the model's projections wrapped, and the adapters' slots.
         self.lora_manager: LoRAModelManager | None = None
         # Whether the model keeps a recurrent state per request (hybrid models): the step then
@@ -164,6 +174,8 @@ class ModelRunner:
         self.model = get_model(
             config.model_config, config.load_config.load_format, self.device, self.attn_backend
         )
+        if self.drafter is not None:
+            self.drafter.load_model()
         if config.lora_config is not None:
             self.lora_manager = LoRAModelManager(
                 self.model,
@@ -255,6 +267,9 @@ class ModelRunner:
             return StepOutput(None, None, [], [], self.device)
         model_input = self.prepare_inputs(scheduler_output)
         hidden_states = self.run_model(model_input, scheduler_output.total_num_scheduled_tokens, kv_caches)
+        drafter = self.drafter if self.drafter is not None and self.drafter.ready else None
+        if drafter is not None:
+            drafter.prefill(model_input)
         if model_input.logits_indices.numel() == 0:
             return StepOutput(model_input, None, [], [], self.device)
         logits = self.model.compute_logits(hidden_states[model_input.logits_indices])
@@ -284,6 +299,11 @@ class ModelRunner:
         )
         if num_sample_rows:
             self.logits_processors.after_launch(step)
+        if drafter is not None:
+            rows = model_input.sampling_req_rows
+            if model_input.verify is not None:
+                rows = np.concatenate([rows, model_input.verify.rows])
+            step.draft_token_ids = drafter.propose(rows)
         return step
 
     def run_model(self, model_input: ModelInput, num_tokens: int, kv_caches: list[KVCache]) -> torch.Tensor:

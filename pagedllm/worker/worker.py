@@ -100,6 +100,8 @@ class Worker:
             self.model_runner.has_state = True
         if self.device.type == "cpu" and onednn_available(self.config.model_config.dtype):
             prepack_dense_weights(self.model_runner.model)
+            if self.model_runner.drafter is not None:
+                prepack_dense_weights(self.model_runner.drafter.model)
         if self.config.batch_invariant and self.device.type == "cuda":
             from pagedllm.layers.batch_invariant_linear import use_batch_invariant_gemms
 
@@ -135,15 +137,20 @@ class Worker:
         """
         cache_config = self.config.cache_config
         block_bytes = self.kv_cache_spec.block_bytes
+        # A draft model's cache shares the block ids: a block costs both models' bytes, and the
+        # draft's scratch blocks come off the budget first (worker/draft_model.py).
+        drafter = self.model_runner.drafter
+        reserved = 0 if drafter is None else drafter.scratch_bytes
+        block_bytes += 0 if drafter is None else drafter.block_bytes
         num_cpu_blocks = int(cache_config.swap_space * GiB) // block_bytes
         if cache_config.num_kv_blocks is not None:
             return cache_config.num_kv_blocks, num_cpu_blocks
         if self.device.type == "cpu":
             budget = kv_budget_after_state(cache_config.kv_cache_memory, self.state_cache_spec)
-            return budget // block_bytes, num_cpu_blocks
-        return self._profile_num_gpu_blocks(block_bytes), num_cpu_blocks
+            return max(budget - reserved, 0) // block_bytes, num_cpu_blocks
+        return self._profile_num_gpu_blocks(block_bytes, reserved), num_cpu_blocks
 
-    def _profile_num_gpu_blocks(self, block_bytes: int) -> int:
+    def _profile_num_gpu_blocks(self, block_bytes: int, reserved: int = 0) -> int:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         baseline = torch.cuda.memory_allocated(self.device)
@@ -157,7 +164,7 @@ class Worker:
         # what a step at the scheduler's largest size adds on top: the rest of the share is cache.
         in_use = total - free
         utilization = self.config.cache_config.gpu_memory_utilization
-        budget = total * utilization - in_use - activation_peak
+        budget = total * utilization - in_use - activation_peak - reserved
         num_blocks = int(budget // block_bytes)
         if num_blocks <= 0:
             raise ValueError(
@@ -172,17 +179,22 @@ class Worker:
         self.cache_engine = CacheEngine(
             self.kv_cache_spec, self.attn_backend, num_gpu_blocks, num_cpu_blocks, self.device
         )
+        if self.model_runner.drafter is not None:
+            self.model_runner.drafter.initialize_cache(num_gpu_blocks, num_cpu_blocks)
         self.model_runner.capture_model(self.cache_engine.gpu_cache)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepOutput:
         """Do the step's block moves, then its forward pass and sampling (without waiting for the
         samples: ``StepOutput.get`` does)."""
         assert self.cache_engine is not None, "initialize_cache() first"
-        self.cache_engine.run_cache_ops(
+        block_moves = (
             scheduler_output.blocks_to_swap_out,
             scheduler_output.blocks_to_swap_in,
             scheduler_output.blocks_to_copy,
         )
+        self.cache_engine.run_cache_ops(*block_moves)
+        if self.model_runner.drafter is not None:
+            self.model_runner.drafter.run_cache_ops(*block_moves)
         return self.model_runner.execute_model(scheduler_output, self.cache_engine.gpu_cache)
 
     def execute_model_remote(self, scheduler_output: SchedulerOutput) -> StepOutput | None:

@@ -263,7 +263,7 @@ def test_acceptance_is_counted_per_request_and_engine_wide(tiny_llama, caplog):
         ({"method": "ngram", "prompt_lookup_min": 0}, "speculative_config.prompt_lookup_min"),
         ({"method": "ngram", "speculative_tokens": 3}, "unknown keys ['speculative_tokens']"),
         ({"num_speculative_tokens": 3}, "speculative_config.method is required"),
-        ({"method": "draft_model", "model": "/some/model"}, "speculative_config.model"),
+        ({"method": "draft_model"}, "speculative_config.model"),
         ({"method": "eagle3"}, "speculative_config.method 'eagle3' is not supported yet"),
         ('{"method": "ngram", ', "speculative_config must be a JSON object"),
     ],

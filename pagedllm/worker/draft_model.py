@@ -1,0 +1,222 @@
+"""Speculative decoding with a draft model (vLLM's ``draft_model`` method), the worker's side: a
+smaller model with the target's vocabulary, run by the same worker, proposes each request's next
+``k`` tokens greedily after the target's step, and the proposals travel back with the step's
+samples (``ModelRunnerOutput.draft_token_ids``) for the scheduler to schedule as the next step's
+drafts (core/spec_decode.py verifies them like any drafts).
+
+**Its KV cache lives on the target's block tables.** The draft has its own K/V tensors (its own
+layers, heads and head size) indexed by the SAME block ids as the target's, so the scheduler and
+the KV cache manager allocate, share (prefix caching), copy, swap and free blocks once for both,
+and a block's bytes in the memory budget are the target's plus the draft's. The invariant: draft
+slot s holds the draft's K/V of the token whose target K/V is in slot s. It holds because
+
+- ``prefill`` runs the draft over exactly the step's scheduled tokens with the target's
+  attention metadata (same positions, same slot mapping): prompt chunks, decodes and the drafts
+  being verified all get the draft's K/V where the target's go. A rejected draft's slot holds
+  garbage in both caches, and both are written again when the position is recomputed; a prefix
+  cache hit finds the draft's K/V beside the target's, written when the block was computed;
+- block copies (copy-on-write) and swaps are applied to both caches (``run_cache_ops``).
+
+**Proposals write only scratch blocks.** A request whose newest token t sits at position P
+proposes d1 = argmax draft(t @ P), d2 = argmax draft(d1 @ P + 1), ... : k one-token decode steps
+writing positions P .. P + k - 1. Those slots may not be allocated yet (the scheduler reserves the
+next step's slots only when it schedules it), and writing a real block's free tail would race with
+siblings sharing it. So each proposing request gets ``scratch_blocks_per_request`` private
+blocks past the cache's real ones: its block containing P is copied there first (the tokens
+before P in it), and the proposal steps read through a block table whose entries from P's block
+on are the scratch blocks. Nothing real is written; the next step's ``prefill`` recomputes the
+draft's K/V of P .. P + k (the newest token and the drafts being verified) in the real slots.
+
+Drafts are argmax tokens, a point mass: rejection sampling against them is lossless with the
+verifier the n-gram method uses (sample/rejection_sampler.py), whatever the draft proposes; a
+wrong or stale draft costs acceptance, never correctness.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.config import EngineConfig
+from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
+from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.input_buffers import to_device
+from pagedllm.worker.step_inputs import ModelInput, compute_slot_mapping
+
+
+def scratch_blocks_per_request(block_size: int, num_speculative_tokens: int) -> int:
+    """Blocks that positions P .. P + k - 1 span at most, whatever P's offset in its block."""
+    return (block_size - 1 + num_speculative_tokens - 1) // block_size + 1
+
+
+class DraftModelRunner:
+    """The draft model and its KV cache, beside the target's ``ModelRunner``.
+
+    Args:
+        config: the engine's configuration (``speculative_config.draft_model_config`` set).
+        attn_backend: the target's backend class, which the draft's layers use too.
+        input_batch: the target runner's persistent batch (block tables, newest tokens).
+    """
+
+    def __init__(
+        self, config: EngineConfig, attn_backend: type[AttentionBackend], input_batch: InputBatch
+    ) -> None:
+        spec_config = config.speculative_config
+        assert spec_config is not None and spec_config.draft_model_config is not None
+        self.model_config = draft = spec_config.draft_model_config
+        # Dummy weights for both (benchmarks), else the draft's own format (a GGUF file or not).
+        self.load_format = "dummy" if config.load_config.load_format == "dummy" else "auto"
+        self.device = config.device_config.device
+        self.attn_backend = attn_backend
+        self.batch = input_batch
+        self.num_speculative_tokens = spec_config.num_speculative_tokens
+        self.block_size = block_size = config.cache_config.block_size
+        self.max_model_len = config.model_config.max_model_len
+        attn_backend.check_supported(draft.head_size, block_size, draft.dtype, self.device)
+        self.kv_cache_spec = KVCacheSpec(
+            num_layers=draft.num_layers,
+            num_kv_heads=draft.num_kv_heads,
+            head_size=draft.head_size,
+            block_size=block_size,
+            dtype=draft.dtype,
+            keys_only=draft.is_mla,
+        )
+        # Every request that samples in a step may propose (at most max_num_seqs sequences run).
+        self.scratch_per_request = scratch_blocks_per_request(block_size, self.num_speculative_tokens)
+        self.max_num_proposals = config.scheduler_config.max_num_seqs
+        self.num_scratch_blocks = self.max_num_proposals * self.scratch_per_request
+        self.model: nn.Module | None = None
+        self.cache_engine: CacheEngine | None = None
+        self.first_scratch_block = 0  # the cache's real blocks come first (initialize_cache)
+
+    @property
+    def block_bytes(self) -> int:
+        """The draft's bytes per block, added to the target's in the cache budget."""
+        return self.kv_cache_spec.block_bytes
+
+    @property
+    def scratch_bytes(self) -> int:
+        """The proposals' scratch blocks, taken from the budget before it is cut into blocks."""
+        return self.num_scratch_blocks * self.block_bytes
+
+    def load_model(self) -> None:
+        from pagedllm.model_loader import get_model
+
+        self.model = get_model(self.model_config, self.load_format, self.device, self.attn_backend)
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """The draft's cache: the target's block ids, then the scratch blocks."""
+        self.cache_engine = CacheEngine(
+            self.kv_cache_spec,
+            self.attn_backend,
+            num_gpu_blocks + self.num_scratch_blocks,
+            num_cpu_blocks,
+            self.device,
+        )
+        self.first_scratch_block = num_gpu_blocks
+
+    def run_cache_ops(
+        self,
+        blocks_to_swap_out: list[tuple[int, int]],
+        blocks_to_swap_in: list[tuple[int, int]],
+        blocks_to_copy: list[tuple[int, int]],
+    ) -> None:
+        """The target's block moves, on the draft's cache too (the invariant above)."""
+        if self.cache_engine is not None:
+            self.cache_engine.run_cache_ops(blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)
+
+    @property
+    def ready(self) -> bool:
+        """False until the cache exists (the memory profile runs the target alone)."""
+        return self.cache_engine is not None
+
+    def prefill(self, model_input: ModelInput) -> None:
+        """The draft's forward over the step's scheduled tokens, writing its K/V into the slots
+        the target's went to (its hidden states are not needed)."""
+        assert self.model is not None and self.cache_engine is not None
+        input_ids, positions, metadata = (
+            model_input.input_ids,
+            model_input.positions,
+            model_input.attn_metadata,
+        )
+        n = model_input.graph_num_seqs
+        if n is not None:
+            # The target replayed a CUDA graph on inputs padded to its batch size; the draft runs
+            # eagerly on the real rows (decodes only: one token each).
+            input_ids, positions = input_ids[:n], positions[:n]
+            metadata = dataclasses.replace(
+                metadata,
+                slot_mapping=metadata.slot_mapping[:n],
+                query_start_loc=metadata.query_start_loc[: n + 1],
+                seq_lens=metadata.seq_lens[:n],
+                block_tables=metadata.block_tables[:n],
+                query_start_loc_cpu=metadata.query_start_loc_cpu[: n + 1],
+                seq_lens_cpu=metadata.seq_lens_cpu[:n],
+            )
+        self.model(input_ids, positions, self.cache_engine.gpu_cache, metadata)
+
+    def propose(self, rows: np.ndarray) -> dict[int, list[int]]:
+        """After the target's samples are recorded: ``k`` greedy drafts for the requests in batch
+        ``rows``, continuing each one's newest token (``last_token_ids``, on the device)."""
+        assert self.model is not None and self.cache_engine is not None
+        rows = rows[: self.max_num_proposals]
+        num_reqs, k, block_size = len(rows), self.num_speculative_tokens, self.block_size
+        if not num_reqs:
+            return {}
+        batch = self.batch
+        caches = self.cache_engine.gpu_cache
+        newest = batch.num_tokens[rows] - 1  # position P of each request's newest token
+        table = self._scratch_table(rows, newest, caches)
+        device_table = to_device(table, self.device, torch.int32)
+        tokens = batch.last_token_ids.index_select(0, to_device(rows, self.device))
+        query_start_loc = np.arange(num_reqs + 1, dtype=np.int32)
+        drafts = torch.empty((num_reqs, k), dtype=torch.int64, device=self.device)
+        for j in range(k):
+            # Past max_model_len a position is clamped: its drafts are cut by the scheduler anyway.
+            positions = np.minimum(newest + j, self.max_model_len - 1)
+            seq_lens = (positions + 1).astype(np.int32)
+            metadata = AttentionMetadata(
+                num_decodes=num_reqs,
+                num_prefills=0,
+                slot_mapping=to_device(compute_slot_mapping(table, positions, block_size), self.device),
+                query_start_loc=to_device(query_start_loc, self.device),
+                seq_lens=to_device(seq_lens, self.device),
+                block_tables=device_table,
+                max_query_len=1,
+                max_seq_len=int(seq_lens.max()),
+                query_start_loc_cpu=torch.from_numpy(query_start_loc),
+                seq_lens_cpu=torch.from_numpy(seq_lens),
+                min_decode_seq_len=int(seq_lens.min()),
+            )
+            hidden = self.model(tokens, to_device(positions, self.device), caches, metadata)
+            tokens = self.model.compute_logits(hidden).argmax(dim=-1)
+            drafts[:, j] = tokens
+        req_ids = batch.req_ids
+        return {req_ids[row]: ids for row, ids in zip(rows.tolist(), drafts.tolist())}
+
+    def _scratch_table(self, rows: np.ndarray, newest: np.ndarray, caches: list[KVCache]) -> np.ndarray:
+        """[num_reqs, width] int32 block tables for the proposal steps: the requests' own up to the
+        block holding P, their scratch blocks from there on (that block's contents copied into
+        the first)."""
+        num_reqs, per_request = len(rows), self.scratch_per_request
+        width = self.batch.block_table.shape[1]
+        table = np.zeros((num_reqs, width + per_request), dtype=np.int32)
+        table[:, :width] = self.batch.block_table[rows]
+        first_block = newest // self.block_size
+        scratch = self.first_scratch_block + np.arange(num_reqs * per_request, dtype=np.int32).reshape(
+            num_reqs, per_request
+        )
+        src = table[np.arange(num_reqs), first_block]
+        columns = first_block[:, None] + np.arange(per_request)
+        table[np.arange(num_reqs)[:, None], columns] = scratch
+        src_index = to_device(src.astype(np.int64), self.device)
+        dst_index = to_device(scratch[:, 0].astype(np.int64), self.device)
+        for layer in caches:
+            for tensor in {id(t): t for t in layer}.values():  # once when K is V (MLA)
+                tensor.index_copy_(0, dst_index, tensor.index_select(0, src_index))
+        return table
