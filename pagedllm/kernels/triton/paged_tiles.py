@@ -91,8 +91,8 @@ def attend_paged_range(
     SOFT_CAP: tl.constexpr,
     ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    v_scale=1.0,  # read when KV_FP8: the value cache's scale (qk_scale carries k_scale already)
-    KV_FP8: tl.constexpr = False,  # the caches hold float8_e4m3fn; q is in the compute dtype
+    v_scale,  # read when KV_FP8: the value cache's scale (qk_scale carries k_scale already)
+    KV_FP8: tl.constexpr,  # the caches hold float8_e4m3fn; q is in the compute dtype
 ):
     offs_d = tl.arange(0, HEAD_DIM)
     dim_mask = offs_d < HEAD_SIZE

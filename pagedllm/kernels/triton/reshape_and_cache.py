@@ -38,7 +38,7 @@ from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 from pagedllm.kernels.triton.rotary import heads_per_tile, rotate_heads, rotate_pair
 
 # The largest finite float8_e4m3fn (the FP8 cache saturates there, as vLLM's scaled conversion does).
-FP8_E4M3_MAX: tl.constexpr = 448.0
+FP8_E4M3_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
