@@ -23,9 +23,14 @@ from pagedllm.worker.cache_engine import KVCacheSpec
 E4M3_MAX = 448.0
 
 
+def e4m3_values(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an FP8 cache with ``scale`` stores for x: saturate(x / scale) in e4m3, as float32."""
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+
+
 def fake_quant(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x as an FP8 cache with ``scale`` gives it back, in float32."""
-    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+    return e4m3_values(x, scale) * scale
 
 
 def _metadata(context_lens: list[int], query_lens: list[int], num_decodes: int, block_size: int):
@@ -44,7 +49,7 @@ def _metadata(context_lens: list[int], query_lens: list[int], num_decodes: int, 
     seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
 
     def slots(i: int, positions: range) -> torch.Tensor:
-        pos = torch.tensor(list(positions))
+        pos = torch.tensor(list(positions), dtype=torch.long)
         return tables[i, pos // block_size].long() * block_size + pos % block_size
 
     context_slots = [slots(i, range(c)) for i, c in enumerate(context_lens)]
@@ -105,7 +110,7 @@ def test_torch_backend_fp8_cache_matches_float32_over_quantized_kv(k_scale: floa
         stored = cache.view(-1, num_kv_heads, head_size).view(torch.uint8)[md.slot_mapping]
         stored = stored.view(torch.float8_e4m3fn).float()
         assert stored.abs().max() <= E4M3_MAX and not stored.isnan().any()
-        torch.testing.assert_close(stored, fake_quant(x, scale) / scale, atol=0, rtol=0)
+        torch.testing.assert_close(stored, e4m3_values(x, scale), atol=0, rtol=0)
     if k_scale == 0.01:
         assert (fp8[0].float().abs() == E4M3_MAX).any(), "the case meant to saturate did not"
 

@@ -36,9 +36,14 @@ K_SCALE, V_SCALE = 0.01, 0.2
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (4e-3, 4e-3)}
 
 
+def e4m3_values(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """What an FP8 cache with ``scale`` stores for x: saturate(x / scale) in e4m3, as float32."""
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float()
+
+
 def fake_quant(x: torch.Tensor, scale: float) -> torch.Tensor:
     """x as an FP8 cache with ``scale`` gives it back, in float32."""
-    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float() * scale
+    return e4m3_values(x, scale) * scale
 
 
 def _batch(dtype: torch.dtype):
@@ -94,10 +99,34 @@ def _batch(dtype: torch.dtype):
     return q, k, v, [c.to(DEVICE) for c in fp8], [c.to(DEVICE) for c in ref], md
 
 
-def _oracle(q, k, v, ref_caches, md) -> torch.Tensor:
-    """Float32 attention over the quantized contexts and this step's quantized K/V."""
+def _oracle(q, fp8_caches, ref_caches, md) -> torch.Tensor:
+    """Float32 attention over the quantized contexts and this step's K/V as the cache write
+    stored them (read back and dequantized: the write's rounding is the other test's subject, and
+    the interpreter rounds some values differently, see ``_interpreter_rounding``)."""
+    s = md.slot_mapping
+    k, v = (
+        c.view(torch.uint8)[s // BLOCK_SIZE, :, s % BLOCK_SIZE].view(torch.float8_e4m3fn).float() * scale
+        for c, scale in zip(fp8_caches, (K_SCALE, V_SCALE))
+    )
     backend = TorchAttentionBackend(NUM_HEADS, HEAD_SIZE, HEAD_SIZE**-0.5, NUM_KV_HEADS)
-    return backend.forward(q.float(), fake_quant(k, K_SCALE), fake_quant(v, V_SCALE), tuple(ref_caches), md)
+    return backend.forward(q.float(), k, v, tuple(ref_caches), md)
+
+
+def _interpreter_rounding(stored: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """Where Triton's interpreter (3.9) rounds float -> e4m3 unlike compiled kernels (PTX's
+    cvt.rn: to nearest, ties to even) and torch: ties go away from zero (200 -> 208, not 192), a
+    value rounded up to a power of two loses the carry into the exponent (-127.9 -> -64, not
+    -128), subnormals may land a step off. So under the interpreter a stored value may be one
+    e4m3 step (2^(exponent - 3), 2^-9 below 2^-6) from torch's, or half a power of two; off it,
+    False everywhere: the comparison is exact."""
+    if not INTERPRET:
+        return torch.zeros_like(stored, dtype=torch.bool)
+    magnitude = expected.abs()
+    mantissa, exponent = torch.frexp(magnitude)
+    power_of_two = (magnitude > 0) & (mantissa == 0.5)
+    lost_carry = power_of_two & (stored == expected / 2)
+    step = torch.where(magnitude < 2**-6, 2.0**-9, torch.ldexp(torch.ones_like(magnitude), exponent - 4))
+    return lost_carry | ((stored - expected).abs() <= step)
 
 
 def _scales() -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +141,10 @@ def test_fp8_cache_write_stores_saturated_e4m3(dtype: torch.dtype) -> None:
     for cache, x, scale in ((key_cache, k, K_SCALE), (value_cache, v, V_SCALE)):
         stored = cache.cpu().view(torch.uint8)[s // BLOCK_SIZE, :, s % BLOCK_SIZE]
         stored = stored.view(torch.float8_e4m3fn).float()
-        torch.testing.assert_close(stored, fake_quant(x.cpu(), scale) / scale, atol=0, rtol=0)
+        expected = e4m3_values(x.cpu(), scale)
+        exact = (stored == expected) | _interpreter_rounding(stored, expected)
+        assert exact.all(), f"{int((~exact).sum())} stored values are not saturate(x / scale) in e4m3"
+        assert (stored == expected).float().mean() > 0.97
     assert (key_cache.cpu().float().abs() == E4M3_MAX).any(), "K_SCALE is meant to saturate some of K"
 
 
@@ -133,7 +165,8 @@ def test_fp8_decode_and_prefill_match_float32_over_quantized_kv(dtype: torch.dty
     )  # fmt: skip
     assert not out.isnan().any()
     atol, rtol = TOLERANCES[dtype]
-    torch.testing.assert_close(out.float(), _oracle(q, k, v, ref_caches, md), atol=atol, rtol=rtol)
+    expected = _oracle(q, (key_cache, value_cache), ref_caches, md)
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=rtol)
 
 
 def test_triton_backend_forward_reads_its_layer_scales() -> None:
@@ -144,4 +177,4 @@ def test_triton_backend_forward_reads_its_layer_scales() -> None:
     backend.k_scale = backend.k_scale.to(DEVICE).fill_(K_SCALE)
     backend.v_scale = backend.v_scale.to(DEVICE).fill_(V_SCALE)
     out = backend.forward(q, k, v, tuple(caches), md)
-    torch.testing.assert_close(out, _oracle(q, k, v, ref_caches, md), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, _oracle(q, caches, ref_caches, md), atol=1e-4, rtol=1e-4)
