@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AttentionInterface, LlamaConfig
+from transformers import AttentionInterface, AttentionMaskInterface, LlamaConfig
+from transformers.masking_utils import eager_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
 from pagedllm import LLM, SamplingParams
@@ -40,6 +41,8 @@ def _reference_logprobs(hf_model, scales: list[tuple[float, float]], prompt: lis
         return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("fp8_kv_reference", attention)
+    # The eager (additive, causal) mask: a new name would otherwise get none, as SDPA's causal skip.
+    AttentionMaskInterface.register("fp8_kv_reference", eager_mask)
     hf_model.set_attn_implementation("fp8_kv_reference")
     try:
         with torch.no_grad():
