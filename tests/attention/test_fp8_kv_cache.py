@@ -18,7 +18,7 @@ from pagedllm.attention.kv_quant import check_kv_cache_dtype
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import CacheConfig
 from pagedllm.models.kv_scales import kv_scale_target
-from pagedllm.worker.cache_engine import KVCacheSpec
+from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
 
 E4M3_MAX = 448.0
 
@@ -171,3 +171,23 @@ def test_backends_without_fp8_kernels_refuse_by_name() -> None:
     check_kv_cache_dtype(CpuAttentionBackend, torch.float32)
     with pytest.raises(ValueError, match="not supported by the 'cpu' attention backend"):
         check_kv_cache_dtype(CpuAttentionBackend, torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float32])
+def test_cache_engine_moves_fp8_blocks_as_they_are(dtype: torch.dtype) -> None:
+    """Block copies (copy-on-write of a shared prefix block) and swaps keep every byte."""
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=2, head_size=8, block_size=4, dtype=dtype)
+    engine = CacheEngine(spec, TorchAttentionBackend, 6, 2, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for layer in engine.gpu_cache:
+        for tensor in layer:
+            data = tensor.view(torch.uint8)
+            data.copy_(torch.randint(0, 0x7F, data.shape, generator=gen))
+    before = [[t.view(torch.uint8).clone() for t in layer] for layer in engine.gpu_cache]
+    engine.run_cache_ops([(1, 0)], [], [(2, 5)])
+    engine.run_cache_ops([], [(0, 4)], [])
+    for layer, old in zip(engine.gpu_cache, before):
+        for tensor, original in zip(layer, old):
+            data = tensor.view(torch.uint8)
+            assert torch.equal(data[5], original[2]) and torch.equal(data[4], original[1])
+            assert torch.equal(data[:4], original[:4])
