@@ -142,7 +142,9 @@ def _to_cache(x, cache_ptr, scale, KV_FP8: tl.constexpr):
     """x as ``cache_ptr``'s cache stores it: cast, or for an FP8 cache ``x / scale`` in float32,
     saturated to e4m3's finite range (a plain cast overflows to NaN) and rounded to nearest."""
     if KV_FP8:
-        x = x.to(tl.float32) / scale
+        # Correctly rounded (PTX div.rn; Triton's "/" is the approximate div.full): the stored
+        # bytes are then torch's, (x / scale).to(float8_e4m3fn), bit for bit.
+        x = tl.math.div_rn(x.to(tl.float32), scale)
         x = tl.minimum(tl.maximum(x, -FP8_E4M3_MAX), FP8_E4M3_MAX)
     return x.to(cache_ptr.dtype.element_ty)
 
