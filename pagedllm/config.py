@@ -32,6 +32,9 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # "auto": what the checkpoint says; "gguf"/"none": GGUF's Q4 weights kept or dequantized; a
 # quant_method insists on the checkpoint's (and "fp8" quantizes a dense one at load).
 QUANTIZATIONS = ("auto", "gguf", "none", "fp8", "compressed-tensors", "awq", "gptq")
+# vLLM's kv_cache_dtype values: "auto" stores K/V in the model dtype; "fp8" (= "fp8_e4m3") stores
+# float8_e4m3fn with a per-tensor scale per layer (docs/quantization.md).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @functools.cache
@@ -189,8 +192,17 @@ class CacheConfig:
     kv_cache_memory: int = 2 * GiB
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = False
+    # vLLM's CacheConfig.cache_dtype (EngineArgs.kv_cache_dtype): one of KV_CACHE_DTYPES.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.cache_dtype == "fp8_e5m2":
+            raise ValueError(
+                "kv_cache_dtype='fp8_e5m2' is not supported: the kernels store float8_e4m3fn "
+                "(kv_cache_dtype='fp8' or 'fp8_e4m3')"
+            )
+        dtype = self.cache_dtype
+        _require(dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"one of {KV_CACHE_DTYPES}", dtype)
         bs = self.block_size
         _require(bs in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", "a power of 2 in [1, 256]", bs)
         u = self.gpu_memory_utilization
@@ -471,6 +483,8 @@ class EngineConfig:
             self.attention_backend,
         )
         self.parallel_config.check_model(self.model_config)
+        if self.cache_config.cache_dtype != "auto":
+            self._check_fp8_kv_cache()
         if self.speculative_config is not None:
             # A draft continues the newest token, which the host sees only once the step that
             # sampled it is applied: speculative steps are synchronous.
@@ -506,6 +520,30 @@ class EngineConfig:
                 "None with runner='pooling' (a pooling model generates nothing)",
                 self.speculative_config,
             )
+
+    def _check_fp8_kv_cache(self) -> None:
+        """What an FP8 KV cache cannot run with, refused before anything loads (the attention
+        backend's own refusal is the worker's: ``AttentionBackend.supports_fp8_kv_cache``)."""
+        dtype = self.cache_config.cache_dtype
+        if self.model_config.is_mla:
+            raise ValueError(
+                f"kv_cache_dtype={dtype!r} is not supported with multi-head latent attention (MLA): "
+                "its cache holds a latent the FP8 kernels do not read"
+            )
+        _require(
+            not self.batch_invariant,
+            "batch_invariant",
+            f"False with kv_cache_dtype={dtype!r} (the batch-invariant attention kernel reads the "
+            "model dtype)",
+            self.batch_invariant,
+        )
+
+
+def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the KV cache is stored in: the model's for "auto", float8_e4m3fn for "fp8"."""
+    import torch
+
+    return model_dtype if cache_dtype == "auto" else torch.float8_e4m3fn
 
 
 def derive_max_model_len(hf_config: PretrainedConfig) -> int | None:

@@ -134,6 +134,14 @@ class EngineArgs:
     enable_prefix_caching: bool = dataclasses.field(
         default=False, metadata={"help": "reuse the KV blocks of shared prompt prefixes"}
     )
+    kv_cache_dtype: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "auto (the model dtype) or fp8 (= fp8_e4m3: float8_e4m3fn with the checkpoint's "
+            "per-layer k/v scales, else 1.0; twice the blocks for the same memory; triton and torch "
+            "attention)"
+        },
+    )
     enable_chunked_prefill: bool = dataclasses.field(
         default=False, metadata={"help": "split long prompts over steps, within max_num_batched_tokens"}
     )
@@ -249,6 +257,7 @@ class EngineArgs:
                 kv_cache_memory=self.kv_cache_memory,
                 num_kv_blocks=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
+                cache_dtype=self.kv_cache_dtype,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

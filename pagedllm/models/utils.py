@@ -13,6 +13,7 @@ from pagedllm.attention import AttentionMetadata
 from pagedllm.attention.backends.abstract import KVCache
 from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.utils import CheckpointSlice, CheckpointTensor, default_weight_loader
+from pagedllm.models.kv_scales import load_kv_scales
 
 # Hugging Face layer types (config.layer_types) and whether they attend through a window.
 # Hybrid models' other layers keep no KV cache, so none slides: linear attention (Qwen3-Next's
@@ -126,7 +127,8 @@ class CausalLM(nn.Module):
         """
         params = dict(self.named_parameters())
         loaded_shards: dict[str, set[int | str | None]] = {name: set() for name in params}
-        for ckpt_name, name, shard_id, tensor in self._checkpoint_tensors(weights):
+        # The KV cache scales go to the attention layers, which hold them outside the parameters.
+        for ckpt_name, name, shard_id, tensor in self._checkpoint_tensors(load_kv_scales(self, weights)):
             if name not in params:
                 model = type(self).__name__
                 raise ValueError(f"checkpoint weight {ckpt_name!r} matches no parameter of {model}")

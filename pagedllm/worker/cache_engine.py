@@ -121,7 +121,9 @@ class CacheEngine:
             dst = to_device([d for _, d in blocks_to_copy], self.device, torch.long)
             for layer in self.gpu_cache:
                 for tensor in layer:
-                    tensor.index_copy_(0, dst, tensor.index_select(0, src))
+                    # As bytes: one copy for every cache dtype (float8 lacks index_copy_ kernels).
+                    data = tensor.view(torch.uint8)
+                    data.index_copy_(0, dst, data.index_select(0, src))
 
 
 def _copy_blocks(

@@ -7,7 +7,8 @@ import dataclasses
 import torch
 
 from pagedllm.attention.backends import get_attn_backend
-from pagedllm.config import EngineConfig, GiB
+from pagedllm.attention.kv_quant import check_kv_cache_dtype
+from pagedllm.config import EngineConfig, GiB, kv_cache_torch_dtype
 from pagedllm.distributed import init_distributed_environment
 from pagedllm.layers.onednn_linear import onednn_available, prepack_dense_weights
 from pagedllm.models.utils import kv_cache_window
@@ -50,6 +51,8 @@ class Worker:
         self.attn_backend.check_supported(
             model_config.head_size, cache_config.block_size, model_config.dtype, self.device
         )
+        kv_cache_dtype = kv_cache_torch_dtype(cache_config.cache_dtype, model_config.dtype)
+        check_kv_cache_dtype(self.attn_backend, kv_cache_dtype)
         self.state_cache_spec = state_cache_spec(config)
         self.state_cache: StateCache | None = None
         self.kv_cache_spec = KVCacheSpec(
@@ -57,7 +60,7 @@ class Worker:
             num_kv_heads=model_config.num_kv_heads_per_rank(config.parallel_config.tensor_parallel_size),
             head_size=model_config.head_size,
             block_size=cache_config.block_size,
-            dtype=model_config.dtype,
+            dtype=kv_cache_dtype,
             sliding_window=kv_cache_window(model_config.hf_config),
             keys_only=model_config.is_mla,
             num_state_slots=self.state_cache_spec.num_slots if self.state_cache_spec else 0,

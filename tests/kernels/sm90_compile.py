@@ -30,6 +30,7 @@ _DTYPES = {
     torch.int8: "i8",
     torch.uint8: "u8",
     torch.bool: "i1",
+    torch.float8_e4m3fn: "fp8e4nv",
 }
 _TARGET = GPUTarget("cuda", 90, 32)
 compiled: set[tuple] = set()

@@ -101,6 +101,60 @@ def cache_write() -> None:
         reshape_and_cache(key, key.clone(), cache, cache.clone(), slots, rotary=(query, cos_sin, slots))
 
 
+def fp8_kv_cache() -> None:
+    """kv_cache_dtype="fp8": float8_e4m3fn caches under bfloat16 and float32 queries, with the
+    layer's scales; the cache write with and without rotary."""
+    for dtype in DTYPES:
+        inputs = DecodeInputs.random(
+            DecodeShape((40, 300), NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype), CPU, seed=0
+        )
+        key_cache, value_cache = (c.to(torch.float8_e4m3fn) for c in (inputs.key_cache, inputs.value_cache))
+        scales = {"k_scale": torch.ones(()), "v_scale": torch.ones(())}
+        out = torch.empty_like(inputs.query)
+        sinks = {"sliding_window": 32, "attention_sinks": 4, "sink_query": torch.empty_like(out)}
+        for variant in ({}, sinks):
+            for max_seq_len, partition_size in ((300, 512), (1024, 128)):
+                paged_decode(
+                    inputs.query,
+                    key_cache,
+                    value_cache,
+                    inputs.block_tables,
+                    inputs.seq_lens,
+                    inputs.scale,
+                    max_seq_len,
+                    out,
+                    partition_size=partition_size,
+                    block_n=32 if dtype == torch.float32 else 64,
+                    num_warps=8 if dtype == torch.float32 else 4,
+                    **scales,
+                    **variant,
+                )
+        query = torch.empty(50, NUM_HEADS, HEAD_SIZE, dtype=dtype)
+        paged_prefill(
+            query,
+            key_cache,
+            value_cache,
+            inputs.block_tables,
+            inputs.seq_lens,
+            torch.tensor([0, 10, 50], dtype=torch.int32),
+            inputs.scale,
+            0,
+            2,
+            40,
+            torch.empty_like(query),
+            block_m=32 if dtype == torch.float32 else 64,
+            block_n=16 if dtype == torch.float32 else 64,
+            num_warps=8 if dtype == torch.float32 else 4,
+            **scales,
+        )
+        key = torch.empty(5, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype)
+        slots = torch.arange(5, dtype=torch.int64)
+        kv_scales = (scales["k_scale"], scales["v_scale"])
+        reshape_and_cache(key, key.clone(), key_cache, value_cache, slots, kv_scales=kv_scales)
+        rotary = (query[:5], torch.empty(64, HEAD_SIZE, dtype=dtype), slots)
+        reshape_and_cache(key, key.clone(), key_cache, value_cache, slots, rotary=rotary, kv_scales=kv_scales)
+
+
 def moe() -> None:
     experts, top_k, hidden, width = 128, 8, 64, 32
     for dtype in DTYPES:
@@ -167,4 +221,13 @@ def batch_invariant() -> None:
             )  # fmt: skip
 
 
-LAUNCHES: list[Callable[[], None]] = [decode, prefill, cache_write, moe, layers, lora, batch_invariant]
+LAUNCHES: list[Callable[[], None]] = [
+    decode,
+    prefill,
+    cache_write,
+    fp8_kv_cache,
+    moe,
+    layers,
+    lora,
+    batch_invariant,
+]

@@ -33,6 +33,8 @@ class AttentionBackend(ABC):
     # Whether forward() is free of host syncs and data-dependent shapes on decode-only batches,
     # so that a decode step can be captured in a CUDA graph.
     supports_cuda_graphs: ClassVar[bool] = False
+    # Whether the kernels read a float8_e4m3fn cache (kv_cache_dtype="fp8", attention/kv_quant.py).
+    supports_fp8_kv_cache: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -100,6 +102,11 @@ class AttentionBackend(ABC):
         self.attention_sinks = attention_sinks
         self.sinks = sinks
         self.rotary = rotary
+        # The FP8 cache's per-tensor scales (attention/kv_quant.py): float32 device scalars, 1.0
+        # unless the checkpoint has them (filled in place by models/kv_scales.py, so a captured
+        # CUDA graph reads the loaded values); unread with a cache in the model dtype.
+        self.k_scale = torch.ones((), dtype=torch.float32)
+        self.v_scale = torch.ones((), dtype=torch.float32)
 
     @staticmethod
     @abstractmethod

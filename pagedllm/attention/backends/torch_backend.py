@@ -23,7 +23,11 @@ from __future__ import annotations
 import torch
 
 from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention.kv_quant import load_kv, store_kv
 from pagedllm.attention.metadata import AttentionMetadata
+
+# gather_context's scale for a cache in the model dtype (where it is unread).
+_UNIT_SCALE = torch.ones(())
 
 
 def write_to_paged_cache(
@@ -32,29 +36,36 @@ def write_to_paged_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: tuple[torch.Tensor, torch.Tensor],
 ) -> None:
     """Store each token's K/V at its slot; slots < 0 are padding and are skipped.
 
     key, value: [num_tokens, num_kv_heads, head_size]; caches: [num_blocks, block_size,
-    num_kv_heads, head_size]; slot_mapping: [num_tokens].
+    num_kv_heads, head_size]; slot_mapping: [num_tokens]. kv_scales: (k_scale, v_scale), read
+    by FP8 caches only (stored as saturate(x / scale), attention/kv_quant.py).
     """
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
     num_kv_heads, head_size = key_cache.shape[2:]
-    key_cache.view(-1, num_kv_heads, head_size)[slots] = key[valid].to(key_cache.dtype)
-    value_cache.view(-1, num_kv_heads, head_size)[slots] = value[valid].to(value_cache.dtype)
+    k_scale, v_scale = kv_scales
+    store_kv(key_cache.view(-1, num_kv_heads, head_size), slots, key[valid], k_scale)
+    store_kv(value_cache.view(-1, num_kv_heads, head_size), slots, value[valid], v_scale)
 
 
-def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """One sequence's first ``seq_len`` cached tokens: [seq_len, num_kv_heads, head_size]."""
+def gather_context(
+    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: torch.Tensor = _UNIT_SCALE
+) -> torch.Tensor:
+    """One sequence's first ``seq_len`` cached tokens: [seq_len, num_kv_heads, head_size]
+    (float32 ``x * scale`` from an FP8 cache)."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
-    blocks = cache[block_table[:num_blocks].long()]
+    blocks = load_kv(cache, block_table[:num_blocks].long(), scale)
     return blocks.flatten(0, 1)[:seq_len]
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    supports_fp8_kv_cache = True
 
     @staticmethod
     def get_kv_cache_shape(
@@ -82,7 +93,9 @@ class TorchAttentionBackend(AttentionBackend):
         sink_query = self._check_sink_query(query, sink_query)
         query, key = self.rotate(positions, query, key)
         key_cache, value_cache = kv_cache
-        write_to_paged_cache(key, value, key_cache, value_cache, attn_metadata.slot_mapping)
+        write_to_paged_cache(
+            key, value, key_cache, value_cache, attn_metadata.slot_mapping, (self.k_scale, self.v_scale)
+        )
         output = torch.empty_like(query)
         num_decodes = attn_metadata.num_decodes
         if num_decodes:
@@ -124,8 +137,8 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks = (max_len + block_size - 1) // block_size
         block_tables = md.block_tables[:num_decodes, :num_blocks].long()
         # [num_decodes, num_blocks * block_size, num_kv_heads, head_size]
-        keys = key_cache[block_tables].flatten(1, 2)
-        values = value_cache[block_tables].flatten(1, 2)
+        keys = load_kv(key_cache, block_tables, self.k_scale).flatten(1, 2)
+        values = load_kv(value_cache, block_tables, self.v_scale).flatten(1, 2)
         k_pos = torch.arange(keys.shape[1], device=query.device)
         q_pos = (seq_lens - 1)[:, None]  # [num_decodes, 1]: each query is its context's last token
         valid = k_pos[None, :] < seq_lens[:, None]
@@ -144,8 +157,8 @@ class TorchAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """query: [query_len, num_heads, head_size], the last query_len positions of the context."""
         query_len = query.shape[0]
-        keys = gather_context(key_cache, block_table, seq_len)[None]
-        values = gather_context(value_cache, block_table, seq_len)[None]
+        keys = gather_context(key_cache, block_table, seq_len, self.k_scale)[None]
+        values = gather_context(value_cache, block_table, seq_len, self.v_scale)[None]
         # Query i sits at position seq_len - query_len + i.
         q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)[None]
         k_pos = torch.arange(seq_len, device=query.device)

@@ -22,6 +22,10 @@ step's K/V, rotating query and key on the way (the rotary embedding costs no ker
 Attention sinks (StreamingLLM, Xiao et al. 2023) are one more stage in each kernel, scoring the sinks
 a window has passed with ``sink_query`` (see each kernel's header); a layer without them launches the
 kernels compiled before sinks existed (``SINKS`` is a constexpr).
+
+With ``kv_cache_dtype="fp8"`` the caches are float8_e4m3fn in the same layout (half the bytes per
+block): the cache write stores ``saturate(x / scale)`` and both attention kernels widen the tiles
+and multiply the layer's scales (``k_scale``, ``v_scale``: device scalars) back in.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from pagedllm.attention.backends.abstract import KVCache
 from pagedllm.attention.backends.paged import PagedAttentionBackend, check_kernels_support
 from pagedllm.kernels.triton import paged_decode, paged_prefill, reshape_and_cache
 from pagedllm.kernels.triton.launch import decode_partition_size, default_launches
+from pagedllm.kernels.triton.paged_tiles import compute_dtype
 from pagedllm.platform import platform_for
 
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
@@ -74,7 +79,7 @@ def write_cache_rotating(
     rotary = (
         None if layer.rotary is None or positions is None else (query, *layer.rotary.cos_sin_rows(positions))
     )
-    reshape_and_cache(key, value, *kv_cache, slot_mapping, rotary)
+    reshape_and_cache(key, value, *kv_cache, slot_mapping, rotary, (layer.k_scale, layer.v_scale))
     return query
 
 
@@ -92,7 +97,7 @@ def triton_decode(
     """paged_decode. query, out (and sink_query, None without sinks): [num_decodes, num_heads,
     head_size]; one new token per sequence. seq_len_range: the (min, max) decode context on the
     host, min 0 where unknown."""
-    launch = _launch_kwargs(layer.head_size, key_cache.dtype)[0]
+    launch = _launch_kwargs(layer.head_size, compute_dtype(query, key_cache))[0]
     min_seq_len, max_seq_len = seq_len_range
     # A windowed layer reads at most a window per sequence: size the partitions for that, so
     # that its few live partitions still fill the GPU (the others exit at once). Its sinks
@@ -116,6 +121,8 @@ def triton_decode(
         max_seq_len,
         out,
         sink_query=sink_query,
+        k_scale=layer.k_scale,
+        v_scale=layer.v_scale,
         **layer.kernel_variants,
         **{**launch, "partition_size": partition_size},
     )
@@ -150,8 +157,10 @@ def triton_prefill(
         max_query_len,
         out,
         sink_query=sink_query,
+        k_scale=layer.k_scale,
+        v_scale=layer.v_scale,
         **layer.kernel_variants,
-        **_launch_kwargs(layer.head_size, key_cache.dtype)[1],
+        **_launch_kwargs(layer.head_size, compute_dtype(query, key_cache))[1],
     )
 
 
@@ -159,6 +168,7 @@ class TritonAttentionBackend(PagedAttentionBackend):
     """The step with the Triton layout, its rotating cache write and the Triton decode and prefill."""
 
     name = "triton"
+    supports_fp8_kv_cache = True
     get_kv_cache_shape = staticmethod(triton_kv_cache_shape)
     write_cache = write_cache_rotating
     decode = triton_decode

@@ -53,6 +53,8 @@ class TritonInvariantAttentionBackend(TritonAttentionBackend):
     """The Triton layout and cache write; one ``paged_prefill`` launch over the whole step."""
 
     name = "triton_invariant"
+    # Its one kernel reads the model dtype (EngineConfig refuses batch_invariant with an FP8 cache).
+    supports_fp8_kv_cache = False
 
     def forward(
         self,

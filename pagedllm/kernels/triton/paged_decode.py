@@ -61,7 +61,14 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.triton.paged_tiles import attend_paged_range, check_paged_inputs, dot_precision
+from pagedllm.kernels.triton.paged_tiles import (
+    attend_paged_range,
+    check_paged_inputs,
+    compute_dtype,
+    dot_precision,
+    fp8_kv_scales,
+    fp8_scale_args,
+)
 from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 
 _REDUCE_BLOCK_P = 32
@@ -93,6 +100,8 @@ def _paged_decode_kernel(
     seq_lens_ptr,
     alibi_slopes_ptr,  # [num_heads] float32, read when ALIBI
     learned_sinks_ptr,  # [num_heads], read when LEARNED_SINKS
+    k_scale_ptr,  # [] float32, read when KV_FP8: the key cache's scale
+    v_scale_ptr,  # [] float32, read when KV_FP8: the value cache's scale
     qk_scale,
     sliding_window,  # 0: no window
     attention_sinks,  # read when SINKS
@@ -135,9 +144,15 @@ def _paged_decode_kernel(
     SINKS: tl.constexpr,
     LEARNED_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the caches hold float8_e4m3fn (paged_tiles.attend_paged_range)
     USE_GDC: tl.constexpr,
 ):
     wait_for_prior_kernel(USE_GDC)
+    # q in the dot products' dtype: the cache's, the query's own over an FP8 cache.
+    q_ty = key_cache_ptr.dtype.element_ty
+    if KV_FP8:
+        q_ty = query_ptr.dtype.element_ty
+    qk_scale, v_scale = fp8_kv_scales(qk_scale, k_scale_ptr, v_scale_ptr, KV_FP8)
     # partition_size (a multiple of BLOCK_N: tiles never straddle two partitions, asserted by the
     # host) is a runtime value: the engine picks it per launch, and a constexpr would compile a
     # kernel per value in the middle of serving.
@@ -171,7 +186,7 @@ def _paged_decode_kernel(
         query_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :] * stride_q_dim,
         mask=row_mask,
         other=0.0,
-    ).to(key_cache_ptr.dtype.element_ty)
+    ).to(q_ty)
     q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + seq_len - 1
     alibi_row = tl.zeros([BLOCK_H], dtype=tl.float32)
     if ALIBI:
@@ -205,7 +220,7 @@ def _paged_decode_kernel(
             # (sink_end broadcast by hand: Triton's interpreter refuses a scalar in a block mask)
             mask=row_mask & (offs_h[:, None] * 0 + sink_end > 0),
             other=0.0,
-        ).to(key_cache_ptr.dtype.element_ty)
+        ).to(q_ty)
         acc, l_i, m_i = attend_paged_range(
             acc,
             l_i,
@@ -240,6 +255,8 @@ def _paged_decode_kernel(
             SOFT_CAP=SOFT_CAP,
             ALIBI=ALIBI,
             DOT_PRECISION=DOT_PRECISION,
+            v_scale=v_scale,
+            KV_FP8=KV_FP8,
         )
     # The window's first tile, masked below window_start (and at seq_len); then full tiles
     # without per-token masks; then at most one tile cut by seq_len. Not causal: the query is the
@@ -278,6 +295,8 @@ def _paged_decode_kernel(
         SOFT_CAP=SOFT_CAP,
         ALIBI=ALIBI,
         DOT_PRECISION=DOT_PRECISION,
+        v_scale=v_scale,
+        KV_FP8=KV_FP8,
     )
     acc, l_i, m_i = attend_paged_range(
         acc,
@@ -313,6 +332,8 @@ def _paged_decode_kernel(
         SOFT_CAP=SOFT_CAP,
         ALIBI=ALIBI,
         DOT_PRECISION=DOT_PRECISION,
+        v_scale=v_scale,
+        KV_FP8=KV_FP8,
     )
     acc, l_i, m_i = attend_paged_range(
         acc,
@@ -348,6 +369,8 @@ def _paged_decode_kernel(
         SOFT_CAP=SOFT_CAP,
         ALIBI=ALIBI,
         DOT_PRECISION=DOT_PRECISION,
+        v_scale=v_scale,
+        KV_FP8=KV_FP8,
     )
 
     # A sequence whose context fits one partition (every one when num_partitions is 1; under a CUDA
@@ -463,6 +486,8 @@ def paged_decode(
     attention_sinks: int = 0,
     sink_query: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     partition_size: int = 512,
     block_n: int = 64,
     num_warps: int = 4,
@@ -478,8 +503,11 @@ def paged_decode(
     ``AttentionBackend``'s; with a window, partitions wholly before it exit at once. With
     ``attention_sinks > 0`` (and a window), ``sink_query`` (the shape of ``query``) scores the
     sinks outside each sequence's window. ``sinks`` ([num_heads]): gpt-oss's learned sink logits.
+    With float8_e4m3fn caches (kv_cache_dtype="fp8"), ``k_scale`` and ``v_scale`` (float32 scalars
+    on the device) dequantize them: attention reads ``k * k_scale`` and ``v * v_scale``.
     """
     layout = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
+    kv_fp8, kv_scales = fp8_scale_args(query, key_cache, k_scale, v_scale)
     assert sinks is None or (sinks.shape == query.shape[1:2] and sinks.is_contiguous())
     assert layout.key_chunk == 0, "paged_decode reads the Triton layout (the cuda backend has its own decode)"
     assert block_tables.shape[0] == seq_lens.shape[0] == query.shape[0], "one query per sequence"
@@ -520,6 +548,7 @@ def paged_decode(
         seq_lens,
         query if alibi_slopes is None else alibi_slopes,  # a pointer never read without ALiBi
         query if sinks is None else sinks,  # a pointer never read without learned sinks
+        *kv_scales,
         scale * math.log2(math.e),
         sliding_window or 0,
         attention_sinks,
@@ -543,7 +572,8 @@ def paged_decode(
         ALIBI=alibi_slopes is not None,
         SINKS=streaming_sinks,
         LEARNED_SINKS=sinks is not None,
-        DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32),
+        DOT_PRECISION=dot_precision(compute_dtype(query, key_cache) == torch.float32),
+        KV_FP8=kv_fp8,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(query.device),

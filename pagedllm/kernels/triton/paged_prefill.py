@@ -62,8 +62,11 @@ import triton.language as tl
 from pagedllm.kernels.triton.paged_tiles import (
     attend_paged_range,
     check_paged_inputs,
+    compute_dtype,
     dim_offsets,
     dot_precision,
+    fp8_kv_scales,
+    fp8_scale_args,
 )
 
 
@@ -83,6 +86,8 @@ def _paged_prefill_kernel(
     query_start_loc_ptr,
     alibi_slopes_ptr,  # [num_heads] float32, read when ALIBI
     learned_sinks_ptr,  # [num_heads], read when LEARNED_SINKS
+    k_scale_ptr,  # [] float32, read when KV_FP8: the key cache's scale
+    v_scale_ptr,  # [] float32, read when KV_FP8: the value cache's scale
     qk_scale,
     first_seq,
     sliding_window,  # read when WINDOW
@@ -121,6 +126,7 @@ def _paged_prefill_kernel(
     SINKS: tl.constexpr,  # needs WINDOW
     LEARNED_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the caches hold float8_e4m3fn (paged_tiles.attend_paged_range)
     PACK_GQA: tl.constexpr,  # rows are (token, head of the KV group) pairs: see the module docstring
 ):
     m_block = tl.program_id(0)
@@ -146,6 +152,11 @@ def _paged_prefill_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - query_len
+    # q in the dot products' dtype: the cache's, the query's own over an FP8 cache.
+    q_ty = key_cache_ptr.dtype.element_ty
+    if KV_FP8:
+        q_ty = query_ptr.dtype.element_ty
+    qk_scale, v_scale = fp8_kv_scales(qk_scale, k_scale_ptr, v_scale_ptr, KV_FP8)
 
     offs_d = tl.arange(0, HEAD_DIM)
     k_dim_offs = dim_offsets(offs_d, stride_k_chunk, stride_k_dim, K_CHUNK)
@@ -159,7 +170,7 @@ def _paged_prefill_kernel(
         + offs_d[None, :] * stride_q_dim,
         mask=io_mask,
         other=0.0,
-    ).to(key_cache_ptr.dtype.element_ty)
+    ).to(q_ty)
     q_pos = context_len + offs_m
 
     alibi_row = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -205,7 +216,7 @@ def _paged_prefill_kernel(
             # (sink_end broadcast by hand: Triton's interpreter refuses a scalar in a block mask)
             mask=io_mask & (offs_m[:, None] * 0 + sink_end > 0),
             other=0.0,
-        ).to(key_cache_ptr.dtype.element_ty)
+        ).to(q_ty)
         acc, l_i, m_i = attend_paged_range(
             acc,
             l_i,
@@ -240,6 +251,8 @@ def _paged_prefill_kernel(
             SOFT_CAP=SOFT_CAP,
             ALIBI=ALIBI,
             DOT_PRECISION=DOT_PRECISION,
+            v_scale=v_scale,
+            KV_FP8=KV_FP8,
         )
     acc, l_i, m_i = attend_paged_range(
         acc,
@@ -275,6 +288,8 @@ def _paged_prefill_kernel(
         SOFT_CAP=SOFT_CAP,
         ALIBI=ALIBI,
         DOT_PRECISION=DOT_PRECISION,
+        v_scale=v_scale,
+        KV_FP8=KV_FP8,
     )
     # If the unmasked stage was empty this one starts at key 0, or the window's first tile: without
     # a window every row sees key 0, so no row is fully masked in its first tile; with one,
@@ -313,6 +328,8 @@ def _paged_prefill_kernel(
         SOFT_CAP=SOFT_CAP,
         ALIBI=ALIBI,
         DOT_PRECISION=DOT_PRECISION,
+        v_scale=v_scale,
+        KV_FP8=KV_FP8,
     )
 
     out = acc / l_i[:, None]
@@ -342,6 +359,8 @@ def paged_prefill(
     attention_sinks: int = 0,
     sink_query: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     block_m: int = 64,
     block_n: int = 64,
     num_warps: int = 4,
@@ -364,8 +383,11 @@ def paged_prefill(
     multiply and add rounded on its own (no FMA contraction), so that a (row, key tile) gives the
     same bits in the unmasked stage and in the masked one (the batch-invariant backend's need).
     ``pack_gqa``: a program's rows are (token, head) pairs of one KV head's group (module docstring).
+    With float8_e4m3fn caches (kv_cache_dtype="fp8"), ``k_scale`` and ``v_scale`` (float32 scalars
+    on the device) dequantize them: attention reads ``k * k_scale`` and ``v * v_scale``.
     """
     layout = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
+    kv_fp8, kv_scales = fp8_scale_args(query, key_cache, k_scale, v_scale)
     assert sinks is None or (sinks.shape == query.shape[1:2] and sinks.is_contiguous())
     assert query_start_loc.dtype == torch.int32 and query_start_loc.shape[0] == seq_lens.shape[0] + 1
     assert first_seq >= 0 and first_seq + num_prefills <= seq_lens.shape[0]
@@ -392,6 +414,7 @@ def paged_prefill(
         query_start_loc,
         query if alibi_slopes is None else alibi_slopes,  # a pointer never read without ALiBi
         query if sinks is None else sinks,  # a pointer never read without learned sinks
+        *kv_scales,
         scale * math.log2(math.e),
         first_seq,
         sliding_window or 0,
@@ -415,7 +438,8 @@ def paged_prefill(
         ALIBI=alibi_slopes is not None,
         SINKS=streaming_sinks,
         LEARNED_SINKS=sinks is not None,
-        DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32),
+        DOT_PRECISION=dot_precision(compute_dtype(query, key_cache) == torch.float32),
+        KV_FP8=kv_fp8,
         PACK_GQA=pack_gqa,
         num_warps=num_warps,
         num_stages=num_stages,

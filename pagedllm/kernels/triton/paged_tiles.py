@@ -37,6 +37,11 @@ keeps, per row, only the keys its window has passed (``<= q_pos[r] - sliding_win
 complement of WINDOW's mask, so the sink stage and the window stages never score a (row, key)
 twice). The running state carries across calls, so the softmax is one over the union.
 
+An FP8 cache (KV_FP8, vLLM's ``kv_cache_dtype="fp8"``) holds ``k / k_scale`` and ``v / v_scale`` in
+float8_e4m3fn: tiles widen to the query's dtype on load (exact), ``k_scale`` rides in ``qk_scale``
+(``fp8_kv_scales``) and ``v_scale`` scales ``p`` before ``p @ v``. Half the bytes per tile, the
+same FLOPs.
+
 Without WINDOW or SINK, every row must see at least one unmasked key in the first tile it processes
 (otherwise ``exp2(-inf - -inf)`` is NaN); the callers guarantee it. With WINDOW or SINK a fully
 masked row keeps ``m_i = -inf, l_i = 0`` until it meets its first visible key.
@@ -56,7 +61,7 @@ def attend_paged_range(
     acc,
     l_i,
     m_i,  # running state: [ROWS, HEAD_DIM], [ROWS], [ROWS] float32
-    q,  # [ROWS, HEAD_DIM] in the cache dtype, padding columns zero
+    q,  # [ROWS, HEAD_DIM] in the compute dtype (compute_dtype), padding columns zero
     q_pos,  # [ROWS] context position of each query row (read when CAUSAL, WINDOW or ALIBI)
     k_head_ptr,
     v_head_ptr,  # key/value cache base, already offset to this program's KV head
@@ -86,6 +91,8 @@ def attend_paged_range(
     SOFT_CAP: tl.constexpr,
     ALIBI: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    v_scale,  # read when KV_FP8: the value cache's scale (qk_scale carries k_scale already)
+    KV_FP8: tl.constexpr,  # the caches hold float8_e4m3fn; q is in the compute dtype
 ):
     offs_d = tl.arange(0, HEAD_DIM)
     dim_mask = offs_d < HEAD_SIZE
@@ -127,6 +134,8 @@ def attend_paged_range(
             mask=kv_mask,
             other=0.0,
         )
+        if KV_FP8:
+            k = k.to(q.dtype)  # exact: e4m3 widens to bf16, fp16 and fp32 without rounding
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         if SOFT_CAP:
             # cap * tanh(s / cap) in log2 units: both s and the cap carry the factor log2(e).
@@ -158,9 +167,26 @@ def attend_paged_range(
             mask=kv_mask,
             other=0.0,
         )
+        if KV_FP8:
+            # (p * v_scale) @ v_fp8 = p @ (v_fp8 * v_scale): the scale on the [ROWS, BLOCK_N]
+            # probabilities, not the [BLOCK_N, HEAD_DIM] tile; l_i keeps the unscaled p.
+            v = v.to(q.dtype)
+            p = p * v_scale
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def fp8_kv_scales(qk_scale, k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr):
+    """(qk_scale, v_scale) for ``attend_paged_range``: with an FP8 cache, k_scale (a device
+    scalar, so a CUDA graph reads the loaded value) folded into the score scale, since
+    ``q . (k * k_scale) = (q . k) * k_scale``; without one, as they are and 1.0 (unread)."""
+    v_scale = 1.0
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    return qk_scale, v_scale
 
 
 @triton.jit
@@ -234,6 +260,29 @@ class PagedKVLayout:
         vd, vs = v_rest
         key_strides = (kb, kh, ks, kc, kd)
         return PagedKVLayout(num_kv_heads, block_size, head_size, key_strides, x, (vb, vh, vs, vd))
+
+
+def compute_dtype(query: torch.Tensor, key_cache: torch.Tensor) -> torch.dtype:
+    """The dtype of the kernels' dot products: the cache's, or the query's for an FP8 cache
+    (whose tiles widen to it)."""
+    return query.dtype if key_cache.dtype == torch.float8_e4m3fn else key_cache.dtype
+
+
+def fp8_scale_args(
+    query: torch.Tensor, key_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None
+) -> tuple[bool, tuple[torch.Tensor, torch.Tensor]]:
+    """(KV_FP8, the kernel's k_scale and v_scale pointers). An FP8 cache needs both scales,
+    float32 scalars on the device (read by the kernel, so a CUDA graph sees loaded values); any
+    other cache gets a pointer that is never read."""
+    if key_cache.dtype != torch.float8_e4m3fn:
+        return False, (query, query)
+    assert k_scale is not None and v_scale is not None, "an FP8 cache needs k_scale and v_scale"
+    for scale in (k_scale, v_scale):
+        assert scale.dtype == torch.float32 and scale.numel() == 1 and scale.device == query.device, (
+            f"scale {scale.dtype} {tuple(scale.shape)} on {scale.device}: want one float32 on {query.device}"
+        )
+    assert query.dtype in (torch.float16, torch.bfloat16, torch.float32), f"query dtype {query.dtype}"
+    return True, (k_scale, v_scale)
 
 
 def dot_precision(is_float32: bool) -> str:

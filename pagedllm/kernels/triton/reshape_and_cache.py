@@ -22,6 +22,10 @@ from the token's ``[cos | sin]`` row. One launch and one read of K instead of th
 read and write of q and k followed by this copy: at a decode step of one sequence the launches are
 most of the cost (W3's profile on an H200: 117 us per token for the two kernels over 32 layers).
 Padding tokens (slot < 0) are skipped whole, their query left unrotated (its output is unused).
+
+With float8_e4m3fn caches (``kv_cache_dtype="fp8"``) each element is stored as ``saturate(x /
+scale)`` with its tensor's per-layer scale (two float32 loads per program): half the bytes
+written, and the attention kernels multiply the scale back in.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ import triton.language as tl
 
 from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 from pagedllm.kernels.triton.rotary import heads_per_tile, rotate_heads, rotate_pair
+
+# The largest finite float8_e4m3fn (the FP8 cache saturates there, as vLLM's scaled conversion does).
+FP8_E4M3_MAX = tl.constexpr(448.0)
 
 
 @triton.jit
@@ -44,6 +51,8 @@ def _reshape_and_cache_kernel(
     query_ptr,  # read when ROTARY: [num_tokens, NUM_HEADS * HEAD_SIZE] rows, rotated in place
     cos_sin_ptr,  # read when ROTARY: [rows, HEAD_SIZE] = [cos | sin]
     cos_sin_index_ptr,  # read when ROTARY: [num_tokens], each token's row of cos_sin
+    k_scale_ptr,  # [] float32, read when KV_FP8
+    v_scale_ptr,  # [] float32, read when KV_FP8
     stride_q_tok,
     stride_cos_sin,
     stride_k_tok,
@@ -69,6 +78,7 @@ def _reshape_and_cache_kernel(
     NUM_HEADS: tl.constexpr,
     HALF_DIM: tl.constexpr,
     BLOCK_H_Q: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the caches hold float8_e4m3fn: store saturate(x / scale)
     USE_GDC: tl.constexpr,
 ):
     wait_for_prior_kernel(USE_GDC)
@@ -89,7 +99,11 @@ def _reshape_and_cache_kernel(
         + block_offset * stride_kc_slot
         + offs_h[:, None] * stride_kc_head
     )
-    cache_dtype = key_cache_ptr.dtype.element_ty
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
     if ROTARY:
         offs_half = tl.arange(0, HALF_DIM)
         half_mask = offs_half < HEAD_SIZE // 2
@@ -101,13 +115,14 @@ def _reshape_and_cache_kernel(
         k1 = tl.load(k_row + offs_half[None, :] * stride_k_dim, mask=k_mask, other=0.0)
         k2 = tl.load(k_row + (HEAD_SIZE // 2 + offs_half[None, :]) * stride_k_dim, mask=k_mask, other=0.0)
         k1, k2 = rotate_pair(k1, k2, cos, sin, key_ptr.dtype.element_ty)
-        tl.store(kc_row + offs_half[None, :] * stride_kc_dim, k1.to(cache_dtype), mask=k_mask)
-        tl.store(
-            kc_row + (HEAD_SIZE // 2 + offs_half[None, :]) * stride_kc_dim, k2.to(cache_dtype), mask=k_mask
-        )
+        k1 = _to_cache(k1, key_cache_ptr, k_scale, KV_FP8)
+        k2 = _to_cache(k2, key_cache_ptr, k_scale, KV_FP8)
+        tl.store(kc_row + offs_half[None, :] * stride_kc_dim, k1, mask=k_mask)
+        tl.store(kc_row + (HEAD_SIZE // 2 + offs_half[None, :]) * stride_kc_dim, k2, mask=k_mask)
     else:
         k = tl.load(k_row + offs_d[None, :] * stride_k_dim, mask=mask)
-        tl.store(kc_row + offs_d[None, :] * stride_kc_dim, k.to(cache_dtype), mask=mask)
+        k = _to_cache(k, key_cache_ptr, k_scale, KV_FP8)
+        tl.store(kc_row + offs_d[None, :] * stride_kc_dim, k, mask=mask)
     v = tl.load(
         value_ptr + token * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :] * stride_v_dim,
         mask=mask,
@@ -119,7 +134,19 @@ def _reshape_and_cache_kernel(
         + offs_h[:, None] * stride_vc_head
         + offs_d[None, :] * stride_vc_dim
     )
-    tl.store(vc, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(vc, _to_cache(v, value_cache_ptr, v_scale, KV_FP8), mask=mask)
+
+
+@triton.jit
+def _to_cache(x, cache_ptr, scale, KV_FP8: tl.constexpr):
+    """x as ``cache_ptr``'s cache stores it: cast, or for an FP8 cache ``x / scale`` in float32,
+    saturated to e4m3's finite range (a plain cast overflows to NaN) and rounded to nearest."""
+    if KV_FP8:
+        # Correctly rounded (PTX div.rn; Triton's "/" is the approximate div.full): the stored
+        # bytes are then torch's, (x / scale).to(float8_e4m3fn), bit for bit.
+        x = tl.math.div_rn(x.to(tl.float32), scale)
+        x = tl.minimum(tl.maximum(x, -FP8_E4M3_MAX), FP8_E4M3_MAX)
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 def reshape_and_cache(
@@ -129,6 +156,7 @@ def reshape_and_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Store each token's K/V at its slot; slots < 0 are padding and are skipped.
 
@@ -138,6 +166,9 @@ def reshape_and_cache(
     rotary: ``(query, cos_sin, index)`` to rotate query (in place) and key (into the cache) first:
     query [num_tokens, num_heads, head_size] with each token's heads contiguous; cos_sin [rows,
     head_size] = ``[cos | sin]`` in key's dtype; index [num_tokens], each token's row of it.
+
+    kv_scales: ``(k_scale, v_scale)``, float32 scalars on the device, required by float8_e4m3fn
+    caches (kv_cache_dtype="fp8"), which store ``saturate(x / scale)``; unread otherwise.
     """
     num_tokens, num_kv_heads, head_size = key.shape
     assert value.shape == key.shape, f"value {tuple(value.shape)} != key {tuple(key.shape)}"
@@ -158,6 +189,10 @@ def reshape_and_cache(
         assert query.stride(1) == head_size, "a token's query heads must be contiguous"
         assert cos_sin.shape[1] == head_size and cos_sin.dtype == key.dtype == query.dtype
         assert index.shape == (num_tokens,), f"index {tuple(index.shape)}"
+    kv_fp8 = key_cache.dtype == torch.float8_e4m3fn
+    if kv_fp8:
+        assert kv_scales is not None, "an FP8 cache needs kv_scales"
+        assert all(s.dtype == torch.float32 and s.numel() == 1 for s in kv_scales), "float32 scalar scales"
     half_dim = triton.next_power_of_2(head_size // 2)
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
@@ -168,6 +203,7 @@ def reshape_and_cache(
         query,
         cos_sin,
         index,
+        *(kv_scales if kv_fp8 else (key, key)),  # pointers never read without FP8
         query.stride(0),
         cos_sin.stride(0),
         *key.stride(),
@@ -183,5 +219,6 @@ def reshape_and_cache(
         NUM_HEADS=num_heads,
         HALF_DIM=half_dim,
         BLOCK_H_Q=heads_per_tile(num_heads, half_dim),
+        KV_FP8=kv_fp8,
         **pdl_options(key.device),
     )
