@@ -7,7 +7,7 @@ resident. Under churn (requests of every length, clients hanging up mid-stream),
 of the engine process grew by about 60 MB per round of 500 streams in `benchmarks/soak.py` with
 no live object behind it: `malloc_trim(0)` after each round gave nearly all of it back and kept
 the process flat. The engine loop calls ``release_free_heap`` when it falls idle, at most every
-``MIN_INTERVAL_S`` (a trim walks the heap: milliseconds for a gigabyte).
+``MIN_INTERVAL_S`` (a trim walks the heap).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
-MIN_INTERVAL_S = 10.0
+MIN_INTERVAL_S = 1.0
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
