@@ -26,7 +26,7 @@ from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.attention.kv_quant import load_kv, store_kv
 from pagedllm.attention.metadata import AttentionMetadata
 
-# gather_context's scale for a cache in the model dtype (where it is unread).
+# The scale of a cache in the model dtype (where it is unread).
 _UNIT_SCALE = torch.ones(())
 
 
@@ -36,13 +36,14 @@ def write_to_paged_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
-    kv_scales: tuple[torch.Tensor, torch.Tensor],
+    kv_scales: tuple[torch.Tensor, torch.Tensor] = (_UNIT_SCALE, _UNIT_SCALE),
 ) -> None:
     """Store each token's K/V at its slot; slots < 0 are padding and are skipped.
 
     key, value: [num_tokens, num_kv_heads, head_size]; caches: [num_blocks, block_size,
     num_kv_heads, head_size]; slot_mapping: [num_tokens]. kv_scales: (k_scale, v_scale), read
-    by FP8 caches only (stored as saturate(x / scale), attention/kv_quant.py).
+    by FP8 caches only (stored as saturate(x / scale), attention/kv_quant.py); a cache in the
+    model dtype ignores them.
     """
     valid = slot_mapping >= 0
     slots = slot_mapping[valid]
