@@ -64,6 +64,14 @@ def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2).to(x.dtype)
 
 
+def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """As ``_rotate_interleaved`` with pairs (i, i + rope_dim // 2): DeepSeek-V3's checkpoints
+    converted with ``rope_interleave=False``."""
+    first, second = x.float().chunk(2, dim=-1)
+    cos, sin = cos.float(), sin.float()
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(x.dtype)
+
+
 class MLAAttention(nn.Module):
     def __init__(
         self,
@@ -104,6 +112,10 @@ class MLAAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * self.v_head_dim, hidden, bias=bias)
         self.num_heads = self.kv_b_proj.weight.shape[0] // per_head  # this rank's heads
         self.rotary_emb = rotary_emb
+        # DeepSeek-V3's config may lay the rope dims out as halves; V2's are always interleaved.
+        # (Only q . k matters, so the rotated dims' order need not match the reference's.)
+        interleaved = getattr(config, "rope_interleave", True)
+        self._rotate = _rotate_interleaved if interleaved else _rotate_halves
         self.scale = _softmax_scale(config, self.qk_head_dim)
 
     def forward(
@@ -125,9 +137,9 @@ class MLAAttention(nn.Module):
         )
         table, index = self.rotary_emb.cos_sin_rows(positions)
         cos, sin = table.index_select(0, index)[:, None].chunk(2, dim=-1)
-        q_pe = _rotate_interleaved(q[..., self.qk_nope_head_dim :], cos, sin)
+        q_pe = self._rotate(q[..., self.qk_nope_head_dim :], cos, sin)
         q = torch.cat((q[..., : self.qk_nope_head_dim], q_pe), dim=-1)
-        k_pe = _rotate_interleaved(k_pe[:, None], cos, sin)
+        k_pe = self._rotate(k_pe[:, None], cos, sin)
         # The cache entry of a token: [c_kv | k_pe], one "head".
         entry = torch.cat((self.kv_a_layernorm(latent)[:, None], k_pe), dim=-1)
         key_cache = kv_cache[0]  # (the value cache is the same tensor: the latent is both)
