@@ -382,3 +382,26 @@ def test_deepseek_v3_skips_the_mtp_layer(make_tiny_model: Callable, caplog: pyte
     save_file(tensors, path, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"model\.bogus\.weight"):
         get_model(model_config, "auto", torch.device("cpu"), TorchAttentionBackend)
+
+
+@pytest.mark.parametrize(
+    "case, query_len, seq_len",
+    [("deepseekv2-group-limited", 1, 1), ("deepseekv2-q-lora-yarn", 1, 37), ("deepseekv3-noaux-tc", 5, 64)],
+)
+def test_mla_absorbed_equals_expanded(
+    make_tiny_model: Callable, case: str, query_len: int, seq_len: int
+) -> None:
+    """The absorbed form (decode's) against the expanded form (prefill's, the one checked against
+    HF) on random queries and latents: float32, ~1e-5."""
+    from pagedllm.models.deepseek_v2 import MLAAttention
+
+    config_class, overrides = MLA_CASES[case]
+    _, model_config = make_tiny_model(config_class, **overrides)
+    model = get_model(model_config, "auto", torch.device("cpu"), TorchAttentionBackend)
+    attention = next(m for m in model.modules() if isinstance(m, MLAAttention))
+    assert attention._attend_decode == attention._attend_absorbed
+    generator = torch.Generator().manual_seed(query_len + seq_len)
+    query = torch.randn(query_len, attention.num_heads, attention.qk_head_dim, generator=generator)
+    context = torch.randn(seq_len, attention.kv_lora_rank + attention.qk_rope_head_dim, generator=generator)
+    expected = attention._attend(query, context)
+    torch.testing.assert_close(attention._attend_absorbed(query, context), expected, rtol=1e-5, atol=1e-5)
