@@ -73,6 +73,9 @@ def _randomize(model: PreTrainedModel) -> None:
                 param.copy_(2.0 * torch.randn(param.shape, generator=generator))
             else:
                 param.copy_(0.1 * torch.randn(param.shape, generator=generator))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # noaux_tc's load-balancing bias
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))
 
 
 def _make_tiny_model(

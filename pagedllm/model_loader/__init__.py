@@ -43,6 +43,10 @@ def get_model(
             for module in quantized:
                 module.quant_method.process_weights_after_loading(module)
                 _release_freed_heap()  # per layer: the freed raw blocks would otherwise pile up to the peak
+            # Modules that derive tensors from their loaded weights (MLA's absorbed up-projections).
+            for module in model.modules():
+                if hasattr(module, "process_weights_after_loading"):
+                    module.process_weights_after_loading()
     return model.eval()
 
 

@@ -6,6 +6,7 @@ from torch import nn
 
 from pagedllm.models.bloom import BloomForCausalLM
 from pagedllm.models.deepseek_v2 import DeepseekV2ForCausalLM
+from pagedllm.models.deepseek_v3 import DeepseekV3ForCausalLM
 from pagedllm.models.gemma import GemmaForCausalLM
 from pagedllm.models.glm4_moe import Glm4MoeForCausalLM
 from pagedllm.models.gpt2 import GPT2LMHeadModel
@@ -39,6 +40,7 @@ _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # DeepSeek-V3, R1, Kimi-K2
     "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 
@@ -76,6 +78,8 @@ _MODEL_TYPE_ARCHITECTURES = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
 }
 
@@ -101,6 +105,7 @@ def get_supported_architectures() -> list[str]:
 __all__ = [
     "BloomForCausalLM",
     "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
     "Exaone4ForCausalLM",
     "GPT2LMHeadModel",
     "GemmaForCausalLM",

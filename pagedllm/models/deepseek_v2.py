@@ -7,11 +7,11 @@ MLA compresses each token's keys and values into one latent: ``c_kv = RMSNorm(W_
 head. The cache holds exactly that, ``[c_kv | k_pe]``, one "head" of ``kv_lora_rank +
 qk_rope_head_dim`` per token (``ModelConfig.head_size`` and ``num_kv_heads`` say so to the cache
 engine): 576 numbers a token for DeepSeek-V2 against 128 heads x (192 + 128) for its keys and
-values expanded. Attention here is the expanded form: each step gathers a sequence's latents from
-the paged cache, expands them with ``kv_b_proj`` into every head's ``k_nope`` and ``v``, appends
-``k_pe`` and attends, causal, as written out in ``_attend``. (The absorbed form, which folds
-``kv_b_proj`` into the query and the output and attends over the latents directly, is what makes
-decoding fast; it is not done here.) The cache is the torch layout, which the torch and cpu
+values expanded. Each step gathers a sequence's latents from the paged cache. Prefill attends in
+the expanded form (``_attend``): it expands them with ``kv_b_proj`` into every head's ``k_nope``
+and ``v``, appends ``k_pe`` and attends, causal. Decode attends in the absorbed form
+(``_attend_absorbed``), as DeepSeek and vLLM do: ``kv_b_proj`` folds into the query and the output,
+and attention runs as MQA over the latents directly. The cache is the torch layout, which the torch and cpu
 backends share; the engine allocates no value cache beside it (``KVCacheSpec.keys_only``).
 
 Rotary embedding: DeepSeek rotates interleaved pairs ``(x[2i], x[2i + 1])`` (complex
@@ -64,6 +64,14 @@ def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2).to(x.dtype)
 
 
+def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """As ``_rotate_interleaved`` with pairs (i, i + rope_dim // 2): DeepSeek-V3's checkpoints
+    converted with ``rope_interleave=False``."""
+    first, second = x.float().chunk(2, dim=-1)
+    cos, sin = cos.float(), sin.float()
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(x.dtype)
+
+
 class MLAAttention(nn.Module):
     def __init__(
         self,
@@ -104,7 +112,14 @@ class MLAAttention(nn.Module):
         self.o_proj = RowParallelLinear(num_heads * self.v_head_dim, hidden, bias=bias)
         self.num_heads = self.kv_b_proj.weight.shape[0] // per_head  # this rank's heads
         self.rotary_emb = rotary_emb
+        # DeepSeek-V3's config may lay the rope dims out as halves; V2's are always interleaved.
+        # (Only q . k matters, so the rotated dims' order need not match the reference's.)
+        interleaved = getattr(config, "rope_interleave", True)
+        self._rotate = _rotate_interleaved if interleaved else _rotate_halves
         self.scale = _softmax_scale(config, self.qk_head_dim)
+        # Decode's form, chosen here: the torch and cpu backends (the only ones MLA runs on) both
+        # take the absorbed one; prefill stays expanded, cheaper when many queries share a context.
+        self._attend_decode = self._attend_absorbed
 
     def forward(
         self,
@@ -125,9 +140,9 @@ class MLAAttention(nn.Module):
         )
         table, index = self.rotary_emb.cos_sin_rows(positions)
         cos, sin = table.index_select(0, index)[:, None].chunk(2, dim=-1)
-        q_pe = _rotate_interleaved(q[..., self.qk_nope_head_dim :], cos, sin)
+        q_pe = self._rotate(q[..., self.qk_nope_head_dim :], cos, sin)
         q = torch.cat((q[..., : self.qk_nope_head_dim], q_pe), dim=-1)
-        k_pe = _rotate_interleaved(k_pe[:, None], cos, sin)
+        k_pe = self._rotate(k_pe[:, None], cos, sin)
         # The cache entry of a token: [c_kv | k_pe], one "head".
         entry = torch.cat((self.kv_a_layernorm(latent)[:, None], k_pe), dim=-1)
         key_cache = kv_cache[0]  # (the value cache is the same tensor: the latent is both)
@@ -138,12 +153,18 @@ class MLAAttention(nn.Module):
         starts = attn_metadata.query_start_loc_cpu.tolist()
         for i, seq_len in enumerate(attn_metadata.seq_lens_cpu.tolist()):
             context = gather_context(key_cache, attn_metadata.block_tables[i], seq_len)[:, 0]
-            output[starts[i] : starts[i + 1]] = self._attend(q[starts[i] : starts[i + 1]], context)
+            # Decode (one new token) attends over the latents, prefill expands them.
+            attend = self._attend_decode if starts[i + 1] - starts[i] == 1 else self._attend
+            output[starts[i] : starts[i + 1]] = attend(q[starts[i] : starts[i + 1]], context)
         return self.o_proj(output.flatten(1))
 
     def _attend(self, query: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
-        """query: [query_len, num_heads, qk_head_dim], the last query_len positions of a context
-        of latents [seq_len, kv_lora_rank + qk_rope_head_dim] -> [query_len, num_heads, v_head_dim]."""
+        """The expanded form. query: [query_len, num_heads, qk_head_dim], the last query_len
+        positions of a context of latents [seq_len, kv_lora_rank + qk_rope_head_dim] ->
+        [query_len, num_heads, v_head_dim].
+
+        FLOPs ~ 2 seq_len kv_lora_rank H (nope + v) for the expansion plus 2 query_len seq_len H
+        (qk_head_dim + v) for attention: the expansion dominates when query_len is small."""
         seq_len, query_len = context.shape[0], query.shape[0]
         latent, k_pe = context.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(latent).view(seq_len, self.num_heads, -1)
@@ -154,6 +175,42 @@ class MLAAttention(nn.Module):
         causal = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
         probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
         return torch.einsum("hqk,khd->qhd", probs, values.float()).to(query.dtype)
+
+    def process_weights_after_loading(self) -> None:
+        """W_UK [num_heads, qk_nope, r] and W_UV [num_heads, v, r] for the absorbed form, read out
+        of ``kv_b_proj`` by multiplying the identity, whatever its storage (dense, quantized,
+        oneDNN-blocked): once, after loading (the model loader calls it)."""
+        identity = torch.eye(
+            self.kv_lora_rank,
+            dtype=self.kv_a_layernorm.weight.dtype,
+            device=self.kv_a_layernorm.weight.device,
+        )
+        per_head = self.kv_b_proj(identity).T.reshape(self.num_heads, -1, self.kv_lora_rank)
+        w_uk, w_uv = per_head.split([self.qk_nope_head_dim, self.v_head_dim], dim=1)
+        self.register_buffer("w_uk", w_uk.contiguous(), persistent=False)
+        self.register_buffer("w_uv", w_uv.contiguous(), persistent=False)
+
+    def _attend_absorbed(self, query: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
+        """The absorbed form, as ``_attend`` computes it (same arguments and result).
+
+        With kv_b_proj's rows of head h split into W_UK [qk_nope, r] and W_UV [v, r] (r =
+        kv_lora_rank), q_nope . (W_UK c) = (W_UK^T q_nope) . c and sum_k p_k W_UV c_k = W_UV
+        (sum_k p_k c_k): the query moves into the latent space, attention runs as MQA with one
+        shared "head" [c | k_pe] of r + rope dims per token, and W_UV maps each head's latent
+        output back. FLOPs ~ 2 query_len H (r (qk_nope + v) + seq_len (2 r + rope)): nothing
+        scales with seq_len x kv_b_proj, which is why decoding takes this form (DeepSeek-V2, s.
+        2.1.2; vLLM's MLA backends)."""
+        query_len, seq_len = query.shape[0], context.shape[0]
+        latent, k_pe = context.float().split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        w_uk, w_uv = self.w_uk.float(), self.w_uv.float()
+        q_nope, q_pe = query.float().split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_latent = torch.einsum("qhn,hnr->qhr", q_nope, w_uk)
+        scores = torch.einsum("qhr,kr->hqk", q_latent, latent) + torch.einsum("qhp,kp->hqk", q_pe, k_pe)
+        q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)
+        causal = torch.arange(seq_len, device=query.device)[None, :] <= q_pos[:, None]
+        probs = torch.softmax((scores * self.scale).masked_fill(~causal, float("-inf")), dim=-1)
+        out_latent = torch.einsum("hqk,kr->qhr", probs, latent)
+        return torch.einsum("qhr,hvr->qhv", out_latent, w_uv).to(query.dtype)
 
 
 class MLADecoderLayer(LlamaDecoderLayer):

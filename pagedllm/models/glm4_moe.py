@@ -8,11 +8,12 @@ then a mixture of experts with shared experts, as Hugging Face transformers comp
   of width ``moe_intermediate_size``, plus a shared SwiGLU MLP of width ``n_shared_experts *
   moe_intermediate_size`` that every token takes.
 * The multi-token-prediction layers a checkpoint may carry past ``num_hidden_layers``
-  (``num_nextn_predict_layers``) are not loaded, as transformers skips them.
+  (``num_nextn_predict_layers``) are not loaded, as transformers skips them (``SkipsMtpLayers``).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 
 import torch
@@ -23,6 +24,8 @@ from transformers import PretrainedConfig
 from pagedllm.layers.fused_moe import FusedMoE, select_experts_grouped
 from pagedllm.models.llama import LlamaMLP
 from pagedllm.models.moe import MoeForCausalLM
+
+logger = logging.getLogger(__name__)
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -84,16 +87,26 @@ class SharedExpertsMoeBlock(nn.Module):
         return routed + self.shared_experts(hidden_states)
 
 
-class Glm4MoeForCausalLM(MoeForCausalLM):
+class SkipsMtpLayers:
+    """Skips, with a notice, the multi-token-prediction layers a checkpoint stores past the
+    decoder's (index >= ``num_hidden_layers``): vLLM loads them only as speculative decoding's
+    ``"mtp"`` method, which pagedllm does not have."""
+
+    _mtp_notice_given = False
+
+    def _is_skipped(self, ckpt_name: str) -> bool:
+        match = _LAYER_INDEX.match(ckpt_name)
+        if match and int(match[1]) >= len(self.model.layers):
+            if not self._mtp_notice_given:
+                logger.info("skipping the multi-token-prediction layer(s) from %s on", ckpt_name)
+                self._mtp_notice_given = True
+            return True
+        return super()._is_skipped(ckpt_name)
+
+
+class Glm4MoeForCausalLM(SkipsMtpLayers, MoeForCausalLM):
     @staticmethod
     def make_mlp(config: PretrainedConfig, layer_index: int) -> nn.Module:
         if layer_index < config.first_k_dense_replace:
             return LlamaMLP(config)
         return SharedExpertsMoeBlock(config)
-
-    def _is_skipped(self, ckpt_name: str) -> bool:
-        # The multi-token-prediction layers follow the decoder's.
-        match = _LAYER_INDEX.match(ckpt_name)
-        if match and int(match[1]) >= len(self.model.layers):
-            return True
-        return super()._is_skipped(ckpt_name)

@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers import (
     DeepseekV2Config,
+    DeepseekV3Config,
     Exaone4Config,
     Glm4MoeConfig,
     GptOssConfig,
@@ -162,6 +163,41 @@ MLA_CASES: dict[str, tuple[type, dict[str, Any]]] = {
                 "beta_fast": 32,
                 "beta_slow": 1,
             },
+        },
+    ),
+    # DeepSeek-V3: V2's MLA with noaux_tc routing (sigmoid + bias, 4 groups keep 2, renormalised,
+    # scaled), q_lora, one dense layer; rope dims as halves (rope_interleave=False) on one case.
+    "deepseekv3-noaux-tc": (
+        DeepseekV3Config,
+        {
+            **_MLA,
+            "head_dim": 8,  # V3's rotary takes head_dim as its width: qk_rope_head_dim
+            "num_hidden_layers": 3,
+            "first_k_dense_replace": 1,
+            "q_lora_rank": 24,
+            "n_routed_experts": 8,
+            "n_shared_experts": 1,
+            "n_group": 4,
+            "topk_group": 2,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+        },
+    ),
+    "deepseekv3-halves-rope": (
+        DeepseekV3Config,
+        {
+            **_MLA,
+            "head_dim": 8,  # V3's rotary takes head_dim as its width: qk_rope_head_dim
+            "num_hidden_layers": 2,
+            "first_k_dense_replace": 1,
+            "q_lora_rank": None,
+            "n_routed_experts": 4,
+            "n_shared_experts": 2,
+            "n_group": 2,
+            "topk_group": 1,
+            "norm_topk_prob": False,
+            "routed_scaling_factor": 1.5,
+            "rope_interleave": False,
         },
     ),
 }
@@ -322,3 +358,50 @@ def test_mla_allocates_one_cache_per_layer(case_model: Callable) -> None:
     assert value_cache is key_cache
     outputs = llm.generate(prompt_token_ids=prompts[:1], sampling_params=GREEDY, use_tqdm=False)
     assert outputs[0].outputs[0].token_ids == expected[0]
+
+
+def test_deepseek_v3_skips_the_mtp_layer(make_tiny_model: Callable, caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint's multi-token-prediction layer (index num_hidden_layers) loads as nothing,
+    with a notice; a tensor of no layer still fails."""
+    from safetensors.torch import load_file, save_file
+
+    from pagedllm.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+    config_class, overrides = MLA_CASES["deepseekv3-noaux-tc"]
+    _, model_config = make_tiny_model(config_class, **overrides)
+    assert get_model_class([], "deepseek_v3") is DeepseekV3ForCausalLM
+    path = f"{model_config.model}/model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(4, 4)
+    tensors["model.layers.3.enorm.weight"] = torch.zeros(4)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with caplog.at_level("INFO"):
+        get_model(model_config, "auto", torch.device("cpu"), TorchAttentionBackend)
+    assert sum("multi-token-prediction" in r.message for r in caplog.records) == 1
+    tensors["model.bogus.weight"] = torch.zeros(4)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.bogus\.weight"):
+        get_model(model_config, "auto", torch.device("cpu"), TorchAttentionBackend)
+
+
+@pytest.mark.parametrize(
+    "case, query_len, seq_len",
+    [("deepseekv2-group-limited", 1, 1), ("deepseekv2-q-lora-yarn", 1, 37), ("deepseekv3-noaux-tc", 5, 64)],
+)
+def test_mla_absorbed_equals_expanded(
+    make_tiny_model: Callable, case: str, query_len: int, seq_len: int
+) -> None:
+    """The absorbed form (decode's) against the expanded form (prefill's, the one checked against
+    HF) on random queries and latents: float32, ~1e-5."""
+    from pagedllm.models.deepseek_v2 import MLAAttention
+
+    config_class, overrides = MLA_CASES[case]
+    _, model_config = make_tiny_model(config_class, **overrides)
+    model = get_model(model_config, "auto", torch.device("cpu"), TorchAttentionBackend)
+    attention = next(m for m in model.modules() if isinstance(m, MLAAttention))
+    assert attention._attend_decode == attention._attend_absorbed
+    generator = torch.Generator().manual_seed(query_len + seq_len)
+    query = torch.randn(query_len, attention.num_heads, attention.qk_head_dim, generator=generator)
+    context = torch.randn(seq_len, attention.kv_lora_rank + attention.qk_rope_head_dim, generator=generator)
+    expected = attention._attend(query, context)
+    torch.testing.assert_close(attention._attend_absorbed(query, context), expected, rtol=1e-5, atol=1e-5)
