@@ -35,6 +35,8 @@ CASES = [
         f"Checking.{ANSWER}",
     ),
     (ANSWER, "", ANSWER),  # no harmony markup at all
+    (f"<|channel|>analysis<|message|>{THINK}<|end|>\n{FINAL}", THINK, ANSWER),  # whitespace between
+    ("<|start|>user<|message|>no channel<|end|>", "", "<|start|>user<|message|>no channel<|end|>"),
     (
         f"<|channel|>analysis<|message|>{THINK}<|end|><|channel|>secret<|message|>x<|end|>",
         THINK,

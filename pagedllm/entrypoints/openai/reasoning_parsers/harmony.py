@@ -18,8 +18,9 @@ not a well-formed header (an unknown channel, a header never closed by ``<|messa
 of the text is the answer as written, never an error. A message cut off by ``max_tokens`` keeps its
 channel (its body so far streamed as it came).
 
-The whole text so far is re-read at each delta and what became certain since is sent, so what was
-sent is never taken back and a streamed reply equals an unstreamed one.
+Messages that have ended are read once; the one still being written is re-read at each delta and
+what became certain since is sent, so what was sent is never taken back and a streamed reply
+equals an unstreamed one.
 """
 
 from __future__ import annotations
@@ -40,59 +41,67 @@ class HarmonyReasoningParser(ReasoningParser):
 
     def __init__(self) -> None:
         self._text = ""
+        # Where the first message that has not ended starts, and what the ones before it were.
+        self._position = 0
+        self._ended = ReasoningDelta()
         self._sent = ReasoningDelta()
 
     def feed(self, delta_text: str) -> ReasoningDelta:
         self._text += delta_text
-        return self._since_sent(split_harmony(self._text, finished=False))
+        return self._read(finished=False)
 
     def finish(self) -> ReasoningDelta:
-        return self._since_sent(split_harmony(self._text, finished=True))
+        return self._read(finished=True)
 
-    def _since_sent(self, whole: ReasoningDelta) -> ReasoningDelta:
-        sent, self._sent = self._sent, whole
+    def _read(self, finished: bool) -> ReasoningDelta:
+        ended, open_message, self._position = read_messages(self._text, self._position, finished)
+        self._ended += ended
+        whole, sent = self._ended + open_message, self._sent
+        self._sent = whole
         return ReasoningDelta(whole.reasoning[len(sent.reasoning) :], whole.content[len(sent.content) :])
 
 
-def split_harmony(text: str, finished: bool) -> ReasoningDelta:
-    """(reasoning, answer) of ``text`` as far as it is certain; all of it once ``finished``."""
-    result = ReasoningDelta()
-    position = 0
+def read_messages(text: str, position: int, finished: bool) -> tuple[ReasoningDelta, ReasoningDelta, int]:
+    """The messages of ``text`` from ``position`` on: (what the ended ones are, what is certain of
+    the one still open, where that one starts). Once ``finished``, nothing is held back."""
+    ended, open_message = ReasoningDelta(), ReasoningDelta()
     while position < len(text):
-        rest = text[position:]
-        if not rest.startswith((START, CHANNEL)):
-            may_be_markup = any(held_prefix_len(rest, marker) == len(rest) for marker in (START, CHANNEL))
-            if may_be_markup and not finished:
-                break
-            result.content += rest  # plain text, or the rest after a malformed message
+        begin = _skip_whitespace(text, position)
+        if not text.startswith((START, CHANNEL), begin):
+            rest = text[begin:] if len(text) - begin < len(CHANNEL) else None
+            may_be_markup = rest is not None and (START.startswith(rest) or CHANNEL.startswith(rest))
+            if not (may_be_markup and not finished):
+                open_message.content += text[position:]  # plain text, or all after a malformed header
             break
-        header_end = rest.find(MESSAGE)
-        channel_at = rest.find(CHANNEL)
-        if header_end < 0 or channel_at < 0 or channel_at > header_end:
-            if not finished and header_end < 0:
-                break  # the header is still being written
-            result.content += rest
+        header_end = text.find(MESSAGE, begin)
+        channel_at = text.find(CHANNEL, begin, header_end if header_end >= 0 else len(text))
+        if header_end < 0 and not finished:
+            break  # the header is still being written
+        header = text[channel_at + len(CHANNEL) : header_end].split() if channel_at >= 0 else []
+        if header_end < 0 or not header or header[0] not in CHANNELS:
+            open_message.content += text[position:]
             break
-        header = rest[channel_at + len(CHANNEL) : header_end].split()
-        if not header or header[0] not in CHANNELS:
-            result.content += rest
-            break
-        recipient = _RECIPIENT.search(rest[:header_end])
+        recipient = _RECIPIENT.search(text, begin, header_end)
         body_start = header_end + len(MESSAGE)
-        end_at, end = min(
-            ((rest.find(e, body_start), e) for e in ENDS if e in rest[body_start:]), default=(-1, "")
+        found = [(at, end) for end in ENDS if (at := text.find(end, body_start)) >= 0]
+        end_at, end = min(found) if found else (len(text), "")
+        body = text[body_start:end_at]
+        if not found and not finished:
+            body = body[: len(body) - max(held_prefix_len(body, e) for e in ENDS)]
+        _route(
+            header[0], recipient.group(1) if recipient else None, body, end, ended if found else open_message
         )
-        if end_at >= 0:
-            body = rest[body_start:end_at]
-        else:
-            body = rest[body_start:]
-            if not finished:
-                body = body[: len(body) - max(held_prefix_len(body, e) for e in ENDS)]
-        _route(header[0], recipient.group(1) if recipient else None, body, end, result)
-        if end_at < 0:
+        if not found:
             break
-        position += end_at + len(end)
-    return result
+        position = end_at + len(end)
+    return ended, open_message, position
+
+
+def _skip_whitespace(text: str, position: int) -> int:
+    """Past whitespace between messages (none in what gpt-oss writes, but harmless to allow)."""
+    while position < len(text) and text[position].isspace():
+        position += 1
+    return position
 
 
 def _route(channel: str, recipient: str | None, body: str, end: str, result: ReasoningDelta) -> None:
