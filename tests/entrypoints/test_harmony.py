@@ -83,17 +83,17 @@ def _parser(name: str = "openai_gptoss") -> ChatOutputParser:
     return ChatOutputParser(REASONING_PARSERS[name](), TOOL_PARSERS["openai"]([]))
 
 
-def _chat(text: str, cuts: list[int] | None) -> ChatDelta:
+def _chat(text: str, cuts: list[int]) -> tuple[ChatDelta, bool]:
+    """The deltas of ``text`` fed in pieces cut at ``cuts``, joined; and whether it called tools."""
     parser = _parser()
-    bounds = [0, *(cuts or []), len(text)]
+    bounds = [0, *cuts, len(text)]
     total = ChatDelta()
     for i, (a, b) in enumerate(itertools.pairwise(bounds)):
         delta = parser.feed(text[a:b], finished=i == len(bounds) - 2)
         total.reasoning += delta.reasoning
         total.content += delta.content
         total.tool_calls += delta.tool_calls
-    total.called = parser.called  # type: ignore[attr-defined]
-    return total
+    return total, parser.called
 
 
 def test_tool_call_whole_and_streamed():
@@ -101,8 +101,8 @@ def test_tool_call_whole_and_streamed():
     assert (reasoning, content) == (THINK, None)
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", CALL)]
     for cuts in _pieces(CALL_TEXT):
-        total = _chat(CALL_TEXT, cuts)
-        assert (total.reasoning, total.content, total.called) == (THINK, "", True)
+        total, called = _chat(CALL_TEXT, cuts)
+        assert (total.reasoning, total.content, called) == (THINK, "", True)
         assert [d.name for d in total.tool_calls if d.id] == ["get_weather"]
         assert json.loads("".join(d.arguments for d in total.tool_calls)) == CALL
 
@@ -126,5 +126,5 @@ def test_malformed_call_is_content():
     normalized = '<|channel|>commentary to=functions.get_weather<|message|>{"city": }<|call|>'
     _, content, calls = _parser().parse_whole(text)
     assert (content, calls) == (normalized, [])
-    total = _chat(text, list(range(1, len(text))))
-    assert not total.called and total.content == normalized
+    total, called = _chat(text, list(range(1, len(text))))
+    assert not called and total.content == normalized
