@@ -204,6 +204,8 @@ class OpenAIServingChat(OpenAIServing):
         structured = params.structured_outputs
         json_output = structured is not None and (structured.json is not None or structured.json_object)
         reasoning = None if json_output else self.reasoning_parser
+        if reasoning is not None and reasoning.keeps_special_tokens:
+            params.skip_special_tokens = False
         if tool_parser is None and reasoning is None:
             return None
         return lambda: ChatOutputParser(reasoning() if reasoning is not None else None, tool_parser)

@@ -24,6 +24,9 @@ class ReasoningDelta:
 
 
 class ReasoningParser(abc.ABC):
+    # The format is made of special tokens (gpt-oss's harmony): they must stay in the text.
+    keeps_special_tokens: bool = False
+
     @abc.abstractmethod
     def feed(self, delta_text: str) -> ReasoningDelta:
         """The reasoning and content that ``delta_text`` (the output's next text) makes certain."""

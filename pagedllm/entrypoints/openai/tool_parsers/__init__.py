@@ -4,6 +4,7 @@ from pagedllm.entrypoints.openai.tool_parsers.base import ExtractedToolCalls, To
 from pagedllm.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagedllm.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagedllm.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from pagedllm.entrypoints.openai.tool_parsers.openai import OpenAIToolParser
 from pagedllm.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
 from pagedllm.entrypoints.openai.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 from pagedllm.entrypoints.openai.tool_parsers.streaming import ToolCallDelta, ToolCallStreamer
@@ -16,6 +17,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "mistral": MistralToolParser,
     "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
+    # gpt-oss's harmony commentary calls (with the openai_gptoss reasoning parser).
+    "openai": OpenAIToolParser,
 }
 
 __all__ = [
@@ -24,6 +27,7 @@ __all__ = [
     "HermesToolParser",
     "Llama3JsonToolParser",
     "MistralToolParser",
+    "OpenAIToolParser",
     "PythonicToolParser",
     "Qwen3CoderToolParser",
     "ToolCallDelta",
