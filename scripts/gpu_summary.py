@@ -140,7 +140,7 @@ def _tensor_parallel_rows(folder: str) -> list[tuple[str, str, str]]:
 
 def _determinism_rows(folder: str) -> list[tuple[str, str, str]]:
     """W1 output tok/s and W3 ms/token in the default mode and with batch_invariant=True, and
-    their ratios (issue 35's targets: W1 >= 0.9x, W3 <= 1.05x)."""
+    their ratios (the mode's targets: W1 >= 0.9x, W3 <= 1.05x)."""
     table = []
     w1 = {mode: _load(folder, f"determinism_w1_{mode}") for mode in ("default", "batch_invariant")}
     w3 = {mode: _load(folder, f"determinism_w3_{mode}") for mode in ("default", "batch_invariant")}

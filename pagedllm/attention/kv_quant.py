@@ -41,8 +41,9 @@ def dequantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x.float() * scale
 
 
-def store_kv(cache: torch.Tensor, index: tuple[torch.Tensor, ...] | torch.Tensor, x: torch.Tensor,
-             scale: torch.Tensor) -> None:
+def store_kv(
+    cache: torch.Tensor, index: tuple[torch.Tensor, ...] | torch.Tensor, x: torch.Tensor, scale: torch.Tensor
+) -> None:
     """``cache[index] = x``, quantized when the cache is FP8. The FP8 store goes through a byte
     view: advanced-index assignment has no float8 kernel on every device."""
     if is_fp8(cache):
@@ -51,8 +52,9 @@ def store_kv(cache: torch.Tensor, index: tuple[torch.Tensor, ...] | torch.Tensor
         cache[index] = x.to(cache.dtype)
 
 
-def load_kv(cache: torch.Tensor, index: tuple[torch.Tensor, ...] | torch.Tensor,
-            scale: torch.Tensor) -> torch.Tensor:
+def load_kv(
+    cache: torch.Tensor, index: tuple[torch.Tensor, ...] | torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
     """``cache[index]``, dequantized to float32 when the cache is FP8 (gathered as bytes, for the
     reason of ``store_kv``); as stored otherwise."""
     if is_fp8(cache):

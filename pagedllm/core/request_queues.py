@@ -75,6 +75,25 @@ class RequestQueues:
         if queue is not self.waiting:
             self.waiting.remove(request)
 
+    def stop_by_token(self, request: Request, reason: int | None, status: RequestStatus) -> None:
+        """End a request its newest token stopped (``reason``: the stop token id, if one)."""
+        if status == RequestStatus.FINISHED_STOPPED:
+            request.stop_reason = reason
+        self.finish((request,), status)
+
+    def finish_pooled(self, pooler_output: dict[int, list[float]]) -> list[tuple[Request, list[float]]]:
+        """A pooling model's requests whose prompt the step completed: each one's vector takes the
+        place of its one sample (a pooling request asks for max_tokens=1), and it ends."""
+        pooled = []
+        for req_id, vector in pooler_output.items():
+            request = self.requests.get(req_id)
+            if request is None:
+                continue  # aborted meanwhile
+            request.num_output_placeholders -= 1
+            self.finish((request,), RequestStatus.FINISHED_STOPPED)
+            pooled.append((request, vector))
+        return pooled
+
     def finish(self, requests: Iterable[Request], status: RequestStatus) -> None:
         """End requests wherever they are and free their blocks (their last samples may still be
         in flight: they are dropped when they arrive)."""

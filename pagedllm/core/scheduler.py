@@ -24,21 +24,19 @@ It advances ``num_computed_tokens`` at once, and a request that will sample gets
 for its token: with asynchronous scheduling the next step is scheduled before this one's samples
 reach the host, and the worker feeds the placeholder from the device.
 
-``update_from_output()`` applies a step's samples: registers computed blocks in the prefix
-cache, appends tokens, has the fan-out fork a best_of request after its first sample
-(``core/fanout.py``, which beam search's driver uses too), and ends the requests a token stops
-(EOS, stop token ids, max_tokens, the context: ``core/stop_conditions.py``). A pooling model's
-request (max_tokens=1) gets a vector instead of a token when its prompt is computed, and ends
-there (``_finish_pooled``). Only the core changes
-a request's progress or blocks; the engine reads requests, matches stop strings and asks the
-scheduler to finish what they end. Where requests are and how they move between queues is
-``core/request_queues.py``'s; this module decides who moves.
+``update_from_output()`` applies a step's samples: registers computed blocks in the prefix cache,
+appends tokens, has the fan-out fork a best_of request after its first sample (``core/fanout.py``,
+which beam search's driver uses too), and ends the requests a token stops (EOS, stop token ids,
+max_tokens, the context: ``core/stop_conditions.py``) and pooling requests, whose prompt gave a
+vector. Only the core changes a request's progress or blocks; the engine reads requests, matches
+stop strings and asks the scheduler to finish what they end. Where requests are and how they
+move between queues is ``core/request_queues.py``'s; this module decides who moves.
 
 Isolation (``isolate_failure()``): when a model step raises, the engine drops it (and the step in
 flight with it) and the scheduler looks for the group responsible, so that only that one fails.
-Every request the dropped steps computed becomes a suspect and is preempted by RECOMPUTE (it
-keeps its tokens; the samples in flight are gone); the isolation policy (``core/isolation.py``)
-then says which requests may run, until one group is convicted or all are cleared.
+Every request the dropped steps computed becomes a suspect, preempted by RECOMPUTE (it keeps its
+tokens; the samples in flight are gone); the isolation policy (``core/isolation.py``) then says
+which requests may run, until one group is convicted or all are cleared.
 """
 
 from __future__ import annotations
@@ -63,10 +61,9 @@ from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
 
 @dataclass
 class SampledRequests:
-    """What ``update_from_output`` did: which requests gained tokens (with the output row of each
-    token, for its logprobs; some of them the token ended), which were forked into being, and the
-    beam search requests whose candidates the engine must choose from (their rows; nothing was
-    appended to them)."""
+    """What ``update_from_output`` did: which requests gained tokens (with each token's output row,
+    for its logprobs; some the token ended), which were forked into being, and the beam search
+    requests whose candidates the engine must choose from (their rows; nothing was appended)."""
 
     # (request, row) per appended token; a forked request's first token is in here too.
     appended: list[tuple[Request, int]] = field(default_factory=list)
@@ -132,9 +129,8 @@ class Scheduler:
         self.last_preemptions: dict[int, PreemptionMode] = {}
         # Cumulative preemption counts, for stats and for tests that must see both modes.
         self.num_preemptions = {PreemptionMode.RECOMPUTE: 0, PreemptionMode.SWAP: 0}
-        # Tokens computed by prefills and tokens sampled, since start.
-        self.num_prefill_tokens = 0
-        self.num_generation_tokens = 0
+        # Tokens computed by prefills, and tokens sampled, since start.
+        self.num_prefill_tokens = self.num_generation_tokens = 0
 
     # --- requests (``queues`` holds them; the engine, stats and tests read these) -------------
 
@@ -395,7 +391,7 @@ class Scheduler:
             self.spec_decoding.drafter.receive(output)
         result = SampledRequests()
         if output.pooler_output:
-            result.pooled = self._finish_pooled(output.pooler_output)
+            result.pooled = self.queues.finish_pooled(output.pooler_output)
         requests = self.queues.requests
         token_ids = output.sampled_token_ids
         logprobs = output.logprobs
@@ -435,36 +431,17 @@ class Scheduler:
                 appended.append((sampler, row))
                 status = stop_status(sampler, token_id, len(sampler.output_token_ids), max_context_len)
                 if status is not None:
-                    self._stop(sampler, token_id, status)
+                    self.queues.stop_by_token(sampler, stop_reason(sampler, token_id), status)
                 row += 1
         self.isolation.sampled(req_ids)
         return result
-
-    def _finish_pooled(self, pooler_output: dict[int, list[float]]) -> list[tuple[Request, list[float]]]:
-        """A pooling model's requests whose prompt the step completed: each one's vector takes the
-        place of its one sample (a pooling request asks for max_tokens=1), and it ends."""
-        pooled = []
-        for req_id, vector in pooler_output.items():
-            request = self.queues.requests.get(req_id)
-            if request is None:
-                continue  # aborted meanwhile
-            request.num_output_placeholders -= 1
-            self.queues.finish((request,), RequestStatus.FINISHED_STOPPED)
-            pooled.append((request, vector))
-        return pooled
 
     def _stop_if_ends(self, request: Request, token_id: int) -> bool:
         """End the request if its newest token (``token_id``) stops it; whether it did."""
         status = stop_status(request, token_id, len(request.output_token_ids), self.max_context_len)
         if status is not None:
-            self._stop(request, token_id, status)
+            self.queues.stop_by_token(request, stop_reason(request, token_id), status)
         return status is not None
-
-    def _stop(self, request: Request, token_id: int, status: RequestStatus) -> None:
-        """End a request its newest token stopped."""
-        if status == RequestStatus.FINISHED_STOPPED:
-            request.stop_reason = stop_reason(request, token_id)
-        self.queues.finish((request,), status)
 
     # --- preemption -----------------------------------------------------------------------
 

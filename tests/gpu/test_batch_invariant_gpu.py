@@ -2,7 +2,7 @@
 give the same tokens and the same logprobs (every bit) alone, with 15 others and with 63 others;
 the same with prefix caching and chunked prefill on (other chunk boundaries, cached prefixes);
 and the logprobs reported while generating equal those of a scoring pass over prompt + output, for
-256 requests. Without the mode, 2 of 16 such requests diverged (issue 35, H200)."""
+256 requests. Without the mode, 2 of 16 such requests diverged (H200, 2026-11-27)."""
 
 from __future__ import annotations
 
