@@ -29,7 +29,7 @@ def test_the_lock_pins_vllm_0_26_with_a_sha256_per_wheel_and_leaves_torch_to_the
     assert image["torch"].specifier.split(",")[0] == "==2.11.0"
     assert image["torchvision"].specifier == "==0.26.0"
     assert not {"torch", "torchvision", "torchaudio", "triton"} & set(carried)
-    # vLLM 0.26.0's pins on this image: numba 0.65.0 (left to the image, optional), setuptools below 81 (carried).
+    # vLLM 0.26.0's pins: numba 0.65.0 (left to the image, optional), setuptools below 81 (carried).
     assert image["numba"].specifier == "==0.65.0" and image["numba"].optional
     assert int(carried["setuptools"].version.split(".")[0]) < 81
     left_out = {pin.split("==")[0].lower() for pin in lock.left_out}
