@@ -4,7 +4,7 @@
 #
 #   scripts/gpu_check.sh                 tests, K1, K1 windowed, W1, W3 (the short set)
 #   scripts/gpu_check.sh tests k1 k1-sweep k1-w1 k1-window w1 w1-profile w2 w3 hf w4 w4-thread w5 moe moe-sweep cuda
-#       lora w1-lora w3-lora
+#       lora w1-lora w3-lora w1-fp8kv w3-fp8 w3-spec
 #       sanitize so sampler
 #       tp (tp-tests, tp-bench)
 #       determinism
@@ -19,7 +19,9 @@
 # Qwen3-30B-A3B mixture of experts, against its floor), moe (bench moe: the fused MoE kernel against
 # the per-expert torch reference; moe-sweep: every launch too), cuda (W1 on the cuda backend),
 # sanitize (compute-sanitizer on the CUDA kernels), lora (bench lora: the BGMV kernels against the
-# masked torch product), w1-lora / w3-lora (W1 with 8 rank-16 LoRA adapters, W3 with one), tp (two GPUs: the tensor-parallel GPU tests,
+# masked torch product), w1-lora / w3-lora (W1 with 8 rank-16 LoRA adapters, W3 with one), w1-fp8kv
+# (W1 with an FP8 KV cache), w3-fp8 (W3 with FP8 weights), w3-spec (W3 with n-gram drafts at a synthetic
+# acceptance rate), tp (two GPUs: the tensor-parallel GPU tests,
 # then all-reduce latency (benchmarks/all_reduce.py: NCCL against the one-shot kernel), W2 and W3
 # at tensor_parallel_size 1 and 2, W3 at 2 with NCCL alone; the table gives TP=2 over TP=1), so
 # (benchmarks/structured_output.py: 32 json_schema requests against 32 unconstrained), sampler
@@ -42,6 +44,10 @@ if [ -d .whl ]; then
     python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic prometheus-client aiohttp 2>&1 | tail -1
     # Structured outputs (llguidance, an abi3 wheel).
     python3 -m pip install -q --no-index --find-links .whl 'llguidance>=1.9.1' 2>&1 | tail -1
+fi
+# flash-linear-attention (the hybrids' varlen prefill on CUDA), pure-Python wheels in the ignored .whl-fla/.
+if [ -d .whl-fla ]; then
+    python3 -m pip install -q --no-index --no-deps .whl-fla/*.whl 2>&1 | tail -1
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 
@@ -133,6 +139,18 @@ for stage in "${stages[@]}"; do
         ;;
     w3-lora)  # LoRA's target: <= 1.1x W3's ms/token (run w3 in the same call)
         run w3_lora python3 -m pagedllm bench latency --lora-rank 16 --skip-eager --output-json "$OUT/w3_lora.json"
+        ;;
+    w1-fp8kv)  # the FP8 KV cache's target: >= 1.25x W1's output tok/s with a bf16 cache (run w1 in the same call)
+        run w1_fp8kv python3 -m pagedllm bench throughput --workload W1 --kv-cache-dtype fp8 \
+            --output-json "$OUT/w1_fp8kv.json"
+        ;;
+    w3-fp8)  # W3 with its weights quantized to FP8 at load (online fp8), against its floor at the bytes kept
+        run w3_fp8 python3 -m pagedllm bench latency --quantization fp8 --skip-eager --output-json "$OUT/w3_fp8.json"
+        ;;
+    w3-spec)  # W3 with n-gram drafts of 3 tokens accepted at a synthetic rate (SPEC_ACCEPTANCE, default 1.0)
+        run w3_spec python3 -m pagedllm bench latency --skip-eager \
+            --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' \
+            --synthetic-acceptance-rate "${SPEC_ACCEPTANCE:-1.0}" --output-json "$OUT/w3_spec.json"
         ;;
     moe-sweep) run moe python3 -m pagedllm bench moe --sweep --output-json "$OUT/moe.json" ;;
     hf) run hf python3 benchmarks/compare_hf.py --output-json "$OUT/hf.json" ;;

@@ -18,10 +18,10 @@ def _load(folder: str, name: str) -> dict | list | None:
 def rows(folder: str) -> list[tuple[str, str, str]]:
     """(benchmark, figure, value) rows for whatever ran."""
     table: list[tuple[str, str, str]] = []
-    for name in ("w1", "w1_cuda", "w2", "w5"):
+    for name in ("w1", "w1_cuda", "w1_lora", "w1_fp8kv", "w2", "w5"):
         r = _load(folder, name)
         if r:
-            label = f"{r['workload']} {r['attention_backend']}"
+            label = f"{r['workload']} {r['attention_backend']}" + _variant(name)
             table.append((label, "output tok/s", f"{r['output_tok_s']:.0f}"))
             table.append(
                 (
@@ -32,14 +32,14 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
             )
             if "floor" in r:
                 table.append((label, "fraction of floor (floor s)", _floor(r)))
-    r = _load(folder, "w3")
-    if r:
-        for mode in ("cuda_graphs", "eager"):
+    for name in ("w3", "w3_lora", "w3_fp8", "w3_spec"):
+        r = _load(folder, name)
+        for mode in ("cuda_graphs", "eager") if r else ():
             if mode in r:
                 m = r[mode]
                 table.append(
                     (
-                        f"W3 {mode}",
+                        f"W3 {mode}{_variant(name)}",
                         "ms/token (x floor)",
                         f"{m['tpot_ms']:.2f} ({m['over_floor']:.2f}x of {r['floor_ms']:.2f})",
                     )
@@ -47,7 +47,7 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
                 if m.get("profile"):
                     profiled = m["profile"]
                     cell = f"{profiled['device_ms_per_step']:.2f} / {profiled['wall_ms_per_step']:.2f}"
-                    table.append((f"W3 {mode}", "profiled device / wall ms per token", cell))
+                    table.append((f"W3 {mode}{_variant(name)}", "profiled device / wall ms per token", cell))
     table += _tensor_parallel_rows(folder)
     table += _determinism_rows(folder)
     r = _load(folder, "hf")
@@ -156,6 +156,12 @@ def _determinism_rows(folder: str) -> list[tuple[str, str, str]]:
         ratio = w3["batch_invariant"]["cuda_graphs"]["tpot_ms"] / w3["default"]["cuda_graphs"]["tpot_ms"]
         table.append(("W3 batch_invariant / default", "ms/token (target <= 1.05x)", f"{ratio:.3f}x"))
     return table
+
+
+def _variant(name: str) -> str:
+    """The label a stage's variant adds to its workload's (w1_lora -> " lora")."""
+    _, _, variant = name.partition("_")
+    return f" {variant}" if variant else ""
 
 
 def _k1(row: dict) -> str:

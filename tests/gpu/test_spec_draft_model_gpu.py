@@ -67,7 +67,9 @@ def test_the_target_as_its_own_draft_through_preemption_prefix_caching_and_chunk
         device="cuda",
         dtype="float32",
         block_size=16,
-        num_kv_blocks=40,
+        # 14 blocks of 16 tokens: two of these requests (up to 108 tokens with their drafts) fill
+        # it, so running ones are preempted (40 blocks held them all: nothing was preempted).
+        num_kv_blocks=14,
         max_model_len=128,
         enable_prefix_caching=True,
         enable_chunked_prefill=True,
