@@ -3,14 +3,14 @@
 # repository root): the GPU tests, then the benchmarks, then a table of every figure, last.
 #
 #   scripts/gpu_check.sh                 tests, K1, K1 windowed, W1, W3 (the short set)
-#   scripts/gpu_check.sh tests k1 k1-sweep k1-w1 k1-window w1 w1-profile w2 w3 hf w4 w4-thread w5 moe moe-sweep cuda
+#   scripts/gpu_check.sh tests k1 k1-sweep k1-w1 k1-fp8 k1-window w1 w1-profile w2 w3 hf w4 w4-thread w5 moe moe-sweep cuda
 #       lora w1-lora w3-lora w1-fp8kv w3-fp8 w3-spec
 #       sanitize so sampler
 #       tp (tp-tests, tp-bench)
 #       determinism
 #
 # Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too; k1-w1: the
-# sweep at W1's decode shape; k1-window:
+# sweep at W1's decode shape; k1-fp8: the Triton decode over an FP8 cache; k1-window:
 # the Triton decode with a 1024-token sliding window beside itself unwindowed), w1 / w2
 # (bench throughput; w1-profile: W1 with 5 steps torch-profiled in each phase, its timing then
 # includes the profiler), w3 (bench latency, profiled), hf (benchmarks/compare_hf.py: W1 through
@@ -114,6 +114,10 @@ for stage in "${stages[@]}"; do
     k1-w1)  # W1's decode step: 256 sequences of 100-1280 tokens, Qwen3-0.6B's 16 query / 8 KV heads
         run k1_w1 python3 -m pagedllm bench kernels --implementations triton --sweep --contexts 100-1280 \
             --batch-size 256 --num-heads 16 --num-kv-heads 8 --output-json "$OUT/k1_w1.json"
+        ;;
+    k1-fp8)  # the Triton decode over an FP8 cache; the FP8 KV cache's target: >= 85% of copy at 4,096 and 16,384
+        run k1_fp8 python3 -m pagedllm bench kernels --implementations triton --kv-cache-dtype fp8 \
+            --output-json "$OUT/k1_fp8.json"
         ;;
     k1-window)
         run k1_window python3 -m pagedllm bench kernels --implementations triton --sliding-window 1024 \

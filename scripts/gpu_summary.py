@@ -59,10 +59,10 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
             if mode in r:
                 ratio = r["pagedllm"]["output_tok_s"] / r[mode]["output_tok_s"]
                 table.append(("W1 ratio", f"pagedllm / {mode}", f"{ratio:.1f}x"))
-    r = _load(folder, "k1")
-    if r:
-        for row in [row for row in r["rows"] if row["default_launch"]] + r["best"]:
-            label = f"K1 {row['implementation']} ctx {row['context']}"
+    for name in ("k1", "k1_fp8"):
+        r = _load(folder, name)
+        for row in [row for row in r["rows"] if row["default_launch"]] + r["best"] if r else ():
+            label = f"K1{_variant(name)} {row['implementation']} ctx {row['context']}"
             launch = "default launch" if row in r["rows"] and row["default_launch"] else "best launch"
             table.append((label, f"GB/s (of copy; vs SDPA), {launch}", _k1(row)))
     r = _load(folder, "moe")

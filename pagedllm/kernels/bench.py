@@ -60,6 +60,12 @@ class DecodeShape:
     dtype: torch.dtype
     # Each query sees its context's last sliding_window tokens (None: all of them).
     sliding_window: int | None = None
+    # The cache's element type (None: ``dtype``); torch.float8_e4m3fn is kv_cache_dtype="fp8".
+    kv_dtype: torch.dtype | None = None
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.dtype if self.kv_dtype is None else self.kv_dtype
 
     @property
     def attended_lens(self) -> tuple[int, ...]:
@@ -74,7 +80,7 @@ class DecodeShape:
         partial block per sequence)."""
         kv_elements = 2 * sum(self.attended_lens) * self.num_kv_heads * self.head_size
         query_out_elements = 2 * len(self.seq_lens) * self.num_heads * self.head_size
-        return (kv_elements + query_out_elements) * (torch.finfo(self.dtype).bits // 8)
+        return kv_elements * self.cache_dtype.itemsize + query_out_elements * self.dtype.itemsize
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,7 @@ class DecodeImpl:
     default_launch: Callable[[DecodeShape], dict[str, int]]  # what the engine launches
     sweep_space: Mapping[str, tuple[int, ...]]  # --sweep tries every combination; {}: nothing to tune
     supports_sliding_window: bool = False  # takes sliding_window= (DecodeShape.sliding_window)
+    supports_fp8_cache: bool = False  # reads float8_e4m3fn caches with k_scale=/v_scale=
     package: str | None = None  # a peer's package, timed only where it is installed
 
     @property
@@ -223,6 +230,7 @@ DECODE_IMPLS: dict[str, DecodeImpl] = {
             "num_stages": (2, 3),
         },
         supports_sliding_window=True,
+        supports_fp8_cache=True,
     ),
     # vLLM's original kernels: their thread-group layout is fixed by the block size; nothing to sweep.
     "cuda-v1": DecodeImpl(_load_cuda_v1, _cuda_layout, _no_launch_parameters, {}),
@@ -242,7 +250,8 @@ DECODE_IMPLS: dict[str, DecodeImpl] = {
 @dataclass
 class DecodeInputs:
     """A random decode batch on a device, its cache in the Triton layout. Each sequence's blocks
-    come from one random permutation of the cache, as a long-running cache ends up."""
+    come from one random permutation of the cache, as a long-running cache ends up. An FP8 cache
+    holds the random values rounded to float8_e4m3fn with unit scales (``k_scale``/``v_scale``)."""
 
     shape: DecodeShape
     query: torch.Tensor  # [num_seqs, num_heads, head_size]
@@ -250,6 +259,8 @@ class DecodeInputs:
     value_cache: torch.Tensor
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with block 0
     seq_lens: torch.Tensor  # [num_seqs] int32
+    k_scale: torch.Tensor | None = None  # [] float32, with an FP8 cache
+    v_scale: torch.Tensor | None = None
 
     @classmethod
     def random(cls, shape: DecodeShape, device: torch.device, seed: int) -> DecodeInputs:
@@ -268,7 +279,21 @@ class DecodeInputs:
             num_seqs, shape.num_heads, shape.head_size, generator=gen, device=device, dtype=shape.dtype
         )
         seq_lens = torch.tensor(shape.seq_lens, dtype=torch.int32, device=device)
-        return cls(shape, query, key_cache, value_cache, block_tables, seq_lens)
+        if shape.cache_dtype == shape.dtype:
+            return cls(shape, query, key_cache, value_cache, block_tables, seq_lens)
+        unit = torch.ones((), dtype=torch.float32, device=device)
+        key_cache, value_cache = (cache.to(shape.cache_dtype) for cache in (key_cache, value_cache))
+        return cls(shape, query, key_cache, value_cache, block_tables, seq_lens, unit, unit.clone())
+
+    def reference_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The caches as the reference reads them: an FP8 cache dequantized to the query's dtype."""
+        scales = (self.k_scale, self.v_scale)
+        if scales[0] is None:
+            return self.key_cache, self.value_cache
+        return tuple(  # type: ignore[return-value]
+            (cache.to(torch.float32) * scale).to(self.shape.dtype)
+            for cache, scale in zip((self.key_cache, self.value_cache), scales)
+        )
 
     @property
     def scale(self) -> float:
@@ -294,7 +319,7 @@ class ContiguousSdpa:
         self.ragged = len(set(attended)) > 1
         keys, values = (
             _packed_context(cache, inputs.block_tables, shape.seq_lens, attended)
-            for cache in (inputs.key_cache, inputs.value_cache)
+            for cache in inputs.reference_caches()
         )
         if self.ragged:
             token_major = query.transpose(1, 2).reshape(-1, shape.num_kv_heads, shape.head_size)
@@ -378,6 +403,10 @@ def bench_decode(
         unsupported = [name for name in runs if not DECODE_IMPLS[name].supports_sliding_window]
         if unsupported:
             raise ValueError(f"sliding_window: implementations {unsupported} take no window")
+    if shape.cache_dtype != shape.dtype:
+        unsupported = [name for name in runs if not DECODE_IMPLS[name].supports_fp8_cache]
+        if unsupported:
+            raise ValueError(f"kv_cache_dtype: implementations {unsupported} read no FP8 cache")
     inputs = DecodeInputs.random(shape, torch.device("cuda"), seed)
     sdpa = ContiguousSdpa(inputs)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
@@ -425,7 +454,9 @@ def _time_launch(
     out = torch.full_like(inputs.query, float("nan"))
     max_seq_len = max(inputs.shape.seq_lens)
     window = inputs.shape.sliding_window
-    variants = {} if window is None else {"sliding_window": window}
+    variants: dict[str, Any] = {} if window is None else {"sliding_window": window}
+    if inputs.k_scale is not None:
+        variants.update(k_scale=inputs.k_scale, v_scale=inputs.v_scale)
 
     def call() -> None:
         fn(

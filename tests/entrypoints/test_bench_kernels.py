@@ -20,7 +20,7 @@ from pagedllm.entrypoints.bench.kernels import (
     main,
     write_plot,
 )
-from pagedllm.kernels.bench import DECODE_IMPLS, ContiguousSdpa, DecodeInputs, DecodeShape
+from pagedllm.kernels.bench import DECODE_IMPLS, ContiguousSdpa, DecodeInputs, DecodeShape, bench_decode
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -97,6 +97,19 @@ def test_windowed_bytes_count_only_the_window() -> None:
     assert shape.bytes_moved == (2 * 1124 * 8 * 128 + 2 * 2 * 32 * 128) * 2
 
 
+def test_fp8_cache_bytes_count_one_byte_a_kv_element() -> None:
+    shape = DecodeShape((4096, 100), 32, 8, 128, 16, torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
+    assert shape.bytes_moved == 2 * 4196 * 8 * 128 * 1 + 2 * 2 * 32 * 128 * 2
+
+
+def test_an_fp8_cache_is_timed_only_where_a_kernel_reads_it() -> None:
+    shape = DecodeShape((40,), 8, 2, 32, 16, torch.bfloat16, kv_dtype=torch.float8_e4m3fn)
+    assert DECODE_IMPLS["triton"].supports_fp8_cache
+    with pytest.raises(ValueError, match=r"kv_cache_dtype.*cuda-v1"):
+        bench_decode(shape, {"cuda-v1": [{}]})
+    assert _parse("--kv-cache-dtype", "fp8").kv_cache_dtype == "fp8"
+
+
 def _naive_decode(inputs: DecodeInputs) -> torch.Tensor:
     """Each query head's softmax attention over its sequence's tokens (its last sliding_window
     ones with a window), gathered slot by slot."""
@@ -109,7 +122,9 @@ def _naive_decode(inputs: DecodeInputs) -> torch.Tensor:
         blocks = inputs.block_tables[i, positions // shape.block_size].long()
         # [seq_len, num_kv_heads, head_size] -> one KV head per query head.
         keys, values = (
-            cache[blocks, :, positions % shape.block_size].repeat_interleave(group, dim=1)
+            cache[blocks, :, positions % shape.block_size]
+            .to(inputs.query.dtype)
+            .repeat_interleave(group, dim=1)
             for cache in (inputs.key_cache, inputs.value_cache)
         )
         scores = torch.einsum("hd,thd->ht", inputs.query[i], keys) * inputs.scale
@@ -141,6 +156,16 @@ def test_contiguous_sdpa_computes_the_paged_attention(seq_lens: tuple[int, ...],
     inputs = DecodeInputs.random(shape, torch.device("cpu"), seed=0)
     sdpa = ContiguousSdpa(inputs)
     assert sdpa.ragged == (len(set(shape.attended_lens)) > 1)
+    torch.testing.assert_close(sdpa.heads(sdpa()), _naive_decode(inputs), atol=1e-5, rtol=1e-5)
+
+
+def test_the_bar_over_an_fp8_cache_attends_to_its_dequantized_values() -> None:
+    """An FP8 cache holds the random values rounded to float8_e4m3fn (unit scales): the SDPA bar
+    reads them dequantized, the same attention the naive loop computes from the FP8 bytes."""
+    shape = DecodeShape((1, 37, 70), 8, 2, 32, 16, torch.float32, kv_dtype=torch.float8_e4m3fn)
+    inputs = DecodeInputs.random(shape, torch.device("cpu"), seed=0)
+    assert inputs.key_cache.dtype == torch.float8_e4m3fn and float(inputs.k_scale) == 1.0
+    sdpa = ContiguousSdpa(inputs)
     torch.testing.assert_close(sdpa.heads(sdpa()), _naive_decode(inputs), atol=1e-5, rtol=1e-5)
 
 

@@ -85,6 +85,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     parser.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8", "fp8_e4m3"],
+        default="auto",
+        help="auto: the cache in --dtype; fp8/fp8_e4m3: float8_e4m3fn with unit scales (the Triton "
+        "kernel only; bandwidth counts the cache's bytes at one byte an element)",
+    )
+    parser.add_argument(
         "--implementations",
         nargs="+",
         choices=list(DECODE_IMPLS),
@@ -113,6 +120,15 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
     from pagedllm.kernels.bench import bench_decode
 
+    kv_dtype = None if args.kv_cache_dtype == "auto" else torch.float8_e4m3fn
+    implementations = [
+        n for n in args.implementations if kv_dtype is None or DECODE_IMPLS[n].supports_fp8_cache
+    ]
+    if len(implementations) < len(args.implementations):
+        skipped = sorted(set(args.implementations) - set(implementations))
+        print(
+            f"--kv-cache-dtype {args.kv_cache_dtype}: {skipped} read no FP8 cache, not timed", file=sys.stderr
+        )
     rows = []
     for context in args.contexts:
         shape = DecodeShape(
@@ -122,8 +138,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             args.head_size,
             args.block_size,
             DTYPES[args.dtype],
+            kv_dtype=kv_dtype,
         )
-        runs = {name: DECODE_IMPLS[name].launches(shape, args.sweep) for name in args.implementations}
+        runs = {name: DECODE_IMPLS[name].launches(shape, args.sweep) for name in implementations}
         print(f"context {context.label}: {sum(map(len, runs.values()))} runs", file=sys.stderr, flush=True)
         for result in bench_decode(shape, runs, args.seed):
             rows.append(_row(context, result, is_default=result.launch == runs[result.implementation][0]))
@@ -193,6 +210,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "head_size",
         "block_size",
         "dtype",
+        "kv_cache_dtype",
         "sweep",
         "seed",
         "sliding_window",
