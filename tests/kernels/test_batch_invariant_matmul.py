@@ -8,7 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.kernels.triton.batch_invariant_matmul import batch_invariant_matmul, num_k_splits
+from pagedllm.kernels.triton.batch_invariant_matmul import (
+    arrival_counters,
+    batch_invariant_matmul,
+    num_k_splits,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's interpreter does bfloat16 arithmetic on the raw bit patterns (tests/kernels/
@@ -57,6 +61,17 @@ def test_matches_torch_matmul(dtype: torch.dtype, tolerance: float, num_splits: 
         expected = reference if with_bias else reference - bias.double()
         assert out.dtype == dtype
         torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_split_in_grid_leaves_every_arrival_counter_at_zero() -> None:
+    """The last program of a tile to arrive resets its counter: the next call (or a CUDA graph's
+    replay of this one) starts from zero, and its sums are the same."""
+    x, weight, bias = _inputs(torch.float32, rows=70)  # 2 x 2 tiles
+    first = batch_invariant_matmul(x, weight, bias, 5, split_in_grid=True)
+    counters = arrival_counters(x.device, 4)
+    assert counters.numel() >= 4 and not counters.any()
+    assert torch.equal(batch_invariant_matmul(x, weight, bias, 5, split_in_grid=True), first)
+    assert not counters.any()
 
 
 def test_split_count_depends_on_the_layer_and_the_gpu_only() -> None:

@@ -20,16 +20,21 @@ Two schedules compute those same sums; the host picks by M, which changes only w
 
 * ``SPLIT_IN_GRID`` (few rows and tiles, partials smaller than the weight): grid
   ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), num_splits)``; program ``(m, n, s)`` writes
-  ``partial[s]`` of its tile to a float32 buffer ``[num_splits, M, N]``, and ``_reduce_kernel``
-  (grid ``cdiv(M * N, BLOCK)``) adds the partials in order, adds the bias and casts.
+  ``partial[s]`` of its tile to a float32 buffer ``[num_splits, M, N]``, then counts itself in
+  on the tile's arrival counter; the program that arrives last (whichever split it is) adds the
+  tile's partials in split order, adds the bias, casts and stores, and sets the counter back to 0
+  for the next call (a CUDA graph replays it too). The order of the sum is fixed; only who does
+  it varies. One launch per layer: a separate reduce kernel cost a launch per projection, about
+  10% of a batch-1 decode step of an 8B model (224 launches a step).
 * in program (many rows: the tiles fill the GPU already, and the partials would cost
   ``8 * num_splits * M * N`` bytes of traffic): grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), 1)``;
   each program runs the splits one after the other, each into a fresh accumulator, and adds them
-  in the same order as ``_reduce_kernel``.
+  in the same order.
 
 Layouts: x ``[M, K]`` (any row stride, unit column stride); weight ``[N, K]`` row-major (nn.Linear's);
-bias ``[N]``; out ``[M, N]`` contiguous, x's dtype. Bound: memory at decode (``2 N K`` bytes of bf16
-weights, plus ``8 num_splits M N`` of partials), compute at prefill (``2 M N K`` FLOPs).
+bias ``[N]``; out ``[M, N]`` contiguous, x's dtype; the arrival counters ``[num_sms]`` int32, zero
+between calls (a split-in-grid launch has fewer tiles than SMs). Bound: memory at decode (``2 N K``
+bytes of bf16 weights, plus ``8 num_splits M N`` of partials), compute at prefill (``2 M N K`` FLOPs).
 """
 
 from __future__ import annotations
@@ -102,8 +107,10 @@ def _split_range(
 def _matmul_kernel(
     x_ptr,
     w_ptr,
-    bias_ptr,  # [N], read when HAS_BIAS and not SPLIT_IN_GRID
-    out_ptr,  # [M, N] x's dtype, or the partials [num_splits, M, N] float32 when SPLIT_IN_GRID
+    bias_ptr,  # [N], read when HAS_BIAS
+    out_ptr,  # [M, N] x's dtype
+    partials_ptr,  # [num_splits, M, N] float32, when SPLIT_IN_GRID
+    counters_ptr,  # [>= tiles] int32 arrival counters, zero between calls, when SPLIT_IN_GRID
     M,
     N,
     K,
@@ -113,7 +120,8 @@ def _matmul_kernel(
     stride_xk,
     stride_wn,
     stride_wk,
-    stride_os,  # partials only
+    stride_ps,  # partials only: split and row strides
+    stride_pm,
     stride_om,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -150,8 +158,24 @@ def _matmul_kernel(
             BLOCK_K,
             PRECISION,
         )
-        out_ptrs = out_ptr + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+        mask = mask_m[:, None] & mask_n[None, :]
+        partial_ptrs = partials_ptr + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
+        tl.store(partial_ptrs + split * stride_ps, acc, mask=mask)
+        # Every thread's stores before the release (acq_rel) of the count: the last to arrive
+        # acquires them all.
+        tl.debug_barrier()
+        tile = pid_m * tl.num_programs(1) + pid_n
+        arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel")
+        if arrived == num_splits - 1:
+            # .cg: from L2, where the other SMs' partials are, never a stale L1 line.
+            acc = tl.load(partial_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            for other in range(1, num_splits):
+                acc += tl.load(partial_ptrs + other * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(counters_ptr + tile, 0)
     else:
         # The first split starts the sum (not 0 + partial[0], which would turn -0.0 into +0.0).
         acc = _split_range(
@@ -194,27 +218,26 @@ def _matmul_kernel(
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit(do_not_specialize=["M"])
-def _reduce_kernel(
-    partials_ptr, bias_ptr, out_ptr, MN, N, num_splits, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr
-):
-    """out = ((partial[0] + partial[1]) + ...) + bias, cast: the in-program schedule's order."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    acc = tl.load(partials_ptr + offs, mask=mask, other=0.0)
-    for split in range(1, num_splits):
-        acc += tl.load(partials_ptr + split * MN + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-_REDUCE_BLOCK = 1024
-
-
 @functools.cache
 def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
+    """The split-in-grid launches' tile counters on ``device``, at least ``num_tiles`` of them:
+    zeroed once and left at zero by every launch. The engine's launches have fewer tiles than SMs,
+    so the first (made by the profile run, before any CUDA graph is captured) is the last made."""
+    counters = _counters.get(device)
+    if counters is None or counters.numel() < num_tiles:
+        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        assert not capturing, "arrival counters made during a CUDA graph capture"
+        counters = _counters[device] = torch.zeros(
+            max(num_tiles, num_sms(device)), dtype=torch.int32, device=device
+        )
+    return counters
 
 
 def batch_invariant_matmul(
@@ -245,13 +268,16 @@ def batch_invariant_matmul(
     if split_in_grid is None:
         split_in_grid = num_tiles < num_sms(x.device) and 4 * num_splits * m <= 2 * k
     split_in_grid = split_in_grid and num_splits > 1
-    target = torch.empty((num_splits, m, n), dtype=torch.float32, device=x.device) if split_in_grid else out
+    partials = torch.empty((num_splits, m, n), dtype=torch.float32, device=x.device) if split_in_grid else out
+    counters = arrival_counters(x.device, num_tiles) if split_in_grid else out
     grid = (triton.cdiv(m, tiles.block_m), triton.cdiv(n, tiles.block_n), num_splits if split_in_grid else 1)
     _matmul_kernel[grid](
         x,
         weight,
         bias if bias is not None else x,  # a pointer never read without a bias
-        target,
+        out,
+        partials,
+        counters,
         m,
         n,
         k,
@@ -259,8 +285,9 @@ def batch_invariant_matmul(
         num_splits,
         *x.stride(),
         *weight.stride(),
-        target.stride(0) if split_in_grid else 0,
-        target.stride(-2),
+        partials.stride(0) if split_in_grid else 0,
+        partials.stride(1) if split_in_grid else 0,
+        out.stride(0),
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
@@ -270,15 +297,4 @@ def batch_invariant_matmul(
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
     )
-    if split_in_grid:
-        _reduce_kernel[(triton.cdiv(m * n, _REDUCE_BLOCK),)](
-            target,
-            bias if bias is not None else target,
-            out,
-            m * n,
-            n,
-            num_splits,
-            BLOCK=_REDUCE_BLOCK,
-            HAS_BIAS=bias is not None,
-        )
     return out
