@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from pagedllm import LLM
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_proc import AbortRequests, AddRequest, CoreOutputs, EngineDead, FinishSequences
 from pagedllm.engine.dp_client import (
@@ -224,6 +225,9 @@ def test_bad_data_parallel_size_is_refused_naming_it(size):
 def test_one_engine_refuses_data_parallelism_pointing_to_serve():
     with pytest.raises(ValueError, match="pagedllm serve --data-parallel-size"):
         EngineArgs(data_parallel_size=2, device="cpu").create_engine_config()
+    # The offline LLM refuses it before looking for the model.
+    with pytest.raises(ValueError, match="data_parallel_size=2: one engine"):
+        LLM("/no/such/model", data_parallel_size=2)
 
 
 def test_more_devices_than_visible_are_refused_naming_the_sizes(monkeypatch):
