@@ -89,6 +89,23 @@ def test_a_batch_gets_one_engines_greedy_tokens_from_both_replicas(server, tiny_
     assert per_engine(server, "pagedllm:num_free_gpu_blocks") == blocks
 
 
+def test_each_conversation_returns_to_the_replica_that_caches_it(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    # Two conversations of four full 16-token blocks each, started together: one per replica.
+    turns1 = [[(7 * c + i) % 150 + 1 for i in range(64)] for c in range(2)]
+    client.completions.create(model=model, prompt=turns1, max_tokens=4, temperature=0)
+    server.wait_until_idle()
+    assert all(rate == 0 for rate in per_engine(server, "pagedllm:prefix_cache_hit_rate").values())
+    # Each second turn (its first turn, then more) comes alone to an idle server: by load alone
+    # both would go to replica 0; by prefix each goes where its first turn's blocks are cached.
+    for turn1 in turns1:
+        client.completions.create(model=model, prompt=[*turn1, *range(1, 17)], max_tokens=4, temperature=0)
+    server.wait_until_idle()
+    hit_rates = per_engine(server, "pagedllm:prefix_cache_hit_rate")
+    assert set(hit_rates) == {"0", "1"} and all(rate > 0 for rate in hit_rates.values()), hit_rates
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the engine processes through /proc")
 def test_a_dead_replica_fails_requests_and_the_server_exits(server):
     pids = engine_pids(server.process.pid)
