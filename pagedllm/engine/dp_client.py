@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import time
 from collections import defaultdict
@@ -53,6 +54,8 @@ from pagedllm.engine.core_proc import (
 from pagedllm.engine.dp_router import DataParallelRouter
 from pagedllm.engine.stats import EngineStats, sum_engine_stats
 from pagedllm.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class EngineCoreClient(Protocol):
@@ -117,15 +120,13 @@ def visible_cuda_devices() -> list[str]:
 
 
 def replica_engine_args(engine_args: EngineArgs, rank: int, on_cuda: bool) -> EngineArgs:
-    """Replica ``rank``'s own arguments: one engine, its seed offset (replicas sampling the same
-    seedless request alike would be no help), CPU threads split between the replicas."""
+    """Replica ``rank``'s own arguments: one engine, CPU threads split between the replicas. The
+    seed stays: the replicas are one model (``--load-format dummy`` draws its weights from it)."""
     dp, tp = engine_args.data_parallel_size, engine_args.tensor_parallel_size
     threads = engine_args.threads
     if threads is None and not on_cuda:
         threads = max(1, physical_cpu_cores() // (dp * tp))
-    return dataclasses.replace(
-        engine_args, data_parallel_size=1, threads=threads, seed=engine_args.seed + rank
-    )
+    return dataclasses.replace(engine_args, data_parallel_size=1, threads=threads)
 
 
 def replica_env(rank: int, tensor_parallel_size: int, devices: list[str]) -> dict[str, str]:
@@ -169,6 +170,12 @@ def start_data_parallel_core(engine_args: EngineArgs, make_core: CoreFactory) ->
         for core in cores:
             core.close(0.0)
         raise
+    logger.info(
+        "%d data-parallel engine replicas ready, each on %d %s",
+        len(cores),
+        engine_args.tensor_parallel_size,
+        "GPU(s)" if devices else "CPU rank(s)",
+    )
     return DataParallelCore(cores)
 
 

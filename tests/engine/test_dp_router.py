@@ -3,6 +3,7 @@ DataParallelCore's routing of ops, against fake replicas: no model, no process."
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -255,5 +256,19 @@ def test_cpu_replicas_split_the_cores(monkeypatch):
     monkeypatch.setattr("pagedllm.engine.dp_client.physical_cpu_cores", lambda: 16)
     args = EngineArgs(data_parallel_size=2, tensor_parallel_size=2, device="cpu", seed=3)
     replica = replica_engine_args(args, 1, on_cuda=False)
-    assert (replica.data_parallel_size, replica.threads, replica.seed) == (1, 4, 4)
+    assert (replica.data_parallel_size, replica.threads, replica.seed) == (1, 4, 3)
     assert replica_engine_args(EngineArgs(data_parallel_size=2, threads=3), 0, on_cuda=False).threads == 3
+
+
+def test_replica_stats_sum_as_one_engines():
+    from pagedllm.core.spec_decode import SpecDecodingStats
+    from pagedllm.engine.stats import sum_engine_stats
+
+    a = dataclasses.replace(stats(num_running=1), spec_decoding=SpecDecodingStats(1, 4, 2, [1, 1]))
+    b = dataclasses.replace(stats(num_running=2), prefix_cache_hit_rate=0.25)
+    b.spec_decoding = SpecDecodingStats(2, 6, 3, [2, 1, 0])
+    total = sum_engine_stats([a, b])
+    assert (total.num_running, total.num_gpu_blocks, total.num_prefill_tokens) == (3, 20, 10)
+    assert total.prefix_cache_hit_rate == pytest.approx(0.375)
+    assert total.spec_decoding == SpecDecodingStats(3, 10, 5, [3, 2, 0])
+    assert sum_engine_stats([stats(), stats()]).spec_decoding is None
