@@ -119,8 +119,8 @@ def visible_cuda_devices() -> list[str]:
     return [name.strip() for name in names.split(",") if name.strip()][:count]
 
 
-def replica_engine_args(engine_args: EngineArgs, rank: int, on_cuda: bool) -> EngineArgs:
-    """Replica ``rank``'s own arguments: one engine, CPU threads split between the replicas. The
+def replica_engine_args(engine_args: EngineArgs, on_cuda: bool) -> EngineArgs:
+    """A replica's own arguments: one engine, CPU threads split between the replicas. The
     seed stays: the replicas are one model (``--load-format dummy`` draws its weights from it)."""
     dp, tp = engine_args.data_parallel_size, engine_args.tensor_parallel_size
     threads = engine_args.threads
@@ -161,7 +161,7 @@ def start_data_parallel_core(engine_args: EngineArgs, make_core: CoreFactory) ->
     cores: list[EngineCoreClient] = []
     try:
         for rank in range(engine_args.data_parallel_size):
-            args = replica_engine_args(engine_args, rank, on_cuda=bool(devices))
+            args = replica_engine_args(engine_args, on_cuda=bool(devices))
             env = replica_env(rank, engine_args.tensor_parallel_size, devices)
             cores.append(make_core(args, env, f"pagedllm-engine-dp{rank}"))
         for core in cores:

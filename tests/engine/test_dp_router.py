@@ -255,9 +255,9 @@ def test_each_replica_sees_its_slice_of_the_visible_devices():
 def test_cpu_replicas_split_the_cores(monkeypatch):
     monkeypatch.setattr("pagedllm.engine.dp_client.physical_cpu_cores", lambda: 16)
     args = EngineArgs(data_parallel_size=2, tensor_parallel_size=2, device="cpu", seed=3)
-    replica = replica_engine_args(args, 1, on_cuda=False)
+    replica = replica_engine_args(args, on_cuda=False)
     assert (replica.data_parallel_size, replica.threads, replica.seed) == (1, 4, 3)
-    assert replica_engine_args(EngineArgs(data_parallel_size=2, threads=3), 0, on_cuda=False).threads == 3
+    assert replica_engine_args(EngineArgs(data_parallel_size=2, threads=3), on_cuda=False).threads == 3
 
 
 def test_replica_stats_sum_as_one_engines():
