@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -104,6 +106,21 @@ def test_each_conversation_returns_to_the_replica_that_caches_it(server):
     server.wait_until_idle()
     hit_rates = per_engine(server, "pagedllm:prefix_cache_hit_rate")
     assert set(hit_rates) == {"0", "1"} and all(rate > 0 for rate in hit_rates.values()), hit_rates
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--data-parallel-size", "0"], "data_parallel_size must be an int >= 1, got 0"),
+        (["--data-parallel-size", "2", "--no-engine-process"], "data_parallel_size=2: one engine"),
+    ],
+)
+def test_bad_sizes_are_refused_before_any_engine_starts(tiny_server_args, flags, message):
+    command = [sys.executable, "-m", "pagedllm", "serve", *tiny_server_args, *flags, "--port", "0"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert f"pagedllm serve: {message}" in result.stderr
+    assert "ready" not in result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="finds the engine processes through /proc")
