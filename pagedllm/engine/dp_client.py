@@ -202,10 +202,6 @@ class DataParallelCore:
         )
         self._last_heard = [time.monotonic()] * len(cores)
 
-    @property
-    def num_engines(self) -> int:
-        return len(self.cores)
-
     def start(self, deliver: Callable[[CoreMessage], None]) -> None:
         self._last_heard = [time.monotonic()] * len(self.cores)
         for engine, core in enumerate(self.cores):
