@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -90,36 +90,51 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
+# Read from each engine core's stats, one sample per core labelled ``engine`` (its data-parallel
+# rank, as vLLM labels them): name -> (help, value).
+_ENGINE_GAUGES: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
+    "num_requests_running": ("Requests running on the device", lambda s: s.num_running),
+    "num_requests_waiting": ("Requests waiting to be scheduled", lambda s: s.num_waiting),
+    "num_requests_swapped": ("Requests swapped out to the CPU", lambda s: s.num_swapped),
+    "gpu_cache_usage_perc": ("Fraction of device KV cache blocks in use", lambda s: s.gpu_cache_usage),
+    "num_gpu_blocks": ("Device KV cache blocks", lambda s: s.num_gpu_blocks),
+    "num_free_gpu_blocks": ("Free device KV cache blocks", lambda s: s.num_free_gpu_blocks),
+    "num_cpu_blocks": ("CPU swap space blocks", lambda s: s.num_cpu_blocks),
+    "num_free_cpu_blocks": ("Free CPU swap space blocks", lambda s: s.num_free_cpu_blocks),
+    "prefix_cache_hit_rate": (
+        "Fraction of prompt tokens found in the prefix cache",
+        lambda s: s.prefix_cache_hit_rate,
+    ),
+}
+_ENGINE_COUNTERS: dict[str, tuple[str, Callable[[EngineStats], float]]] = {
+    "prompt_tokens": ("Prefill tokens computed", lambda s: s.num_prefill_tokens),
+    "generation_tokens": ("Tokens generated", lambda s: s.num_generation_tokens),
+    "num_preemptions": (
+        "Requests preempted (recompute or swap)",
+        lambda s: s.num_preemptions_recompute + s.num_preemptions_swap,
+    ),
+}
+
+
 class EngineCollector(Collector):
-    """Gauges and counters read from the engine's latest stats snapshot at scrape time."""
+    """Gauges and counters read from the engine's latest stats snapshot at scrape time: each
+    engine core's (``engine`` label; with data parallelism, sum or average over it in PromQL),
+    and the frontend's request counters."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        stats = self.engine.stats
-        gauges = {
-            "num_requests_running": ("Requests running on the device", stats.num_running),
-            "num_requests_waiting": ("Requests waiting to be scheduled", stats.num_waiting),
-            "num_requests_swapped": ("Requests swapped out to the CPU", stats.num_swapped),
-            "gpu_cache_usage_perc": ("Fraction of device KV cache blocks in use", stats.gpu_cache_usage),
-            "num_gpu_blocks": ("Device KV cache blocks", stats.num_gpu_blocks),
-            "num_free_gpu_blocks": ("Free device KV cache blocks", stats.num_free_gpu_blocks),
-            "num_cpu_blocks": ("CPU swap space blocks", stats.num_cpu_blocks),
-            "num_free_cpu_blocks": ("Free CPU swap space blocks", stats.num_free_cpu_blocks),
-            "prefix_cache_hit_rate": (
-                "Fraction of prompt tokens found in the prefix cache",
-                getattr(stats, "prefix_cache_hit_rate", 0.0),
-            ),
-        }
+        engine_stats = list(enumerate(self.engine.engine_stats))
+        labels = ["model_name", "engine"]
+        for kind, metrics in ((GaugeMetricFamily, _ENGINE_GAUGES), (CounterMetricFamily, _ENGINE_COUNTERS)):
+            for name, (documentation, value_of) in metrics.items():
+                family = kind(PREFIX + name, documentation, labels=labels)
+                for index, stats in engine_stats:
+                    family.add_metric([self.model_name, str(index)], value_of(stats))
+                yield family
         counters = {
-            "prompt_tokens": ("Prefill tokens computed", stats.num_prefill_tokens),
-            "generation_tokens": ("Tokens generated", stats.num_generation_tokens),
-            "num_preemptions": (
-                "Requests preempted (recompute or swap)",
-                stats.num_preemptions_recompute + stats.num_preemptions_swap,
-            ),
             "num_aborted_requests": (
                 "Requests aborted while running or queued",
                 self.engine.num_aborted_requests,
@@ -129,16 +144,13 @@ class EngineCollector(Collector):
                 self.engine.num_failed_requests,
             ),
         }
-        for name, (documentation, value) in gauges.items():
-            family = GaugeMetricFamily(PREFIX + name, documentation, labels=["model_name"])
-            family.add_metric([self.model_name], value)
-            yield family
         for name, (documentation, value) in counters.items():
             family = CounterMetricFamily(PREFIX + name, documentation, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
-        if stats.spec_decoding is not None:
-            yield from self._spec_decoding(stats.spec_decoding)
+        spec_decoding = self.engine.stats.spec_decoding
+        if spec_decoding is not None:
+            yield from self._spec_decoding(spec_decoding)
 
     def _spec_decoding(self, spec: SpecDecodingStats) -> Iterator[CounterMetricFamily]:
         """vLLM's speculative decoding counters; acceptance rate = accepted / draft tokens, mean

@@ -8,6 +8,7 @@
 #       sanitize so sampler
 #       tp (tp-tests, tp-bench)
 #       determinism
+#       dp
 #
 # Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too; k1-w1: the
 # sweep at W1's decode shape; k1-fp8: the Triton decode over an FP8 cache; k1-window:
@@ -28,7 +29,9 @@
 # (benchmarks/sampler.py: the fused last sampling pass against the torch path), determinism (issue
 # 35: the batch-invariant GPU and kernel tests, its GEMM against cuBLAS at W1's and W3's layer
 # shapes (benchmarks/batch_invariant_gemm.py), then W1 and W3 in the default mode and with
-# --batch-invariant; the table gives the ratios, targets W1 >= 0.9x and W3 <= 1.05x). Results go
+# --batch-invariant; the table gives the ratios, targets W1 >= 0.9x and W3 <= 1.05x), dp (two GPUs:
+# W4 at 64 req/s against pagedllm serve with one engine, then with --data-parallel-size 2; the table
+# gives DP=2's p99 TTFT over DP=1's, target <= 0.6x). Results go
 # to $OUT (the device tool's output folder) or /tmp/gpu_check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -172,6 +175,10 @@ for stage in "${stages[@]}"; do
         run peers python3 benchmarks/peers/vllm_peer.py --vllm-site /tmp/vllm-site \
             --workloads ${PEER_WORKLOADS:-W1 W3} --output-json "$OUT/vllm_peer.json" ;;
     w4-thread) W4_NAME=w4_thread run w4_thread scripts/serve_bench.sh "$OUT" --no-engine-process ;;
+    dp)  # W4 at 64 req/s (DP_RATES), one engine against two replicas on two GPUs, in one call
+        RATES=${DP_RATES:-64} W4_NAME=w4_dp1 run w4_dp1 scripts/serve_bench.sh "$OUT"
+        RATES=${DP_RATES:-64} W4_NAME=w4_dp2 run w4_dp2 scripts/serve_bench.sh "$OUT" --data-parallel-size 2
+        ;;
     tp)
         tp_tests
         tp_bench

@@ -50,6 +50,7 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
                     table.append((f"W3 {mode}{_variant(name)}", "profiled device / wall ms per token", cell))
     table += _tensor_parallel_rows(folder)
     table += _determinism_rows(folder)
+    table += _data_parallel_rows(folder)
     r = _load(folder, "hf")
     if r:
         for mode in ("hf_static", "hf_generate_batch", "pagedllm"):
@@ -93,7 +94,12 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
             for how, run in runs.items() if isinstance(runs, dict) else ():
                 cell = f"{run['fused_us']:.1f} / {run['torch_us']:.1f} ({run['speedup']:.2f}x)"
                 table.append((f"sampler {name}", f"fused / torch us, {how}", cell))
-    for name, label in (("w4", "W4"), ("w4_thread", "W4 engine thread")):
+    for name, label in (
+        ("w4", "W4"),
+        ("w4_thread", "W4 engine thread"),
+        ("w4_dp1", "W4 DP=1"),
+        ("w4_dp2", "W4 DP=2"),
+    ):
         r = _load(folder, name)
         for summary in r.get("results", []) if r else ():
             table.append(
@@ -135,6 +141,22 @@ def _tensor_parallel_rows(folder: str) -> list[tuple[str, str, str]]:
                 f"({row['nccl_us'] / row['one_shot_us']:.2f}x)",
             )
         )
+    return table
+
+
+def _data_parallel_rows(folder: str) -> list[tuple[str, str, str]]:
+    """W4's p99 TTFT with --data-parallel-size 2 over 1, rate by rate (target at 64 req/s: <= 0.6x)."""
+    runs = {size: _load(folder, f"w4_dp{size}") for size in (1, 2)}
+    if not (runs[1] and runs[2]):
+        return []
+    by_rate = {s["request_rate"]: s for s in runs[1]["results"]}
+    table = []
+    for summary in runs[2]["results"]:
+        one = by_rate.get(summary["request_rate"])
+        if one:
+            ratio = summary["ttft_ms"]["p99"] / one["ttft_ms"]["p99"]
+            label = f"W4 DP=2 / DP=1 {summary['request_rate']} req/s"
+            table.append((label, "p99 TTFT (target <= 0.6x at 64 req/s)", f"{ratio:.2f}x"))
     return table
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -106,6 +106,13 @@ class RequestMetrics:
         if self.first_scheduled_time is None:
             return None
         return self.first_scheduled_time - self.arrival_time
+
+
+def hash_block_tokens(prev: int | tuple | None, tokens: Sequence[int]) -> int:
+    """The prefix-cache key of one full block: its tokens chained with the key of the block before
+    it (``prev``; for the first block, the adapter's cache salt or None), so equal keys mean equal
+    prefixes. The data-parallel router keys its prefix affinity with it too."""
+    return hash((prev, tuple(tokens)))
 
 
 def num_candidates(beam_width: int, num_eos_token_ids: int) -> int:
@@ -279,8 +286,8 @@ class Request:
         first = None if lora_request is None else lora_request.cache_salt
         for index in range(len(hashes), self.num_tokens // block_size):
             prev = hashes[-1] if hashes else first
-            tokens = tuple(self.get_token_ids_slice(index * block_size, (index + 1) * block_size))
-            hashes.append(hash((prev, tokens)))
+            tokens = self.get_token_ids_slice(index * block_size, (index + 1) * block_size)
+            hashes.append(hash_block_tokens(prev, tokens))
         return hashes
 
     # --- progress ---------------------------------------------------------------------------

@@ -103,6 +103,14 @@ class EngineArgs:
     tensor_parallel_size: int = dataclasses.field(
         default=1, metadata={"help": "devices to shard the model over (Megatron-style, one rank per device)"}
     )
+    data_parallel_size: int = dataclasses.field(
+        default=1,
+        metadata={
+            "help": "engine replicas behind one server (pagedllm serve), each on tensor_parallel_size "
+            "devices of its own; requests go to the least loaded, a conversation where its prefix is "
+            "cached (docs/serving.md)"
+        },
+    )
     distributed_executor_backend: str | None = dataclasses.field(
         default=None,
         metadata={
@@ -208,6 +216,15 @@ class EngineArgs:
     )
 
     def create_engine_config(self) -> EngineConfig:
+        if self.data_parallel_size != 1:
+            # One config is one engine: the server builds a replica's config from
+            # dp_client.replica_engine_args, with data_parallel_size=1.
+            raise ValueError(
+                f"data_parallel_size={self.data_parallel_size!r}: one engine (LLM, LLMEngine, or serve "
+                "with --no-engine-process) runs data_parallel_size=1; `pagedllm serve "
+                "--data-parallel-size N` runs N replicas behind one server (offline, run one LLM per "
+                "process, each with its own CUDA_VISIBLE_DEVICES)"
+            )
         speculative_config = self._speculative_config()  # refused before anything is read
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")

@@ -65,6 +65,7 @@ from pagedllm.engine.core_proc import (
     StartupFailed,
     run_engine_core_process,
 )
+from pagedllm.engine.dp_client import DataParallelCore, environment, start_data_parallel_core
 from pagedllm.engine.llm_engine import LLMEngine, finish_refused, new_request_state
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.pooling_output import resolve_pooling_params
@@ -182,16 +183,26 @@ class AsyncLLMEngine:
 
         Raises what building the engine raised there (ValueError for bad arguments). The process
         is spawned, so a script that calls this needs the ``if __name__ == "__main__":`` guard
-        that any spawning program does.
+        that any spawning program does. With ``engine_args.data_parallel_size`` N > 1, N engine
+        processes serve behind this one frontend (dp_client.py).
         """
         self = cls.__new__(cls)
-        self._setup(_ProcessCore(engine_args), on_request_finished)
+        if engine_args.data_parallel_size == 1:
+            core = _ProcessCore(engine_args)
+            core.wait_ready()
+        else:
+            core = start_data_parallel_core(engine_args, _ProcessCore)
+        self._setup(core, on_request_finished)
         return self
 
     def _setup(
-        self, core: _ThreadCore | _ProcessCore, on_request_finished: Callable[[RequestOutput], None] | None
+        self,
+        core: _ThreadCore | _ProcessCore | DataParallelCore,
+        on_request_finished: Callable[[RequestOutput], None] | None,
     ) -> None:
         self._core = core
+        # Several engine replicas (data_parallel_size > 1), or None for one engine.
+        self.data_parallel = core if isinstance(core, DataParallelCore) else None
         self.on_request_finished = on_request_finished
         self.config: EngineConfig = core.config
         self.tokenizer: Tokenizer | None = core.tokenizer
@@ -200,6 +211,9 @@ class AsyncLLMEngine:
         self.structured_output_manager: StructuredOutputManager | None = (
             self.processor.structured_output_manager
         )
+        if self.data_parallel is not None:
+            # The router counts a replica's load from the requests live here.
+            self.data_parallel.router.track(self.output_processor.requests)
         self._loop: asyncio.AbstractEventLoop | None = None
         # Event loop side: the stream of each request not finished yet.
         self._streams: dict[str, RequestStream] = {}
@@ -244,7 +258,10 @@ class AsyncLLMEngine:
 
     @property
     def seconds_since_heard(self) -> float:
-        """Seconds since the engine last sent a step's outputs, an op's answer or a heartbeat."""
+        """Seconds since the engine last sent a step's outputs, an op's answer or a heartbeat (with
+        data parallelism: the replica heard from least recently)."""
+        if self.data_parallel is not None:
+            return self.data_parallel.seconds_since_heard()
         return time.monotonic() - self._last_heard
 
     @property
@@ -252,6 +269,11 @@ class AsyncLLMEngine:
         """Healthy, and heard from within ``heartbeat_timeout_s``. A stuck engine is not dead: it
         may go on (a SIGCONT), so this turns /health 503 without stopping anything."""
         return self.is_healthy and self.seconds_since_heard < self.heartbeat_timeout_s
+
+    @property
+    def engine_stats(self) -> list[EngineStats]:
+        """Each engine core's latest stats, by data-parallel rank (``stats`` is their sum)."""
+        return [self.stats] if self.data_parallel is None else list(self.data_parallel.engine_stats)
 
     def dead_reason(self) -> str:
         """Why the engine stopped serving ("" while it is healthy)."""
@@ -470,15 +492,20 @@ class _ProcessCore:
     processes itself, which a daemon may not.
     """
 
-    def __init__(self, engine_args: EngineArgs) -> None:
+    def __init__(
+        self, engine_args: EngineArgs, env: dict[str, str] | None = None, name: str = "pagedllm-engine"
+    ) -> None:
+        """Start the process (``env``: variables it starts with, e.g. CUDA_VISIBLE_DEVICES);
+        ``wait_ready`` waits for its model to load."""
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self.process = context.Process(
             target=run_engine_core_process,
             args=(engine_args, child_conn, configured_level()),
-            name="pagedllm-engine",
+            name=name,
         )
-        self.process.start()
+        with environment(env or {}):  # a spawned child starts with the parent's environment
+            self.process.start()
         child_conn.close()
         # Ops go down the pipe from a thread of their own: a stopped engine fills the pipe, and a
         # send on the event loop would then freeze every stream and /health with it.
@@ -486,6 +513,9 @@ class _ProcessCore:
         self._sender: threading.Thread | None = None
         self._closing = False
         self._reader: threading.Thread | None = None
+
+    def wait_ready(self) -> None:
+        """Wait for the engine's Ready; raise what building it raised there."""
         try:
             message = self._conn.recv()
         except EOFError:

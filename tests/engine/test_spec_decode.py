@@ -226,7 +226,8 @@ def test_acceptance_is_counted_per_request_and_engine_wide(tiny_llama, caplog):
         rate = o.metrics.spec_acceptance_rate
         assert rate is None or 0.0 <= rate <= 1.0
     # /metrics: vLLM's counter names, per position too.
-    engine = SimpleNamespace(stats=llm.llm_engine.get_stats(), num_aborted_requests=0, num_failed_requests=0)
+    stats = llm.llm_engine.get_stats()
+    engine = SimpleNamespace(stats=stats, engine_stats=[stats], num_aborted_requests=0, num_failed_requests=0)
     samples = {
         (s.name, s.labels.get("position")): s.value
         for family in EngineCollector(engine, "tiny").collect()
