@@ -4,6 +4,10 @@ sees: 1 (W3's decode), 64 and 256 (W1's decode batches), 2,048 (a prefill chunk)
 
     PYTHONPATH=. python benchmarks/batch_invariant_gemm.py [--sweep] [--output-json F]
 
+``--splits-sweep``: for the default tiles, every layer at every row count with each candidate K split
+count and each schedule (split in the grid or in the program), to choose ``num_k_splits``' rule and
+the schedule's (both may change: neither moves the numerics with M).
+
 ``--sweep``: the same for other candidate tile configurations (``SWEEP``), each summarised by the
 geometric mean of its speedups over cuBLAS: the kernel's one configuration (``TILES``) is a constant,
 since changing it changes the numerics, and this is how to choose it.
@@ -16,6 +20,7 @@ TFLOP/s ``2 M N K``. The ratio is cuBLAS's time over ours (above 1: ours is fast
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -101,6 +106,45 @@ def measure(n: int, k: int, m: int, device: torch.device, tiles: MatmulTiles = T
     }
 
 
+SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def splits_sweep(device: torch.device) -> list[dict]:
+    """Each layer x row count x split count x schedule; prints the best per (layer, rows)."""
+    rows = []
+    for (model, layer), (n, k) in LAYERS.items():
+        x_all = torch.randn(max(ROWS), k, device=device, dtype=torch.bfloat16)
+        weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
+        for m in ROWS:
+            x = x_all[:m]
+            cublas = _graph_us(functools.partial(F.linear, x, weight))
+            timed = []
+            for splits in (s for s in SPLITS if s <= k // TILES.block_k):
+                # In the grid only where its partials fit in a GiB.
+                in_grid_fits = splits > 1 and 4 * splits * m * n <= 2**30
+                for in_grid in (True, False) if in_grid_fits else (False,):
+                    call = functools.partial(
+                        batch_invariant_matmul, x, weight, None, splits, split_in_grid=in_grid
+                    )
+                    us = _graph_us(call)
+                    timed.append({"splits": splits, "in_grid": in_grid, "us": us})
+            rows.append(
+                {"model": model, "layer": layer, "n": n, "k": k, "m": m, "cublas_us": cublas, "runs": timed}
+            )
+            best = min(timed, key=lambda r: r["us"])
+            default = num_k_splits(n, k, num_sms(device))
+            print(
+                f"{model} {layer} M={m}: cuBLAS {cublas:.1f} us; best {best['us']:.1f} us at "
+                f"{best['splits']} "
+                f"splits {'in grid' if best['in_grid'] else 'in program'}; default {default} splits: "
+                + ", ".join(
+                    f"{r['us']:.1f}{'g' if r['in_grid'] else 'p'}" for r in timed if r["splits"] == default
+                ),
+                flush=True,
+            )
+    return rows
+
+
 def table(tiles: MatmulTiles, device: torch.device) -> list[dict]:
     """Every layer at every row count, printed as it goes."""
     header = ("M", "splits", "ours us", "cuBLAS us", "GB/s", "TFLOP/s", "x")
@@ -122,9 +166,17 @@ def table(tiles: MatmulTiles, device: torch.device) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also the candidate configurations in SWEEP")
+    parser.add_argument("--splits-sweep", action="store_true", help="split counts and schedules (SPLITS)")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
+    if args.splits_sweep:
+        rows = splits_sweep(device)
+        if args.output_json:
+            Path(args.output_json).write_text(
+                json.dumps({"device": torch.cuda.get_device_name(), "rows": rows})
+            )
+        return
     results = {}
     for tiles in [TILES] + ([t for t in SWEEP if t != TILES] if args.sweep else []):
         rows = table(tiles, device)

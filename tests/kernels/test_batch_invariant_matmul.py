@@ -76,14 +76,17 @@ def test_split_in_grid_leaves_every_arrival_counter_at_zero() -> None:
 
 def test_split_count_depends_on_the_layer_and_the_gpu_only() -> None:
     # Qwen3-0.6B on an H100 (132 SMs): qkv (4096 x 1024), o_proj (1024 x 2048), down (1024 x 3072), LM head.
-    assert num_k_splits(4096, 1024, 132) == 4  # 32 tiles want 9 splits; 1024 inputs allow 4
-    assert num_k_splits(1024, 2048, 132) == 8
-    assert num_k_splits(1024, 3072, 132) == 12
+    assert num_k_splits(4096, 1024, 132) == 1  # 32 tiles want 4 splits; 16 K tiles allow 1
+    assert num_k_splits(1024, 2048, 132) == 2  # 8 tiles want 16; 32 K tiles allow 2
+    assert num_k_splits(1024, 3072, 132) == 3
     assert num_k_splits(151936, 1024, 132) == 1
-    # Llama-3.1-8B: qkv (6144 x 4096), gate_up (28672 x 4096), down (4096 x 14336).
-    assert num_k_splits(6144, 4096, 132) == 6
-    assert num_k_splits(28672, 4096, 132) == 2
-    assert num_k_splits(4096, 14336, 132) == 9
+    # Llama-3.1-8B: qkv (6144 x 4096), o_proj (4096 x 4096), gate_up (28672 x 4096), down (4096 x 14336).
+    assert num_k_splits(6144, 4096, 132) == 3  # 48 tiles want 2.75 -> 3
+    assert num_k_splits(4096, 4096, 132) == 4
+    assert num_k_splits(28672, 4096, 132) == 1
+    assert num_k_splits(4096, 14336, 132) == 4
+    # The same layer on a GPU of 78 SMs.
+    assert num_k_splits(4096, 14336, 78) == 2
 
 
 def test_use_batch_invariant_gemms_routes_dense_layers_and_a_tied_head() -> None:

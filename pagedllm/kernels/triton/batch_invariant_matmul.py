@@ -60,19 +60,25 @@ class MatmulTiles:
 
 
 TILES = MatmulTiles()
-# The fewest K tiles per split: shorter ranges cost more in partials than they gain in programs.
-_MIN_TILES_PER_SPLIT = 4
+# The fewest K tiles per split: a shorter range spends too much of its time filling the software
+# pipeline, which every M pays in the in-program schedule (measured on an H100: Qwen3-0.6B's qkv
+# GEMM, 16 K tiles, at 2,048 rows takes 37 us in one split and 50 us in four).
+_MIN_TILES_PER_SPLIT = 16
 
 
 def num_k_splits(n: int, k: int, num_sms: int, tiles: MatmulTiles = TILES) -> int:
-    """How many K ranges a layer of ``n`` outputs and ``k`` inputs sums separately: enough for two
-    programs per SM at a single row (cdiv(n, BLOCK_N) tiles x splits; two, so that the SMs that
-    get one more program than the others wait on a smaller share), each range at least
-    ``_MIN_TILES_PER_SPLIT`` K tiles. A function of the layer and the GPU, never of M."""
+    """How many K ranges a layer of ``n`` outputs and ``k`` inputs sums separately: about one
+    program per SM at a single row (cdiv(n, BLOCK_N) tiles x splits), each range at least
+    ``_MIN_TILES_PER_SPLIT`` K tiles. A function of the layer and the GPU, never of M.
+
+    Chosen on an H100 over 1-32 splits at W1's and W3's layer shapes and 1-2,048 rows
+    (``benchmarks/batch_invariant_gemm.py --splits-sweep``): two programs per SM and 4-tile ranges
+    made small-K layers up to 1.4x slower at a decode batch of 256 and at prefill, and gained
+    nothing at a single row."""
     num_tiles = triton.cdiv(n, tiles.block_n)
-    wanted = triton.cdiv(2 * num_sms, num_tiles)
+    wanted = max(1, round(num_sms / num_tiles))
     most = max(1, triton.cdiv(k, tiles.block_k) // _MIN_TILES_PER_SPLIT)
-    return max(1, min(wanted, most))
+    return min(wanted, most)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -160,7 +166,8 @@ def _matmul_kernel(
         )
         mask = mask_m[:, None] & mask_n[None, :]
         partial_ptrs = partials_ptr + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
-        tl.store(partial_ptrs + split * stride_ps, acc, mask=mask)
+        # int64: splits x M x N partials can pass 2**31 elements (a vocabulary-sized N).
+        tl.store(partial_ptrs + split.to(tl.int64) * stride_ps, acc, mask=mask)
         # Every thread's stores before the release (acq_rel) of the count: the last to arrive
         # acquires them all.
         tl.debug_barrier()
@@ -169,8 +176,9 @@ def _matmul_kernel(
         if arrived == num_splits - 1:
             # .cg: from L2, where the other SMs' partials are, never a stale L1 line.
             acc = tl.load(partial_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-            for other in range(1, num_splits):
-                acc += tl.load(partial_ptrs + other * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+            for _ in range(1, num_splits):
+                partial_ptrs += stride_ps  # a 64-bit pointer: no int32 product to overflow
+                acc += tl.load(partial_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -263,10 +271,16 @@ def batch_invariant_matmul(
     num_splits = triton.cdiv(k, k_per_split)  # the same ranges, none empty
     num_tiles = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
     # Where the splits run (the sums are the same): across programs while the tiles alone leave
-    # SMs idle and the partials (4 bytes per split and output) cost less traffic than the weight
-    # (2 K bytes per output), else inside each program, with nothing to write and read back.
+    # SMs idle and the partials (written and read back in float32) cost less traffic than the
+    # weight allows, else inside each program, with nothing to write and read back. With at most
+    # half the SMs busy the in-program schedule is the slower one up to partials of twice the
+    # weight's bytes; with more tiles, only below half of them (H100: Llama-3.1-8B's o_proj at 256
+    # rows, 128 tiles and partials as large as its weight, is faster in the program).
     if split_in_grid is None:
-        split_in_grid = num_tiles < num_sms(x.device) and 4 * num_splits * m <= 2 * k
+        sms = num_sms(x.device)
+        weight_bytes = n * k * weight.element_size()
+        limit = 2 * weight_bytes if 2 * num_tiles <= sms else weight_bytes // 2
+        split_in_grid = num_tiles < sms and 8 * num_splits * m * n <= limit
     split_in_grid = split_in_grid and num_splits > 1
     partials = torch.empty((num_splits, m, n), dtype=torch.float32, device=x.device) if split_in_grid else out
     counters = arrival_counters(x.device, num_tiles) if split_in_grid else out
