@@ -1,0 +1,176 @@
+"""Weight-only GEMM for few tokens (decode: M <= 16): FP8 (e4m3) or 4-bit integer weights times
+16-bit activations, ``out = x W^T``, read at the HBM ceiling.
+
+At M <= 16 a layer's product is a matrix-vector product in all but name: it does ``2 M`` FLOPs per
+weight it reads, far below any GPU's FLOPs per byte, so its time is the weight's bytes over the
+copy bandwidth. What costs there is everything else: ``torch._scaled_mm`` pads M to its tile and
+needs the activations quantized by a kernel of their own first (a launch per layer), and the
+W8A8/W4A16 GEMMs tile M for prefill. This kernel reads each weight byte once, converts it in
+registers (e4m3 -> 16-bit is exact; ``q - z`` of 4-bit integers too), and keeps the activations
+in their own dtype (W8A16 numerics: no activation rounding, so at least as accurate as W8A8).
+
+    for each K tile (BLOCK_K inputs, inside one scale group):
+        w    = e4m3 weight tile -> x's dtype                     # or (nibbles - zero) for 4-bit
+        acc += (x[m, k] @ w^T) * scale[n // SCALE_ROWS, k // GROUP_K]   # fp32
+    out = acc                     # one group along K: the scale multiplies once, at the end
+
+Grid: ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))``; a program streams BLOCK_N weight rows over all of
+K, software-pipelined (``num_stages``) so that several tiles are in flight per SM. BLOCK_N is 16
+(the tensor-core minimum) so that an 8B layer's N >= 4096 gives >= 256 programs, two per SM of an
+H100. No split-K: it would need a zeroed fp32 output and a cast (two more launches per layer, a
+few microseconds each, more than the tail it saves at these N); shards of N < 2048 (TP >= 4)
+would want it.
+
+Layouts: x [M, K] (row stride any, inputs contiguous); FP8 weight e4m3 [N, K] row-major; 4-bit
+weight int32 [N, K / 8] (input 8 i + j in nibble j of word i, ``quant_gemm.pack_w4a16``'s) with
+zeros [N, K / GROUP_K] in x's dtype; scale [cdiv(N, SCALE_ROWS), cdiv(K, GROUP_K)]: per channel
+(SCALE_ROWS 1, GROUP_K >= K), 128 x 128 blocks (DeepSeek-V3's), or W4A16 groups (SCALE_ROWS 1).
+
+Bytes: ``N K`` (FP8) or ``N K / 2`` (4-bit) of weights plus the scales (and zeros); FLOPs ``2 M N
+K``. Launch parameters are first choices, not tuned on a device: ``pagedllm bench quant --sweep``
+times the alternatives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# The largest M this kernel is chosen for; above it the tensor-core GEMMs win (bench quant).
+SKINNY_MAX_M = 16
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr,
+    w_ptr,
+    scale_ptr,
+    zero_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    GROUP_K,
+    SCALE_ROWS,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_om,
+    INT4: tl.constexpr,
+    SCALE_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    scale_rows = offs_n // SCALE_ROWS
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + k[None, :],
+            mask=mask_m[:, None] & (k < K)[None, :],
+            other=0.0,
+        )
+        if INT4:
+            # BLOCK_K / 8 words per row, each read once; its nibbles fan out in registers.
+            words_k = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            words = tl.load(
+                w_ptr + offs_n[:, None] * stride_wn + words_k[None, :],
+                mask=mask_n[:, None] & (words_k < K // 8)[None, :],
+                other=0,
+            )
+            q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+            q = tl.reshape(q, (BLOCK_N, BLOCK_K))  # row-major: word i, nibble j is input 8 i + j
+            zero = tl.load(zero_ptr + offs_n * stride_sn + k0 // GROUP_K, mask=mask_n, other=0.0)
+            w = (q.to(tl.float32) - zero.to(tl.float32)[:, None]).to(x.dtype)  # small integers: exact
+        else:
+            w = tl.load(
+                w_ptr + offs_n[:, None] * stride_wn + k[None, :],
+                mask=mask_n[:, None] & (k < K)[None, :],
+                other=0.0,
+            ).to(x.dtype)  # e4m3 -> bf16/fp16: exact
+        part = tl.dot(x, tl.trans(w), out_dtype=tl.float32)
+        if SCALE_PER_TILE:
+            scale = tl.load(scale_ptr + scale_rows * stride_sn + k0 // GROUP_K, mask=mask_n, other=0.0)
+            acc += part * scale.to(tl.float32)[None, :]
+        else:
+            acc += part
+    if not SCALE_PER_TILE:  # one group along K: the scale is the row's
+        acc *= tl.load(scale_ptr + scale_rows * stride_sn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@dataclass(frozen=True)
+class SkinnyLaunch:
+    """A launch's tile sizes and pipelining (``pagedllm bench quant --sweep`` compares them)."""
+
+    block_n: int = 16
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+DEFAULT_LAUNCH = SkinnyLaunch()
+
+
+def tile_k(group_k: int, k: int, largest: int) -> int | None:
+    """The K tile for a scale group of ``group_k`` inputs: ``largest`` where the group spans K
+    (the scale then applies once, at the end), else the largest power of two from 16 up to
+    ``largest`` that divides the group (each tile inside one group); None if there is none."""
+    if group_k >= k:
+        return largest
+    for block_k in (256, 128, 64, 32, 16):
+        if block_k <= largest and group_k % block_k == 0:
+            return block_k
+    return None
+
+
+def skinny_gemm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    group_k: int,
+    scale_rows: int = 1,
+    zeros: torch.Tensor | None = None,
+    launch: SkinnyLaunch = DEFAULT_LAUNCH,
+) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) @ W [N, K]^T -> [M, N] in x's dtype, W dequantized on the fly.
+
+    ``weight``: e4m3 [N, K], or int32 [N, K / 8] packed nibbles (then ``zeros`` is required);
+    ``scale``: [cdiv(N, scale_rows), cdiv(K, group_k)] (the module doc's layouts)."""
+    m, k = x.shape
+    int4 = weight.dtype == torch.int32
+    n = weight.shape[0]
+    if int4:
+        assert zeros is not None and zeros.shape == scale.shape and zeros.stride() == scale.stride()
+        assert weight.shape[1] * 8 == k, f"packed weight {tuple(weight.shape)} for K {k}"
+    else:
+        assert weight.dtype == torch.float8_e4m3fn and weight.shape[1] == k, (
+            f"weight {weight.dtype} {weight.shape}"
+        )
+    assert scale.shape == (-(-n // scale_rows), -(-k // group_k)), f"scale {tuple(scale.shape)}"
+    assert x.stride(1) == 1 and weight.stride(1) == 1 and scale.stride(1) == 1
+    block_k = tile_k(group_k, k, launch.block_k)
+    assert block_k is not None, f"group of {group_k} inputs has no power-of-two tile from 16"
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    block_m = 16  # the tensor cores' least M; rows past M are masked (free at the weight-read bound)
+    grid = (triton.cdiv(n, launch.block_n), triton.cdiv(m, block_m))
+    _skinny_kernel[grid](
+        x, weight, scale, zeros if int4 else scale, out, m, n, k, group_k, scale_rows,
+        x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+        INT4=int4, SCALE_PER_TILE=group_k < k,
+        BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=block_k,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )  # fmt: skip
+    return out
