@@ -1,23 +1,27 @@
 """The W3 floor's weight bytes per decode token (entrypoints/bench/weight_read.py) against a count
 by hand from the config: dense, online FP8 (the GPU's stored form forced on the CPU), tied heads,
-and a W4A16 layer's packed words, scales and zeros."""
+and the W4A16 benchmark config's packed words, scales and zeros."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-from transformers import LlamaConfig
+from transformers import AutoConfig, LlamaConfig
 
 from pagedllm.attention.backends.cpu_backend import CpuAttentionBackend
+from pagedllm.config import ModelConfig
 from pagedllm.entrypoints.bench.weight_read import decode_weight_bytes
-from pagedllm.layers.linear import ReplicatedLinear
+from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization import fp8 as fp8_module
 from pagedllm.layers.quantization.fp8 import Fp8Kernel
-from pagedllm.layers.quantization.wna16 import IntWeightMethod, IntWeightScheme, PackQuantizedMethod
+from pagedllm.layers.quantization.wna16 import IntWeightMethod, PackQuantizedMethod
 from pagedllm.model_loader import get_model
+
+W4A16_CONFIG = Path(__file__).parents[2] / "benchmarks" / "configs" / "llama-3.1-8b-w4a16" / "config.json"
 
 
 def _linear_shapes(config: LlamaConfig) -> list[tuple[int, int]]:
@@ -48,22 +52,23 @@ def test_a_decode_token_reads_the_linears_at_their_format_one_embedding_row_and_
     assert decode_weight_bytes(model) == expected
 
 
-def test_a_w4a16_layer_counts_half_a_byte_per_weight_and_its_groups(monkeypatch) -> None:
-    n, k, group = 32, 256, 64
-    monkeypatch.setattr(IntWeightMethod, "kernel_fits", lambda *args: True)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        layer = ReplicatedLinear(k, n, bias=False)
-        method = PackQuantizedMethod(IntWeightScheme(4, group), per_channel=False)
-        method.create_weights(layer)
-        layer.quant_method = method
-        for name, param in layer.named_parameters():
-            param.data.zero_() if name != "weight_scale" else param.data.fill_(0.01)
-        layer.weight_shape.data.copy_(torch.tensor([[n, k]]))
-        method.process_weights_after_loading(layer)
-    finally:
-        torch.set_default_dtype(previous)
-    model = nn.Sequential(layer)
-    # 4 bits per weight, then a bf16 scale and a bf16 zero per group of 64 inputs of a row.
-    assert decode_weight_bytes(model) == n * k // 2 + 2 * 2 * n * (k // group)
+def test_the_benchmark_w4a16_config_loads_dummy_weights_read_at_half_a_byte(tmp_path, monkeypatch) -> None:
+    """benchmarks/configs/llama-3.1-8b-w4a16 (W3 with W4A16) shrunk to one tiny layer: its
+    compressed-tensors quantization_config takes every linear but the head, dummy weights load,
+    and a token reads 4 bits per weight plus a bf16 scale and zero per group of 128 inputs."""
+    config = json.loads(W4A16_CONFIG.read_text())
+    h, i, heads, kv, d, vocab = 256, 512, 2, 1, 128, 384
+    config.update(hidden_size=h, intermediate_size=i, num_attention_heads=heads, num_key_value_heads=kv)
+    config.update(head_dim=d, vocab_size=vocab, num_hidden_layers=1, torch_dtype="bfloat16")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    hf_config = AutoConfig.from_pretrained(tmp_path)
+    model_config = ModelConfig(str(tmp_path), str(tmp_path), hf_config, torch.bfloat16, 128)
+    monkeypatch.setattr(IntWeightMethod, "kernel_fits", lambda *args: True)  # the CUDA layout
+    model = get_model(model_config, "dummy", torch.device("cpu"), CpuAttentionBackend)
+    assert all(isinstance(m.quant_method, PackQuantizedMethod) for m in model.model.layers[0].modules()
+               if isinstance(m, LinearBase))  # fmt: skip
+    group, bf16 = 128, 2
+    shapes = [((heads + 2 * kv) * d, h), (h, heads * d), (2 * i, h), (h, i)]
+    linears = sum(n * k // 2 + 2 * bf16 * n * (k // group) for n, k in shapes)
+    expected = linears + 3 * bf16 * h + bf16 * vocab * h + bf16 * h  # norms, head, embedding row
+    assert decode_weight_bytes(model) == expected

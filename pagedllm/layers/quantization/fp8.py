@@ -167,14 +167,14 @@ class Fp8LinearMethod(LinearMethod):
                 x = self.qdq(x, getattr(layer, "input_scale", None))
             return F.linear(x, layer.weight, bias)
         if x.shape[0] <= self.skinny_max_m:
-            out = self._apply_skinny(layer, x)
+            out = self.apply_skinny(layer, x)
         elif self.kernel is Fp8Kernel.SCALED_MM:
-            out = self._apply_scaled_mm(layer, x)
+            out = self.apply_scaled_mm(layer, x)
         else:
             out = self.block_gemm(x, layer.weight_fp8, layer.weight_scale_block, self.scheme.block)
         return out if bias is None else out.add_(bias)
 
-    def _apply_skinny(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply_skinny(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Decode-sized batches: the FP8 weight read once, activations kept in their dtype (W8A16
         numerics, no activation-quantization kernel; kernels/triton/skinny_gemm.py)."""
         if self.kernel is Fp8Kernel.SCALED_MM:  # the [N, K] rows under _scaled_mm's [K, N] view
@@ -183,7 +183,7 @@ class Fp8LinearMethod(LinearMethod):
         block_n, block_k = self.scheme.block
         return self.skinny_gemm(x, layer.weight_fp8, layer.weight_scale_block, block_k, block_n)
 
-    def _apply_scaled_mm(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply_scaled_mm(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """FP8 x FP8 on the tensor cores, rowwise scales: the activation's per token (dynamic, or
         the static scale repeated), the weight's per output channel."""
         input_scale = getattr(layer, "input_scale", None)
