@@ -124,3 +124,21 @@ def test_skinny_kernel_in_bf16_matches_the_dequantized_matmul(fmt: str, m: int) 
     torch.testing.assert_close(
         out.float().cpu(), expected, atol=1e-2 * expected.abs().max().item(), rtol=1e-2
     )
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "group"), [(5, 4096, 4096), (3, 14336, 14336), (4, 4096 + 64, 128), (2, 200, 64)]
+)
+def test_fp8_activation_quantization_kernel_is_torch_s_rounding_bit_for_bit(
+    m: int, k: int, group: int
+) -> None:
+    """The fused Triton per-token(-group) quantization against the same function on the CPU
+    (torch's e4m3 rounding, fp8_utils' convention), bf16 input, a zero row, ragged last group."""
+    from pagedllm.kernels.triton.quant_gemm import quantize_per_token_group
+
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3).bfloat16()
+    x[0] = 0.0
+    q, scale = quantize_per_token_group(x.cuda(), group)
+    expected_q, expected_scale = quantize_per_token_group(x, group)
+    torch.testing.assert_close(scale.cpu(), expected_scale, atol=0, rtol=0)
+    assert torch.equal(q.cpu().view(torch.uint8), expected_q.view(torch.uint8))

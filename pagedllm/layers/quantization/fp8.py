@@ -137,6 +137,9 @@ class Fp8LinearMethod(LinearMethod):
             self.skinny_gemm = skinny_gemm.skinny_gemm
             self.skinny_max_m = skinny_gemm.SKINNY_MAX_M
         if self.kernel is Fp8Kernel.SCALED_MM:
+            from pagedllm.kernels.triton.quant_gemm import quantize_per_token_group
+
+            self.quantize_per_token_group = quantize_per_token_group
             # [K, N] column-major, as _scaled_mm takes its second operand; scales [1, N].
             layer.register_buffer("weight_fp8", weight.t(), persistent=False)
             layer.register_buffer("weight_scale_row", scale.reshape(1, -1), persistent=False)
@@ -187,11 +190,11 @@ class Fp8LinearMethod(LinearMethod):
         """FP8 x FP8 on the tensor cores, rowwise scales: the activation's per token (dynamic, or
         the static scale repeated), the weight's per output channel."""
         input_scale = getattr(layer, "input_scale", None)
-        if input_scale is None:
-            x_scale = fp8_utils.dynamic_scale(x.float(), -1)
+        if input_scale is None:  # one fused launch: amax, scale and rounding per token
+            x_fp8, x_scale = self.quantize_per_token_group(x, x.shape[1])
         else:
             x_scale = input_scale.expand(x.shape[0], 1).contiguous()
-        x_fp8 = (x.float() / x_scale).clamp(-fp8_utils.FP8_MAX, fp8_utils.FP8_MAX).to(fp8_utils.FP8_DTYPE)
+            x_fp8 = (x.float() / x_scale).clamp(-fp8_utils.FP8_MAX, fp8_utils.FP8_MAX).to(fp8_utils.FP8_DTYPE)
         scale_w = layer.weight_scale_row
         return torch._scaled_mm(x_fp8, layer.weight_fp8, scale_a=x_scale, scale_b=scale_w, out_dtype=x.dtype)
 
