@@ -194,7 +194,8 @@ def _fp8_quant_kernel(
     for k0 in range(start, end, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + m * stride_xm + k, mask=k < end, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)  # x / s, as the CPU path divides
+        # x / s correctly rounded (div_rn: Triton's "/" is the approximate division), as torch divides.
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
         tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < end)
 
 
