@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from pagedllm.kernels.triton.quant_gemm import pack_w4a16
-from pagedllm.kernels.triton.skinny_gemm import SkinnyLaunch, skinny_gemm, tile_k
+from pagedllm.kernels.triton.skinny_gemm import skinny_gemm, tile_k
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Small tiles, so that tiny shapes still cross several tiles of N and K (and their ragged edges).
-SMALL = SkinnyLaunch(block_n=16, block_k=32, num_warps=4, num_stages=1)
+SMALL = {"block_n": 16, "block_k": 32, "num_stages": 1}
 
 
 def _fp8(n: int, k: int, scale_rows: int, group_k: int, generator: torch.Generator):
@@ -72,7 +72,7 @@ def test_int4_weights_match_the_dequantized_matmul(m: int, n: int, k: int, group
     zeros = torch.randint(0, 16, (n, k // group), generator=generator).float()
     dense = (q - zeros.repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
     x = torch.randn(m, k, generator=generator)
-    launch = SkinnyLaunch(block_n=16, block_k=64, num_warps=4, num_stages=1)
+    launch = {"block_n": 16, "block_k": 64, "num_stages": 1}
     out = skinny_gemm(
         x.to(DEVICE),
         pack_w4a16(q).to(DEVICE),

@@ -125,7 +125,7 @@ def bench_shape(name: str, num_tokens: list[int], copy_bytes_per_s: float) -> li
 
 def sweep_skinny(name: str) -> list[dict[str, Any]]:
     """The skinny kernels' launch alternatives at one token (FP8 per channel, W4A16 groups of 128)."""
-    from pagedllm.kernels.triton.skinny_gemm import SkinnyLaunch, skinny_gemm
+    from pagedllm.kernels.triton.skinny_gemm import skinny_gemm
 
     k, n = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(k * n)
@@ -144,22 +144,26 @@ def sweep_skinny(name: str) -> list[dict[str, Any]]:
     rows = []
     for fmt, (weight_bytes, product) in products.items():
         for block_n, block_k, warps, stages in itertools.product((16, 32), (128, 256), (4, 8), (3, 5)):
-            launch = SkinnyLaunch(block_n, block_k, warps, stages)
+            launch = {"block_n": block_n, "block_k": block_k, "num_warps": warps, "num_stages": stages}
             ms = _median_ms(lambda p=product, launch=launch: p(launch))
-            rows.append({"shape": name, "format": fmt, "launch": vars(launch), "ms": ms,
+            rows.append({"shape": name, "format": fmt, "launch": launch, "ms": ms,
                          "weight_gb_s": weight_bytes / ms / 1e6})  # fmt: skip
     return rows
 
 
+# The table's columns: (row key, heading, alignment, width, number format).
+COLUMNS = (
+    ("shape", "shape", "<", 8, ""), ("num_tokens", "tokens", ">", 6, "d"), ("path", "path", "<", 17, ""),
+    ("ms", "ms", ">", 8, ".4f"), ("weight_gb_s", "GB/s", ">", 7, ".0f"),
+    ("copy_fraction", "copy", ">", 5, ".2f"), ("tflops", "TFLOP/s", ">", 7, ".1f"),
+)  # fmt: skip
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        f"{'shape':8s} {'tokens':>6s}  {'path':17s} {'ms':>8s} {'GB/s':>7s} {'copy':>5s} {'TFLOP/s':>7s}"
-    ]
+    """One line per row, under a heading."""
+    lines = [" ".join(f"{title:{align}{width}}" for _, title, align, width, _ in COLUMNS)]
     for r in rows:
-        lines.append(
-            f"{r['shape']:8s} {r['num_tokens']:6d}  {r['path']:17s} {r['ms']:8.4f} {r['weight_gb_s']:7.0f} "
-            f"{r['copy_fraction']:5.2f} {r['tflops']:7.1f}"
-        )
+        lines.append(" ".join(f"{r[key]:{align}{width}{fmt}}" for key, _, align, width, fmt in COLUMNS))
     return "\n".join(lines)
 
 

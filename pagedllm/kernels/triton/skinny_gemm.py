@@ -33,8 +33,6 @@ times the alternatives.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -45,33 +43,17 @@ SKINNY_MAX_M = 16
 
 @triton.jit
 def _skinny_kernel(
-    x_ptr,
-    w_ptr,
-    scale_ptr,
-    zero_ptr,
-    out_ptr,
-    M,
-    N,
-    K,
-    GROUP_K,
-    SCALE_ROWS,
-    stride_xm,
-    stride_wn,
-    stride_sn,
-    stride_om,
-    INT4: tl.constexpr,
-    SCALE_PER_TILE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_ptr, w_ptr, scale_ptr, zero_ptr, out_ptr, M, N, K, GROUP_K, SCALE_ROWS,
+    stride_xm, stride_wn, stride_sn, stride_om,
+    INT4: tl.constexpr, SCALE_PER_TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # Programs along N first: neighbouring programs stream neighbouring weight rows.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
     mask_n = offs_n < N
+    mask_m = offs_m < M
     scale_rows = offs_n // SCALE_ROWS
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -111,17 +93,8 @@ def _skinny_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@dataclass(frozen=True)
-class SkinnyLaunch:
-    """A launch's tile sizes and pipelining (``pagedllm bench quant --sweep`` compares them)."""
-
-    block_n: int = 16
-    block_k: int = 256
-    num_warps: int = 4
-    num_stages: int = 4
-
-
-DEFAULT_LAUNCH = SkinnyLaunch()
+# First choices, not tuned on a device (``pagedllm bench quant --sweep`` times the alternatives).
+DEFAULT_LAUNCH = {"block_n": 16, "block_k": 256, "num_warps": 4, "num_stages": 4}
 
 
 def tile_k(group_k: int, k: int, largest: int) -> int | None:
@@ -143,12 +116,14 @@ def skinny_gemm(
     group_k: int,
     scale_rows: int = 1,
     zeros: torch.Tensor | None = None,
-    launch: SkinnyLaunch = DEFAULT_LAUNCH,
+    launch: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) @ W [N, K]^T -> [M, N] in x's dtype, W dequantized on the fly.
 
     ``weight``: e4m3 [N, K], or int32 [N, K / 8] packed nibbles (then ``zeros`` is required);
-    ``scale``: [cdiv(N, scale_rows), cdiv(K, group_k)] (the module doc's layouts)."""
+    ``scale``: [cdiv(N, scale_rows), cdiv(K, group_k)] (the module doc's layouts); ``launch``
+    overrides entries of ``DEFAULT_LAUNCH``."""
+    launch = DEFAULT_LAUNCH | (launch or {})
     m, k = x.shape
     int4 = weight.dtype == torch.int32
     n = weight.shape[0]
@@ -161,16 +136,16 @@ def skinny_gemm(
         )
     assert scale.shape == (-(-n // scale_rows), -(-k // group_k)), f"scale {tuple(scale.shape)}"
     assert x.stride(1) == 1 and weight.stride(1) == 1 and scale.stride(1) == 1
-    block_k = tile_k(group_k, k, launch.block_k)
+    block_k = tile_k(group_k, k, launch["block_k"])
     assert block_k is not None, f"group of {group_k} inputs has no power-of-two tile from 16"
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = 16  # the tensor cores' least M; rows past M are masked (free at the weight-read bound)
-    grid = (triton.cdiv(n, launch.block_n), triton.cdiv(m, block_m))
+    grid = (triton.cdiv(n, launch["block_n"]), triton.cdiv(m, block_m))
     _skinny_kernel[grid](
         x, weight, scale, zeros if int4 else scale, out, m, n, k, group_k, scale_rows,
         x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
         INT4=int4, SCALE_PER_TILE=group_k < k,
-        BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=block_k,
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        BLOCK_M=block_m, BLOCK_N=launch["block_n"], BLOCK_K=block_k,
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"],
     )  # fmt: skip
     return out
