@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedllm.kernels.triton.quant_gemm import pack_w4a16
-from pagedllm.kernels.triton.skinny_gemm import skinny_gemm, tile_k
+from pagedllm.kernels.triton.skinny_gemm import group_in_tile, skinny_gemm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Small tiles, so that tiny shapes still cross several tiles of N and K (and their ragged edges).
@@ -40,16 +40,18 @@ def _check(out: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
         ("block", 1, 40, 96),
         ("block", 5, 50, 80),
         ("block", 33, 24, 64),
+        ("block-2-per-tile", 3, 40, 160),
     ],
 )
 def test_fp8_weights_match_the_dequantized_matmul(scheme: str, m: int, n: int, k: int) -> None:
     generator = torch.Generator().manual_seed(m * n + k)
     # Blocks of 16 x 32 (ragged at N's and K's ends); per channel: one group over K; per tensor:
-    # one scale for every row.
-    scale_rows, group_k = {"tensor": (n, k), "channel": (1, k), "block": (16, 32)}[scheme]
+    # one scale for every row; blocks two to a K tile.
+    scale_rows, group_k = {"tensor": (n, k), "channel": (1, k)}.get(scheme, (16, 32))
     q, scale, dense = _fp8(n, k, scale_rows, group_k, generator)
     x = torch.randn(m, k, generator=generator)
-    out = skinny_gemm(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), group_k, scale_rows, launch=SMALL)
+    launch = SMALL | {"block_k": 64} if scheme == "block-2-per-tile" else SMALL  # a ragged last tile
+    out = skinny_gemm(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), group_k, scale_rows, launch=launch)
     assert out.shape == (m, n) and out.dtype == x.dtype
     _check(out, x, dense)
 
@@ -84,7 +86,7 @@ def test_int4_weights_match_the_dequantized_matmul(m: int, n: int, k: int, group
     _check(out, x, dense)
 
 
-def test_the_k_tile_stays_inside_one_scale_group() -> None:
-    assert tile_k(128, 4096, 256) == 128 and tile_k(32, 4096, 256) == 32
-    assert tile_k(4096, 4096, 256) == 256  # one group: the scale applies at the end
-    assert tile_k(24, 96, 256) is None
+def test_scale_groups_sit_whole_inside_a_k_tile() -> None:
+    assert group_in_tile(128, 4096, 512) == (128, 512) and group_in_tile(128, 4096, 64) == (128, 128)
+    assert group_in_tile(4096, 4096, 256) == (0, 256)  # one group over K: scaled once, at the end
+    assert group_in_tile(96, 4096, 256) is None and group_in_tile(4, 64, 256) is None

@@ -129,7 +129,7 @@ class IntWeightMethod(LinearMethod):
             layer.register_buffer("weight", unpacked.dequantize().to(layer.params_dtype), persistent=False)
             return
         from pagedllm.kernels.triton.quant_gemm import pack_w4a16, w4a16_gemm
-        from pagedllm.kernels.triton.skinny_gemm import SKINNY_MAX_M, skinny_gemm
+        from pagedllm.kernels.triton.skinny_gemm import SKINNY_MAX_M, group_in_tile, skinny_gemm
 
         # The kernel's nibbles are unsigned: q and z shift together, so q - z is unchanged.
         shift = unpacked.offset
@@ -140,8 +140,9 @@ class IntWeightMethod(LinearMethod):
         layer.register_buffer("zeros_k", zeros.to(layer.params_dtype), persistent=False)
         self.gemm = functools.partial(w4a16_gemm, group_size=unpacked.group_size)
         # Decode-sized batches: the GEMV-shaped kernel that reads each packed word once.
-        self.skinny_gemm = functools.partial(skinny_gemm, group_k=unpacked.group_size)
-        self.skinny_max_m = SKINNY_MAX_M
+        if group_in_tile(unpacked.group_size, unpacked.q.shape[1], 16) is not None:
+            self.skinny_gemm = functools.partial(skinny_gemm, group_k=unpacked.group_size)
+            self.skinny_max_m = SKINNY_MAX_M
 
     def kernel_fits(self, unpacked: UnpackedWeight, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether the Triton W4A16 GEMM takes this weight (CUDA, 4 bits, groups it can tile)."""
