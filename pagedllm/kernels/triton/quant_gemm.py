@@ -34,8 +34,11 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX: tl.constexpr = 448.0
-FP32_EPS: tl.constexpr = 1.1920928955078125e-07  # torch.finfo(torch.float32).eps: fp8_utils' zero-scale floor
+FP8_MAX = 448.0
+# The kernels' copies (a jitted function reads only constexpr globals); the zero-scale floor is
+# torch.finfo(torch.float32).eps, fp8_utils' DYNAMIC_SCALE_FLOOR.
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_SCALE_FLOOR = tl.constexpr(1.1920928955078125e-07)
 
 
 @triton.jit
@@ -188,14 +191,14 @@ def _fp8_quant_kernel(
         k = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + m * stride_xm + k, mask=k < end, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.max(amax, axis=0) / FP8_MAX
-    scale = tl.where(scale == 0.0, FP32_EPS, scale)  # a zero group stays zero
+    scale = tl.max(amax, axis=0) / _FP8_MAX
+    scale = tl.where(scale == 0.0, _SCALE_FLOOR, scale)  # a zero group stays zero
     tl.store(scale_ptr + m * stride_sm + tl.program_id(1), scale)
     for k0 in range(start, end, BLOCK):
         k = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + m * stride_xm + k, mask=k < end, other=0.0).to(tl.float32)
         # x / s correctly rounded (div_rn: Triton's "/" is the approximate division), as torch divides.
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -_FP8_MAX), _FP8_MAX)
         tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < end)
 
 
@@ -203,7 +206,7 @@ def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor,
     """x [M, K] -> (e4m3 [M, K], float32 scales [M, cdiv(K, group)]), each ``group`` inputs of a
     token (the last group ragged; ``group >= K``: per token) under ``amax / 448`` (the CPU path's
     rounding: layers/quantization/fp8_utils.py)."""
-    assert x.dim() == 2 and x.stride(1) == 1, f"x {tuple(x.shape)} with strides {x.stride()}"
+    x = x if x.stride(1) == 1 else x.contiguous()
     m, k = x.shape
     num_groups = triton.cdiv(k, group)
     if x.device.type != "cuda":

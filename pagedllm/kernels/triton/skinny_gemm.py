@@ -60,7 +60,7 @@ def _skinny_kernel(
     mask_n = offs_n < N
     mask_m = offs_m < M
     scale_rows = offs_n // SCALE_ROWS
-    if INT4 and GROUP == 0:  # the row's zero point, loaded once (its scale multiplies acc at the end)
+    if GROUP == 0:  # a 4-bit row's zero point, loaded once (FP8: unused; zero_ptr is the scale's)
         row_zero = tl.load(zero_ptr + offs_n * stride_sn, mask=mask_n, other=0.0).to(tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -147,7 +147,8 @@ def skinny_gemm(
     else:
         assert weight.dtype == torch.float8_e4m3fn and weight.shape[1] == k, f"weight {weight.dtype}"
     assert scale.shape == (-(-n // scale_rows), -(-k // group_k)), f"scale {tuple(scale.shape)}"
-    assert x.stride(1) == 1 and weight.stride(1) == 1 and scale.stride(1) == 1
+    assert weight.stride(1) == 1 and scale.stride(1) == 1
+    x = x if x.stride(1) == 1 else x.contiguous()
     tiling = group_in_tile(group_k, k, launch["block_k"])
     assert tiling is not None, f"groups of {group_k} inputs: the kernel takes powers of two from 8"
     group, block_k = tiling
