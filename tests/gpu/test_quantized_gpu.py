@@ -1,6 +1,8 @@
 """Quantized linear layers on CUDA against their CPU path (the dequantized oracle): FP8 W8A8
-through torch._scaled_mm, FP8 block-scaled and W4A16 through the Triton GEMMs, at tiny shapes and at
-a Llama-3.1-8B layer's (4096 x 14336) for a decode (1 row) and a prefill (512 rows)."""
+through torch._scaled_mm, FP8 block-scaled and W4A16 through the Triton GEMMs (and, at up to 16
+rows, the skinny decode kernel), at tiny shapes and at a Llama-3.1-8B layer's (4096 x 14336) for a
+decode (1 row) and a prefill (512 rows); the skinny kernel in bf16 and the activation quantization
+kernel on their own."""
 
 from __future__ import annotations
 
