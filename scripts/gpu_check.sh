@@ -4,7 +4,7 @@
 #
 #   scripts/gpu_check.sh                 tests, K1, K1 windowed, W1, W3 (the short set)
 #   scripts/gpu_check.sh tests k1 k1-sweep k1-w1 k1-fp8 k1-window w1 w1-profile w2 w3 hf w4 w4-thread w5 moe moe-sweep cuda
-#       lora w1-lora w3-lora w1-fp8kv w3-fp8 w3-spec
+#       lora w1-lora w3-lora w1-fp8kv w3-fp8 w3-w4a16 w2-fp8 quant w3-spec
 #       sanitize so sampler
 #       tp (tp-tests, tp-bench)
 #       determinism
@@ -21,13 +21,15 @@
 # the per-expert torch reference; moe-sweep: every launch too), cuda (W1 on the cuda backend),
 # sanitize (compute-sanitizer on the CUDA kernels), lora (bench lora: the BGMV kernels against the
 # masked torch product), w1-lora / w3-lora (W1 with 8 rank-16 LoRA adapters, W3 with one), w1-fp8kv
-# (W1 with an FP8 KV cache), w3-fp8 (W3 with FP8 weights), w3-spec (W3 with n-gram drafts at a synthetic
-# acceptance rate), tp (two GPUs: the tensor-parallel GPU tests,
+# (W1 with an FP8 KV cache), w3-fp8 (W3 with FP8 weights), w3-w4a16 (W3 with compressed-tensors W4A16
+# weights, dummy), w2-fp8 (W2 with FP8 W8A8 weights), quant (bench quant: every quantized GEMM path at
+# Llama-3.1-8B's layer shapes, decode to prefill, and the skinny kernels' launch sweep), w3-spec (W3
+# with n-gram drafts at a synthetic acceptance rate), tp (two GPUs: the tensor-parallel GPU tests,
 # then all-reduce latency (benchmarks/all_reduce.py: NCCL against the one-shot kernel), W2 and W3
 # at tensor_parallel_size 1 and 2, W3 at 2 with NCCL alone; the table gives TP=2 over TP=1), so
 # (benchmarks/structured_output.py: 32 json_schema requests against 32 unconstrained), sampler
-# (benchmarks/sampler.py: the fused last sampling pass against the torch path), determinism (issue
-# 35: the batch-invariant GPU and kernel tests, its GEMM against cuBLAS at W1's and W3's layer
+# (benchmarks/sampler.py: the fused last sampling pass against the torch path), determinism (the
+# batch-invariant GPU and kernel tests, its GEMM against cuBLAS at W1's and W3's layer
 # shapes (benchmarks/batch_invariant_gemm.py), then W1 and W3 in the default mode and with
 # --batch-invariant; the table gives the ratios, targets W1 >= 0.9x and W3 <= 1.05x), dp (two GPUs:
 # W4 at 64 req/s against pagedllm serve with one engine, then with --data-parallel-size 2; the table
@@ -154,6 +156,14 @@ for stage in "${stages[@]}"; do
     w3-fp8)  # W3 with its weights quantized to FP8 at load (online fp8), against its floor at the bytes kept
         run w3_fp8 python3 -m pagedllm bench latency --quantization fp8 --skip-eager --output-json "$OUT/w3_fp8.json"
         ;;
+    w3-w4a16)  # W4A16's target: <= 1.35x its own floor (benchmarks/configs/llama-3.1-8b-w4a16: groups of 128)
+        run w3_w4a16 python3 -m pagedllm bench latency --model benchmarks/configs/llama-3.1-8b-w4a16 --skip-eager \
+            --output-json "$OUT/w3_w4a16.json"
+        ;;
+    w2-fp8)  # FP8 W8A8's target: >= 1.4x W2's output tok/s in bf16 (run w2 in the same call)
+        run w2_fp8 python3 -m pagedllm bench throughput --workload W2 --quantization fp8 --output-json "$OUT/w2_fp8.json"
+        ;;
+    quant) run quant python3 -m pagedllm bench quant --sweep --output-json "$OUT/quant.json" ;;
     w3-spec)  # W3 with n-gram drafts of 3 tokens accepted at a synthetic rate (SPEC_ACCEPTANCE, default 1.0)
         run w3_spec python3 -m pagedllm bench latency --skip-eager \
             --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' \

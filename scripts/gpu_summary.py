@@ -18,7 +18,7 @@ def _load(folder: str, name: str) -> dict | list | None:
 def rows(folder: str) -> list[tuple[str, str, str]]:
     """(benchmark, figure, value) rows for whatever ran."""
     table: list[tuple[str, str, str]] = []
-    for name in ("w1", "w1_cuda", "w1_lora", "w1_fp8kv", "w2", "w5"):
+    for name in ("w1", "w1_cuda", "w1_lora", "w1_fp8kv", "w2", "w2_fp8", "w5"):
         r = _load(folder, name)
         if r:
             label = f"{r['workload']} {r['attention_backend']}" + _variant(name)
@@ -32,7 +32,7 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
             )
             if "floor" in r:
                 table.append((label, "fraction of floor (floor s)", _floor(r)))
-    for name in ("w3", "w3_lora", "w3_fp8", "w3_spec"):
+    for name in ("w3", "w3_lora", "w3_fp8", "w3_w4a16", "w3_spec"):
         r = _load(folder, name)
         for mode in ("cuda_graphs", "eager") if r else ():
             if mode in r:
@@ -48,6 +48,7 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
                     profiled = m["profile"]
                     cell = f"{profiled['device_ms_per_step']:.2f} / {profiled['wall_ms_per_step']:.2f}"
                     table.append((f"W3 {mode}{_variant(name)}", "profiled device / wall ms per token", cell))
+    table += _quantized_rows(folder)
     table += _tensor_parallel_rows(folder)
     table += _determinism_rows(folder)
     table += _data_parallel_rows(folder)
@@ -105,6 +106,22 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
             table.append(
                 (f"{label} {summary['request_rate']} req/s", "p99 TTFT / p99 TPOT (ms), failed", _w4(summary))
             )
+    return table
+
+
+def _quantized_rows(folder: str) -> list[tuple[str, str, str]]:
+    """W2 with FP8 weights over W2 in bf16 (target >= 1.4x), and bench quant's decode rows."""
+    table = []
+    w2, w2_fp8 = _load(folder, "w2"), _load(folder, "w2_fp8")
+    if w2 and w2_fp8:
+        ratio = w2_fp8["output_tok_s"] / w2["output_tok_s"]
+        table.append(("W2 fp8 / bf16", "output tok/s (target >= 1.4x)", f"{ratio:.2f}x"))
+    r = _load(folder, "quant")
+    for row in r["rows"] if r else ():
+        if row["num_tokens"] <= 8:
+            label = f"quant {row['shape']} {row['num_tokens']} tok {row['path']}"
+            cell = f"{row['ms'] * 1e3:.1f} ({row['weight_gb_s']:.0f} GB/s, {row['copy_fraction']:.0%})"
+            table.append((label, "us (weight GB/s, of copy)", cell))
     return table
 
 

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.bench.latency import model_weight_bytes
+from pagedllm.entrypoints.bench.weight_read import worker_decode_weight_bytes
 from pagedllm.executor.abstract import ExecutorDeadError
 from pagedllm.sampling_params import StructuredOutputsParams
 
@@ -87,8 +87,8 @@ def test_two_ranks_give_the_tokens_of_one(
             engine.step()
         assert engine.executor.ranks.conns[0].poll(10), "rank 0's answer to that step is unread"
         # Each rank holds a shard: less than the whole model, together at least all of it.
-        whole = model_weight_bytes(one.llm_engine.executor.worker)
-        shards = two.llm_engine.executor.collective_rpc(model_weight_bytes)
+        whole = worker_decode_weight_bytes(one.llm_engine.executor.worker)
+        shards = two.llm_engine.executor.collective_rpc(worker_decode_weight_bytes)
         assert len(shards) == 2 and max(shards) < whole <= sum(shards)
     finally:
         two.llm_engine.shutdown()

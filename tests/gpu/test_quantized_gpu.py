@@ -1,6 +1,8 @@
 """Quantized linear layers on CUDA against their CPU path (the dequantized oracle): FP8 W8A8
-through torch._scaled_mm, FP8 block-scaled and W4A16 through the Triton GEMMs, at tiny shapes and at
-a Llama-3.1-8B layer's (4096 x 14336) for a decode (1 row) and a prefill (512 rows)."""
+through torch._scaled_mm, FP8 block-scaled and W4A16 through the Triton GEMMs (and, at up to 16
+rows, the skinny decode kernel), at tiny shapes and at a Llama-3.1-8B layer's (4096 x 14336) for a
+decode (1 row) and a prefill (512 rows); the skinny kernel in bf16 and the activation quantization
+kernel on their own."""
 
 from __future__ import annotations
 
@@ -96,3 +98,49 @@ def test_awq_w4a16_through_triton_matches_the_cpu_path(m: int, n: int, k: int) -
     }
     scheme = IntWeightScheme(4, group, symmetric=False)
     _compare(lambda: AWQMethod(scheme), checkpoint, m, n, k, "qweight_k")
+
+
+@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("fmt", ["fp8-channel", "fp8-block", "w4a16"])
+def test_skinny_kernel_in_bf16_matches_the_dequantized_matmul(fmt: str, m: int) -> None:
+    """The decode kernel with bf16 activations (the interpreter's tl.dot cannot run bf16) at an
+    8B layer's o-projection, N and K off its tiles by a few rows."""
+    from pagedllm.kernels.triton.quant_gemm import pack_w4a16
+    from pagedllm.kernels.triton.skinny_gemm import skinny_gemm
+
+    n, k, generator = 4096 + 40, 4096 + 128, torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=generator).bfloat16()
+    if fmt == "w4a16":
+        group, q = 128, torch.randint(0, 16, (n, k), generator=generator)
+        scales = (torch.rand(n, k // group, generator=generator) * 0.01 + 0.001).bfloat16()
+        zeros = torch.randint(0, 16, (n, k // group), generator=generator).bfloat16()
+        dense = (q - zeros.float().repeat_interleave(group, 1)) * scales.float().repeat_interleave(group, 1)
+        out = skinny_gemm(x.cuda(), pack_w4a16(q).cuda(), scales.cuda(), group, zeros=zeros.cuda())
+    else:
+        rows, group = (128, 128) if fmt == "fp8-block" else (1, k)
+        q = (torch.randn(n, k, generator=generator) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale = torch.rand(-(-n // rows), -(-k // group), generator=generator) * 0.01 + 0.001
+        dense = q.float() * scale.repeat_interleave(rows, 0)[:n].repeat_interleave(group, 1)[:, :k]
+        out = skinny_gemm(x.cuda(), q.cuda(), scale.cuda(), group, rows)
+    expected = x.float() @ dense.t()
+    torch.testing.assert_close(
+        out.float().cpu(), expected, atol=1e-2 * expected.abs().max().item(), rtol=1e-2
+    )
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "group"), [(5, 4096, 4096), (3, 14336, 14336), (4, 4096 + 64, 128), (2, 200, 64)]
+)
+def test_fp8_activation_quantization_kernel_is_torch_s_rounding_bit_for_bit(
+    m: int, k: int, group: int
+) -> None:
+    """The fused Triton per-token(-group) quantization against the same function on the CPU
+    (torch's e4m3 rounding, fp8_utils' convention), bf16 input, a zero row, ragged last group."""
+    from pagedllm.kernels.triton.quant_gemm import quantize_per_token_group
+
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3).bfloat16()
+    x[0] = 0.0
+    q, scale = quantize_per_token_group(x.cuda(), group)
+    expected_q, expected_scale = quantize_per_token_group(x, group)
+    torch.testing.assert_close(scale.cpu(), expected_scale, atol=0, rtol=0)
+    assert torch.equal(q.cpu().view(torch.uint8), expected_q.view(torch.uint8))

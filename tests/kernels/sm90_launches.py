@@ -17,10 +17,12 @@ from pagedllm.kernels.triton.fused_moe import fused_moe
 from pagedllm.kernels.triton.lora import lora_shrink_expand
 from pagedllm.kernels.triton.paged_decode import paged_decode
 from pagedllm.kernels.triton.paged_prefill import paged_prefill
+from pagedllm.kernels.triton.quant_gemm import _fp8_quant_kernel, fp8_block_gemm, w4a16_gemm
 from pagedllm.kernels.triton.reshape_and_cache import reshape_and_cache
 from pagedllm.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from pagedllm.kernels.triton.rotary import rotary_embedding
 from pagedllm.kernels.triton.sampling import warm_up
+from pagedllm.kernels.triton.skinny_gemm import skinny_gemm
 
 CPU = torch.device("cpu")
 DTYPES = (torch.bfloat16, torch.float32)
@@ -221,6 +223,26 @@ def batch_invariant() -> None:
             )  # fmt: skip
 
 
+def quant() -> None:
+    """The quantized GEMMs in 16-bit: the skinny decode kernel (FP8 per channel and in 128 x 128
+    blocks, 4-bit in groups of 128 and one group per row), the W4A16 and FP8 block GEMMs, and the
+    activation quantization (called directly: its wrapper rounds CPU tensors with torch)."""
+    n, k, e4m3 = 256, 1024, torch.float8_e4m3fn
+    fp8, packed = torch.empty(n, k, dtype=e4m3), torch.empty(n, k // 8, dtype=torch.int32)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.empty(5, k, dtype=dtype)
+        skinny_gemm(x, fp8, torch.empty(n, 1), k)
+        skinny_gemm(x, fp8, torch.empty(n // 128, k // 128), 128, 128)
+        for group in (128, k):
+            groups = torch.empty(n, k // group, dtype=dtype)
+            skinny_gemm(x, packed, groups, group, zeros=groups)
+        w4a16_gemm(torch.empty(40, k, dtype=dtype), packed, groups, groups, k)
+        fp8_block_gemm(torch.empty(40, k, dtype=dtype), fp8, torch.empty(n // 128, k // 128), (128, 128))
+        for group, block in ((k, 1024), (128, 128)):
+            q, scale = torch.empty(40, k, dtype=e4m3), torch.empty(40, k // group)
+            _fp8_quant_kernel[(40, k // group)](x, q, scale, k, group, k, k, k // group, BLOCK=block)
+
+
 LAUNCHES: list[Callable[[], None]] = [
     decode,
     prefill,
@@ -230,4 +252,5 @@ LAUNCHES: list[Callable[[], None]] = [
     layers,
     lora,
     batch_invariant,
+    quant,
 ]

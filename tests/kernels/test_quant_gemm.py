@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.kernels.triton.quant_gemm import fp8_block_gemm, pack_w4a16, w4a16_block_k, w4a16_gemm
+from pagedllm.kernels.triton.quant_gemm import (
+    fp8_block_gemm,
+    pack_w4a16,
+    quantize_per_token_group,
+    w4a16_block_k,
+    w4a16_gemm,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -56,3 +62,21 @@ def test_fp8_block_gemm_matches_the_rounded_matmul(m: int, n: int, k: int, block
     x_rounded = ((groups / x_scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * x_scale).view(m, k)
     out = fp8_block_gemm(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), block)
     torch.testing.assert_close(out.cpu(), x_rounded @ dense.t(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("m", "k", "group"), [(3, 64, 64), (2, 100, 32), (4, 40, 128), (1, 2100, 2100)])
+def test_fp8_activation_quantization_is_the_cpu_path_s_bit_for_bit(m: int, k: int, group: int) -> None:
+    """Per token (group >= K) or per token group, the last group ragged, a zero row kept zero: the
+    scales and e4m3 values of fp8_utils' dynamic rounding, exactly (on a GPU the Triton kernel's;
+    on the CPU torch's, tests/gpu checks the kernel against it)."""
+    from pagedllm.layers.quantization import fp8_utils
+
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 3
+    x[0] = 0.0
+    q, scale = quantize_per_token_group(x.to(DEVICE), group)
+    width = min(group, k)
+    groups = torch.nn.functional.pad(x, (0, -k % width)).view(m, -1, width)
+    expected_scale = fp8_utils.dynamic_scale(groups, -1)
+    torch.testing.assert_close(scale.cpu(), expected_scale.squeeze(-1), atol=0, rtol=0)
+    expected = (groups / expected_scale).clamp(-448, 448).to(torch.float8_e4m3fn).view(m, -1)[:, :k]
+    assert torch.equal(q.cpu().view(torch.uint8), expected.view(torch.uint8))

@@ -48,5 +48,9 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
         "_lora_expand_kernel",
         "_matmul_kernel",
         "_reduce_kernel",
+        "_skinny_kernel",
+        "_w4a16_kernel",
+        "_fp8_block_kernel",
+        "_fp8_quant_kernel",
     ):
         assert f"compiled {kernel} " in result.stdout, kernel

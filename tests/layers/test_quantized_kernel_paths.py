@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedllm.kernels.triton.skinny_gemm import SKINNY_MAX_M
 from pagedllm.layers.linear import MergedColumnParallelLinear
 from pagedllm.layers.quantization import fp8 as fp8_module
 from pagedllm.layers.quantization.fp8 import (
@@ -74,9 +75,10 @@ def _loaded_layer(method_factory, checkpoints: list[dict[str, torch.Tensor]]) ->
     return layer
 
 
+@pytest.mark.parametrize("num_tokens", [3, 20])  # the skinny kernel (<= 16 tokens), the GEMM
 @pytest.mark.parametrize("method", ["awq", "gptq", "compressed-tensors-asym"])
 def test_int4_layers_repacked_for_the_triton_gemm_compute_their_dequantized_product(
-    method, monkeypatch
+    method, num_tokens, monkeypatch
 ) -> None:
     group = 32
     scheme = IntWeightScheme(4, group, symmetric=False)
@@ -94,7 +96,7 @@ def test_int4_layers_repacked_for_the_triton_gemm_compute_their_dequantized_prod
     monkeypatch.setattr(IntWeightMethod, "kernel_fits", lambda *args: True)
     kernel = _loaded_layer(factories[method], checkpoints)
     assert kernel.quant_method.gemm is not None and not hasattr(kernel, "weight")
-    x = torch.randn(3, K)
+    x = torch.randn(num_tokens, K)
     torch.testing.assert_close(kernel(x), dense(x), atol=1e-5, rtol=1e-5)
 
 
@@ -112,7 +114,7 @@ def test_fp8_block_layers_through_the_triton_gemm_compute_their_rounded_product(
     dense = _loaded_layer(lambda: Fp8LinearMethod(scheme), checkpoints)
     monkeypatch.setattr(fp8_module, "choose_kernel", lambda *args: Fp8Kernel.BLOCK_TRITON)
     kernel = _loaded_layer(lambda: Fp8LinearMethod(scheme), checkpoints)
-    x = torch.randn(3, K)
+    x = torch.randn(SKINNY_MAX_M + 4, K)  # past the skinny kernel: the W8A8 GEMM
     torch.testing.assert_close(kernel(x), dense(x), atol=1e-4, rtol=1e-4)
 
 
@@ -139,5 +141,33 @@ def test_fp8_layers_through_scaled_mm_compute_their_rounded_product(weight, acti
     dense = _loaded_layer(lambda: Fp8LinearMethod(scheme), checkpoints)
     monkeypatch.setattr(fp8_module, "choose_kernel", lambda *args: Fp8Kernel.SCALED_MM)
     kernel = _loaded_layer(lambda: Fp8LinearMethod(scheme), checkpoints)
-    x = torch.randn(3, K)
+    x = torch.randn(SKINNY_MAX_M + 4, K)  # past the skinny kernel: the W8A8 GEMM
     torch.testing.assert_close(kernel(x), dense(x), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", [Fp8Kernel.SCALED_MM, Fp8Kernel.BLOCK_TRITON])
+@pytest.mark.parametrize("num_tokens", [1, SKINNY_MAX_M])
+def test_fp8_decode_batches_take_the_weight_only_kernel(kernel, num_tokens, monkeypatch) -> None:
+    """At most SKINNY_MAX_M tokens: the FP8 weight times unrounded activations (W8A16), i.e. the
+    dequantized weight's product without the format's activation rounding; bias added after."""
+    generator = torch.Generator().manual_seed(num_tokens)
+    checkpoints = []
+    for n in SIZES:
+        tensors = {
+            "weight": (torch.randn(n, K, generator=generator) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        }
+        if kernel is Fp8Kernel.SCALED_MM:
+            tensors["weight_scale"] = torch.rand(n, 1, generator=generator) * 0.01 + 0.001
+        else:
+            tensors["weight_scale_inv"] = torch.rand(n // 16, K // 32, generator=generator) * 0.01
+        checkpoints.append(tensors)
+    if kernel is Fp8Kernel.SCALED_MM:
+        scheme = Fp8Scheme(WeightScheme.CHANNEL, ActivationScheme.DYNAMIC_TOKEN)
+    else:
+        scheme = Fp8Scheme(WeightScheme.BLOCK, ActivationScheme.DYNAMIC_GROUP, (16, 32), "weight_scale_inv")
+    dense = _loaded_layer(lambda: Fp8LinearMethod(scheme), checkpoints)
+    monkeypatch.setattr(fp8_module, "choose_kernel", lambda *args: kernel)
+    fast = _loaded_layer(lambda: Fp8LinearMethod(scheme), checkpoints)
+    x, bias = torch.randn(num_tokens, K, generator=generator), torch.randn(N, generator=generator)
+    expected = x @ dense.weight.t() + bias
+    torch.testing.assert_close(fast.quant_method.apply(fast, x, bias), expected, atol=1e-4, rtol=1e-4)

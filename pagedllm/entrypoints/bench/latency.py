@@ -1,10 +1,11 @@
 """``pagedllm bench latency``: one request's per-token latency, benchmarks/README.md's W3.
 
 A single request (128 prompt tokens, 256 output tokens, greedy, EOS ignored) on dummy weights,
-with CUDA graphs and, for comparison, eagerly. The floor is reading every weight once per token
-at the device's measured copy bandwidth (bytes read + written over time, as benchmarks/README.md
-measures it): the per-token latency over that floor is the gap. ``--lora-rank R`` runs the
-request with one random rank-R LoRA adapter (``lora_adapters.py``).
+with CUDA graphs and, for comparison, eagerly. The floor is reading the weights a token reads
+(``weight_read.py``: at the formats the layers keep, FP8 or 4-bit ones included; the embedding's
+one row, the LM head whole) at the device's measured copy bandwidth (bytes read + written over
+time, as benchmarks/README.md measures it): the per-token latency over that floor is the gap.
+``--lora-rank R`` runs the request with one random rank-R LoRA adapter (``lora_adapters.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.bench.ceilings import copy_bandwidth
 from pagedllm.entrypoints.bench.lora_adapters import write_random_adapters
 from pagedllm.entrypoints.bench.throughput import profile_steps_of
+from pagedllm.entrypoints.bench.weight_read import worker_decode_weight_bytes
 from pagedllm.entrypoints.bench.workloads import WORKLOADS
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
@@ -67,11 +69,6 @@ def time_request(
     return first - start, (end - first) / (output_len - 1)
 
 
-def model_weight_bytes(worker: Any) -> int:
-    """Run on a rank (``collective_rpc``): the bytes of its model's parameters."""
-    return sum(p.numel() * p.element_size() for p in worker.model_runner.model.parameters())
-
-
 def measure(
     engine_args: EngineArgs,
     prompt: list[int],
@@ -100,7 +97,7 @@ def measure(
         while engine.has_unfinished_requests():
             engine.step()
     # Every rank reads its own shard at once: the floor is the largest shard's read.
-    weight_bytes = max(engine.executor.collective_rpc(model_weight_bytes))
+    weight_bytes = max(engine.executor.collective_rpc(worker_decode_weight_bytes))
     engine.shutdown()
     del engine
     gc.collect()

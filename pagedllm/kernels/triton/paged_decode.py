@@ -148,10 +148,13 @@ def _paged_decode_kernel(
     USE_GDC: tl.constexpr,
 ):
     wait_for_prior_kernel(USE_GDC)
-    # q in the dot products' dtype: the cache's, the query's own over an FP8 cache.
+    # q in the dot products' dtype: the cache's; over an FP8 cache the query's, fp16 for bf16
+    # (paged_tiles.attend_paged_range: e4m3 tiles widen to fp16 in half the conversions).
     q_ty = key_cache_ptr.dtype.element_ty
     if KV_FP8:
         q_ty = query_ptr.dtype.element_ty
+        if q_ty == tl.bfloat16:
+            q_ty = tl.float16
     qk_scale, v_scale = fp8_kv_scales(qk_scale, k_scale_ptr, v_scale_ptr, KV_FP8)
     # partition_size (a multiple of BLOCK_N: tiles never straddle two partitions, asserted by the
     # host) is a runtime value: the engine picks it per launch, and a constexpr would compile a

@@ -40,7 +40,11 @@ twice). The running state carries across calls, so the softmax is one over the u
 An FP8 cache (KV_FP8, vLLM's ``kv_cache_dtype="fp8"``) holds ``k / k_scale`` and ``v / v_scale`` in
 float8_e4m3fn: tiles widen to the query's dtype on load (exact), ``k_scale`` rides in ``qk_scale``
 (``fp8_kv_scales``) and ``v_scale`` scales ``p`` before ``p @ v``. Half the bytes per tile, the
-same FLOPs.
+same FLOPs. A bf16 model's dots then run in fp16 (the callers load q as fp16): Hopper widens e4m3
+to fp16 in one instruction per two values, to bf16 only through fp16 (three per two), which at
+the HBM rate is more conversion than the SM issues. fp16 holds bf16 queries exactly (|q| within
+its range, 6e-5 to 65504; smaller components lose bits, not magnitude) and the probabilities
+more finely.
 
 Without WINDOW or SINK, every row must see at least one unmasked key in the first tile it processes
 (otherwise ``exp2(-inf - -inf)`` is NaN); the callers guarantee it. With WINDOW or SINK a fully

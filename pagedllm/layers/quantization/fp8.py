@@ -17,7 +17,10 @@ rounded through e4m3 as the format implies (``ActivationScheme``); the CPU path 
 that in the model dtype. On CUDA with FP8 units (``choose_kernel``), per-channel and per-tensor
 W8A8 layers multiply through ``torch._scaled_mm`` (FP8 tensor cores, rowwise scales), block-scaled
 ones through the Triton GEMM of kernels/triton/quant_gemm.py; everything else (W8A16, float32
-runs, GPUs without FP8 units) runs the dequantized product, with a one-line notice.
+runs, GPUs without FP8 units) runs the dequantized product, with a one-line notice. Batches of at
+most ``SKINNY_MAX_M`` tokens (decode) on either fast path take the weight-only skinny GEMM of
+kernels/triton/skinny_gemm.py instead: a weight-read-bound product with no activation-quantization
+launch, its activations unrounded (W8A16 numerics, more accurate than the format's W8A8).
 """
 
 from __future__ import annotations
@@ -87,6 +90,8 @@ class Fp8LinearMethod(LinearMethod):
         self.scheme = scheme
         self.qdq = activation_qdq(scheme)
         self.kernel = Fp8Kernel.DEQUANTIZED  # chosen in process_weights_after_loading, by the weight's device
+        # Batches of at most this many tokens take the weight-only skinny GEMM (0: never).
+        self.skinny_max_m = 0
 
     def create_weights(self, layer: nn.Module) -> None:
         """Replace the dense ``weight`` by the checkpoint's FP8 tensors (same loader), before loading."""
@@ -126,7 +131,15 @@ class Fp8LinearMethod(LinearMethod):
             if hasattr(layer, name):
                 delattr(layer, name)
         self.kernel = choose_kernel(self.scheme, weight, layer.params_dtype)
+        if self.kernel is not Fp8Kernel.DEQUANTIZED:
+            from pagedllm.kernels.triton import skinny_gemm
+
+            self.skinny_gemm = skinny_gemm.skinny_gemm
+            self.skinny_max_m = skinny_gemm.SKINNY_MAX_M
         if self.kernel is Fp8Kernel.SCALED_MM:
+            from pagedllm.kernels.triton.quant_gemm import quantize_per_token_group
+
+            self.quantize_per_token_group = quantize_per_token_group
             # [K, N] column-major, as _scaled_mm takes its second operand; scales [1, N].
             layer.register_buffer("weight_fp8", weight.t(), persistent=False)
             layer.register_buffer("weight_scale_row", scale.reshape(1, -1), persistent=False)
@@ -152,25 +165,36 @@ class Fp8LinearMethod(LinearMethod):
         return weight, scale
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.kernel is Fp8Kernel.SCALED_MM:
-            out = self._apply_scaled_mm(layer, x)
-        elif self.kernel is Fp8Kernel.BLOCK_TRITON:
-            out = self.block_gemm(x, layer.weight_fp8, layer.weight_scale_block, self.scheme.block)
-        else:
+        if self.kernel is Fp8Kernel.DEQUANTIZED:
             if self.qdq is not None:
                 x = self.qdq(x, getattr(layer, "input_scale", None))
             return F.linear(x, layer.weight, bias)
+        if x.shape[0] <= self.skinny_max_m:
+            out = self.apply_skinny(layer, x)
+        elif self.kernel is Fp8Kernel.SCALED_MM:
+            out = self.apply_scaled_mm(layer, x)
+        else:
+            out = self.block_gemm(x, layer.weight_fp8, layer.weight_scale_block, self.scheme.block)
         return out if bias is None else out.add_(bias)
 
-    def _apply_scaled_mm(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply_skinny(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Decode-sized batches: the FP8 weight read once, activations kept in their dtype (W8A16
+        numerics, no activation-quantization kernel; kernels/triton/skinny_gemm.py)."""
+        if self.kernel is Fp8Kernel.SCALED_MM:  # the [N, K] rows under _scaled_mm's [K, N] view
+            weight, scale = layer.weight_fp8.t(), layer.weight_scale_row.view(-1, 1)
+            return self.skinny_gemm(x, weight, scale, group_k=x.shape[1])
+        block_n, block_k = self.scheme.block
+        return self.skinny_gemm(x, layer.weight_fp8, layer.weight_scale_block, block_k, block_n)
+
+    def apply_scaled_mm(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """FP8 x FP8 on the tensor cores, rowwise scales: the activation's per token (dynamic, or
         the static scale repeated), the weight's per output channel."""
         input_scale = getattr(layer, "input_scale", None)
-        if input_scale is None:
-            x_scale = fp8_utils.dynamic_scale(x.float(), -1)
+        if input_scale is None:  # one fused launch: amax, scale and rounding per token
+            x_fp8, x_scale = self.quantize_per_token_group(x, x.shape[1])
         else:
             x_scale = input_scale.expand(x.shape[0], 1).contiguous()
-        x_fp8 = (x.float() / x_scale).clamp(-fp8_utils.FP8_MAX, fp8_utils.FP8_MAX).to(fp8_utils.FP8_DTYPE)
+            x_fp8 = (x.float() / x_scale).clamp(-fp8_utils.FP8_MAX, fp8_utils.FP8_MAX).to(fp8_utils.FP8_DTYPE)
         scale_w = layer.weight_scale_row
         return torch._scaled_mm(x_fp8, layer.weight_fp8, scale_a=x_scale, scale_b=scale_w, out_dtype=x.dtype)
 

@@ -26,7 +26,8 @@ After loading, every format unpacks to one form, ``UnpackedWeight``: the integer
 and per-group zero points and scales ``[N, K / g]``. From it a layer either runs the dequantized
 product (the weight dequantized once, exactly in float32, then held in the model dtype: the
 CPU's path and the oracle) or, on CUDA for 4-bit weights in groups the kernel tiles, repacks it
-for the Triton W4A16 GEMM (kernels/triton/quant_gemm.py). GPTQ's ``desc_act`` groups are not
+for the Triton W4A16 GEMM (kernels/triton/quant_gemm.py; batches of at most 16 tokens take the
+weight-read-bound kernels/triton/skinny_gemm.py). GPTQ's ``desc_act`` groups are not
 contiguous in K: those layers run dequantized everywhere, with a notice.
 """
 
@@ -94,9 +95,11 @@ class IntWeightMethod(LinearMethod):
     def __init__(self, scheme: IntWeightScheme) -> None:
         self.scheme = scheme
         self.pack_factor = 32 // scheme.bits
-        # The kernel's product (x, qweight, scales, zeros) -> out, chosen after loading; None:
-        # the dequantized weight's F.linear.
+        # The kernels' products (x, qweight, scales, zeros) -> out, chosen after loading; None:
+        # the dequantized weight's F.linear. Batches of at most skinny_max_m tokens take skinny_gemm.
         self.gemm: Callable[..., torch.Tensor] | None = None
+        self.skinny_gemm: Callable[..., torch.Tensor] | None = None
+        self.skinny_max_m = 0
 
     def group_size(self, layer: nn.Module) -> int:
         return self.scheme.group_size if self.scheme.group_size != -1 else layer.input_size_total
@@ -126,6 +129,7 @@ class IntWeightMethod(LinearMethod):
             layer.register_buffer("weight", unpacked.dequantize().to(layer.params_dtype), persistent=False)
             return
         from pagedllm.kernels.triton.quant_gemm import pack_w4a16, w4a16_gemm
+        from pagedllm.kernels.triton.skinny_gemm import SKINNY_MAX_M, group_in_tile, skinny_gemm
 
         # The kernel's nibbles are unsigned: q and z shift together, so q - z is unchanged.
         shift = unpacked.offset
@@ -135,6 +139,10 @@ class IntWeightMethod(LinearMethod):
         layer.register_buffer("scales_k", scales.to(layer.params_dtype), persistent=False)
         layer.register_buffer("zeros_k", zeros.to(layer.params_dtype), persistent=False)
         self.gemm = functools.partial(w4a16_gemm, group_size=unpacked.group_size)
+        # Decode-sized batches: the GEMV-shaped kernel that reads each packed word once.
+        if group_in_tile(unpacked.group_size, unpacked.q.shape[1], 16) is not None:
+            self.skinny_gemm = functools.partial(skinny_gemm, group_k=unpacked.group_size)
+            self.skinny_max_m = SKINNY_MAX_M
 
     def kernel_fits(self, unpacked: UnpackedWeight, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether the Triton W4A16 GEMM takes this weight (CUDA, 4 bits, groups it can tile)."""
@@ -153,7 +161,10 @@ class IntWeightMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.gemm is None:
             return F.linear(x, layer.weight, bias)
-        out = self.gemm(x, layer.qweight_k, layer.scales_k, layer.zeros_k)
+        if x.shape[0] <= self.skinny_max_m:
+            out = self.skinny_gemm(x, layer.qweight_k, layer.scales_k, zeros=layer.zeros_k)
+        else:
+            out = self.gemm(x, layer.qweight_k, layer.scales_k, layer.zeros_k)
         return out if bias is None else out.add_(bias)
 
     @abstractmethod
