@@ -128,7 +128,9 @@ class LoRAModelManager:
                 f"a step has {len(active)} adapters, more than max_loras={self.lora_config.max_loras}"
             )
         slots = np.array([self._activate(i, active) if i else NO_SLOT for i in ids.tolist()], dtype=np.int64)
-        self.batch.set_token_slots(slots[inverse.reshape(-1)])
+        # A CUDA graph's batch is decodes only; else a query longer than one token is a prefill.
+        has_prefill = not pad_to and len(token_ids) > len(row_lora_ids)
+        self.batch.set_token_slots(slots[inverse.reshape(-1)], has_prefill)
 
     def _activate(self, lora_int_id: int, active: list[int]) -> int:
         """The slot holding the adapter, filling one (free, or the least recently used outside

@@ -15,6 +15,7 @@ from pagedllm.kernels.triton.activation import silu_and_mul
 from pagedllm.kernels.triton.batch_invariant_matmul import batch_invariant_matmul
 from pagedllm.kernels.triton.fused_moe import fused_moe
 from pagedllm.kernels.triton.lora import lora_shrink_expand
+from pagedllm.kernels.triton.lora_sgmv import lora_sgmv_shrink_expand, plan_segments
 from pagedllm.kernels.triton.paged_decode import paged_decode
 from pagedllm.kernels.triton.paged_prefill import paged_prefill
 from pagedllm.kernels.triton.reshape_and_cache import reshape_and_cache
@@ -198,6 +199,12 @@ def lora() -> None:
                 y, x, torch.empty(width, 4096, dtype=dtype), torch.empty(sum(slices), width, dtype=dtype),
                 torch.zeros(5, dtype=torch.int64), 8, rank, starts,
             )  # fmt: skip
+            for num_tokens in (5, 600):  # BLOCK_M 16 and 64
+                lora_sgmv_shrink_expand(
+                    torch.empty(num_tokens, sum(slices), dtype=dtype), torch.empty(num_tokens, 4096, dtype=dtype),
+                    torch.empty(width, 4096, dtype=dtype), torch.empty(sum(slices), width, dtype=dtype),
+                    plan_segments(torch.arange(num_tokens).numpy() % 8, 8, CPU), 8, rank, starts,
+                )  # fmt: skip
 
 
 def batch_invariant() -> None:

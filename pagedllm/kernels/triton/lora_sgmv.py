@@ -1,0 +1,223 @@
+"""Punica's SGMV shrink and expand (Chen et al., 2023, "Punica: Multi-Tenant LoRA Serving"; S-LoRA,
+Sheng et al., 2023): the tokens of a step grouped by adapter into segments, each segment's LoRA
+product done as small GEMMs (``tl.dot``) so that an adapter's A and B are read once per tile of
+``BLOCK_M`` tokens rather than once per token (BGMV, ``lora.py``).
+
+The contract is BGMV's (layouts there): for token t in slot s (none: nothing added) and slice i,
+
+    shrink:  h[t, i*R + r]  = sum_k x[t, k] * A[(i*S + s)*R + r, k]
+    expand:  y[t, o]       += sum_r h[t, i(o)*R + r] * B[o, (i(o)*S + s)*R + r]
+
+Segments (``SegmentPlan``, built once per step on the host, not per layer): ``sorted_tokens``
+``[T]`` the step's token indices ordered by slot (tokens without adapter first, outside every
+segment), ``seg_start[s]``/``seg_len[s]`` slot s's run in it (length 0: an empty segment, whose
+programs return at once). The grid's M extent is the longest segment's, known on the host.
+
+Grids (M: ``cdiv(max_seg_len, BLOCK_M)``):
+  shrink ``(M, S)``: a program takes ``BLOCK_M`` tokens of segment s, gathers their x rows, and
+  accumulates ``[BLOCK_M, n*R]`` over ``in`` in ``BLOCK_K`` chunks against slot s's A rows of all
+  n slices at once (x read once for a fused projection); h is scattered back in token order.
+  expand ``(M, cdiv(out, BLOCK_O), S)``: a program takes ``BLOCK_M`` tokens of segment s and
+  ``BLOCK_O`` outputs; for each slice whose rows meet the tile, ``[BLOCK_M, R] @ [R, BLOCK_O]``;
+  it adds the sum to y (read, add, write).
+
+Bytes and FLOPs per step (T tokens in g segments, n slices): FLOPs ``2*T*R*(n*in + out)``, as
+BGMV; weight bytes ``sum over segments of ceil(len/BLOCK_M) * (n*R*in + R*out)`` elements against
+BGMV's ``T * (n*R*in + R*out)``: a 4096-token prefill of 8 adapters reads each adapter's weights
+8x per 64 tokens instead of 512x. Activation bytes (x once, h twice, y twice) are BGMV's.
+
+Which runs (``LoRABatch.set_token_slots``, once per step): a decode-only step (every request one
+token, or a padded CUDA-graph batch) keeps BGMV, whose per-token programs need no sort and whose
+grid is fixed for graph capture; a step with prefill chunks uses SGMV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _sgmv_shrink_kernel(
+    h_ptr,
+    x_ptr,
+    a_ptr,
+    sorted_tokens_ptr,
+    seg_start_ptr,
+    seg_len_ptr,
+    in_features,
+    num_slots,
+    stride_x,
+    stride_a,
+    stride_h,
+    RANK: tl.constexpr,
+    NUM_COLS: tl.constexpr,  # n * RANK
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # next power of two >= NUM_COLS, >= 16 (tl.dot's least size)
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for float32 weights (exact as the torch path), else "tf32"
+):
+    slot = tl.program_id(1)
+    seg_len = tl.load(seg_len_ptr + slot)
+    m0 = tl.program_id(0) * BLOCK_M
+    if m0 >= seg_len:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    tokens = tl.load(sorted_tokens_ptr + tl.load(seg_start_ptr + slot) + offs_m, mask=m_mask, other=0)
+    tokens = tokens.to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < NUM_COLS
+    # Row of A for column c = i * R + r: (i * S + slot) * R + r (every slice's rows at once).
+    rows = ((cols // RANK) * num_slots + slot) * RANK + cols % RANK
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, in_features, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < in_features
+        x = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        a = tl.load(
+            a_ptr + rows[None, :].to(tl.int64) * stride_a + k[:, None],
+            mask=k_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_N]: A^T's tile
+        acc = tl.dot(x, a, acc, input_precision=PRECISION)
+    tl.store(h_ptr + tokens[:, None] * stride_h + cols[None, :], acc, mask=m_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _sgmv_expand_kernel(
+    y_ptr,
+    h_ptr,
+    b_ptr,
+    sorted_tokens_ptr,
+    seg_start_ptr,
+    seg_len_ptr,
+    out_features,
+    num_slots,
+    slice1_start,
+    slice2_start,
+    stride_y,
+    stride_h,
+    stride_b,
+    RANK: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # next power of two >= RANK, >= 16
+    BLOCK_O: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    slot = tl.program_id(2)
+    seg_len = tl.load(seg_len_ptr + slot)
+    m0 = tl.program_id(0) * BLOCK_M
+    if m0 >= seg_len:
+        return
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < seg_len
+    tokens = tl.load(sorted_tokens_ptr + tl.load(seg_start_ptr + slot) + offs_m, mask=m_mask, other=0)
+    tokens = tokens.to(tl.int64)
+    o0 = tl.program_id(1) * BLOCK_O
+    offs_o = o0 + tl.arange(0, BLOCK_O)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < RANK
+    acc = tl.zeros([BLOCK_M, BLOCK_O], tl.float32)
+    for i in tl.static_range(NUM_SLICES):
+        # Slice i's output rows [start, end): 0, slice1_start, slice2_start, out_features.
+        start = 0 if i == 0 else (slice1_start if i == 1 else slice2_start)
+        end = slice1_start if i == 0 else (slice2_start if i == 1 else out_features)
+        if (start < o0 + BLOCK_O) & (end > o0):  # the slice meets this tile
+            o_mask = (offs_o >= start) & (offs_o < end)
+            h = tl.load(
+                h_ptr + tokens[:, None] * stride_h + i * RANK + offs_r[None, :],
+                mask=m_mask[:, None] & r_mask[None, :],
+                other=0.0,
+            )
+            b = tl.load(
+                b_ptr + offs_o[None, :].to(tl.int64) * stride_b + ((i * num_slots + slot) * RANK + offs_r)[:, None],
+                mask=r_mask[:, None] & o_mask[None, :],
+                other=0.0,
+            )  # [BLOCK_R, BLOCK_O]: B^T's tile
+            acc = tl.dot(h.to(b.dtype), b, acc, input_precision=PRECISION)
+    y_mask = m_mask[:, None] & (offs_o < out_features)[None, :]
+    y_ptrs = y_ptr + tokens[:, None] * stride_y + offs_o[None, :]
+    y = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+@dataclass
+class SegmentPlan:
+    """A step's tokens grouped by slot, on the device (built by ``plan_segments``).
+
+    sorted_tokens: [T] int32, token indices by slot (tokens without adapter first, in no segment);
+    seg_start, seg_len: [S] int32, slot s's run in ``sorted_tokens``; max_seg_len: the longest
+    run (the grid's M extent, a host int)."""
+
+    sorted_tokens: torch.Tensor
+    seg_start: torch.Tensor
+    seg_len: torch.Tensor
+    max_seg_len: int
+
+
+def plan_segments(token_slots: np.ndarray, num_slots: int, device: torch.device) -> SegmentPlan:
+    """token_slots: [T] each token's slot or -1 -> its segments, in one host-to-device copy."""
+    token_slots = np.asarray(token_slots, dtype=np.int64)
+    order = np.argsort(token_slots, kind="stable")  # -1 first, then slot 0, 1, ...
+    seg_len = np.bincount(token_slots[token_slots >= 0], minlength=num_slots)
+    seg_start = (token_slots < 0).sum() + np.concatenate(([0], np.cumsum(seg_len)[:-1]))
+    packed = torch.from_numpy(np.concatenate((order, seg_start, seg_len)).astype(np.int32))
+    if device.type != "cpu":
+        # Pinned, asynchronous: a pageable copy would wait for the device to drain.
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    num_tokens = len(token_slots)
+    return SegmentPlan(
+        packed[:num_tokens],
+        packed[num_tokens : num_tokens + num_slots],
+        packed[num_tokens + num_slots :],
+        int(seg_len.max(initial=0)),
+    )
+
+
+def lora_sgmv_shrink_expand(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    plan: SegmentPlan,
+    num_slots: int,
+    rank: int,
+    slice_starts: tuple[int, int],
+) -> None:
+    """y [T, out] += each token's own adapter's (x A^T) B^T, in place, segment by segment
+    (layouts: ``lora.py``'s docstring; ``plan``: the step's segments)."""
+    num_tokens, in_features = x.shape
+    out_features = y.shape[1]
+    num_cols = lora_a.shape[0] // num_slots  # n * R
+    num_slices = num_cols // rank
+    assert lora_a.shape == (num_cols * num_slots, in_features) and num_cols == num_slices * rank
+    assert lora_b.shape == (out_features, num_cols * num_slots) and y.shape[0] == num_tokens
+    # Rows past the plan's tokens (padding) run without adapter.
+    assert 1 <= num_slices <= 3 and plan.sorted_tokens.shape[0] <= num_tokens
+    assert x.stride(1) == 1 and y.stride(1) == 1 and lora_a.stride(1) == 1 and lora_b.stride(1) == 1
+    if plan.max_seg_len == 0:
+        return
+    precision = "ieee" if lora_a.dtype == torch.float32 else "tf32"
+    h = torch.empty(num_tokens, num_cols, dtype=torch.float32, device=x.device)
+    block_m = 64 if plan.max_seg_len >= 64 else max(16, triton.next_power_of_2(plan.max_seg_len))
+    num_m = triton.cdiv(plan.max_seg_len, block_m)
+    segments = (plan.sorted_tokens, plan.seg_start, plan.seg_len)
+    _sgmv_shrink_kernel[(num_m, num_slots)](
+        h, x, lora_a, *segments, in_features, num_slots, x.stride(0), lora_a.stride(0), h.stride(0),
+        RANK=rank, NUM_COLS=num_cols, BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(num_cols)),
+        BLOCK_K=64, PRECISION=precision,
+    )  # fmt: skip
+    block_o = 64
+    _sgmv_expand_kernel[(num_m, triton.cdiv(out_features, block_o), num_slots)](
+        y, h, lora_b, *segments, out_features, num_slots, slice_starts[0], slice_starts[1],
+        y.stride(0), h.stride(0), lora_b.stride(0),
+        RANK=rank, NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        BLOCK_O=block_o, PRECISION=precision,
+    )  # fmt: skip
