@@ -109,7 +109,9 @@ class LoRABatch:
             from pagedllm.kernels.triton import lora, lora_sgmv
 
             self._bgmv, self._sgmv, self._plan = (
-                lora.lora_shrink_expand, lora_sgmv.lora_sgmv_shrink_expand, lora_sgmv.plan_segments
+                lora.lora_shrink_expand,
+                lora_sgmv.lora_sgmv_shrink_expand,
+                lora_sgmv.plan_segments,
             )
             self.apply = self._apply_kernels
             return

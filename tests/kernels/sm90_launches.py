@@ -201,7 +201,8 @@ def lora() -> None:
             )  # fmt: skip
             for num_tokens in (5, 600):  # BLOCK_M 16 and 64
                 lora_sgmv_shrink_expand(
-                    torch.empty(num_tokens, sum(slices), dtype=dtype), torch.empty(num_tokens, 4096, dtype=dtype),
+                    torch.empty(num_tokens, sum(slices), dtype=dtype),
+                    torch.empty(num_tokens, 4096, dtype=dtype),
                     torch.empty(width, 4096, dtype=dtype), torch.empty(sum(slices), width, dtype=dtype),
                     plan_segments(torch.arange(num_tokens).numpy() % 8, 8, CPU), 8, rank, starts,
                 )  # fmt: skip

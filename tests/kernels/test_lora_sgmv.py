@@ -104,7 +104,7 @@ def test_sgmv_equals_each_adapters_dense_product(slice_sizes, dtype):
     ids=["one-token", "no-adapter", "short-segments"],
 )
 def test_sgmv_short_and_empty_steps(token_slots):
-    got, y, expected = run_sgmv((16, 8, 8), [4, 8, 16], token_slots, torch.float32, seed=3)
+    got, _, expected = run_sgmv((16, 8, 8), [4, 8, 16], token_slots, torch.float32, seed=3)
     torch.testing.assert_close(got.cpu(), expected, rtol=1e-4, atol=1e-3)
 
 

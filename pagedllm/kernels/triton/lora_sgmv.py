@@ -79,14 +79,16 @@ def _sgmv_shrink_kernel(
     for k0 in range(0, in_features, BLOCK_K):
         k = k0 + offs_k
         k_mask = k < in_features
-        x = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        x_mask = m_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :], mask=x_mask, other=0.0)
         a = tl.load(
             a_ptr + rows[None, :].to(tl.int64) * stride_a + k[:, None],
             mask=k_mask[:, None] & col_mask[None, :],
             other=0.0,
         )  # [BLOCK_K, BLOCK_N]: A^T's tile
         acc = tl.dot(x, a, acc, input_precision=PRECISION)
-    tl.store(h_ptr + tokens[:, None] * stride_h + cols[None, :], acc, mask=m_mask[:, None] & col_mask[None, :])
+    h_mask = m_mask[:, None] & col_mask[None, :]
+    tl.store(h_ptr + tokens[:, None] * stride_h + cols[None, :], acc, mask=h_mask)
 
 
 @triton.jit
@@ -136,8 +138,9 @@ def _sgmv_expand_kernel(
                 mask=m_mask[:, None] & r_mask[None, :],
                 other=0.0,
             )
+            b_cols = (i * num_slots + slot) * RANK + offs_r
             b = tl.load(
-                b_ptr + offs_o[None, :].to(tl.int64) * stride_b + ((i * num_slots + slot) * RANK + offs_r)[:, None],
+                b_ptr + offs_o[None, :].to(tl.int64) * stride_b + b_cols[:, None],
                 mask=r_mask[:, None] & o_mask[None, :],
                 other=0.0,
             )  # [BLOCK_R, BLOCK_O]: B^T's tile
