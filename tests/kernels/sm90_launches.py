@@ -199,7 +199,7 @@ def lora() -> None:
                 y, x, torch.empty(width, 4096, dtype=dtype), torch.empty(sum(slices), width, dtype=dtype),
                 torch.zeros(5, dtype=torch.int64), 8, rank, starts,
             )  # fmt: skip
-            for num_tokens in (5, 600):  # BLOCK_M 16 and 64
+            for num_tokens in (5, 12000, 20000):  # BLOCK_M 16, 32 and 64
                 lora_sgmv_shrink_expand(
                     torch.empty(num_tokens, sum(slices), dtype=dtype),
                     torch.empty(num_tokens, 4096, dtype=dtype),

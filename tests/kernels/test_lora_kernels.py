@@ -36,7 +36,8 @@ def stacked_slots(slice_sizes, num_slots, rank, in_features, dtype, generator):
     [((24,), torch.float32), ((16, 8, 8), torch.float32), ((16, 8, 8), torch.bfloat16)],
 )
 def test_bgmv_equals_the_masked_product(slice_sizes, dtype):
-    num_slots, rank, in_features, num_tokens = 3, 4, 40, 7
+    # in_features: three BLOCK_K chunks, the last one partial, so the shrink splits K three ways.
+    num_slots, rank, in_features, num_tokens = 3, 4, 300, 7
     generator = torch.Generator().manual_seed(0)
     lora_a, lora_b = stacked_slots(slice_sizes, num_slots, rank, in_features, dtype, generator)
     slots = np.array([1, NO_SLOT, 0, 2, 2, NO_SLOT, 1])

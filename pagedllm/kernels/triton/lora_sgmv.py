@@ -13,7 +13,8 @@ Segments (``SegmentPlan``, built once per step on the host, not per layer): ``so
 segment), ``seg_start[s]``/``seg_len[s]`` slot s's run in it (length 0: an empty segment, whose
 programs return at once). The grid's M extent is the longest segment's, known on the host.
 
-Grids (M: ``cdiv(max_seg_len, BLOCK_M)``):
+Grids (M: ``cdiv(max_seg_len, BLOCK_M)``, BLOCK_M 64, or 32 or 16 when fewer tiles would leave
+the GPU idle: ``_block_m``):
   shrink ``(M, S)``: a program takes ``BLOCK_M`` tokens of segment s, gathers their x rows, and
   accumulates ``[BLOCK_M, n*R]`` over ``in`` in ``BLOCK_K`` chunks against slot s's A rows of all
   n slices at once (x read once for a fused projection); h is scattered back in token order.
@@ -24,7 +25,7 @@ Grids (M: ``cdiv(max_seg_len, BLOCK_M)``):
 Bytes and FLOPs per step (T tokens in g segments, n slices): FLOPs ``2*T*R*(n*in + out)``, as
 BGMV; weight bytes ``sum over segments of ceil(len/BLOCK_M) * (n*R*in + R*out)`` elements against
 BGMV's ``T * (n*R*in + R*out)``: a 4096-token prefill of 8 adapters reads each adapter's weights
-8x per 64 tokens instead of 512x. Activation bytes (x once, h twice, y twice) are BGMV's.
+once per tile of 16 tokens instead of once per token. Activation bytes (x once, h twice, y twice) are BGMV's.
 
 Which runs (``LoRABatch.set_token_slots``, once per step): a decode-only step (every request one
 token, or a padded CUDA-graph batch) keeps BGMV, whose per-token programs need no sort and whose
@@ -151,6 +152,19 @@ def _sgmv_expand_kernel(
     tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
+# Shrink programs a launch aims for (a few per SM of an H100's 132); BLOCK_M shrinks to get them.
+TARGET_PROGRAMS = 256
+
+
+def _block_m(max_seg_len: int, num_slots: int) -> int:
+    """Tokens per tile: 64 (weights read least often) unless that leaves the shrink, which walks
+    all of ``in`` per program, too few programs to fill the GPU; then 32 or 16 (tl.dot's least)."""
+    for block_m in (64, 32):
+        if triton.cdiv(max_seg_len, block_m) * num_slots >= TARGET_PROGRAMS:
+            return block_m
+    return 16
+
+
 @dataclass
 class SegmentPlan:
     """A step's tokens grouped by slot, on the device (built by ``plan_segments``).
@@ -209,7 +223,7 @@ def lora_sgmv_shrink_expand(
         return
     precision = "ieee" if lora_a.dtype == torch.float32 else "tf32"
     h = torch.empty(num_tokens, num_cols, dtype=torch.float32, device=x.device)
-    block_m = 64 if plan.max_seg_len >= 64 else max(16, triton.next_power_of_2(plan.max_seg_len))
+    block_m = _block_m(plan.max_seg_len, num_slots)
     num_m = triton.cdiv(plan.max_seg_len, block_m)
     segments = (plan.sorted_tokens, plan.seg_start, plan.seg_len)
     _sgmv_shrink_kernel[(num_m, num_slots)](
