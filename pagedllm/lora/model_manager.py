@@ -136,6 +136,11 @@ class LoRAModelManager:
         has_prefill = not pad_to and len(token_ids) > len(row_lora_ids)
         self.batch.set_token_slots(slots[inverse.reshape(-1)], has_prefill)
 
+    def prepare_capture(self) -> None:
+        """Before CUDA graphs are captured: decode steps' kernels (BGMV, reading the slot buffer),
+        whatever the last step (the profile run's prefill) chose."""
+        self.batch.set_token_slots(np.empty(0, dtype=np.int64), has_prefill=False)
+
     def _activate(self, lora_int_id: int, active: list[int]) -> int:
         """The slot holding the adapter, filling one (free, or the least recently used outside
         ``active``) when none does."""
