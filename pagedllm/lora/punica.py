@@ -34,7 +34,7 @@ kernels, one of two per step by the step's shape (``set_token_slots``):
            buffer at a fixed address, as the masks do here, so the graph replays it;
     step with a prefill chunk
         -> SGMV (``kernels/triton/lora_sgmv.py``): tokens grouped by slot once per step, a tile of
-           64 tokens of one adapter per program, its weights read once per tile.
+           16 to 64 tokens of one adapter per program, its weights read once per tile.
 """
 
 from __future__ import annotations

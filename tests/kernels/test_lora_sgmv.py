@@ -115,7 +115,20 @@ def test_plan_segments_groups_tokens_by_slot():
     assert plan.sorted_tokens.tolist() == [1, 5, 2, 4, 0, 3, 6]
     assert plan.seg_start.tolist() == [2, 4, 4, 7]
     assert plan.seg_len.tolist() == [2, 0, 3, 0]
-    assert plan.max_seg_len == 3
+    # Few tokens: tiles of 16, one per non-empty segment.
+    assert plan.block_m == 16 and plan.tile_slot.tolist() == [0, 2] and plan.tile_m0.tolist() == [0, 0]
+
+
+def test_plan_segments_cuts_long_segments_into_tiles():
+    # 40 tokens of slot 1, 16 of slot 0, 3 of slot 3: tiles of 16 rows.
+    token_slots = np.array([1] * 40 + [0] * 16 + [3] * 3)
+    plan = plan_segments(token_slots, num_slots=4, device=torch.device("cpu"))
+    assert plan.tile_slot.tolist() == [0, 1, 1, 1, 3]
+    assert plan.tile_m0.tolist() == [0, 0, 16, 32, 0]
+    # Enough tokens for 256 tiles of 64: the largest tile.
+    many = plan_segments(np.arange(64 * 256) % 8, num_slots=8, device=torch.device("cpu"))
+    assert many.block_m == 64 and many.num_tiles == 256
+    assert many.tile_m0.tolist()[:33] == [64 * i for i in range(32)] + [0]
 
 
 def test_lora_batch_picks_sgmv_for_prefill_and_bgmv_for_decode():

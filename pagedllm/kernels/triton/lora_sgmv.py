@@ -8,19 +8,20 @@ The contract is BGMV's (layouts there): for token t in slot s (none: nothing add
     shrink:  h[t, i*R + r]  = sum_k x[t, k] * A[(i*S + s)*R + r, k]
     expand:  y[t, o]       += sum_r h[t, i(o)*R + r] * B[o, (i(o)*S + s)*R + r]
 
-Segments (``SegmentPlan``, built once per step on the host, not per layer): ``sorted_tokens``
-``[T]`` the step's token indices ordered by slot (tokens without adapter first, outside every
-segment), ``seg_start[s]``/``seg_len[s]`` slot s's run in it (length 0: an empty segment, whose
-programs return at once). The grid's M extent is the longest segment's, known on the host.
+Segments and tiles (``SegmentPlan``, built once per step on the host, not per layer):
+``sorted_tokens [T]`` the step's token indices ordered by slot (tokens without adapter first,
+outside every segment); slot s's segment is ``seg_len[s]`` tokens from ``seg_start[s]``; each
+segment is cut into tiles of ``BLOCK_M`` tokens, tile j being ``BLOCK_M`` rows from ``tile_m0[j]``
+of slot ``tile_slot[j]``'s segment. The grids run over the tiles only: an empty segment has none,
+and a long one does not make the short ones launch idle programs.
 
-Grids (M: ``cdiv(max_seg_len, BLOCK_M)``, BLOCK_M 64, or 32 or 16 when fewer tiles would leave
-the GPU idle: ``_block_m``):
-  shrink ``(M, S)``: a program takes ``BLOCK_M`` tokens of segment s, gathers their x rows, and
-  accumulates ``[BLOCK_M, n*R]`` over ``in`` in ``BLOCK_K`` chunks against slot s's A rows of all
-  n slices at once (x read once for a fused projection); h is scattered back in token order.
-  expand ``(M, cdiv(out, BLOCK_O), S)``: a program takes ``BLOCK_M`` tokens of segment s and
-  ``BLOCK_O`` outputs; for each slice whose rows meet the tile, ``[BLOCK_M, R] @ [R, BLOCK_O]``;
-  it adds the sum to y (read, add, write).
+Grids (BLOCK_M 64, or 32 or 16 when 64 would give the shrink too few programs: ``_block_m``):
+  shrink ``(num_tiles,)``: a program gathers its tile's x rows and accumulates ``[BLOCK_M, n*R]``
+  over ``in`` in ``BLOCK_K`` chunks against its slot's A rows of all n slices at once (x read
+  once for a fused projection); h is scattered back in token order.
+  expand ``(num_tiles, cdiv(out, BLOCK_O))``: a program takes its tile's tokens and ``BLOCK_O``
+  outputs; for each slice whose rows meet the tile, ``[BLOCK_M, R] @ [R, BLOCK_O]``; it adds the
+  sum to y (read, add, write).
 
 Bytes and FLOPs per step (T tokens in g segments, n slices): FLOPs ``2*T*R*(n*in + out)``, as
 BGMV; weight bytes ``sum over segments of ceil(len/BLOCK_M) * (n*R*in + R*out)`` elements against
@@ -43,10 +44,24 @@ import triton.language as tl
 
 
 @triton.jit
+def _tile_rows(
+    tile, tile_slot_ptr, tile_m0_ptr, sorted_tokens_ptr, seg_start_ptr, seg_len_ptr, BLOCK_M: tl.constexpr
+):
+    """Tile ``tile``'s slot, its rows' token indices (int64), and which rows exist."""
+    slot = tl.load(tile_slot_ptr + tile)
+    offs_m = tl.load(tile_m0_ptr + tile) + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < tl.load(seg_len_ptr + slot)
+    tokens = tl.load(sorted_tokens_ptr + tl.load(seg_start_ptr + slot) + offs_m, mask=m_mask, other=0)
+    return slot, tokens.to(tl.int64), m_mask
+
+
+@triton.jit
 def _sgmv_shrink_kernel(
     h_ptr,
     x_ptr,
     a_ptr,
+    tile_slot_ptr,
+    tile_m0_ptr,
     sorted_tokens_ptr,
     seg_start_ptr,
     seg_len_ptr,
@@ -62,15 +77,9 @@ def _sgmv_shrink_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for float32 weights (exact as the torch path), else "tf32"
 ):
-    slot = tl.program_id(1)
-    seg_len = tl.load(seg_len_ptr + slot)
-    m0 = tl.program_id(0) * BLOCK_M
-    if m0 >= seg_len:
-        return
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < seg_len
-    tokens = tl.load(sorted_tokens_ptr + tl.load(seg_start_ptr + slot) + offs_m, mask=m_mask, other=0)
-    tokens = tokens.to(tl.int64)
+    slot, tokens, m_mask = _tile_rows(
+        tl.program_id(0), tile_slot_ptr, tile_m0_ptr, sorted_tokens_ptr, seg_start_ptr, seg_len_ptr, BLOCK_M
+    )
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < NUM_COLS
     # Row of A for column c = i * R + r: (i * S + slot) * R + r (every slice's rows at once).
@@ -97,6 +106,8 @@ def _sgmv_expand_kernel(
     y_ptr,
     h_ptr,
     b_ptr,
+    tile_slot_ptr,
+    tile_m0_ptr,
     sorted_tokens_ptr,
     seg_start_ptr,
     seg_len_ptr,
@@ -114,15 +125,9 @@ def _sgmv_expand_kernel(
     BLOCK_O: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    slot = tl.program_id(2)
-    seg_len = tl.load(seg_len_ptr + slot)
-    m0 = tl.program_id(0) * BLOCK_M
-    if m0 >= seg_len:
-        return
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < seg_len
-    tokens = tl.load(sorted_tokens_ptr + tl.load(seg_start_ptr + slot) + offs_m, mask=m_mask, other=0)
-    tokens = tokens.to(tl.int64)
+    slot, tokens, m_mask = _tile_rows(
+        tl.program_id(0), tile_slot_ptr, tile_m0_ptr, sorted_tokens_ptr, seg_start_ptr, seg_len_ptr, BLOCK_M
+    )
     o0 = tl.program_id(1) * BLOCK_O
     offs_o = o0 + tl.arange(0, BLOCK_O)
     offs_r = tl.arange(0, BLOCK_R)
@@ -156,46 +161,54 @@ def _sgmv_expand_kernel(
 TARGET_PROGRAMS = 256
 
 
-def _block_m(max_seg_len: int, num_slots: int) -> int:
+def _block_m(seg_len: np.ndarray) -> int:
     """Tokens per tile: 64 (weights read least often) unless that leaves the shrink, which walks
     all of ``in`` per program, too few programs to fill the GPU; then 32 or 16 (tl.dot's least)."""
     for block_m in (64, 32):
-        if triton.cdiv(max_seg_len, block_m) * num_slots >= TARGET_PROGRAMS:
+        if (-(-seg_len // block_m)).sum() >= TARGET_PROGRAMS:
             return block_m
     return 16
 
 
 @dataclass
 class SegmentPlan:
-    """A step's tokens grouped by slot, on the device (built by ``plan_segments``).
+    """A step's tokens grouped by slot and cut into tiles, on the device (``plan_segments``).
 
     sorted_tokens: [T] int32, token indices by slot (tokens without adapter first, in no segment);
-    seg_start, seg_len: [S] int32, slot s's run in ``sorted_tokens``; max_seg_len: the longest
-    run (the grid's M extent, a host int)."""
+    seg_start, seg_len: [S] int32, slot s's run in ``sorted_tokens``; tile_slot, tile_m0:
+    [num_tiles] int32, each tile's slot and first row in its segment; block_m: rows per tile."""
 
     sorted_tokens: torch.Tensor
     seg_start: torch.Tensor
     seg_len: torch.Tensor
-    max_seg_len: int
+    tile_slot: torch.Tensor
+    tile_m0: torch.Tensor
+    block_m: int
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tile_slot.shape[0]
 
 
 def plan_segments(token_slots: np.ndarray, num_slots: int, device: torch.device) -> SegmentPlan:
-    """token_slots: [T] each token's slot or -1 -> its segments, in one host-to-device copy."""
+    """token_slots: [T] each token's slot or -1 -> its segments and tiles, in one host-to-device
+    copy."""
     token_slots = np.asarray(token_slots, dtype=np.int64)
     order = np.argsort(token_slots, kind="stable")  # -1 first, then slot 0, 1, ...
     seg_len = np.bincount(token_slots[token_slots >= 0], minlength=num_slots)
     seg_start = (token_slots < 0).sum() + np.concatenate(([0], np.cumsum(seg_len)[:-1]))
-    packed = torch.from_numpy(np.concatenate((order, seg_start, seg_len)).astype(np.int32))
+    block_m = _block_m(seg_len)
+    tiles = -(-seg_len // block_m)  # [S] tiles per segment
+    tile_slot = np.repeat(np.arange(num_slots), tiles)
+    # A tile's index within its segment, times BLOCK_M.
+    tile_m0 = (np.arange(len(tile_slot)) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * block_m
+    parts = (order, seg_start, seg_len, tile_slot, tile_m0)
+    packed = torch.from_numpy(np.concatenate(parts).astype(np.int32))
     if device.type != "cpu":
         # Pinned, asynchronous: a pageable copy would wait for the device to drain.
         packed = packed.pin_memory().to(device, non_blocking=True)
-    num_tokens = len(token_slots)
-    return SegmentPlan(
-        packed[:num_tokens],
-        packed[num_tokens : num_tokens + num_slots],
-        packed[num_tokens + num_slots :],
-        int(seg_len.max(initial=0)),
-    )
+    views = torch.split(packed, [len(p) for p in parts])
+    return SegmentPlan(*views, block_m=block_m)
 
 
 def lora_sgmv_shrink_expand(
@@ -219,22 +232,20 @@ def lora_sgmv_shrink_expand(
     # Rows past the plan's tokens (padding) run without adapter.
     assert 1 <= num_slices <= 3 and plan.sorted_tokens.shape[0] <= num_tokens
     assert x.stride(1) == 1 and y.stride(1) == 1 and lora_a.stride(1) == 1 and lora_b.stride(1) == 1
-    if plan.max_seg_len == 0:
+    if plan.num_tiles == 0:
         return
     precision = "ieee" if lora_a.dtype == torch.float32 else "tf32"
     h = torch.empty(num_tokens, num_cols, dtype=torch.float32, device=x.device)
-    block_m = _block_m(plan.max_seg_len, num_slots)
-    num_m = triton.cdiv(plan.max_seg_len, block_m)
-    segments = (plan.sorted_tokens, plan.seg_start, plan.seg_len)
-    _sgmv_shrink_kernel[(num_m, num_slots)](
-        h, x, lora_a, *segments, in_features, num_slots, x.stride(0), lora_a.stride(0), h.stride(0),
-        RANK=rank, NUM_COLS=num_cols, BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(num_cols)),
-        BLOCK_K=64, PRECISION=precision,
+    tiles = (plan.tile_slot, plan.tile_m0, plan.sorted_tokens, plan.seg_start, plan.seg_len)
+    _sgmv_shrink_kernel[(plan.num_tiles,)](
+        h, x, lora_a, *tiles, in_features, num_slots, x.stride(0), lora_a.stride(0), h.stride(0),
+        RANK=rank, NUM_COLS=num_cols, BLOCK_M=plan.block_m,
+        BLOCK_N=max(16, triton.next_power_of_2(num_cols)), BLOCK_K=64, PRECISION=precision,
     )  # fmt: skip
     block_o = 64
-    _sgmv_expand_kernel[(num_m, triton.cdiv(out_features, block_o), num_slots)](
-        y, h, lora_b, *segments, out_features, num_slots, slice_starts[0], slice_starts[1],
+    _sgmv_expand_kernel[(plan.num_tiles, triton.cdiv(out_features, block_o))](
+        y, h, lora_b, *tiles, out_features, num_slots, slice_starts[0], slice_starts[1],
         y.stride(0), h.stride(0), lora_b.stride(0),
-        RANK=rank, NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        RANK=rank, NUM_SLICES=num_slices, BLOCK_M=plan.block_m, BLOCK_R=max(16, triton.next_power_of_2(rank)),
         BLOCK_O=block_o, PRECISION=precision,
     )  # fmt: skip
