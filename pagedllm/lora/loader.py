@@ -13,8 +13,11 @@ is on the host of every rank::
 
 A step then finds the adapter in the host LRU (``AdapterLoader.get``) and only copies it into a
 slot. vLLM reads an adapter on the step's thread when a step first needs it; this keeps it off.
-The one remaining read on the step's thread is an adapter the host LRU (``max_cpu_loras``) dropped
-between its load and its step, when more adapters than that load at once: ``get`` reads it again.
+The LRU (``max_cpu_loras``) never drops an adapter whose requests are still parked, so every
+parked request is released (the LRU holds more meanwhile). The one remaining read on the step's
+thread is an adapter dropped after its requests were released but before they were scheduled
+(they wait in the scheduler, for max_loras or memory, while more than ``max_cpu_loras`` others
+load): ``get`` reads it again.
 """
 
 from __future__ import annotations
@@ -72,14 +75,15 @@ class AdapterLoader:
         pending = [self._loading[i] for i in ids if i in self._loading]
         if pending and timeout > 0:
             wait(pending, timeout, return_when=FIRST_COMPLETED)
-        self._collect()
+        # The adapters asked about are kept: their requests are about to be scheduled.
+        self._collect(protected=ids)
         failed = {i: self._failed.pop(i) for i in ids if i in self._failed}
         return {i for i in ids if i in self._cache}, failed
 
     def get(self, lora_int_id: int) -> AdapterWeights:
         """The adapter's tensors, from the LRU; a load in flight is waited for, and an adapter the
-        LRU dropped is read again (on this thread)."""
-        self._collect()
+        LRU dropped is read again (on this thread). Evicts nothing but to make room for this one:
+        the step's other adapters, released by the same ``states`` call, stay."""
         weights = self._cache.get(lora_int_id)
         if weights is not None:
             self._cache.move_to_end(lora_int_id)
@@ -92,13 +96,13 @@ class AdapterLoader:
             if lora_request is None:
                 raise RuntimeError(f"no adapter with lora_int_id {lora_int_id} was sent to this worker")
             weights = load_adapter(lora_request, self.hf_config, self.lora_config)
-        self._insert(lora_int_id, weights)
+        self._insert(lora_int_id, weights, protected={lora_int_id})
         return weights
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def _collect(self) -> None:
+    def _collect(self, protected: set[int]) -> None:
         """Move finished loads into the LRU, or into ``_failed``."""
         for lora_int_id, future in list(self._loading.items()):
             if not future.done():
@@ -106,14 +110,17 @@ class AdapterLoader:
             del self._loading[lora_int_id]
             error = future.exception()
             if error is None:
-                self._insert(lora_int_id, future.result())
+                self._insert(lora_int_id, future.result(), protected)
             else:
                 self._failed[lora_int_id] = _describe(self._known[lora_int_id], error)
 
-    def _insert(self, lora_int_id: int, weights: AdapterWeights) -> None:
+    def _insert(self, lora_int_id: int, weights: AdapterWeights, protected: set[int]) -> None:
+        """Add to the LRU, dropping the least recently used adapters past ``max_cpu_loras``
+        except ``protected`` ones (the LRU may then hold more, until they are no longer)."""
         self._cache[lora_int_id] = weights
-        while len(self._cache) > self.lora_config.num_cpu_loras:
-            self._cache.popitem(last=False)
+        evictable = [i for i in self._cache if i not in protected]
+        for victim in evictable[: max(0, len(self._cache) - self.lora_config.num_cpu_loras)]:
+            del self._cache[victim]
 
 
 def _describe(lora_request: LoRARequest, error: BaseException) -> str:

@@ -110,3 +110,28 @@ def test_an_adapter_that_fails_to_load_fails_only_its_requests(
     engine.add_request("again", prompt_token_ids=prompts[3], sampling_params=GREEDY, lora_request=good)
     run_until(engine, {"again"}, finished)
     assert finished["again"].outputs[0].token_ids == hf_greedy_tokens(merged, prompts[3], GREEDY.max_tokens)
+
+
+def test_the_host_lru_keeps_every_adapter_whose_requests_wait(base, make_adapter):
+    """max_cpu_loras=1 and three adapters loading at once: each is reported on the host (none
+    dropped by the others' arrival while its requests wait), and the LRU shrinks back after."""
+    from pagedllm.lora.config import LoRAConfig
+
+    loader = loader_module.AdapterLoader(base[1].hf_config, LoRAConfig(max_loras=1, max_cpu_loras=1))
+    loras = [LoRARequest(f"a{i}", i + 1, make_adapter(base[0], 2, ["q_proj"])) for i in range(3)]
+    for lora in loras:
+        loader.start(lora)
+    ids, loaded = {1, 2, 3}, set()
+    for _ in range(500):
+        loaded, failed = loader.states(ids, timeout=0.1)
+        assert not failed
+        if loaded == ids:
+            break
+    assert loaded == ids
+    num_layers = base[1].hf_config.num_hidden_layers
+    assert loader.get(2).weights.keys() == {(layer, "q_proj") for layer in range(num_layers)}
+    # Once no request waits for them, the next adapter's arrival takes the LRU back to one.
+    loader.start(LoRARequest("a4", 4, make_adapter(base[0], 2, ["k_proj"])))
+    loader.get(4)
+    assert loader.states([1, 2, 3, 4])[0] == {4}
+    loader.shutdown()
