@@ -17,7 +17,8 @@ Grids: shrink ``(T, cdiv(n*R, BLOCK_N), SPLIT_K)``, each program one token's ``B
 over one ``in / SPLIT_K`` stretch of its adapter's A rows, in ``BLOCK_K`` chunks, written as a
 partial sum; expand ``(T, cdiv(out, BLOCK_O))``, each program ``BLOCK_O`` outputs of one token: it
 adds up the token's ``SPLIT_K`` partials of each slice (a fixed order: the result does not
-depend on timing), then the R ranks of their slice. A token without adapter returns at once.
+depend on timing), then the R ranks of their slice; ``BLOCK_O`` is 64, or 256 from
+``EXPAND_WIDE_TOKENS`` tokens on. A token without adapter returns at once.
 
 Why split K: at decode a step has few tokens, and without it the shrink is ``T`` programs each
 walking all of ``in`` (Llama-3.1-8B's down projection: 14336) one chunk after another, latency-
@@ -38,6 +39,8 @@ import triton.language as tl
 
 # Programs a shrink launch aims for (a few per SM of an H100's 132): SPLIT_K makes up the rest.
 TARGET_PROGRAMS = 512
+# Tokens from which the expand's output tiles are 256 wide rather than 64.
+EXPAND_WIDE_TOKENS = 16
 
 
 @triton.jit
@@ -168,7 +171,9 @@ def lora_shrink_expand(
         x.stride(0), lora_a.stride(0), h.stride(0), h.stride(1),
         RANK=rank, NUM_COLS=num_cols, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
-    block_o = 64
+    # Few tokens: narrow output tiles, for programs enough to fill the GPU; many tokens: wide
+    # ones, so the launch is not mostly per-program overhead (T * out / 64 programs of 64 x R).
+    block_o = 64 if num_tokens < EXPAND_WIDE_TOKENS else 256
     _lora_expand_kernel[(num_tokens, triton.cdiv(out_features, block_o))](
         y, h, lora_b, token_slots, out_features, num_slots, slice_starts[0], slice_starts[1], split_k,
         y.stride(0), h.stride(0), h.stride(1), lora_b.stride(0),
