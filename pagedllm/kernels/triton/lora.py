@@ -25,6 +25,9 @@ walking all of ``in`` (Llama-3.1-8B's down projection: 14336) one chunk after an
 bound on one SM while the rest idle. ``SPLIT_K`` is picked so the launch has about
 ``TARGET_PROGRAMS`` programs (at most one per ``BLOCK_K`` chunk).
 
+Launched with programmatic dependent launch on Hopper (``pdl.py``): the expand is scheduled while
+the shrink runs, and the projection's next kernel while the expand does; each waits on the device.
+
 Bound: memory. A token reads ``n*R*in + out*R`` weight elements (its own adapter's: work does
 not grow with the number of slots, unlike the torch path's masked product) and writes
 ``n*R*SPLIT_K + out``; FLOPs ``2*(n*R*in + out*R)``. Tokens of one adapter re-read its weights
@@ -36,6 +39,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 
 # Programs a shrink launch aims for (a few per SM of an H100's 132): SPLIT_K makes up the rest.
 TARGET_PROGRAMS = 512
@@ -60,7 +65,9 @@ def _lora_shrink_kernel(
     NUM_COLS: tl.constexpr,  # n * RANK
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    wait_for_prior_kernel(USE_GDC)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(2)
@@ -106,7 +113,9 @@ def _lora_expand_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr,  # next power of two >= split_k
     BLOCK_O: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    wait_for_prior_kernel(USE_GDC)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token)
     if slot < 0:
@@ -169,7 +178,7 @@ def lora_shrink_expand(
     _lora_shrink_kernel[(num_tokens, num_col_blocks, split_k)](
         h, x, lora_a, token_slots, in_features, chunks_per_split * block_k, num_slots,
         x.stride(0), lora_a.stride(0), h.stride(0), h.stride(1),
-        RANK=rank, NUM_COLS=num_cols, BLOCK_N=block_n, BLOCK_K=block_k,
+        RANK=rank, NUM_COLS=num_cols, BLOCK_N=block_n, BLOCK_K=block_k, **pdl_options(x.device),
     )  # fmt: skip
     # Few tokens: narrow output tiles, for programs enough to fill the GPU; many tokens: wide
     # ones, so the launch is not mostly per-program overhead (T * out / 64 programs of 64 x R).
@@ -178,5 +187,5 @@ def lora_shrink_expand(
         y, h, lora_b, token_slots, out_features, num_slots, slice_starts[0], slice_starts[1], split_k,
         y.stride(0), h.stride(0), h.stride(1), lora_b.stride(0),
         RANK=rank, NUM_SLICES=num_cols // rank, BLOCK_R=triton.next_power_of_2(rank),
-        BLOCK_S=triton.next_power_of_2(split_k), BLOCK_O=block_o,
+        BLOCK_S=triton.next_power_of_2(split_k), BLOCK_O=block_o, **pdl_options(x.device),
     )  # fmt: skip

@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
+
 
 @triton.jit
 def _tile_rows(
@@ -76,7 +78,9 @@ def _sgmv_shrink_kernel(
     BLOCK_N: tl.constexpr,  # next power of two >= NUM_COLS, >= 16 (tl.dot's least size)
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for float32 weights (exact as the torch path), else "tf32"
+    USE_GDC: tl.constexpr,
 ):
+    wait_for_prior_kernel(USE_GDC)
     slot, tokens, m_mask = _tile_rows(
         tl.program_id(0), tile_slot_ptr, tile_m0_ptr, sorted_tokens_ptr, seg_start_ptr, seg_len_ptr, BLOCK_M
     )
@@ -124,7 +128,9 @@ def _sgmv_expand_kernel(
     BLOCK_R: tl.constexpr,  # next power of two >= RANK, >= 16
     BLOCK_O: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    wait_for_prior_kernel(USE_GDC)
     slot, tokens, m_mask = _tile_rows(
         tl.program_id(0), tile_slot_ptr, tile_m0_ptr, sorted_tokens_ptr, seg_start_ptr, seg_len_ptr, BLOCK_M
     )
@@ -241,11 +247,12 @@ def lora_sgmv_shrink_expand(
         h, x, lora_a, *tiles, in_features, num_slots, x.stride(0), lora_a.stride(0), h.stride(0),
         RANK=rank, NUM_COLS=num_cols, BLOCK_M=plan.block_m,
         BLOCK_N=max(16, triton.next_power_of_2(num_cols)), BLOCK_K=64, PRECISION=precision,
+        **pdl_options(x.device),
     )  # fmt: skip
     block_o = 64
     _sgmv_expand_kernel[(plan.num_tiles, triton.cdiv(out_features, block_o))](
         y, h, lora_b, *tiles, out_features, num_slots, slice_starts[0], slice_starts[1],
         y.stride(0), h.stride(0), lora_b.stride(0),
         RANK=rank, NUM_SLICES=num_slices, BLOCK_M=plan.block_m, BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        BLOCK_O=block_o, PRECISION=precision,
+        BLOCK_O=block_o, PRECISION=precision, **pdl_options(x.device),
     )  # fmt: skip
