@@ -19,8 +19,8 @@
 # thread of its own process, --no-engine-process), w5 (bench throughput of the
 # Qwen3-30B-A3B mixture of experts, against its floor), moe (bench moe: the fused MoE kernel against
 # the per-expert torch reference; moe-sweep: every launch too), cuda (W1 on the cuda backend),
-# sanitize (compute-sanitizer on the CUDA kernels), lora (bench lora: the BGMV kernels against the
-# masked torch product), w1-lora / w3-lora (W1 with 8 rank-16 LoRA adapters, W3 with one), w1-fp8kv
+# sanitize (compute-sanitizer on the CUDA kernels), lora (bench lora: the BGMV and SGMV kernels against
+# the masked torch product), w1-lora / w3-lora (W1 with 8 rank-16 LoRA adapters, W3 with one), w1-fp8kv
 # (W1 with an FP8 KV cache), w3-fp8 (W3 with FP8 weights), w3-w4a16 (W3 with compressed-tensors W4A16
 # weights, dummy), w2-fp8 (W2 with FP8 W8A8 weights), quant (bench quant: every quantized GEMM path at
 # Llama-3.1-8B's layer shapes, decode to prefill, and the skinny kernels' launch sweep), w3-spec (W3

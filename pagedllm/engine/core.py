@@ -65,6 +65,7 @@ from pagedllm.engine.beam_search import beam_search_step
 from pagedllm.engine.stats import EngineStats
 from pagedllm.executor import get_executor_class
 from pagedllm.executor.abstract import ExecutorDeadError
+from pagedllm.lora.loader import LoRALoadGate
 from pagedllm.step_io import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -138,6 +139,8 @@ class EngineCore:
             num_state_slots=self.executor.get_kv_cache_spec().num_state_slots,
         )
         self.async_scheduling = config.async_scheduling
+        # With enable_lora: requests whose adapter the workers are still reading wait here.
+        self.lora_gate = LoRALoadGate(self.executor.collective_rpc) if config.lora_config else None
         # Live requests, by the caller's id.
         self.requests: dict[str, _LiveRequest] = {}
         # The step launched but not yet applied (asynchronous scheduling).
@@ -175,7 +178,8 @@ class EngineCore:
         )
         beams = BeamSearchState(beam_width=params.best_of) if params.use_beam_search else None
         self.requests[request.request_id] = _LiveRequest(first.group, beams)
-        self.scheduler.add_request(first)
+        if self.lora_gate is None or self.lora_gate.admit(first):
+            self.scheduler.add_request(first)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """End requests wherever they are; their blocks are free when this returns. Call it
@@ -183,6 +187,8 @@ class EngineCore:
         for request_id in request_ids:
             live = self.requests.pop(request_id, None)
             if live is not None:
+                if self.lora_gate is not None:
+                    self.lora_gate.discard(live.group.members)
                 self.scheduler.finish_requests(list(live.group.members), RequestStatus.FINISHED_ABORTED)
 
     def finish_sequences(self, stopped: Iterable[tuple[str, int]]) -> None:
@@ -209,6 +215,8 @@ class EngineCore:
         if self._dead_reason is not None:
             raise ExecutorDeadError(self._dead_reason)
         out = EngineCoreOutputs()
+        if self.lora_gate is not None:
+            self._admit_loaded_adapters()
         scheduler_output = None
         try:
             if self._in_flight is not None and (
@@ -244,6 +252,19 @@ class EngineCore:
                 self._in_flight = None
             self._handle_failed_step(failure.error, dropped, out)
         return out
+
+    def _admit_loaded_adapters(self) -> None:
+        """Requests whose adapter is now on every rank go to the scheduler; those whose adapter
+        failed to load end with its error (reported with the step's stopped requests)."""
+        assert self.lora_gate is not None
+        idle = self._in_flight is None and not self.scheduler.has_unfinished_requests()
+        ready, failed = self.lora_gate.poll(idle)
+        for request in ready:
+            self.scheduler.add_request(request)
+        for request, error in failed:
+            logger.error("request %s failed: %s", request.group.request_id, error)
+            self.scheduler.add_request(request)
+            self.scheduler.queues.stop([request], RequestStatus.FINISHED_ERROR, error)
 
     def _handle_failed_step(
         self, error: Exception, dropped: list[SchedulerOutput], out: EngineCoreOutputs

@@ -30,7 +30,7 @@ BENCHMARKS = {
     "serve": "online serving against an OpenAI-compatible endpoint: W4",
     "kernels": "paged decode attention bandwidth: K1",
     "moe": "fused MoE kernel against the per-expert torch reference",
-    "lora": "LoRA BGMV shrink/expand kernels against the masked torch product",
+    "lora": "LoRA BGMV and SGMV shrink/expand kernels against the masked torch product",
     "quant": "quantized GEMM paths (FP8, W4A16; decode to prefill) at Llama-3.1-8B's layer shapes",
 }
 

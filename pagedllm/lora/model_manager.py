@@ -4,9 +4,10 @@
 is loaded with ``enable_lora``, then, each step, puts the step's adapters in slots and gives each
 token its slot::
 
-    adapter files --load (once)--> host LRU (max_cpu_loras) --copy--> slot s of every wrapper
-                                                                      (max_loras slots)
-    step: request rows -> adapter ids -> token slots -> LoRABatch masks -> every wrapper
+    adapter files --loader thread--> host LRU (max_cpu_loras) --copy--> slot s of every wrapper
+                  (loader.py)                                          (max_loras slots)
+    step: request rows -> adapter ids -> token slots -> LoRABatch (masks, or the kernels' slots
+                                                      and segments) -> every wrapper
 
 The scheduler lets at most ``max_loras`` adapters into a step, so the step's adapters always fit;
 a slot whose adapter the step does not use is refilled least recently used first. Every rank
@@ -27,7 +28,8 @@ from transformers import PretrainedConfig
 from pagedllm.layers.linear import ColumnParallelLinear, LinearBase, RowParallelLinear
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.lora.layers import LinearWithLoRA, RowParallelLinearWithLoRA, SliceWeights
-from pagedllm.lora.peft import AdapterWeights, load_adapter
+from pagedllm.lora.loader import AdapterLoader
+from pagedllm.lora.peft import AdapterWeights
 from pagedllm.lora.punica import NO_SLOT, LoRABatch, token_lora_ids
 from pagedllm.lora.request import LoRARequest
 
@@ -71,8 +73,7 @@ class LoRAModelManager:
         self.wrappers: list[LinearWithLoRA] = []
         for name, (layer, base) in targets.items():
             self._wrap(model, name, layer, base, packed)
-        self._known: dict[int, LoRARequest] = {}
-        self._host_cache: OrderedDict[int, AdapterWeights] = OrderedDict()
+        self.loader = AdapterLoader(hf_config, lora_config)
         # Adapter id -> slot, least recently used first.
         self._slot_of: OrderedDict[int, int] = OrderedDict()
 
@@ -101,9 +102,11 @@ class LoRAModelManager:
         """Adapter id -> slot, for the adapters in slots now."""
         return dict(self._slot_of)
 
-    def add_lora(self, lora_request: LoRARequest) -> None:
-        """Know an adapter (its files are read when a step first needs it)."""
-        self._known[lora_request.lora_int_id] = lora_request
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Start reading the adapter on the loader thread (unless loaded); whether it is loaded."""
+        self.loader.start(lora_request)
+        loaded, _ = self.loader.states([lora_request.lora_int_id])
+        return bool(loaded)
 
     def prepare_step(
         self,
@@ -119,7 +122,8 @@ class LoRAModelManager:
         step's CSR offsets and graph padding (``token_lora_ids``)."""
         for lora_request in lora_requests:
             if lora_request is not None:
-                self.add_lora(lora_request)
+                # Loaded already when the engine's gate let the request in; else read now.
+                self.loader.start(lora_request)
         token_ids = token_lora_ids(row_lora_ids, query_start_loc, pad_to)
         ids, inverse = np.unique(token_ids, return_inverse=True)
         active = [int(i) for i in ids if i]
@@ -128,7 +132,14 @@ class LoRAModelManager:
                 f"a step has {len(active)} adapters, more than max_loras={self.lora_config.max_loras}"
             )
         slots = np.array([self._activate(i, active) if i else NO_SLOT for i in ids.tolist()], dtype=np.int64)
-        self.batch.set_token_slots(slots[inverse.reshape(-1)])
+        # A CUDA graph's batch is decodes only; else a query longer than one token is a prefill.
+        has_prefill = not pad_to and len(token_ids) > len(row_lora_ids)
+        self.batch.set_token_slots(slots[inverse.reshape(-1)], has_prefill)
+
+    def prepare_capture(self) -> None:
+        """Before CUDA graphs are captured: decode steps' kernels (BGMV, reading the slot buffer),
+        whatever the last step (the profile run's prefill) chose."""
+        self.batch.set_token_slots(np.empty(0, dtype=np.int64), has_prefill=False)
 
     def _activate(self, lora_int_id: int, active: list[int]) -> int:
         """The slot holding the adapter, filling one (free, or the least recently used outside
@@ -144,26 +155,11 @@ class LoRAModelManager:
         else:
             victim = next(i for i in self._slot_of if i not in active)
             slot = self._slot_of.pop(victim)
-        weights = self._host_weights(lora_int_id)
+        weights = self.loader.get(lora_int_id)
         for wrapper in self.wrappers:
             wrapper.set_slot(slot, self._slices_of(wrapper, weights))
         self._slot_of[lora_int_id] = slot
         return slot
-
-    def _host_weights(self, lora_int_id: int) -> AdapterWeights:
-        """The adapter's tensors from the host LRU, read from its directory on a miss."""
-        cache = self._host_cache
-        if lora_int_id in cache:
-            cache.move_to_end(lora_int_id)
-            return cache[lora_int_id]
-        lora_request = self._known.get(lora_int_id)
-        if lora_request is None:
-            raise RuntimeError(f"no adapter with lora_int_id {lora_int_id} was sent to this worker")
-        weights = load_adapter(lora_request, self.hf_config, self.lora_config)
-        cache[lora_int_id] = weights
-        while len(cache) > self.lora_config.num_cpu_loras:
-            cache.popitem(last=False)
-        return weights
 
     def _slices_of(self, wrapper: LinearWithLoRA, weights: AdapterWeights) -> list[SliceWeights]:
         slices: list[SliceWeights] = [None] * wrapper.num_slices

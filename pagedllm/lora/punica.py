@@ -24,17 +24,29 @@ A fused projection (q/k/v, gate/up) has one block of ``S * R`` columns per slice
 rows ``i * S * R ..``, its B only in slice i's output rows, so one shrink and one expand serve
 all slices (the mask repeats per slice).
 
-On CUDA the same contract runs as Punica's BGMV kernels (``kernels/triton/lora.py``): each token
-reads only its own adapter's rows, so the work does not grow with ``max_loras``; the per-token
-slots live in a buffer at a fixed address, as the masks do here. ``LoRABatch`` picks one of the
-two at construction; the torch product is the reference the kernels are tested against.
+On CUDA the same contract runs as Punica's kernels: each token reads only its own adapter's rows,
+so the work does not grow with ``max_loras``. ``LoRABatch`` picks kernels or the torch product at
+construction (the torch product is the reference the kernels are tested against), and, with
+kernels, one of two per step by the step's shape (``set_token_slots``):
+
+    decode-only step (one token per request, or a CUDA-graph batch)
+        -> BGMV (``kernels/triton/lora.py``): a program per token; the per-token slots live in a
+           buffer at a fixed address, as the masks do here, so the graph replays it;
+    step with a prefill chunk
+        -> SGMV (``kernels/triton/lora_sgmv.py``): tokens grouped by slot once per step, a tile of
+           16 to 64 tokens of one adapter per program, its weights read once per tile.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from pagedllm.kernels.triton.lora_sgmv import SegmentPlan
 
 # The slot of a token that runs without an adapter (vLLM's punica convention).
 NO_SLOT = -1
@@ -62,7 +74,7 @@ def token_lora_ids(row_lora_ids: np.ndarray, query_start_loc: np.ndarray, pad_to
 
 class LoRABatch:
     """The step's token -> slot mapping, and the product that reads it (``apply``), chosen once:
-    BGMV kernels on CUDA (the slots in a buffer), the masked product elsewhere (one mask buffer
+    kernels on CUDA (BGMV or SGMV, chosen per step), the masked product elsewhere (one mask buffer
     per number of slices, 1, 2 or 3). Buffers stay at fixed addresses: a captured graph reads
     ``[:T]`` of them.
 
@@ -89,10 +101,18 @@ class LoRABatch:
             use_kernels = device.type == "cuda"
         self._masks: dict[int, torch.Tensor] = {}
         self._token_slots = torch.full((max_num_tokens,), NO_SLOT, dtype=torch.int64, device=device)
+        # The step's segments by slot when it runs SGMV; None: BGMV (decode-only steps).
+        self._segments: SegmentPlan | None = None
+        self.use_kernels = use_kernels
         if use_kernels:
-            from pagedllm.kernels.triton.lora import lora_shrink_expand
+            # Imported here: the triton package is needed on CUDA only.
+            from pagedllm.kernels.triton import lora, lora_sgmv
 
-            self._kernel = lora_shrink_expand
+            self._bgmv, self._sgmv, self._plan = (
+                lora.lora_shrink_expand,
+                lora_sgmv.lora_sgmv_shrink_expand,
+                lora_sgmv.plan_segments,
+            )
             self.apply = self._apply_kernels
             return
         width = num_slots * max_rank
@@ -103,8 +123,13 @@ class LoRABatch:
         self._column_slots = torch.arange(num_slots, device=device).repeat_interleave(max_rank)
         self.apply = self._apply_masked
 
-    def set_token_slots(self, token_slots: np.ndarray) -> None:
-        """token_slots: [num_tokens] int64, each token's slot or NO_SLOT."""
+    def set_token_slots(self, token_slots: np.ndarray, has_prefill: bool = False) -> None:
+        """token_slots: [num_tokens] int64, each token's slot or NO_SLOT; has_prefill: a request
+        of the step computes more than one token (the kernels then run SGMV, else BGMV)."""
+        if self.use_kernels and has_prefill:
+            self._segments = self._plan(token_slots, self.num_slots, self.device)
+            return
+        self._segments = None
         slots = torch.from_numpy(np.ascontiguousarray(token_slots, dtype=np.int64))
         if self.device.type != "cpu":
             # Pinned, asynchronous: a pageable copy would wait for the device to drain.
@@ -140,5 +165,8 @@ class LoRABatch:
         num_slices: int,
         slice_starts: tuple[int, int],
     ) -> None:
+        if self._segments is not None:
+            self._sgmv(y, x, lora_a, lora_b, self._segments, self.num_slots, self.max_rank, slice_starts)
+            return
         token_slots = self._token_slots[: x.shape[0]]
-        self._kernel(y, x, lora_a, lora_b, token_slots, self.num_slots, self.max_rank, slice_starts)
+        self._bgmv(y, x, lora_a, lora_b, token_slots, self.num_slots, self.max_rank, slice_starts)

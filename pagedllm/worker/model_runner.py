@@ -218,6 +218,8 @@ class ModelRunner:
             self.compiled_decode.compile(kv_caches)
         if not self.use_cuda_graphs:
             return
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_capture()
         self.graph_runner = CudaGraphRunner(
             self.model, kv_caches, self.buffers, self.capture_sizes, self.max_model_len
         )

@@ -11,6 +11,7 @@ from pagedllm.attention.kv_quant import check_kv_cache_dtype
 from pagedllm.config import EngineConfig, GiB, kv_cache_torch_dtype
 from pagedllm.distributed import init_distributed_environment
 from pagedllm.layers.onednn_linear import onednn_available, prepack_dense_weights
+from pagedllm.lora.request import LoRARequest
 from pagedllm.models.utils import kv_cache_window
 from pagedllm.step_io import SchedulerOutput
 from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
@@ -185,6 +186,18 @@ class Worker:
         if self.model_runner.drafter is not None:
             self.model_runner.drafter.initialize_cache(num_gpu_blocks, num_cpu_blocks)
         self.model_runner.capture_model(self.cache_engine.gpu_cache)
+
+    # --- LoRA adapters, read on the loader thread (lora/loader.py's LoRALoadGate calls these) ---
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Start reading the adapter off the step's thread; whether it is on the host already."""
+        assert self.model_runner.lora_manager is not None, "enable_lora is off"
+        return self.model_runner.lora_manager.add_lora(lora_request)
+
+    def lora_load_states(self, lora_int_ids: list[int], timeout: float) -> tuple[set[int], dict[int, str]]:
+        """(the adapters among ``lora_int_ids`` on the host, those that failed with why)."""
+        assert self.model_runner.lora_manager is not None, "enable_lora is off"
+        return self.model_runner.lora_manager.loader.states(lora_int_ids, timeout)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepOutput:
         """Do the step's block moves, then its forward pass and sampling (without waiting for the

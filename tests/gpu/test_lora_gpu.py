@@ -1,7 +1,8 @@
-"""LoRA on CUDA: the BGMV kernels against the masked torch product at Llama-3.1-8B's q/k/v shape
-(8 slots of rank 16, bf16), captured in a CUDA graph; the engine with adapters on the GPU (CUDA
-graphs on, the kernels) giving the CPU path's greedy tokens, which tests/lora checks against
-PEFT; ``pagedllm bench lora`` end to end at a small size."""
+"""LoRA on CUDA: the BGMV and SGMV kernels against the masked torch product at Llama-3.1-8B's q/k/v
+shape (8 slots of rank 16, bf16), BGMV captured in a CUDA graph; the engine with adapters on the
+GPU (CUDA graphs on, the kernels) giving the CPU path's greedy tokens, which tests/lora checks
+against PEFT; two tensor-parallel GPUs giving one GPU's tokens with adapters; ``pagedllm bench
+lora`` end to end at a small size."""
 
 from __future__ import annotations
 
@@ -23,10 +24,15 @@ from pagedllm.lora.request import LoRARequest
 
 pytestmark = pytest.mark.gpu
 DEVICE = torch.device("cuda")
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-@pytest.mark.parametrize("num_tokens", [1, 37, 512])
-def test_bgmv_equals_the_masked_product_at_8b_shape(num_tokens):
+@pytest.mark.parametrize(
+    ("num_tokens", "has_prefill"),
+    [(1, False), (37, False), (512, False), (37, True), (512, True), (4096, True)],
+    ids=["bgmv-1", "bgmv-37", "bgmv-512", "sgmv-37", "sgmv-512", "sgmv-4096"],
+)
+def test_kernels_equal_the_masked_product_at_8b_shape(num_tokens, has_prefill):
     slots, rank, hidden, sizes = 8, 16, 4096, (4096, 1024, 1024)
     gen = torch.Generator(device=DEVICE).manual_seed(num_tokens)
     x = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).bfloat16()
@@ -46,7 +52,7 @@ def test_bgmv_equals_the_masked_product_at_8b_shape(num_tokens):
     expected = y.float()
     reference.apply(expected, x.float(), lora_a.float(), lora_b.float(), 3, starts)
     kernels = LoRABatch(slots, rank, num_tokens, {3}, torch.bfloat16, DEVICE, use_kernels=True)
-    kernels.set_token_slots(token_slots)
+    kernels.set_token_slots(token_slots, has_prefill)
     got = y.clone()
     kernels.apply(got, x, lora_a, lora_b, 3, starts)
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=5e-2)
@@ -103,10 +109,46 @@ def test_engine_with_adapters_on_cuda_gives_the_cpu_tokens(make_tiny_model, make
     assert outputs["cuda"] == outputs["cpu"]
 
 
+@pytest.mark.two_gpus
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["cuda-graphs", "eager"])
+def test_two_gpus_with_adapters_give_the_greedy_tokens_of_one(
+    make_tiny_model, make_adapter, make_prompts, enforce_eager
+):
+    # 2 KV heads: each rank holds one; B of k/v is cut by head, A of o/down by column.
+    hf_model, model_config = make_tiny_model(
+        LlamaConfig, hidden_size=256, num_attention_heads=4, num_key_value_heads=2
+    )
+    loras = [
+        LoRARequest("all", 1, make_adapter(hf_model, 16, ALL_TARGETS)),
+        LoRARequest("kv", 2, make_adapter(hf_model, 4, ["k_proj", "v_proj", "down_proj"])),
+    ]
+    choices = [loras[0], None, loras[1], loras[0], loras[1], None]
+    prompts = make_prompts(len(choices), model_config.vocab_size, seed=4, lo=3, hi=60)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    kwargs = dict(
+        device="cuda", dtype="float32", enforce_eager=enforce_eager, num_kv_blocks=512,
+        enable_lora=True, max_loras=2, max_lora_rank=16,
+    )  # fmt: skip
+    outputs = {}
+    for tp in (1, 2):
+        llm = LLM(model_config.model, tensor_parallel_size=tp, **kwargs)
+        try:
+            result = llm.generate(
+                prompt_token_ids=prompts, sampling_params=params, lora_request=choices, use_tqdm=False
+            )
+            outputs[tp] = [o.outputs[0].token_ids for o in result]
+        finally:
+            llm.llm_engine.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+    assert outputs[2] == outputs[1]
+
+
 def test_bench_lora_runs():
     args = argparse.Namespace(
-        num_tokens=[1, 64], num_slots=4, rank=8, hidden_size=512, q_size=512, kv_size=128, output_json=None
+        num_tokens=[1, 64], num_slots=4, rank=8, shapes=["qwen3-0.6b"], output_json=None
     )
     report = bench_lora.main(args)
     assert [row["num_tokens"] for row in report["rows"]] == [1, 64]
-    assert all(row["bgmv_ms"] > 0 and row["torch_ms"] > 0 for row in report["rows"])
+    assert all(row["bgmv_ms"] > 0 and row["sgmv_ms"] > 0 and row["torch_ms"] > 0 for row in report["rows"])

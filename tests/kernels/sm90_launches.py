@@ -15,6 +15,7 @@ from pagedllm.kernels.triton.activation import silu_and_mul
 from pagedllm.kernels.triton.batch_invariant_matmul import batch_invariant_matmul
 from pagedllm.kernels.triton.fused_moe import fused_moe
 from pagedllm.kernels.triton.lora import lora_shrink_expand
+from pagedllm.kernels.triton.lora_sgmv import lora_sgmv_shrink_expand, plan_segments
 from pagedllm.kernels.triton.paged_decode import paged_decode
 from pagedllm.kernels.triton.paged_prefill import paged_prefill
 from pagedllm.kernels.triton.quant_gemm import _fp8_quant_kernel, fp8_block_gemm, w4a16_gemm
@@ -192,14 +193,21 @@ def lora() -> None:
     # A fused q/k/v projection with 8 slots of rank 16, and a rank-8 unfused one.
     for dtype in DTYPES:
         for slices, rank in (((4096, 1024, 1024), 16), ((4096,), 8)):
-            x = torch.empty(5, 4096, dtype=dtype)
             width = len(slices) * 8 * rank
-            y = torch.empty(5, sum(slices), dtype=dtype)
             starts = (slices[0], slices[0] + slices[1]) if len(slices) == 3 else (slices[0], slices[0])
-            lora_shrink_expand(
-                y, x, torch.empty(width, 4096, dtype=dtype), torch.empty(sum(slices), width, dtype=dtype),
-                torch.zeros(5, dtype=torch.int64), 8, rank, starts,
-            )  # fmt: skip
+            for num_tokens in (5, 64, 12000, 20000):
+                y = torch.empty(num_tokens, sum(slices), dtype=dtype)
+                x = torch.empty(num_tokens, 4096, dtype=dtype)
+                weights = (
+                    torch.empty(width, 4096, dtype=dtype),
+                    torch.empty(sum(slices), width, dtype=dtype),
+                )
+                if num_tokens <= 64:  # BGMV (decode): narrow and wide expand tiles
+                    slots = torch.zeros(num_tokens, dtype=torch.int64)
+                    lora_shrink_expand(y, x, *weights, slots, 8, rank, starts)
+                # SGMV (prefill): BLOCK_M 16 (5 and 64 tokens), 32 (12000) and 64 (20000).
+                plan = plan_segments(torch.arange(num_tokens).numpy() % 8, 8, CPU)
+                lora_sgmv_shrink_expand(y, x, *weights, plan, 8, rank, starts)
 
 
 def batch_invariant() -> None:

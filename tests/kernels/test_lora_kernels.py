@@ -31,15 +31,17 @@ def stacked_slots(slice_sizes, num_slots, rank, in_features, dtype, generator):
     return lora_a.to(DEVICE, dtype), lora_b.to(DEVICE, dtype)
 
 
+@pytest.mark.parametrize("num_tokens", [7, 20], ids=["narrow-expand", "wide-expand"])
 @pytest.mark.parametrize(
     ("slice_sizes", "dtype"),
     [((24,), torch.float32), ((16, 8, 8), torch.float32), ((16, 8, 8), torch.bfloat16)],
 )
-def test_bgmv_equals_the_masked_product(slice_sizes, dtype):
-    num_slots, rank, in_features, num_tokens = 3, 4, 40, 7
+def test_bgmv_equals_the_masked_product(slice_sizes, dtype, num_tokens):
+    # in_features: three BLOCK_K chunks, the last one partial, so the shrink splits K three ways.
+    num_slots, rank, in_features = 3, 4, 300
     generator = torch.Generator().manual_seed(0)
     lora_a, lora_b = stacked_slots(slice_sizes, num_slots, rank, in_features, dtype, generator)
-    slots = np.array([1, NO_SLOT, 0, 2, 2, NO_SLOT, 1])
+    slots = np.resize([1, NO_SLOT, 0, 2, 2, NO_SLOT, 1], num_tokens)
     x = torch.randn(num_tokens, in_features, generator=generator).to(DEVICE, dtype)
     y = torch.randn(num_tokens, sum(slice_sizes), generator=generator).to(DEVICE, dtype)
 
@@ -53,8 +55,9 @@ def test_bgmv_equals_the_masked_product(slice_sizes, dtype):
     starts += [sum(slice_sizes)] * (2 - len(starts))
     token_slots = torch.from_numpy(slots).to(DEVICE)
     lora_shrink_expand(got, x, lora_a, lora_b, token_slots, num_slots, rank, tuple(starts))
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got.float(), expected, rtol=tolerance, atol=tolerance)
+    # float32: sums of 300 products of magnitude ~1 in another order than the torch product's.
+    rtol, atol = (1e-5, 1e-4) if dtype == torch.float32 else (2e-2, 2e-2)
+    torch.testing.assert_close(got.float(), expected, rtol=rtol, atol=atol)
     assert torch.equal(got[torch.from_numpy(slots == NO_SLOT)], y[torch.from_numpy(slots == NO_SLOT)])
 
 

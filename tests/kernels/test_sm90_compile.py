@@ -46,6 +46,8 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
         "_apply_bitmask_kernel",
         "_lora_shrink_kernel",
         "_lora_expand_kernel",
+        "_sgmv_shrink_kernel",
+        "_sgmv_expand_kernel",
         "_matmul_kernel",
         "_reduce_kernel",
         "_skinny_kernel",

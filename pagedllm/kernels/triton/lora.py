@@ -9,18 +9,29 @@ projection (q/k/v: 3, gate/up: 2, else 1)::
 
 Layouts (``lora/layers.py``'s slots): x ``[T, in]``, A ``[n*S*R, in]`` (slice-major, then slot, then
 rank; a rank-r adapter zero-padded to R), B ``[out, n*S*R]`` (slice i's adapter only in slice i's
-output rows), h ``[T, n*R]`` float32, y ``[T, out]``; rows of x, h, y and of A and B have unit
-column stride. ``slice_starts``: the first output row of slices 1 and 2 (``out`` past the last).
+output rows), h ``[SPLIT_K, T, n*R]`` float32 partial sums, y ``[T, out]``; rows of x, h, y and of
+A and B have unit column stride. ``slice_starts``: the first output row of slices 1 and 2 (``out``
+past the last).
 
-Grids: shrink ``(T, cdiv(n*R, BLOCK_N))``, each program one token's ``BLOCK_N`` outputs, reading
-its adapter's A rows once over ``in`` in ``BLOCK_K`` chunks; expand ``(T, cdiv(out, BLOCK_O))``,
-each program ``BLOCK_O`` outputs of one token over the R ranks of their slice. A token without
-adapter returns at once.
+Grids: shrink ``(T, cdiv(n*R, BLOCK_N), SPLIT_K)``, each program one token's ``BLOCK_N`` outputs
+over one ``in / SPLIT_K`` stretch of its adapter's A rows, in ``BLOCK_K`` chunks, written as a
+partial sum; expand ``(T, cdiv(out, BLOCK_O))``, each program ``BLOCK_O`` outputs of one token: it
+adds up the token's ``SPLIT_K`` partials of each slice (a fixed order: the result does not
+depend on timing), then the R ranks of their slice; ``BLOCK_O`` is 64, or 256 from
+``EXPAND_WIDE_TOKENS`` tokens on. A token without adapter returns at once.
+
+Why split K: at decode a step has few tokens, and without it the shrink is ``T`` programs each
+walking all of ``in`` (Llama-3.1-8B's down projection: 14336) one chunk after another, latency-
+bound on one SM while the rest idle. ``SPLIT_K`` is picked so the launch has about
+``TARGET_PROGRAMS`` programs (at most one per ``BLOCK_K`` chunk).
+
+Launched with programmatic dependent launch on Hopper (``pdl.py``): the expand is scheduled while
+the shrink runs, and the projection's next kernel while the expand does; each waits on the device.
 
 Bound: memory. A token reads ``n*R*in + out*R`` weight elements (its own adapter's: work does
 not grow with the number of slots, unlike the torch path's masked product) and writes
-``n*R + out``; FLOPs ``2*(n*R*in + out*R)``. Tokens of one adapter re-read its weights (L2 serves
-them within a step); grouping them (SGMV) would matter for long prefills only.
+``n*R*SPLIT_K + out``; FLOPs ``2*(n*R*in + out*R)``. Tokens of one adapter re-read its weights
+(L2 serves them within a step); SGMV (``lora_sgmv.py``) groups them, for steps with prefills.
 """
 
 from __future__ import annotations
@@ -28,6 +39,13 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
+
+# Programs a shrink launch aims for (a few per SM of an H100's 132): SPLIT_K makes up the rest.
+TARGET_PROGRAMS = 512
+# Tokens from which the expand's output tiles are 256 wide rather than 64.
+EXPAND_WIDE_TOKENS = 16
 
 
 @triton.jit
@@ -37,27 +55,32 @@ def _lora_shrink_kernel(
     a_ptr,
     slots_ptr,
     in_features,
+    k_per_split,  # a multiple of BLOCK_K
     num_slots,
     stride_x,
     stride_a,
+    stride_hs,
     stride_h,
     RANK: tl.constexpr,
     NUM_COLS: tl.constexpr,  # n * RANK
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    wait_for_prior_kernel(USE_GDC)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    split = tl.program_id(2)
     slot = tl.load(slots_ptr + token)
-    col_mask = cols < NUM_COLS
-    if slot < 0:
-        tl.store(h_ptr + token * stride_h + cols, tl.zeros([BLOCK_N], tl.float32), mask=col_mask)
+    if slot < 0:  # the expand skips the token: its h is never read
         return
+    col_mask = cols < NUM_COLS
     # Row of A for output column c = i * R + r: (i * S + slot) * R + r.
     rows = ((cols // RANK) * num_slots + slot) * RANK + cols % RANK
     acc = tl.zeros([BLOCK_N], tl.float32)
     offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(0, in_features, BLOCK_K):
+    k_start = split * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, in_features), BLOCK_K):
         k = k0 + offs_k
         k_mask = k < in_features
         x = tl.load(x_ptr + token * stride_x + k, mask=k_mask, other=0.0).to(tl.float32)
@@ -67,7 +90,7 @@ def _lora_shrink_kernel(
             other=0.0,
         ).to(tl.float32)
         acc += tl.sum(a * x[None, :], axis=1)
-    tl.store(h_ptr + token * stride_h + cols, acc, mask=col_mask)
+    tl.store(h_ptr + split * stride_hs + token * stride_h + cols, acc, mask=col_mask)
 
 
 @triton.jit
@@ -80,13 +103,19 @@ def _lora_expand_kernel(
     num_slots,
     slice1_start,
     slice2_start,
+    split_k,
     stride_y,
+    stride_hs,
     stride_h,
     stride_b,
     RANK: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # next power of two >= split_k
     BLOCK_O: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    wait_for_prior_kernel(USE_GDC)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token)
     if slot < 0:
@@ -97,9 +126,18 @@ def _lora_expand_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < RANK
     mask = o_mask[:, None] & r_mask[None, :]
-    h = tl.load(
-        h_ptr + token * stride_h + slice_index[:, None] * RANK + offs_r[None, :], mask=mask, other=0.0
-    )
+    # h of each slice: the sum of its split-K partials [BLOCK_S, BLOCK_R], spread over the rows
+    # of that slice.
+    offs_s = tl.arange(0, BLOCK_S)
+    h_tile_mask = (offs_s < split_k)[:, None] & r_mask[None, :]
+    h = tl.zeros([BLOCK_O, BLOCK_R], tl.float32)
+    for i in tl.static_range(NUM_SLICES):
+        partials = tl.load(
+            h_ptr + offs_s[:, None] * stride_hs + token * stride_h + i * RANK + offs_r[None, :],
+            mask=h_tile_mask,
+            other=0.0,
+        )
+        h = tl.where((slice_index == i)[:, None], tl.sum(partials, axis=0)[None, :], h)
     b_cols = (slice_index[:, None] * num_slots + slot) * RANK + offs_r[None, :]
     b = tl.load(b_ptr + offs_o[:, None].to(tl.int64) * stride_b + b_cols, mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(b * h, axis=1)
@@ -131,15 +169,23 @@ def lora_shrink_expand(
     assert x.stride(1) == 1 and y.stride(1) == 1 and lora_a.stride(1) == 1 and lora_b.stride(1) == 1
     if num_tokens == 0:
         return
-    h = torch.empty(num_tokens, num_cols, dtype=torch.float32, device=x.device)
-    block_n = min(triton.next_power_of_2(num_cols), 64)
-    _lora_shrink_kernel[(num_tokens, triton.cdiv(num_cols, block_n))](
-        h, x, lora_a, token_slots, in_features, num_slots, x.stride(0), lora_a.stride(0), h.stride(0),
-        RANK=rank, NUM_COLS=num_cols, BLOCK_N=block_n, BLOCK_K=128,
+    block_n, block_k = min(triton.next_power_of_2(num_cols), 64), 128
+    num_col_blocks, num_chunks = triton.cdiv(num_cols, block_n), triton.cdiv(in_features, block_k)
+    wanted = triton.cdiv(TARGET_PROGRAMS, num_tokens * num_col_blocks)
+    chunks_per_split = triton.cdiv(num_chunks, min(num_chunks, wanted))
+    split_k = triton.cdiv(num_chunks, chunks_per_split)
+    h = torch.empty(split_k, num_tokens, num_cols, dtype=torch.float32, device=x.device)
+    _lora_shrink_kernel[(num_tokens, num_col_blocks, split_k)](
+        h, x, lora_a, token_slots, in_features, chunks_per_split * block_k, num_slots,
+        x.stride(0), lora_a.stride(0), h.stride(0), h.stride(1),
+        RANK=rank, NUM_COLS=num_cols, BLOCK_N=block_n, BLOCK_K=block_k, **pdl_options(x.device),
     )  # fmt: skip
-    block_o = 64
+    # Few tokens: narrow output tiles, for programs enough to fill the GPU; many tokens: wide
+    # ones, so the launch is not mostly per-program overhead (T * out / 64 programs of 64 x R).
+    block_o = 64 if num_tokens < EXPAND_WIDE_TOKENS else 256
     _lora_expand_kernel[(num_tokens, triton.cdiv(out_features, block_o))](
-        y, h, lora_b, token_slots, out_features, num_slots, slice_starts[0], slice_starts[1],
-        y.stride(0), h.stride(0), lora_b.stride(0),
-        RANK=rank, BLOCK_R=triton.next_power_of_2(rank), BLOCK_O=block_o,
+        y, h, lora_b, token_slots, out_features, num_slots, slice_starts[0], slice_starts[1], split_k,
+        y.stride(0), h.stride(0), h.stride(1), lora_b.stride(0),
+        RANK=rank, NUM_SLICES=num_cols // rank, BLOCK_R=triton.next_power_of_2(rank),
+        BLOCK_S=triton.next_power_of_2(split_k), BLOCK_O=block_o, **pdl_options(x.device),
     )  # fmt: skip

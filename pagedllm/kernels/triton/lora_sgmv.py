@@ -1,0 +1,258 @@
+"""Punica's SGMV shrink and expand (Chen et al., 2023, "Punica: Multi-Tenant LoRA Serving"; S-LoRA,
+Sheng et al., 2023): the tokens of a step grouped by adapter into segments, each segment's LoRA
+product done as small GEMMs (``tl.dot``) so that an adapter's A and B are read once per tile of
+``BLOCK_M`` tokens rather than once per token (BGMV, ``lora.py``).
+
+The contract is BGMV's (layouts there): for token t in slot s (none: nothing added) and slice i,
+
+    shrink:  h[t, i*R + r]  = sum_k x[t, k] * A[(i*S + s)*R + r, k]
+    expand:  y[t, o]       += sum_r h[t, i(o)*R + r] * B[o, (i(o)*S + s)*R + r]
+
+Segments and tiles (``SegmentPlan``, built once per step on the host, not per layer):
+``sorted_tokens [T]`` the step's token indices ordered by slot (tokens without adapter first,
+outside every segment); slot s's segment is ``seg_len[s]`` tokens from ``seg_start[s]``; each
+segment is cut into tiles of ``BLOCK_M`` tokens, tile j being ``BLOCK_M`` rows from ``tile_m0[j]``
+of slot ``tile_slot[j]``'s segment. The grids run over the tiles only: an empty segment has none,
+and a long one does not make the short ones launch idle programs.
+
+Grids (BLOCK_M 64, or 32 or 16 when 64 would give the shrink too few programs: ``_block_m``):
+  shrink ``(num_tiles,)``: a program gathers its tile's x rows and accumulates ``[BLOCK_M, n*R]``
+  over ``in`` in ``BLOCK_K`` chunks against its slot's A rows of all n slices at once (x read
+  once for a fused projection); h is scattered back in token order.
+  expand ``(num_tiles, cdiv(out, BLOCK_O))``: a program takes its tile's tokens and ``BLOCK_O``
+  outputs; for each slice whose rows meet the tile, ``[BLOCK_M, R] @ [R, BLOCK_O]``; it adds the
+  sum to y (read, add, write).
+
+Bytes and FLOPs per step (T tokens in g segments, n slices): FLOPs ``2*T*R*(n*in + out)``, as
+BGMV; weight bytes ``sum over segments of ceil(len/BLOCK_M) * (n*R*in + R*out)`` elements against
+BGMV's ``T * (n*R*in + R*out)``: a 4096-token prefill of 8 adapters reads each adapter's weights
+once per tile of 16 tokens instead of once per token. Activation bytes (x once, h twice, y twice) are BGMV's.
+
+Which runs (``LoRABatch.set_token_slots``, once per step): a decode-only step (every request one
+token, or a padded CUDA-graph batch) keeps BGMV, whose per-token programs need no sort and whose
+grid is fixed for graph capture; a step with prefill chunks uses SGMV.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
+
+
+@triton.jit
+def _tile_rows(
+    tile, tile_slot_ptr, tile_m0_ptr, sorted_tokens_ptr, seg_start_ptr, seg_len_ptr, BLOCK_M: tl.constexpr
+):
+    """Tile ``tile``'s slot, its rows' token indices (int64), and which rows exist."""
+    slot = tl.load(tile_slot_ptr + tile)
+    offs_m = tl.load(tile_m0_ptr + tile) + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < tl.load(seg_len_ptr + slot)
+    tokens = tl.load(sorted_tokens_ptr + tl.load(seg_start_ptr + slot) + offs_m, mask=m_mask, other=0)
+    return slot, tokens.to(tl.int64), m_mask
+
+
+@triton.jit
+def _sgmv_shrink_kernel(
+    h_ptr,
+    x_ptr,
+    a_ptr,
+    tile_slot_ptr,
+    tile_m0_ptr,
+    sorted_tokens_ptr,
+    seg_start_ptr,
+    seg_len_ptr,
+    in_features,
+    num_slots,
+    stride_x,
+    stride_a,
+    stride_h,
+    RANK: tl.constexpr,
+    NUM_COLS: tl.constexpr,  # n * RANK
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # next power of two >= NUM_COLS, >= 16 (tl.dot's least size)
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for float32 weights (exact as the torch path), else "tf32"
+    USE_GDC: tl.constexpr,
+):
+    wait_for_prior_kernel(USE_GDC)
+    slot, tokens, m_mask = _tile_rows(
+        tl.program_id(0), tile_slot_ptr, tile_m0_ptr, sorted_tokens_ptr, seg_start_ptr, seg_len_ptr, BLOCK_M
+    )
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < NUM_COLS
+    # Row of A for column c = i * R + r: (i * S + slot) * R + r (every slice's rows at once).
+    rows = ((cols // RANK) * num_slots + slot) * RANK + cols % RANK
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, in_features, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < in_features
+        x_mask = m_mask[:, None] & k_mask[None, :]
+        x = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :], mask=x_mask, other=0.0)
+        a = tl.load(
+            a_ptr + rows[None, :].to(tl.int64) * stride_a + k[:, None],
+            mask=k_mask[:, None] & col_mask[None, :],
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_N]: A^T's tile
+        acc = tl.dot(x, a, acc, input_precision=PRECISION)
+    h_mask = m_mask[:, None] & col_mask[None, :]
+    tl.store(h_ptr + tokens[:, None] * stride_h + cols[None, :], acc, mask=h_mask)
+
+
+@triton.jit
+def _sgmv_expand_kernel(
+    y_ptr,
+    h_ptr,
+    b_ptr,
+    tile_slot_ptr,
+    tile_m0_ptr,
+    sorted_tokens_ptr,
+    seg_start_ptr,
+    seg_len_ptr,
+    out_features,
+    num_slots,
+    slice1_start,
+    slice2_start,
+    stride_y,
+    stride_h,
+    stride_b,
+    RANK: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,  # next power of two >= RANK, >= 16
+    BLOCK_O: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    wait_for_prior_kernel(USE_GDC)
+    slot, tokens, m_mask = _tile_rows(
+        tl.program_id(0), tile_slot_ptr, tile_m0_ptr, sorted_tokens_ptr, seg_start_ptr, seg_len_ptr, BLOCK_M
+    )
+    o0 = tl.program_id(1) * BLOCK_O
+    offs_o = o0 + tl.arange(0, BLOCK_O)
+    offs_r = tl.arange(0, BLOCK_R)
+    r_mask = offs_r < RANK
+    acc = tl.zeros([BLOCK_M, BLOCK_O], tl.float32)
+    for i in tl.static_range(NUM_SLICES):
+        # Slice i's output rows [start, end): 0, slice1_start, slice2_start, out_features.
+        start = 0 if i == 0 else (slice1_start if i == 1 else slice2_start)
+        end = slice1_start if i == 0 else (slice2_start if i == 1 else out_features)
+        if (start < o0 + BLOCK_O) & (end > o0):  # the slice meets this tile
+            o_mask = (offs_o >= start) & (offs_o < end)
+            h = tl.load(
+                h_ptr + tokens[:, None] * stride_h + i * RANK + offs_r[None, :],
+                mask=m_mask[:, None] & r_mask[None, :],
+                other=0.0,
+            )
+            b_cols = (i * num_slots + slot) * RANK + offs_r
+            b = tl.load(
+                b_ptr + offs_o[None, :].to(tl.int64) * stride_b + b_cols[:, None],
+                mask=r_mask[:, None] & o_mask[None, :],
+                other=0.0,
+            )  # [BLOCK_R, BLOCK_O]: B^T's tile
+            acc = tl.dot(h.to(b.dtype), b, acc, input_precision=PRECISION)
+    y_mask = m_mask[:, None] & (offs_o < out_features)[None, :]
+    y_ptrs = y_ptr + tokens[:, None] * stride_y + offs_o[None, :]
+    y = tl.load(y_ptrs, mask=y_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+# Shrink programs a launch aims for (a few per SM of an H100's 132); BLOCK_M shrinks to get them.
+TARGET_PROGRAMS = 256
+
+
+def _block_m(seg_len: np.ndarray) -> int:
+    """Tokens per tile: 64 (weights read least often) unless that leaves the shrink, which walks
+    all of ``in`` per program, too few programs to fill the GPU; then 32 or 16 (tl.dot's least)."""
+    for block_m in (64, 32):
+        if (-(-seg_len // block_m)).sum() >= TARGET_PROGRAMS:
+            return block_m
+    return 16
+
+
+@dataclass
+class SegmentPlan:
+    """A step's tokens grouped by slot and cut into tiles, on the device (``plan_segments``).
+
+    sorted_tokens: [T] int32, token indices by slot (tokens without adapter first, in no segment);
+    seg_start, seg_len: [S] int32, slot s's run in ``sorted_tokens``; tile_slot, tile_m0:
+    [num_tiles] int32, each tile's slot and first row in its segment; block_m: rows per tile."""
+
+    sorted_tokens: torch.Tensor
+    seg_start: torch.Tensor
+    seg_len: torch.Tensor
+    tile_slot: torch.Tensor
+    tile_m0: torch.Tensor
+    block_m: int
+
+    @property
+    def num_tiles(self) -> int:
+        return self.tile_slot.shape[0]
+
+
+def plan_segments(token_slots: np.ndarray, num_slots: int, device: torch.device) -> SegmentPlan:
+    """token_slots: [T] each token's slot or -1 -> its segments and tiles, in one host-to-device
+    copy."""
+    token_slots = np.asarray(token_slots, dtype=np.int64)
+    order = np.argsort(token_slots, kind="stable")  # -1 first, then slot 0, 1, ...
+    seg_len = np.bincount(token_slots[token_slots >= 0], minlength=num_slots)
+    seg_start = (token_slots < 0).sum() + np.concatenate(([0], np.cumsum(seg_len)[:-1]))
+    block_m = _block_m(seg_len)
+    tiles = -(-seg_len // block_m)  # [S] tiles per segment
+    tile_slot = np.repeat(np.arange(num_slots), tiles)
+    # A tile's index within its segment, times BLOCK_M.
+    tile_m0 = (np.arange(len(tile_slot)) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * block_m
+    parts = (order, seg_start, seg_len, tile_slot, tile_m0)
+    packed = torch.from_numpy(np.concatenate(parts).astype(np.int32))
+    if device.type != "cpu":
+        # Pinned, asynchronous: a pageable copy would wait for the device to drain.
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    views = torch.split(packed, [len(p) for p in parts])
+    return SegmentPlan(*views, block_m=block_m)
+
+
+def lora_sgmv_shrink_expand(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    plan: SegmentPlan,
+    num_slots: int,
+    rank: int,
+    slice_starts: tuple[int, int],
+) -> None:
+    """y [T, out] += each token's own adapter's (x A^T) B^T, in place, segment by segment
+    (layouts: ``lora.py``'s docstring; ``plan``: the step's segments)."""
+    num_tokens, in_features = x.shape
+    out_features = y.shape[1]
+    num_cols = lora_a.shape[0] // num_slots  # n * R
+    num_slices = num_cols // rank
+    assert lora_a.shape == (num_cols * num_slots, in_features) and num_cols == num_slices * rank
+    assert lora_b.shape == (out_features, num_cols * num_slots) and y.shape[0] == num_tokens
+    # Rows past the plan's tokens (padding) run without adapter.
+    assert 1 <= num_slices <= 3 and plan.sorted_tokens.shape[0] <= num_tokens
+    assert x.stride(1) == 1 and y.stride(1) == 1 and lora_a.stride(1) == 1 and lora_b.stride(1) == 1
+    if plan.num_tiles == 0:
+        return
+    precision = "ieee" if lora_a.dtype == torch.float32 else "tf32"
+    h = torch.empty(num_tokens, num_cols, dtype=torch.float32, device=x.device)
+    tiles = (plan.tile_slot, plan.tile_m0, plan.sorted_tokens, plan.seg_start, plan.seg_len)
+    _sgmv_shrink_kernel[(plan.num_tiles,)](
+        h, x, lora_a, *tiles, in_features, num_slots, x.stride(0), lora_a.stride(0), h.stride(0),
+        RANK=rank, NUM_COLS=num_cols, BLOCK_M=plan.block_m,
+        BLOCK_N=max(16, triton.next_power_of_2(num_cols)), BLOCK_K=64, PRECISION=precision,
+        **pdl_options(x.device),
+    )  # fmt: skip
+    block_o = 64
+    _sgmv_expand_kernel[(plan.num_tiles, triton.cdiv(out_features, block_o))](
+        y, h, lora_b, *tiles, out_features, num_slots, slice_starts[0], slice_starts[1],
+        y.stride(0), h.stride(0), lora_b.stride(0),
+        RANK=rank, NUM_SLICES=num_slices, BLOCK_M=plan.block_m, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        BLOCK_O=block_o, PRECISION=precision, **pdl_options(x.device),
+    )  # fmt: skip
