@@ -15,6 +15,7 @@ if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("needs CUDA and compiled (not interpreted) Triton kernels", allow_module_level=True)
 pytest.importorskip("triton", reason="the quantized GEMMs need the triton package")
 
+from pagedllm.kernels.triton.skinny_gemm import SKINNY_MAX_M
 from pagedllm.layers.linear import ReplicatedLinear
 from pagedllm.layers.quantization.fp8 import (
     ActivationScheme,
@@ -49,13 +50,25 @@ def _layer(method, k: int, n: int, device: str, checkpoint: dict[str, torch.Tens
 
 
 def _compare(
-    make_method, checkpoint: dict[str, torch.Tensor], m: int, n: int, k: int, kernel_attr: str
+    make_method,
+    checkpoint: dict[str, torch.Tensor],
+    m: int,
+    n: int,
+    k: int,
+    kernel_attr: str,
+    dequantized: torch.Tensor | None = None,
 ) -> None:
+    """The CUDA layer against the CPU layer; at up to SKINNY_MAX_M rows an FP8 layer (given its
+    ``dequantized`` weight) runs the weight-only skinny kernel, whose oracle is the dequantized
+    weight times the unquantized activations (W8A16), not the CPU's W8A8 path."""
     x = torch.randn(m, k, dtype=torch.bfloat16) * 0.5
     cpu = _layer(make_method(), k, n, "cpu", checkpoint)
     gpu = _layer(make_method(), k, n, "cuda", checkpoint)
     assert kernel_attr in dict(gpu.named_buffers()), "the CUDA layer did not take its kernel"
-    expected = cpu.quant_method.apply(cpu, x, None).float()
+    if dequantized is not None and m <= SKINNY_MAX_M:
+        expected = (x.float() @ dequantized.float().t()).to(torch.bfloat16).float()
+    else:
+        expected = cpu.quant_method.apply(cpu, x, None).float()
     out = gpu.quant_method.apply(gpu, x.cuda(), None).float().cpu()
     # bf16 output rounding and fp32 accumulation order: relative to the output's scale.
     torch.testing.assert_close(out, expected, atol=2e-2 * expected.abs().max().item(), rtol=2e-2)
@@ -68,7 +81,8 @@ def test_fp8_per_channel_w8a8_through_scaled_mm_matches_the_cpu_path(m: int, n: 
     scale = w.abs().amax(1, keepdim=True) / 448
     checkpoint = {"weight": (w / scale).to(torch.float8_e4m3fn), "weight_scale": scale}
     scheme = Fp8Scheme(WeightScheme.CHANNEL, ActivationScheme.DYNAMIC_TOKEN)
-    _compare(lambda: Fp8LinearMethod(scheme), checkpoint, m, n, k, "weight_scale_row")
+    dequantized = checkpoint["weight"].float() * scale
+    _compare(lambda: Fp8LinearMethod(scheme), checkpoint, m, n, k, "weight_scale_row", dequantized)
 
 
 @pytest.mark.skipif(not scaled_mm_supported(torch.device("cuda")), reason="needs FP8 tensor cores (sm_89+)")
@@ -82,7 +96,8 @@ def test_fp8_block_scaled_through_triton_matches_the_cpu_path(m: int, n: int, k:
     checkpoint = {"weight": q, "weight_scale_inv": scale}
     gpu = _layer(Fp8LinearMethod(scheme), k, n, "cuda", checkpoint)
     assert gpu.quant_method.kernel is Fp8Kernel.BLOCK_TRITON
-    _compare(lambda: Fp8LinearMethod(scheme), checkpoint, m, n, k, "weight_scale_block")
+    dequantized = (q.float().view_as(tiles) * scale[:, None, :, None]).view(n, k)
+    _compare(lambda: Fp8LinearMethod(scheme), checkpoint, m, n, k, "weight_scale_block", dequantized)
 
 
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
