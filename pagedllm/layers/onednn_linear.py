@@ -22,6 +22,7 @@ from pagedllm.layers.quantization.gguf import (
     q4_matmul,
     unsupported_reason,
 )
+from pagedllm.layers.row_buckets import pad_rows
 from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.platform import platform_for
 
@@ -31,31 +32,6 @@ BATCH_SIZE_HINT = 32
 # (49,152 x 576, weights cold, 2 cores): 0.6-0.8 ms for 1 to 4 rows against 1.2-1.3 ms; equal at
 # 6 to 8 rows; the int4 kernel's cost grows with the rows, oneDNN's hardly does.
 INT4_HEAD_MAX_ROWS = 4
-
-
-# Row counts taken as they are; above, 8 buckets per doubling (see ``padded_rows``).
-EXACT_ROWS = 16
-BUCKETS_PER_DOUBLING = 8
-
-
-def padded_rows(rows: int) -> int:
-    """The row count a linear's input is padded to: ``rows`` up to ``EXACT_ROWS`` (decode batches
-    of a few streams), above that the next multiple of 1/8 of the power of two below it (17 -> 18,
-    129 -> 144, 1,025 -> 1,152): at most 12.5% padding rows.
-
-    oneDNN builds a primitive for each input shape it sees (its JIT kernels: 2-16 ms to build on 2 cores, and
-    0.1-0.5 MB kept, for each weight shape and row count) and keeps the last 1,024 in an LRU cache
-    (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``; ideep keeps a second, ``LRU_CACHE_CAPACITY``). Steps have
-    every token count up to ``max_num_batched_tokens``: with five weight shapes that is ~10,000
-    primitives for 2,048 tokens, so nearly every prefill step built new ones, and the caches grew
-    by hundreds of MB until full (benchmarks/RESULTS.md, "Soak"). Bucketed, a model with W weight
-    shapes uses at most W x (16 + 8 x (log2(max_tokens) - 4)) primitives (360 for five shapes up to
-    2,048 tokens), which the caches hold without evicting: built once, then reused.
-    """
-    if rows <= EXACT_ROWS:
-        return rows
-    step = (1 << ((rows - 1).bit_length() - 1)) // BUCKETS_PER_DOUBLING
-    return -(-rows // step) * step
 
 
 def onednn_available(dtype: torch.dtype) -> bool:
@@ -72,14 +48,11 @@ class OneDNNLinearMethod(LinearMethod):
         layer.register_buffer("packed_weight", packed, persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # Rows padded to a bucket: oneDNN builds (JIT) and caches a primitive per input shape
-        # (see ``padded_rows``); the padding rows' outputs are sliced off.
-        rows = x.shape[0]
-        padded = padded_rows(rows)
-        if padded != rows:
-            x = F.pad(x, (0, 0, 0, padded - rows))
-        out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, bias, "none", [], "")
-        return out[:rows]
+        # Rows padded to a bucket: oneDNN builds and caches a primitive per input shape.
+        out = torch.ops.mkldnn._linear_pointwise(
+            pad_rows(x.contiguous()), layer.packed_weight, bias, "none", [], ""
+        )
+        return out[: x.shape[0]]
 
 
 class OneDNNTiedLMHeadMethod(OneDNNLinearMethod, EmbeddingMethod):

@@ -15,9 +15,9 @@ from pagedllm.layers.onednn_linear import (
     OneDNNLinearMethod,
     OneDNNTiedLMHeadMethod,
     onednn_available,
-    padded_rows,
     prepack_dense_weights,
 )
+from pagedllm.layers.row_buckets import padded_rows
 from pagedllm.model_loader import get_model
 
 pytestmark = pytest.mark.skipif(not onednn_available(torch.float32), reason="torch built without oneDNN")
