@@ -9,7 +9,7 @@ token count up to ``max_num_batched_tokens``: with five weight shapes, ~10,000 p
 until full (benchmarks/RESULTS.md, "Soak"). With the rows padded to buckets, a model with W weight
 shapes uses at most W x (16 + 8 x (log2(max_tokens) - 4)) primitives (360 for five shapes up to
 2,048 tokens), which the caches hold without evicting: built once, then reused. Rows are
-independent in a matrix product, so the padding rows (zeros) change no real row's values; their
+independent in a matrix product: the padding rows (zeros) enter no real row's sums, and their
 outputs are sliced off.
 """
 
