@@ -22,6 +22,7 @@ from pagedllm.layers.quantization.gguf import (
     q4_matmul,
     unsupported_reason,
 )
+from pagedllm.layers.row_buckets import pad_rows
 from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.platform import platform_for
 
@@ -47,7 +48,11 @@ class OneDNNLinearMethod(LinearMethod):
         layer.register_buffer("packed_weight", packed, persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed_weight, bias, "none", [], "")
+        # Rows padded to a bucket: oneDNN builds and caches a primitive per input shape.
+        out = torch.ops.mkldnn._linear_pointwise(
+            pad_rows(x.contiguous()), layer.packed_weight, bias, "none", [], ""
+        )
+        return out[: x.shape[0]]
 
 
 class OneDNNTiedLMHeadMethod(OneDNNLinearMethod, EmbeddingMethod):

@@ -17,6 +17,7 @@ from pagedllm.layers.onednn_linear import (
     onednn_available,
     prepack_dense_weights,
 )
+from pagedllm.layers.row_buckets import padded_rows
 from pagedllm.model_loader import get_model
 
 pytestmark = pytest.mark.skipif(not onednn_available(torch.float32), reason="torch built without oneDNN")
@@ -24,7 +25,7 @@ TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.bfloat16: (3e-2, 2e-2)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("num_tokens", [1, 7, 32, 300])
+@pytest.mark.parametrize("num_tokens", [1, 7, 17, 32, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_prepacked_linear_matches_f_linear(dtype: torch.dtype, num_tokens: int, bias: bool) -> None:
     torch.manual_seed(0)
@@ -63,3 +64,42 @@ def test_prepacked_model_computes_the_same_logits(
     logits = paged_runner(packed, model_config).step({0: prompt})[0]
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+def test_padded_rows_bounds_the_padding_and_the_shapes() -> None:
+    # What the bucketing promises, checked over every row count of a step up to 8,192 tokens.
+    for rows in range(1, 8193):
+        padded = padded_rows(rows)
+        assert rows <= padded <= rows * 1.125, rows
+        assert padded_rows(padded) == padded, rows  # a bucket is its own bucket
+        if rows <= 16:
+            assert padded == rows  # small decode batches run unpadded
+    # 16 exact sizes, then 8 per doubling: 16..2,048 is 7 doublings, 2,048..8,192 two more.
+    assert len({padded_rows(r) for r in range(1, 2049)}) == 16 + 8 * 7
+    assert len({padded_rows(r) for r in range(1, 8193)}) == 16 + 8 * 9
+
+
+def test_linear_sees_only_bucketed_shapes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row count from 1 to 300 gives F.linear's rows, while oneDNN (whose primitive caches
+    hold one primitive per input shape) sees only the buckets' shapes."""
+    torch.manual_seed(0)
+    layer = ReplicatedLinear(24, 40, bias=True)
+    weight, bias = layer.weight.data.clone(), layer.bias.data.clone()
+    layer.quant_method = OneDNNLinearMethod()
+    layer.quant_method.process_weights_after_loading(layer)
+    seen: set[tuple[int, ...]] = set()
+    linear_pointwise = torch.ops.mkldnn._linear_pointwise
+
+    def recording(x: torch.Tensor, *args: object) -> torch.Tensor:
+        seen.add(tuple(x.shape))
+        return linear_pointwise(x, *args)
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", recording)
+    for rows in range(1, 301):
+        x = torch.randn(rows, 24)
+        out = layer(x)
+        assert out.shape == (rows, 40)
+        torch.testing.assert_close(out, F.linear(x, weight, bias), atol=1e-4, rtol=1e-4)
+    # 1-16 as they are; then steps of 2 up to 32, of 4 up to 64, ... of 32 up to 512.
+    buckets = [*range(1, 17), *range(18, 33, 2), *range(36, 65, 4), *range(72, 129, 8), *range(144, 257, 16)]
+    assert seen == {(r, 24) for r in [*buckets, 288, 320]}

@@ -35,6 +35,7 @@ from torch import nn
 from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.kernels.cpu.build import available as cpu_kernels_available
 from pagedllm.layers.quantization.base import EmbeddingMethod, LinearMethod
+from pagedllm.layers.row_buckets import pad_rows
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +145,8 @@ def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Ten
     if num_rows <= FEW_ROWS and blocked and cpu_kernels_available():
         out = cpu_ops.int4_matmul_few_rows(x_bf16.contiguous(), packed, scales_and_zeros)
     elif num_rows >= DEQUANTIZE_MIN_ROWS and blocked:
-        out = dequantized_matmul(x_bf16, packed, scales_and_zeros)
+        # Rows padded to a bucket: oneDNN (torch's bf16 mm) builds a primitive per shape.
+        out = dequantized_matmul(pad_rows(x_bf16), packed, scales_and_zeros)[:num_rows]
     else:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x_bf16, packed, GROUP_SIZE, scales_and_zeros)
     return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
