@@ -77,7 +77,7 @@ class ToolParser(abc.ABC):
 
 class FinishedCallsParser(ToolParser):
     """A format whose ``extract`` is its ``partial`` finished: the calls from the first ``marker``
-    on, each done and with JSON arguments (``finished_call``), else the whole text as content."""
+    on, each made whole by ``finished`` (None: malformed, and the whole text is content)."""
 
     marker: str
 
@@ -85,7 +85,10 @@ class FinishedCallsParser(ToolParser):
         start = text.find(self.marker)
         if start < 0:
             return ExtractedToolCalls(content=text)
-        return calls_after(text, start, [finished_call(call) for call in self.partial(text).calls])
+        return calls_after(text, start, [self.finished(call) for call in self.partial(text).calls])
+
+    def finished(self, call: PartialCall) -> ParsedCall | None:
+        return finished_call(call)
 
 
 def finished_call(call: PartialCall) -> ParsedCall | None:
