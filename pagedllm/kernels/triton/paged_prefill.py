@@ -201,12 +201,12 @@ def _paged_prefill_kernel(
         l_i += 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # What every stage below shares (paged_tiles.attend_paged_range's tuples).
+    CONFIG: tl.constexpr = (HEAD_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFT_CAP, ALIBI, DOT_PRECISION, KV_FP8)
+    scores = (qk_scale, v_scale, sliding_window, soft_cap, alibi_row)
     state = (acc, l_i, m_i)
     keys = (key_cache_ptr + kv_head * stride_k_head, stride_k_block, stride_k_slot, k_dim_offs)
     values = (value_cache_ptr + kv_head * stride_v_head, stride_v_block, stride_v_slot, v_dim_offs)
     cache = (keys, values, (block_tables_ptr + seq * stride_bt_seq, stride_bt_blk))
-    scores = (qk_scale, v_scale, sliding_window, soft_cap, alibi_row)
-    CONFIG: tl.constexpr = (HEAD_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFT_CAP, ALIBI, DOT_PRECISION, KV_FP8)
     if SINKS:
         # The sinks the last row's window has passed: [0, sink_end). Each row keeps those its own
         # window has passed (SINK); a row that has passed none stays m_i = -inf, l_i = 0 until the

@@ -91,8 +91,7 @@ def attend_paged_range(
     """
     acc, l_i, m_i = state
     q, q_pos = rows
-    (k_head_ptr, stride_k_block, stride_k_slot, k_dim_offs), values, block_table = cache
-    v_head_ptr, stride_v_block, stride_v_slot, v_dim_offs = values
+    keys, values, block_table = cache
     block_table_ptr, stride_bt_blk = block_table
     qk_scale, v_scale, sliding_window, soft_cap, alibi_row = scores
     HEAD_SIZE: tl.constexpr = CONFIG[0]
@@ -135,14 +134,7 @@ def attend_paged_range(
         slots = offs_n % BLOCK_SIZE
         # In a masked tile the mask also keeps whatever the slots outside [kv_lo, hi) hold (stale
         # values, NaN) out of the dots.
-        k = tl.load(
-            k_head_ptr
-            + block_ids[:, None] * stride_k_block
-            + slots[:, None] * stride_k_slot
-            + k_dim_offs[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        k = _load_rows(keys, block_ids, slots, kv_mask)
         if KV_FP8:
             k = k.to(q.dtype)  # exact: e4m3 widens to bf16, fp16 and fp32 without rounding
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -168,14 +160,7 @@ def attend_paged_range(
         p = tl.exp2(s - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_head_ptr
-            + block_ids[:, None] * stride_v_block
-            + slots[:, None] * stride_v_slot
-            + v_dim_offs[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        v = _load_rows(values, block_ids, slots, kv_mask)
         if KV_FP8:
             # (p * v_scale) @ v_fp8 = p @ (v_fp8 * v_scale): the scale on the [ROWS, BLOCK_N]
             # probabilities, not the [BLOCK_N, HEAD_DIM] tile; l_i keeps the unscaled p.
@@ -184,6 +169,18 @@ def attend_paged_range(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _load_rows(cache, block_ids, slots, mask):
+    """The [BLOCK_N, HEAD_DIM] rows of one paged cache (``attend_paged_range``'s keys or values)
+    at (block_ids [BLOCK_N] int64, slots [BLOCK_N]); masked elements read 0."""
+    head_ptr, stride_block, stride_slot, dim_offs = cache
+    return tl.load(
+        head_ptr + block_ids[:, None] * stride_block + slots[:, None] * stride_slot + dim_offs[None, :],
+        mask=mask,
+        other=0.0,
+    )
 
 
 @triton.jit
