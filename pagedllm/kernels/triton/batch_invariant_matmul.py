@@ -74,14 +74,14 @@ def num_k_splits(n: int, k: int, num_sms: int, tiles: MatmulTiles = TILES) -> in
 
 @triton.jit(do_not_specialize=["M"])
 def _split_range(
-    tile,  # (x_ptrs, w_ptrs, offs_k, mask_m, mask_n, stride_xk, stride_wk): the program's tile
+    operands,  # (x_ptrs, w_ptrs, offs_k, mask_m, mask_n, stride_xk, stride_wk): the program's tile
     k_start,
     k_end,
     K,
     CONFIG: tl.constexpr,  # (BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
 ):
     """sum over the BLOCK_K tiles of [k_start, k_end), in order, of x_tile @ W_tile^T (fp32)."""
-    x_ptrs, w_ptrs, offs_k, mask_m, mask_n, stride_xk, stride_wk = tile
+    x_ptrs, w_ptrs, offs_k, mask_m, mask_n, stride_xk, stride_wk = operands
     BLOCK_M: tl.constexpr = CONFIG[0]
     BLOCK_N: tl.constexpr = CONFIG[1]
     BLOCK_K: tl.constexpr = CONFIG[2]
@@ -124,20 +124,20 @@ def _matmul_kernel(
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
     # What every split's call shares (Triton inlines the call and flattens the tuples).
-    tile = (x_ptrs, w_ptrs, offs_k, mask_m, mask_n, stride_xk, stride_wk)
+    operands = (x_ptrs, w_ptrs, offs_k, mask_m, mask_n, stride_xk, stride_wk)
     CONFIG: tl.constexpr = (BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     if SPLIT_IN_GRID:
         split = tl.program_id(2)
         k_start = split * k_per_split
-        acc = _split_range(tile, k_start, tl.minimum(k_start + k_per_split, K), K, CONFIG)
+        acc = _split_range(operands, k_start, tl.minimum(k_start + k_per_split, K), K, CONFIG)
         out_ptrs = out_ptr + split * stride_os + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
     else:
         # The first split starts the sum (not 0 + partial[0], which would turn -0.0 into +0.0).
-        acc = _split_range(tile, 0, tl.minimum(k_per_split, K), K, CONFIG)
+        acc = _split_range(operands, 0, tl.minimum(k_per_split, K), K, CONFIG)
         for split in range(1, num_splits):
             k_start = split * k_per_split
-            acc += _split_range(tile, k_start, tl.minimum(k_start + k_per_split, K), K, CONFIG)
+            acc += _split_range(operands, k_start, tl.minimum(k_start + k_per_split, K), K, CONFIG)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
