@@ -40,27 +40,23 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine, model_name))
         labels = ["model_name"]
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds",
-            "Time from arrival to the first output token",
-            labels,
-            buckets=TTFT_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.tpot = Histogram(
-            PREFIX + "time_per_output_token_seconds",
+
+        def histogram(name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(
+                PREFIX + name, documentation, labels, buckets=buckets, registry=self.registry
+            ).labels(model_name)
+
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time from arrival to the first output token", TTFT_BUCKETS
+        )
+        self.tpot = histogram(
+            "time_per_output_token_seconds",
             "Mean time between output tokens after the first, per request",
-            labels,
-            buckets=TPOT_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
-        self.e2e_latency = Histogram(
-            PREFIX + "e2e_request_latency_seconds",
-            "Time from arrival to the last output token",
-            labels,
-            buckets=E2E_BUCKETS,
-            registry=self.registry,
-        ).labels(model_name)
+            TPOT_BUCKETS,
+        )
+        self.e2e_latency = histogram(
+            "e2e_request_latency_seconds", "Time from arrival to the last output token", E2E_BUCKETS
+        )
         self.request_success = Counter(
             PREFIX + "request_success",
             "Requests finished, by the first output's finish reason (error: never ran)",

@@ -43,6 +43,34 @@ def _short_repr(value: object) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
+# SamplingParams' scalar fields by kind, checked (and ints and floats normalized) in this order.
+_INT_FIELDS = ("n", "top_k", "min_tokens")
+_OPTIONAL_INT_FIELDS = (
+    "best_of",
+    "seed",
+    "max_tokens",
+    "logprobs",
+    "prompt_logprobs",
+    "truncate_prompt_tokens",
+)
+_FLOAT_FIELDS = (
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "min_p",
+    "length_penalty",
+)
+_BOOL_FIELDS = (
+    "use_beam_search",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+)
+
+
 def as_int(value: object, name: str) -> int:
     """``value`` as a Python int: ints, numpy and torch integers (never bools, floats or strings)."""
     if isinstance(value, bool):
@@ -297,35 +325,14 @@ class SamplingParams:
         self._normalize_lists()
 
     def _normalize_scalars(self) -> None:
-        for name in ("n", "top_k", "min_tokens"):
+        for name in _INT_FIELDS:
             setattr(self, name, as_int(getattr(self, name), name))
-        for name in (
-            "best_of",
-            "seed",
-            "max_tokens",
-            "logprobs",
-            "prompt_logprobs",
-            "truncate_prompt_tokens",
-        ):
+        for name in _OPTIONAL_INT_FIELDS:
             if getattr(self, name) is not None:
                 setattr(self, name, as_int(getattr(self, name), name))
-        for name in (
-            "presence_penalty",
-            "frequency_penalty",
-            "repetition_penalty",
-            "temperature",
-            "top_p",
-            "min_p",
-            "length_penalty",
-        ):
+        for name in _FLOAT_FIELDS:
             setattr(self, name, as_float(getattr(self, name), name))
-        for name in (
-            "use_beam_search",
-            "ignore_eos",
-            "skip_special_tokens",
-            "spaces_between_special_tokens",
-            "include_stop_str_in_output",
-        ):
+        for name in _BOOL_FIELDS:
             _check(isinstance(getattr(self, name), bool), name, "a boolean", getattr(self, name))
 
     def _normalize_lists(self) -> None:

@@ -47,10 +47,7 @@ class Executor:
         raise NotImplementedError
 
     def collective_rpc(
-        self,
-        method: WorkerCall,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+        self, method: WorkerCall, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
         """Call ``method`` on every rank's worker; returns the results in rank order."""
         raise NotImplementedError

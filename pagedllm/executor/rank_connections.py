@@ -175,12 +175,16 @@ class RemoteExecutor(Executor):
         super().__init__(config)
 
     def collective_rpc(
-        self,
-        method: WorkerCall,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+        self, method: WorkerCall, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
-        return self._call(method, args, kwargs, None, None)
+        try:
+            # A step's answer still unread (one that only told the ranks which requests finished
+            # is never waited for) comes first on rank 0's connection: read it off before the call.
+            self._read_pending()
+            return self.ranks.call(method, args, kwargs, None, None)
+        except BaseException:
+            self.shutdown()
+            raise
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> PendingStep:
         """Send the step to every rank and return; ``get()`` on the result gives rank 0's samples.
@@ -217,23 +221,6 @@ class RemoteExecutor(Executor):
             step.receive()
             if step is until:
                 return
-
-    def _call(
-        self,
-        method: WorkerCall,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any] | None,
-        reply_rank: int | None,
-        timeout: float | None,
-    ) -> list[Any]:
-        try:
-            # A step's answer still unread (one that only told the ranks which requests finished
-            # is never waited for) comes first on rank 0's connection: read it off before the call.
-            self._read_pending()
-            return self.ranks.call(method, args, kwargs, reply_rank, timeout)
-        except BaseException:
-            self.shutdown()
-            raise
 
     def check_health(self) -> None:
         self.ranks.check()

@@ -18,10 +18,7 @@ class UniProcExecutor(Executor):
         self.worker = Worker(self.config)
 
     def collective_rpc(
-        self,
-        method: WorkerCall,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
+        self, method: WorkerCall, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> list[Any]:
         return [call_worker(self.worker, method, args, kwargs)]
 

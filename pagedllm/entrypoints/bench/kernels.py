@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import random
 import sys
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.entrypoints.bench import write_json
 from pagedllm.kernels.bench import DECODE_IMPLS, DecodeResult, DecodeShape
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -154,9 +154,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "rows": rows,
         "best": best_rows(rows) if args.sweep else [],
     }
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.output_json, report, indent=2)
     if args.output_png:
         write_plot(report, args.output_png)
     print(format_table([row for row in rows if row["default_launch"]]))

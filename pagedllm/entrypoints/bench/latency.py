@@ -22,6 +22,7 @@ import torch
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.bench import write_json
 from pagedllm.entrypoints.bench.ceilings import copy_bandwidth
 from pagedllm.entrypoints.bench.lora_adapters import write_random_adapters
 from pagedllm.entrypoints.bench.throughput import profile_steps_of
@@ -165,9 +166,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             f"({m['over_floor']:.2f}x the {floor_ms:.2f} ms "
             f"weight-read floor), first token {m['ttft_ms']:.1f} ms{synthetic}"
         )
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.output_json, result)
     if args.output_png:
         _plot(result, [mode for mode, _ in modes], args.output_png)
     return result

@@ -16,11 +16,12 @@ the adapters the batch touches over their time: the decode bound). Prints a tabl
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import numpy as np
 import torch
+
+from pagedllm.entrypoints.bench import write_json
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -109,7 +110,5 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     rows = [bench_size(shape, n, args) for shape in args.shapes for n in args.num_tokens]
     report = {"device": torch.cuda.get_device_name(), "config": vars(args) | {"func": None}, "rows": rows}
     print(format_table(rows))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(args.output_json, report)
     return report

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 from dataclasses import asdict
 from typing import Any
 
 import torch
 
+from pagedllm.entrypoints.bench import write_json
 from pagedllm.layers.fused_moe import fused_experts_torch, select_experts
 
 # Qwen3-30B-A3B's layer.
@@ -158,7 +158,5 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 best = row[f"best_{gemm}"]
                 line += f"; best {gemm} {best[gemm + '_ms']:.3f} ms {best['launch']}"
         print(line)
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.output_json, result)
     return result

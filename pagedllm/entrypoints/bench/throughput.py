@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import tempfile
 import time
 from typing import Any
@@ -23,6 +22,7 @@ import torch
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.bench import write_json
 from pagedllm.entrypoints.bench.ceilings import copy_bandwidth, matmul_peak_flops
 from pagedllm.entrypoints.bench.lora_adapters import write_random_adapters
 from pagedllm.entrypoints.bench.moe_floor import MoeShape, moe_floor
@@ -258,9 +258,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         f"(prefill {result['prefill_s']:.2f} s, decode {result['decode_s']:.2f} s over "
         f"{result['num_steps']} steps, median decode step {result['median_decode_step_ms']:.2f} ms)"
     )
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=1)
+    write_json(args.output_json, result)
     if args.output_png:
         plot(result, args.output_png)
     return result

@@ -312,6 +312,16 @@ class ChatCompletionRequest(SamplingRequest):
 # --- responses --------------------------------------------------------------------------------
 
 
+class ResponseHeader(OpenAIBaseModel):
+    """The fields an OpenAI response object opens with, in OpenAI's order. Each response narrows
+    ``object`` to its own Literal; a stream's chunks make ``created`` required (they share one)."""
+
+    id: str
+    object: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+
+
 class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -361,21 +371,16 @@ class CompletionResponseChoice(OpenAIBaseModel):
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
-class CompletionResponse(OpenAIBaseModel):
-    id: str
+class CompletionResponse(ResponseHeader):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
 
 
-class CompletionStreamResponse(OpenAIBaseModel):
-    id: str
+class CompletionStreamResponse(ResponseHeader):
     object: Literal["text_completion"] = "text_completion"
     created: int
-    model: str
     choices: list[CompletionResponseChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None
@@ -410,11 +415,8 @@ class ChatCompletionResponseChoice(OpenAIBaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionResponse(OpenAIBaseModel):
-    id: str
+class ChatCompletionResponse(ResponseHeader):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
@@ -453,11 +455,9 @@ class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionStreamResponse(OpenAIBaseModel):
-    id: str
+class ChatCompletionStreamResponse(ResponseHeader):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
-    model: str
     choices: list[ChatCompletionResponseStreamChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo | None = None

@@ -3,15 +3,22 @@ vLLM's ``/v1/score`` and ``/v1/rerank`` (the Jina/Cohere rerank shape), with vLL
 
 from __future__ import annotations
 
-import time
-from typing import Literal
+from typing import Generic, Literal, TypeVar
 
-from pydantic import Field
-
-from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, TopLevelRequest, UsageInfo
+from pagedllm.entrypoints.openai.protocol import OpenAIBaseModel, ResponseHeader, TopLevelRequest, UsageInfo
 
 # One input: a string or a list of token ids; or several: a list of either.
 PoolingInput = str | list[str] | list[int] | list[list[int]]
+DataT = TypeVar("DataT")
+
+
+class ListResponse(ResponseHeader, Generic[DataT]):
+    """OpenAI's list object, the answer of /v1/embeddings, /pooling and /v1/score: one item per
+    input (or pair), in input order."""
+
+    object: Literal["list"] = "list"
+    data: list[DataT]
+    usage: UsageInfo
 
 
 class EmbeddingRequest(TopLevelRequest):
@@ -34,13 +41,8 @@ class EmbeddingResponseData(OpenAIBaseModel):
     embedding: list[float] | str
 
 
-class EmbeddingResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[EmbeddingResponseData]
-    usage: UsageInfo
+class EmbeddingResponse(ListResponse[EmbeddingResponseData]):
+    pass
 
 
 class PoolingResponseData(OpenAIBaseModel):
@@ -49,15 +51,8 @@ class PoolingResponseData(OpenAIBaseModel):
     data: list[float] | str
 
 
-class PoolingResponse(OpenAIBaseModel):
+class PoolingResponse(ListResponse[PoolingResponseData]):
     """vLLM's /pooling answer: the pooled vectors, whatever the model's task (here: embeddings)."""
-
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[PoolingResponseData]
-    usage: UsageInfo
 
 
 class ScoreRequest(TopLevelRequest):
@@ -73,13 +68,8 @@ class ScoreResponseData(OpenAIBaseModel):
     score: float
 
 
-class ScoreResponse(OpenAIBaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    data: list[ScoreResponseData]
-    usage: UsageInfo
+class ScoreResponse(ListResponse[ScoreResponseData]):
+    pass
 
 
 class RerankRequest(TopLevelRequest):

@@ -133,41 +133,30 @@ class OpenAIServingPooling(OpenAIServing):
     # --- the routes -------------------------------------------------------------------------
 
     async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> EmbeddingResponse:
-        finals = await self._embed_request(request, raw_request, "/v1/embeddings")
-        data = [
-            EmbeddingResponseData(index=i, embedding=_encode(final.outputs.data, request.encoding_format))
-            for i, final in enumerate(finals)
-        ]
-        return EmbeddingResponse(
-            id=f"embd-{uuid.uuid4().hex}",
-            model=request.model or self.model_name,
-            data=data,
-            usage=_usage(finals),
-        )
+        vectors, used = await self._embed_request(request, raw_request, "/v1/embeddings")
+        data = [EmbeddingResponseData(index=i, embedding=vector) for i, vector in enumerate(vectors)]
+        model = request.model or self.model_name
+        return EmbeddingResponse(id=f"embd-{uuid.uuid4().hex}", model=model, data=data, usage=used)
 
     async def create_pooling(self, request: EmbeddingRequest, raw_request: Request) -> PoolingResponse:
         """vLLM's /pooling: an embedding request's body, the vectors as ``data[i].data``."""
-        finals = await self._embed_request(request, raw_request, "/pooling")
-        data = [
-            PoolingResponseData(index=i, data=_encode(final.outputs.data, request.encoding_format))
-            for i, final in enumerate(finals)
-        ]
-        return PoolingResponse(
-            id=f"pool-{uuid.uuid4().hex}",
-            model=request.model or self.model_name,
-            data=data,
-            usage=_usage(finals),
-        )
+        vectors, used = await self._embed_request(request, raw_request, "/pooling")
+        data = [PoolingResponseData(index=i, data=vector) for i, vector in enumerate(vectors)]
+        model = request.model or self.model_name
+        return PoolingResponse(id=f"pool-{uuid.uuid4().hex}", model=model, data=data, usage=used)
 
     async def _embed_request(
         self, request: EmbeddingRequest, raw_request: Request, route: str
-    ) -> list[PoolingRequestOutput]:
+    ) -> tuple[list[list[float] | str], UsageInfo]:
+        """The request's vectors, in input order and its ``encoding_format``, and its usage."""
         self._check_pooling(route)
         log_advisory_fields(request)
         lora_request = self.check_model(request.model)
         params = self._pooling_params(request.dimensions, request.normalize)
         prompts = await self._prompts(request.input, "input", request.add_special_tokens)
-        return await self._embed(prompts, params, raw_request, lora_request)
+        finals = await self._embed(prompts, params, raw_request, lora_request)
+        vectors = [_encode(final.outputs.data, request.encoding_format) for final in finals]
+        return vectors, usage(sum(len(final.prompt_token_ids) for final in finals), 0)
 
     async def create_score(self, request: ScoreRequest, raw_request: Request) -> ScoreResponse:
         self._check_pooling("/v1/score")
@@ -240,7 +229,3 @@ def _encode(embedding: torch.Tensor, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(embedding.numpy().astype("<f4").tobytes()).decode("ascii")
     return embedding.tolist()
-
-
-def _usage(finals: list[PoolingRequestOutput]) -> UsageInfo:
-    return usage(sum(len(final.prompt_token_ids) for final in finals), 0)

@@ -9,6 +9,9 @@ can swap them. Layouts: ``pagedllm.kernels.cuda.layout``.
 
 from __future__ import annotations
 
+import functools
+from typing import Literal
+
 import torch
 
 from pagedllm.kernels.cuda.build import load
@@ -57,53 +60,6 @@ def reshape_and_cache(
     load().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
-def paged_attention_v1(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    max_seq_len: int,
-    out: torch.Tensor,
-    alibi_slopes: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of each sequence's single new query over its paged context, one thread block per
-    (query head, sequence); writes and returns ``out``.
-
-    query, out: [num_seqs, num_heads, head_size] (query: any token stride, 16-byte aligned rows;
-    out contiguous); caches in vLLM's original layout; block_tables: [num_seqs, max_blocks] int32;
-    seq_lens: [num_seqs] int32, each in [1, max_seq_len]: ``max_seq_len`` (a host int, e.g.
-    max_model_len under CUDA graphs) sizes the shared memory, so it must bound every seq_len;
-    alibi_slopes: [num_heads] float32, or None.
-    """
-    load().paged_attention_v1(
-        query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out, alibi_slopes
-    )
-    return out
-
-
-def paged_attention_v2(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    max_seq_len: int,
-    out: torch.Tensor,
-    alibi_slopes: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """As ``paged_attention_v1``, with each context split into ``PARTITION_SIZE``-token partitions
-    computed by separate thread blocks, then merged; ``max_seq_len`` sets the number of partitions
-    (the float32 workspace is ``num_seqs * num_heads * cdiv(max_seq_len, PARTITION_SIZE) *
-    (head_size + 2)`` floats)."""
-    load().paged_attention_v2(
-        query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out, alibi_slopes
-    )
-    return out
-
-
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -114,8 +70,27 @@ def paged_attention(
     max_seq_len: int,
     out: torch.Tensor,
     alibi_slopes: torch.Tensor | None = None,
+    *,
+    version: Literal["v1", "v2"] | None = None,
 ) -> torch.Tensor:
-    """V1 or V2 as ``use_v1`` chooses; arguments as ``paged_attention_v1``."""
-    num_seqs, num_heads = query.shape[:2]
-    run = paged_attention_v1 if use_v1(max_seq_len, num_seqs, num_heads) else paged_attention_v2
-    return run(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out, alibi_slopes)
+    """Attention of each sequence's single new query over its paged context; writes and returns
+    ``out``. V1 runs one thread block per (query head, sequence); V2 splits each context into
+    ``PARTITION_SIZE``-token partitions computed by separate thread blocks, then merges them.
+    ``version`` None: as ``use_v1`` chooses (``paged_attention_v1``/``_v2`` fix it).
+
+    query, out: [num_seqs, num_heads, head_size] (query: any token stride, 16-byte aligned rows;
+    out contiguous); caches in vLLM's original layout; block_tables: [num_seqs, max_blocks] int32;
+    seq_lens: [num_seqs] int32, each in [1, max_seq_len]: ``max_seq_len`` (a host int, e.g.
+    max_model_len under CUDA graphs) bounds every seq_len; it sizes V1's shared memory and sets
+    V2's number of partitions (the float32 workspace is ``num_seqs * num_heads * cdiv(max_seq_len,
+    PARTITION_SIZE) * (head_size + 2)`` floats); alibi_slopes: [num_heads] float32, or None.
+    """
+    if version is None:
+        version = "v1" if use_v1(max_seq_len, query.shape[0], query.shape[1]) else "v2"
+    run = load().paged_attention_v1 if version == "v1" else load().paged_attention_v2
+    run(query, key_cache, value_cache, block_tables, seq_lens, scale, max_seq_len, out, alibi_slopes)
+    return out
+
+
+paged_attention_v1 = functools.partial(paged_attention, version="v1")
+paged_attention_v2 = functools.partial(paged_attention, version="v2")

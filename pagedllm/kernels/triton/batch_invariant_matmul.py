@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.triton.gemm_tile import output_tile
+
 
 @dataclass(frozen=True)
 class MatmulTiles:
@@ -83,22 +85,18 @@ def num_k_splits(n: int, k: int, num_sms: int, tiles: MatmulTiles = TILES) -> in
 
 @triton.jit(do_not_specialize=["M"])
 def _split_range(
-    x_ptrs,
-    w_ptrs,
+    operands,  # (x_ptrs, w_ptrs, offs_k, mask_m, mask_n, stride_xk, stride_wk): the program's tile
     k_start,
     k_end,
     K,
-    offs_k,
-    mask_m,
-    mask_n,
-    stride_xk,
-    stride_wk,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PRECISION: tl.constexpr,
+    CONFIG: tl.constexpr,  # (BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
 ):
     """sum over the BLOCK_K tiles of [k_start, k_end), in order, of x_tile @ W_tile^T (fp32)."""
+    x_ptrs, w_ptrs, offs_k, mask_m, mask_n, stride_xk, stride_wk = operands
+    BLOCK_M: tl.constexpr = CONFIG[0]
+    BLOCK_N: tl.constexpr = CONFIG[1]
+    BLOCK_K: tl.constexpr = CONFIG[2]
+    PRECISION: tl.constexpr = CONFIG[3]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + offs_k
@@ -136,34 +134,16 @@ def _matmul_kernel(
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, offs_n, offs_k, mask_m, mask_n = output_tile(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    # What every split's call shares (Triton inlines the call and flattens the tuples).
+    operands = (x_ptrs, w_ptrs, offs_k, mask_m, mask_n, stride_xk, stride_wk)
+    CONFIG: tl.constexpr = (BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)
     if SPLIT_IN_GRID:
         split = tl.program_id(2)
         k_start = split * k_per_split
-        acc = _split_range(
-            x_ptrs,
-            w_ptrs,
-            k_start,
-            tl.minimum(k_start + k_per_split, K),
-            K,
-            offs_k,
-            mask_m,
-            mask_n,
-            stride_xk,
-            stride_wk,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            PRECISION,
-        )
+        acc = _split_range(operands, k_start, tl.minimum(k_start + k_per_split, K), K, CONFIG)
         mask = mask_m[:, None] & mask_n[None, :]
         partial_ptrs = partials_ptr + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
         # int64: splits x M x N partials can pass 2**31 elements (a vocabulary-sized N).
@@ -171,7 +151,7 @@ def _matmul_kernel(
         # Every thread's stores before the release (acq_rel) of the count: the last to arrive
         # acquires them all.
         tl.debug_barrier()
-        tile = pid_m * tl.num_programs(1) + pid_n
+        tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
         arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel")
         if arrived == num_splits - 1:
             # .cg: from L2, where the other SMs' partials are, never a stale L1 line.
@@ -186,40 +166,10 @@ def _matmul_kernel(
             tl.atomic_xchg(counters_ptr + tile, 0)
     else:
         # The first split starts the sum (not 0 + partial[0], which would turn -0.0 into +0.0).
-        acc = _split_range(
-            x_ptrs,
-            w_ptrs,
-            0,
-            tl.minimum(k_per_split, K),
-            K,
-            offs_k,
-            mask_m,
-            mask_n,
-            stride_xk,
-            stride_wk,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            PRECISION,
-        )
+        acc = _split_range(operands, 0, tl.minimum(k_per_split, K), K, CONFIG)
         for split in range(1, num_splits):
             k_start = split * k_per_split
-            acc += _split_range(
-                x_ptrs,
-                w_ptrs,
-                k_start,
-                tl.minimum(k_start + k_per_split, K),
-                K,
-                offs_k,
-                mask_m,
-                mask_n,
-                stride_xk,
-                stride_wk,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_K,
-                PRECISION,
-            )
+            acc += _split_range(operands, k_start, tl.minimum(k_start + k_per_split, K), K, CONFIG)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]

@@ -94,23 +94,11 @@ def causal_conv1d_update(
     block_c = min(triton.next_power_of_2(channels), 256)
     grid = (batch, triton.cdiv(channels, block_c))
     _conv1d_update_kernel[grid](
-        out,
-        x,
-        weight,
-        weight if bias is None else bias,
-        conv_state,
-        slots,
-        has_state,
-        channels,
-        conv_state.shape[0],
-        x.stride(0),
-        out.stride(0),
-        conv_state.stride(0),
-        conv_state.stride(1),
-        KERNEL=kernel,
-        BLOCK_C=block_c,
-        HAS_BIAS=bias is not None,
-    )
+        out, x, weight, weight if bias is None else bias, conv_state, slots, has_state,
+        channels, conv_state.shape[0],
+        x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
+        KERNEL=kernel, BLOCK_C=block_c, HAS_BIAS=bias is not None,
+    )  # fmt: skip
     return out
 
 
@@ -205,33 +193,10 @@ def gated_delta_rule_update(
     block_v = min(triton.next_power_of_2(d_v), max(16, 8192 // block_k))
     grid = (batch, num_v_heads, triton.cdiv(d_v, block_v))
     _gated_delta_rule_update_kernel[grid](
-        out,
-        q,
-        k,
-        v,
-        g,
-        beta,
-        ssm_state,
-        slots,
-        has_state,
-        ssm_state.shape[0],
-        num_v_heads // num_k_heads,
-        d_k**-0.5,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        g.stride(0),
-        out.stride(0),
-        out.stride(1),
-        ssm_state.stride(0),
-        ssm_state.stride(1),
-        ssm_state.stride(2),
-        D_K=d_k,
-        D_V=d_v,
-        BLOCK_K=block_k,
-        BLOCK_V=block_v,
-    )
+        out, q, k, v, g, beta, ssm_state, slots, has_state,
+        ssm_state.shape[0], num_v_heads // num_k_heads, d_k**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+        out.stride(0), out.stride(1), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
+        D_K=d_k, D_V=d_v, BLOCK_K=block_k, BLOCK_V=block_v,
+    )  # fmt: skip
     return out

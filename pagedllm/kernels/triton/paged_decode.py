@@ -206,9 +206,13 @@ def _paged_decode_kernel(
         sink = tl.load(learned_sinks_ptr + heads, mask=head_mask, other=float("-inf")).to(tl.float32)
         m_i = tl.where(part == 0, sink * 1.4426950408889634, m_i)
         l_i = tl.where((part == 0) & head_mask, 1.0, l_i)
-    k_head_ptr = key_cache_ptr + kv_head * stride_k_head
-    v_head_ptr = value_cache_ptr + kv_head * stride_v_head
-    block_table_ptr = block_tables_ptr + seq * stride_bt_seq
+    # What every stage below shares (paged_tiles.attend_paged_range's tuples).
+    state = (acc, l_i, m_i)
+    keys = (key_cache_ptr + kv_head * stride_k_head, stride_k_block, stride_k_slot, k_dim_offs)
+    values = (value_cache_ptr + kv_head * stride_v_head, stride_v_block, stride_v_slot, v_dim_offs)
+    cache = (keys, values, (block_tables_ptr + seq * stride_bt_seq, stride_bt_blk))
+    scores = (qk_scale, v_scale, sliding_window, soft_cap, alibi_row)
+    CONFIG: tl.constexpr = (HEAD_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFT_CAP, ALIBI, DOT_PRECISION, KV_FP8)
     if SINKS:
         # The sinks the window has passed, [0, sink_end), for the window's first partition only
         # (sink_end = 0 elsewhere: no tile, and the sink query is not even loaded). They end at or
@@ -224,157 +228,19 @@ def _paged_decode_kernel(
             mask=row_mask & (offs_h[:, None] * 0 + sink_end > 0),
             other=0.0,
         ).to(q_ty)
-        acc, l_i, m_i = attend_paged_range(
-            acc,
-            l_i,
-            m_i,
-            sink_q,
-            q_pos,
-            k_head_ptr,
-            v_head_ptr,
-            block_table_ptr,
-            0,
-            sink_end,
-            0,
-            qk_scale,
-            sliding_window,
-            soft_cap,
-            alibi_row,
-            stride_bt_blk,
-            stride_k_block,
-            stride_k_slot,
-            k_dim_offs,
-            stride_v_block,
-            stride_v_slot,
-            v_dim_offs,
-            HEAD_SIZE,
-            HEAD_DIM,
-            BLOCK_SIZE,
-            BLOCK_N,
-            MASK_TAIL=True,
-            CAUSAL=False,
-            WINDOW=False,
-            SINK=False,
-            SOFT_CAP=SOFT_CAP,
-            ALIBI=ALIBI,
-            DOT_PRECISION=DOT_PRECISION,
-            v_scale=v_scale,
-            KV_FP8=KV_FP8,
+        state = attend_paged_range(
+            state, (sink_q, q_pos), 0, sink_end, 0, cache, scores, CONFIG, MASK_TAIL=True
         )
     # The window's first tile, masked below window_start (and at seq_len); then full tiles
     # without per-token masks; then at most one tile cut by seq_len. Not causal: the query is the
     # context's last token.
-    acc, l_i, m_i = attend_paged_range(
-        acc,
-        l_i,
-        m_i,
-        q,
-        q_pos,
-        k_head_ptr,
-        v_head_ptr,
-        block_table_ptr,
-        lo,
-        head_end,
-        window_start,
-        qk_scale,
-        sliding_window,
-        soft_cap,
-        alibi_row,
-        stride_bt_blk,
-        stride_k_block,
-        stride_k_slot,
-        k_dim_offs,
-        stride_v_block,
-        stride_v_slot,
-        v_dim_offs,
-        HEAD_SIZE,
-        HEAD_DIM,
-        BLOCK_SIZE,
-        BLOCK_N,
-        MASK_TAIL=True,
-        CAUSAL=False,
-        WINDOW=False,
-        SINK=False,
-        SOFT_CAP=SOFT_CAP,
-        ALIBI=ALIBI,
-        DOT_PRECISION=DOT_PRECISION,
-        v_scale=v_scale,
-        KV_FP8=KV_FP8,
+    rows = (q, q_pos)
+    state = attend_paged_range(state, rows, lo, head_end, window_start, cache, scores, CONFIG, MASK_TAIL=True)
+    state = attend_paged_range(
+        state, rows, head_end, full_end, head_end, cache, scores, CONFIG, MASK_TAIL=False
     )
-    acc, l_i, m_i = attend_paged_range(
-        acc,
-        l_i,
-        m_i,
-        q,
-        q_pos,
-        k_head_ptr,
-        v_head_ptr,
-        block_table_ptr,
-        head_end,
-        full_end,
-        head_end,
-        qk_scale,
-        sliding_window,
-        soft_cap,
-        alibi_row,
-        stride_bt_blk,
-        stride_k_block,
-        stride_k_slot,
-        k_dim_offs,
-        stride_v_block,
-        stride_v_slot,
-        v_dim_offs,
-        HEAD_SIZE,
-        HEAD_DIM,
-        BLOCK_SIZE,
-        BLOCK_N,
-        MASK_TAIL=False,
-        CAUSAL=False,
-        WINDOW=False,
-        SINK=False,
-        SOFT_CAP=SOFT_CAP,
-        ALIBI=ALIBI,
-        DOT_PRECISION=DOT_PRECISION,
-        v_scale=v_scale,
-        KV_FP8=KV_FP8,
-    )
-    acc, l_i, m_i = attend_paged_range(
-        acc,
-        l_i,
-        m_i,
-        q,
-        q_pos,
-        k_head_ptr,
-        v_head_ptr,
-        block_table_ptr,
-        full_end,
-        end,
-        full_end,
-        qk_scale,
-        sliding_window,
-        soft_cap,
-        alibi_row,
-        stride_bt_blk,
-        stride_k_block,
-        stride_k_slot,
-        k_dim_offs,
-        stride_v_block,
-        stride_v_slot,
-        v_dim_offs,
-        HEAD_SIZE,
-        HEAD_DIM,
-        BLOCK_SIZE,
-        BLOCK_N,
-        MASK_TAIL=True,
-        CAUSAL=False,
-        WINDOW=False,
-        SINK=False,
-        SOFT_CAP=SOFT_CAP,
-        ALIBI=ALIBI,
-        DOT_PRECISION=DOT_PRECISION,
-        v_scale=v_scale,
-        KV_FP8=KV_FP8,
-    )
+    state = attend_paged_range(state, rows, full_end, end, full_end, cache, scores, CONFIG, MASK_TAIL=True)
+    acc, l_i, m_i = state
 
     # A sequence whose context fits one partition (every one when num_partitions is 1; under a CUDA
     # graph captured for max_model_len, most of them) has nothing to merge: its only program

@@ -203,9 +203,13 @@ def _paged_prefill_kernel(
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + sink
         l_i += 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    k_head_ptr = key_cache_ptr + kv_head * stride_k_head
-    v_head_ptr = value_cache_ptr + kv_head * stride_v_head
-    block_table_ptr = block_tables_ptr + seq * stride_bt_seq
+    # What every stage below shares (paged_tiles.attend_paged_range's tuples).
+    CONFIG: tl.constexpr = (HEAD_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFT_CAP, ALIBI, DOT_PRECISION, KV_FP8)
+    scores = (qk_scale, v_scale, sliding_window, soft_cap, alibi_row)
+    state = (acc, l_i, m_i)
+    keys = (key_cache_ptr + kv_head * stride_k_head, stride_k_block, stride_k_slot, k_dim_offs)
+    values = (value_cache_ptr + kv_head * stride_v_head, stride_v_block, stride_v_slot, v_dim_offs)
+    cache = (keys, values, (block_tables_ptr + seq * stride_bt_seq, stride_bt_blk))
     if SINKS:
         # The sinks the last row's window has passed: [0, sink_end). Each row keeps those its own
         # window has passed (SINK); a row that has passed none stays m_i = -inf, l_i = 0 until the
@@ -220,120 +224,31 @@ def _paged_prefill_kernel(
             mask=io_mask & (offs_m[:, None] * 0 + sink_end > 0),
             other=0.0,
         ).to(q_ty)
-        acc, l_i, m_i = attend_paged_range(
-            acc,
-            l_i,
-            m_i,
-            sink_q,
-            q_pos,
-            k_head_ptr,
-            v_head_ptr,
-            block_table_ptr,
-            0,
-            sink_end,
-            0,
-            qk_scale,
-            sliding_window,
-            soft_cap,
-            alibi_row,
-            stride_bt_blk,
-            stride_k_block,
-            stride_k_slot,
-            k_dim_offs,
-            stride_v_block,
-            stride_v_slot,
-            v_dim_offs,
-            HEAD_SIZE,
-            HEAD_DIM,
-            BLOCK_SIZE,
-            BLOCK_N,
-            MASK_TAIL=True,
-            CAUSAL=False,
-            WINDOW=False,
-            SINK=True,
-            SOFT_CAP=SOFT_CAP,
-            ALIBI=ALIBI,
-            DOT_PRECISION=DOT_PRECISION,
-            v_scale=v_scale,
-            KV_FP8=KV_FP8,
+        sink_rows = (sink_q, q_pos)
+        state = attend_paged_range(
+            state, sink_rows, 0, sink_end, 0, cache, scores, CONFIG, MASK_TAIL=True, SINK=True
         )
-    acc, l_i, m_i = attend_paged_range(
-        acc,
-        l_i,
-        m_i,
-        q,
-        q_pos,
-        k_head_ptr,
-        v_head_ptr,
-        block_table_ptr,
-        unmasked_lo,
-        unmasked_end,
-        unmasked_lo,
-        qk_scale,
-        sliding_window,
-        soft_cap,
-        alibi_row,
-        stride_bt_blk,
-        stride_k_block,
-        stride_k_slot,
-        k_dim_offs,
-        stride_v_block,
-        stride_v_slot,
-        v_dim_offs,
-        HEAD_SIZE,
-        HEAD_DIM,
-        BLOCK_SIZE,
-        BLOCK_N,
-        MASK_TAIL=False,
-        CAUSAL=False,
-        WINDOW=False,
-        SINK=False,
-        SOFT_CAP=SOFT_CAP,
-        ALIBI=ALIBI,
-        DOT_PRECISION=DOT_PRECISION,
-        v_scale=v_scale,
-        KV_FP8=KV_FP8,
+    rows = (q, q_pos)
+    state = attend_paged_range(
+        state, rows, unmasked_lo, unmasked_end, unmasked_lo, cache, scores, CONFIG, MASK_TAIL=False
     )
     # If the unmasked stage was empty this one starts at key 0, or the window's first tile: without
     # a window every row sees key 0, so no row is fully masked in its first tile; with one,
     # attend_paged_range keeps such rows NaN-free.
-    acc, l_i, m_i = attend_paged_range(
-        acc,
-        l_i,
-        m_i,
-        q,
-        q_pos,
-        k_head_ptr,
-        v_head_ptr,
-        block_table_ptr,
+    state = attend_paged_range(
+        state,
+        rows,
         unmasked_end,
         kv_end,
         kv_lo,
-        qk_scale,
-        sliding_window,
-        soft_cap,
-        alibi_row,
-        stride_bt_blk,
-        stride_k_block,
-        stride_k_slot,
-        k_dim_offs,
-        stride_v_block,
-        stride_v_slot,
-        v_dim_offs,
-        HEAD_SIZE,
-        HEAD_DIM,
-        BLOCK_SIZE,
-        BLOCK_N,
+        cache,
+        scores,
+        CONFIG,
         MASK_TAIL=True,
         CAUSAL=True,
         WINDOW=WINDOW,
-        SINK=False,
-        SOFT_CAP=SOFT_CAP,
-        ALIBI=ALIBI,
-        DOT_PRECISION=DOT_PRECISION,
-        v_scale=v_scale,
-        KV_FP8=KV_FP8,
     )
+    acc, l_i, m_i = state
 
     out = acc / l_i[:, None]
     tl.store(

@@ -62,42 +62,50 @@ import triton.language as tl
 
 @triton.jit
 def attend_paged_range(
-    acc,
-    l_i,
-    m_i,  # running state: [ROWS, HEAD_DIM], [ROWS], [ROWS] float32
-    q,  # [ROWS, HEAD_DIM] in the compute dtype (compute_dtype), padding columns zero
-    q_pos,  # [ROWS] context position of each query row (read when CAUSAL, WINDOW or ALIBI)
-    k_head_ptr,
-    v_head_ptr,  # key/value cache base, already offset to this program's KV head
-    block_table_ptr,  # this sequence's block table row
+    state,  # (acc, l_i, m_i): the running state, [ROWS, HEAD_DIM], [ROWS], [ROWS] float32
+    rows,  # (q, q_pos): [ROWS, HEAD_DIM] queries in the compute dtype (compute_dtype), padding
+    # columns zero; [ROWS] each row's context position (read when CAUSAL, WINDOW, SINK or ALIBI)
     lo,
     hi,  # the context tokens [lo, hi) to attend to
     kv_lo,  # with MASK_TAIL, tokens < kv_lo are masked too (pass lo when none are)
-    qk_scale,  # softmax scale * log2(e)
-    sliding_window,  # read when WINDOW or SINK: row r's window holds keys > q_pos[r] - sliding_window
-    soft_cap,  # read when SOFT_CAP: the cap * log2(e)
-    alibi_row,  # [ROWS] ALiBi slope of each row * log2(e), read when ALIBI
-    stride_bt_blk,
-    stride_k_block,
-    stride_k_slot,
-    k_dim_offs,  # [HEAD_DIM] offsets of a key row's elements from its slot (see dim_offsets)
-    stride_v_block,
-    stride_v_slot,
-    v_dim_offs,  # [HEAD_DIM] the same for a value row
-    HEAD_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    cache,  # (keys, values, block_table) of this program's KV head and sequence: see below
+    scores,  # (qk_scale, v_scale, sliding_window, soft_cap, alibi_row): see the variants below
+    CONFIG: tl.constexpr,  # the kernel's shape and variants: see below
     MASK_TAIL: tl.constexpr,  # the range's ends may fall inside a tile: mask tokens outside [kv_lo, hi)
-    CAUSAL: tl.constexpr,  # mask keys past each row's q_pos
-    WINDOW: tl.constexpr,  # mask keys at or before each row's q_pos - sliding_window
-    SINK: tl.constexpr,  # the opposite: mask keys after each row's q_pos - sliding_window (in its window)
-    SOFT_CAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    v_scale,  # read when KV_FP8: the value cache's scale (qk_scale carries k_scale already)
-    KV_FP8: tl.constexpr,  # the caches hold float8_e4m3fn; q is in the compute dtype
+    CAUSAL: tl.constexpr = False,  # mask keys past each row's q_pos
+    WINDOW: tl.constexpr = False,  # mask keys at or before each row's q_pos - sliding_window
+    SINK: tl.constexpr = False,  # the opposite: mask keys after q_pos - sliding_window (in the window)
 ):
+    """One stage of the online softmax: ``state`` updated with the keys [lo, hi). The arguments
+    every stage of a program shares travel as tuples (Triton inlines the call: the same code)::
+
+        cache:  keys        (key cache base offset to the program's KV head, block stride, slot
+                            stride, [HEAD_DIM] offsets of a key row's elements from its slot:
+                            dim_offsets)
+                values      the same for the value cache
+                block_table (the sequence's block table row, its block stride)
+        scores: qk_scale       softmax scale * log2(e) (times k_scale with KV_FP8: fp8_kv_scales)
+                v_scale        read when KV_FP8: the value cache's scale
+                sliding_window read when WINDOW or SINK: row r's window holds keys > q_pos[r] - it
+                soft_cap       read when SOFT_CAP: the cap * log2(e)
+                alibi_row      [ROWS] ALiBi slope of each row * log2(e), read when ALIBI
+        CONFIG: HEAD_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_N; SOFT_CAP, ALIBI (the variants),
+                DOT_PRECISION (dot_precision), KV_FP8 (the caches hold float8_e4m3fn; q is in
+                the compute dtype)
+    """
+    acc, l_i, m_i = state
+    q, q_pos = rows
+    keys, values, block_table = cache
+    block_table_ptr, stride_bt_blk = block_table
+    qk_scale, v_scale, sliding_window, soft_cap, alibi_row = scores
+    HEAD_SIZE: tl.constexpr = CONFIG[0]
+    HEAD_DIM: tl.constexpr = CONFIG[1]
+    BLOCK_SIZE: tl.constexpr = CONFIG[2]
+    BLOCK_N: tl.constexpr = CONFIG[3]
+    SOFT_CAP: tl.constexpr = CONFIG[4]
+    ALIBI: tl.constexpr = CONFIG[5]
+    DOT_PRECISION: tl.constexpr = CONFIG[6]
+    KV_FP8: tl.constexpr = CONFIG[7]
     offs_d = tl.arange(0, HEAD_DIM)
     dim_mask = offs_d < HEAD_SIZE
     if not MASK_TAIL:
@@ -130,14 +138,7 @@ def attend_paged_range(
         slots = offs_n % BLOCK_SIZE
         # In a masked tile the mask also keeps whatever the slots outside [kv_lo, hi) hold (stale
         # values, NaN) out of the dots.
-        k = tl.load(
-            k_head_ptr
-            + block_ids[:, None] * stride_k_block
-            + slots[:, None] * stride_k_slot
-            + k_dim_offs[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        k = _load_rows(keys, block_ids, slots, kv_mask)
         if KV_FP8:
             k = k.to(q.dtype)  # exact: e4m3 widens to bf16, fp16 and fp32 without rounding
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
@@ -163,14 +164,7 @@ def attend_paged_range(
         p = tl.exp2(s - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_head_ptr
-            + block_ids[:, None] * stride_v_block
-            + slots[:, None] * stride_v_slot
-            + v_dim_offs[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
+        v = _load_rows(values, block_ids, slots, kv_mask)
         if KV_FP8:
             # (p * v_scale) @ v_fp8 = p @ (v_fp8 * v_scale): the scale on the [ROWS, BLOCK_N]
             # probabilities, not the [BLOCK_N, HEAD_DIM] tile; l_i keeps the unscaled p.
@@ -179,6 +173,18 @@ def attend_paged_range(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def _load_rows(cache, block_ids, slots, mask):
+    """The [BLOCK_N, HEAD_DIM] rows of one paged cache (``attend_paged_range``'s keys or values)
+    at (block_ids [BLOCK_N] int64, slots [BLOCK_N]); masked elements read 0."""
+    head_ptr, stride_block, stride_slot, dim_offs = cache
+    return tl.load(
+        head_ptr + block_ids[:, None] * stride_block + slots[:, None] * stride_slot + dim_offs[None, :],
+        mask=mask,
+        other=0.0,
+    )
 
 
 @triton.jit

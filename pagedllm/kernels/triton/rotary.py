@@ -131,21 +131,11 @@ def rotary_embedding(
     num_heads, num_kv_heads = query.shape[1] // head_size, key.shape[1] // head_size
     half_dim = triton.next_power_of_2(head_size // 2)
     _rotary_kernel[(num_tokens,)](
-        query,
-        key,
-        positions,
-        cos_sin_cache,
-        query.stride(0),
-        key.stride(0),
-        positions.stride(0),
-        cos_sin_cache.stride(0),
-        NUM_HEADS=num_heads,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_SIZE=head_size,
-        HALF_DIM=half_dim,
-        BLOCK_H_Q=heads_per_tile(num_heads, half_dim),
-        BLOCK_H_K=heads_per_tile(num_kv_heads, half_dim),
-    )
+        query, key, positions, cos_sin_cache,
+        query.stride(0), key.stride(0), positions.stride(0), cos_sin_cache.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_SIZE=head_size, HALF_DIM=half_dim,
+        BLOCK_H_Q=heads_per_tile(num_heads, half_dim), BLOCK_H_K=heads_per_tile(num_kv_heads, half_dim),
+    )  # fmt: skip
 
 
 def heads_per_tile(num_heads: int, half_dim: int) -> int:

@@ -75,6 +75,34 @@ class ToolParser(abc.ABC):
         """What the output so far certainly is: its leading content and the calls begun."""
 
 
+class FinishedCallsParser(ToolParser):
+    """A format whose ``extract`` is its ``partial`` finished: the calls from the first ``marker``
+    on, each made whole by ``finished`` (None: malformed, and the whole text is content)."""
+
+    marker: str
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        start = text.find(self.marker)
+        if start < 0:
+            return ExtractedToolCalls(content=text)
+        return calls_after(text, start, [self.finished(call) for call in self.partial(text).calls])
+
+    def finished(self, call: PartialCall) -> ParsedCall | None:
+        return finished_call(call)
+
+
+def finished_call(call: PartialCall) -> ParsedCall | None:
+    """A call ``partial`` read, if it is done, named and its arguments are JSON (as ``parse_call``
+    takes them: an object, or a string holding one); else None."""
+    if not call.done or call.name is None:
+        return None
+    try:
+        arguments = json.loads(call.arguments)
+    except ValueError:
+        return None  # parse_call would refuse it
+    return parse_call(json.dumps({"name": call.name, "arguments": arguments}), ("arguments",))
+
+
 def calls_after(text: str, start: int, calls: list[ParsedCall | None]) -> ExtractedToolCalls:
     """The calls that begin at ``start``, the text before it as the content; the whole text as
     the content when there is no call or one is malformed."""

@@ -7,17 +7,11 @@
 
 from __future__ import annotations
 
-import json
-
 from pagedllm.entrypoints.openai.text_markers import held_prefix_len
 from pagedllm.entrypoints.openai.tool_parsers.base import (
-    ExtractedToolCalls,
-    ParsedCall,
+    FinishedCallsParser,
     PartialCall,
     PartialToolCalls,
-    ToolParser,
-    calls_after,
-    parse_call,
     partial_json_call,
     value_end,
 )
@@ -26,14 +20,9 @@ TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
 ARGUMENTS_KEYS = ("arguments", "parameters")
 
 
-class MistralToolParser(ToolParser):
+class MistralToolParser(FinishedCallsParser):
     keeps_special_tokens = True
-
-    def extract(self, text: str) -> ExtractedToolCalls:
-        start = text.find(TOOL_CALLS)
-        if start < 0:
-            return ExtractedToolCalls(content=text)
-        return calls_after(text, start, [_whole(call) for call in self.partial(text).calls])
+    marker = TOOL_CALLS
 
     def partial(self, text: str) -> PartialToolCalls:
         start = text.find(TOOL_CALLS)
@@ -77,16 +66,3 @@ def _named_call(text: str, position: int) -> tuple[PartialCall, int | None]:
     end = value_end(text, start)
     arguments = text[start : end if end is not None else len(text)].rstrip()
     return PartialCall(name or None, arguments if arguments.startswith("{") else "", end is not None), end
-
-
-def _whole(call: PartialCall) -> ParsedCall | None:
-    if not call.done or call.name is None:
-        return None
-    return parse_call(json.dumps({"name": call.name, "arguments": _object(call.arguments)}), ("arguments",))
-
-
-def _object(arguments: str) -> object:
-    try:
-        return json.loads(arguments)
-    except ValueError:
-        return None  # parse_call refuses it

@@ -6,17 +6,13 @@ the special tokens stay in the text (``keeps_special_tokens``).
 
 from __future__ import annotations
 
-import json
 import re
 
 from pagedllm.entrypoints.openai.text_markers import held_prefix_len
 from pagedllm.entrypoints.openai.tool_parsers.base import (
-    ExtractedToolCalls,
-    ParsedCall,
+    FinishedCallsParser,
     PartialCall,
     PartialToolCalls,
-    ToolParser,
-    calls_after,
     tagged_calls,
 )
 
@@ -24,14 +20,9 @@ CALL_START, MESSAGE, CALL_END = "<|channel|>commentary to=functions.", "<|messag
 _NAME = re.compile(r"[^\s<]+")
 
 
-class OpenAIToolParser(ToolParser):
+class OpenAIToolParser(FinishedCallsParser):
     keeps_special_tokens = True
-
-    def extract(self, text: str) -> ExtractedToolCalls:
-        start = text.find(CALL_START)
-        if start < 0:
-            return ExtractedToolCalls(content=text)
-        return calls_after(text, start, [_whole(call) for call in self.partial(text).calls])
+    marker = CALL_START
 
     def partial(self, text: str) -> PartialToolCalls:
         return tagged_calls(text, CALL_START, CALL_END, _read_call)
@@ -48,15 +39,3 @@ def _read_call(text: str, body_start: int, body_end: int) -> PartialCall:
         arguments = arguments[: len(arguments) - held_prefix_len(arguments, CALL_END)]
     arguments = arguments.strip()
     return PartialCall(name.group() if name else None, arguments if arguments.startswith("{") else "", done)
-
-
-def _whole(call: PartialCall) -> ParsedCall | None:
-    if not call.done or call.name is None:
-        return None
-    try:
-        arguments = json.loads(call.arguments)
-    except ValueError:
-        return None
-    if not isinstance(arguments, dict):
-        return None
-    return ParsedCall(call.name, json.dumps(arguments, ensure_ascii=False))

@@ -20,12 +20,10 @@ import re
 from typing import Any
 
 from pagedllm.entrypoints.openai.tool_parsers.base import (
-    ExtractedToolCalls,
+    FinishedCallsParser,
     ParsedCall,
     PartialCall,
     PartialToolCalls,
-    ToolParser,
-    calls_after,
     tagged_calls,
 )
 
@@ -35,15 +33,12 @@ _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.D
 _FUNCTION_END = re.compile(r"\s*</function>")
 
 
-class Qwen3CoderToolParser(ToolParser):
-    def extract(self, text: str) -> ExtractedToolCalls:
-        start = text.find(START)
-        if start < 0:
-            return ExtractedToolCalls(content=text)
-        calls = [
-            ParsedCall(c.name, c.arguments) if c.done and c.name else None for c in self.partial(text).calls
-        ]
-        return calls_after(text, start, calls)
+class Qwen3CoderToolParser(FinishedCallsParser):
+    marker = START
+
+    def finished(self, call: PartialCall) -> ParsedCall | None:
+        # The arguments are already the JSON object this parser wrote from the parameters.
+        return ParsedCall(call.name, call.arguments) if call.done and call.name else None
 
     def partial(self, text: str) -> PartialToolCalls:
         return tagged_calls(text, START, END, lambda text, start, end: self._call(text[start:end]))
