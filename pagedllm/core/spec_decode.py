@@ -34,10 +34,10 @@ from typing import Protocol
 
 import numpy as np
 
-from pagedllm.config import SpeculativeConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.step_budget import StepBudget
+from pagedllm.spec_config import SpeculativeConfig
 from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
 
 

@@ -25,7 +25,6 @@ from pagedllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
-    SpeculativeConfig,
     derive_max_model_len,
     resolve_device,
     resolve_dtype,
@@ -34,6 +33,7 @@ from pagedllm.cpu_info import physical_cpu_cores
 from pagedllm.engine.batch_invariant import check_batch_invariant
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.pooling_params import load_pooler_config
+from pagedllm.spec_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -239,10 +239,9 @@ class EngineArgs:
         )
         self._set_attention_window(model_config, model_class)
         check_quantization(model_config)
+        draft_config = None
         if speculative_config is not None and speculative_config.method == "draft_model":
-            speculative_config = dataclasses.replace(
-                speculative_config, draft_model_config=draft_model_config(speculative_config, model_config)
-            )
+            draft_config = draft_model_config(speculative_config, model_config)
         max_len = model_config.max_model_len
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
@@ -278,6 +277,7 @@ class EngineArgs:
             if self.async_scheduling is None
             else self.async_scheduling,
             speculative_config=speculative_config,
+            draft_model_config=draft_config,
             lora_config=self._lora_config(),
             pooler_config=load_pooler_config(model_path, hf_config) if runner == "pooling" else None,
             batch_invariant=self.batch_invariant,

@@ -58,7 +58,7 @@ class DraftModelRunner:
     """The draft model and its KV cache, beside the target's ``ModelRunner``.
 
     Args:
-        config: the engine's configuration (``speculative_config.draft_model_config`` set).
+        config: the engine's configuration (``draft_model_config`` set).
         attn_backend: the target's backend class, which the draft's layers use too.
         input_batch: the target runner's persistent batch (block tables, newest tokens).
     """
@@ -67,8 +67,8 @@ class DraftModelRunner:
         self, config: EngineConfig, attn_backend: type[AttentionBackend], input_batch: InputBatch
     ) -> None:
         spec_config = config.speculative_config
-        assert spec_config is not None and spec_config.draft_model_config is not None
-        self.model_config = draft = spec_config.draft_model_config
+        assert spec_config is not None and config.draft_model_config is not None
+        self.model_config = draft = config.draft_model_config
         # Dummy weights for both (benchmarks), else the draft's own format (a GGUF file or not).
         self.load_format = "dummy" if config.load_config.load_format == "dummy" else "auto"
         self.device = config.device_config.device
