@@ -31,6 +31,7 @@ from pagedllm.config import (
 )
 from pagedllm.cpu_info import physical_cpu_cores
 from pagedllm.engine.batch_invariant import check_batch_invariant
+from pagedllm.engine.eagle_config import eagle_head_config
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.pooling_params import load_pooler_config
 from pagedllm.spec_config import SpeculativeConfig
@@ -240,7 +241,7 @@ class EngineArgs:
         self._set_attention_window(model_config, model_class)
         check_quantization(model_config)
         draft_config = None
-        if speculative_config is not None and speculative_config.method == "draft_model":
+        if speculative_config is not None and speculative_config.method != "ngram":
             draft_config = draft_model_config(speculative_config, model_config)
         max_len = model_config.max_model_len
         max_num_batched_tokens = self.max_num_batched_tokens
@@ -447,15 +448,18 @@ def load_hf_config(model_path: str, gguf_file: str | None) -> PretrainedConfig:
 
 
 def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
-    """The draft model's config (speculative_config method "draft_model"), from its config file
-    only: refused before any weight is read when the engine could not run it beside the target."""
+    """The draft model's (or EAGLE head's) config, from its config file only: refused before any
+    weight is read when the engine could not run it beside the target."""
     assert spec.model is not None
     try:
         model_path, gguf_file = resolve_model_path(spec.model)
         hf_config = load_hf_config(model_path, gguf_file)
-        check_architecture(hf_config)
+        if spec.method == "draft_model":
+            check_architecture(hf_config)
     except ValueError as error:
         raise ValueError(f"speculative_config.model: {error}") from error
+    if spec.method != "draft_model":
+        return eagle_head_config(spec, hf_config, model_path, target)
     if is_pooling_architecture(hf_config):
         raise ValueError(
             f"speculative_config.model {spec.model!r} is a bare decoder (no LM head): it cannot draft"
