@@ -227,6 +227,7 @@ def make_head(tmp_path_factory, model_config, name, seed=0):
     return spec, tensors, config, aux or [2, 2, 1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(HEADS))
 def test_the_engines_drafts_are_an_independent_reference_heads(llama, tmp_path_factory, name):
     hf_model, model_config = llama
@@ -248,6 +249,7 @@ def test_the_engines_drafts_are_an_independent_reference_heads(llama, tmp_path_f
         assert any(d >= HEADS[name][1] for step in calls for _, ds in step.values() for d in ds)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("name", list(HEADS))
 def test_greedy_with_an_eagle_head_equals_hf_and_decoding_without_it(
