@@ -368,3 +368,22 @@ def test_an_eagle_head_the_engine_cannot_run_is_refused_before_loading(llama, tm
     for spec, kwargs, message in cases:
         with pytest.raises(ValueError, match=message):
             make_llm(model_config, speculative_config=spec, **kwargs)
+
+
+@pytest.mark.slow
+def test_dummy_weights_cover_the_head_and_change_no_output(llama, tmp_path):
+    """``load_format="dummy"`` (``pagedllm bench latency``) initialises the head too, from a
+    directory holding only its config.json, and its embeddings are the target's."""
+    _, model_config = llama
+    head_config(model_config.hf_config, "eagle3", 96).save_pretrained(tmp_path / "head")
+    spec = {"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}
+    prompts = mixed_prompts(4, model_config.vocab_size, seed=6)
+    plain = make_llm(model_config, block_size=4, load_format="dummy")
+    llm = make_llm(model_config, block_size=4, load_format="dummy", speculative_config=spec)
+    expected = token_ids(plain.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False))
+    assert (
+        token_ids(llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)) == expected
+    )
+    head = llm.llm_engine.executor.worker.model_runner.drafter.model
+    assert head.embed_tokens is None
+    assert llm.llm_engine.scheduler.spec_decoding.num_draft_tokens > 0
