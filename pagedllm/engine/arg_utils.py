@@ -31,7 +31,7 @@ from pagedllm.config import (
 )
 from pagedllm.cpu_info import physical_cpu_cores
 from pagedllm.engine.batch_invariant import check_batch_invariant
-from pagedllm.engine.eagle_config import eagle_head_config
+from pagedllm.engine.eagle_config import check_eagle_head
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.pooling_params import load_pooler_config
 from pagedllm.spec_config import SpeculativeConfig
@@ -458,28 +458,15 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
             check_architecture(hf_config)
     except ValueError as error:
         raise ValueError(f"speculative_config.model: {error}") from error
-    if spec.method != "draft_model":
-        return eagle_head_config(spec, hf_config, model_path, target)
-    if is_pooling_architecture(hf_config):
-        raise ValueError(
-            f"speculative_config.model {spec.model!r} is a bare decoder (no LM head): it cannot draft"
-        )
-    if getattr(hf_config, "vocab_size", None) != target.vocab_size:
-        raise ValueError(
-            f"speculative_config.model {spec.model!r} has a vocabulary of {hf_config.vocab_size} tokens, the "
-            f"target's has {target.vocab_size}: a draft model must share the target's vocabulary"
-        )
-    draft_max_len = derive_max_model_len(hf_config)
-    if draft_max_len is not None and draft_max_len < target.max_model_len:
-        raise ValueError(
-            f"speculative_config.model {spec.model!r} supports max_model_len {draft_max_len}, less than the "
-            f"engine's max_model_len {target.max_model_len}: lower max_model_len or choose another draft"
-        )
+    if spec.method == "draft_model":
+        _check_draft_model(spec, hf_config, target)
+    else:
+        check_eagle_head(spec, hf_config, target)
     from pagedllm.models.utils import kv_cache_window
 
     if kv_cache_window(target.hf_config) is not None or target.attention_sinks:
         raise ValueError(
-            "speculative_config method 'draft_model' is not supported yet on a target whose every layer "
+            f"speculative_config method {spec.method!r} is not supported yet on a target whose every layer "
             "slides a window (sliding_window, attention_sinks): the draft's cache would lose the blocks "
             "the target drops behind it"
         )
@@ -500,6 +487,25 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
         )
     check_quantization(config)
     return config
+
+
+def _check_draft_model(spec: SpeculativeConfig, hf_config: PretrainedConfig, target: ModelConfig) -> None:
+    """What a draft model (method "draft_model") must be to run beside the target."""
+    if is_pooling_architecture(hf_config):
+        raise ValueError(
+            f"speculative_config.model {spec.model!r} is a bare decoder (no LM head): it cannot draft"
+        )
+    if getattr(hf_config, "vocab_size", None) != target.vocab_size:
+        raise ValueError(
+            f"speculative_config.model {spec.model!r} has a vocabulary of {hf_config.vocab_size} tokens, the "
+            f"target's has {target.vocab_size}: a draft model must share the target's vocabulary"
+        )
+    draft_max_len = derive_max_model_len(hf_config)
+    if draft_max_len is not None and draft_max_len < target.max_model_len:
+        raise ValueError(
+            f"speculative_config.model {spec.model!r} supports max_model_len {draft_max_len}, less than the "
+            f"engine's max_model_len {target.max_model_len}: lower max_model_len or choose another draft"
+        )
 
 
 def check_quantization(model_config: ModelConfig) -> None:

@@ -1,5 +1,5 @@
-"""An EAGLE head's config (speculative_config method "eagle" / "eagle3"), read from its
-config.json alone: everything the worker could not run is refused before a weight is read."""
+"""An EAGLE head's checks (speculative_config method "eagle" / "eagle3"), on its config.json
+alone: everything the worker could not run is refused before a weight is read."""
 
 from __future__ import annotations
 
@@ -12,14 +12,12 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 
-def eagle_head_config(
-    spec: SpeculativeConfig, hf_config: PretrainedConfig, model_path: str, target: ModelConfig
-) -> ModelConfig:
-    """The head's ModelConfig; its context is the target's (vLLM does the same: public heads
-    say 2048 positions, and their rotary embedding extends like any Llama's)."""
+def check_eagle_head(spec: SpeculativeConfig, hf_config: PretrainedConfig, target: ModelConfig) -> None:
+    """What an EAGLE head must be to draft for the target. Its context becomes the target's
+    (``max_position_embeddings``; vLLM does the same: public heads say 2048 positions, and their
+    rotary embedding extends like any Llama's)."""
     # Imported here: EngineArgs' module does not import torch until a config is made.
     from pagedllm.models.llama_eagle import eagle3_aux_layer_ids
-    from pagedllm.models.utils import kv_cache_window
 
     field = f"speculative_config.model {spec.model!r}"
     if getattr(hf_config, "model_type", None) != "llama":
@@ -49,19 +47,5 @@ def eagle_head_config(
                 f"{field}: EAGLE-3 reads the hidden states entering three target layers, got layers "
                 f"{list(layer_ids)} of a target with {num_layers} (eagle_aux_hidden_state_layer_ids)"
             )
-    if kv_cache_window(target.hf_config) is not None or target.attention_sinks:
-        raise ValueError(
-            f"speculative_config method {spec.method!r} is not supported yet on a target whose every layer "
-            "slides a window (sliding_window, attention_sinks)"
-        )
     own_len = getattr(hf_config, "max_position_embeddings", None) or 0
     hf_config.max_position_embeddings = max(own_len, target.max_model_len)
-    return ModelConfig(
-        model=model_path,
-        tokenizer=target.tokenizer,
-        hf_config=hf_config,
-        dtype=target.dtype,
-        max_model_len=target.max_model_len,
-        skip_tokenizer_init=True,
-        seed=target.seed,
-    )

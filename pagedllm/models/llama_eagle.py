@@ -55,15 +55,18 @@ def _rotary(config: PretrainedConfig) -> RotaryEmbedding:
 
 
 class EagleHead(CausalLM):
-    """What both heads share: loading the public layout (optionally under ``model.``, with or
-    without ``embed_tokens``), and the embeddings they may carry.
+    """What both heads share: the step (``forward``), and loading the public layout (optionally
+    under ``model.``, with or without ``embed_tokens``).
 
-    ``forward(input_embeds, positions, hidden_states, kv_caches, attn_metadata)`` returns
-    ``(hidden for the LM head, hidden for the next step)``, both [num_tokens, hidden_size].
+    A head fuses the token's embedding with the hidden state it continues (``fuse``), runs its
+    decoder layers and finishes (``finish``) into (hidden for the LM head, hidden for the next
+    step). Subclasses set ``decoder_layers``: forward(positions, x, residual, kv_cache,
+    attn_metadata) -> (x, residual).
     """
 
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
     skipped_checkpoint_names = ("rotary_emb.inv_freq", "t2d")
+    decoder_layers: nn.ModuleList
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -72,6 +75,29 @@ class EagleHead(CausalLM):
             config.vocab_size, config.hidden_size
         )
         self.loaded_embeddings = False
+
+    def forward(  # type: ignore[override]
+        self,
+        input_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_embeds: [num_tokens, hidden] of the tokens; hidden_states: [num_tokens, hidden]
+        (``combine_hidden_states`` of the target's, or the head's own second output)."""
+        x, residual = self.fuse(input_embeds, hidden_states)
+        for layer, kv_cache in zip(self.decoder_layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
+        return self.finish(x, residual)
+
+    def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[num_tokens, hidden] each -> (the first layer's input, the residual stream or None)."""
+        raise NotImplementedError
+
+    def finish(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last layer's (output, residual) -> (hidden for the LM head, for the next step)."""
+        raise NotImplementedError
 
     def combine_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The target's hidden states as the head's first step reads them (identity here)."""
@@ -116,19 +142,23 @@ class Eagle3DecoderLayer(nn.Module):
         # Some checkpoints start the residual stream from the normed hidden state (vLLM's key).
         self.norm_before_residual = bool(getattr(config, "norm_before_residual", False))
 
+    def attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """([num_tokens, 2 * hidden] concat(input_layernorm(embeds), hidden_norm(hidden)), the
+        residual stream: ``hidden``, or its normed form with ``norm_before_residual``)."""
+        normed = self.hidden_norm(hidden)
+        residual = normed if self.norm_before_residual else hidden
+        return torch.cat([self.input_layernorm(embeds), normed], dim=-1), residual
+
     def forward(
         self,
         positions: torch.Tensor,
-        embeds: torch.Tensor,
-        hidden_states: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor,
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """embeds, hidden_states: [num_tokens, hidden] -> (block output, residual stream)."""
-        normed = self.hidden_norm(hidden_states)
-        residual = normed if self.norm_before_residual else hidden_states
-        attn_in = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        out = self.self_attn(positions, attn_in, kv_cache, attn_metadata)
+        """x: [num_tokens, 2 * hidden] (``attention_input``) -> (block output, residual stream)."""
+        out = self.self_attn(positions, x, kv_cache, attn_metadata)
         out, residual = self.post_attention_layernorm(out, residual)
         return self.mlp(out), residual
 
@@ -142,6 +172,7 @@ class Eagle3LlamaForCausalLM(EagleHead):
         self.draft_vocab_size = getattr(config, "draft_vocab_size", None) or config.vocab_size
         self.fc = ReplicatedLinear(3 * hidden, hidden, bias=False)
         self.midlayer = Eagle3DecoderLayer(config, _rotary(config), attn_backend)
+        self.decoder_layers = nn.ModuleList([self.midlayer])
         self.norm = RMSNorm(hidden, config.rms_norm_eps)
         self.lm_head = ParallelLMHead(self.draft_vocab_size, hidden)
         self.logits_processor = LogitsProcessor(self.draft_vocab_size)
@@ -152,16 +183,12 @@ class Eagle3LlamaForCausalLM(EagleHead):
         """[num_tokens, 3 * hidden] (three target layers) -> [num_tokens, hidden]."""
         return self.fc(hidden_states)
 
-    def forward(  # type: ignore[override]
-        self,
-        input_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, residual = self.midlayer(positions, input_embeds, hidden_states, kv_caches[0], attn_metadata)
-        return self.norm(out, residual)
+    def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.midlayer.attention_input(embeds, hidden)
+
+    def finish(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        return self.norm(x, residual)
 
     def draft_token_ids(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [num_rows, draft_vocab] -> [num_rows] greedy drafts as TARGET ids."""
@@ -192,18 +219,11 @@ class EagleLlamaForCausalLM(EagleHead):
             for _ in range(config.num_hidden_layers)
         )
         self.layers[0].input_layernorm = nn.Identity()
+        self.decoder_layers = self.layers
 
-    def forward(  # type: ignore[override]
-        self,
-        input_embeds: torch.Tensor,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden_states = self.fc(torch.cat([input_embeds, hidden_states], dim=-1))
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
-        out = hidden_states + residual
+    def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return self.fc(torch.cat([embeds, hidden], dim=-1)), None
+
+    def finish(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = x + residual
         return out, out
