@@ -300,7 +300,7 @@ def test_an_eagle_head_changes_no_output_under_preemption_prefix_caching_and_chu
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["temperature", "top-k-top-p"])
+@pytest.mark.parametrize("case", list(SAMPLED_CASES))
 def test_sampled_outputs_follow_the_target_distribution_with_an_eagle3_head(
     make_tiny_model_for_module, tmp_path_factory, case
 ):
