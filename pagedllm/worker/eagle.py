@@ -197,13 +197,17 @@ class EagleProposer(DraftModelRunner):
         ends = metadata.query_start_loc_cpu[1 : num_reqs + 1].numpy().astype(np.int64)
         # Sliding-window targets are refused: seq_len is the position after the last scheduled token.
         after_last = metadata.seq_lens_cpu[:num_reqs].numpy().astype(np.int64)
-        host_ids = np.zeros(num_reqs, dtype=np.int64)
-        for i, row in enumerate(step_rows.tolist()):
-            tokens = self.batch.host_token_ids[row]
-            if tokens is not None and after_last[i] < len(tokens):
-                host_ids[i] = tokens[after_last[i]]
         next_ids = torch.roll(input_ids, -1)
-        next_ids.index_copy_(0, to_device(ends - 1, self.device), to_device(host_ids, self.device))
+        # Prompt chunks that end before the prompt does (few per step): the next prompt token.
+        chunks = np.flatnonzero(~np.isin(step_rows, rows))
+        if len(chunks):
+            host_ids = np.zeros(len(chunks), dtype=np.int64)
+            for j, i in enumerate(chunks.tolist()):
+                tokens = self.batch.host_token_ids[int(step_rows[i])]
+                if tokens is not None and after_last[i] < len(tokens):
+                    host_ids[j] = tokens[after_last[i]]
+            chunk_ends = to_device(ends[chunks] - 1, self.device)
+            next_ids.index_copy_(0, chunk_ends, to_device(host_ids, self.device))
         step_index = np.full(self.batch.max_num_rows, -1, dtype=np.int64)
         step_index[step_rows] = np.arange(num_reqs)
         i = step_index[rows]

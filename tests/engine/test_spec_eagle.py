@@ -233,7 +233,15 @@ def test_the_engines_drafts_are_an_independent_reference_heads(llama, tmp_path_f
     hf_model, model_config = llama
     spec, tensors, config, aux = make_head(tmp_path_factory, model_config, name)
     prompts = mixed_prompts(3, model_config.vocab_size, seed=5)
-    llm = make_llm(model_config, block_size=4, speculative_config=spec)
+    # 16-token steps cut the prompts into chunks: a chunk's last position reads the next prompt token.
+    llm = make_llm(
+        model_config,
+        block_size=4,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        max_num_seqs=4,
+        speculative_config=spec,
+    )
     calls = record_proposals(llm)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
