@@ -395,3 +395,50 @@ def test_dummy_weights_cover_the_head_and_change_no_output(llama, tmp_path):
     head = llm.llm_engine.executor.worker.model_runner.drafter.model
     assert head.embed_tokens is None
     assert llm.llm_engine.scheduler.spec_decoding.num_draft_tokens > 0
+
+
+@pytest.mark.slow
+def test_a_head_that_knows_the_target_is_always_accepted(make_tiny_model, tmp_path):
+    """A target whose blocks add nothing (o_proj and down_proj zero, unit final norm) predicts
+    g(t) = argmax lm_head(embed(t)) after token t. An EAGLE head with fc = [I 0] (the token's
+    embedding) and blocks that add nothing outputs embed(t) for the token t it reads at P - 1,
+    so its drafts are g(t_P), g(g(t_P)), ...: the target's own tokens. Acceptance is exactly 1.0
+    only if every step feeds the head the right token at the right position, also through
+    chunked prefill, prefix caching and preemption."""
+    hf_model, model_config = make_tiny_model(LlamaConfig, num_attention_heads=4, num_key_value_heads=2)
+    with torch.no_grad():
+        for name, param in hf_model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
+            elif name == "model.norm.weight":
+                param.fill_(1.0)
+    hf_model.save_pretrained(model_config.model)
+    path, tensors, _ = write_head(tmp_path / "head", model_config.hf_config, "eagle")
+    h = model_config.hf_config.hidden_size
+    tensors["fc.weight"] = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+    for name in ("layers.0.self_attn.o_proj.weight", "layers.0.mlp.down_proj.weight"):
+        tensors[name] = torch.zeros_like(tensors[name])
+    save_file(tensors, f"{path}/model.safetensors")
+    spec = {"method": "eagle", "model": path, "num_speculative_tokens": 4}
+    prompts = mixed_prompts(8, model_config.vocab_size, seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = make_llm(model_config, block_size=4)
+    expected = token_ids(plain.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False))
+    tight = make_llm(
+        model_config,
+        block_size=4,
+        num_kv_blocks=24,
+        max_model_len=96,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=16,
+        max_num_seqs=6,
+        speculative_config=spec,
+    )
+    for _ in range(2):
+        outputs = tight.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        assert token_ids(outputs) == expected
+    assert tight.llm_engine.get_stats().num_preemptions_recompute > 0
+    counters = tight.llm_engine.scheduler.spec_decoding
+    assert counters.num_accepted_tokens == counters.num_draft_tokens > 0
+    assert_all_blocks_free(tight)
