@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from pagedllm.config_checks import is_int as _is_int
+from pagedllm.config_checks import require as _require
 from pagedllm.cpu_info import cpu_has_bf16
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.pooling_params import PoolerConfig
+from pagedllm.spec_config import SpeculativeConfig
 
 # torch is imported where a function needs it: the CLI's parsers read this module (EngineArgs'
 # defaults), and `pagedllm --help` should not wait seconds for torch.
@@ -49,15 +52,6 @@ def _dtypes() -> dict[str, torch.dtype]:
         "float16": torch.float16,
         "half": torch.float16,
     }
-
-
-def _require(ok: bool, field: str, allowed: str, value: Any) -> None:
-    if not ok:
-        raise ValueError(f"{field} must be {allowed}, got {value!r}")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -332,125 +326,6 @@ class LoadConfig:
         _require(self.load_format in LOAD_FORMATS, "load_format", f"one of {LOAD_FORMATS}", self.load_format)
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
-# Methods vLLM names that pagedllm does not run yet: refused by name rather than as unknown.
-_SPECULATIVE_METHODS_NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp")
-# Drafted tokens per request and step, at most: each is one more query row to verify and one more
-# [vocab] row of target probabilities; past ~8 an n-gram draft is almost never accepted whole.
-MAX_NUM_SPECULATIVE_TOKENS = 16
-_SPECULATIVE_KEYS = (
-    "method",
-    "num_speculative_tokens",
-    "prompt_lookup_max",
-    "prompt_lookup_min",
-    "model",
-    "disable_by_batch_size",
-    "synthetic_acceptance_rate",
-)
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    """Speculative decoding (vLLM's ``speculative_config`` keys): each step a request's next
-    ``num_speculative_tokens`` tokens are drafted cheaply and verified by one forward pass of the
-    target model over all of them (docs/spec_decode.md).
-
-    ``method="ngram"`` (prompt lookup, no model): the draft continues the latest earlier match of
-    the request's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens. ``method="draft_model"``:
-    ``model`` (a path) is a smaller model with the target's vocabulary that drafts greedily, run by
-    the worker beside the target (worker/draft_model.py); ``draft_model_config`` is filled from it
-    by ``EngineArgs`` once the target's config is known. ``model`` "ngram" or "[ngram]" is vLLM's
-    older spelling of the n-gram method. ``disable_by_batch_size``: no drafts in a
-    step with at least this many running requests (verification then costs more than it saves).
-    ``synthetic_acceptance_rate`` is for benchmarks only: each drafted token is accepted with this
-    probability whatever the model says, so outputs are NOT the model's (``pagedllm bench latency``
-    labels every figure "synthetic").
-    """
-
-    method: str = "ngram"
-    num_speculative_tokens: int = 3
-    prompt_lookup_max: int = 5
-    prompt_lookup_min: int = 1
-    disable_by_batch_size: int | None = None
-    synthetic_acceptance_rate: float | None = None
-    model: str | None = None
-    draft_model_config: ModelConfig | None = None
-
-    def __post_init__(self) -> None:
-        method = self.method
-        if method in _SPECULATIVE_METHODS_NOT_YET:
-            raise ValueError(
-                f"speculative_config.method {method!r} is not supported yet; supported: {SPECULATIVE_METHODS}"
-            )
-        _require(
-            method in SPECULATIVE_METHODS,
-            "speculative_config.method",
-            f"one of {SPECULATIVE_METHODS}",
-            method,
-        )
-        k = self.num_speculative_tokens
-        _require(
-            _is_int(k) and 1 <= k <= MAX_NUM_SPECULATIVE_TOKENS,
-            "speculative_config.num_speculative_tokens",
-            f"an int in [1, {MAX_NUM_SPECULATIVE_TOKENS}]",
-            k,
-        )
-        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
-        _require(_is_int(lo) and lo >= 1, "speculative_config.prompt_lookup_min", "an int >= 1", lo)
-        _require(
-            _is_int(hi) and hi >= lo,
-            "speculative_config.prompt_lookup_max",
-            f"an int >= prompt_lookup_min ({lo})",
-            hi,
-        )
-        n = self.disable_by_batch_size
-        _require(
-            n is None or (_is_int(n) and n >= 1),
-            "speculative_config.disable_by_batch_size",
-            "None or >= 1",
-            n,
-        )
-        rate = self.synthetic_acceptance_rate
-        _require(
-            rate is None or (isinstance(rate, (int, float)) and 0.0 <= rate <= 1.0),
-            "speculative_config.synthetic_acceptance_rate",
-            "None or in [0, 1]",
-            rate,
-        )
-        _require(
-            (method == "draft_model") == (self.model is not None),
-            "speculative_config.model",
-            "a model path with method 'draft_model' (and only then)",
-            self.model,
-        )
-
-    @classmethod
-    def from_dict(cls, config: dict[str, Any]) -> SpeculativeConfig:
-        """From vLLM's keys. Unknown keys are refused by name; a missing ``method`` is taken from
-        ``model`` ("ngram"); a ``prompt_lookup_min`` above the default maximum raises the maximum to it."""
-        if not isinstance(config, dict):
-            raise ValueError(f"speculative_config must be a dict (or its JSON), got {config!r}")
-        unknown = sorted(set(config) - set(_SPECULATIVE_KEYS))
-        if unknown:
-            raise ValueError(
-                f"speculative_config has unknown keys {unknown}; known: {list(_SPECULATIVE_KEYS)}"
-            )
-        values = dict(config)
-        model = values.pop("model", None)
-        if model is not None and str(model).strip("[]") != "ngram":
-            # A model path: vLLM's draft model (its older configs give the path without a method).
-            values.setdefault("method", "draft_model")
-            values["model"] = model
-        elif "method" not in values:
-            if model is None:
-                raise ValueError(f"speculative_config.method is required: one of {SPECULATIVE_METHODS}")
-            values["method"] = "ngram"
-        lo = values.get("prompt_lookup_min")
-        if values.get("prompt_lookup_max") is None and isinstance(lo, int) and lo > cls.prompt_lookup_max:
-            values["prompt_lookup_max"] = lo
-        return cls(**{key: value for key, value in values.items() if value is not None})
-
-
 @dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
@@ -466,6 +341,9 @@ class EngineConfig:
     # Schedule step N + 1 while step N runs on the device; its samples reach the host a step late.
     async_scheduling: bool = False
     speculative_config: SpeculativeConfig | None = None
+    # The config of speculative_config.model (a draft model or an EAGLE head), read from its file
+    # by EngineArgs once the target's is known; None with n-gram drafting or none.
+    draft_model_config: ModelConfig | None = None
     # LoRA adapters per request (enable_lora), or None: no projection is wrapped.
     lora_config: LoRAConfig | None = None
     # runner="pooling": prompts in, one pooled vector each out (pooling_params.py); None: generate.
@@ -499,11 +377,12 @@ class EngineConfig:
                     "speculative_config is not supported on models with linear-attention layers: their "
                     "recurrent state cannot roll back rejected drafts"
                 )
-            if self.speculative_config.method == "draft_model":
+            method = self.speculative_config.method
+            if method != "ngram":
                 _require(
                     self.parallel_config.tensor_parallel_size == 1,
                     "tensor_parallel_size",
-                    "1 with speculative_config method 'draft_model' (a sharded draft is not supported yet)",
+                    f"1 with speculative_config method {method!r} (a sharded draft is not supported yet)",
                     self.parallel_config.tensor_parallel_size,
                 )
         if self.pooler_config is not None:

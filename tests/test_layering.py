@@ -24,6 +24,8 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "pagedllm.cache_dir",
         "pagedllm.config",
+        "pagedllm.config_checks",
+        "pagedllm.spec_config",
         "pagedllm.sampling_params",
         "pagedllm.distributed",
         "pagedllm.cpu_info",

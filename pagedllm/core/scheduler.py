@@ -46,7 +46,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pagedllm.config import SchedulerConfig, SpeculativeConfig
+from pagedllm.config import SchedulerConfig
 from pagedllm.core.fanout import FanOut
 from pagedllm.core.isolation import IsolationPolicy, suspects_of
 from pagedllm.core.kv_cache_manager import AllocStatus, KVCacheManager
@@ -56,6 +56,7 @@ from pagedllm.core.spec_decode import SpecDecoding
 from pagedllm.core.step_budget import StepBudget
 from pagedllm.core.step_message import describe_step
 from pagedllm.core.stop_conditions import ends_with_samples_in_flight, stop_reason, stop_status
+from pagedllm.spec_config import SpeculativeConfig
 from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
 
 

@@ -34,10 +34,10 @@ from typing import Protocol
 
 import numpy as np
 
-from pagedllm.config import SpeculativeConfig
 from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.step_budget import StepBudget
+from pagedllm.spec_config import MODEL_METHODS, SpeculativeConfig
 from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
 
 
@@ -118,10 +118,11 @@ class NgramProposer:
 
 
 class WorkerProposals:
-    """The draft model's proposals (``draft_model``; worker/draft_model.py): the worker drafts
-    after each step's samples and returns the drafts with them, so a request's drafts for this
-    step are those of the step just applied (steps are synchronous with speculation). A request
-    the worker did not draft for (it did not sample last step) decodes one token meanwhile."""
+    """The worker's proposals (``draft_model``, ``eagle``, ``eagle3``; worker/draft_model.py,
+    worker/eagle.py): the worker drafts after each step's samples and returns the drafts with
+    them, so a request's drafts for this step are those of the step just applied (steps are
+    synchronous with speculation). A request the worker did not draft for (it did not sample
+    last step) decodes one token meanwhile."""
 
     def __init__(self) -> None:
         self.proposals: dict[int, list[int]] = {}
@@ -165,7 +166,8 @@ class SpecDecoding:
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
         self.max_context_len = max_context_len
-        self.drafter: Drafter = WorkerProposals() if config.method == "draft_model" else NgramProposer(config)
+        # A draft model's or an EAGLE head's drafts come from the worker; n-gram ones from here.
+        self.drafter: Drafter = WorkerProposals() if config.method in MODEL_METHODS else NgramProposer(config)
         # Engine-wide, since start: drafts verified, drafts accepted, and per draft position i the
         # drafts accepted there (position i is accepted only when every one before it was).
         self.num_drafts = 0

@@ -25,15 +25,16 @@ from pagedllm.config import (
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
-    SpeculativeConfig,
     derive_max_model_len,
     resolve_device,
     resolve_dtype,
 )
 from pagedllm.cpu_info import physical_cpu_cores
 from pagedllm.engine.batch_invariant import check_batch_invariant
+from pagedllm.engine.eagle_config import check_eagle_head
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.pooling_params import load_pooler_config
+from pagedllm.spec_config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -256,10 +257,9 @@ class EngineArgs:
         )
         self._set_attention_window(model_config, model_class)
         check_quantization(model_config)
-        if speculative_config is not None and speculative_config.method == "draft_model":
-            speculative_config = dataclasses.replace(
-                speculative_config, draft_model_config=draft_model_config(speculative_config, model_config)
-            )
+        draft_config = None
+        if speculative_config is not None and speculative_config.method != "ngram":
+            draft_config = draft_model_config(speculative_config, model_config)
         max_len = model_config.max_model_len
         max_num_batched_tokens = self.max_num_batched_tokens
         if max_num_batched_tokens is None:
@@ -295,6 +295,7 @@ class EngineArgs:
             if self.async_scheduling is None
             else self.async_scheduling,
             speculative_config=speculative_config,
+            draft_model_config=draft_config,
             lora_config=self._lora_config(),
             pooler_config=load_pooler_config(model_path, hf_config) if runner == "pooling" else None,
             batch_invariant=self.batch_invariant,
@@ -464,35 +465,25 @@ def load_hf_config(model_path: str, gguf_file: str | None) -> PretrainedConfig:
 
 
 def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
-    """The draft model's config (speculative_config method "draft_model"), from its config file
-    only: refused before any weight is read when the engine could not run it beside the target."""
+    """The draft model's (or EAGLE head's) config, from its config file only: refused before any
+    weight is read when the engine could not run it beside the target."""
     assert spec.model is not None
     try:
         model_path, gguf_file = resolve_model_path(spec.model)
         hf_config = load_hf_config(model_path, gguf_file)
-        check_architecture(hf_config)
+        if spec.method == "draft_model":
+            check_architecture(hf_config)
     except ValueError as error:
         raise ValueError(f"speculative_config.model: {error}") from error
-    if is_pooling_architecture(hf_config):
-        raise ValueError(
-            f"speculative_config.model {spec.model!r} is a bare decoder (no LM head): it cannot draft"
-        )
-    if getattr(hf_config, "vocab_size", None) != target.vocab_size:
-        raise ValueError(
-            f"speculative_config.model {spec.model!r} has a vocabulary of {hf_config.vocab_size} tokens, the "
-            f"target's has {target.vocab_size}: a draft model must share the target's vocabulary"
-        )
-    draft_max_len = derive_max_model_len(hf_config)
-    if draft_max_len is not None and draft_max_len < target.max_model_len:
-        raise ValueError(
-            f"speculative_config.model {spec.model!r} supports max_model_len {draft_max_len}, less than the "
-            f"engine's max_model_len {target.max_model_len}: lower max_model_len or choose another draft"
-        )
+    if spec.method == "draft_model":
+        _check_draft_model(spec, hf_config, target)
+    else:
+        check_eagle_head(spec, hf_config, target)
     from pagedllm.models.utils import kv_cache_window
 
     if kv_cache_window(target.hf_config) is not None or target.attention_sinks:
         raise ValueError(
-            "speculative_config method 'draft_model' is not supported yet on a target whose every layer "
+            f"speculative_config method {spec.method!r} is not supported yet on a target whose every layer "
             "slides a window (sliding_window, attention_sinks): the draft's cache would lose the blocks "
             "the target drops behind it"
         )
@@ -513,6 +504,25 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
         )
     check_quantization(config)
     return config
+
+
+def _check_draft_model(spec: SpeculativeConfig, hf_config: PretrainedConfig, target: ModelConfig) -> None:
+    """What a draft model (method "draft_model") must be to run beside the target."""
+    if is_pooling_architecture(hf_config):
+        raise ValueError(
+            f"speculative_config.model {spec.model!r} is a bare decoder (no LM head): it cannot draft"
+        )
+    if getattr(hf_config, "vocab_size", None) != target.vocab_size:
+        raise ValueError(
+            f"speculative_config.model {spec.model!r} has a vocabulary of {hf_config.vocab_size} tokens, the "
+            f"target's has {target.vocab_size}: a draft model must share the target's vocabulary"
+        )
+    draft_max_len = derive_max_model_len(hf_config)
+    if draft_max_len is not None and draft_max_len < target.max_model_len:
+        raise ValueError(
+            f"speculative_config.model {spec.model!r} supports max_model_len {draft_max_len}, less than the "
+            f"engine's max_model_len {target.max_model_len}: lower max_model_len or choose another draft"
+        )
 
 
 def check_quantization(model_config: ModelConfig) -> None:

@@ -21,14 +21,20 @@ from pagedllm.models import get_model_class
 
 
 def get_model(
-    model_config: ModelConfig, load_format: str, device: torch.device, attn_backend: type[AttentionBackend]
+    model_config: ModelConfig,
+    load_format: str,
+    device: torch.device,
+    attn_backend: type[AttentionBackend],
+    model_class: type[nn.Module] | None = None,
 ) -> nn.Module:
     """The model of ``model_config`` on ``device`` in ``model_config.dtype``, weights loaded, in eval mode.
 
     load_format: "safetensors" (HF directory), "gguf", "dummy" (random), or "auto" (gguf when the
-    config names a GGUF file, else safetensors).
+    config names a GGUF file, else safetensors). model_class: the implementation, when the caller
+    chooses it (an EAGLE head); else the one registered for the config's architecture.
     """
-    model_class = get_model_class(model_config.architectures, model_config.hf_config.model_type)
+    if model_class is None:
+        model_class = get_model_class(model_config.architectures, model_config.hf_config.model_type)
     quant_config = resolve_quantization(model_config)
     with _large_host_buffers_mapped():
         # Parameters are created directly on the device in the run dtype: no float32 CPU copy of

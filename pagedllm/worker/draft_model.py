@@ -54,11 +54,31 @@ def scratch_blocks_per_request(block_size: int, num_speculative_tokens: int) -> 
     return (block_size - 1 + num_speculative_tokens - 1) // block_size + 1
 
 
+def unpadded_inputs(model_input: ModelInput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """The step's (input_ids, positions, attention metadata) without a CUDA graph's padding: a
+    graph-replayed target ran on inputs padded to its batch size; drafts run eagerly on the real
+    rows (decodes only: one token each)."""
+    input_ids, positions, metadata = model_input.input_ids, model_input.positions, model_input.attn_metadata
+    n = model_input.graph_num_seqs
+    if n is None:
+        return input_ids, positions, metadata
+    metadata = dataclasses.replace(
+        metadata,
+        slot_mapping=metadata.slot_mapping[:n],
+        query_start_loc=metadata.query_start_loc[: n + 1],
+        seq_lens=metadata.seq_lens[:n],
+        block_tables=metadata.block_tables[:n],
+        query_start_loc_cpu=metadata.query_start_loc_cpu[: n + 1],
+        seq_lens_cpu=metadata.seq_lens_cpu[:n],
+    )
+    return input_ids[:n], positions[:n], metadata
+
+
 class DraftModelRunner:
     """The draft model and its KV cache, beside the target's ``ModelRunner``.
 
     Args:
-        config: the engine's configuration (``speculative_config.draft_model_config`` set).
+        config: the engine's configuration (``draft_model_config`` set).
         attn_backend: the target's backend class, which the draft's layers use too.
         input_batch: the target runner's persistent batch (block tables, newest tokens).
     """
@@ -67,8 +87,8 @@ class DraftModelRunner:
         self, config: EngineConfig, attn_backend: type[AttentionBackend], input_batch: InputBatch
     ) -> None:
         spec_config = config.speculative_config
-        assert spec_config is not None and spec_config.draft_model_config is not None
-        self.model_config = draft = spec_config.draft_model_config
+        assert spec_config is not None and config.draft_model_config is not None
+        self.model_config = draft = config.draft_model_config
         # Dummy weights for both (benchmarks), else the draft's own format (a GGUF file or not).
         self.load_format = "dummy" if config.load_config.load_format == "dummy" else "auto"
         self.device = config.device_config.device
@@ -104,7 +124,8 @@ class DraftModelRunner:
         """The proposals' scratch blocks, taken from the budget before it is cut into blocks."""
         return self.num_scratch_blocks * self.block_bytes
 
-    def load_model(self) -> None:
+    def load_model(self, target: nn.Module) -> None:
+        """The draft's weights (``target``, already loaded, is the EAGLE heads' to read)."""
         from pagedllm.model_loader import get_model
 
         self.model = get_model(self.model_config, self.load_format, self.device, self.attn_backend)
@@ -135,29 +156,11 @@ class DraftModelRunner:
         """False until the cache exists (the memory profile runs the target alone)."""
         return self.cache_engine is not None
 
-    def prefill(self, model_input: ModelInput) -> None:
+    def prefill(self, model_input: ModelInput, hidden_states: torch.Tensor) -> None:
         """The draft's forward over the step's scheduled tokens, writing its K/V into the slots
-        the target's went to (its hidden states are not needed)."""
+        the target's went to (the target's ``hidden_states`` are not needed)."""
         assert self.model is not None and self.cache_engine is not None
-        input_ids, positions, metadata = (
-            model_input.input_ids,
-            model_input.positions,
-            model_input.attn_metadata,
-        )
-        n = model_input.graph_num_seqs
-        if n is not None:
-            # The target replayed a CUDA graph on inputs padded to its batch size; the draft runs
-            # eagerly on the real rows (decodes only: one token each).
-            input_ids, positions = input_ids[:n], positions[:n]
-            metadata = dataclasses.replace(
-                metadata,
-                slot_mapping=metadata.slot_mapping[:n],
-                query_start_loc=metadata.query_start_loc[: n + 1],
-                seq_lens=metadata.seq_lens[:n],
-                block_tables=metadata.block_tables[:n],
-                query_start_loc_cpu=metadata.query_start_loc_cpu[: n + 1],
-                seq_lens_cpu=metadata.seq_lens_cpu[:n],
-            )
+        input_ids, positions, metadata = unpadded_inputs(model_input)
         self.model(input_ids, positions, self.cache_engine.gpu_cache, metadata)
 
     def propose(self, rows: np.ndarray) -> dict[int, list[int]]:
@@ -165,7 +168,7 @@ class DraftModelRunner:
         ``rows``, continuing each one's newest token (``last_token_ids``, on the device)."""
         assert self.model is not None and self.cache_engine is not None
         rows = rows[: self.max_num_proposals]
-        num_reqs, k, block_size = len(rows), self.num_speculative_tokens, self.block_size
+        num_reqs, k = len(rows), self.num_speculative_tokens
         if not num_reqs:
             return {}
         batch = self.batch
@@ -174,30 +177,43 @@ class DraftModelRunner:
         table = self._scratch_table(rows, newest, caches)
         device_table = to_device(table, self.device, torch.int32)
         tokens = batch.last_token_ids.index_select(0, to_device(rows, self.device))
-        query_start_loc = np.arange(num_reqs + 1, dtype=np.int32)
         drafts = torch.empty((num_reqs, k), dtype=torch.int64, device=self.device)
         for j in range(k):
-            # Past max_model_len a position is clamped: its drafts are cut by the scheduler anyway.
-            positions = np.minimum(newest + j, self.max_model_len - 1)
-            seq_lens = (positions + 1).astype(np.int32)
-            metadata = AttentionMetadata(
-                num_decodes=num_reqs,
-                num_prefills=0,
-                slot_mapping=to_device(compute_slot_mapping(table, positions, block_size), self.device),
-                query_start_loc=to_device(query_start_loc, self.device),
-                seq_lens=to_device(seq_lens, self.device),
-                block_tables=device_table,
-                max_query_len=1,
-                max_seq_len=int(seq_lens.max()),
-                query_start_loc_cpu=torch.from_numpy(query_start_loc),
-                seq_lens_cpu=torch.from_numpy(seq_lens),
-                min_decode_seq_len=int(seq_lens.min()),
-            )
-            hidden = self.model(tokens, to_device(positions, self.device), caches, metadata)
+            positions, metadata = self._one_token_step(table, device_table, newest + j)
+            hidden = self.model(tokens, positions, caches, metadata)
             tokens = self.model.compute_logits(hidden).argmax(dim=-1)
             drafts[:, j] = tokens
-        req_ids = batch.req_ids
+        return self._by_request(rows, drafts)
+
+    def _by_request(self, rows: np.ndarray, drafts: torch.Tensor) -> dict[int, list[int]]:
+        """drafts: [num_reqs, k] (device) -> req_id -> its k drafts, on the host."""
+        req_ids = self.batch.req_ids
         return {req_ids[row]: ids for row, ids in zip(rows.tolist(), drafts.tolist())}
+
+    def _one_token_step(
+        self, table: np.ndarray, device_table: torch.Tensor, positions: np.ndarray
+    ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """A proposal step's positions (device) and attention metadata: one query token per request
+        at ``positions`` ([num_reqs]), through the scratch block ``table``."""
+        # Past max_model_len a position is clamped: its drafts are cut by the scheduler anyway.
+        positions = np.minimum(positions, self.max_model_len - 1)
+        num_reqs = len(positions)
+        query_start_loc = np.arange(num_reqs + 1, dtype=np.int32)
+        seq_lens = (positions + 1).astype(np.int32)
+        metadata = AttentionMetadata(
+            num_decodes=num_reqs,
+            num_prefills=0,
+            slot_mapping=to_device(compute_slot_mapping(table, positions, self.block_size), self.device),
+            query_start_loc=to_device(query_start_loc, self.device),
+            seq_lens=to_device(seq_lens, self.device),
+            block_tables=device_table,
+            max_query_len=1,
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc_cpu=torch.from_numpy(query_start_loc),
+            seq_lens_cpu=torch.from_numpy(seq_lens),
+            min_decode_seq_len=int(seq_lens.min()),
+        )
+        return to_device(positions, self.device), metadata
 
     def _scratch_table(self, rows: np.ndarray, newest: np.ndarray, caches: list[KVCache]) -> np.ndarray:
         """[num_reqs, width] int32 block tables for the proposal steps: the requests' own up to the

@@ -21,7 +21,7 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.step_io import ModelRunnerOutput, NewRequestData, PromptLogprobsOutput, SchedulerOutput
 from pagedllm.worker.cpu_compile import CompiledDecode
 from pagedllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
-from pagedllm.worker.draft_model import DraftModelRunner
+from pagedllm.worker.eagle import make_drafter
 from pagedllm.worker.grammar_ranks import grammar_constraint
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import InputBuffers, to_device
@@ -155,12 +155,8 @@ class ModelRunner:
             if spec_config is None
             else DraftVerifier(self.input_batch, spec_config.synthetic_acceptance_rate)
         )
-        # Speculative decoding with a draft model: it runs after every step's samples.
-        self.drafter = (
-            DraftModelRunner(config, attn_backend, self.input_batch)
-            if spec_config is not None and spec_config.method == "draft_model"
-            else None
-        )
+        # Speculative decoding with a draft model or an EAGLE head: it runs after every step's samples.
+        self.drafter = make_drafter(config, attn_backend, self.input_batch, self.buffers.max_num_tokens)
         # With enable_lora: the model's projections wrapped, and the adapters' slots.
         self.lora_manager: LoRAModelManager | None = None
         # Whether the model keeps a recurrent state per request (hybrid models): the step then
@@ -175,7 +171,7 @@ class ModelRunner:
             config.model_config, config.load_config.load_format, self.device, self.attn_backend
         )
         if self.drafter is not None:
-            self.drafter.load_model()
+            self.drafter.load_model(self.model)
         if config.lora_config is not None:
             self.lora_manager = LoRAModelManager(
                 self.model,
@@ -271,7 +267,7 @@ class ModelRunner:
         hidden_states = self.run_model(model_input, scheduler_output.total_num_scheduled_tokens, kv_caches)
         drafter = self.drafter if self.drafter is not None and self.drafter.ready else None
         if drafter is not None:
-            drafter.prefill(model_input)
+            drafter.prefill(model_input, hidden_states)
         if model_input.logits_indices.numel() == 0:
             return StepOutput(model_input, None, [], [], self.device)
         logits = self.model.compute_logits(hidden_states[model_input.logits_indices])

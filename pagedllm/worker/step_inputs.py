@@ -63,6 +63,8 @@ class ModelInput:
     graph_num_seqs: int | None = None
     # Requests verifying drafts, whose rows follow the sample rows; None when there are none.
     verify: VerifyRows | None = None
+    # [num_reqs] the batch row of each request, in step order (an EAGLE head's inputs need it).
+    req_rows: np.ndarray | None = None
 
     @property
     def num_verify_rows(self) -> int:
@@ -439,4 +441,5 @@ def stage_model_input(
         prompt_logprob_requests=plan.prompt_logprob_requests,
         graph_num_seqs=len(plan.rows) if pad_to else None,
         verify=plan.verify,
+        req_rows=plan.rows,
     )

@@ -11,11 +11,12 @@ import random
 import numpy as np
 import pytest
 
-from pagedllm.config import SchedulerConfig, SpeculativeConfig
+from pagedllm.config import SchedulerConfig
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.spec_decode import NgramProposer, max_num_drafts
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.spec_config import SpeculativeConfig
 from pagedllm.step_io import ModelRunnerOutput
 
 BLOCK_SIZE = 4

@@ -17,10 +17,10 @@ import torch
 from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import SpeculativeConfig
 from pagedllm.core.spec_decode import SpecDecodingStats
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.metrics import EngineCollector, StatsLogger
+from pagedllm.spec_config import SpeculativeConfig
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -265,7 +265,8 @@ def test_acceptance_is_counted_per_request_and_engine_wide(tiny_llama, caplog):
         ({"method": "ngram", "speculative_tokens": 3}, "unknown keys ['speculative_tokens']"),
         ({"num_speculative_tokens": 3}, "speculative_config.method is required"),
         ({"method": "draft_model"}, "speculative_config.model"),
-        ({"method": "eagle3"}, "speculative_config.method 'eagle3' is not supported yet"),
+        ({"method": "eagle3"}, "speculative_config.model"),
+        ({"method": "medusa"}, "speculative_config.method 'medusa' is not supported yet"),
         ('{"method": "ngram", ', "speculative_config must be a JSON object"),
     ],
 )

@@ -21,7 +21,7 @@ from test_spec_decode import (
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config import SpeculativeConfig
+from pagedllm.spec_config import SpeculativeConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
