@@ -4,7 +4,7 @@
 #
 #   scripts/gpu_check.sh                 tests, K1, K1 windowed, W1, W3 (the short set)
 #   scripts/gpu_check.sh tests k1 k1-sweep k1-w1 k1-fp8 k1-window w1 w1-profile w2 w3 hf w4 w4-thread w5 moe moe-sweep cuda
-#       lora w1-lora w3-lora w1-fp8kv w3-fp8 w3-w4a16 w2-fp8 quant w3-spec
+#       lora w1-lora w3-lora w1-fp8kv w3-fp8 w3-w4a16 w2-fp8 quant w3-spec w3-eagle
 #       sanitize so sampler
 #       tp (tp-tests, tp-bench)
 #       determinism
@@ -24,7 +24,8 @@
 # (W1 with an FP8 KV cache), w3-fp8 (W3 with FP8 weights), w3-w4a16 (W3 with compressed-tensors W4A16
 # weights, dummy), w2-fp8 (W2 with FP8 W8A8 weights), quant (bench quant: every quantized GEMM path at
 # Llama-3.1-8B's layer shapes, decode to prefill, and the skinny kernels' launch sweep), w3-spec (W3
-# with n-gram drafts at a synthetic acceptance rate), tp (two GPUs: the tensor-parallel GPU tests,
+# with n-gram drafts at a synthetic acceptance rate), w3-eagle (W3 with an EAGLE-3 head at synthetic
+# acceptance 1.0 and 0.7), tp (two GPUs: the tensor-parallel GPU tests,
 # then all-reduce latency (benchmarks/all_reduce.py: NCCL against the one-shot kernel), W2 and W3
 # at tensor_parallel_size 1 and 2, W3 at 2 with NCCL alone; the table gives TP=2 over TP=1), so
 # (benchmarks/structured_output.py: 32 json_schema requests against 32 unconstrained), sampler
@@ -168,6 +169,13 @@ for stage in "${stages[@]}"; do
         run w3_spec python3 -m pagedllm bench latency --skip-eager \
             --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' \
             --synthetic-acceptance-rate "${SPEC_ACCEPTANCE:-1.0}" --output-json "$OUT/w3_spec.json"
+        ;;
+    w3-eagle)  # EAGLE-3's targets, k=3, 8B-shaped head: acceptance 1.0 at most 0.33x W3, 0.7 at most 0.55x (run w3 too)
+        for rate in 1.0 0.7; do
+            run "w3_eagle_$rate" python3 -m pagedllm bench latency --skip-eager \
+                --speculative-config '{"method": "eagle3", "model": "benchmarks/configs/llama-3.1-8b-eagle3", "num_speculative_tokens": 3}' \
+                --synthetic-acceptance-rate "$rate" --output-json "$OUT/w3_eagle_$rate.json"
+        done
         ;;
     moe-sweep) run moe python3 -m pagedllm bench moe --sweep --output-json "$OUT/moe.json" ;;
     hf) run hf python3 benchmarks/compare_hf.py --output-json "$OUT/hf.json" ;;

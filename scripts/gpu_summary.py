@@ -32,7 +32,7 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
             )
             if "floor" in r:
                 table.append((label, "fraction of floor (floor s)", _floor(r)))
-    for name in ("w3", "w3_lora", "w3_fp8", "w3_w4a16", "w3_spec"):
+    for name in ("w3", "w3_lora", "w3_fp8", "w3_w4a16", "w3_spec", "w3_eagle_1.0", "w3_eagle_0.7"):
         r = _load(folder, name)
         for mode in ("cuda_graphs", "eager") if r else ():
             if mode in r:
