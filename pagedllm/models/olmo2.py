@@ -17,8 +17,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedllm.attention import AttentionMetadata
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
@@ -43,13 +42,11 @@ class PostNormDecoderLayer(LlamaDecoderLayer):
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
         residual: torch.Tensor | None,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As LlamaDecoderLayer.forward: the residual stream is hidden_states + residual, and the
         MLP's residual add is left to the next layer (or the final norm, which fuses it)."""
         stream = hidden_states if residual is None else hidden_states + residual
-        attn_out = self.self_attn(positions, stream, kv_cache, attn_metadata)
+        attn_out = self.self_attn(positions, stream)
         stream = stream + self.post_attention_layernorm(attn_out)
         return self.post_feedforward_layernorm(self.mlp(stream)), stream
 

@@ -40,7 +40,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention import bind_kv_caches, set_forward_context
+from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
 from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
@@ -110,7 +111,8 @@ class DraftModelRunner:
         self.model = get_model(self.model_config, self.load_format, self.device, self.attn_backend)
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        """The draft's cache: the target's block ids, then the scratch blocks."""
+        """The draft's cache, bound to its layers: the target's block ids, then the scratch blocks."""
+        assert self.model is not None
         self.cache_engine = CacheEngine(
             self.kv_cache_spec,
             self.attn_backend,
@@ -119,6 +121,7 @@ class DraftModelRunner:
             self.device,
         )
         self.first_scratch_block = num_gpu_blocks
+        bind_kv_caches(self.model, self.cache_engine.gpu_cache)
 
     def run_cache_ops(
         self,
@@ -158,7 +161,8 @@ class DraftModelRunner:
                 query_start_loc_cpu=metadata.query_start_loc_cpu[: n + 1],
                 seq_lens_cpu=metadata.seq_lens_cpu[:n],
             )
-        self.model(input_ids, positions, self.cache_engine.gpu_cache, metadata)
+        with set_forward_context(metadata):
+            self.model(input_ids, positions)
 
     def propose(self, rows: np.ndarray) -> dict[int, list[int]]:
         """After the target's samples are recorded: ``k`` greedy drafts for the requests in batch
@@ -169,9 +173,8 @@ class DraftModelRunner:
         if not num_reqs:
             return {}
         batch = self.batch
-        caches = self.cache_engine.gpu_cache
         newest = batch.num_tokens[rows] - 1  # position P of each request's newest token
-        table = self._scratch_table(rows, newest, caches)
+        table = self._scratch_table(rows, newest)
         device_table = to_device(table, self.device, torch.int32)
         tokens = batch.last_token_ids.index_select(0, to_device(rows, self.device))
         query_start_loc = np.arange(num_reqs + 1, dtype=np.int32)
@@ -193,13 +196,14 @@ class DraftModelRunner:
                 seq_lens_cpu=torch.from_numpy(seq_lens),
                 min_decode_seq_len=int(seq_lens.min()),
             )
-            hidden = self.model(tokens, to_device(positions, self.device), caches, metadata)
+            with set_forward_context(metadata):
+                hidden = self.model(tokens, to_device(positions, self.device))
             tokens = self.model.compute_logits(hidden).argmax(dim=-1)
             drafts[:, j] = tokens
         req_ids = batch.req_ids
         return {req_ids[row]: ids for row, ids in zip(rows.tolist(), drafts.tolist())}
 
-    def _scratch_table(self, rows: np.ndarray, newest: np.ndarray, caches: list[KVCache]) -> np.ndarray:
+    def _scratch_table(self, rows: np.ndarray, newest: np.ndarray) -> np.ndarray:
         """[num_reqs, width] int32 block tables for the proposal steps: the requests' own up to the
         block holding P, their scratch blocks from there on (that block's contents copied into
         the first)."""
@@ -216,7 +220,8 @@ class DraftModelRunner:
         table[np.arange(num_reqs)[:, None], columns] = scratch
         src_index = to_device(src.astype(np.int64), self.device)
         dst_index = to_device(scratch[:, 0].astype(np.int64), self.device)
-        for layer in caches:
+        assert self.cache_engine is not None
+        for layer in self.cache_engine.gpu_cache:
             for tensor in {id(t): t for t in layer}.values():  # once when K is V (MLA)
                 tensor.index_copy_(0, dst_index, tensor.index_select(0, src_index))
         return table

@@ -5,7 +5,8 @@ The step's sequences come as the attention metadata lays them out, decodes first
 as one batch (``_step``: one token each, from their states, without a host sync, so a CUDA graph
 can replay it); each prefill chunk runs on its own (``_chunk``) from its request's state, or from
 zeros when it starts at position 0 (the slot may still hold a previous owner's state). Both read
-and write ``conv_state`` / ``ssm_state`` at the rows ``attn_metadata.state_slots`` names.
+and write ``conv_state`` / ``ssm_state`` (bound by worker/state_cache.py) at the rows the step's
+``attn_metadata.state_slots`` names (read from the forward context, attention/forward_context.py).
 
 The decode step is chosen once for the device (a ``CustomOp``: ``forward_method`` is the decode
 step here): the torch reference, which gathers the rows, steps and scatters them back, or, where
@@ -24,6 +25,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from pagedllm.attention.forward_context import get_forward_context
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.linear_attention.conv1d import causal_conv1d_prefill, causal_conv1d_update
@@ -94,11 +96,10 @@ class StatefulMixer(CustomOp):
         """One sequence's tokens; state None at its start. Returns (output, final state)."""
         raise NotImplementedError
 
-    def mix(
-        self, mixed: torch.Tensor, inputs: tuple[torch.Tensor, ...], md: AttentionMetadata
-    ) -> torch.Tensor:
+    def mix(self, mixed: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """mixed: [num_tokens, conv_dim], the conv's input. Returns the recurrence's output for
         every token, [num_tokens, ...] float32, in the batch's order."""
+        md = get_forward_context().attn_metadata
         assert self.conv_state is not None and self.ssm_state is not None, "bind_state() first"
         assert md.state_slots is not None, "a hybrid model's step needs state_slots"
         weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
