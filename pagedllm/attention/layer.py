@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from typing import Any
 
 import torch
 from torch import nn
 
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache, Rotary
+from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.attention.forward_context import get_forward_context
 
 # The layers the op dispatches to, by ``Attention.layer_id`` (weak: models come and go).
@@ -95,33 +96,18 @@ class Attention(AttentionLayerBase):
         scale: float,
         num_kv_heads: int,
         backend: type[AttentionBackend],
-        *,
-        sliding_window: int | None = None,
-        alibi_slopes: torch.Tensor | None = None,
-        logits_soft_cap: float | None = None,
-        attention_sinks: int = 0,
-        rotary: Rotary | None = None,
-        sinks: torch.Tensor | None = None,
+        **variants: Any,
     ) -> None:
-        """The keyword arguments are this layer's attention variants (``AttentionBackend.__init__``)."""
+        """``variants``: this layer's attention variants, the keyword arguments of
+        ``AttentionBackend.__init__`` (sliding_window, alibi_slopes, logits_soft_cap,
+        attention_sinks, rotary, sinks), which checks them."""
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
-        self.impl = backend(
-            num_heads,
-            head_size,
-            scale,
-            num_kv_heads,
-            sliding_window=sliding_window,
-            alibi_slopes=alibi_slopes,
-            logits_soft_cap=logits_soft_cap,
-            attention_sinks=attention_sinks,
-            rotary=rotary,
-            sinks=sinks,
-        )
+        self.impl = backend(num_heads, head_size, scale, num_kv_heads, **variants)
         self.layer_id = next(_layer_ids)
         _LAYERS[self.layer_id] = self
 

@@ -28,7 +28,13 @@ from pagedllm.layers.layernorm import GemmaRMSNorm
 from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
 from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from pagedllm.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim
+from pagedllm.models.llama import (
+    AttentionOptions,
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    rotary_embedding,
+)
 from pagedllm.models.utils import DecoderModel, attention_sinks, layer_sliding_windows, pre_norm
 
 
@@ -75,10 +81,7 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As LlamaDecoderLayer.forward: the residual adds are deferred to the next norm."""
         hidden_states, residual = pre_norm(self.input_layernorm, hidden_states, residual)
@@ -102,14 +105,9 @@ class GemmaModel(DecoderModel):
         windows = layer_sliding_windows(config)
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * len(windows)
         # One cos/sin table per layer type (they differ in Gemma 3, and may in Gemma 2 configs).
+        unbounded = attention_sinks(config) > 0
         rotary = {
-            layer_type: RotaryEmbedding(
-                head_dim(config),
-                config.max_position_embeddings,
-                _rope_parameters(config, layer_type),
-                torch.get_default_dtype(),
-                unbounded=attention_sinks(config) > 0,
-            )
+            layer_type: rotary_embedding(config, _rope_parameters(config, layer_type), unbounded)
             for layer_type in sorted(set(layer_types))
         }
         self.layers = nn.ModuleList(

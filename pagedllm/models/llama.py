@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -80,6 +80,20 @@ _NO_O_BIAS_FAMILIES = ("glm4_moe",)
 
 def head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rotary_embedding(
+    config: PretrainedConfig, rope_parameters: dict[str, Any] | None = None, unbounded: bool = False
+) -> RotaryEmbedding:
+    """The cos/sin table of the config's heads (``rope_parameters``: the config's own when None);
+    ``unbounded``: positions may pass max_position_embeddings (attention sinks)."""
+    return RotaryEmbedding(
+        head_dim(config),
+        config.max_position_embeddings,
+        rope_parameters or get_rope_parameters(config),
+        torch.get_default_dtype(),
+        unbounded=unbounded,
+    )
 
 
 # Gated MLP activations by the config's name for them.
@@ -224,10 +238,7 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden_states, residual: [num_tokens, hidden_size]. The residual add of each block is
         deferred to the next norm, which fuses it; returns (block output, residual stream)."""
@@ -250,13 +261,7 @@ class LlamaModel(DecoderModel):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin cache shared by every layer: it is the same table, and can be large.
-        rotary_emb = RotaryEmbedding(
-            head_dim(config),
-            config.max_position_embeddings,
-            get_rope_parameters(config),
-            torch.get_default_dtype(),
-            unbounded=attention_sinks(config) > 0,
-        )
+        rotary_emb = rotary_embedding(config, unbounded=attention_sinks(config) > 0)
         self.layers = nn.ModuleList(
             make_layer(config, i, rotary_emb, attn_backend, window)
             for i, window in enumerate(layer_sliding_windows(config))

@@ -33,9 +33,9 @@ from pagedllm.layers.layernorm import GemmaRMSNorm
 from pagedllm.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedllm.layers.linear_attention.gated_deltanet import GatedDeltaNet
 from pagedllm.layers.linear_attention.state import LayerStateShape
-from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
+from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from pagedllm.models.llama import LlamaMLP, head_dim
+from pagedllm.models.llama import LlamaMLP, head_dim, rotary_embedding
 from pagedllm.models.moe import MoeForCausalLM, SparseMoeBlock
 from pagedllm.models.utils import CausalLM, DecoderModel, pre_norm
 
@@ -149,10 +149,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden_states, residual: [num_tokens, hidden_size]. Returns (block output, residual
         stream), the residual add deferred to the next norm."""
@@ -169,12 +166,7 @@ class Qwen3NextModel(DecoderModel):
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary_emb = RotaryEmbedding(
-            head_dim(config),
-            config.max_position_embeddings,
-            get_rope_parameters(config),
-            torch.get_default_dtype(),
-        )
+        rotary_emb = rotary_embedding(config)
         self.layers = nn.ModuleList(
             Qwen3NextDecoderLayer(config, i, rotary_emb, attn_backend)
             for i in range(config.num_hidden_layers)

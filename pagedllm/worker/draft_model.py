@@ -123,15 +123,11 @@ class DraftModelRunner:
         self.first_scratch_block = num_gpu_blocks
         bind_kv_caches(self.model, self.cache_engine.gpu_cache)
 
-    def run_cache_ops(
-        self,
-        blocks_to_swap_out: list[tuple[int, int]],
-        blocks_to_swap_in: list[tuple[int, int]],
-        blocks_to_copy: list[tuple[int, int]],
-    ) -> None:
-        """The target's block moves, on the draft's cache too (the invariant above)."""
+    def run_cache_ops(self, *block_moves: list[tuple[int, int]]) -> None:
+        """The target's block moves (``CacheEngine.run_cache_ops``'s arguments), on the draft's
+        cache too (the invariant above)."""
         if self.cache_engine is not None:
-            self.cache_engine.run_cache_ops(blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)
+            self.cache_engine.run_cache_ops(*block_moves)
 
     @property
     def ready(self) -> bool:

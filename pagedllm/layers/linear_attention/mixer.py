@@ -46,8 +46,9 @@ class StatefulMixer(CustomOp):
 
     conv1d: nn.Conv1d
     state_shape: LayerStateShape
-    # Whether the subclass has fused decode kernels (``_decode_triton``), and a varlen prefill
-    # through flash-linear-attention (``_prefill_fla``, used where Triton runs and fla is installed).
+    # Whether the subclass has fused decode kernels (a method ``_decode_triton``, as
+    # ``_decode_torch``), and a varlen prefill through flash-linear-attention (``_prefill_fla``, as
+    # ``_prefill_torch``; used where Triton runs and fla is installed).
     has_triton_decode: ClassVar[bool] = False
     has_fla_prefill: ClassVar[bool] = False
 
@@ -62,21 +63,6 @@ class StatefulMixer(CustomOp):
         fused_prefill = platform.triton and self.has_fla_prefill and fla_installed()
         self.prefill_method = self._prefill_fla if fused_prefill else self._prefill_torch
         return self._decode_triton if platform.triton and self.has_triton_decode else self._decode_torch
-
-    def _prefill_fla(
-        self,
-        conv_out: torch.Tensor,
-        inputs: tuple[torch.Tensor, ...],
-        lengths: list[int],
-        slots: torch.Tensor,
-        has_state: list[bool],
-    ) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _decode_triton(
-        self, mixed: torch.Tensor, inputs: list[torch.Tensor], md: AttentionMetadata
-    ) -> torch.Tensor:
-        raise NotImplementedError
 
     def bind_state(self, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
         assert conv_state.shape[1:] == self.state_shape.conv_shape, conv_state.shape
