@@ -101,7 +101,7 @@ class GemmaModel(DecoderModel):
         # The reference rounds the scale to the model dtype before multiplying.
         # (On the CPU: the model may be built on the meta device to measure it.)
         scale = torch.tensor(config.hidden_size**0.5, dtype=torch.get_default_dtype(), device="cpu")
-        self.normalizer = scale.item()
+        self.embed_scale = scale.item()
         windows = layer_sliding_windows(config)
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * len(windows)
         # One cos/sin table per layer type (they differ in Gemma 3, and may in Gemma 2 configs).
@@ -115,9 +115,6 @@ class GemmaModel(DecoderModel):
             for layer_type, window in zip(layer_types, windows, strict=True)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids) * self.normalizer
 
 
 class SoftCappedLogitsProcessor(LogitsProcessor):

@@ -97,22 +97,21 @@ class DecoderModel(nn.Module):
     ``layer(positions, hidden_states, residual) -> (block output, residual stream)``, the stream
     being their sum, and the final ``norm`` fuses the last add.
 
-    A family sets ``embed_tokens``, ``layers`` and ``norm`` (and overrides ``embed`` to scale or
-    add to the embedding). The layers read their KV caches and the step's metadata themselves
-    (attention/forward_context.py).
+    A family sets ``embed_tokens``, ``layers`` and ``norm`` (and ``embed_scale``, by which the
+    embeddings are multiplied: Gemma's). The layers read their KV caches and the step's metadata
+    themselves (attention/forward_context.py).
     """
 
     embed_tokens: nn.Module
     layers: nn.ModuleList
     norm: nn.Module
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids: [num_tokens] -> the first layer's input, [num_tokens, hidden_size]."""
-        return self.embed_tokens(input_ids)
+    embed_scale: float | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens] int64 -> final hidden states [num_tokens, hidden_size]."""
-        hidden_states = self.embed(input_ids)
+        hidden_states = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden_states = hidden_states * self.embed_scale
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
