@@ -37,7 +37,7 @@ class _NoForward(torch.nn.Module):
         self.hidden = torch.zeros(max_rows, hidden_size)
         self.logits = torch.randn(max_rows, vocab_size)
 
-    def forward(self, input_ids, positions, kv_caches, attn_metadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.hidden[: input_ids.shape[0]]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

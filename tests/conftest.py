@@ -46,7 +46,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from pagedllm.attention import AttentionMetadata
+from pagedllm.attention import AttentionMetadata, bind_kv_caches, set_forward_context
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.config import ModelConfig
 
@@ -139,7 +139,10 @@ class PagedRunner:
             input_ids += tokens
             positions += range(start, start + len(tokens))
         attn_metadata = self.build_metadata(batch)
-        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, attn_metadata)
+        # The runner's caches, bound again each step: two runners may share one model.
+        bind_kv_caches(self.model, self.kv_caches)
+        with set_forward_context(attn_metadata):
+            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions))
         logits = self.model.compute_logits(hidden)
         return dict(zip(batch, logits.split([len(tokens) for tokens in batch.values()])))
 

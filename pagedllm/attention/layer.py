@@ -3,40 +3,26 @@ over the paged cache out.
 
 Inside a torch.compile'd forward (the CPU's compiled decode step, worker/cpu_compile.py) the layer
 calls its backend through one opaque op, ``pagedllm::attention``: the backend's host logic (cache
-writes, block gathers, the choice of kernel) stays out of the traced graph, and the step's
-metadata reaches the op through ``set_forward_metadata`` instead of being a graph input, so a new
-context length is no new graph.
+writes, block gathers, the choice of kernel) stays out of the traced graph, and the op reads the
+step's metadata from the forward context (attention/forward_context.py) when it runs instead of
+taking it as a graph input, so a new context length is no new graph.
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache, Rotary
-from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention.forward_context import get_forward_context
 
 # The layers the op dispatches to, by ``Attention.layer_id`` (weak: models come and go).
 _LAYERS: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictionary()
 _layer_ids = itertools.count()
-# The metadata of the step running a compiled forward.
-_forward_metadata: AttentionMetadata | None = None
-
-
-@contextmanager
-def set_forward_metadata(attn_metadata: AttentionMetadata) -> Iterator[None]:
-    """The metadata that ``pagedllm::attention`` reads while a compiled forward runs."""
-    global _forward_metadata
-    _forward_metadata = attn_metadata
-    try:
-        yield
-    finally:
-        _forward_metadata = None
 
 
 _lib = torch.library.Library("pagedllm", "FRAGMENT")
@@ -57,10 +43,10 @@ def _attention_op(
     sink_query: torch.Tensor | None,
     layer_id: int,
 ) -> torch.Tensor:
-    assert _forward_metadata is not None, "a compiled forward runs under set_forward_metadata"
     impl = _LAYERS[layer_id].impl
+    attn_metadata = get_forward_context().attn_metadata
     # Query and key come rotated (see Attention.forward): no positions.
-    return impl.forward(query, key, value, (key_cache, value_cache), _forward_metadata, sink_query=sink_query)
+    return impl.forward(query, key, value, (key_cache, value_cache), attn_metadata, sink_query=sink_query)
 
 
 _lib.impl("attention", _attention_op, "CPU")
@@ -71,11 +57,36 @@ def _attention_fake(query: torch.Tensor, *_: object) -> torch.Tensor:
     return torch.empty_like(query)
 
 
-class Attention(nn.Module):
-    """Writes this step's K/V into the paged cache and attends over it.
+class AttentionLayerBase(nn.Module):
+    """A layer that keeps a paged KV cache: ``Attention``, and attention a model computes itself
+    (multi-head latent attention, models/deepseek_v2.py).
 
-    Holds no weights and no cache: the cache of its layer is passed in, so that the cache engine
-    owns all KV memory and a model file never sees its layout.
+    The cache engine owns the memory; ``bind_kv_caches`` hands each such layer its own cache
+    (one ``(key_cache, value_cache)``, in the backend's layout), so a model file never passes
+    caches around nor sees their layout.
+    """
+
+    kv_cache: KVCache | None = None
+
+
+def bind_kv_caches(model: nn.Module, kv_caches: list[KVCache] | None) -> None:
+    """Give each KV-caching layer of ``model``, in module order (the layers' order), its cache:
+    ``kv_caches[i]`` to the i-th; None takes them back (the memory profile's one block, freed
+    before the real cache is allocated and bound)."""
+    layers = [m for m in model.modules() if isinstance(m, AttentionLayerBase)]
+    if kv_caches is None:
+        kv_caches = [None] * len(layers)
+    if len(layers) != len(kv_caches):
+        raise ValueError(f"{len(kv_caches)} KV caches for {len(layers)} attention layers")
+    for layer, kv_cache in zip(layers, kv_caches):
+        layer.kv_cache = kv_cache
+
+
+class Attention(AttentionLayerBase):
+    """Writes this step's K/V into its layer's paged cache (``kv_cache``, bound by
+    ``bind_kv_caches``) and attends over it, with the step's metadata from the forward context.
+
+    Holds no weights.
     """
 
     def __init__(
@@ -85,33 +96,18 @@ class Attention(nn.Module):
         scale: float,
         num_kv_heads: int,
         backend: type[AttentionBackend],
-        *,
-        sliding_window: int | None = None,
-        alibi_slopes: torch.Tensor | None = None,
-        logits_soft_cap: float | None = None,
-        attention_sinks: int = 0,
-        rotary: Rotary | None = None,
-        sinks: torch.Tensor | None = None,
+        **variants: Any,
     ) -> None:
-        """The keyword arguments are this layer's attention variants (``AttentionBackend.__init__``)."""
+        """``variants``: this layer's attention variants, the keyword arguments of
+        ``AttentionBackend.__init__`` (sliding_window, alibi_slopes, logits_soft_cap,
+        attention_sinks, rotary, sinks), which checks them."""
         super().__init__()
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
-        self.impl = backend(
-            num_heads,
-            head_size,
-            scale,
-            num_kv_heads,
-            sliding_window=sliding_window,
-            alibi_slopes=alibi_slopes,
-            logits_soft_cap=logits_soft_cap,
-            attention_sinks=attention_sinks,
-            rotary=rotary,
-            sinks=sinks,
-        )
+        self.impl = backend(num_heads, head_size, scale, num_kv_heads, **variants)
         self.layer_id = next(_layer_ids)
         _LAYERS[self.layer_id] = self
 
@@ -120,8 +116,6 @@ class Attention(nn.Module):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
         sink_query: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -140,9 +134,13 @@ class Attention(nn.Module):
             # Rotated in the graph, where inductor fuses the rotation, not in the op, whose schema
             # says it leaves query and key as they are (the CPU kernel rotates in place).
             query, key = self.impl.rotate(positions, query, key)
-            output = torch.ops.pagedllm.attention(query, key, value, *kv_cache, sink_query, self.layer_id)
+            key_cache, value_cache = self.kv_cache
+            output = torch.ops.pagedllm.attention(
+                query, key, value, key_cache, value_cache, sink_query, self.layer_id
+            )
         else:
+            attn_metadata = get_forward_context().attn_metadata
             output = self.impl.forward(
-                query, key, value, kv_cache, attn_metadata, sink_query=sink_query, positions=positions
+                query, key, value, self.kv_cache, attn_metadata, sink_query=sink_query, positions=positions
             )
         return output.view(num_tokens, self.num_heads * self.head_size)

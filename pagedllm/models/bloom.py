@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedllm.attention import Attention, AttentionMetadata
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention import Attention
+from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.distributed import get_tensor_model_parallel_rank
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
@@ -64,11 +64,9 @@ class BloomAttention(nn.Module):
             alibi_slopes=slopes.to(torch.get_default_device()),
         )
 
-    def forward(
-        self, hidden_states: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.query_key_value(hidden_states).chunk(3, dim=-1)
-        return self.dense(self.attn(q, k, v, kv_cache, attn_metadata))
+        return self.dense(self.attn(q, k, v))
 
 
 class BloomMLP(nn.Module):
@@ -92,12 +90,10 @@ class BloomBlock(nn.Module):
         # Whether the residual stream continues from the normalized input (BLOOM's option).
         self.residual_from_norm = bool(config.apply_residual_connection_post_layernorm)
 
-    def forward(
-        self, hidden_states: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         normed = self.input_layernorm(hidden_states)
         residual = normed if self.residual_from_norm else hidden_states
-        hidden_states = residual + self.self_attention(normed, kv_cache, attn_metadata)
+        hidden_states = residual + self.self_attention(normed)
         normed = self.post_attention_layernorm(hidden_states)
         residual = normed if self.residual_from_norm else hidden_states
         return residual + self.mlp(normed)
@@ -111,17 +107,11 @@ class BloomModel(nn.Module):
         self.h = nn.ModuleList(BloomBlock(config, attn_backend) for _ in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """positions are unused: ALiBi reads positions from the cache, inside attention."""
         hidden_states = self.word_embeddings_layernorm(self.word_embeddings(input_ids))
-        for block, kv_cache in zip(self.h, kv_caches, strict=True):
-            hidden_states = block(hidden_states, kv_cache, attn_metadata)
+        for block in self.h:
+            hidden_states = block(hidden_states)
         return self.ln_f(hidden_states)
 
 

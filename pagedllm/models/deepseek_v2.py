@@ -33,9 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedllm.attention import AttentionMetadata
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend, gather_context
+from pagedllm.attention.forward_context import get_forward_context
+from pagedllm.attention.layer import AttentionLayerBase
 from pagedllm.layers.fused_moe import select_experts_group_limited
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -72,7 +73,7 @@ def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).to(x.dtype)
 
 
-class MLAAttention(nn.Module):
+class MLAAttention(AttentionLayerBase):
     def __init__(
         self,
         config: PretrainedConfig,
@@ -121,14 +122,9 @@ class MLAAttention(nn.Module):
         # take the absorbed one; prefill stays expanded, cheaper when many queries share a context.
         self._attend_decode = self._attend_absorbed
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """positions: [num_tokens]; hidden_states: [num_tokens, hidden_size] -> same shape."""
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        """positions: [num_tokens]; hidden_states: [num_tokens, hidden_size] -> same shape. Writes
+        the tokens' latents into this layer's ``kv_cache`` (bound by ``bind_kv_caches``)."""
         num_tokens = hidden_states.shape[0]
         if self.q_lora_rank is None:
             q = self.q_proj(hidden_states)
@@ -145,7 +141,8 @@ class MLAAttention(nn.Module):
         k_pe = self._rotate(k_pe[:, None], cos, sin)
         # The cache entry of a token: [c_kv | k_pe], one "head".
         entry = torch.cat((self.kv_a_layernorm(latent)[:, None], k_pe), dim=-1)
-        key_cache = kv_cache[0]  # (the value cache is the same tensor: the latent is both)
+        key_cache = self.kv_cache[0]  # (the value cache is the same tensor: the latent is both)
+        attn_metadata = get_forward_context().attn_metadata
         slot_mapping = attn_metadata.slot_mapping
         valid = slot_mapping >= 0
         key_cache.view(-1, 1, key_cache.shape[-1])[slot_mapping[valid]] = entry[valid].to(key_cache.dtype)

@@ -23,14 +23,19 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedllm.attention import AttentionMetadata
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.layers.layernorm import GemmaRMSNorm
 from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
 from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from pagedllm.models.llama import AttentionOptions, LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim
-from pagedllm.models.utils import attention_sinks, layer_sliding_windows
+from pagedllm.models.llama import (
+    AttentionOptions,
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    rotary_embedding,
+)
+from pagedllm.models.utils import DecoderModel, attention_sinks, layer_sliding_windows, pre_norm
 
 
 def _hidden_act(config: PretrainedConfig) -> str:
@@ -76,27 +81,18 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(size, eps)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As LlamaDecoderLayer.forward: the residual adds are deferred to the next norm."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        hidden_states, residual = pre_norm(self.input_layernorm, hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
         hidden_states = self.post_attention_layernorm(hidden_states)
         hidden_states, residual = self.pre_feedforward_layernorm(hidden_states, residual)
         hidden_states = self.post_feedforward_layernorm(self.mlp(hidden_states))
         return hidden_states, residual
 
 
-class GemmaModel(nn.Module):
+class GemmaModel(DecoderModel):
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()
         if getattr(config, "use_bidirectional_attention", False):
@@ -105,18 +101,13 @@ class GemmaModel(nn.Module):
         # The reference rounds the scale to the model dtype before multiplying.
         # (On the CPU: the model may be built on the meta device to measure it.)
         scale = torch.tensor(config.hidden_size**0.5, dtype=torch.get_default_dtype(), device="cpu")
-        self.normalizer = scale.item()
+        self.embed_scale = scale.item()
         windows = layer_sliding_windows(config)
         layer_types = getattr(config, "layer_types", None) or ["full_attention"] * len(windows)
         # One cos/sin table per layer type (they differ in Gemma 3, and may in Gemma 2 configs).
+        unbounded = attention_sinks(config) > 0
         rotary = {
-            layer_type: RotaryEmbedding(
-                head_dim(config),
-                config.max_position_embeddings,
-                _rope_parameters(config, layer_type),
-                torch.get_default_dtype(),
-                unbounded=attention_sinks(config) > 0,
-            )
+            layer_type: rotary_embedding(config, _rope_parameters(config, layer_type), unbounded)
             for layer_type in sorted(set(layer_types))
         }
         self.layers = nn.ModuleList(
@@ -124,20 +115,6 @@ class GemmaModel(nn.Module):
             for layer_type, window in zip(layer_types, windows, strict=True)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids) * self.normalizer
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
 
 
 class SoftCappedLogitsProcessor(LogitsProcessor):

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedllm.attention import Attention, AttentionMetadata
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention import Attention
+from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
@@ -53,12 +53,10 @@ class GPT2Attention(nn.Module):
             self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_heads, attn_backend
         )
 
-    def forward(
-        self, hidden_states: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_tokens, hidden_size] -> same shape."""
         q, k, v = self.c_attn(hidden_states).chunk(3, dim=-1)
-        return self.c_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+        return self.c_proj(self.attn(q, k, v))
 
 
 class GPT2MLP(nn.Module):
@@ -82,10 +80,8 @@ class GPT2Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.hidden_size, eps=eps)
         self.mlp = GPT2MLP(config)
 
-    def forward(
-        self, hidden_states: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden_states = hidden_states + self.attn(self.ln_1(hidden_states), kv_cache, attn_metadata)
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states + self.attn(self.ln_1(hidden_states))
         return hidden_states + self.mlp(self.ln_2(hidden_states))
 
 
@@ -98,16 +94,10 @@ class GPT2Model(nn.Module):
         self.h = nn.ModuleList(GPT2Block(config, attn_backend) for _ in range(config.num_hidden_layers))
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.wte(input_ids) + self.wpe(positions)
-        for block, kv_cache in zip(self.h, kv_caches, strict=True):
-            hidden_states = block(hidden_states, kv_cache, attn_metadata)
+        for block in self.h:
+            hidden_states = block(hidden_states)
         return self.ln_f(hidden_states)
 
 

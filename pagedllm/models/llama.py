@@ -24,21 +24,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedllm.attention import Attention, AttentionMetadata
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention import Attention
+from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
-from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import CausalLM, attention_sinks, layer_sliding_windows
+from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from pagedllm.models.utils import CausalLM, DecoderModel, attention_sinks, layer_sliding_windows, pre_norm
 
 
 @dataclass(frozen=True)
@@ -81,6 +80,20 @@ _NO_O_BIAS_FAMILIES = ("glm4_moe",)
 
 def head_dim(config: PretrainedConfig) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rotary_embedding(
+    config: PretrainedConfig, rope_parameters: dict[str, Any] | None = None, unbounded: bool = False
+) -> RotaryEmbedding:
+    """The cos/sin table of the config's heads (``rope_parameters``: the config's own when None);
+    ``unbounded``: positions may pass max_position_embeddings (attention sinks)."""
+    return RotaryEmbedding(
+        head_dim(config),
+        config.max_position_embeddings,
+        rope_parameters or get_rope_parameters(config),
+        torch.get_default_dtype(),
+        unbounded=unbounded,
+    )
 
 
 # Gated MLP activations by the config's name for them.
@@ -180,13 +193,7 @@ class LlamaAttention(nn.Module):
             )
         return self.q_size, self.kv_size
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """positions: [num_tokens]; hidden_states: [num_tokens, hidden_size] -> same shape."""
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -202,9 +209,7 @@ class LlamaAttention(nn.Module):
         if self.model_rotary is not None:  # (the torch path: returns new tensors)
             q, k = self.model_rotary(positions, q, k)
         # The backend rotates q and k to their positions (or fuses the rotation into its cache write).
-        return self.o_proj(
-            self.attn(q, k, v, kv_cache, attn_metadata, sink_query=sink_q, positions=positions)
-        )
+        return self.o_proj(self.attn(q, k, v, sink_query=sink_q, positions=positions))
 
     def _norm_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Qwen3's per-head RMSNorm. q: [num_tokens, q_size]; k: [num_tokens, kv_size]."""
@@ -233,21 +238,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden_states, residual: [num_tokens, hidden_size]. The residual add of each block is
         deferred to the next norm, which fuses it; returns (block output, residual stream)."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+        hidden_states, residual = pre_norm(self.input_layernorm, hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -256,41 +252,21 @@ class LlamaDecoderLayer(nn.Module):
 MakeLayer = Callable[[PretrainedConfig, int, RotaryEmbedding, type[AttentionBackend], int | None], nn.Module]
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(DecoderModel):
     def __init__(
         self, config: PretrainedConfig, attn_backend: type[AttentionBackend], make_layer: MakeLayer
     ) -> None:
-        """make_layer builds each decoder layer: forward(positions, hidden_states, residual,
-        kv_cache, attn_metadata) -> (hidden_states, residual), the stream being their sum."""
+        """make_layer builds each decoder layer: forward(positions, hidden_states, residual) ->
+        (hidden_states, residual), the stream being their sum."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin cache shared by every layer: it is the same table, and can be large.
-        rotary_emb = RotaryEmbedding(
-            head_dim(config),
-            config.max_position_embeddings,
-            get_rope_parameters(config),
-            torch.get_default_dtype(),
-            unbounded=attention_sinks(config) > 0,
-        )
+        rotary_emb = rotary_embedding(config, unbounded=attention_sinks(config) > 0)
         self.layers = nn.ModuleList(
             make_layer(config, i, rotary_emb, attn_backend, window)
             for i, window in enumerate(layer_sliding_windows(config))
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
 
 
 class LlamaForCausalLM(CausalLM):
@@ -307,13 +283,8 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = LlamaModel(config, attn_backend, self.make_layer)
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.init_lm_head(config, self.model.embed_tokens)
 
     def make_layer(
         self,

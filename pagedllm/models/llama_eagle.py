@@ -29,8 +29,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedllm.attention import AttentionMetadata
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import QKVParallelLinear, ReplicatedLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
@@ -60,8 +59,8 @@ class EagleHead(CausalLM):
 
     A head fuses the token's embedding with the hidden state it continues (``fuse``), runs its
     decoder layers and finishes (``finish``) into (hidden for the LM head, hidden for the next
-    step). Subclasses set ``decoder_layers``: forward(positions, x, residual, kv_cache,
-    attn_metadata) -> (x, residual).
+    step). Subclasses set ``decoder_layers``: forward(positions, x, residual) -> (x, residual), their
+    attention reading its bound KV cache and the step's forward context.
     """
 
     packed_modules_mapping = LlamaForCausalLM.packed_modules_mapping
@@ -81,14 +80,12 @@ class EagleHead(CausalLM):
         input_embeds: torch.Tensor,
         positions: torch.Tensor,
         hidden_states: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_embeds: [num_tokens, hidden] of the tokens; hidden_states: [num_tokens, hidden]
         (``combine_hidden_states`` of the target's, or the head's own second output)."""
         x, residual = self.fuse(input_embeds, hidden_states)
-        for layer, kv_cache in zip(self.decoder_layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, attn_metadata)
+        for layer in self.decoder_layers:
+            x, residual = layer(positions, x, residual)
         return self.finish(x, residual)
 
     def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -154,11 +151,9 @@ class Eagle3DecoderLayer(nn.Module):
         positions: torch.Tensor,
         x: torch.Tensor,
         residual: torch.Tensor,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [num_tokens, 2 * hidden] (``attention_input``) -> (block output, residual stream)."""
-        out = self.self_attn(positions, x, kv_cache, attn_metadata)
+        out = self.self_attn(positions, x)
         out, residual = self.post_attention_layernorm(out, residual)
         return self.mlp(out), residual
 

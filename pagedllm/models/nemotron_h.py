@@ -7,7 +7,7 @@ cache beside the paged KV), ``full_attention`` (grouped-query attention without 
 Mamba-2 layers carry order), or ``mlp`` (up, squared ReLU, down). The MoE layers of later
 Nemotron releases (sigmoid-routed non-gated experts) are refused.
 
-Only the attention layers have a KV cache: ``kv_caches`` holds one per such layer, in order.
+Only the attention layers have a KV cache (bound to them in order, attention/forward_context.py).
 """
 
 from __future__ import annotations
@@ -19,17 +19,22 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedllm.attention import Attention, AttentionMetadata
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention import Attention
+from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.linear_attention.mamba2 import Mamba2Mixer
 from pagedllm.layers.linear_attention.state import LayerStateShape
-from pagedllm.layers.logits_processor import LogitsProcessor
-from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.utils import CausalLM
+from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from pagedllm.models.utils import CausalLM, DecoderModel, pre_norm
 
 MAMBA, ATTENTION, MLP = "linear_attention", "full_attention", "mlp"
+# Checkpoint name prefixes -> ours (the "model." decoder's names, DecoderModel's).
+_CHECKPOINT_PREFIXES = (
+    ("backbone.embeddings.", "model.embed_tokens."),
+    ("backbone.norm_f.", "model.norm."),
+    ("backbone.", "model."),
+)
 
 
 class NemotronHAttention(nn.Module):
@@ -50,12 +55,10 @@ class NemotronHAttention(nn.Module):
         self.sizes = [num_heads * self.head_dim, num_kv_heads * self.head_dim, num_kv_heads * self.head_dim]
         self.attn = Attention(num_heads, self.head_dim, self.head_dim**-0.5, num_kv_heads, attn_backend)
 
-    def forward(
-        self, hidden_states: torch.Tensor, kv_cache: KVCache, attn_metadata: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_tokens, hidden_size] -> same shape."""
         q, k, v = self.qkv_proj(hidden_states).split(self.sizes, dim=-1)
-        return self.o_proj(self.attn(q, k, v, kv_cache, attn_metadata))
+        return self.o_proj(self.attn(q, k, v))
 
 
 class NemotronHMLP(nn.Module):
@@ -96,50 +99,25 @@ class NemotronHBlock(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
     def forward(
-        self,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: KVCache | None,
-        attn_metadata: AttentionMetadata,
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (block output, residual stream), the residual add deferred to the next norm."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.norm(hidden_states)
-        else:
-            hidden_states, residual = self.norm(hidden_states, residual)
-        if self.block_type == MAMBA:
-            return self.mixer(hidden_states, attn_metadata), residual
-        if self.block_type == ATTENTION:
-            return self.mixer(hidden_states, kv_cache, attn_metadata), residual
+        """positions are unused: no layer rotates (attention here has no positional encoding).
+        Returns (block output, residual stream), the residual add deferred to the next norm."""
+        hidden_states, residual = pre_norm(self.norm, hidden_states, residual)
         return self.mixer(hidden_states), residual
 
 
-class NemotronHModel(nn.Module):
+class NemotronHModel(DecoderModel):
+    """The checkpoints' ``embeddings`` and ``norm_f`` are our ``embed_tokens`` and ``norm``
+    (``NemotronHForCausalLM._param_name``)."""
+
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()
-        self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             NemotronHBlock(config, i, attn_backend) for i in range(config.num_hidden_layers)
         )
-        self.norm_f = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """positions are unused: no layer rotates (attention here has no positional encoding)."""
-        hidden_states = self.embeddings(input_ids)
-        residual = None
-        attention_caches = iter(kv_caches)
-        for layer in self.layers:
-            kv_cache = next(attention_caches) if layer.block_type == ATTENTION else None
-            hidden_states, residual = layer(hidden_states, residual, kv_cache, attn_metadata)
-        hidden_states, _ = self.norm_f(hidden_states, residual)
-        return hidden_states
+        self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
 
 class NemotronHForCausalLM(CausalLM):
@@ -150,18 +128,16 @@ class NemotronHForCausalLM(CausalLM):
 
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = NemotronHModel(config, attn_backend)
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embeddings
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.init_lm_head(config, self.model.embed_tokens)
 
     def _param_name(self, ckpt_name: str) -> tuple[str, int | str | None]:
-        # NVIDIA's checkpoints (and transformers' save_pretrained) name the decoder "backbone".
-        if ckpt_name.startswith("backbone."):
-            ckpt_name = "model." + ckpt_name.removeprefix("backbone.")
+        # NVIDIA's checkpoints (and transformers' save_pretrained) name the decoder "backbone",
+        # its embedding and final norm as our decoder does not.
+        for ckpt_prefix, prefix in _CHECKPOINT_PREFIXES:
+            if ckpt_name.startswith(ckpt_prefix):
+                ckpt_name = prefix + ckpt_name.removeprefix(ckpt_prefix)
+                break
         return super()._param_name(ckpt_name)
 
     # --- the hybrid model's interface (worker/state_cache.py) -----------------------------------

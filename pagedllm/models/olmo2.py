@@ -13,43 +13,30 @@ The layer has no input norm; each block's output is normalized before its residu
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch import nn
 from transformers import PretrainedConfig
 
-from pagedllm.attention import AttentionMetadata
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.layers.layernorm import RMSNorm
-from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
 class PostNormDecoderLayer(LlamaDecoderLayer):
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        rotary_emb: RotaryEmbedding | None,
-        attn_backend: type[AttentionBackend],
-        sliding_window: int | None,
-        mlp: nn.Module,
-    ) -> None:
-        super().__init__(config, rotary_emb, attn_backend, sliding_window, mlp)
+    def __init__(self, config: PretrainedConfig, *args: Any) -> None:
+        """LlamaDecoderLayer's arguments."""
+        super().__init__(config, *args)
         # No input norm: each block's output is normalized instead.
         del self.input_layernorm
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As LlamaDecoderLayer.forward: the residual stream is hidden_states + residual, and the
         MLP's residual add is left to the next layer (or the final norm, which fuses it)."""
         stream = hidden_states if residual is None else hidden_states + residual
-        attn_out = self.self_attn(positions, stream, kv_cache, attn_metadata)
+        attn_out = self.self_attn(positions, stream)
         stream = stream + self.post_attention_layernorm(attn_out)
         return self.post_feedforward_layernorm(self.mlp(stream)), stream
 

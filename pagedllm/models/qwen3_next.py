@@ -16,7 +16,7 @@ Qwen3.5's text models (``Qwen3_5ForCausalLM``, dense SwiGLU everywhere, and
 projections kept apart (``split_projections``); their multimodal rotary embedding reduces to the
 plain one on text, whose three position components are equal.
 
-Only the full-attention layers have a KV cache: ``kv_caches`` holds one per such layer, in order.
+Only the full-attention layers have a KV cache (bound to them in order, attention/forward_context.py).
 """
 
 from __future__ import annotations
@@ -27,18 +27,17 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedllm.attention import Attention, AttentionMetadata
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention import Attention
+from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.layers.layernorm import GemmaRMSNorm
 from pagedllm.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedllm.layers.linear_attention.gated_deltanet import GatedDeltaNet
 from pagedllm.layers.linear_attention.state import LayerStateShape
-from pagedllm.layers.logits_processor import LogitsProcessor
-from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
-from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from pagedllm.models.llama import LlamaMLP, head_dim
+from pagedllm.layers.rotary_embedding import RotaryEmbedding
+from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from pagedllm.models.llama import LlamaMLP, head_dim, rotary_embedding
 from pagedllm.models.moe import MoeForCausalLM, SparseMoeBlock
-from pagedllm.models.utils import CausalLM
+from pagedllm.models.utils import CausalLM, DecoderModel, pre_norm
 
 LINEAR_ATTENTION = "linear_attention"
 # Qwen3.5's text model types, whose Gated DeltaNet keeps its four input projections apart.
@@ -90,13 +89,7 @@ class Qwen3NextAttention(nn.Module):
             rotary=None if rotary_emb.is_partial else rotary_emb,
         )
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """positions: [num_tokens]; hidden_states: [num_tokens, hidden_size] -> same shape."""
         n, d = hidden_states.shape[0], self.head_dim
         kv_size = self.num_kv_heads * d
@@ -106,7 +99,7 @@ class Qwen3NextAttention(nn.Module):
         k = self.k_norm(k.reshape(n, self.num_kv_heads, d)).view(n, kv_size)
         if self.model_rotary is not None:
             q, k = self.model_rotary(positions, q, k)
-        out = self.attn(q, k, v, kv_cache, attn_metadata, positions=positions)
+        out = self.attn(q, k, v, positions=positions)
         return self.o_proj(out * torch.sigmoid(gate.reshape(n, self.num_heads * d)))
 
 
@@ -156,59 +149,29 @@ class Qwen3NextDecoderLayer(nn.Module):
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        residual: torch.Tensor | None,
-        kv_cache: KVCache | None,
-        attn_metadata: AttentionMetadata,
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden_states, residual: [num_tokens, hidden_size]; kv_cache: None on a linear layer.
-        Returns (block output, residual stream), the residual add deferred to the next norm."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        """hidden_states, residual: [num_tokens, hidden_size]. Returns (block output, residual
+        stream), the residual add deferred to the next norm."""
+        hidden_states, residual = pre_norm(self.input_layernorm, hidden_states, residual)
         if self.is_linear:
-            hidden_states = self.linear_attn(hidden_states, attn_metadata)
+            hidden_states = self.linear_attn(hidden_states)
         else:
-            hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn_metadata)
+            hidden_states = self.self_attn(positions, hidden_states)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
 
-class Qwen3NextModel(nn.Module):
+class Qwen3NextModel(DecoderModel):
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        rotary_emb = RotaryEmbedding(
-            head_dim(config),
-            config.max_position_embeddings,
-            get_rope_parameters(config),
-            torch.get_default_dtype(),
-        )
+        rotary_emb = rotary_embedding(config)
         self.layers = nn.ModuleList(
             Qwen3NextDecoderLayer(config, i, rotary_emb, attn_backend)
             for i in range(config.num_hidden_layers)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)
-        residual = None
-        attention_caches = iter(kv_caches)
-        for layer in self.layers:
-            kv_cache = None if layer.is_linear else next(attention_caches)
-            hidden_states, residual = layer(positions, hidden_states, residual, kv_cache, attn_metadata)
-        hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
 
 
 class Qwen3NextForCausalLM(MoeForCausalLM):
@@ -216,13 +179,8 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
 
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         CausalLM.__init__(self)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.model = Qwen3NextModel(config, attn_backend)
-        if self.tie_word_embeddings:
-            self.lm_head = self.model.embed_tokens
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.init_lm_head(config, self.model.embed_tokens)
 
     # --- the hybrid model's interface (worker/state_cache.py) -----------------------------------
 

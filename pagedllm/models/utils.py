@@ -1,5 +1,5 @@
-"""What every model family shares: the engine's model interface (forward, logits, weight loading)
-and the per-layer sliding windows read from a Hugging Face config."""
+"""What every model family shares: the engine's model interface (forward, logits, weight loading),
+the pre-norm decoder's loop, and the per-layer sliding windows read from a Hugging Face config."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pagedllm.attention import AttentionMetadata
-from pagedllm.attention.backends.abstract import KVCache
 from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.utils import CheckpointSlice, CheckpointTensor, default_weight_loader
+from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead
 from pagedllm.models.kv_scales import load_kv_scales
 
 # Hugging Face layer types (config.layer_types) and whether they attend through a window.
@@ -82,13 +81,51 @@ def attention_sinks(config: Any) -> int:
     return getattr(config, ENGINE_ATTENTION_SINKS, 0) or 0
 
 
+def pre_norm(
+    norm: nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm block's input norm, the previous block's residual add fused into it: returns
+    (normalized input, residual stream). The residual stream is hidden_states + residual (just
+    hidden_states in the first layer, residual None). hidden_states, residual: [num_tokens, hidden]."""
+    if residual is None:
+        return norm(hidden_states), hidden_states
+    return norm(hidden_states, residual)
+
+
+class DecoderModel(nn.Module):
+    """A decoder whose layers defer each block's residual add to the next norm, which fuses it:
+    ``layer(positions, hidden_states, residual) -> (block output, residual stream)``, the stream
+    being their sum, and the final ``norm`` fuses the last add.
+
+    A family sets ``embed_tokens``, ``layers`` and ``norm`` (and ``embed_scale``, by which the
+    embeddings are multiplied: Gemma's). The layers read their KV caches and the step's metadata
+    themselves (attention/forward_context.py).
+    """
+
+    embed_tokens: nn.Module
+    layers: nn.ModuleList
+    norm: nn.Module
+    embed_scale: float | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] int64 -> final hidden states [num_tokens, hidden_size]."""
+        hidden_states = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            hidden_states = hidden_states * self.embed_scale
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
 class CausalLM(nn.Module):
     """The engine's model interface, shared by every family: forward over a flattened batch,
     logits of chosen rows, and loading Hugging Face-named checkpoint tensors.
 
-    A family sets ``self.model`` (forward(input_ids, positions, kv_caches, attn_metadata) ->
-    hidden states), ``self.lm_head`` and ``self.logits_processor``, and may override
-    ``_checkpoint_tensors`` to rename, transpose or split what its checkpoints store.
+    A family sets ``self.model`` (forward(input_ids, positions) -> hidden states),
+    ``self.lm_head`` and ``self.logits_processor`` (``init_lm_head`` sets the usual pair), and may
+    override ``_checkpoint_tensors`` to rename, transpose or split what its checkpoints store.
     """
 
     # Checkpoint projections that live packed in one of our parameters: packed name -> the
@@ -104,16 +141,20 @@ class CausalLM(nn.Module):
     logits_processor: LogitsProcessor
     tie_word_embeddings: bool = False
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[KVCache],
-        attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] int64; kv_caches: one per layer.
-        Returns the final hidden states: [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+    def init_lm_head(self, config: Any, embed_tokens: nn.Module) -> None:
+        """The LM head (the token embedding when the config ties them) and the logits processor."""
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head = embed_tokens
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [num_tokens] int64, run inside ``set_forward_context`` with the
+        KV caches bound (attention/forward_context.py). Returns the final hidden states:
+        [num_tokens, hidden_size]."""
+        return self.model(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_rows, hidden_size] -> [num_rows, vocab_size] float32."""

@@ -99,21 +99,18 @@ class CacheEngine:
         """
         if not (blocks_to_swap_out or blocks_to_swap_in or blocks_to_copy):
             return
+        block_moves = (blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)
         if self._stream is None:
-            self._run(blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)
+            self._run(*block_moves)
             return
         compute_stream = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(compute_stream)
         with torch.cuda.stream(self._stream):
-            self._run(blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)
+            self._run(*block_moves)
         compute_stream.wait_stream(self._stream)
 
-    def _run(
-        self,
-        blocks_to_swap_out: list[tuple[int, int]],
-        blocks_to_swap_in: list[tuple[int, int]],
-        blocks_to_copy: list[tuple[int, int]],
-    ) -> None:
+    def _run(self, blocks_to_swap_out: list, blocks_to_swap_in: list, blocks_to_copy: list) -> None:
+        """run_cache_ops' moves, on the current stream."""
         _copy_blocks(self.gpu_cache, self.cpu_cache, blocks_to_swap_out)
         _copy_blocks(self.cpu_cache, self.gpu_cache, blocks_to_swap_in)
         if blocks_to_copy:

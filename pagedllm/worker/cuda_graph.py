@@ -7,7 +7,10 @@ smallest captured size >= n, its extra rows padded (by the model runner, in the 
 copies as the real rows) so that they write nothing (slot -1) and attend to one token.
 
 Graphs read the model inputs at the fixed addresses of ``InputBuffers`` and attention bounded by
-``max_model_len`` (the number of context partitions is part of the captured launch).
+``max_model_len`` (the number of context partitions is part of the captured launch). Each is
+captured under the forward context of ``metadata(batch_size)``, whose tensors are views of those
+buffers: what a replay reads is whatever the runner copied into them for the step, and the
+KV caches bound to the layers when it was captured.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.attention.backends.abstract import KVCache
+from pagedllm.attention.forward_context import set_forward_context
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.worker.input_buffers import InputBuffers
 
@@ -39,13 +42,11 @@ class CudaGraphRunner:
     def __init__(
         self,
         model: nn.Module,
-        kv_caches: list[KVCache],
         buffers: InputBuffers,
         capture_sizes: list[int],
         max_model_len: int,
     ) -> None:
         self.model = model
-        self.kv_caches = kv_caches
         self.buffers = buffers
         self.capture_sizes = sorted(capture_sizes)
         self.max_model_len = max_model_len
@@ -91,19 +92,16 @@ class CudaGraphRunner:
         self.buffers.put("block_tables", np.zeros((max_size, 1), dtype=np.int32))
         # Largest first: smaller graphs then reuse its memory from the shared pool.
         for batch_size in reversed(self.capture_sizes):
-            args = (
-                self.buffers.device_view("input_ids", batch_size),
-                self.buffers.device_view("positions", batch_size),
-                self.kv_caches,
-                self.metadata(batch_size),
-            )
-            # Warm-up runs compile Triton kernels and settle allocations outside the capture.
-            for _ in range(2):
-                self.model(*args)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._outputs[batch_size] = self.model(*args)
+            input_ids = self.buffers.device_view("input_ids", batch_size)
+            positions = self.buffers.device_view("positions", batch_size)
+            with set_forward_context(self.metadata(batch_size)):
+                # Warm-up runs compile Triton kernels and settle allocations outside the capture.
+                for _ in range(2):
+                    self.model(input_ids, positions)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._outputs[batch_size] = self.model(input_ids, positions)
             self._graphs[batch_size] = graph
         torch.cuda.synchronize()
         logger.info(

@@ -40,7 +40,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention import bind_kv_caches, set_forward_context
+from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
 from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
@@ -131,7 +132,8 @@ class DraftModelRunner:
         self.model = get_model(self.model_config, self.load_format, self.device, self.attn_backend)
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        """The draft's cache: the target's block ids, then the scratch blocks."""
+        """The draft's cache, bound to its layers: the target's block ids, then the scratch blocks."""
+        assert self.model is not None
         self.cache_engine = CacheEngine(
             self.kv_cache_spec,
             self.attn_backend,
@@ -140,16 +142,13 @@ class DraftModelRunner:
             self.device,
         )
         self.first_scratch_block = num_gpu_blocks
+        bind_kv_caches(self.model, self.cache_engine.gpu_cache)
 
-    def run_cache_ops(
-        self,
-        blocks_to_swap_out: list[tuple[int, int]],
-        blocks_to_swap_in: list[tuple[int, int]],
-        blocks_to_copy: list[tuple[int, int]],
-    ) -> None:
-        """The target's block moves, on the draft's cache too (the invariant above)."""
+    def run_cache_ops(self, *block_moves: list[tuple[int, int]]) -> None:
+        """The target's block moves (``CacheEngine.run_cache_ops``'s arguments), on the draft's
+        cache too (the invariant above)."""
         if self.cache_engine is not None:
-            self.cache_engine.run_cache_ops(blocks_to_swap_out, blocks_to_swap_in, blocks_to_copy)
+            self.cache_engine.run_cache_ops(*block_moves)
 
     @property
     def ready(self) -> bool:
@@ -161,7 +160,8 @@ class DraftModelRunner:
         the target's went to (the target's ``hidden_states`` are not needed)."""
         assert self.model is not None and self.cache_engine is not None
         input_ids, positions, metadata = unpadded_inputs(model_input)
-        self.model(input_ids, positions, self.cache_engine.gpu_cache, metadata)
+        with set_forward_context(metadata):
+            self.model(input_ids, positions)
 
     def propose(self, rows: np.ndarray) -> dict[int, list[int]]:
         """After the target's samples are recorded: ``k`` greedy drafts for the requests in batch
@@ -172,15 +172,15 @@ class DraftModelRunner:
         if not num_reqs:
             return {}
         batch = self.batch
-        caches = self.cache_engine.gpu_cache
         newest = batch.num_tokens[rows] - 1  # position P of each request's newest token
-        table = self._scratch_table(rows, newest, caches)
+        table = self._scratch_table(rows, newest)
         device_table = to_device(table, self.device, torch.int32)
         tokens = batch.last_token_ids.index_select(0, to_device(rows, self.device))
         drafts = torch.empty((num_reqs, k), dtype=torch.int64, device=self.device)
         for j in range(k):
             positions, metadata = self._one_token_step(table, device_table, newest + j)
-            hidden = self.model(tokens, positions, caches, metadata)
+            with set_forward_context(metadata):
+                hidden = self.model(tokens, positions)
             tokens = self.model.compute_logits(hidden).argmax(dim=-1)
             drafts[:, j] = tokens
         return self._by_request(rows, drafts)
@@ -215,7 +215,7 @@ class DraftModelRunner:
         )
         return to_device(positions, self.device), metadata
 
-    def _scratch_table(self, rows: np.ndarray, newest: np.ndarray, caches: list[KVCache]) -> np.ndarray:
+    def _scratch_table(self, rows: np.ndarray, newest: np.ndarray) -> np.ndarray:
         """[num_reqs, width] int32 block tables for the proposal steps: the requests' own up to the
         block holding P, their scratch blocks from there on (that block's contents copied into
         the first)."""
@@ -232,7 +232,8 @@ class DraftModelRunner:
         table[np.arange(num_reqs)[:, None], columns] = scratch
         src_index = to_device(src.astype(np.int64), self.device)
         dst_index = to_device(scratch[:, 0].astype(np.int64), self.device)
-        for layer in caches:
+        assert self.cache_engine is not None
+        for layer in self.cache_engine.gpu_cache:
             for tensor in {id(t): t for t in layer}.values():  # once when K is V (MLA)
                 tensor.index_copy_(0, dst_index, tensor.index_select(0, src_index))
         return table

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm.attention import set_forward_context
 from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.config import EngineConfig
 from pagedllm.models.llama_eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM, eagle3_aux_layer_ids
@@ -150,11 +151,11 @@ class EagleProposer(DraftModelRunner):
             return {}
         input_ids, positions, metadata = unpadded_inputs(model_input)
         num_tokens = input_ids.shape[0]
-        caches = self.cache_engine.gpu_cache
         next_ids, last_index = self._next_tokens(model_input, input_ids, rows)
         hidden = self.aux.buffer[:num_tokens] if self.aux is not None else target_hidden[:num_tokens]
         hidden = self.model.combine_hidden_states(hidden)
-        out, hidden = self.model(self.embed(next_ids), positions, hidden, caches, metadata)
+        with set_forward_context(metadata):
+            out, hidden = self.model(self.embed(next_ids), positions, hidden)
         index = to_device(last_index, self.device)
         tokens = self._greedy(out.index_select(0, index))
         hidden = hidden.index_select(0, index)
@@ -165,11 +166,12 @@ class EagleProposer(DraftModelRunner):
         drafts[:, 0] = tokens
         newest = self.batch.num_tokens[rows] - 1  # position P of each request's newest token
         if self.num_speculative_tokens > 1:
-            table = self._scratch_table(rows, newest, caches)
+            table = self._scratch_table(rows, newest)
             device_table = to_device(table, self.device, torch.int32)
             for j in range(1, self.num_speculative_tokens):
                 step_positions, step_metadata = self._one_token_step(table, device_table, newest + j - 1)
-                out, hidden = self.model(self.embed(tokens), step_positions, hidden, caches, step_metadata)
+                with set_forward_context(step_metadata):
+                    out, hidden = self.model(self.embed(tokens), step_positions, hidden)
                 tokens = self._greedy(out)
                 drafts[:, j] = tokens
         return self._by_request(rows, drafts)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm.attention import bind_kv_caches, set_forward_context
 from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.config import EngineConfig
 from pagedllm.lora.model_manager import LoRAModelManager
@@ -187,7 +188,8 @@ class ModelRunner:
     def profile_run(self, kv_caches: list[KVCache]) -> None:
         """One step at the largest size the scheduler can make: max_num_batched_tokens prompt
         tokens over max_num_seqs requests, each sampled with top-p (the sampler's biggest
-        temporaries). ``kv_caches`` may be a single block: every dummy token maps into it."""
+        temporaries). ``kv_caches`` may be a single block: every dummy token maps into it. They
+        are bound for the step only."""
         scheduler_config = self.config.scheduler_config
         num_tokens = scheduler_config.max_num_batched_tokens
         num_reqs = min(scheduler_config.max_num_seqs, num_tokens)
@@ -201,24 +203,34 @@ class ModelRunner:
             )
             out.num_scheduled_tokens[i] = prompt_len
             out.total_num_scheduled_tokens += prompt_len
-        self.execute_model(out, kv_caches).get()
+        assert self.model is not None
+        bind_kv_caches(self.model, kv_caches)
+        try:
+            self.execute_model(out).get()
+        finally:
+            bind_kv_caches(self.model, None)
         for i in range(num_reqs):
             self.input_batch.remove_request(i, finished=True)
         self.sampler.warm_up(self.config.model_config.vocab_size, self.device)
         torch.cuda.synchronize(self.device)
 
-    def capture_model(self, kv_caches: list[KVCache]) -> None:
+    def initialize_kv_cache(self, kv_caches: list[KVCache]) -> None:
+        """Bind each attention layer to its cache (one per layer with a KV cache, in order)."""
+        assert self.model is not None
+        bind_kv_caches(self.model, kv_caches)
+
+    def capture_model(self) -> None:
+        """Compile the CPU's one-stream decode step, or capture the CUDA graphs of decode steps,
+        over the bound caches."""
         assert self.model is not None
         if self.config.compile_cpu_decode and not self.has_state and CompiledDecode.supports(self.model):
             self.compiled_decode = CompiledDecode(self.model)
-            self.compiled_decode.compile(kv_caches)
+            self.compiled_decode.compile()
         if not self.use_cuda_graphs:
             return
         if self.lora_manager is not None:
             self.lora_manager.prepare_capture()
-        self.graph_runner = CudaGraphRunner(
-            self.model, kv_caches, self.buffers, self.capture_sizes, self.max_model_len
-        )
+        self.graph_runner = CudaGraphRunner(self.model, self.buffers, self.capture_sizes, self.max_model_len)
         self.graph_runner.capture()
 
     # --- the step ---------------------------------------------------------------------------
@@ -255,7 +267,7 @@ class ModelRunner:
         return plan
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput, kv_caches: list[KVCache]) -> StepOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> StepOutput:
         """One forward pass over every scheduled token, then a sample for each request that
         reaches its end and the prompt logprobs asked for. Returns without waiting for the
         samples to reach the host."""
@@ -264,7 +276,7 @@ class ModelRunner:
         if not scheduler_output.total_num_scheduled_tokens:
             return StepOutput(None, None, [], [], self.device)
         model_input = self.prepare_inputs(scheduler_output)
-        hidden_states = self.run_model(model_input, scheduler_output.total_num_scheduled_tokens, kv_caches)
+        hidden_states = self.run_model(model_input, scheduler_output.total_num_scheduled_tokens)
         drafter = self.drafter if self.drafter is not None and self.drafter.ready else None
         if drafter is not None:
             drafter.prefill(model_input, hidden_states)
@@ -304,18 +316,19 @@ class ModelRunner:
             step.draft_token_ids = drafter.propose(rows)
         return step
 
-    def run_model(self, model_input: ModelInput, num_tokens: int, kv_caches: list[KVCache]) -> torch.Tensor:
-        """The forward pass: a captured graph, the compiled decode step or the eager model.
-        Returns the final hidden states, [num_tokens (padded under a graph), hidden_size]."""
+    def run_model(self, model_input: ModelInput, num_tokens: int) -> torch.Tensor:
+        """The forward pass: a captured graph (which reads the input buffers: no context), or the
+        compiled decode step or the eager model under the step's forward context. Returns the
+        final hidden states, [num_tokens (padded under a graph), hidden_size]."""
         assert self.model is not None
         if model_input.graph_num_seqs is not None:
             assert self.graph_runner is not None
             return self.graph_runner.replay(model_input.graph_num_seqs)
+        forward = self.model
         if self.compiled_decode is not None and CompiledDecode.applies(model_input.attn_metadata, num_tokens):
-            return self.compiled_decode(
-                model_input.input_ids, model_input.positions, kv_caches, model_input.attn_metadata
-            )
-        return self.model(model_input.input_ids, model_input.positions, kv_caches, model_input.attn_metadata)
+            forward = self.compiled_decode
+        with set_forward_context(model_input.attn_metadata):
+            return forward(model_input.input_ids, model_input.positions)
 
     def _score_prompts(
         self, logits: torch.Tensor, model_input: ModelInput

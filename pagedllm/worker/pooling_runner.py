@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from pagedllm.attention.backends.abstract import KVCache
 from pagedllm.layers.pooler import get_pooler
 from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
 from pagedllm.worker.model_runner import ModelRunner, StepOutput
@@ -58,7 +57,7 @@ class PoolingModelRunner(ModelRunner):
         self._states: dict[int, torch.Tensor] = {}
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput, kv_caches: list[KVCache]) -> StepOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> StepOutput:
         """One forward pass over every scheduled token; the vectors of the prompts it completes."""
         assert self.model is not None, "load_model() first"
         self.update_states(scheduler_output)
@@ -68,7 +67,7 @@ class PoolingModelRunner(ModelRunner):
             return PooledStepOutput([], None, self.device)
         plan = self.plan_inputs(scheduler_output)
         model_input = stage_model_input(plan, self.input_batch, self.buffers, self.block_size, self.has_state)
-        return self._pool(plan, self.run_model(model_input, num_tokens, kv_caches))
+        return self._pool(plan, self.run_model(model_input, num_tokens))
 
     def _forget_states(self, scheduler_output: SchedulerOutput) -> None:
         """Drop the states of requests that ended, and of those computed again from their first

@@ -185,7 +185,8 @@ class Worker:
         )
         if self.model_runner.drafter is not None:
             self.model_runner.drafter.initialize_cache(num_gpu_blocks, num_cpu_blocks)
-        self.model_runner.capture_model(self.cache_engine.gpu_cache)
+        self.model_runner.initialize_kv_cache(self.cache_engine.gpu_cache)
+        self.model_runner.capture_model()
 
     # --- LoRA adapters, read on the loader thread (lora/loader.py's LoRALoadGate calls these) ---
 
@@ -211,7 +212,7 @@ class Worker:
         self.cache_engine.run_cache_ops(*block_moves)
         if self.model_runner.drafter is not None:
             self.model_runner.drafter.run_cache_ops(*block_moves)
-        return self.model_runner.execute_model(scheduler_output, self.cache_engine.gpu_cache)
+        return self.model_runner.execute_model(scheduler_output)
 
     def execute_model_remote(self, scheduler_output: SchedulerOutput) -> StepOutput | None:
         """``execute_model`` for a rank in another process: rank 0 returns the step's handle (the

@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig
 
+from pagedllm.attention import bind_kv_caches, set_forward_context
 from pagedllm.attention.backends.cpu_backend import CpuAttentionBackend
 from pagedllm.model_loader import get_model
 from pagedllm.worker.cpu_compile import CompiledDecode
@@ -33,6 +34,9 @@ def test_compiled_decode_matches_eager_in_float32(case: str, make_tiny_model, pa
     model = get_model(model_config, "auto", torch.device("cpu"), CpuAttentionBackend)
     assert CompiledDecode.supports(model)
     eager, compiled = paged_runner(model, model_config), paged_runner(model, model_config)
+    # Other blocks than the eager runner's: a compiled step that read or wrote the eager cache
+    # (the caches it was compiled with, not those bound now) would read unwritten NaN slots.
+    compiled.free_blocks.reverse()
     prompt = torch.randint(
         0, model_config.hf_config.vocab_size, (13,), generator=torch.Generator().manual_seed(1)
     )
@@ -45,12 +49,10 @@ def test_compiled_decode_matches_eager_in_float32(case: str, make_tiny_model, pa
             eager_logits = eager.step({0: [eager_token]})[0]
             compiled._grow(0, compiled.seq_lens[0] + 1)
             position = torch.tensor([compiled.seq_lens[0] - 1])
-            hidden = decode(
-                torch.tensor([compiled_token]),
-                position,
-                compiled.kv_caches,
-                compiled.build_metadata({0: [0]}),
-            )
+            # The compiled step reads the caches bound to the layers: the compiled runner's.
+            bind_kv_caches(model, compiled.kv_caches)
+            with set_forward_context(compiled.build_metadata({0: [0]})):
+                hidden = decode(torch.tensor([compiled_token]), position)
             compiled_logits = model.compute_logits(hidden)
             torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-4, rtol=1e-4)
             eager_token, compiled_token = int(eager_logits.argmax()), int(compiled_logits.argmax())

@@ -180,7 +180,7 @@ def test_prompt_logprob_rows_over_chunks():
 
 def _graph_runner(capture_sizes: list[int]) -> CudaGraphRunner:
     buffers = InputBuffers(16, 8, 4, CPU)
-    return CudaGraphRunner(nn.Identity(), [], buffers, capture_sizes, max_model_len=64)
+    return CudaGraphRunner(nn.Identity(), buffers, capture_sizes, max_model_len=64)
 
 
 @pytest.mark.parametrize(

@@ -52,10 +52,12 @@ row sees are zeroed.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention.backends.abstract import AttentionBackend, KVCache, Rotary
+from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kernels.cpu.build import available as cpu_kernels_available
@@ -115,32 +117,9 @@ SDPA_MAX_DECODES = 8
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
 
-    def __init__(
-        self,
-        num_heads: int,
-        head_size: int,
-        scale: float,
-        num_kv_heads: int,
-        *,
-        sliding_window: int | None = None,
-        alibi_slopes: torch.Tensor | None = None,
-        logits_soft_cap: float | None = None,
-        attention_sinks: int = 0,
-        rotary: Rotary | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> None:
-        super().__init__(
-            num_heads,
-            head_size,
-            scale,
-            num_kv_heads,
-            sliding_window=sliding_window,
-            alibi_slopes=alibi_slopes,
-            logits_soft_cap=logits_soft_cap,
-            attention_sinks=attention_sinks,
-            rotary=rotary,
-            sinks=sinks,
-        )
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """AttentionBackend's arguments."""
+        super().__init__(*args, **kwargs)
         # [num_heads] float32 for the kernel.
         slopes = self.alibi_slopes
         self.kernel_alibi_slopes = None if slopes is None else slopes.float().contiguous()
@@ -148,9 +127,9 @@ class CpuAttentionBackend(AttentionBackend):
         self.alibi_slopes = (
             None
             if self.alibi_slopes is None
-            else self.alibi_slopes.view(num_kv_heads, self.num_queries_per_kv, 1, 1)
+            else self.alibi_slopes.view(self.num_kv_heads, self.num_queries_per_kv, 1, 1)
         )
-        self.use_kernel = attention_sinks == 0 and sinks is None and cpu_kernels_available()
+        self.use_kernel = self.attention_sinks == 0 and self.sinks is None and cpu_kernels_available()
 
     # The reference's layout: caches, swaps and tests are shared with it.
     get_kv_cache_shape = TorchAttentionBackend.get_kv_cache_shape

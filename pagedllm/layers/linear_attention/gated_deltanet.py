@@ -158,13 +158,13 @@ class GatedDeltaNet(StatefulMixer):
 
     # --- forward ----------------------------------------------------------------------------
 
-    def forward(self, hidden_states: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_tokens, hidden_size] -> same shape."""
         num_tokens = hidden_states.shape[0]
         mixed, z, b, a = self._project(hidden_states)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        core = self.mix(mixed, (g, beta), attn_metadata)  # [num_tokens, num_v_heads, dv]
+        core = self.mix(mixed, (g, beta))  # [num_tokens, num_v_heads, dv]
         out = self.norm(
             core.to(hidden_states.dtype), z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
         )

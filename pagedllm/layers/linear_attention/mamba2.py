@@ -18,7 +18,6 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.layers.linear import ReplicatedLinear
 from pagedllm.layers.linear_attention.mixer import StatefulMixer
 from pagedllm.layers.linear_attention.ssd import ssd_chunk_scan, ssd_step
@@ -85,13 +84,13 @@ class Mamba2Mixer(StatefulMixer):
             (config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size),
         )
 
-    def forward(self, hidden_states: torch.Tensor, attn_metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_tokens, hidden_size] -> same shape."""
         z, xbc, dt = self.in_proj(hidden_states).split(
             [self.d_inner, self.d_inner + 2 * self.n_groups * self.state_size, self.num_heads], dim=-1
         )
         dt = F.softplus(dt.float() + self.dt_bias).clamp(min=self.time_step_min)
-        y = self.mix(xbc, (dt,), attn_metadata)  # [num_tokens, heads, head_dim]
+        y = self.mix(xbc, (dt,))  # [num_tokens, heads, head_dim]
         y = self.norm(y.reshape(-1, self.d_inner).to(hidden_states.dtype), z)
         return self.out_proj(y)
 

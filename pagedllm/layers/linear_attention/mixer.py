@@ -5,7 +5,8 @@ The step's sequences come as the attention metadata lays them out, decodes first
 as one batch (``_step``: one token each, from their states, without a host sync, so a CUDA graph
 can replay it); each prefill chunk runs on its own (``_chunk``) from its request's state, or from
 zeros when it starts at position 0 (the slot may still hold a previous owner's state). Both read
-and write ``conv_state`` / ``ssm_state`` at the rows ``attn_metadata.state_slots`` names.
+and write ``conv_state`` / ``ssm_state`` (bound by worker/state_cache.py) at the rows the step's
+``attn_metadata.state_slots`` names (read from the forward context, attention/forward_context.py).
 
 The decode step is chosen once for the device (a ``CustomOp``: ``forward_method`` is the decode
 step here): the torch reference, which gathers the rows, steps and scatters them back, or, where
@@ -24,6 +25,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from pagedllm.attention.forward_context import get_forward_context
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.linear_attention.conv1d import causal_conv1d_prefill, causal_conv1d_update
@@ -44,8 +46,9 @@ class StatefulMixer(CustomOp):
 
     conv1d: nn.Conv1d
     state_shape: LayerStateShape
-    # Whether the subclass has fused decode kernels (``_decode_triton``), and a varlen prefill
-    # through flash-linear-attention (``_prefill_fla``, used where Triton runs and fla is installed).
+    # Whether the subclass has fused decode kernels (a method ``_decode_triton``, as
+    # ``_decode_torch``), and a varlen prefill through flash-linear-attention (``_prefill_fla``, as
+    # ``_prefill_torch``; used where Triton runs and fla is installed).
     has_triton_decode: ClassVar[bool] = False
     has_fla_prefill: ClassVar[bool] = False
 
@@ -60,21 +63,6 @@ class StatefulMixer(CustomOp):
         fused_prefill = platform.triton and self.has_fla_prefill and fla_installed()
         self.prefill_method = self._prefill_fla if fused_prefill else self._prefill_torch
         return self._decode_triton if platform.triton and self.has_triton_decode else self._decode_torch
-
-    def _prefill_fla(
-        self,
-        conv_out: torch.Tensor,
-        inputs: tuple[torch.Tensor, ...],
-        lengths: list[int],
-        slots: torch.Tensor,
-        has_state: list[bool],
-    ) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _decode_triton(
-        self, mixed: torch.Tensor, inputs: list[torch.Tensor], md: AttentionMetadata
-    ) -> torch.Tensor:
-        raise NotImplementedError
 
     def bind_state(self, conv_state: torch.Tensor, ssm_state: torch.Tensor) -> None:
         assert conv_state.shape[1:] == self.state_shape.conv_shape, conv_state.shape
@@ -94,11 +82,10 @@ class StatefulMixer(CustomOp):
         """One sequence's tokens; state None at its start. Returns (output, final state)."""
         raise NotImplementedError
 
-    def mix(
-        self, mixed: torch.Tensor, inputs: tuple[torch.Tensor, ...], md: AttentionMetadata
-    ) -> torch.Tensor:
+    def mix(self, mixed: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """mixed: [num_tokens, conv_dim], the conv's input. Returns the recurrence's output for
         every token, [num_tokens, ...] float32, in the batch's order."""
+        md = get_forward_context().attn_metadata
         assert self.conv_state is not None and self.ssm_state is not None, "bind_state() first"
         assert md.state_slots is not None, "a hybrid model's step needs state_slots"
         weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
