@@ -43,8 +43,7 @@ def head_config(target_config, method: str, draft_vocab_size: int | None, **extr
         num_hidden_layers=1,
         max_position_embeddings=128,  # less than the target's: the engine extends it
         rms_norm_eps=1e-6,
-        **HEAD_HEADS,
-        **extra,
+        **{**HEAD_HEADS, **extra},
     )
     config.architectures = ["LlamaForCausalLMEagle3" if method == "eagle3" else "LlamaForCausalLM"]
     if draft_vocab_size is not None:

@@ -285,16 +285,21 @@ def test_paged_attention_runs_the_version_use_v1_picks(monkeypatch: pytest.Monke
     batch = make_decode_batch(ragged_lens(16, seed=3), **K1)
     md = batch.md
     ran = []
+    extension = ops.load()
 
-    def recording(version: str):
-        def run(*args: object) -> torch.Tensor:
-            ran.append(version)
-            return KERNELS[version](*args)
+    class Recording:
+        """The built extension, noting which paged_attention_<version> each call runs."""
 
-        return run
+        def __getattr__(self, name: str):
+            kernel = getattr(extension, name)
 
-    for version in KERNELS:
-        monkeypatch.setattr(ops, f"paged_attention_{version}", recording(version))
+            def run(*args: object, **kwargs: object) -> object:
+                ran.append(name.rpartition("_")[2])
+                return kernel(*args, **kwargs)
+
+            return run
+
+    monkeypatch.setattr(ops, "load", Recording)
     for version, v1 in (("v1", True), ("v2", False)):
         monkeypatch.setattr(ops, "use_v1", lambda *_, v1=v1: v1)
         out = torch.full_like(batch.query, float("nan"))

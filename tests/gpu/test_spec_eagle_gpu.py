@@ -28,6 +28,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 CONFIGS = Path(__file__).parents[2] / "benchmarks" / "configs"
 
 
+# One head of 64 in the heads too (the target's hidden size): the GPU kernels take head sizes from 64.
+HEAD_ON_GPU = {"num_attention_heads": 1, "num_key_value_heads": 1}
+
+
 @pytest.fixture
 def target(make_tiny_model):
     """Head size 64 for every kernel; four layers for EAGLE-3's default layers (2, 2, 1)."""
@@ -42,7 +46,9 @@ def test_eagle_drafts_equal_the_reference_and_greedy_equals_hf_on_the_gpu(
     target, tmp_path, enforce_eager, method, draft_vocab
 ):
     hf_model, model_config = target
-    path, tensors, config = write_head(tmp_path / "head", model_config.hf_config, method, draft_vocab)
+    path, tensors, config = write_head(
+        tmp_path / "head", model_config.hf_config, method, draft_vocab, **HEAD_ON_GPU
+    )
     prompts = prompts_for(model_config.vocab_size, 12, seed=0)
     llm = LLM(
         model_config.model,
@@ -72,7 +78,7 @@ def test_an_eagle3_head_changes_no_output_through_preemption_prefix_caching_and_
     target, tmp_path
 ):
     hf_model, model_config = target
-    path, _, _ = write_head(tmp_path / "head", model_config.hf_config, "eagle3", 96)
+    path, _, _ = write_head(tmp_path / "head", model_config.hf_config, "eagle3", 96, **HEAD_ON_GPU)
     shared = prompts_for(model_config.vocab_size, 1, seed=1, lo=20, hi=20)[0]
     prompts = [shared + p for p in prompts_for(model_config.vocab_size, 12, seed=2)]
     llm = LLM(
@@ -80,7 +86,8 @@ def test_an_eagle3_head_changes_no_output_through_preemption_prefix_caching_and_
         device="cuda",
         dtype="float32",
         block_size=16,
-        num_kv_blocks=40,
+        # 8 blocks, one request's most: two of these requests fill it (as the draft model's test).
+        num_kv_blocks=8,
         max_model_len=128,
         enable_prefix_caching=True,
         enable_chunked_prefill=True,

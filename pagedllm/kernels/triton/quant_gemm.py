@@ -181,7 +181,9 @@ def _fp8_quant_kernel(
         k = k0 + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + m * stride_xm + k, mask=k < end, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.max(amax, axis=0) / _FP8_MAX
+    # amax / 448 correctly rounded, as torch divides ("/" by a constant may multiply by its
+    # rounded reciprocal, an ulp off); rounding is monotonic, so the max of the quotients is it.
+    scale = tl.max(tl.math.div_rn(amax, tl.full((BLOCK,), FP8_MAX, tl.float32)), axis=0)
     scale = tl.where(scale == 0.0, _SCALE_FLOOR, scale)  # a zero group stays zero
     tl.store(scale_ptr + m * stride_sm + tl.program_id(1), scale)
     for k0 in range(start, end, BLOCK):
