@@ -183,7 +183,7 @@ def _fp8_quant_kernel(
         amax = tl.maximum(amax, tl.abs(x))
     # amax / 448 correctly rounded, as torch divides ("/" by a constant may multiply by its
     # rounded reciprocal, an ulp off); rounding is monotonic, so the max of the quotients is it.
-    scale = tl.max(tl.math.div_rn(amax, tl.full((BLOCK,), FP8_MAX, tl.float32)), axis=0)
+    scale = tl.max(tl.math.div_rn(amax, tl.full((BLOCK,), _FP8_MAX, tl.float32)), axis=0)
     scale = tl.where(scale == 0.0, _SCALE_FLOOR, scale)  # a zero group stays zero
     tl.store(scale_ptr + m * stride_sm + tl.program_id(1), scale)
     for k0 in range(start, end, BLOCK):
