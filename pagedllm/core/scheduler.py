@@ -151,8 +151,7 @@ class Scheduler:
         return next(self._req_ids)
 
     def add_request(self, request: Request) -> None:
-        """Queue a user request's first sequence (it draws best_of first tokens, unless it is a
-        beam search)."""
+        """Queue a user request's first sequence (best_of first tokens, unless a beam search)."""
         params = request.sampling_params
         if not params.use_beam_search:
             request.num_samples = params.best_of
