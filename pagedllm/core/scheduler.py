@@ -151,8 +151,7 @@ class Scheduler:
         return next(self._req_ids)
 
     def add_request(self, request: Request) -> None:
-        """Queue a user request's first sequence (it draws best_of first tokens, unless it is a
-        beam search)."""
+        """Queue a user request's first sequence (best_of first tokens, unless a beam search)."""
         params = request.sampling_params
         if not params.use_beam_search:
             request.num_samples = params.best_of
@@ -206,9 +205,9 @@ class Scheduler:
         isolating = self.isolation.active
         # While isolating, swapped groups (which hold no suspect: suspects are never swapped) wait
         # for the end, and hold back no probe.
-        if not isolating and not out.blocks_to_swap_out:
+        if queues.swapped and not isolating and not out.blocks_to_swap_out:
             self._schedule_swapped(budget, out, scheduled)
-        if isolating or not queues.swapped:
+        if queues.waiting and (isolating or not queues.swapped):
             self._schedule_waiting(budget, out, scheduled)
         out.total_num_scheduled_tokens = budget.num_batched_tokens
         out.preempted_req_ids = queues.preempted_req_ids

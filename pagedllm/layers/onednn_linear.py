@@ -22,7 +22,7 @@ from pagedllm.layers.quantization.gguf import (
     q4_matmul,
     unsupported_reason,
 )
-from pagedllm.layers.row_buckets import pad_rows
+from pagedllm.layers.row_buckets import EXACT_ROWS, pad_rows
 from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.platform import platform_for
 
@@ -48,11 +48,12 @@ class OneDNNLinearMethod(LinearMethod):
         layer.register_buffer("packed_weight", packed, persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        # Rows padded to a bucket: oneDNN builds and caches a primitive per input shape.
-        out = torch.ops.mkldnn._linear_pointwise(
-            pad_rows(x.contiguous()), layer.packed_weight, bias, "none", [], ""
-        )
-        return out[: x.shape[0]]
+        rows = x.shape[0]
+        # Past EXACT_ROWS rows (a decode step's, taken as they are) padded to a bucket: oneDNN
+        # builds and caches a primitive per input shape.
+        x = x.contiguous() if rows <= EXACT_ROWS else pad_rows(x.contiguous())
+        out = torch.ops.mkldnn._linear_pointwise(x, layer.packed_weight, bias, "none", [], "")
+        return out if out.shape[0] == rows else out[:rows]
 
 
 class OneDNNTiedLMHeadMethod(OneDNNLinearMethod, EmbeddingMethod):

@@ -174,8 +174,9 @@ def sampling_distribution(
 def _penalised(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """What is sampled from: the logits with penalties, and min_tokens bans written in place (into
     the logits themselves when no row has a penalty: read what the logprobs need first)."""
-    x = apply_penalties(logits, metadata)
-    ban_tokens(x, metadata)
+    x = apply_penalties(logits, metadata) if metadata.has_penalties else logits
+    if metadata.banned_rows is not None:
+        ban_tokens(x, metadata)
     return x
 
 

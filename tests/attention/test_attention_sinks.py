@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from pagedllm.attention import bind_kv_caches, set_forward_context
 from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.attention.backends.cpu_backend import CpuAttentionBackend
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
@@ -355,19 +356,20 @@ def test_attention_layer_passes_sinks_and_views_the_sink_query() -> None:
     )
     assert layer.impl.attention_sinks == 5 and layer.impl.sliding_window == 16
     num_tokens = step.query.shape[0]
-    out = layer(
-        step.query.flatten(1),
-        step.key.flatten(1),
-        step.value.flatten(1),
-        step.fresh_caches(),
-        step.md,
-        sink_query=step.sink_query.flatten(1),
-    )
+    bind_kv_caches(layer, [step.fresh_caches()])
+    with set_forward_context(step.md):
+        out = layer(
+            step.query.flatten(1),
+            step.key.flatten(1),
+            step.value.flatten(1),
+            sink_query=step.sink_query.flatten(1),
+        )
     assert out.shape == (num_tokens, num_heads * head_size)
     ref = dense_reference(step, 0.25, 16, 5)
     torch.testing.assert_close(out.view(num_tokens, num_heads, head_size), ref, atol=1e-5, rtol=1e-5)
-    with pytest.raises(ValueError, match="sink_query"):
-        layer(step.query.flatten(1), step.key.flatten(1), step.value.flatten(1), step.fresh_caches(), step.md)
+    bind_kv_caches(layer, [step.fresh_caches()])
+    with set_forward_context(step.md), pytest.raises(ValueError, match="sink_query"):
+        layer(step.query.flatten(1), step.key.flatten(1), step.value.flatten(1))
 
 
 def test_scale_is_applied_once() -> None:

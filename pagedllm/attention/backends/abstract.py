@@ -156,10 +156,8 @@ class AttentionBackend(ABC):
         return rotated_query.view(query.shape), rotated_key.view(key.shape)
 
     def _check_sink_query(self, query: torch.Tensor, sink_query: torch.Tensor | None) -> torch.Tensor | None:
-        """The sink query forward should use: None without sinks (whatever was passed), else
-        ``sink_query`` after checking its shape (host metadata only: no device sync)."""
-        if self.attention_sinks == 0:
-            return None
+        """``sink_query`` after checking its shape (host metadata only: no device sync); forward
+        calls it only with sinks (without, whatever was passed is dropped)."""
         if sink_query is None:
             raise ValueError(f"sink_query is required with attention_sinks={self.attention_sinks}")
         if sink_query.shape != query.shape:

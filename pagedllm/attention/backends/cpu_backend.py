@@ -151,7 +151,7 @@ class CpuAttentionBackend(AttentionBackend):
         sink_query: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        sink_query = self._check_sink_query(query, sink_query)
+        sink_query = self._check_sink_query(query, sink_query) if self.attention_sinks else None
         query, key = self.rotate(positions, query, key)
         key_cache, value_cache = kv_cache
         md = attn_metadata

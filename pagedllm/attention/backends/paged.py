@@ -67,7 +67,7 @@ class PagedAttentionBackend(AttentionBackend):
         sink_query: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        sink_query = self._check_sink_query(query, sink_query)
+        sink_query = self._check_sink_query(query, sink_query) if self.attention_sinks else None
         key_cache, value_cache = kv_cache
         md = attn_metadata
         query = self.write_cache(query, key, value, kv_cache, md.slot_mapping, positions)

@@ -66,7 +66,7 @@ class TritonInvariantAttentionBackend(TritonAttentionBackend):
         sink_query: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        sink_query = self._check_sink_query(query, sink_query)
+        sink_query = self._check_sink_query(query, sink_query) if self.attention_sinks else None
         md = attn_metadata
         query = self.write_cache(query, key, value, kv_cache, md.slot_mapping, positions)
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
