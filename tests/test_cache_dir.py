@@ -52,6 +52,8 @@ def test_an_unwritable_build_directory_is_replaced_by_a_temporary_one(tmp_path: 
     assert f"using {build_dir} for this run" in caplog.text
 
 
+# Slow (~7 s): the embedded model loaded in a fresh process.
+@pytest.mark.slow
 def test_a_gguf_loads_with_an_unwritable_cache(smollm2_gguf: str, smollm2_tokenizer, tmp_path, monkeypatch):
     from pagedllm.engine.arg_utils import EngineArgs
     from pagedllm.tokenizer import get_tokenizer

@@ -106,6 +106,8 @@ def test_cli_generate_and_chat(tmp_path: Path):
     assert "Paris" in result.stdout
 
 
+# Slow (~9 s): CLI processes on the embedded model.
+@pytest.mark.slow
 def test_cli_reports_bad_input_without_a_traceback(tmp_path: Path):
     result = run_cli("generate", "--model", str(tmp_path / "nowhere"), "hi")
     assert result.returncode != 0

@@ -196,6 +196,8 @@ def test_serve_starts_with_an_unwritable_cache_dir(launch_server, tmp_path: Path
     assert server.request("POST", "/v1/completions", body)[0] == 200
 
 
+# Slow (~6 s): a CLI process on the embedded model.
+@pytest.mark.slow
 def test_generate_from_a_prompts_file_shows_a_progress_bar_on_stderr(
     tiny_llama_with_tokenizer: str, tmp_path
 ):

@@ -59,6 +59,9 @@ def test_torch_backend_greedy_equals_hf(case_model: Callable, long_context_case:
         assert stats.num_preemptions_recompute + stats.num_preemptions_swap > 0
 
 
+# Slow (10-15 s a case): the interpreted Triton kernels end to end; the kernels' own tests and the
+# torch backend's HF equality of every case (four conditions, above) run in make test.
+@pytest.mark.slow
 def test_triton_backend_greedy_equals_hf(case_model: Callable, long_context_case: str) -> None:
     model, prompts, expected = case_model(long_context_case)
     # Chunks of 48 tokens, the second prompt's prefix cached, blocks of 8: every windowed path.
