@@ -100,6 +100,8 @@ def test_n_best_of_seeded_and_beam_search(model_dir):
     assert summary(sync_out) == summary(async_out)
 
 
+# Slow (~11 s): grammars compiled and matched for every request, synchronous and asynchronous.
+@pytest.mark.slow
 def test_grammars_and_bad_words_change_nothing_and_need_no_wait(model_dir):
     """The worker keeps the output history a grammar or bad words read from its own samples: the
     engine does not wait for the host between their steps, and the outputs are the synchronous

@@ -16,6 +16,10 @@ from pagedllm import LLM, SamplingParams
 MAX_TOKENS = 12
 
 
+# Slow (~25 s): a server with two rank processes, and one killed.
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def server(launch_server, tiny_server_args):
     return launch_server([*tiny_server_args, "--tensor-parallel-size", "2"])
