@@ -60,9 +60,7 @@ def _run_rank(rank: int, world_size: int, port: int, results: dict) -> None:
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    init_distributed_environment(
-        world_size, rank, f"tcp://127.0.0.1:{port}", device, custom_all_reduce=False
-    )
+    init_distributed_environment(world_size, rank, f"tcp://127.0.0.1:{port}", device, custom_all_reduce=False)
     one_shot = SymmMemAllReduce(dist.group.WORLD, device, max_bytes=max(SIZES_BYTES))
     rows = []
     for nbytes in SIZES_BYTES:

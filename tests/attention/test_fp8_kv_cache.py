@@ -120,9 +120,7 @@ def test_fp8_cache_is_close_to_the_unquantized_one() -> None:
     num_heads, num_kv_heads, head_size, block_size = 2, 1, 32, 8
     md, _, num_blocks = _metadata([0], [20], 0, block_size)
     gen = torch.Generator().manual_seed(2)
-    q, k, v = (
-        torch.randn(20, h, head_size, generator=gen) for h in (num_heads, num_kv_heads, num_kv_heads)
-    )
+    q, k, v = (torch.randn(20, h, head_size, generator=gen) for h in (num_heads, num_kv_heads, num_kv_heads))
     backend = TorchAttentionBackend(num_heads, head_size, head_size**-0.5, num_kv_heads)
     shape = (num_blocks, block_size, num_kv_heads, head_size)
     fp8_caches = tuple(torch.zeros(shape, dtype=torch.float8_e4m3fn) for _ in range(2))
