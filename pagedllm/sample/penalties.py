@@ -38,3 +38,16 @@ def ban_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
     """Rows under min_tokens cannot pick EOS or a stop token (in place)."""
     if metadata.banned_rows is not None:
         logits[metadata.banned_rows, metadata.banned_token_ids] = float("-inf")
+
+
+def penalised(logits: torch.Tensor, metadata: SamplingMetadata, copy: bool) -> torch.Tensor:
+    """The logits with the rows' penalties and min_tokens bans applied: ``logits`` itself when
+    neither applies. Without ``copy`` the bans may be written into ``logits`` (when no row has a
+    penalty); with it ``logits`` is never written (the caller reads it after). Each part is skipped
+    when no row has it: this runs once per step."""
+    x = apply_penalties(logits, metadata) if metadata.has_penalties else logits
+    if metadata.banned_rows is not None:
+        if copy and x is logits:
+            x = logits.clone()
+        ban_tokens(x, metadata)
+    return x

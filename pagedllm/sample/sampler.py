@@ -29,7 +29,7 @@ from pagedllm.kernels.cpu.build import available as cpu_kernels_available
 from pagedllm.kernels.cpu.ops import argmax_logsumexp
 from pagedllm.platform import platform_for
 from pagedllm.sample.metadata import SamplingMetadata
-from pagedllm.sample.penalties import apply_penalties, ban_tokens
+from pagedllm.sample.penalties import penalised
 from pagedllm.structured_output.bitmask import token_bitmask_applier
 
 
@@ -108,10 +108,8 @@ class Sampler(nn.Module):
         if token_bitmask is not None and metadata.truncates:
             self._apply_token_bitmask(logits, token_bitmask)
             token_bitmask = None
-        x = apply_penalties(logits, metadata)
-        if x is logits and metadata.banned_rows is not None:
-            x = logits.clone()  # the bans must not reach the logits the logprobs come from
-        ban_tokens(x, metadata)
+        # The bans must not reach the logits the logprobs come from.
+        x = penalised(logits, metadata, copy=True)
         noise = inv_temperature = None
         if not metadata.all_greedy:
             x, inv_temperature = _truncate(x, metadata)
@@ -130,7 +128,7 @@ class Sampler(nn.Module):
             self._apply_token_bitmask(logits, token_bitmask)
         # Read before the bans below, which may write into the logits.
         row_max, logsumexp = argmax_logsumexp(logits)
-        x = _penalised(logits, metadata)
+        x = penalised(logits, metadata, copy=False)
         if metadata.all_greedy and x is logits and metadata.banned_rows is None:
             token_ids = row_max  # greedy over the logits as they came
         else:
@@ -145,7 +143,7 @@ class Sampler(nn.Module):
         if token_bitmask is not None:
             self._apply_token_bitmask(logits, token_bitmask)
         logprobs = torch.log_softmax(logits, dim=-1)
-        token_ids = self._draw(_penalised(logits, metadata), metadata)
+        token_ids = self._draw(penalised(logits, metadata, copy=False), metadata)
         chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
         output = SamplerOutput(token_ids=token_ids, logprobs=chosen)
         if metadata.max_num_top_tokens:
@@ -163,21 +161,12 @@ def sampling_distribution(
     int64, and the probabilities sampled rows draw from, [num_rows, vocab] float32, or None when
     every row is greedy. Penalties, min_tokens bans, temperature, top-k, top-p and min-p as the
     sampler applies them; ``logits`` may be edited in place (bans), as the sampler may."""
-    x = _penalised(logits, metadata)
+    x = penalised(logits, metadata, copy=False)
     argmax = x.argmax(dim=-1)
     if metadata.all_greedy:
         return argmax, None
     x, inv_temperature = _truncate(x, metadata)
     return argmax, torch.softmax(x * inv_temperature[:, None], dim=-1)
-
-
-def _penalised(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """What is sampled from: the logits with penalties, and min_tokens bans written in place (into
-    the logits themselves when no row has a penalty: read what the logprobs need first)."""
-    x = apply_penalties(logits, metadata) if metadata.has_penalties else logits
-    if metadata.banned_rows is not None:
-        ban_tokens(x, metadata)
-    return x
 
 
 def _draw_by_race(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -201,10 +190,7 @@ def _beam_scores(logprobs: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     penalties and min_tokens bans applied (HF's beam search applies its processors to them)."""
     if metadata.beam is None:
         return logprobs
-    scores = apply_penalties(logprobs, metadata)
-    if scores is logprobs:
-        scores = logprobs.clone()
-    ban_tokens(scores, metadata)
+    scores = penalised(logprobs, metadata, copy=True)
     return torch.where(metadata.beam[:, None], scores, logprobs)
 
 

@@ -81,6 +81,19 @@ def token_ids(outputs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
 
+# A cache of 24 blocks of 4 tokens (fewer than 6 of the mixed requests need at once), prefix
+# caching, and 16-token steps that cut prompts: preemption, cache hits and chunks in one engine.
+TIGHT = dict(
+    block_size=4,
+    num_kv_blocks=24,
+    max_model_len=96,
+    enable_prefix_caching=True,
+    enable_chunked_prefill=True,
+    max_num_batched_tokens=16,
+    max_num_seqs=6,
+)
+
+
 def make_llm(model_config, **kwargs) -> LLM:
     return LLM(model_config.model, device="cpu", **kwargs)
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from test_spec_decode import (
     SAMPLED_CASES,
+    TIGHT,
     assert_all_blocks_free,
     exact_joint,
     make_llm,
@@ -98,16 +99,9 @@ def test_the_target_as_its_own_draft_is_always_accepted_through_preemption_prefi
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     plain = make_llm(model_config, block_size=4)
     expected = token_ids(plain.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False))
-    # 24 blocks of 4 tokens: less than 6 requests need at once; 16-token steps cut prompts.
     tight = make_llm(
         model_config,
-        block_size=4,
-        num_kv_blocks=24,
-        max_model_len=96,
-        enable_prefix_caching=True,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=16,
-        max_num_seqs=6,
+        **TIGHT,
         speculative_config=draft_config(drafts["self"]),
     )
     for _ in range(2):  # the second run finds the first one's blocks in the prefix cache

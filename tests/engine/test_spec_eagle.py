@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 from test_spec_decode import (
     SAMPLED_CASES,
+    TIGHT,
     assert_all_blocks_free,
     exact_joint,
     make_llm,
@@ -287,13 +288,7 @@ def test_an_eagle_head_changes_no_output_under_preemption_prefix_caching_and_chu
     expected = token_ids(plain.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False))
     tight = make_llm(
         model_config,
-        block_size=4,
-        num_kv_blocks=24,
-        max_model_len=96,
-        enable_prefix_caching=True,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=16,
-        max_num_seqs=6,
+        **TIGHT,
         speculative_config=spec,
     )
     for _ in range(2):  # the second run finds the first one's blocks in the prefix cache
@@ -425,13 +420,7 @@ def test_a_head_that_knows_the_target_is_always_accepted(make_tiny_model, tmp_pa
     expected = token_ids(plain.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False))
     tight = make_llm(
         model_config,
-        block_size=4,
-        num_kv_blocks=24,
-        max_model_len=96,
-        enable_prefix_caching=True,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=16,
-        max_num_seqs=6,
+        **TIGHT,
         speculative_config=spec,
     )
     for _ in range(2):
