@@ -143,7 +143,8 @@ def sweep_skinny(name: str) -> list[dict[str, Any]]:
     }
     rows = []
     for fmt, (weight_bytes, product) in products.items():
-        for block_n, block_k, warps, stages in itertools.product((16, 32), (128, 256, 512), (4, 8), (3, 5)):
+        alternatives = itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5))
+        for block_n, block_k, warps, stages in alternatives:
             launch = {"block_n": block_n, "block_k": block_k, "num_warps": warps, "num_stages": stages}
             ms = _median_ms(lambda p=product, launch=launch: p(launch))
             rows.append({"shape": name, "format": fmt, "launch": launch, "ms": ms,

@@ -17,10 +17,10 @@ in their own dtype (W8A16 numerics: no activation rounding, so at least as accur
     out = acc (* the row's scale, where one group spans K)
 
 Grid: ``(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M))``; a program streams BLOCK_N weight rows over all of
-K, software-pipelined (``num_stages``). What keeps the HBM busy is the bytes in flight: BLOCK_N
-is 16 (the tensor-core minimum) so that an 8B layer's N >= 4096 gives >= 256 programs, and a
-tile is 16 x 256 bytes of FP8 (16 x 512 inputs of 4-bit: groups of 128 sit inside a tile, their
-scales applied to the weights, not the accumulator, so the tile is not cut to a group). No
+K, software-pipelined (``num_stages``). What keeps the HBM busy is the bytes in flight: FP8 tiles
+are 32 rows of 128-512 bytes (an 8B layer's N >= 4096 gives >= 128 programs); 4-bit tiles 16 or
+32 rows of 128-256 inputs (groups of 128 sit inside a tile, their scales applied to the weights,
+not the accumulator, so the tile is not cut to a group). No
 split-K: it would need a zeroed fp32 output and a cast (two more launches per layer, more than
 the tail it saves at these N); shards of N < 2048 (TP >= 4) would want it.
 
@@ -31,8 +31,7 @@ zeros [N, K / group] in x's dtype; scale [cdiv(N, SCALE_ROWS), cdiv(K, group)]: 
 or W4A16 groups (SCALE_ROWS 1; a power of two from 8).
 
 Bytes: ``N K`` (FP8) or ``N K / 2`` (4-bit) of weights plus the scales (and zeros); FLOPs ``2 M N
-K``. Launch parameters are first choices, not tuned on a device: ``pagedllm bench quant --sweep``
-times the alternatives.
+K``. Launch parameters: ``default_launch``, from ``pagedllm bench quant --sweep`` on an H100.
 """
 
 from __future__ import annotations
@@ -105,11 +104,22 @@ def _skinny_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-# First choices, not tuned on a device (``pagedllm bench quant --sweep`` times the alternatives).
-# A 4-bit tile of BLOCK_K inputs is half the bytes of an FP8 one: twice the inputs per tile keep
-# as many bytes in flight.
-DEFAULT_LAUNCH = {"block_n": 16, "block_k": 256, "num_warps": 4, "num_stages": 4}
-DEFAULT_LAUNCH_INT4 = DEFAULT_LAUNCH | {"block_k": 512}
+# Launches chosen from ``pagedllm bench quant --sweep`` at one token on an H100 (2026-11-27: 24
+# launches at each of Llama-3.1-8B's four layer shapes; the rule picks the fastest at all four, or
+# within 2%). FP8: 32 rows a program everywhere (16 left the HBM idle: 1.1-1.6x slower); a grid of
+# >= 512 programs (gate_up) wants short K tiles, which keep more programs resident, and a long K
+# (down, 14,336) a deeper pipeline. 4-bit: its dequantizing arithmetic, not HBM, bounds it: 16 rows
+# and 256 inputs a tile, except for very wide N, where 32 x 128 wins.
+_LAUNCH = {"num_warps": 4, "num_stages": 3}
+
+
+def default_launch(n: int, k: int, int4: bool) -> dict[str, int]:
+    """The launch parameters for an [N, K] weight (module doc's rule; ``launch=`` overrides)."""
+    if int4:
+        wide = triton.cdiv(n, 16) >= 1024
+        return _LAUNCH | ({"block_n": 32, "block_k": 128} if wide else {"block_n": 16, "block_k": 256})
+    block_k = 128 if triton.cdiv(n, 32) >= 512 else 512
+    return _LAUNCH | {"block_n": 32, "block_k": block_k, "num_stages": 5 if k >= 8192 else 3}
 
 
 def group_in_tile(group_k: int, k: int, block_k: int) -> tuple[int, int] | None:
@@ -136,11 +146,11 @@ def skinny_gemm(
 
     ``weight``: e4m3 [N, K], or int32 [N, K / 8] packed nibbles (then ``zeros`` is required);
     ``scale``: [cdiv(N, scale_rows), cdiv(K, group_k)] (the module doc's layouts); ``launch``
-    overrides entries of ``DEFAULT_LAUNCH``."""
+    overrides entries of ``default_launch``'s choice."""
     m, k = x.shape
     int4 = weight.dtype == torch.int32
     n = weight.shape[0]
-    launch = (DEFAULT_LAUNCH_INT4 if int4 else DEFAULT_LAUNCH) | (launch or {})
+    launch = default_launch(n, k, int4) | (launch or {})
     if int4:
         assert zeros is not None and zeros.shape == scale.shape and zeros.stride() == scale.stride()
         assert weight.shape[1] * 8 == k, f"packed weight {tuple(weight.shape)} for K {k}"
