@@ -73,6 +73,7 @@ class LoRAModelManager:
         self.wrappers: list[LinearWithLoRA] = []
         for name, (layer, base) in targets.items():
             self._wrap(model, name, layer, base, packed)
+        self.batch.warm_up((w.lora_a, w.lora_b, w.slice_starts) for w in self.wrappers)
         self.loader = AdapterLoader(hf_config, lora_config)
         # Adapter id -> slot, least recently used first.
         self._slot_of: OrderedDict[int, int] = OrderedDict()

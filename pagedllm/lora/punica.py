@@ -39,6 +39,7 @@ kernels, one of two per step by the step's shape (``set_token_slots``):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -108,10 +109,11 @@ class LoRABatch:
             # Imported here: the triton package is needed on CUDA only.
             from pagedllm.kernels.triton import lora, lora_sgmv
 
-            self._bgmv, self._sgmv, self._plan = (
+            self._bgmv, self._sgmv, self._plan, self._warm_up_sgmv = (
                 lora.lora_shrink_expand,
                 lora_sgmv.lora_sgmv_shrink_expand,
                 lora_sgmv.plan_segments,
+                lora_sgmv.warm_up,
             )
             self.apply = self._apply_kernels
             return
@@ -140,6 +142,21 @@ class LoRABatch:
             selected = slots[:, None] == self._column_slots[None, :]  # [T, S * R]
             for num_slices, mask in self._masks.items():
                 mask[:num_tokens].copy_(selected.repeat(1, num_slices))
+
+    def warm_up(self, projections: Iterable[tuple[torch.Tensor, torch.Tensor, tuple[int, int]]]) -> None:
+        """With kernels: compile SGMV's variants for each distinct projection (``(lora_a, lora_b,
+        slice_starts)`` of every wrapped projection) before the first step. The engine's own
+        warm-up (the profile run) has no adapter, so SGMV launches nothing there, and each variant
+        would otherwise compile inside the first prefill step that needs it. BGMV's variants
+        compile when the decode CUDA graphs are captured."""
+        if not self.use_kernels:
+            return
+        seen = set()
+        for lora_a, lora_b, starts in projections:
+            key = (lora_a.shape, lora_a.stride(), lora_b.shape, lora_b.stride(), lora_a.dtype, starts)
+            if key not in seen:
+                seen.add(key)
+                self._warm_up_sgmv(lora_a, lora_b, self.num_slots, self.max_rank, starts)
 
     def mask(self, num_slices: int, num_tokens: int) -> torch.Tensor:
         """[num_tokens, num_slices * S * R] in the run dtype (the masked product's)."""

@@ -4,8 +4,11 @@ segments a step is grouped into. On the CPU the kernels run under TRITON_INTERPR
 
 Shapes cover what the grouping can get wrong: ranks 4, 8 and 16 in slots sized for 16, one to
 three slices (an unfused projection, gate/up, q/k/v with a slice boundary inside an output
-tile), tokens without adapter, a segment of one token, one longer than BLOCK_M (64), an empty
-segment, and a step with no adapter at all. float32 here (bf16 on CUDA)."""
+tile), tokens without adapter, a segment of one token, one longer than BLOCK_M, an empty
+segment, and a step with no adapter at all, at both tile heights. float32 here (bf16 on CUDA).
+And what keeps Triton's compiles out of the steps: the plan's arrays 16-byte aligned, and the
+warm-up launching every variant that steps of any size launch (compile keys recorded as Triton
+makes them, nothing run)."""
 
 from __future__ import annotations
 
@@ -56,7 +59,7 @@ def dense_reference(y, x, adapters, slice_sizes, token_slots):
     return expected
 
 
-def run_sgmv(slice_sizes, ranks, token_slots, dtype, seed=0):
+def run_sgmv(slice_sizes, ranks, token_slots, dtype, seed=0, block_m=None):
     generator = torch.Generator().manual_seed(seed)
     adapters = random_adapters(ranks, slice_sizes, generator)
     lora_a, lora_b = stack(adapters, slice_sizes, dtype)
@@ -66,7 +69,7 @@ def run_sgmv(slice_sizes, ranks, token_slots, dtype, seed=0):
     starts = [sum(slice_sizes[: i + 1]) for i in range(len(slice_sizes) - 1)]
     starts += [sum(slice_sizes)] * (2 - len(starts))
     got = y.clone()
-    plan = plan_segments(token_slots, len(ranks), DEVICE)
+    plan = plan_segments(token_slots, len(ranks), DEVICE, block_m)
     lora_sgmv_shrink_expand(got, x, lora_a, lora_b, plan, len(ranks), MAX_RANK, tuple(starts))
     return got, y, expected
 
@@ -78,20 +81,22 @@ def mixed_slots(rng):
     return rng.permutation(slots)
 
 
+@pytest.mark.parametrize("block_m", [None, 64], ids=["auto", "tiles-of-64"])
 @pytest.mark.parametrize(
     ("slice_sizes", "dtype"),
     [
         ((24,), torch.float32),
         ((40, 24), torch.float32),
-        ((80, 24, 24), torch.float32),  # q/k boundary at 80, inside the second 64-wide tile
+        ((80, 24, 24), torch.float32),  # three slices in one 128-wide output tile
+        ((136, 24, 24), torch.float32),  # both boundaries inside the second output tile
         # The interpreter's bf16 tl.dot is wrong (Triton 3.9): bf16 runs on CUDA only, here and in
         # tests/gpu/test_lora_gpu.py at model sizes.
         *([((80, 24, 24), torch.bfloat16)] if torch.cuda.is_available() else []),
     ],
 )
-def test_sgmv_equals_each_adapters_dense_product(slice_sizes, dtype):
+def test_sgmv_equals_each_adapters_dense_product(slice_sizes, dtype, block_m):
     token_slots = mixed_slots(np.random.default_rng(len(slice_sizes)))
-    got, y, expected = run_sgmv(slice_sizes, [16, 4, 8, 8], token_slots, dtype)
+    got, y, expected = run_sgmv(slice_sizes, [16, 4, 8, 8], token_slots, dtype, block_m=block_m)
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(got.float().cpu(), expected, rtol=tolerance, atol=tolerance * 10)
     untouched = torch.from_numpy(token_slots == NO_SLOT)
@@ -147,3 +152,79 @@ def test_lora_batch_picks_sgmv_for_prefill_and_bgmv_for_decode():
         batch.apply(y, x, lora_a, lora_b, 1, (24, 24))
         outputs.append(y)
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 5, 70, 130, 1001])
+def test_plan_arrays_start_on_16_byte_boundaries(num_tokens):
+    """Triton specialises on each pointer's 16-byte alignment: a plan array at an offset that
+    varied with the token count would compile new kernel variants mid-run."""
+    rng = np.random.default_rng(num_tokens)
+    token_slots = rng.integers(NO_SLOT, 3, num_tokens)
+    plan = plan_segments(token_slots, num_slots=3, device=torch.device("cpu"))
+    arrays = (plan.sorted_tokens, plan.seg_start, plan.seg_len, plan.tile_slot, plan.tile_m0)
+    assert all(a.data_ptr() % 16 == 0 for a in arrays)
+    assert plan.sorted_tokens.tolist() == np.argsort(token_slots, kind="stable").tolist()
+    assert plan.seg_len.tolist() == [int((token_slots == s).sum()) for s in range(3)]
+
+
+class RecordedKernel:
+    """Stands in for a Triton kernel: records each launch's compile key, as Triton's own binder
+    makes it (constexprs, argument types, and the specialisation of integers (== 1, multiple of
+    16) and pointers (16-byte aligned)), and runs nothing."""
+
+    def __init__(self, kernel):
+        from triton.backends.compiler import BaseBackend
+        from triton.runtime.jit import JITFunction, create_function_from_signature
+
+        jit = JITFunction(getattr(kernel, "fn", kernel))  # interpreted or compiled
+        self.binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
+        self.keys = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            _, specialization, options = self.binder(*args, **kwargs)
+            self.keys.append((repr(specialization), tuple(sorted(options.items()))))
+
+        return launch
+
+
+def test_warm_up_compiles_every_variant_a_prefill_step_launches(monkeypatch):
+    from pagedllm.kernels.triton import lora_sgmv
+
+    kernels = {
+        name: RecordedKernel(getattr(lora_sgmv, name))
+        for name in ("_sgmv_shrink_kernel", "_sgmv_expand_kernel")
+    }
+    for name, recorder in kernels.items():
+        monkeypatch.setattr(lora_sgmv, name, recorder)
+    num_slots, generator = 8, torch.Generator().manual_seed(0)
+    # (slice sizes, in): q/k/v, gate/up, o, down as in a small model, each slot buffer as the
+    # LoRA layers allocate it.
+    projections = []
+    for sizes, in_features in (((48, 16, 16), 32), ((64, 64), 32), ((32,), 48), ((32,), 64)):
+        n = len(sizes)
+        lora_a = torch.randn(n * num_slots * MAX_RANK, in_features, generator=generator)
+        lora_b = torch.randn(sum(sizes), n * num_slots * MAX_RANK, generator=generator)
+        starts = tuple(([sum(sizes[: i + 1]) for i in range(n - 1)] + [sum(sizes)] * 2)[:2])
+        projections.append((lora_a, lora_b, starts))
+    batch = LoRABatch(
+        num_slots, MAX_RANK, 20000, {1, 2, 3}, torch.float32, torch.device("cpu"), use_kernels=True
+    )
+    batch.warm_up(projections + projections)  # each distinct projection once
+    warmed = {name: set(k.keys) for name, k in kernels.items()}
+    # Per kernel: a launch per distinct projection and tile height (projections Triton
+    # specialises alike share a variant).
+    assert all(len(k.keys) == len(projections) * len(lora_sgmv.BLOCK_MS) for k in kernels.values())
+    rng = np.random.default_rng(0)
+    block_ms = set()
+    for num_tokens in (1, 2, 7, 61, 333, 4097, 16383, 16384 + 13, 19999):
+        token_slots = rng.integers(NO_SLOT, num_slots, num_tokens)
+        batch.set_token_slots(token_slots, has_prefill=True)
+        block_ms.add(batch._segments.block_m)
+        for lora_a, lora_b, starts in projections:
+            x = torch.zeros(num_tokens, lora_a.shape[1])
+            y = torch.zeros(num_tokens, lora_b.shape[0])
+            batch.apply(y, x, lora_a, lora_b, lora_a.shape[0] // (num_slots * MAX_RANK), starts)
+    assert block_ms == set(lora_sgmv.BLOCK_MS)  # the steps reached every tile height
+    for name, recorder in kernels.items():
+        assert set(recorder.keys) <= warmed[name], f"{name} compiled a variant inside a step"

@@ -15,13 +15,20 @@ segment is cut into tiles of ``BLOCK_M`` tokens, tile j being ``BLOCK_M`` rows f
 of slot ``tile_slot[j]``'s segment. The grids run over the tiles only: an empty segment has none,
 and a long one does not make the short ones launch idle programs.
 
-Grids (BLOCK_M 64, or 32 or 16 when 64 would give the shrink too few programs: ``_block_m``):
+Grids (BLOCK_M 64, or 16 when 64 would give the shrink too few programs: ``_block_m``):
   shrink ``(num_tiles,)``: a program gathers its tile's x rows and accumulates ``[BLOCK_M, n*R]``
   over ``in`` in ``BLOCK_K`` chunks against its slot's A rows of all n slices at once (x read
   once for a fused projection); h is scattered back in token order.
-  expand ``(num_tiles, cdiv(out, BLOCK_O))``: a program takes its tile's tokens and ``BLOCK_O``
-  outputs; for each slice whose rows meet the tile, ``[BLOCK_M, R] @ [R, BLOCK_O]``; it adds the
-  sum to y (read, add, write).
+  expand ``(num_tiles, cdiv(out, BLOCK_O))``, BLOCK_O 128: a program takes its tile's tokens and
+  ``BLOCK_O`` outputs; for each slice whose rows meet the tile, ``[BLOCK_M, R] @ [R, BLOCK_O]``;
+  it adds the sum to y (read, add, write).
+
+Compiled variants: Triton compiles a kernel once per set of constexprs (BLOCK_M; per projection
+RANK, NUM_COLS, NUM_SLICES) and per specialisation of its other arguments (an integer equal to 1
+or a multiple of 16, a pointer 16-byte aligned or not). The projection's sizes and strides are
+fixed, the plan's arrays start on 16-byte boundaries whatever the step's size, so what varies
+from step to step is BLOCK_M alone: two tile heights (``BLOCK_MS``), whose variants ``warm_up``
+compiles for each projection when the engine starts, not in the middle of a timed step.
 
 Bytes and FLOPs per step (T tokens in g segments, n slices): FLOPs ``2*T*R*(n*in + out)``, as
 BGMV; weight bytes ``sum over segments of ceil(len/BLOCK_M) * (n*R*in + R*out)`` elements against
@@ -165,15 +172,24 @@ def _sgmv_expand_kernel(
 
 # Shrink programs a launch aims for (a few per SM of an H100's 132); BLOCK_M shrinks to get them.
 TARGET_PROGRAMS = 256
+# The tile heights a plan may choose, largest first. Each is a compiled variant of both kernels
+# for every projection shape, so there are two, not one per power of two: ``warm_up`` compiles
+# them all when the engine starts.
+BLOCK_MS = (64, 16)
+# The plan's arrays start on 16-byte boundaries: Triton specialises a kernel on whether each
+# pointer argument is 16-byte aligned, so an array starting at an offset that varied with the
+# step's token count would compile a new variant of both kernels in the middle of a step.
+_ALIGN = 16 // 4  # int32 elements
+# Outputs per expand program: each program re-reads its tile's h, so wider tiles read it less
+# often (a 4096-token gate/up expand of Qwen3-0.6B: 48 programs per tile instead of 96).
+EXPAND_BLOCK_O = 128
 
 
 def _block_m(seg_len: np.ndarray) -> int:
     """Tokens per tile: 64 (weights read least often) unless that leaves the shrink, which walks
-    all of ``in`` per program, too few programs to fill the GPU; then 32 or 16 (tl.dot's least)."""
-    for block_m in (64, 32):
-        if (-(-seg_len // block_m)).sum() >= TARGET_PROGRAMS:
-            return block_m
-    return 16
+    all of ``in`` per program, too few programs to fill the GPU; then 16 (tl.dot's least)."""
+    big, small = BLOCK_MS
+    return big if (-(-seg_len // big)).sum() >= TARGET_PROGRAMS else small
 
 
 @dataclass
@@ -196,24 +212,32 @@ class SegmentPlan:
         return self.tile_slot.shape[0]
 
 
-def plan_segments(token_slots: np.ndarray, num_slots: int, device: torch.device) -> SegmentPlan:
+def plan_segments(
+    token_slots: np.ndarray, num_slots: int, device: torch.device, block_m: int | None = None
+) -> SegmentPlan:
     """token_slots: [T] each token's slot or -1 -> its segments and tiles, in one host-to-device
-    copy."""
+    copy. block_m: the tile height (default: ``_block_m``'s choice)."""
     token_slots = np.asarray(token_slots, dtype=np.int64)
     order = np.argsort(token_slots, kind="stable")  # -1 first, then slot 0, 1, ...
     seg_len = np.bincount(token_slots[token_slots >= 0], minlength=num_slots)
     seg_start = (token_slots < 0).sum() + np.concatenate(([0], np.cumsum(seg_len)[:-1]))
-    block_m = _block_m(seg_len)
+    if block_m is None:
+        block_m = _block_m(seg_len)
     tiles = -(-seg_len // block_m)  # [S] tiles per segment
     tile_slot = np.repeat(np.arange(num_slots), tiles)
     # A tile's index within its segment, times BLOCK_M.
     tile_m0 = (np.arange(len(tile_slot)) - np.repeat(np.cumsum(tiles) - tiles, tiles)) * block_m
     parts = (order, seg_start, seg_len, tile_slot, tile_m0)
-    packed = torch.from_numpy(np.concatenate(parts).astype(np.int32))
+    # Each part from a 16-byte boundary (_ALIGN elements), the gaps unread.
+    starts = np.cumsum([0] + [-(-len(p) // _ALIGN) * _ALIGN for p in parts])
+    packed_host = np.zeros(starts[-1], dtype=np.int32)
+    for part, start in zip(parts, starts):
+        packed_host[start : start + len(part)] = part
+    packed = torch.from_numpy(packed_host)
     if device.type != "cpu":
         # Pinned, asynchronous: a pageable copy would wait for the device to drain.
         packed = packed.pin_memory().to(device, non_blocking=True)
-    views = torch.split(packed, [len(p) for p in parts])
+    views = [packed[start : start + len(part)] for part, start in zip(parts, starts)]
     return SegmentPlan(*views, block_m=block_m)
 
 
@@ -249,10 +273,23 @@ def lora_sgmv_shrink_expand(
         BLOCK_N=max(16, triton.next_power_of_2(num_cols)), BLOCK_K=64, PRECISION=precision,
         **pdl_options(x.device),
     )  # fmt: skip
-    block_o = 64
-    _sgmv_expand_kernel[(plan.num_tiles, triton.cdiv(out_features, block_o))](
+    _sgmv_expand_kernel[(plan.num_tiles, triton.cdiv(out_features, EXPAND_BLOCK_O))](
         y, h, lora_b, *tiles, out_features, num_slots, slice_starts[0], slice_starts[1],
         y.stride(0), h.stride(0), lora_b.stride(0),
         RANK=rank, NUM_SLICES=num_slices, BLOCK_M=plan.block_m, BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        BLOCK_O=block_o, PRECISION=precision, **pdl_options(x.device),
+        BLOCK_O=EXPAND_BLOCK_O, PRECISION=precision, **pdl_options(x.device),
     )  # fmt: skip
+
+
+def warm_up(
+    lora_a: torch.Tensor, lora_b: torch.Tensor, num_slots: int, rank: int, slice_starts: tuple[int, int]
+) -> None:
+    """Compile every variant of both kernels a step can launch on this projection: one launch of
+    one token per tile height (``BLOCK_MS``), on the projection's own slot buffers (whose shapes
+    and strides are among what Triton specialises on) and scratch rows of x and y. Without it,
+    each variant compiles (about a second) inside the first step that needs it."""
+    x = torch.zeros(1, lora_a.shape[1], dtype=lora_a.dtype, device=lora_a.device)
+    y = torch.zeros(1, lora_b.shape[0], dtype=lora_a.dtype, device=lora_a.device)
+    for block_m in BLOCK_MS:
+        plan = plan_segments(np.zeros(1, dtype=np.int64), num_slots, lora_a.device, block_m)
+        lora_sgmv_shrink_expand(y, x, lora_a, lora_b, plan, num_slots, rank, slice_starts)
