@@ -147,8 +147,11 @@ def test_two_gpus_with_adapters_give_the_greedy_tokens_of_one(
 
 def test_bench_lora_runs():
     args = argparse.Namespace(
-        num_tokens=[1, 64], num_slots=4, rank=8, shapes=["qwen3-0.6b"], output_json=None
+        num_tokens=[1, 64], num_slots=4, rank=8, shapes=["qwen3-0.6b"], prefill_tokens=256, output_json=None
     )
     report = bench_lora.main(args)
     assert [row["num_tokens"] for row in report["rows"]] == [1, 64]
     assert all(row["bgmv_ms"] > 0 and row["sgmv_ms"] > 0 and row["torch_ms"] > 0 for row in report["rows"])
+    prefill = report["prefill_rows"]
+    assert [row["projection"] for row in prefill] == ["qkv", "o", "gate_up", "down"]
+    assert all(row["sgmv_first_ms"] > 0 and row["sgmv_ms"] > 0 and row["bgmv_ms"] > 0 for row in prefill)
