@@ -134,12 +134,15 @@ class LoRABatch:
         self._segments = None
         slots = torch.from_numpy(np.ascontiguousarray(token_slots, dtype=np.int64))
         if self.device.type != "cpu":
-            # Pinned, asynchronous: a pageable copy would wait for the device to drain.
-            slots = slots.pin_memory().to(self.device, non_blocking=True)
+            # Pinned: one asynchronous copy straight into the buffer (a pageable copy would wait
+            # for the device to drain; the caching host allocator keeps the staging tensor until
+            # its copy has run).
+            slots = slots.pin_memory()
         num_tokens = len(token_slots)
-        self._token_slots[:num_tokens].copy_(slots)
+        token_slots_now = self._token_slots[:num_tokens]
+        token_slots_now.copy_(slots, non_blocking=True)
         if self._masks:
-            selected = slots[:, None] == self._column_slots[None, :]  # [T, S * R]
+            selected = token_slots_now[:, None] == self._column_slots[None, :]  # [T, S * R]
             for num_slices, mask in self._masks.items():
                 mask[:num_tokens].copy_(selected.repeat(1, num_slices))
 
