@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 
 # The slot of a token that runs without an adapter (vLLM's punica convention).
 NO_SLOT = -1
+# Tokens from which a decode step runs SGMV rather than BGMV: below, a step's tokens are too few
+# to share an adapter's weights, and BGMV's per-token programs spread the work wider.
+SGMV_DECODE_MIN_TOKENS = 16
 
 
 def add_lora(
@@ -102,19 +105,21 @@ class LoRABatch:
             use_kernels = device.type == "cuda"
         self._masks: dict[int, torch.Tensor] = {}
         self._token_slots = torch.full((max_num_tokens,), NO_SLOT, dtype=torch.int64, device=device)
-        # The step's segments by slot when it runs SGMV; None: BGMV (decode-only steps).
-        self._segments: SegmentPlan | None = None
         self.use_kernels = use_kernels
         if use_kernels:
             # Imported here: the triton package is needed on CUDA only.
             from pagedllm.kernels.triton import lora, lora_sgmv
 
-            self._bgmv, self._sgmv, self._plan, self._warm_up_sgmv = (
+            self._bgmv, self._sgmv, self._warm_up_sgmv = (
                 lora.lora_shrink_expand,
                 lora_sgmv.lora_sgmv_shrink_expand,
-                lora_sgmv.plan_segments,
                 lora_sgmv.warm_up,
             )
+            self._segment_buffer = lora_sgmv.SegmentBuffer(max_num_tokens, num_slots, device)
+            self._decode_block_m = min(lora_sgmv.BLOCK_MS)
+            # The step's segments (SGMV's), at the buffer's fixed addresses; until a step sets
+            # its own, none (what a CUDA graph is captured over).
+            self._segments: SegmentPlan = self._plan_decode(np.empty(0, dtype=np.int64))
             self.apply = self._apply_kernels
             return
         width = num_slots * max_rank
@@ -127,11 +132,17 @@ class LoRABatch:
 
     def set_token_slots(self, token_slots: np.ndarray, has_prefill: bool = False) -> None:
         """token_slots: [num_tokens] int64, each token's slot or NO_SLOT; has_prefill: a request
-        of the step computes more than one token (the kernels then run SGMV, else BGMV)."""
+        of the step computes more than one token.
+
+        With kernels, a step with a prefill runs SGMV over exactly its tiles, of the height its
+        segments call for; a decode-only step (a CUDA graph's among them) runs SGMV over a grid
+        that depends on its token count only (a graph captured at that count replays any step's
+        segments), or, below ``SGMV_DECODE_MIN_TOKENS`` tokens, BGMV over the token slots."""
         if self.use_kernels and has_prefill:
-            self._segments = self._plan(token_slots, self.num_slots, self.device)
+            self._segments = self._segment_buffer.plan(token_slots)
             return
-        self._segments = None
+        if self.use_kernels:
+            self._segments = self._plan_decode(token_slots)
         slots = torch.from_numpy(np.ascontiguousarray(token_slots, dtype=np.int64))
         if self.device.type != "cpu":
             # Pinned: one asynchronous copy straight into the buffer (a pageable copy would wait
@@ -145,6 +156,9 @@ class LoRABatch:
             selected = token_slots_now[:, None] == self._column_slots[None, :]  # [T, S * R]
             for num_slices, mask in self._masks.items():
                 mask[:num_tokens].copy_(selected.repeat(1, num_slices))
+
+    def _plan_decode(self, token_slots: np.ndarray) -> SegmentPlan:
+        return self._segment_buffer.plan(token_slots, self._decode_block_m, fixed_grid=True)
 
     def warm_up(self, projections: Iterable[tuple[torch.Tensor, torch.Tensor, tuple[int, int]]]) -> None:
         """With kernels: compile SGMV's variants for each distinct projection (``(lora_a, lora_b,
@@ -185,7 +199,8 @@ class LoRABatch:
         num_slices: int,
         slice_starts: tuple[int, int],
     ) -> None:
-        if self._segments is not None:
+        # Chosen by the launch's token count where the grid is fixed: the same at capture and replay.
+        if not self._segments.fixed_grid or x.shape[0] >= SGMV_DECODE_MIN_TOKENS:
             self._sgmv(y, x, lora_a, lora_b, self._segments, self.num_slots, self.max_rank, slice_starts)
             return
         token_slots = self._token_slots[: x.shape[0]]

@@ -4,12 +4,14 @@ masked product, on one projection.
 A fused q/k/v projection of each ``--shapes`` model's size (Llama-3.1-8B: in 4096, out 4096 + 2 x
 1024; Qwen3-0.6B: in 1024, out 2048 + 2 x 1024) with ``--num-slots`` slots of rank ``--rank``
 (bf16), at decode and prefill token counts, every token drawn an adapter at random (a quarter
-without). All three run the same contract, ``y += (x A[s]^T) B[s]^T`` per token
-(``lora/punica.py``): BGMV a program per token, SGMV a tile of tokens of one adapter (its
-segments planned once, outside the timing, as the engine plans them once per step); the base
-projection itself is timed beside them, for scale. Reports each one's median time over CUDA
-events after warm-up (``triton.testing.do_bench``) and the kernels' weight bandwidth (the bytes of
-the adapters the batch touches over their time: the decode bound).
+without). All run the same contract, ``y += (x A[s]^T) B[s]^T`` per token (``lora/punica.py``):
+BGMV a program per token; SGMV a tile of tokens of one adapter over exactly the step's tiles, as
+in a prefill step (its segments planned once, outside the timing, as the engine plans them once
+per step); "decode" what a decode step runs (BGMV below 16 tokens, SGMV over a grid fixed by the
+token count from there); the torch product. The base projection is timed beside them, for
+scale. Reports each one's median time over CUDA events after warm-up (``triton.testing.do_bench``)
+and BGMV's weight bandwidth (the bytes of the adapters the batch touches over its time: the decode
+bound).
 
 First, a W1-like prefill step (``--prefill-tokens``, default 4096, of requests of 100 to 1024
 tokens, request i on adapter i mod ``--num-slots``, as ``bench throughput --num-loras``) through
@@ -112,22 +114,30 @@ def _slice_starts(sizes: tuple[int, ...]) -> tuple[int, int]:
     return first, second
 
 
-# name -> (kernels, has_prefill): the three ways LoRABatch runs the product.
-PATHS = {"bgmv": (True, False), "sgmv": (True, True), "torch": (False, False)}
+# name -> how LoRABatch runs it: (kernels, has_prefill); None: BGMV called directly.
+PATHS = {"bgmv": None, "sgmv": (True, True), "decode": (True, False), "torch": (False, False)}
 
 
-def _batch(path: str, token_slots: np.ndarray, num_slices: int, args: argparse.Namespace) -> Any:
-    """A LoRABatch on ``path`` with the step's slots set (SGMV's segments planned here, outside
-    the timed calls, as the engine plans them once per step)."""
+def _step(
+    path: str, token_slots: np.ndarray, tensors: tuple[torch.Tensor, ...], sizes: tuple[int, ...], args: Any
+) -> Any:
+    """One call of ``path``'s product, ``y += ...`` on ``tensors`` (y, x, A, B), the step's slots
+    set beforehand (SGMV's segments planned here, outside the timed calls, as the engine plans
+    them once per step)."""
+    from pagedllm.kernels.triton.lora import lora_shrink_expand
     from pagedllm.lora.punica import LoRABatch
 
+    starts = _slice_starts(sizes)
+    if PATHS[path] is None:
+        slots = torch.from_numpy(token_slots).to(DEVICE)
+        return functools.partial(lora_shrink_expand, *tensors, slots, args.num_slots, args.rank, starts)
     use_kernels, has_prefill = PATHS[path]
     batch = LoRABatch(
-        args.num_slots, args.rank, len(token_slots), {num_slices}, torch.bfloat16, torch.device(DEVICE),
+        args.num_slots, args.rank, len(token_slots), {len(sizes)}, torch.bfloat16, torch.device(DEVICE),
         use_kernels=use_kernels,
     )  # fmt: skip
     batch.set_token_slots(token_slots, has_prefill)
-    return batch
+    return functools.partial(batch.apply, *tensors, len(sizes), starts)
 
 
 def bench_size(shape: str, num_tokens: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -137,13 +147,9 @@ def bench_size(shape: str, num_tokens: int, args: argparse.Namespace) -> dict[st
     rng = np.random.default_rng(num_tokens)
     token_slots = rng.integers(0, args.num_slots, num_tokens)
     token_slots[rng.random(num_tokens) < 0.25] = -1  # a quarter run without adapter
-    starts = _slice_starts(sizes)
     y = x @ weight.T
     results = {
-        path: _time_ms(
-            functools.partial(_batch(path, token_slots, 3, args).apply, y, x, lora_a, lora_b, 3, starts)
-        )
-        for path in PATHS
+        path: _time_ms(_step(path, token_slots, (y, x, lora_a, lora_b), sizes, args)) for path in PATHS
     }
     base_ms = _time_ms(functools.partial(torch.matmul, x, weight.T))
     # Bytes of the adapters the batch reads: each distinct slot's A rows and B columns once.
@@ -155,6 +161,7 @@ def bench_size(shape: str, num_tokens: int, args: argparse.Namespace) -> dict[st
         "num_adapters": num_adapters,
         "bgmv_ms": results["bgmv"],
         "sgmv_ms": results["sgmv"],
+        "decode_ms": results["decode"],
         "torch_ms": results["torch"],
         "base_projection_ms": base_ms,
         "bgmv_adapter_gb_s": adapter_bytes / results["bgmv"] / 1e6,
@@ -175,12 +182,11 @@ def bench_prefill(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for name, (in_features, sizes) in projections("qwen3-0.6b").items():
         x, weight, lora_a, lora_b = _tensors(in_features, sizes, args.prefill_tokens, args, seed=len(rows))
-        y, starts = x @ weight.T, _slice_starts(sizes)
+        y = x @ weight.T
         row = {"projection": name, "in": in_features, "out": sum(sizes), "num_tokens": args.prefill_tokens}
         row["base_ms"] = _time_ms(functools.partial(torch.matmul, x, weight.T))
         for path in ("sgmv", "bgmv"):
-            batch = _batch(path, token_slots, len(sizes), args)
-            step = functools.partial(batch.apply, y, x, lora_a, lora_b, len(sizes), starts)
+            step = _step(path, token_slots, (y, x, lora_a, lora_b), sizes, args)
             row[f"{path}_first_ms"] = _first_call_ms(step)
             row[f"{path}_ms"] = _time_ms(step)
         rows.append(row)
@@ -203,14 +209,15 @@ def format_prefill_table(rows: list[dict[str, Any]]) -> str:
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "shape          tokens  adapters  bgmv ms  sgmv ms  torch ms  bgmv/sgmv  base ms  "
+        "shape          tokens  adapters  bgmv ms  sgmv ms  decode ms  torch ms  bgmv/sgmv  base ms  "
         "bgmv GB/s (adapters)"
     ]
     for r in rows:
         lines.append(
             f"{r['shape']:13s}  {r['num_tokens']:6d}  {r['num_adapters']:8d}  {r['bgmv_ms']:7.4f}  "
-            f"{r['sgmv_ms']:7.4f}  {r['torch_ms']:8.4f}  {r['bgmv_ms'] / r['sgmv_ms']:9.2f}  "
-            f"{r['base_projection_ms']:7.4f}  {r['bgmv_adapter_gb_s']:9.1f}"
+            f"{r['sgmv_ms']:7.4f}  {r['decode_ms']:9.4f}  {r['torch_ms']:8.4f}  "
+            f"{r['bgmv_ms'] / r['sgmv_ms']:9.2f}  {r['base_projection_ms']:7.4f}  "
+            f"{r['bgmv_adapter_gb_s']:9.1f}"
         )
     return "\n".join(lines)
 
