@@ -27,14 +27,17 @@ all slices (the mask repeats per slice).
 On CUDA the same contract runs as Punica's kernels: each token reads only its own adapter's rows,
 so the work does not grow with ``max_loras``. ``LoRABatch`` picks kernels or the torch product at
 construction (the torch product is the reference the kernels are tested against), and, with
-kernels, one of two per step by the step's shape (``set_token_slots``):
+kernels, one per step by the step's shape (``set_token_slots``):
 
-    decode-only step (one token per request, or a CUDA-graph batch)
-        -> BGMV (``kernels/triton/lora.py``): a program per token; the per-token slots live in a
-           buffer at a fixed address, as the masks do here, so the graph replays it;
     step with a prefill chunk
         -> SGMV (``kernels/triton/lora_sgmv.py``): tokens grouped by slot once per step, a tile of
-           16 to 64 tokens of one adapter per program, its weights read once per tile.
+           16 or 64 tokens of one adapter per program, its weights read once per tile;
+    decode-only step (one token per request, or a CUDA-graph batch) of 16 tokens or more
+        -> SGMV, tiles of 16, over a grid that depends on the token count only: the segments
+           live in a buffer at fixed addresses, refilled each step, so a graph replays them;
+    decode-only step of fewer tokens
+        -> BGMV (``kernels/triton/lora.py``): a program per token; the per-token slots live in a
+           buffer at a fixed address, as the masks do here.
 """
 
 from __future__ import annotations
@@ -78,9 +81,9 @@ def token_lora_ids(row_lora_ids: np.ndarray, query_start_loc: np.ndarray, pad_to
 
 class LoRABatch:
     """The step's token -> slot mapping, and the product that reads it (``apply``), chosen once:
-    kernels on CUDA (BGMV or SGMV, chosen per step), the masked product elsewhere (one mask buffer
-    per number of slices, 1, 2 or 3). Buffers stay at fixed addresses: a captured graph reads
-    ``[:T]`` of them.
+    kernels on CUDA (SGMV or BGMV, chosen per step), the masked product elsewhere (one mask buffer
+    per number of slices, 1, 2 or 3). Buffers stay at fixed addresses (a captured graph reads
+    them): the token slots, the segments, the masks.
 
     Args:
         num_slots: S, adapters per step (max_loras).

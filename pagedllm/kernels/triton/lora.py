@@ -31,7 +31,8 @@ the shrink runs, and the projection's next kernel while the expand does; each wa
 Bound: memory. A token reads ``n*R*in + out*R`` weight elements (its own adapter's: work does
 not grow with the number of slots, unlike the torch path's masked product) and writes
 ``n*R*SPLIT_K + out``; FLOPs ``2*(n*R*in + out*R)``. Tokens of one adapter re-read its weights
-(L2 serves them within a step); SGMV (``lora_sgmv.py``) groups them, for steps with prefills.
+(L2 serves them within a step); SGMV (``lora_sgmv.py``) groups them, for prefill steps and for
+decode steps of 16 tokens or more: the engine runs BGMV for the smaller decode steps.
 """
 
 from __future__ import annotations

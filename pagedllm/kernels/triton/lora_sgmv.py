@@ -8,36 +8,47 @@ The contract is BGMV's (layouts there): for token t in slot s (none: nothing add
     shrink:  h[t, i*R + r]  = sum_k x[t, k] * A[(i*S + s)*R + r, k]
     expand:  y[t, o]       += sum_r h[t, i(o)*R + r] * B[o, (i(o)*S + s)*R + r]
 
-Segments and tiles (``SegmentPlan``, built once per step on the host, not per layer):
-``sorted_tokens [T]`` the step's token indices ordered by slot (tokens without adapter first,
-outside every segment); slot s's segment is ``seg_len[s]`` tokens from ``seg_start[s]``; each
-segment is cut into tiles of ``BLOCK_M`` tokens, tile j being ``BLOCK_M`` rows from ``tile_m0[j]``
-of slot ``tile_slot[j]``'s segment. The grids run over the tiles only: an empty segment has none,
-and a long one does not make the short ones launch idle programs.
+Segments and tiles (``SegmentPlan``, built once per step on the host, not per layer, into a
+``SegmentBuffer`` at fixed addresses): ``sorted_tokens [T]`` the step's token indices ordered by
+slot (tokens without adapter first, outside every segment); slot s's segment is ``seg_len[s]``
+tokens from ``seg_start[s]``; each segment is cut into tiles of ``BLOCK_M`` tokens, tile j being
+``BLOCK_M`` rows from ``tile_m0[j]`` of slot ``tile_slot[j]``'s segment. A prefill step's grids
+run over exactly its tiles: an empty segment has none, and a long one does not make the short
+ones launch idle programs. A decode step's grids run over the most tiles its token count can make
+(``max_tiles``; the entries past its tiles hold slot -1 and their programs return at once), so a
+CUDA graph captured at a token count replays every later step of that count.
 
-Grids (BLOCK_M 64, or 16 when 64 would give the shrink too few programs: ``_block_m``):
-  shrink ``(num_tiles,)``: a program gathers its tile's x rows and accumulates ``[BLOCK_M, n*R]``
-  over ``in`` in ``BLOCK_K`` chunks against its slot's A rows of all n slices at once (x read
-  once for a fused projection); h is scattered back in token order.
-  expand ``(num_tiles, cdiv(out, BLOCK_O))``, BLOCK_O 128: a program takes its tile's tokens and
-  ``BLOCK_O`` outputs; for each slice whose rows meet the tile, ``[BLOCK_M, R] @ [R, BLOCK_O]``;
-  it adds the sum to y (read, add, write).
+Grids (BLOCK_M 64, or 16 when 64 would give the shrink too few programs, ``_block_m``; always 16
+at decode):
+  shrink ``(tiles, SPLIT_K)``: a program gathers its tile's x rows and accumulates ``[BLOCK_M,
+  n*R]`` over its stretch of ``in`` (all of it at SPLIT_K 1), in ``BLOCK_K`` chunks, against its
+  slot's A rows of all n slices at once (x read once for a fused projection); the partial h is
+  scattered back in token order, h ``[SPLIT_K, T, n*R]`` float32. SPLIT_K (at most
+  ``MAX_SPLIT_K``) brings the programs to about ``TARGET_PROGRAMS`` when the tiles are fewer: a
+  decode step of 256 tokens has 16 to 24 tiles, each of which would otherwise walk all of ``in``.
+  expand ``(tiles, cdiv(out, BLOCK_O))``, BLOCK_O 128: a program takes its tile's tokens and
+  ``BLOCK_O`` outputs; for each slice whose rows meet the tile, it adds up the slice's SPLIT_K
+  partials of h (in split order: the result does not depend on timing), then ``[BLOCK_M, R] @
+  [R, BLOCK_O]``; it adds the sum to y (read, add, write).
 
 Compiled variants: Triton compiles a kernel once per set of constexprs (BLOCK_M; per projection
 RANK, NUM_COLS, NUM_SLICES) and per specialisation of its other arguments (an integer equal to 1
 or a multiple of 16, a pointer 16-byte aligned or not). The projection's sizes and strides are
-fixed, the plan's arrays start on 16-byte boundaries whatever the step's size, so what varies
-from step to step is BLOCK_M alone: two tile heights (``BLOCK_MS``), whose variants ``warm_up``
-compiles for each projection when the engine starts, not in the middle of a timed step.
+fixed, the plan's arrays start on 16-byte boundaries, the split count and h's split stride are
+not specialised on, so what varies from step to step is BLOCK_M alone: two tile heights
+(``BLOCK_MS``), whose variants ``warm_up`` compiles for each projection when the engine starts,
+not in the middle of a timed step.
 
 Bytes and FLOPs per step (T tokens in g segments, n slices): FLOPs ``2*T*R*(n*in + out)``, as
 BGMV; weight bytes ``sum over segments of ceil(len/BLOCK_M) * (n*R*in + R*out)`` elements against
 BGMV's ``T * (n*R*in + R*out)``: a 4096-token prefill of 8 adapters reads each adapter's weights
-once per tile of 16 tokens instead of once per token. Activation bytes (x once, h twice, y twice) are BGMV's.
+once per tile of 16 tokens instead of once per token, a 256-token decode step of 8 adapters 16 to
+24 times instead of 256. Activation bytes: x once, h twice (SPLIT_K times), y twice.
 
-Which runs (``LoRABatch.set_token_slots``, once per step): a decode-only step (every request one
-token, or a padded CUDA-graph batch) keeps BGMV, whose per-token programs need no sort and whose
-grid is fixed for graph capture; a step with prefill chunks uses SGMV.
+Which runs (``LoRABatch.set_token_slots``, once per step): a step with prefill chunks runs SGMV
+over its exact tiles; a decode-only step (every request one token, or a padded CUDA-graph batch)
+runs SGMV over the fixed grid from 16 tokens on, and BGMV below (too few tokens to share an
+adapter's weights; BGMV's per-token programs spread the work wider).
 """
 
 from __future__ import annotations
