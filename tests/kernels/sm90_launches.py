@@ -207,7 +207,7 @@ def lora() -> None:
                     slots = torch.zeros(num_tokens, dtype=torch.int64)
                     lora_shrink_expand(y, x, *weights, slots, 8, rank, starts)
                 # SGMV (prefill): BLOCK_M 16 (5, 64 and 12000 tokens: K split for the first two)
-                # and 64 (20000).
+                # and 64 (20000), unsplit.
                 plan = plan_segments(torch.arange(num_tokens).numpy() % 8, 8, CPU)
                 lora_sgmv_shrink_expand(y, x, *weights, plan, 8, rank, starts)
                 if num_tokens == 64:  # SGMV (decode): a grid fixed by the token count

@@ -26,7 +26,7 @@ at decode):
   scattered back in token order, h ``[SPLIT_K, T, n*R]`` float32. SPLIT_K (at most
   ``MAX_SPLIT_K``) brings the programs to about ``TARGET_PROGRAMS`` when the tiles are fewer: a
   decode step of 256 tokens has 16 to 24 tiles, each of which would otherwise walk all of ``in``.
-  expand ``(tiles, cdiv(out, BLOCK_O))``, BLOCK_O 128: a program takes its tile's tokens and
+  expand ``(tiles, cdiv(out, BLOCK_O))``, BLOCK_O 64: a program takes its tile's tokens and
   ``BLOCK_O`` outputs; for each slice whose rows meet the tile, it adds up the slice's SPLIT_K
   partials of h (in split order: the result does not depend on timing), then ``[BLOCK_M, R] @
   [R, BLOCK_O]``; it adds the sum to y (read, add, write).
@@ -35,9 +35,13 @@ Compiled variants: Triton compiles a kernel once per set of constexprs (BLOCK_M;
 RANK, NUM_COLS, NUM_SLICES) and per specialisation of its other arguments (an integer equal to 1
 or a multiple of 16, a pointer 16-byte aligned or not). The projection's sizes and strides are
 fixed, the plan's arrays start on 16-byte boundaries, the split count and h's split stride are
-not specialised on, so what varies from step to step is BLOCK_M alone: two tile heights
-(``BLOCK_MS``), whose variants ``warm_up`` compiles for each projection when the engine starts,
-not in the middle of a timed step.
+not specialised on, so what varies from step to step is the tile height (``BLOCK_MS``) and
+whether K is split (``SPLIT``; only with tiles of 16, the split variant at most
+``MAX_SPLIT_K`` ways): three variants of each kernel per projection, which ``warm_up`` compiles
+when the engine starts, not in the middle of a timed step. (A split count in the constexprs
+would make one variant per count; the expand's unrolled sum of partials is the price, which the
+unsplit variants do not pay: at 64-token tiles their registers stay those of the kernels without
+split, no spills on sm_90.)
 
 Bytes and FLOPs per step (T tokens in g segments, n slices): FLOPs ``2*T*R*(n*in + out)``, as
 BGMV; weight bytes ``sum over segments of ceil(len/BLOCK_M) * (n*R*in + R*out)`` elements against
@@ -95,6 +99,7 @@ def _sgmv_shrink_kernel(
     BLOCK_N: tl.constexpr,  # next power of two >= NUM_COLS, >= 16 (tl.dot's least size)
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for float32 weights (exact as the torch path), else "tf32"
+    SPLIT: tl.constexpr,  # K split over the grid's second axis (else one program walks all of in)
     USE_GDC: tl.constexpr,
 ):
     wait_for_prior_kernel(USE_GDC)
@@ -110,10 +115,11 @@ def _sgmv_shrink_kernel(
     # Row of A for column c = i * R + r: (i * S + slot) * R + r (every slice's rows at once).
     rows = ((cols // RANK) * num_slots + slot) * RANK + cols % RANK
     offs_k = tl.arange(0, BLOCK_K)
-    split = tl.program_id(1)
+    split = tl.program_id(1) if SPLIT else 0
     k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, in_features) if SPLIT else in_features
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, in_features), BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + offs_k
         k_mask = k < in_features
         x_mask = m_mask[:, None] & k_mask[None, :]
@@ -149,7 +155,8 @@ def _sgmv_expand_kernel(
     stride_b,
     RANK: tl.constexpr,
     NUM_SLICES: tl.constexpr,
-    MAX_SPLIT_K: tl.constexpr,
+    SPLIT: tl.constexpr,  # h in split_k partials, else one
+    MAX_SPLIT_K: tl.constexpr,  # the most partials
     BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr,  # next power of two >= RANK, >= 16
     BLOCK_O: tl.constexpr,
@@ -175,13 +182,14 @@ def _sgmv_expand_kernel(
         end = slice1_start if i == 0 else (slice2_start if i == 1 else out_features)
         if (start < o0 + BLOCK_O) & (end > o0):  # the slice meets this tile
             o_mask = (offs_o >= start) & (offs_o < end)
-            # The slice's h: its split-K partials added in split order (unrolled, so the loads
-            # are in flight together; splits past split_k are masked off and read nothing).
             h_ptrs = h_ptr + tokens[:, None] * stride_h + i * RANK + offs_r[None, :]
-            h = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-            for split in tl.static_range(MAX_SPLIT_K):
-                in_split = tl.full([BLOCK_M, BLOCK_R], split, tl.int32) < split_k
-                h += tl.load(h_ptrs + split * stride_hs, mask=h_mask & in_split, other=0.0)
+            h = tl.load(h_ptrs, mask=h_mask, other=0.0)
+            if SPLIT:
+                # The slice's other split-K partials, added in split order (unrolled, so the
+                # loads are in flight together; splits past split_k are masked off).
+                for split in tl.static_range(1, MAX_SPLIT_K):
+                    in_split = tl.full([BLOCK_M, BLOCK_R], split, tl.int32) < split_k
+                    h += tl.load(h_ptrs + split * stride_hs, mask=h_mask & in_split, other=0.0)
             b_cols = (i * num_slots + slot) * RANK + offs_r
             b = tl.load(
                 b_ptr + offs_o[None, :].to(tl.int64) * stride_b + b_cols[:, None],
@@ -204,11 +212,12 @@ TARGET_PROGRAMS = 256
 BLOCK_MS = (64, 16)
 BLOCK_K = 64
 # The most stretches of ``in`` the shrink splits into: the expand adds that many partials of h
-# (a constexpr, so that the split count, which follows the step's size, is no compile key).
+# (a bound fixed at compile time, so that the split count, which follows the step's size, is no
+# compile key: a launch is split or not, a variant each).
 MAX_SPLIT_K = 8
-# Outputs per expand program: each program re-reads its tile's h, so wider tiles read it less
-# often (a 4096-token gate/up expand of Qwen3-0.6B: 48 programs per tile instead of 96).
-EXPAND_BLOCK_O = 128
+# Outputs per expand program (128 would read h half as often, but a 64-token tile's accumulator
+# and y then spill registers on sm_90).
+EXPAND_BLOCK_O = 64
 # The plan's arrays start on 16-byte boundaries: Triton specialises a kernel on whether each
 # pointer argument is 16-byte aligned.
 _ALIGN = 16 // 4  # int32 elements
@@ -342,25 +351,45 @@ def lora_sgmv_shrink_expand(
         return
     # Split K when the tiles alone are too few programs (decode steps, short prefills).
     num_chunks = triton.cdiv(in_features, BLOCK_K)
-    wanted = min(num_chunks, MAX_SPLIT_K, triton.cdiv(TARGET_PROGRAMS, grid_tiles))
-    chunks_per_split = triton.cdiv(num_chunks, wanted)
-    split_k = triton.cdiv(num_chunks, chunks_per_split)
+    split_k = min(num_chunks, MAX_SPLIT_K, triton.cdiv(TARGET_PROGRAMS, grid_tiles))
+    _launch(y, x, lora_a, lora_b, plan, grid_tiles, split_k, num_slots, rank, slice_starts)
+
+
+def _launch(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    plan: SegmentPlan,
+    grid_tiles: int,
+    split_k: int,
+    num_slots: int,
+    rank: int,
+    slice_starts: tuple[int, int],
+) -> None:
+    """The shrink and the expand over ``grid_tiles`` tiles, ``in`` cut into ``split_k`` stretches
+    of whole chunks (fewer when the chunks do not divide evenly)."""
+    num_tokens, in_features = x.shape
+    num_cols = lora_a.shape[0] // num_slots
+    chunks_per_split = triton.cdiv(triton.cdiv(in_features, BLOCK_K), split_k)
+    split_k = triton.cdiv(triton.cdiv(in_features, BLOCK_K), chunks_per_split)
     precision = "ieee" if lora_a.dtype == torch.float32 else "tf32"
     h = torch.empty(split_k, num_tokens, num_cols, dtype=torch.float32, device=x.device)
     tiles = (plan.tile_slot, plan.tile_m0, plan.sorted_tokens, plan.seg_start, plan.seg_len)
+    common = {"RANK": rank, "BLOCK_M": plan.block_m, "PRECISION": precision, "SPLIT": split_k > 1}
     _sgmv_shrink_kernel[(grid_tiles, split_k)](
         h, x, lora_a, *tiles, in_features, chunks_per_split * BLOCK_K, num_slots,
         x.stride(0), lora_a.stride(0), h.stride(0), h.stride(1),
-        RANK=rank, NUM_COLS=num_cols, BLOCK_M=plan.block_m,
-        BLOCK_N=max(16, triton.next_power_of_2(num_cols)), BLOCK_K=BLOCK_K, PRECISION=precision,
-        **pdl_options(x.device),
+        NUM_COLS=num_cols, BLOCK_N=max(16, triton.next_power_of_2(num_cols)), BLOCK_K=BLOCK_K,
+        **common, **pdl_options(x.device),
     )  # fmt: skip
+    out_features = y.shape[1]
     _sgmv_expand_kernel[(grid_tiles, triton.cdiv(out_features, EXPAND_BLOCK_O))](
         y, h, lora_b, *tiles, out_features, num_slots, slice_starts[0], slice_starts[1], split_k,
         y.stride(0), h.stride(0), h.stride(1), lora_b.stride(0),
-        RANK=rank, NUM_SLICES=num_slices, MAX_SPLIT_K=MAX_SPLIT_K, BLOCK_M=plan.block_m,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_O=EXPAND_BLOCK_O, PRECISION=precision,
-        **pdl_options(x.device),
+        NUM_SLICES=num_cols // rank, MAX_SPLIT_K=MAX_SPLIT_K,
+        BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_O=EXPAND_BLOCK_O,
+        **common, **pdl_options(x.device),
     )  # fmt: skip
 
 
@@ -368,11 +397,14 @@ def warm_up(
     lora_a: torch.Tensor, lora_b: torch.Tensor, num_slots: int, rank: int, slice_starts: tuple[int, int]
 ) -> None:
     """Compile every variant of both kernels a step can launch on this projection: one launch of
-    one token per tile height (``BLOCK_MS``), on the projection's own slot buffers (whose shapes
-    and strides are among what Triton specialises on) and scratch rows of x and y. Without it,
-    each variant compiles (about a second) inside the first step that needs it."""
+    one token for each tile height, and at the small height with K split too (a decode step, a
+    short prefill), on the projection's own slot buffers (whose shapes and strides are among what
+    Triton specialises on) and scratch rows of x and y. Without it, each variant compiles (about
+    a second) inside the first step that needs it."""
     x = torch.zeros(1, lora_a.shape[1], dtype=lora_a.dtype, device=lora_a.device)
     y = torch.zeros(1, lora_b.shape[0], dtype=lora_a.dtype, device=lora_a.device)
     for block_m in BLOCK_MS:
         plan = plan_segments(np.zeros(1, dtype=np.int64), num_slots, lora_a.device, block_m)
-        lora_sgmv_shrink_expand(y, x, lora_a, lora_b, plan, num_slots, rank, slice_starts)
+        # A plan of 64-token tiles has enough of them not to split (``_block_m``).
+        for split_k in (1, 2) if block_m == min(BLOCK_MS) else (1,):
+            _launch(y, x, lora_a, lora_b, plan, 1, split_k, num_slots, rank, slice_starts)
