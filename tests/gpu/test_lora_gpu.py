@@ -86,7 +86,12 @@ def test_decode_kernels_replay_in_a_cuda_graph(num_tokens):
         torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=2e-1)
 
 
-def test_engine_with_adapters_on_cuda_gives_the_cpu_tokens(make_tiny_model, make_adapter, make_prompts):
+@pytest.mark.parametrize("repeats", [1, 3], ids=["bgmv-decode", "sgmv-decode"])
+def test_engine_with_adapters_on_cuda_gives_the_cpu_tokens(
+    make_tiny_model, make_adapter, make_prompts, repeats
+):
+    """6 requests decode through BGMV (fewer than 16 tokens a step), 18 through SGMV over the
+    CUDA graphs' fixed grids."""
     # head_dim 64: a head size the GPU attention kernels take.
     hf_model, model_config = make_tiny_model(
         LlamaConfig, hidden_size=256, num_attention_heads=4, num_key_value_heads=2
@@ -95,7 +100,7 @@ def test_engine_with_adapters_on_cuda_gives_the_cpu_tokens(make_tiny_model, make
         LoRARequest("a", 1, make_adapter(hf_model, 8, ["q_proj", "v_proj", "down_proj"])),
         LoRARequest("b", 2, make_adapter(hf_model, 4, ["k_proj", "o_proj", "gate_proj", "up_proj"])),
     ]
-    choices = [loras[0], None, loras[1], loras[0], loras[1], None]
+    choices = [loras[0], None, loras[1], loras[0], loras[1], None] * repeats
     prompts = make_prompts(len(choices), model_config.vocab_size, seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outputs = {}
