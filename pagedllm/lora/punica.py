@@ -167,7 +167,7 @@ class LoRABatch:
         """With kernels: compile SGMV's variants for each distinct projection (``(lora_a, lora_b,
         slice_starts)`` of every wrapped projection) before the first step. The engine's own
         warm-up (the profile run) has no adapter, so SGMV launches nothing there, and each variant
-        would otherwise compile inside the first prefill step that needs it. BGMV's variants
+        would otherwise compile inside the first step that needs it. BGMV's variants
         compile when the decode CUDA graphs are captured."""
         if not self.use_kernels:
             return
