@@ -9,6 +9,9 @@ token its slot::
     step: request rows -> adapter ids -> token slots -> LoRABatch (masks, or the kernels' slots
                                                       and segments) -> every wrapper
 
+With the kernels, wrapping the model also compiles SGMV's variants for each distinct projection
+(``LoRABatch.warm_up``): the profile run has no adapter, so nothing else would before a step.
+
 The scheduler lets at most ``max_loras`` adapters into a step, so the step's adapters always fit;
 a slot whose adapter the step does not use is refilled least recently used first. Every rank
 makes the same choices from the same messages, so their slots agree under tensor parallelism.
@@ -73,6 +76,7 @@ class LoRAModelManager:
         self.wrappers: list[LinearWithLoRA] = []
         for name, (layer, base) in targets.items():
             self._wrap(model, name, layer, base, packed)
+        self.batch.warm_up((w.lora_a, w.lora_b, w.slice_starts) for w in self.wrappers)
         self.loader = AdapterLoader(hf_config, lora_config)
         # Adapter id -> slot, least recently used first.
         self._slot_of: OrderedDict[int, int] = OrderedDict()
@@ -137,8 +141,9 @@ class LoRAModelManager:
         self.batch.set_token_slots(slots[inverse.reshape(-1)], has_prefill)
 
     def prepare_capture(self) -> None:
-        """Before CUDA graphs are captured: decode steps' kernels (BGMV, reading the slot buffer),
-        whatever the last step (the profile run's prefill) chose."""
+        """Before CUDA graphs are captured: decode steps' kernels (SGMV over a grid fixed by the
+        token count, BGMV below 16 tokens), over no tokens' segments, whatever the last step (the
+        profile run's prefill) chose; each replay reads the buffers its step refills."""
         self.batch.set_token_slots(np.empty(0, dtype=np.int64), has_prefill=False)
 
     def _activate(self, lora_int_id: int, active: list[int]) -> int:

@@ -27,18 +27,22 @@ all slices (the mask repeats per slice).
 On CUDA the same contract runs as Punica's kernels: each token reads only its own adapter's rows,
 so the work does not grow with ``max_loras``. ``LoRABatch`` picks kernels or the torch product at
 construction (the torch product is the reference the kernels are tested against), and, with
-kernels, one of two per step by the step's shape (``set_token_slots``):
+kernels, one per step by the step's shape (``set_token_slots``):
 
-    decode-only step (one token per request, or a CUDA-graph batch)
-        -> BGMV (``kernels/triton/lora.py``): a program per token; the per-token slots live in a
-           buffer at a fixed address, as the masks do here, so the graph replays it;
     step with a prefill chunk
         -> SGMV (``kernels/triton/lora_sgmv.py``): tokens grouped by slot once per step, a tile of
-           16 to 64 tokens of one adapter per program, its weights read once per tile.
+           16 or 64 tokens of one adapter per program, its weights read once per tile;
+    decode-only step (one token per request, or a CUDA-graph batch) of 16 tokens or more
+        -> SGMV, tiles of 16, over a grid that depends on the token count only: the segments
+           live in a buffer at fixed addresses, refilled each step, so a graph replays them;
+    decode-only step of fewer tokens
+        -> BGMV (``kernels/triton/lora.py``): a program per token; the per-token slots live in a
+           buffer at a fixed address, as the masks do here.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -50,6 +54,9 @@ if TYPE_CHECKING:
 
 # The slot of a token that runs without an adapter (vLLM's punica convention).
 NO_SLOT = -1
+# Tokens from which a decode step runs SGMV rather than BGMV: below, a step's tokens are too few
+# to share an adapter's weights, and BGMV's per-token programs spread the work wider.
+SGMV_DECODE_MIN_TOKENS = 16
 
 
 def add_lora(
@@ -74,9 +81,9 @@ def token_lora_ids(row_lora_ids: np.ndarray, query_start_loc: np.ndarray, pad_to
 
 class LoRABatch:
     """The step's token -> slot mapping, and the product that reads it (``apply``), chosen once:
-    kernels on CUDA (BGMV or SGMV, chosen per step), the masked product elsewhere (one mask buffer
-    per number of slices, 1, 2 or 3). Buffers stay at fixed addresses: a captured graph reads
-    ``[:T]`` of them.
+    kernels on CUDA (SGMV or BGMV, chosen per step), the masked product elsewhere (one mask buffer
+    per number of slices, 1, 2 or 3). Buffers stay at fixed addresses (a captured graph reads
+    them): the token slots, the segments, the masks.
 
     Args:
         num_slots: S, adapters per step (max_loras).
@@ -101,18 +108,21 @@ class LoRABatch:
             use_kernels = device.type == "cuda"
         self._masks: dict[int, torch.Tensor] = {}
         self._token_slots = torch.full((max_num_tokens,), NO_SLOT, dtype=torch.int64, device=device)
-        # The step's segments by slot when it runs SGMV; None: BGMV (decode-only steps).
-        self._segments: SegmentPlan | None = None
         self.use_kernels = use_kernels
         if use_kernels:
             # Imported here: the triton package is needed on CUDA only.
             from pagedllm.kernels.triton import lora, lora_sgmv
 
-            self._bgmv, self._sgmv, self._plan = (
+            self._bgmv, self._sgmv, self._warm_up_sgmv = (
                 lora.lora_shrink_expand,
                 lora_sgmv.lora_sgmv_shrink_expand,
-                lora_sgmv.plan_segments,
+                lora_sgmv.warm_up,
             )
+            self._segment_buffer = lora_sgmv.SegmentBuffer(max_num_tokens, num_slots, device)
+            self._decode_block_m = min(lora_sgmv.BLOCK_MS)
+            # The step's segments (SGMV's), at the buffer's fixed addresses; until a step sets
+            # its own, none (what a CUDA graph is captured over).
+            self._segments: SegmentPlan = self._plan_decode(np.empty(0, dtype=np.int64))
             self.apply = self._apply_kernels
             return
         width = num_slots * max_rank
@@ -125,21 +135,48 @@ class LoRABatch:
 
     def set_token_slots(self, token_slots: np.ndarray, has_prefill: bool = False) -> None:
         """token_slots: [num_tokens] int64, each token's slot or NO_SLOT; has_prefill: a request
-        of the step computes more than one token (the kernels then run SGMV, else BGMV)."""
+        of the step computes more than one token.
+
+        With kernels, a step with a prefill runs SGMV over exactly its tiles, of the height its
+        segments call for; a decode-only step (a CUDA graph's among them) runs SGMV over a grid
+        that depends on its token count only (a graph captured at that count replays any step's
+        segments), or, below ``SGMV_DECODE_MIN_TOKENS`` tokens, BGMV over the token slots."""
         if self.use_kernels and has_prefill:
-            self._segments = self._plan(token_slots, self.num_slots, self.device)
+            self._segments = self._segment_buffer.plan(token_slots)
             return
-        self._segments = None
+        if self.use_kernels:
+            self._segments = self._plan_decode(token_slots)
         slots = torch.from_numpy(np.ascontiguousarray(token_slots, dtype=np.int64))
         if self.device.type != "cpu":
-            # Pinned, asynchronous: a pageable copy would wait for the device to drain.
-            slots = slots.pin_memory().to(self.device, non_blocking=True)
+            # Pinned: one asynchronous copy straight into the buffer (a pageable copy would wait
+            # for the device to drain; the caching host allocator keeps the staging tensor until
+            # its copy has run).
+            slots = slots.pin_memory()
         num_tokens = len(token_slots)
-        self._token_slots[:num_tokens].copy_(slots)
+        token_slots_now = self._token_slots[:num_tokens]
+        token_slots_now.copy_(slots, non_blocking=True)
         if self._masks:
-            selected = slots[:, None] == self._column_slots[None, :]  # [T, S * R]
+            selected = token_slots_now[:, None] == self._column_slots[None, :]  # [T, S * R]
             for num_slices, mask in self._masks.items():
                 mask[:num_tokens].copy_(selected.repeat(1, num_slices))
+
+    def _plan_decode(self, token_slots: np.ndarray) -> SegmentPlan:
+        return self._segment_buffer.plan(token_slots, self._decode_block_m, fixed_grid=True)
+
+    def warm_up(self, projections: Iterable[tuple[torch.Tensor, torch.Tensor, tuple[int, int]]]) -> None:
+        """With kernels: compile SGMV's variants for each distinct projection (``(lora_a, lora_b,
+        slice_starts)`` of every wrapped projection) before the first step. The engine's own
+        warm-up (the profile run) has no adapter, so SGMV launches nothing there, and each variant
+        would otherwise compile inside the first step that needs it. BGMV's variants
+        compile when the decode CUDA graphs are captured."""
+        if not self.use_kernels:
+            return
+        seen = set()
+        for lora_a, lora_b, starts in projections:
+            key = (lora_a.shape, lora_a.stride(), lora_b.shape, lora_b.stride(), lora_a.dtype, starts)
+            if key not in seen:
+                seen.add(key)
+                self._warm_up_sgmv(lora_a, lora_b, self.num_slots, self.max_rank, starts)
 
     def mask(self, num_slices: int, num_tokens: int) -> torch.Tensor:
         """[num_tokens, num_slices * S * R] in the run dtype (the masked product's)."""
@@ -165,7 +202,8 @@ class LoRABatch:
         num_slices: int,
         slice_starts: tuple[int, int],
     ) -> None:
-        if self._segments is not None:
+        # Chosen by the launch's token count where the grid is fixed: the same at capture and replay.
+        if not self._segments.fixed_grid or x.shape[0] >= SGMV_DECODE_MIN_TOKENS:
             self._sgmv(y, x, lora_a, lora_b, self._segments, self.num_slots, self.max_rank, slice_starts)
             return
         token_slots = self._token_slots[: x.shape[0]]

@@ -1,8 +1,8 @@
 """LoRA on CUDA: the BGMV and SGMV kernels against the masked torch product at Llama-3.1-8B's q/k/v
-shape (8 slots of rank 16, bf16), BGMV captured in a CUDA graph; the engine with adapters on the
-GPU (CUDA graphs on, the kernels) giving the CPU path's greedy tokens, which tests/lora checks
-against PEFT; two tensor-parallel GPUs giving one GPU's tokens with adapters; ``pagedllm bench
-lora`` end to end at a small size."""
+shape (8 slots of rank 16, bf16), decode steps' kernels captured in a CUDA graph; the engine with
+adapters on the GPU (CUDA graphs on, the kernels) giving the CPU path's greedy tokens, which
+tests/lora checks against PEFT; two tensor-parallel GPUs giving one GPU's tokens with adapters;
+``pagedllm bench lora`` end to end at a small size."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 @pytest.mark.parametrize(
     ("num_tokens", "has_prefill"),
     [(1, False), (37, False), (512, False), (37, True), (512, True), (4096, True)],
-    ids=["bgmv-1", "bgmv-37", "bgmv-512", "sgmv-37", "sgmv-512", "sgmv-4096"],
+    ids=["decode-1", "decode-37", "decode-512", "prefill-37", "prefill-512", "prefill-4096"],
 )
 def test_kernels_equal_the_masked_product_at_8b_shape(num_tokens, has_prefill):
     slots, rank, hidden, sizes = 8, 16, 4096, (4096, 1024, 1024)
@@ -58,24 +58,27 @@ def test_kernels_equal_the_masked_product_at_8b_shape(num_tokens, has_prefill):
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=5e-2)
 
 
-def test_bgmv_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("num_tokens", [8, 16, 40], ids=["bgmv-8", "sgmv-16", "sgmv-40"])
+def test_decode_kernels_replay_in_a_cuda_graph(num_tokens):
+    """Decode steps' kernels (BGMV below 16 tokens, SGMV over a grid fixed by the token count
+    from 16) captured once, replayed over new slots (and new segments) each step."""
     slots, rank, hidden, out = 4, 8, 256, 384
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    batch = LoRABatch(slots, rank, 16, {1}, torch.bfloat16, DEVICE)
-    x = torch.randn(16, hidden, device=DEVICE, generator=gen).bfloat16()
+    batch = LoRABatch(slots, rank, 64, {1}, torch.bfloat16, DEVICE)
+    x = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).bfloat16()
     lora_a = torch.randn(slots * rank, hidden, device=DEVICE, generator=gen).bfloat16()
     lora_b = torch.randn(out, slots * rank, device=DEVICE, generator=gen).bfloat16()
-    y = torch.zeros(16, out, device=DEVICE, dtype=torch.bfloat16)
-    batch.set_token_slots(np.full(16, NO_SLOT))
+    y = torch.zeros(num_tokens, out, device=DEVICE, dtype=torch.bfloat16)
+    batch.set_token_slots(np.full(num_tokens, NO_SLOT))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         batch.apply(y, x, lora_a, lora_b, 1, (out, out))
-    for step in range(2):  # new slots each step, written into the buffer the graph reads
-        token_slots = np.random.default_rng(step).integers(NO_SLOT, slots, 16)
+    for step in range(3):  # new slots each step, written into the buffers the graph reads
+        token_slots = np.random.default_rng(step).integers(NO_SLOT, slots, num_tokens)
         batch.set_token_slots(token_slots)
         y.zero_()
         graph.replay()
-        expected = torch.zeros(16, out, device=DEVICE)
+        expected = torch.zeros(num_tokens, out, device=DEVICE)
         for t, s in enumerate(token_slots.tolist()):
             if s >= 0:
                 a, b = lora_a[s * rank : (s + 1) * rank].float(), lora_b[:, s * rank : (s + 1) * rank].float()
@@ -83,7 +86,12 @@ def test_bgmv_replays_in_a_cuda_graph():
         torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=2e-1)
 
 
-def test_engine_with_adapters_on_cuda_gives_the_cpu_tokens(make_tiny_model, make_adapter, make_prompts):
+@pytest.mark.parametrize("repeats", [1, 3], ids=["bgmv-decode", "sgmv-decode"])
+def test_engine_with_adapters_on_cuda_gives_the_cpu_tokens(
+    make_tiny_model, make_adapter, make_prompts, repeats
+):
+    """6 requests decode through BGMV (fewer than 16 tokens a step), 18 through SGMV over the
+    CUDA graphs' fixed grids."""
     # head_dim 64: a head size the GPU attention kernels take.
     hf_model, model_config = make_tiny_model(
         LlamaConfig, hidden_size=256, num_attention_heads=4, num_key_value_heads=2
@@ -92,7 +100,7 @@ def test_engine_with_adapters_on_cuda_gives_the_cpu_tokens(make_tiny_model, make
         LoRARequest("a", 1, make_adapter(hf_model, 8, ["q_proj", "v_proj", "down_proj"])),
         LoRARequest("b", 2, make_adapter(hf_model, 4, ["k_proj", "o_proj", "gate_proj", "up_proj"])),
     ]
-    choices = [loras[0], None, loras[1], loras[0], loras[1], None]
+    choices = [loras[0], None, loras[1], loras[0], loras[1], None] * repeats
     prompts = make_prompts(len(choices), model_config.vocab_size, seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outputs = {}
@@ -147,8 +155,12 @@ def test_two_gpus_with_adapters_give_the_greedy_tokens_of_one(
 
 def test_bench_lora_runs():
     args = argparse.Namespace(
-        num_tokens=[1, 64], num_slots=4, rank=8, shapes=["qwen3-0.6b"], output_json=None
+        num_tokens=[1, 64], num_slots=4, rank=8, shapes=["qwen3-0.6b"], prefill_tokens=256, output_json=None
     )
     report = bench_lora.main(args)
     assert [row["num_tokens"] for row in report["rows"]] == [1, 64]
-    assert all(row["bgmv_ms"] > 0 and row["sgmv_ms"] > 0 and row["torch_ms"] > 0 for row in report["rows"])
+    paths = ("bgmv_ms", "sgmv_ms", "decode_ms", "torch_ms")
+    assert all(row[path] > 0 for row in report["rows"] for path in paths)
+    prefill = report["prefill_rows"]
+    assert [row["projection"] for row in prefill] == ["qkv", "o", "gate_up", "down"]
+    assert all(row["sgmv_first_ms"] > 0 and row["sgmv_ms"] > 0 and row["bgmv_ms"] > 0 for row in prefill)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from pagedllm.attention.backends.triton_invariant_backend import invariant_launch
@@ -15,7 +16,7 @@ from pagedllm.kernels.triton.activation import silu_and_mul
 from pagedllm.kernels.triton.batch_invariant_matmul import batch_invariant_matmul
 from pagedllm.kernels.triton.fused_moe import fused_moe
 from pagedllm.kernels.triton.lora import lora_shrink_expand
-from pagedllm.kernels.triton.lora_sgmv import lora_sgmv_shrink_expand, plan_segments
+from pagedllm.kernels.triton.lora_sgmv import SegmentBuffer, lora_sgmv_shrink_expand, plan_segments
 from pagedllm.kernels.triton.paged_decode import paged_decode
 from pagedllm.kernels.triton.paged_prefill import paged_prefill
 from pagedllm.kernels.triton.quant_gemm import _fp8_quant_kernel, fp8_block_gemm, w4a16_gemm
@@ -205,9 +206,13 @@ def lora() -> None:
                 if num_tokens <= 64:  # BGMV (decode): narrow and wide expand tiles
                     slots = torch.zeros(num_tokens, dtype=torch.int64)
                     lora_shrink_expand(y, x, *weights, slots, 8, rank, starts)
-                # SGMV (prefill): BLOCK_M 16 (5 and 64 tokens), 32 (12000) and 64 (20000).
+                # SGMV (prefill): BLOCK_M 16 (5, 64 and 12000 tokens: K split for the first two)
+                # and 64 (20000), unsplit.
                 plan = plan_segments(torch.arange(num_tokens).numpy() % 8, 8, CPU)
                 lora_sgmv_shrink_expand(y, x, *weights, plan, 8, rank, starts)
+                if num_tokens == 64:  # SGMV (decode): a grid fixed by the token count
+                    plan = SegmentBuffer(num_tokens, 8, CPU).plan(np.zeros(num_tokens), 16, fixed_grid=True)
+                    lora_sgmv_shrink_expand(y, x, *weights, plan, 8, rank, starts)
 
 
 def batch_invariant() -> None:

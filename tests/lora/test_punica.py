@@ -1,6 +1,6 @@
 """The batched LoRA product (pagedllm/lora/punica.py) against the per-token formula it stands for,
 ``y[t] += (x[t] @ A[s(t)]^T) @ B[s(t)]^T``, computed one token at a time; and the per-token
-adapter ids of a step."""
+adapter ids of a step; the kernels' warm-up when a model is wrapped."""
 
 from __future__ import annotations
 
@@ -60,3 +60,31 @@ def test_stacked_masked_product_equals_each_tokens_own_adapter(num_slices):
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
     # Tokens without an adapter are left exactly as they were.
     assert torch.equal(y[slots == NO_SLOT], expected[slots == NO_SLOT])
+
+
+def test_the_manager_warms_up_each_distinct_projection_once_at_load(make_tiny_model, monkeypatch):
+    """With the kernels, wrapping a model compiles SGMV's variants for q/k/v, o, gate/up and down
+    (every layer's projection of a kind is the same shape): once each, on the wrapper's own slot
+    buffers."""
+    import functools
+
+    from transformers import LlamaConfig
+
+    from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
+    from pagedllm.kernels.triton import lora_sgmv
+    from pagedllm.lora import model_manager
+    from pagedllm.lora.config import LoRAConfig
+    from pagedllm.model_loader import get_model
+
+    _, model_config = make_tiny_model(LlamaConfig, num_attention_heads=4, num_key_value_heads=2)
+    model = get_model(model_config, "auto", torch.device("cpu"), TorchAttentionBackend)
+    calls = []
+    monkeypatch.setattr(lora_sgmv, "warm_up", lambda lora_a, lora_b, *args: calls.append((lora_a, args)))
+    monkeypatch.setattr(model_manager, "LoRABatch", functools.partial(LoRABatch, use_kernels=True))
+    config = LoRAConfig(max_loras=2, max_lora_rank=8)
+    manager = model_manager.LoRAModelManager(model, config, model_config.hf_config, 16, torch.device("cpu"))
+    assert model_config.hf_config.num_hidden_layers > 1
+    assert len(manager.wrappers) == 4 * model_config.hf_config.num_hidden_layers
+    first_layer = manager.wrappers[:4]  # q/k/v, o, gate/up, down of layer 0, in model order
+    assert len(calls) == 4 and all(lora_a is w.lora_a for (lora_a, _), w in zip(calls, first_layer))
+    assert [args for _, args in calls] == [(2, 8, w.slice_starts) for w in first_layer]

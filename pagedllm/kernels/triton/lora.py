@@ -27,11 +27,15 @@ bound on one SM while the rest idle. ``SPLIT_K`` is picked so the launch has abo
 
 Launched with programmatic dependent launch on Hopper (``pdl.py``): the expand is scheduled while
 the shrink runs, and the projection's next kernel while the expand does; each waits on the device.
+The expand reads its token's slot and B before it waits (the one exception to ``pdl.py``'s rule,
+and a safe one: both are copied in before the step and no kernel writes them), so at batch 1 its
+weight read overlaps the shrink instead of following it.
 
 Bound: memory. A token reads ``n*R*in + out*R`` weight elements (its own adapter's: work does
 not grow with the number of slots, unlike the torch path's masked product) and writes
 ``n*R*SPLIT_K + out``; FLOPs ``2*(n*R*in + out*R)``. Tokens of one adapter re-read its weights
-(L2 serves them within a step); SGMV (``lora_sgmv.py``) groups them, for steps with prefills.
+(L2 serves them within a step); SGMV (``lora_sgmv.py``) groups them, for prefill steps and for
+decode steps of 16 tokens or more: the engine runs BGMV for the smaller decode steps.
 """
 
 from __future__ import annotations
@@ -115,17 +119,25 @@ def _lora_expand_kernel(
     BLOCK_O: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
-    wait_for_prior_kernel(USE_GDC)
+    # Before the wait: the token's slot and its adapter's B, which the step's kernels never write
+    # (both are copied in before the step starts), so that under programmatic dependent launch the
+    # weight read overlaps the shrink this expand waits for (at batch 1 the whole expand is little
+    # more than that read's latency). h and y are read after it.
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token)
-    if slot < 0:
-        return
     offs_o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     o_mask = offs_o < out_features
     slice_index = (offs_o >= slice1_start).to(tl.int32) + (offs_o >= slice2_start).to(tl.int32)
     offs_r = tl.arange(0, BLOCK_R)
     r_mask = offs_r < RANK
     mask = o_mask[:, None] & r_mask[None, :]
+    b_cols = (slice_index[:, None] * num_slots + slot) * RANK + offs_r[None, :]
+    b_ptrs = b_ptr + offs_o[:, None].to(tl.int64) * stride_b + b_cols
+    has_slot = (tl.zeros([BLOCK_O, BLOCK_R], tl.int64) + slot) >= 0
+    b = tl.load(b_ptrs, mask=mask & has_slot, other=0.0).to(tl.float32)
+    wait_for_prior_kernel(USE_GDC)
+    if slot < 0:
+        return
     # h of each slice: the sum of its split-K partials [BLOCK_S, BLOCK_R], spread over the rows
     # of that slice.
     offs_s = tl.arange(0, BLOCK_S)
@@ -138,8 +150,6 @@ def _lora_expand_kernel(
             other=0.0,
         )
         h = tl.where((slice_index == i)[:, None], tl.sum(partials, axis=0)[None, :], h)
-    b_cols = (slice_index[:, None] * num_slots + slot) * RANK + offs_r[None, :]
-    b = tl.load(b_ptr + offs_o[:, None].to(tl.int64) * stride_b + b_cols, mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(b * h, axis=1)
     y_ptrs = y_ptr + token * stride_y + offs_o
     y = tl.load(y_ptrs, mask=o_mask, other=0.0).to(tl.float32)
