@@ -192,13 +192,13 @@ class EagleProposer(DraftModelRunner):
         verified); after its last scheduled token it is the next prompt token (a chunk mid-
         prompt: on the host) or, at P - 1 of a request that gained tokens, its newest token.
         """
-        metadata = model_input.attn_metadata
-        assert model_input.req_rows is not None
-        step_rows = model_input.req_rows
+        step_rows, query_start_loc = model_input.req_rows, model_input.req_query_start_loc
+        assert step_rows is not None and query_start_loc is not None
         num_reqs = len(step_rows)
-        ends = metadata.query_start_loc_cpu[1 : num_reqs + 1].numpy().astype(np.int64)
-        # Sliding-window targets are refused: seq_len is the position after the last scheduled token.
-        after_last = metadata.seq_lens_cpu[:num_reqs].numpy().astype(np.int64)
+        ends = query_start_loc[1:]
+        # The position after each request's last scheduled token (the batch's computed tokens are
+        # those before the step).
+        after_last = self.batch.num_computed_tokens[step_rows] + np.diff(query_start_loc)
         next_ids = torch.roll(input_ids, -1)
         # Prompt chunks that end before the prompt does (few per step): the next prompt token.
         chunks = np.flatnonzero(~np.isin(step_rows, rows))
