@@ -164,17 +164,28 @@ class EagleProposer(DraftModelRunner):
         rows, tokens, hidden = rows[:num_reqs], tokens[:num_reqs], hidden[:num_reqs]
         drafts = torch.empty((num_reqs, self.num_speculative_tokens), dtype=torch.int64, device=self.device)
         drafts[:, 0] = tokens
-        newest = self.batch.num_tokens[rows] - 1  # position P of each request's newest token
-        if self.num_speculative_tokens > 1:
-            table = self._scratch_table(rows, newest)
-            device_table = to_device(table, self.device, torch.int32)
-            for j in range(1, self.num_speculative_tokens):
-                step_positions, step_metadata = self._one_token_step(table, device_table, newest + j - 1)
-                with set_forward_context(step_metadata):
-                    out, hidden = self.model(self.embed(tokens), step_positions, hidden)
-                tokens = self._greedy(out)
-                drafts[:, j] = tokens
+        if self.num_proposal_steps:
+            inputs = self._proposal_inputs(rows, self.num_proposal_steps)
+            drafts[:, 1:] = self._run_proposals(tokens, hidden, inputs)
         return self._by_request(rows, drafts)
+
+    def _step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One head step (``ProposalStep``): the draft after ``tokens``, beside the head's previous
+        output ``hidden`` (pre-norm), and its own output for the next step."""
+        assert self.model is not None
+        out, hidden = self.model(self.embed(tokens), positions, hidden)
+        return self._greedy(out), hidden
+
+    @property
+    def num_proposal_steps(self) -> int:
+        """Head steps per proposal loop: the first draft comes from the pass over the step's tokens."""
+        return self.num_speculative_tokens - 1
+
+    @property
+    def proposal_hidden(self) -> tuple[int, torch.dtype]:
+        return self.model_config.hidden_size, self.model_config.dtype
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows] argmax tokens, as target ids."""

@@ -21,7 +21,7 @@ from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step_io import ModelRunnerOutput, NewRequestData, PromptLogprobsOutput, SchedulerOutput
 from pagedllm.worker.cpu_compile import CompiledDecode
-from pagedllm.worker.cuda_graph import CudaGraphRunner, graph_capture_sizes
+from pagedllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes, graph_capture_sizes
 from pagedllm.worker.eagle import make_drafter
 from pagedllm.worker.grammar_ranks import grammar_constraint
 from pagedllm.worker.input_batch import InputBatch
@@ -242,6 +242,8 @@ class ModelRunner:
             self.lora_manager.prepare_capture()
         self.graph_runner = CudaGraphRunner(self.model, self.buffers, self.capture_sizes, self.max_model_len)
         self.graph_runner.capture()
+        if self.drafter is not None:  # its proposal loop, per number of proposing requests
+            self.drafter.capture_graphs(default_capture_sizes(self.config.scheduler_config.max_num_seqs))
 
     # --- the step ---------------------------------------------------------------------------
 
