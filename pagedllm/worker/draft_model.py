@@ -27,6 +27,9 @@ before P in it), and the proposal steps read through a block table whose entries
 on are the scratch blocks. Nothing real is written; the next step's ``prefill`` recomputes the
 draft's K/V of P .. P + k (the newest token and the drafts being verified) in the real slots.
 
+The k proposal steps run as one loop over inputs computed before it starts, replayed from a CUDA
+graph per number of proposing requests where graphs are on (worker/proposal_graphs.py).
+
 Drafts are argmax tokens, a point mass: rejection sampling against them is lossless with the
 verifier the n-gram method uses (sample/rejection_sampler.py), whatever the draft proposes; a
 wrong or stale draft costs acceptance, never correctness.

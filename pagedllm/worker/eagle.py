@@ -19,7 +19,9 @@ token at p + 1, and predicts the token at p + 2::
     k - 1 head steps                   d_j at position P + j - 2 beside the head's own previous
                                        output (pre-norm), through scratch blocks -> d_j+1
 
-so the first draft costs no extra head step (vLLM's EAGLE proposer does the same). Positions past
+so the first draft costs no extra head step (vLLM's EAGLE proposer does the same). The k - 1 head
+steps are the draft model's proposal loop with the head's step, replayed from a CUDA graph where
+graphs are on (worker/proposal_graphs.py). Positions past
 P - 1 of a verified row hold rejected drafts: their head K/V is garbage that the next step
 rewrites, as the target's.
 
