@@ -189,6 +189,30 @@ def test_verifications_run_as_decodes_and_keep_windows_and_sinks(
     assert llm.llm_engine.scheduler.spec_decoding.num_accepted_tokens > 0
 
 
+@pytest.mark.slow
+def test_adapters_follow_their_requests_through_expanded_verifications(
+    tiny_llama, make_adapter, peft_merged, hf_greedy_tokens
+):
+    """With LoRA, each token of a verification expanded into decodes carries its request's adapter."""
+    from pagedllm.lora.request import LoRARequest
+
+    hf_model, model_config = tiny_llama
+    lora = LoRARequest("adapter", 1, make_adapter(hf_model, 8, ["q_proj", "v_proj", "down_proj"], alpha=32.0))
+    prompts = mixed_prompts(4, model_config.vocab_size, seed=7)
+    choices = [lora, None, lora, None]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm = make_llm(model_config, block_size=4, enable_lora=True, max_lora_rank=8, speculative_config=NGRAM)
+    outputs = llm.generate(
+        prompt_token_ids=prompts, sampling_params=params, lora_request=choices, use_tqdm=False
+    )
+    merged = peft_merged(hf_model, lora.lora_path)
+    for prompt, choice, output in zip(prompts, choices, outputs):
+        reference = merged if choice else hf_model
+        assert output.outputs[0].token_ids == hf_greedy_tokens(reference, prompt, 16)
+    assert outputs[0].outputs[0].token_ids != hf_greedy_tokens(hf_model, prompts[0], 16)
+    assert llm.llm_engine.scheduler.spec_decoding.num_accepted_tokens > 0
+
+
 def test_preemption_and_prefix_caching_with_ngram_change_no_output(tiny_llama):
     _, model_config = tiny_llama
     shared = mixed_prompts(1, model_config.vocab_size, seed=3)[0][:12]
