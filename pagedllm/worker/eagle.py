@@ -21,9 +21,8 @@ token at p + 1, and predicts the token at p + 2::
 
 so the first draft costs no extra head step (vLLM's EAGLE proposer does the same). The k - 1 head
 steps are the draft model's proposal loop with the head's step, replayed from a CUDA graph where
-graphs are on (worker/proposal_graphs.py). Positions past
-P - 1 of a verified row hold rejected drafts: their head K/V is garbage that the next step
-rewrites, as the target's.
+graphs are on (worker/proposal_graphs.py). Positions past P - 1 of a verified row hold rejected
+drafts: their head K/V is garbage that the next step rewrites, as the target's.
 
 **The target's hidden states.** EAGLE reads the target's last hidden state (after its final norm):
 what the forward pass returns. EAGLE-3 reads the residual stream entering three of its layers
