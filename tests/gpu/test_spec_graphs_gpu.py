@@ -32,7 +32,16 @@ MODELS = {
     "llama": (LlamaConfig, {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}),
     "phi3-window16": (
         Phi3Config,
-        {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "sliding_window": 16},
+        {
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "sliding_window": 16,
+            # Special tokens inside the tiny vocabulary (Phi-3's defaults are its tokenizer's).
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
     ),
 }
 
