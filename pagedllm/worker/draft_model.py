@@ -50,8 +50,14 @@ from pagedllm.config import EngineConfig
 from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import to_device
-from pagedllm.worker.proposal_graphs import ProposalGraphs, ProposalInputs, eager_steps, run_steps
-from pagedllm.worker.step_inputs import ModelInput, compute_slot_mapping
+from pagedllm.worker.proposal_graphs import (
+    ProposalGraphs,
+    ProposalInputs,
+    eager_steps,
+    proposal_inputs,
+    run_steps,
+)
+from pagedllm.worker.step_inputs import ModelInput
 
 
 def scratch_blocks_per_request(block_size: int, num_speculative_tokens: int) -> int:
@@ -200,19 +206,22 @@ class DraftModelRunner:
     def capture_graphs(self, capture_sizes: list[int]) -> None:
         """Capture the proposal loop per number of proposing requests (worker/proposal_graphs.py),
         over the bound cache; more requests than the largest size propose eagerly."""
-        if not self.num_proposal_steps:
-            return
-        width = self.batch.block_table.shape[1] + self.scratch_per_request
-        self.graphs = ProposalGraphs(
+        if self.num_proposal_steps:
+            self.graphs = self.proposal_graphs(capture_sizes)
+            self.graphs.capture()
+
+    def proposal_graphs(self, capture_sizes: list[int]) -> ProposalGraphs:
+        """The proposal loop's static buffers for up to ``max(capture_sizes)`` requests, before any
+        capture (without one, the loop runs on them eagerly)."""
+        return ProposalGraphs(
             self._step,
             self.num_proposal_steps,
             capture_sizes,
             self.proposal_hidden,
-            width,
+            self.batch.block_table.shape[1] + self.scratch_per_request,
             self.max_model_len,
             self.device,
         )
-        self.graphs.capture()
 
     def _run_proposals(
         self, tokens: torch.Tensor, hidden: torch.Tensor | None, inputs: ProposalInputs
@@ -232,16 +241,11 @@ class DraftModelRunner:
         return {req_ids[row]: ids for row, ids in zip(rows.tolist(), drafts.tolist())}
 
     def _proposal_inputs(self, rows: np.ndarray, num_steps: int) -> ProposalInputs:
-        """The loop's positions P .. P + num_steps - 1 per request (P its newest token's; past
-        max_model_len clamped: the scheduler cuts those drafts anyway), their slots through the
-        scratch tables, and their lengths."""
+        """The loop's inputs for the requests in batch ``rows``, from their newest tokens'
+        positions P, through their scratch tables."""
         newest = self.batch.num_tokens[rows] - 1
         table = self._scratch_table(rows, newest)
-        positions = np.minimum(newest + np.arange(num_steps)[:, None], self.max_model_len - 1)
-        slot_mapping = compute_slot_mapping(
-            np.tile(table, (num_steps, 1)), positions.reshape(-1), self.block_size
-        ).reshape(positions.shape)
-        return ProposalInputs(positions, slot_mapping, (positions + 1).astype(np.int32), table)
+        return proposal_inputs(table, newest, num_steps, self.block_size, self.max_model_len)
 
     def _scratch_table(self, rows: np.ndarray, newest: np.ndarray) -> np.ndarray:
         """[num_reqs, width] int32 block tables for the proposal steps: the requests' own up to the

@@ -35,6 +35,7 @@ import torch
 from pagedllm.attention import set_forward_context
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.worker.input_buffers import to_device
+from pagedllm.worker.step_inputs import compute_slot_mapping
 
 # step(tokens [B], positions [B], hidden [B, H] or None) -> (argmax tokens [B], next hidden or None),
 # run under the step's forward context.
@@ -54,6 +55,19 @@ class ProposalInputs:
     @property
     def num_steps(self) -> int:
         return self.positions.shape[0]
+
+
+def proposal_inputs(
+    block_tables: np.ndarray, newest: np.ndarray, num_steps: int, block_size: int, max_model_len: int
+) -> ProposalInputs:
+    """block_tables: [B, W] the requests' scratch tables; newest: [B] the position P of each one's
+    newest token. Step s of request b is at P + s (clamped below max_model_len: the scheduler
+    cuts drafts past it anyway), writes its slot through the table and reads P + s + 1 tokens."""
+    positions = np.minimum(newest + np.arange(num_steps)[:, None], max_model_len - 1)
+    slot_mapping = compute_slot_mapping(
+        np.tile(block_tables, (num_steps, 1)), positions.reshape(-1), block_size
+    ).reshape(positions.shape)
+    return ProposalInputs(positions, slot_mapping, (positions + 1).astype(np.int32), block_tables)
 
 
 def run_steps(

@@ -10,7 +10,13 @@ import numpy as np
 import torch
 
 from pagedllm.attention.forward_context import get_forward_context
-from pagedllm.worker.proposal_graphs import ProposalGraphs, ProposalInputs, eager_steps, run_steps
+from pagedllm.worker.proposal_graphs import (
+    ProposalGraphs,
+    ProposalInputs,
+    eager_steps,
+    proposal_inputs,
+    run_steps,
+)
 
 CPU = torch.device("cpu")
 MAX_MODEL_LEN = 64
@@ -46,6 +52,20 @@ def inputs() -> ProposalInputs:
         seq_lens=(positions + 1).astype(np.int32),
         block_tables=np.array([[3, 7, 0], [4, 9, 2]], dtype=np.int32),
     )
+
+
+def test_proposal_inputs_walk_each_request_from_its_newest_position():
+    # Block size 4. Request 0: P = 6, table [3, 8 (scratch), 9 (scratch)]: positions 6, 7, 8 in
+    # slots 8 * 4 + 2, 8 * 4 + 3, 9 * 4 + 0. Request 1: P = 61 near max_model_len 63: positions 61,
+    # 62, then 62 again (clamped), through its table's column 15.
+    tables = np.zeros((2, 17), dtype=np.int32)
+    tables[0, :3] = [3, 8, 9]
+    tables[1, 15] = 20
+    inputs = proposal_inputs(tables, np.array([6, 61]), 3, 4, 63)
+    assert inputs.positions.tolist() == [[6, 61], [7, 62], [8, 62]]
+    assert inputs.slot_mapping.tolist() == [[34, 81], [35, 82], [36, 82]]
+    assert inputs.seq_lens.tolist() == [[7, 62], [8, 63], [9, 63]] and inputs.seq_lens.dtype == np.int32
+    assert inputs.num_steps == 3 and inputs.block_tables is tables
 
 
 def test_the_static_loop_sees_the_eager_inputs_and_pads_with_rows_that_write_nothing():
