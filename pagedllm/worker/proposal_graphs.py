@@ -26,6 +26,8 @@ on per-step metadata built from the host arrays.
 from __future__ import annotations
 
 import bisect
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,9 +39,11 @@ from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.worker.input_buffers import to_device
 from pagedllm.worker.step_inputs import compute_slot_mapping
 
+logger = logging.getLogger(__name__)
+
+MaybeTensor = torch.Tensor | None
 # step(tokens [B], positions [B], hidden [B, H] or None) -> (argmax tokens [B], next hidden or None),
 # run under the step's forward context.
-MaybeTensor = torch.Tensor | None
 ProposalStep = Callable[[torch.Tensor, torch.Tensor, MaybeTensor], tuple[torch.Tensor, MaybeTensor]]
 
 
@@ -186,6 +190,7 @@ class ProposalGraphs:
     def capture(self) -> None:
         """One graph per capture size, largest first (the smaller ones reuse its pool memory), over
         dummy rows: slot -1 writes nothing, length 1 reads block 0 only."""
+        start = time.perf_counter()
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
         pool = torch.cuda.graph_pool_handle()
@@ -198,6 +203,13 @@ class ProposalGraphs:
                 self._run(batch_size)
             self._graphs[batch_size] = graph
         torch.cuda.synchronize()
+        logger.info(
+            "captured %d CUDA graphs of %d proposal steps (up to %d requests) in %.1f s",
+            len(self._graphs),
+            self.positions.shape[0],
+            self.max_batch_size,
+            time.perf_counter() - start,
+        )
 
     def run(self, tokens: torch.Tensor, hidden: torch.Tensor | None, inputs: ProposalInputs) -> torch.Tensor:
         """tokens: [B] and hidden: [B, H] (device), B <= ``max_batch_size``. Copies them and the
