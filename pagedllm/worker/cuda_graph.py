@@ -30,12 +30,26 @@ from pagedllm.worker.input_buffers import InputBuffers
 logger = logging.getLogger(__name__)
 
 
+# With speculative decoding a step's verifications are decodes, one per token (batch expansion,
+# worker/step_inputs.py): up to max_num_seqs * (k + 1) of them. Graphs are captured for up to this
+# many (vLLM's default largest capture size) or max_num_seqs if more: a step past it is
+# compute-bound, where launching kernels one by one costs little, and runs eagerly.
+MAX_EXPANDED_CAPTURE_SIZE = 512
+
+
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every 16 up to max_num_seqs: padding wastes at most 15 rows."""
     sizes = [s for s in (1, 2, 4, 8) if s <= max_num_seqs] + list(range(16, max_num_seqs + 1, 16))
     if sizes[-1] != max_num_seqs:
         sizes.append(max_num_seqs)
     return sizes
+
+
+def graph_capture_sizes(max_num_seqs: int, max_num_step_seqs: int) -> list[int]:
+    """Capture sizes for decode steps of up to ``max_num_step_seqs`` sequences (more than
+    ``max_num_seqs`` when verifications are expanded): up to ``max_num_seqs``, and past it up to
+    ``MAX_EXPANDED_CAPTURE_SIZE``."""
+    return default_capture_sizes(max(max_num_seqs, min(max_num_step_seqs, MAX_EXPANDED_CAPTURE_SIZE)))
 
 
 class CudaGraphRunner:

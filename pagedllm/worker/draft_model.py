@@ -27,6 +27,9 @@ before P in it), and the proposal steps read through a block table whose entries
 on are the scratch blocks. Nothing real is written; the next step's ``prefill`` recomputes the
 draft's K/V of P .. P + k (the newest token and the drafts being verified) in the real slots.
 
+The k proposal steps run as one loop over inputs computed before it starts, replayed from a CUDA
+graph per number of proposing requests where graphs are on (worker/proposal_graphs.py).
+
 Drafts are argmax tokens, a point mass: rejection sampling against them is lossless with the
 verifier the n-gram method uses (sample/rejection_sampler.py), whatever the draft proposes; a
 wrong or stale draft costs acceptance, never correctness.
@@ -47,7 +50,14 @@ from pagedllm.config import EngineConfig
 from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import to_device
-from pagedllm.worker.step_inputs import ModelInput, compute_slot_mapping
+from pagedllm.worker.proposal_graphs import (
+    ProposalGraphs,
+    ProposalInputs,
+    eager_steps,
+    proposal_inputs,
+    run_steps,
+)
+from pagedllm.worker.step_inputs import ModelInput
 
 
 def scratch_blocks_per_request(block_size: int, num_speculative_tokens: int) -> int:
@@ -114,6 +124,8 @@ class DraftModelRunner:
         self.model: nn.Module | None = None
         self.cache_engine: CacheEngine | None = None
         self.first_scratch_block = 0  # the cache's real blocks come first (initialize_cache)
+        # The proposal loop's CUDA graphs (capture_graphs, with the target's); None: eager.
+        self.graphs: ProposalGraphs | None = None
 
     @property
     def block_bytes(self) -> int:
@@ -168,52 +180,72 @@ class DraftModelRunner:
         ``rows``, continuing each one's newest token (``last_token_ids``, on the device)."""
         assert self.model is not None and self.cache_engine is not None
         rows = rows[: self.max_num_proposals]
-        num_reqs, k = len(rows), self.num_speculative_tokens
-        if not num_reqs:
+        if not len(rows):
             return {}
-        batch = self.batch
-        newest = batch.num_tokens[rows] - 1  # position P of each request's newest token
-        table = self._scratch_table(rows, newest)
-        device_table = to_device(table, self.device, torch.int32)
-        tokens = batch.last_token_ids.index_select(0, to_device(rows, self.device))
-        drafts = torch.empty((num_reqs, k), dtype=torch.int64, device=self.device)
-        for j in range(k):
-            positions, metadata = self._one_token_step(table, device_table, newest + j)
-            with set_forward_context(metadata):
-                hidden = self.model(tokens, positions)
-            tokens = self.model.compute_logits(hidden).argmax(dim=-1)
-            drafts[:, j] = tokens
+        tokens = self.batch.last_token_ids.index_select(0, to_device(rows, self.device))
+        drafts = self._run_proposals(tokens, None, self._proposal_inputs(rows, self.num_speculative_tokens))
         return self._by_request(rows, drafts)
+
+    def _step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One proposal step (``ProposalStep``): the draft's argmax after ``tokens``."""
+        assert self.model is not None
+        return self.model.compute_logits(self.model(tokens, positions)).argmax(dim=-1), None
+
+    @property
+    def num_proposal_steps(self) -> int:
+        """One-token steps per proposal loop: all k drafts."""
+        return self.num_speculative_tokens
+
+    @property
+    def proposal_hidden(self) -> tuple[int, torch.dtype]:
+        """The hidden input a proposal step carries (size 0: none)."""
+        return 0, self.model_config.dtype
+
+    def capture_graphs(self, capture_sizes: list[int]) -> None:
+        """Capture the proposal loop per number of proposing requests (worker/proposal_graphs.py),
+        over the bound cache; more requests than the largest size propose eagerly."""
+        if self.num_proposal_steps:
+            self.graphs = self.proposal_graphs(capture_sizes)
+            self.graphs.capture()
+
+    def proposal_graphs(self, capture_sizes: list[int]) -> ProposalGraphs:
+        """The proposal loop's static buffers for up to ``max(capture_sizes)`` requests, before any
+        capture (without one, the loop runs on them eagerly)."""
+        return ProposalGraphs(
+            self._step,
+            self.num_proposal_steps,
+            capture_sizes,
+            self.proposal_hidden,
+            self.batch.block_table.shape[1] + self.scratch_per_request,
+            self.max_model_len,
+            self.device,
+        )
+
+    def _run_proposals(
+        self, tokens: torch.Tensor, hidden: torch.Tensor | None, inputs: ProposalInputs
+    ) -> torch.Tensor:
+        """The proposal loop from ``tokens`` [B] (and ``hidden`` [B, H]): [B, S] drafts (device),
+        replayed from a graph where one was captured for B requests."""
+        graphs = self.graphs
+        if graphs is not None and tokens.shape[0] <= graphs.max_batch_size:
+            return graphs.run(tokens, hidden, inputs)
+        drafts = torch.empty((tokens.shape[0], inputs.num_steps), dtype=torch.int64, device=self.device)
+        run_steps(self._step, tokens, hidden, eager_steps(inputs, self.device), drafts)
+        return drafts
 
     def _by_request(self, rows: np.ndarray, drafts: torch.Tensor) -> dict[int, list[int]]:
         """drafts: [num_reqs, k] (device) -> req_id -> its k drafts, on the host."""
         req_ids = self.batch.req_ids
         return {req_ids[row]: ids for row, ids in zip(rows.tolist(), drafts.tolist())}
 
-    def _one_token_step(
-        self, table: np.ndarray, device_table: torch.Tensor, positions: np.ndarray
-    ) -> tuple[torch.Tensor, AttentionMetadata]:
-        """A proposal step's positions (device) and attention metadata: one query token per request
-        at ``positions`` ([num_reqs]), through the scratch block ``table``."""
-        # Past max_model_len a position is clamped: its drafts are cut by the scheduler anyway.
-        positions = np.minimum(positions, self.max_model_len - 1)
-        num_reqs = len(positions)
-        query_start_loc = np.arange(num_reqs + 1, dtype=np.int32)
-        seq_lens = (positions + 1).astype(np.int32)
-        metadata = AttentionMetadata(
-            num_decodes=num_reqs,
-            num_prefills=0,
-            slot_mapping=to_device(compute_slot_mapping(table, positions, self.block_size), self.device),
-            query_start_loc=to_device(query_start_loc, self.device),
-            seq_lens=to_device(seq_lens, self.device),
-            block_tables=device_table,
-            max_query_len=1,
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=torch.from_numpy(query_start_loc),
-            seq_lens_cpu=torch.from_numpy(seq_lens),
-            min_decode_seq_len=int(seq_lens.min()),
-        )
-        return to_device(positions, self.device), metadata
+    def _proposal_inputs(self, rows: np.ndarray, num_steps: int) -> ProposalInputs:
+        """The loop's inputs for the requests in batch ``rows``, from their newest tokens'
+        positions P, through their scratch tables."""
+        newest = self.batch.num_tokens[rows] - 1
+        table = self._scratch_table(rows, newest)
+        return proposal_inputs(table, newest, num_steps, self.block_size, self.max_model_len)
 
     def _scratch_table(self, rows: np.ndarray, newest: np.ndarray) -> np.ndarray:
         """[num_reqs, width] int32 block tables for the proposal steps: the requests' own up to the

@@ -19,9 +19,10 @@ token at p + 1, and predicts the token at p + 2::
     k - 1 head steps                   d_j at position P + j - 2 beside the head's own previous
                                        output (pre-norm), through scratch blocks -> d_j+1
 
-so the first draft costs no extra head step (vLLM's EAGLE proposer does the same). Positions past
-P - 1 of a verified row hold rejected drafts: their head K/V is garbage that the next step
-rewrites, as the target's.
+so the first draft costs no extra head step (vLLM's EAGLE proposer does the same). The k - 1 head
+steps are the draft model's proposal loop with the head's step, replayed from a CUDA graph where
+graphs are on (worker/proposal_graphs.py). Positions past P - 1 of a verified row hold rejected
+drafts: their head K/V is garbage that the next step rewrites, as the target's.
 
 **The target's hidden states.** EAGLE reads the target's last hidden state (after its final norm):
 what the forward pass returns. EAGLE-3 reads the residual stream entering three of its layers
@@ -164,17 +165,28 @@ class EagleProposer(DraftModelRunner):
         rows, tokens, hidden = rows[:num_reqs], tokens[:num_reqs], hidden[:num_reqs]
         drafts = torch.empty((num_reqs, self.num_speculative_tokens), dtype=torch.int64, device=self.device)
         drafts[:, 0] = tokens
-        newest = self.batch.num_tokens[rows] - 1  # position P of each request's newest token
-        if self.num_speculative_tokens > 1:
-            table = self._scratch_table(rows, newest)
-            device_table = to_device(table, self.device, torch.int32)
-            for j in range(1, self.num_speculative_tokens):
-                step_positions, step_metadata = self._one_token_step(table, device_table, newest + j - 1)
-                with set_forward_context(step_metadata):
-                    out, hidden = self.model(self.embed(tokens), step_positions, hidden)
-                tokens = self._greedy(out)
-                drafts[:, j] = tokens
+        if self.num_proposal_steps:
+            inputs = self._proposal_inputs(rows, self.num_proposal_steps)
+            drafts[:, 1:] = self._run_proposals(tokens, hidden, inputs)
         return self._by_request(rows, drafts)
+
+    def _step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One head step (``ProposalStep``): the draft after ``tokens``, beside the head's previous
+        output ``hidden`` (pre-norm), and its own output for the next step."""
+        assert self.model is not None
+        out, hidden = self.model(self.embed(tokens), positions, hidden)
+        return self._greedy(out), hidden
+
+    @property
+    def num_proposal_steps(self) -> int:
+        """Head steps per proposal loop: the first draft comes from the pass over the step's tokens."""
+        return self.num_speculative_tokens - 1
+
+    @property
+    def proposal_hidden(self) -> tuple[int, torch.dtype]:
+        return self.model_config.hidden_size, self.model_config.dtype
 
     def _greedy(self, hidden: torch.Tensor) -> torch.Tensor:
         """[num_rows, hidden] -> [num_rows] argmax tokens, as target ids."""
@@ -192,13 +204,13 @@ class EagleProposer(DraftModelRunner):
         verified); after its last scheduled token it is the next prompt token (a chunk mid-
         prompt: on the host) or, at P - 1 of a request that gained tokens, its newest token.
         """
-        metadata = model_input.attn_metadata
-        assert model_input.req_rows is not None
-        step_rows = model_input.req_rows
+        step_rows, query_start_loc = model_input.req_rows, model_input.req_query_start_loc
+        assert step_rows is not None and query_start_loc is not None
         num_reqs = len(step_rows)
-        ends = metadata.query_start_loc_cpu[1 : num_reqs + 1].numpy().astype(np.int64)
-        # Sliding-window targets are refused: seq_len is the position after the last scheduled token.
-        after_last = metadata.seq_lens_cpu[:num_reqs].numpy().astype(np.int64)
+        ends = query_start_loc[1:]
+        # The position after each request's last scheduled token (the batch's computed tokens are
+        # those before the step).
+        after_last = self.batch.num_computed_tokens[step_rows] + np.diff(query_start_loc)
         next_ids = torch.roll(input_ids, -1)
         # Prompt chunks that end before the prompt does (few per step): the next prompt token.
         chunks = np.flatnonzero(~np.isin(step_rows, rows))

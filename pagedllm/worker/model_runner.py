@@ -21,14 +21,14 @@ from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step_io import ModelRunnerOutput, NewRequestData, PromptLogprobsOutput, SchedulerOutput
 from pagedllm.worker.cpu_compile import CompiledDecode
-from pagedllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes
+from pagedllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes, graph_capture_sizes
 from pagedllm.worker.eagle import make_drafter
 from pagedllm.worker.grammar_ranks import grammar_constraint
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import InputBuffers, to_device
 from pagedllm.worker.request_logits import RequestLogitsProcessors
 from pagedllm.worker.spec_decode import DraftVerifier, VerifiedSamples
-from pagedllm.worker.step_inputs import ModelInput, StepPlan, plan_step, stage_model_input
+from pagedllm.worker.step_inputs import ModelInput, StepPlan, max_num_step_seqs, plan_step, stage_model_input
 
 
 class StepOutput:
@@ -125,13 +125,24 @@ class ModelRunner:
         self.use_cuda_graphs = (
             self.device.type == "cuda" and not config.enforce_eager and attn_backend.supports_cuda_graphs
         )
+        spec_config = config.speculative_config
+        # Verifications of drafts run as decodes, one per token (batch expansion,
+        # worker/step_inputs.py), so that they replay the decode graphs; not for a model with a
+        # recurrent state, which advances it token by token (EngineConfig refuses them anyway).
+        self.expand_verify = spec_config is not None and not config.model_config.has_recurrent_state
+        max_num_seqs = scheduler_config.max_num_seqs
+        max_num_attn_seqs = max_num_step_seqs(
+            max_num_seqs,
+            scheduler_config.max_num_batched_tokens,
+            spec_config.num_speculative_tokens if self.expand_verify else 0,
+        )
         self.capture_sizes = (
-            default_capture_sizes(scheduler_config.max_num_seqs) if self.use_cuda_graphs else []
+            graph_capture_sizes(max_num_seqs, max_num_attn_seqs) if self.use_cuda_graphs else []
         )
         max_blocks_per_req = -(-self.max_model_len // self.block_size)
         self.buffers = InputBuffers(
             max_num_tokens=max([scheduler_config.max_num_batched_tokens, *self.capture_sizes]),
-            max_num_seqs=scheduler_config.max_num_seqs,
+            max_num_seqs=max_num_attn_seqs,
             max_blocks_per_seq=max_blocks_per_req,
             device=self.device,
         )
@@ -150,7 +161,6 @@ class ModelRunner:
         self.logits_processors = RequestLogitsProcessors(self.input_batch, grammars)
         self.graph_runner: CudaGraphRunner | None = None
         self.compiled_decode: CompiledDecode | None = None
-        spec_config = config.speculative_config
         self.verifier = (
             None
             if spec_config is None
@@ -232,6 +242,8 @@ class ModelRunner:
             self.lora_manager.prepare_capture()
         self.graph_runner = CudaGraphRunner(self.model, self.buffers, self.capture_sizes, self.max_model_len)
         self.graph_runner.capture()
+        if self.drafter is not None:  # its proposal loop, per number of proposing requests
+            self.drafter.capture_graphs(default_capture_sizes(self.config.scheduler_config.max_num_seqs))
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -256,11 +268,13 @@ class ModelRunner:
             self.block_size,
             self.graph_runner,
             scheduler_output.scheduled_spec_decode_tokens,
+            self.expand_verify,
         )
         if self.lora_manager is not None:
+            # Per attention sequence: an expanded request's adapter on each of its tokens.
             self.lora_manager.prepare_step(
                 (data.lora_request for data in scheduler_output.scheduled_new_reqs),
-                self.input_batch.lora_int_ids[plan.rows],
+                self.input_batch.lora_int_ids[plan.seq_rows],
                 plan.query_start_loc,
                 plan.pad_to,
             )

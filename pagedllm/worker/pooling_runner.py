@@ -83,7 +83,7 @@ class PoolingModelRunner(ModelRunner):
         plan's order at ``query_start_loc``) into its state; finish those whose prompt ends here."""
         batch = self.input_batch
         completes = set(plan.sample_req_ids)  # the plan "samples" a request when its prompt ends
-        query_start_loc = plan.query_start_loc.tolist()
+        query_start_loc = plan.req_query_start_loc.tolist()
         pooled_ids: list[int] = []
         pooled: list[torch.Tensor] = []
         for i, row in enumerate(plan.rows.tolist()):

@@ -2,12 +2,13 @@
 forward pass that computed them.
 
 A request with k drafts was scheduled k + 1 tokens (its newest token, then the drafts) and went
-through the model like any prefill chunk; its k + 1 last hidden rows were scored
-(``step_inputs.verify_rows``). Row j's logits give the target's distribution for the token after
-position j, shaped exactly as the sampler shapes a sample (logit bias and allowed tokens, then
-penalties counting the drafts before j as outputs, min_tokens bans counting them too,
-temperature, top-k, top-p, min-p: ``sampler.sampling_distribution``), and the rejection sampler
-(``sample/rejection_sampler.py``) accepts a prefix of the drafts and draws one token more.
+through the model as k + 1 decode sequences (batch expansion: ``step_inputs.expand_decodes``,
+under the decode CUDA graphs); its k + 1 hidden rows were scored (``step_inputs.verify_rows``).
+Row j's logits give the target's distribution for the token after position j, shaped exactly as
+the sampler shapes a sample (logit bias and allowed tokens, then penalties counting the drafts
+before j as outputs, min_tokens bans counting them too, temperature, top-k, top-p, min-p:
+``sampler.sampling_distribution``), and the rejection sampler (``sample/rejection_sampler.py``)
+accepts a prefix of the drafts and draws one token more.
 
 The emitted tokens are copied to the host before the step returns: the persistent batch needs
 their number to know each row's length, and the scheduler needs them before it can draft again

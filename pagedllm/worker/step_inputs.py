@@ -6,6 +6,15 @@ function of per-request arrays, tested on its own (tests/worker/test_step_inputs
 
 - ``order_decodes_first``: requests with one new token go first, so that a backend can run them
   through a decode kernel and a step of decodes only can replay a captured CUDA graph;
+- ``expand_decodes``: batch expansion (speculative decoding): a request verifying k drafts, its
+  newest token and the drafts at positions p .. p + k, goes to attention as k + 1 decode sequences,
+  sequence i a query at p + i over a context of p + i + 1 tokens through the request's block table.
+  A step writes every token's K/V into the cache before attention reads it, so sequence i sees
+  the K/V of tokens p .. p + i - 1 of the same step: causal attention within the verified tokens,
+  exactly as a prefill chunk computes it. A step of decodes and verifications is then a decode step
+  of sum(k + 1) sequences, which replays a captured CUDA graph (Leviathan et al. 2023's parallel
+  scoring; vLLM v0's "batch expansion" scorer). Hidden states stay in token order: only
+  attention's sequences change, not the tokens, their positions, slots or scored rows;
 - ``compute_query_start_loc``, ``compute_seq_lens``: the CSR offsets of each request's new tokens,
   and its context length after the step as the cache holds it;
 - ``token_positions``: each token's position and its request's index in the step;
@@ -20,6 +29,10 @@ function of per-request arrays, tested on its own (tests/worker/test_step_inputs
   (speculative decoding: its newest token and each draft, whose logits score the draft after it),
   then each prompt token a request asked logprobs for;
 - ``graph_padding``: a step of decodes only is padded to the next captured graph's batch size.
+
+Requests and attention's sequences differ only under batch expansion: ``StepPlan.rows`` and
+``req_query_start_loc`` are the requests', ``seq_rows``, ``query_start_loc``, ``seq_lens``,
+``num_decodes`` and ``max_query_len`` attention's.
 
 ``stage_model_input`` then writes the plan into ``InputBuffers``: on a GPU each array costs one
 asynchronous copy from pinned memory into a tensor at a fixed address (no allocation, no host
@@ -63,8 +76,10 @@ class ModelInput:
     graph_num_seqs: int | None = None
     # Requests verifying drafts, whose rows follow the sample rows; None when there are none.
     verify: VerifyRows | None = None
-    # [num_reqs] the batch row of each request, in step order (an EAGLE head's inputs need it).
+    # [num_reqs] the batch row of each request, in step order, and [num_reqs + 1] the CSR offsets
+    # of their tokens (an EAGLE head's inputs need them; attention's sequences may split a request).
     req_rows: np.ndarray | None = None
+    req_query_start_loc: np.ndarray | None = None
 
     @property
     def num_verify_rows(self) -> int:
@@ -97,35 +112,44 @@ class VerifyRows:
 @dataclass
 class StepPlan:
     """A step's inputs on the host, in batch order (decodes first). Arrays of tokens are
-    [num_tokens], of requests [num_reqs], unpadded except ``query_start_loc`` under a graph."""
+    [num_tokens], of requests [num_reqs], of attention's sequences [num_seqs] (the requests, but
+    one per token of a request expanded into decodes: ``expand_decodes``), unpadded except
+    ``query_start_loc`` under a graph."""
 
     rows: np.ndarray  # batch row of each request
-    num_decodes: int
+    req_query_start_loc: np.ndarray  # int64 [num_reqs + 1]: CSR offsets of each request's tokens
+    seq_rows: np.ndarray  # batch row of each sequence (its request's)
+    num_decodes: int  # sequences of one query token, first
     max_query_len: int
     input_ids: np.ndarray  # int64, 0 where the device holds the token
     device_input_index: np.ndarray  # token index of each input read from last_token_ids
     device_input_rows: np.ndarray  # ... and the batch row it is read from
     positions: np.ndarray  # int64
     slot_mapping: np.ndarray  # int64
-    query_start_loc: np.ndarray  # int32 [num_reqs + 1], or [pad_to + 1] when a graph replays
-    seq_lens: np.ndarray  # int32
+    query_start_loc: np.ndarray  # int32 [num_seqs + 1], or [pad_to + 1] when a graph replays
+    seq_lens: np.ndarray  # int32 [num_seqs]
     logits_indices: np.ndarray  # int64: sample rows, then prompt logprob rows
     samples: SampleRows
     sample_req_ids: list[int]
     prompt_logprob_requests: list[tuple[int, int, list[int]]]
     pad_to: int  # rows of the captured graph's batch size the step replays, 0 when eager
-    state_slots: np.ndarray  # int64 recurrent-state row of each request (-1: none)
+    state_slots: np.ndarray  # int64 recurrent-state row of each sequence (-1: none)
     verify: VerifyRows | None = None
 
 
 # --- the pieces: pure functions of per-request arrays ------------------------------------------
 
 
-def order_decodes_first(query_lens: np.ndarray) -> tuple[np.ndarray | None, int]:
-    """query_lens: [num_reqs] new tokens per request. Returns the permutation that puts the
-    requests with one new token first, each group in its own order (None when all are decodes or
-    none is), and the number of decodes."""
+def order_decodes_first(
+    query_lens: np.ndarray, num_drafts: np.ndarray | None = None
+) -> tuple[np.ndarray | None, int]:
+    """query_lens: [num_reqs] new tokens per request; num_drafts: [num_reqs] drafts among them
+    when verifying requests are expanded into decodes (``expand_decodes``), else None. Returns the
+    permutation that puts the decodes (one new token, or drafts to verify) first, each group in
+    its own order (None when all are decodes or none is), and the number of decode requests."""
     is_decode = query_lens == 1
+    if num_drafts is not None:
+        is_decode |= num_drafts > 0
     num_decodes = int(is_decode.sum())
     if 0 < num_decodes < len(query_lens):
         return np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)]), num_decodes
@@ -138,6 +162,34 @@ def compute_query_start_loc(query_lens: np.ndarray) -> np.ndarray:
     query_start_loc = np.zeros(len(query_lens) + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
     return query_start_loc
+
+
+def expand_decodes(
+    query_start_loc: np.ndarray, seq_lens: np.ndarray, num_decode_reqs: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Batch expansion: every token of the first ``num_decode_reqs`` requests becomes a decode
+    sequence (see the module docstring); the requests after them stay one sequence each.
+
+    query_start_loc: [num_reqs + 1] the requests' CSR offsets; seq_lens: [num_reqs] their contexts
+    after the step. Returns ``(seq_index, query_start_loc, seq_lens)`` of the sequences: each
+    one's request (whose block table row it reads), [num_seqs + 1] offsets and [num_seqs] contexts.
+    Token t of request r is its query's (end_r - 1 - t)-th token from the last, so its context
+    ends that many tokens before r's::
+
+        request r: 3 tokens at positions 7, 8, 9 (seq_len 10)  ->  3 sequences, seq_lens 8, 9, 10
+    """
+    num_reqs = len(seq_lens)
+    num_decode_tokens = int(query_start_loc[num_decode_reqs])
+    if num_decode_tokens == num_decode_reqs:  # one token each: the sequences are the requests
+        return np.arange(num_reqs), query_start_loc, seq_lens
+    token_req = np.repeat(np.arange(num_decode_reqs), np.diff(query_start_loc[: num_decode_reqs + 1]))
+    tokens_after = query_start_loc[1:][token_req] - 1 - np.arange(num_decode_tokens)
+    decode_seq_lens = (seq_lens[token_req] - tokens_after).astype(seq_lens.dtype)
+    return (
+        np.concatenate([token_req, np.arange(num_decode_reqs, num_reqs)]),
+        np.concatenate([np.arange(num_decode_tokens), query_start_loc[num_decode_reqs:]]),
+        np.concatenate([decode_seq_lens, seq_lens[num_decode_reqs:]]),
+    )
 
 
 def compute_seq_lens(ends: np.ndarray, num_dropped: np.ndarray) -> np.ndarray:
@@ -285,12 +337,18 @@ def prompt_logprob_rows(
     return hidden_rows, requests
 
 
-def graph_padding(graph_runner: CudaGraphRunner | None, num_reqs: int, num_decodes: int) -> int:
+def graph_padding(graph_runner: CudaGraphRunner | None, num_seqs: int, num_decodes: int) -> int:
     """The batch size of the captured graph a step replays: decodes only, no more than the
     largest graph; 0 when the step runs eagerly."""
-    if graph_runner is None or num_decodes != num_reqs or num_reqs > graph_runner.max_batch_size:
+    if graph_runner is None or num_decodes != num_seqs or num_seqs > graph_runner.max_batch_size:
         return 0
-    return graph_runner.padded_size(num_reqs)
+    return graph_runner.padded_size(num_seqs)
+
+
+def max_num_step_seqs(max_num_seqs: int, max_num_batched_tokens: int, num_speculative_tokens: int) -> int:
+    """The most sequences a step's attention holds: ``max_num_seqs`` requests, each expanded into
+    ``num_speculative_tokens + 1`` decodes (0 without speculation), and no more than its tokens."""
+    return min(max_num_seqs * (num_speculative_tokens + 1), max_num_batched_tokens)
 
 
 def block_table_width(max_seq_len: int, block_size: int) -> int:
@@ -307,16 +365,25 @@ def plan_step(
     block_size: int,
     graph_runner: CudaGraphRunner | None,
     drafts: dict[int, list[int]] | None = None,
+    expand_verify: bool = False,
 ) -> StepPlan:
     """The step's inputs on the host, from the persistent batch (already updated for the step),
-    the tokens scheduled per request and the drafts among them (speculative decoding)."""
+    the tokens scheduled per request and the drafts among them (speculative decoding);
+    ``expand_verify`` (chosen once by the runner): requests verifying drafts go to attention as
+    decodes, one per token (``expand_decodes``)."""
     req_ids = list(num_scheduled_tokens)
     query_lens = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
     rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-    order, num_decodes = order_decodes_first(query_lens)
+    num_drafts = (
+        np.fromiter((len(drafts.get(r, ())) for r in req_ids), dtype=np.int64, count=len(req_ids))
+        if drafts
+        else None
+    )
+    order, num_decode_reqs = order_decodes_first(query_lens, num_drafts if expand_verify else None)
     if order is not None:
         rows, query_lens = rows[order], query_lens[order]
         req_ids = [req_ids[i] for i in order.tolist()]
+        num_drafts = None if num_drafts is None else num_drafts[order]
     starts = batch.num_computed_tokens[rows]
     ends = starts + query_lens
     num_dropped = batch.num_dropped_tokens[rows]
@@ -325,11 +392,6 @@ def plan_step(
     # Attention writes and reads cache positions; the rotary embedding takes the positions.
     slot_mapping = compute_slot_mapping(
         batch.block_table[rows[req_index]], positions - num_dropped[req_index], block_size
-    )
-    num_drafts = (
-        np.fromiter((len(drafts.get(r, ())) for r in req_ids), dtype=np.int64, count=len(req_ids))
-        if drafts
-        else None
     )
     input_ids, device_input_index, device_input_rows = host_input_ids(
         batch.host_token_ids, rows, starts, batch.num_host_tokens[rows], query_start_loc, num_drafts
@@ -356,27 +418,34 @@ def plan_step(
         logits_indices = np.concatenate([logits_indices, verify.logits_indices])
     if prompt_rows:
         logits_indices = np.concatenate([logits_indices, np.asarray(prompt_rows, dtype=np.int64)])
-    pad_to = graph_padding(graph_runner, len(req_ids), num_decodes)
+    seq_index, seq_query_start_loc, seq_lens = expand_decodes(
+        query_start_loc, compute_seq_lens(ends, num_dropped), num_decode_reqs
+    )
+    seq_rows = rows[seq_index]
+    num_decodes = int(query_start_loc[num_decode_reqs])  # each decode token is a sequence
+    pad_to = graph_padding(graph_runner, len(seq_rows), num_decodes)
     if pad_to:
         # The graph's padding rows are decodes of one token each.
-        query_start_loc = np.arange(pad_to + 1)
+        seq_query_start_loc = np.arange(pad_to + 1)
     return StepPlan(
         rows=rows,
+        req_query_start_loc=query_start_loc,
+        seq_rows=seq_rows,
         num_decodes=num_decodes,
-        max_query_len=int(query_lens.max()),
+        max_query_len=int(query_lens[num_decode_reqs:].max(initial=1)),
         input_ids=input_ids,
         device_input_index=device_input_index,
         device_input_rows=device_input_rows,
         positions=positions,
         slot_mapping=slot_mapping,
-        query_start_loc=query_start_loc.astype(np.int32),
-        seq_lens=compute_seq_lens(ends, num_dropped),
+        query_start_loc=seq_query_start_loc.astype(np.int32),
+        seq_lens=seq_lens,
         logits_indices=logits_indices,
         samples=samples,
         sample_req_ids=[batch.req_ids[row] for row in samples.sample_rows.tolist()],
         prompt_logprob_requests=prompt_requests,
         pad_to=pad_to,
-        state_slots=batch.state_slots[rows],
+        state_slots=batch.state_slots[seq_rows],
         verify=verify,
     )
 
@@ -384,9 +453,10 @@ def plan_step(
 def stage_block_tables(
     batch: InputBatch, buffers: InputBuffers, rows: np.ndarray, width: int, pad_to: int
 ) -> torch.Tensor:
-    """[num_reqs (or pad_to), width (the buffer's on a GPU)] int32: the requests' block table
-    rows. On a GPU they are gathered on the device from the persistent table into the
-    graph-visible buffer, and padding rows read block 0."""
+    """[num_seqs (or pad_to), width (the buffer's on a GPU)] int32: the sequences' block table
+    rows (``rows``: their batch rows, a request's repeated per expanded token). On a GPU they are
+    gathered on the device from the persistent table into the graph-visible buffer, and padding
+    rows read block 0."""
     if buffers.on_host:
         return torch.from_numpy(batch.block_table[rows, :width])
     out = buffers.device_view("block_tables", max(len(rows), pad_to))
@@ -414,12 +484,12 @@ def stage_model_input(
     num_decodes = plan.num_decodes
     attn_metadata = AttentionMetadata(
         num_decodes=num_decodes,
-        num_prefills=len(plan.rows) - num_decodes,
+        num_prefills=len(plan.seq_rows) - num_decodes,
         slot_mapping=put("slot_mapping", plan.slot_mapping, pad_to, -1),
         query_start_loc=put("query_start_loc", plan.query_start_loc),
         seq_lens=put("seq_lens", seq_lens, pad_to, 1),
         block_tables=stage_block_tables(
-            batch, buffers, plan.rows, block_table_width(max_seq_len, block_size), pad_to
+            batch, buffers, plan.seq_rows, block_table_width(max_seq_len, block_size), pad_to
         ),
         max_query_len=plan.max_query_len,
         max_seq_len=max_seq_len,
@@ -439,7 +509,8 @@ def stage_model_input(
         sampling_req_rows=samples.sampling_req_rows,
         first_sample_index=samples.first_sample_index,
         prompt_logprob_requests=plan.prompt_logprob_requests,
-        graph_num_seqs=len(plan.rows) if pad_to else None,
+        graph_num_seqs=len(plan.seq_rows) if pad_to else None,
         verify=plan.verify,
         req_rows=plan.rows,
+        req_query_start_loc=plan.req_query_start_loc,
     )

@@ -14,7 +14,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    GptOssConfig,
+    LlamaConfig,
+    MistralConfig,
+    MixtralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.spec_decode import SpecDecodingStats
@@ -121,6 +130,87 @@ def test_greedy_with_ngram_equals_hf_and_decoding_without_it(make_tiny_model, hf
     spec = llm.llm_engine.scheduler.spec_decoding
     assert spec.num_draft_tokens > 0 and spec.num_accepted_tokens > 0, "the test must verify drafts"
     assert_all_blocks_free(llm)
+
+
+def record_attention(llm: LLM) -> list[tuple[int, int, int]]:
+    """Wrap the runner's input staging: per step (verified rows, decode sequences, tokens)."""
+    runner = llm.llm_engine.executor.worker.model_runner
+    steps = []
+    prepare = runner.prepare_inputs
+
+    def recording(scheduler_output):
+        model_input = prepare(scheduler_output)
+        num_tokens = len(model_input.input_ids)
+        steps.append((model_input.num_verify_rows, model_input.attn_metadata.num_decodes, num_tokens))
+        return model_input
+
+    runner.prepare_inputs = recording
+    return steps
+
+
+# Windows on every layer (the cache drops the blocks behind them: cache positions are not
+# positions), and a window beside learned sinks (gpt-oss): attention's sliding windows are per
+# sequence, so a verification expanded into decodes keeps each token's own window.
+_SMALL = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "pad_token_id": 0}
+WINDOW_CASES = {
+    "phi3-window8": (Phi3Config, {**_SMALL, "sliding_window": 8, "bos_token_id": 1, "eos_token_id": 2}),
+    "gptoss-sinks-window8": (
+        GptOssConfig,
+        {
+            **_SMALL,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+@pytest.mark.parametrize("case", list(WINDOW_CASES))
+def test_verifications_run_as_decodes_and_keep_windows_and_sinks(
+    make_tiny_model, hf_greedy_tokens, case, backend
+):
+    config_class, overrides = WINDOW_CASES[case]
+    hf_model, model_config = make_tiny_model(config_class, **overrides)
+    prompts = mixed_prompts(4, model_config.vocab_size, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    llm = make_llm(model_config, block_size=4, attention_backend=backend, speculative_config=NGRAM)
+    steps = record_attention(llm)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert token_ids(outputs) == [hf_greedy_tokens(hf_model, prompt, 20) for prompt in prompts]
+    # Every verified token was a decode sequence of its own (batch expansion), and some steps were
+    # decodes only, as a CUDA graph replays them.
+    verify_steps = [step for step in steps if step[0]]
+    assert verify_steps and all(decodes >= num_verify for num_verify, decodes, _ in verify_steps)
+    assert any(decodes == num_tokens > len(prompts) for _, decodes, num_tokens in verify_steps)
+    assert llm.llm_engine.scheduler.spec_decoding.num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_adapters_follow_their_requests_through_expanded_verifications(
+    tiny_llama, make_adapter, peft_merged, hf_greedy_tokens
+):
+    """With LoRA, each token of a verification expanded into decodes carries its request's adapter."""
+    from pagedllm.lora.request import LoRARequest
+
+    hf_model, model_config = tiny_llama
+    lora = LoRARequest("adapter", 1, make_adapter(hf_model, 8, ["q_proj", "v_proj", "down_proj"], alpha=32.0))
+    prompts = mixed_prompts(4, model_config.vocab_size, seed=7)
+    choices = [lora, None, lora, None]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm = make_llm(model_config, block_size=4, enable_lora=True, max_lora_rank=8, speculative_config=NGRAM)
+    outputs = llm.generate(
+        prompt_token_ids=prompts, sampling_params=params, lora_request=choices, use_tqdm=False
+    )
+    merged = peft_merged(hf_model, lora.lora_path)
+    for prompt, choice, output in zip(prompts, choices, outputs):
+        reference = merged if choice else hf_model
+        assert output.outputs[0].token_ids == hf_greedy_tokens(reference, prompt, 16)
+    assert outputs[0].outputs[0].token_ids != hf_greedy_tokens(hf_model, prompts[0], 16)
+    assert llm.llm_engine.scheduler.spec_decoding.num_accepted_tokens > 0
 
 
 def test_preemption_and_prefix_caching_with_ngram_change_no_output(tiny_llama):

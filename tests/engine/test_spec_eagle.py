@@ -258,6 +258,36 @@ def test_the_engines_drafts_are_an_independent_reference_heads(llama, tmp_path_f
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", ["eagle3-draft-vocab", "eagle"])
+def test_the_heads_steps_on_the_graphs_static_buffers_draft_as_the_reference(
+    llama, tmp_path_factory, hf_greedy_tokens, name
+):
+    """The k - 1 head steps run on the buffers a CUDA graph replays (padded to sizes 1, 2, 4; the
+    CPU has no graphs, so the loop runs on them eagerly) through the torch backend, which reads
+    each row's length on the device as the GPU kernels do: the drafts are the reference's."""
+    hf_model, model_config = llama
+    spec, tensors, config, aux = make_head(tmp_path_factory, model_config, name, seed=3)
+    prompts = mixed_prompts(3, model_config.vocab_size, seed=6)
+    llm = make_llm(
+        model_config, block_size=4, max_num_seqs=4, attention_backend="torch", speculative_config=spec
+    )
+    drafter = llm.llm_engine.executor.worker.model_runner.drafter
+    drafter.graphs = drafter.proposal_graphs([1, 2, 4])
+    calls = record_proposals(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert token_ids(outputs) == [hf_greedy_tokens(hf_model, prompt, 8) for prompt in prompts]
+    contexts = {o.request_id: prompts[i] + o.outputs[0].token_ids for i, o in enumerate(outputs)}
+    checked = 0
+    for step in calls:
+        for req_id, (length, drafts) in step.items():
+            context = contexts[str(req_id)][:length]
+            assert drafts == reference_drafts(hf_model, spec["method"], tensors, config, context, 3, aux)
+            checked += 1
+    assert checked >= 6 and any(len(step) == 3 for step in calls)  # three requests padded to 4
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("name", list(HEADS))
 def test_greedy_with_an_eagle_head_equals_hf_and_decoding_without_it(

@@ -19,8 +19,10 @@ from pagedllm.worker.step_inputs import (
     compute_query_start_loc,
     compute_seq_lens,
     compute_slot_mapping,
+    expand_decodes,
     graph_padding,
     host_input_ids,
+    max_num_step_seqs,
     order_decodes_first,
     place_drafts,
     plan_step,
@@ -50,6 +52,43 @@ def test_order_decodes_first_keeps_each_group_in_order():
     assert order_decodes_first(np.array([4, 2])) == (None, 0)
     order, num_decodes = order_decodes_first(np.array([1, 2]))
     assert _ints(order) == [0, 1] and num_decodes == 1
+
+
+def test_order_decodes_first_counts_verifying_requests_as_decodes_when_they_expand():
+    # A 3-token prefill chunk, a decode, a verification of 2 drafts, a decode with no drafts.
+    query_lens, num_drafts = np.array([3, 1, 3, 1]), np.array([0, 0, 2, 0])
+    order, num_decodes = order_decodes_first(query_lens, num_drafts)
+    assert _ints(order) == [1, 2, 3, 0] and num_decodes == 3
+    order, num_decodes = order_decodes_first(query_lens)  # not expanded: a verification is a chunk
+    assert _ints(order) == [1, 3, 0, 2] and num_decodes == 2
+
+
+def test_expand_decodes_makes_a_decode_of_every_token_of_the_first_requests():
+    # Decode requests first: a decode (0 drafts) at position 7; a verification of 3 drafts at
+    # positions 10..13; a verification of 1 draft at 4..5 behind a window that dropped 4 tokens
+    # (cache positions 0..1); then a 3-token prefill chunk at positions 0..2.
+    query_start_loc = np.array([0, 1, 5, 7, 10])
+    seq_lens = np.array([8, 14, 2, 3], dtype=np.int32)
+    seq_index, seq_query_start_loc, seq_seq_lens = expand_decodes(query_start_loc, seq_lens, 3)
+    # One sequence per decode token (7 of them), then the chunk, whole.
+    assert _ints(seq_index) == [0, 1, 1, 1, 1, 2, 2, 3]
+    assert _ints(seq_query_start_loc) == [0, 1, 2, 3, 4, 5, 6, 7, 10]
+    # Each token's context ends at its own position: 8; 11, 12, 13, 14; cache positions 1, 2; 3.
+    assert _ints(seq_seq_lens) == [8, 11, 12, 13, 14, 1, 2, 3]
+    assert seq_seq_lens.dtype == np.int32
+
+
+def test_expand_decodes_of_one_token_decodes_only_is_the_identity():
+    query_start_loc, seq_lens = np.array([0, 1, 2, 6]), np.array([5, 9, 4], dtype=np.int32)
+    seq_index, seq_query_start_loc, seq_seq_lens = expand_decodes(query_start_loc, seq_lens, 2)
+    assert _ints(seq_index) == [0, 1, 2]
+    assert _ints(seq_query_start_loc) == [0, 1, 2, 6] and _ints(seq_seq_lens) == [5, 9, 4]
+
+
+def test_max_num_step_seqs_bounds_expanded_sequences_by_requests_and_tokens():
+    assert max_num_step_seqs(8, 2048, 0) == 8
+    assert max_num_step_seqs(8, 2048, 3) == 32
+    assert max_num_step_seqs(256, 512, 3) == 512
 
 
 def test_query_start_loc_and_seq_lens():
@@ -255,25 +294,41 @@ def _mixed_batch() -> InputBatch:
     return batch
 
 
-def _naive_plan(batch: InputBatch, num_scheduled: dict[int, int]) -> dict:
-    """The step token by token, decodes first."""
-    order = [r for r, n in num_scheduled.items() if n == 1] + [r for r, n in num_scheduled.items() if n > 1]
-    plan: dict = {k: [] for k in ("positions", "slots", "input_ids", "device", "seq_lens", "qsl")}
-    plan.update(sample_rows=[], logits=[], prompt_rows=[], prompt_requests=[])
+def _naive_plan(
+    batch: InputBatch, num_scheduled: dict[int, int], drafts: dict[int, list[int]] | None = None
+) -> dict:
+    """The step token by token, decodes first; with ``drafts``, verifying requests expanded: a
+    decode sequence per token, each over its own context (batch expansion)."""
+    drafts = drafts or {}
+    order = [r for r, n in num_scheduled.items() if n == 1 or r in drafts]
+    order += [r for r in num_scheduled if r not in order]
+    plan: dict = {k: [] for k in ("positions", "slots", "input_ids", "device", "seq_lens", "qsl", "seq_rows")}
+    plan.update(sample_rows=[], logits=[], verify=[], prompt_rows=[], prompt_requests=[])
     token = 0
     for req_id in order:
         row = batch.row_of[req_id]
         start = int(batch.num_computed_tokens[row])
         dropped = int(batch.num_dropped_tokens[row])
         host = batch.host_token_ids[row]
-        plan["qsl"].append(token)
+        request_drafts = drafts.get(req_id, [])
+        num_tokens = num_scheduled[req_id]
+        expanded = num_tokens == 1 or bool(request_drafts)
+        if not expanded:
+            plan["qsl"].append(token)
+            plan["seq_rows"].append(row)
         targets = []
-        for position in range(start, start + num_scheduled[req_id]):
+        for j, position in enumerate(range(start, start + num_tokens)):
             cache_position = position - dropped
             block = batch.block_table[row][cache_position // BLOCK_SIZE]
             plan["positions"].append(position)
             plan["slots"].append(int(block) * BLOCK_SIZE + cache_position % BLOCK_SIZE)
-            if position < len(host):
+            if expanded:  # its own sequence: a query at cache_position over the tokens up to it
+                plan["qsl"].append(token)
+                plan["seq_rows"].append(row)
+                plan["seq_lens"].append(cache_position + 1)
+            if j >= num_tokens - len(request_drafts):
+                plan["input_ids"].append(request_drafts[j - num_tokens + len(request_drafts)])
+            elif position < len(host):
                 plan["input_ids"].append(int(host[position]))
             else:
                 plan["input_ids"].append(0)
@@ -281,10 +336,13 @@ def _naive_plan(batch: InputBatch, num_scheduled: dict[int, int]) -> dict:
             if batch.params[row].prompt_logprobs is not None and position + 1 < batch.num_prompt_tokens[row]:
                 plan["prompt_rows"].append(token)
                 targets.append(int(host[position + 1]))
+            if request_drafts:
+                plan["verify"].append(token)
             token += 1
-        end = start + num_scheduled[req_id]
-        plan["seq_lens"].append(end - dropped)
-        if end == batch.num_tokens[row]:
+        end = start + num_tokens
+        if not expanded:
+            plan["seq_lens"].append(end - dropped)
+        if end >= batch.num_tokens[row] and not request_drafts:
             plan["sample_rows"] += [row] * int(batch.num_samples[row])
             plan["logits"] += [token - 1] * int(batch.num_samples[row])
         if targets:
@@ -329,6 +387,62 @@ def test_plan_step_decodes_only_pads_to_the_graph_size():
     assert _ints(plan.seq_lens) == naive["seq_lens"]
     staged = stage_model_input(plan, batch, InputBuffers(16, 8, 8, CPU), BLOCK_SIZE)
     assert staged.graph_num_seqs == 2 and staged.input_ids.tolist() == [99, 777]
+
+
+def test_plan_step_expands_verifications_into_decodes_against_a_naive_loop():
+    """Request 10 verifies 2 drafts at positions 5..7, request 13 (behind its window) 1 draft at
+    12..13, beside a prefill chunk (11) and a new prompt (12): the verifications become five
+    decode sequences; tokens, slots and scored rows are those of the unexpanded plan."""
+    batch = _mixed_batch()
+    drafts = {10: [70, 71], 13: [80]}
+    num_scheduled = {11: 4, 10: 3, 12: 3, 13: 2}
+    plan = plan_step(batch, num_scheduled, BLOCK_SIZE, None, drafts, expand_verify=True)
+    naive = _naive_plan(batch, num_scheduled, drafts)
+    assert _ints(plan.rows) == [batch.row_of[r] for r in (10, 13, 11, 12)]
+    assert _ints(plan.req_query_start_loc) == [0, 3, 5, 9, 12]
+    assert _ints(plan.positions) == naive["positions"] == [5, 6, 7, 12, 13, 4, 5, 6, 7, 0, 1, 2]
+    assert _ints(plan.slot_mapping) == naive["slots"]
+    assert _ints(plan.input_ids) == naive["input_ids"] == [0, 70, 71, 99, 80, 24, 25, 26, 27, 40, 41, 42]
+    assert list(zip(_ints(plan.device_input_index), _ints(plan.device_input_rows))) == naive["device"]
+    # Attention's sequences: five decodes (each token of 10 and 13), then the two chunks.
+    assert plan.num_decodes == 5 and plan.max_query_len == 4
+    assert _ints(plan.seq_rows) == naive["seq_rows"]
+    assert _ints(plan.query_start_loc) == naive["qsl"] == [0, 1, 2, 3, 4, 5, 9, 12]
+    # 10's tokens see 6, 7, 8 tokens; 13's cache positions 4 and 5 see 5 and 6.
+    assert _ints(plan.seq_lens) == naive["seq_lens"] == [6, 7, 8, 5, 6, 8, 3]
+    # Scored rows: 12's best_of samples, then every token of 10 and 13, then 12's prompt rows.
+    assert _ints(plan.logits_indices) == naive["logits"] + naive["verify"] + naive["prompt_rows"]
+    assert _ints(plan.verify.logits_indices) == naive["verify"] == [0, 1, 2, 3, 4]
+    assert plan.verify.req_ids == [10, 13] and plan.pad_to == 0
+    # The unexpanded plan (verifications as prefill chunks, after 11's) scores the same tokens,
+    # in the same order: rows score the same positions of the same inputs.
+    plain = plan_step(batch, num_scheduled, BLOCK_SIZE, None, drafts)
+    assert plain.num_decodes == 0 and _ints(plain.query_start_loc) == [0, 4, 7, 10, 12]
+    for name in ("positions", "input_ids"):
+        scored = _ints(getattr(plan, name)[plan.logits_indices])
+        assert scored == _ints(getattr(plain, name)[plain.logits_indices]), name
+    assert _ints(plan.positions[plan.logits_indices]) == [2, 2, 5, 6, 7, 12, 13, 0, 1]
+    model_input = stage_model_input(plan, batch, InputBuffers(16, 8, 8, CPU), BLOCK_SIZE)
+    metadata = model_input.attn_metadata
+    assert (metadata.num_decodes, metadata.num_prefills, metadata.min_decode_seq_len) == (5, 2, 5)
+    # Each sequence reads its request's block table row: 10's three times, 13's twice.
+    assert metadata.block_tables.tolist() == [[3, 7]] * 3 + [[4, 9]] * 2 + [[1, 2], [6, 0]]
+    assert model_input.input_ids.tolist()[:5] == [777, 70, 71, 99, 80]
+    assert _ints(model_input.req_query_start_loc) == [0, 3, 5, 9, 12]
+
+
+def test_a_step_of_decodes_and_verifications_replays_the_graph_of_its_token_count():
+    batch = _mixed_batch()
+    drafts = {10: [70, 71], 13: [80]}
+    plan = plan_step(batch, {13: 2, 10: 3}, BLOCK_SIZE, _graph_runner([1, 4, 8]), drafts, expand_verify=True)
+    # 13 stays first (both are decodes now): its two tokens, then 10's three; padded to 8.
+    assert plan.num_decodes == 5 and plan.pad_to == 8
+    assert _ints(plan.query_start_loc) == list(range(9))
+    assert _ints(plan.seq_lens) == [5, 6, 6, 7, 8]
+    staged = stage_model_input(plan, batch, InputBuffers(16, 8, 8, CPU), BLOCK_SIZE)
+    assert staged.graph_num_seqs == 5 and staged.input_ids.tolist() == [99, 80, 777, 70, 71]
+    # Unexpanded, the verifications are prefill chunks: eager.
+    assert plan_step(batch, {13: 2, 10: 3}, BLOCK_SIZE, _graph_runner([1, 4, 8]), drafts).pad_to == 0
 
 
 def test_stage_model_input_on_the_cpu():

@@ -1,0 +1,107 @@
+"""The proposal loop's static buffers (worker/proposal_graphs.py) against its eager form: a loop run
+on the buffers (what a captured graph replays) sees, in its real rows, the positions, slots,
+lengths and tables of the eager loop, and padding rows that write nothing; the drafts come back
+the same. A step that reports what it saw stands in for the model: the expected values are the
+inputs, worked out by hand."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.attention.forward_context import get_forward_context
+from pagedllm.worker.proposal_graphs import (
+    ProposalGraphs,
+    ProposalInputs,
+    eager_steps,
+    proposal_inputs,
+    run_steps,
+)
+
+CPU = torch.device("cpu")
+MAX_MODEL_LEN = 64
+
+
+def recording_step(seen: list[dict]):
+    """A step whose next token is token + position (and hidden + 1), recording its metadata."""
+
+    def step(tokens, positions, hidden):
+        md = get_forward_context().attn_metadata
+        seen.append(
+            {
+                "num_decodes": md.num_decodes,
+                "positions": positions.tolist(),
+                "slots": md.slot_mapping.tolist(),
+                "seq_lens": md.seq_lens.tolist(),
+                "tables": md.block_tables.tolist(),
+                "hidden": None if hidden is None else hidden[:, 0].tolist(),
+            }
+        )
+        return tokens + positions, None if hidden is None else hidden + 1
+
+    return step
+
+
+def inputs() -> ProposalInputs:
+    """Two requests, two steps: positions 5, 6 and 9, 10 through tables [3, 7, 0] and [4, 9, 2]
+    (block size 4: slots 3 * 4 + 1 = 13, 14 and 9 * 4 + 1 = 37, 38)."""
+    positions = np.array([[5, 9], [6, 10]])
+    return ProposalInputs(
+        positions=positions,
+        slot_mapping=np.array([[13, 37], [14, 38]]),
+        seq_lens=(positions + 1).astype(np.int32),
+        block_tables=np.array([[3, 7, 0], [4, 9, 2]], dtype=np.int32),
+    )
+
+
+def test_proposal_inputs_walk_each_request_from_its_newest_position():
+    # Block size 4. Request 0: P = 6, table [3, 8 (scratch), 9 (scratch)]: positions 6, 7, 8 in
+    # slots 8 * 4 + 2, 8 * 4 + 3, 9 * 4 + 0. Request 1: P = 61 near max_model_len 63: positions 61,
+    # 62, then 62 again (clamped), through its table's column 15.
+    tables = np.zeros((2, 17), dtype=np.int32)
+    tables[0, :3] = [3, 8, 9]
+    tables[1, 15] = 20
+    inputs = proposal_inputs(tables, np.array([6, 61]), 3, 4, 63)
+    assert inputs.positions.tolist() == [[6, 61], [7, 62], [8, 62]]
+    assert inputs.slot_mapping.tolist() == [[34, 81], [35, 82], [36, 82]]
+    assert inputs.seq_lens.tolist() == [[7, 62], [8, 63], [9, 63]] and inputs.seq_lens.dtype == np.int32
+    assert inputs.num_steps == 3 and inputs.block_tables is tables
+
+
+def test_the_static_loop_sees_the_eager_inputs_and_pads_with_rows_that_write_nothing():
+    tokens, hidden = torch.tensor([100, 200]), torch.tensor([[0.5, 0.0], [1.5, 0.0]])
+    eager_seen: list[dict] = []
+    eager = torch.empty((2, 2), dtype=torch.int64)
+    run_steps(recording_step(eager_seen), tokens, hidden, eager_steps(inputs(), CPU), eager)
+    # Step 0 reads the first tokens at 5 and 9; step 1 their sums at 6 and 10.
+    assert eager.tolist() == [[105, 111], [209, 219]]
+
+    static_seen: list[dict] = []
+    graphs = ProposalGraphs(recording_step(static_seen), 2, [1, 4], (2, torch.float32), 3, MAX_MODEL_LEN, CPU)
+    drafts = graphs.run(tokens, hidden, inputs())  # no capture on the CPU: the loop on the buffers
+    assert drafts.tolist() == eager.tolist()
+    assert [s["num_decodes"] for s in static_seen] == [4, 4]  # two requests padded to size 4
+    for eager_step, static_step in zip(eager_seen, static_seen):
+        for name in ("positions", "slots", "seq_lens", "tables", "hidden"):
+            assert static_step[name][:2] == eager_step[name], name
+        # Padding rows: position 0, slot -1 (no write), length 1, block 0.
+        assert static_step["positions"][2:] == [0, 0] and static_step["slots"][2:] == [-1, -1]
+        assert static_step["seq_lens"][2:] == [1, 1] and static_step["tables"][2:] == [[0, 0, 0]] * 2
+    assert static_seen[1]["hidden"][:2] == [1.5, 2.5]
+
+
+def test_a_smaller_loop_after_a_larger_one_leaves_no_stale_inputs_in_its_rows():
+    seen: list[dict] = []
+    graphs = ProposalGraphs(recording_step(seen), 2, [1, 4], (0, torch.float32), 3, MAX_MODEL_LEN, CPU)
+    graphs.run(torch.tensor([100, 200]), None, inputs())
+    one = ProposalInputs(
+        positions=np.array([[2], [3]]),
+        slot_mapping=np.array([[22], [23]]),
+        seq_lens=np.array([[3], [4]], dtype=np.int32),
+        block_tables=np.array([[5, 0, 0]], dtype=np.int32),
+    )
+    seen.clear()
+    assert graphs.run(torch.tensor([7]), None, one).tolist() == [[9, 12]]
+    # Size 1 replays the graph of one row: the earlier second request is not in it.
+    assert [s["slots"] for s in seen] == [[22], [23]] and seen[0]["tables"] == [[5, 0, 0]]
+    assert seen[0]["hidden"] is None
