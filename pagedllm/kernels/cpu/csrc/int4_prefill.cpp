@@ -1,0 +1,153 @@
+// Prefill-sized products with an int4 weight (int4_layout.h): the weight decoded to bf16 a tile
+// of output rows at a time, each tile a GEMM, so that no dense copy of the weight exists.
+//
+// int4_prefill_matmul: out = x W^T, each tile of kTileN output rows decoded straight into the
+// VNNI layout of oneDNN's brgemm micro-kernel (on AMX: bf16 pairs of consecutive inputs, B
+// [K / 2][kTileN][2]) and multiplied by at::native::cpublas::brgemm, the ukernel behind
+// PyTorch's CPU flash attention and Inductor's CPU GEMM templates. Decoding into torch.mm's
+// row-major operand instead (int4_dequantize, below) makes oneDNN reorder each tile into this
+// very layout inside every call, and the row-major decode is a transpose: at 1,000 rows of
+// SmolLM2's four shapes (one thread) that path took 13.9 ms a layer against the prepacked bf16
+// GEMM's 7.6, 5 ms of it the row-major decode.
+//   Grid: at::parallel_for over tiles of kTileN outputs; a program decodes its tile (the
+//   group's float32 values, rounded once to bf16 as int4_dequantize rounds them), then runs the
+//   brgemm over x in blocks of kBlockM rows, accumulating in float32 over all of K, and rounds
+//   each block's outputs to bf16 into out.
+//   Layouts: x bf16 [M, K], rows contiguous; out bf16 [M, N] contiguous; the weight as in
+//   int4_layout.h (N a multiple of 64, K of 32).
+//   Bound: N K / 2 + 4 N K / 32 bytes of weight read once per call; x read once per tile
+//   (2 M K N / kTileN bytes, from cache); 2 M N K FLOPs at the AMX tile rate; the decode is
+//   O(N K), independent of M.
+//   ATen generates a brgemm kernel per (rows, width, K) and keeps it per thread: with M split
+//   into blocks of kBlockM, at most kBlockM row counts per weight shape, each generated once.
+//
+// int4_dequantize: rows [start, start + R) of the weight as a row-major bf16 [R, K] tensor, for
+// the path that multiplies with torch.mm where the brgemm ukernel does not run (no AMX).
+//   Grid: at::parallel_for over blocks of 64 rows; a program decodes a group of 32 inputs at a
+//   time into a float tile [32 inputs][64 rows], then writes its 64 row segments transposed.
+//   Bound: R K / 2 + 4 R K / 32 bytes read, 2 R K written.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/native/CPUBlas.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "int4_layout.h"
+#include "ops.h"
+
+namespace pagedllm_cpu {
+
+namespace {
+
+namespace cpublas = at::native::cpublas;
+
+// Output rows decoded per tile: its VNNI copy (2 K kTileN bytes: 288 KB at K = 576, 768 KB at
+// K = 1,536) stays in L2 while every block of x meets it, and x is read N / kTileN times. kBlockM:
+// rows of x per brgemm call; its float32 block of C (64 KB) is rounded into out while still in
+// cache. Chosen by measurement at 1,000 rows of SmolLM2's shapes (benchmarks/q4_gemm.py): tiles of
+// 64 outputs were slower on this machine's noisy cores, from 128 on within its noise.
+constexpr int64_t kTileN = 256, kBlockM = 64;
+
+// VNNI rows [16 g, 16 g + 16) of the tile (inputs 32 g .. 32 g + 31), columns [n0, n0 + 64): each
+// 32-bit word holds the bf16 values of inputs 2 p (low half) and 2 p + 1 (high half) of output n.
+void write_vnni(const float (*tile)[kBlockN], uint32_t* dst, int64_t ld) {
+  for (int64_t p = 0; p < kGroup / 2; ++p) {
+#pragma omp simd
+    for (int64_t n = 0; n < kBlockN; ++n) {
+      const uint32_t even = store<c10::BFloat16>(tile[2 * p][n]).x;
+      const uint32_t odd = store<c10::BFloat16>(tile[2 * p + 1][n]).x;
+      dst[p * ld + n] = even | (odd << 16);
+    }
+  }
+}
+
+// The tile of outputs [n0, n0 + width) in VNNI layout: vnni [K / 2][width] words.
+void decode_tile_vnni(const uint8_t* weight, const c10::BFloat16* sz, int64_t N, int64_t K, int64_t n0,
+                      int64_t width, uint32_t* vnni) {
+  float tile[kGroup][kBlockN];
+  for (int64_t b = n0 / kBlockN; b < (n0 + width) / kBlockN; ++b) {
+    for (int64_t g = 0; g < K / kGroup; ++g) {
+      decode_group(weight + (b * K + g * kGroup) * 32, sz + (g * N + b * kBlockN) * 2, tile);
+      write_vnni(tile, vnni + g * (kGroup / 2) * width + (b * kBlockN - n0), width);
+    }
+  }
+}
+
+// Starts the read-for-ownership of the out rows a block will write, so that it runs while the
+// brgemm computes: the rounded outputs are then stored into cache, where stored after the brgemm
+// into lines that are not, the stores stall on memory (20-30% of the product at 1,000 rows of
+// SmolLM2's shapes, measured without this).
+void prefetch_for_write(c10::BFloat16* out, int64_t rows, int64_t width, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t n = 0; n < width; n += 32) __builtin_prefetch(out + r * ld + n, /*rw=*/1, /*locality=*/3);
+}
+
+}  // namespace
+
+bool int4_prefill_supported() { return cpublas::could_pack(at::kBFloat16); }
+
+void int4_prefill_matmul(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                         const at::Tensor& scales_and_zeros) {
+  TORCH_CHECK(int4_prefill_supported(), "int4_prefill_matmul needs oneDNN's brgemm ukernel with AMX bf16");
+  const auto [N, K] = check_int4_weight(packed, scales_and_zeros);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == K && x.stride(1) == 1,
+              "x must be a bf16 [M, K] tensor with contiguous rows, K = packed.size(1) * 2");
+  const int64_t M = x.size(0), ld_x = x.stride(0);
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 && out.size(0) == M &&
+                  out.size(1) == N,
+              "out must be a contiguous bf16 [M, N] tensor");
+  const uint8_t* weight = packed.const_data_ptr<uint8_t>();
+  const c10::BFloat16* sz = scales_and_zeros.const_data_ptr<c10::BFloat16>();
+  const at::BFloat16* a = x.const_data_ptr<at::BFloat16>();
+  c10::BFloat16* y = out.mutable_data_ptr<c10::BFloat16>();
+  at::parallel_for(0, (N + kTileN - 1) / kTileN, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint32_t> vnni(K / 2 * kTileN);
+    std::vector<float> c(kBlockM * kTileN);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n0 = t * kTileN, width = std::min(kTileN, N - n0);
+      decode_tile_vnni(weight, sz, N, K, n0, width, vnni.data());
+      const auto* b = reinterpret_cast<const at::BFloat16*>(vnni.data());
+      for (int64_t m0 = 0; m0 < M; m0 += kBlockM) {
+        const int64_t rows = std::min(kBlockM, M - m0);
+        prefetch_for_write(y + m0 * N + n0, rows, width, N);
+        cpublas::brgemm(rows, width, K, ld_x, width, width, /*add_C=*/false, a + m0 * ld_x, b, c.data());
+        for (int64_t r = 0; r < rows; ++r) {
+          c10::BFloat16* row = y + (m0 + r) * N + n0;
+#pragma omp simd
+          for (int64_t n = 0; n < width; ++n) row[n] = store<c10::BFloat16>(c[r * width + n]);
+        }
+      }
+    }
+    // Hand the AMX tile configuration back before the thread runs other oneDNN code.
+    cpublas::brgemm_release();
+  });
+}
+
+void int4_dequantize(const at::Tensor& out, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
+                     int64_t start) {
+  const auto [N, K] = check_int4_weight(packed, scales_and_zeros);
+  const int64_t R = out.size(0);
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 && out.size(1) == K,
+              "out must be a contiguous bf16 [R, K] tensor");
+  TORCH_CHECK(start % kBlockN == 0 && R % kBlockN == 0 && start >= 0 && start + R <= N,
+              "start and R must be multiples of 64 within N");
+  const uint8_t* weight = packed.const_data_ptr<uint8_t>();
+  const c10::BFloat16* sz = scales_and_zeros.const_data_ptr<c10::BFloat16>();
+  c10::BFloat16* w = out.mutable_data_ptr<c10::BFloat16>();
+  at::parallel_for(start / kBlockN, (start + R) / kBlockN, 1, [&](int64_t begin, int64_t end) {
+    float tile[kGroup][kBlockN];
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t g = 0; g < K / kGroup; ++g) {
+        decode_group(weight + (b * K + g * kGroup) * 32, sz + (g * N + b * kBlockN) * 2, tile);
+        for (int64_t n = 0; n < kBlockN; ++n) {
+          c10::BFloat16* row = w + (b * kBlockN + n - start) * K + g * kGroup;
+          for (int64_t kk = 0; kk < kGroup; ++kk) row[kk] = store<c10::BFloat16>(tile[kk][n]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace pagedllm_cpu
