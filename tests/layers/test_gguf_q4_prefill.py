@@ -105,6 +105,26 @@ def test_the_brgemm_kernel_is_a_float32_product_of_the_dequantized_weight(num_ro
     assert (out == torch.mm(x, weight.t())).double().mean() > 0.95
 
 
+@pytest.mark.parametrize(("num_rows", "n"), [(130, 64), (200, 320), (64, 1024)])
+def test_the_brgemm_kernel_computes_the_same_bits_on_any_number_of_threads(num_rows: int, n: int):
+    """Threads split the outputs, and the rows too where outputs are fewer than threads (130 rows
+    of 64 outputs on 4 threads: 3 parts): every output is still one brgemm's sum over all of K."""
+    _brgemm_or_skip()
+    packed, scales_and_zeros = _random_packed(n, 96, seed=n)
+    x = torch.randn(num_rows, 96, generator=torch.Generator().manual_seed(1)).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = cpu_ops.int4_prefill_matmul(x, packed, scales_and_zeros)
+        torch.set_num_threads(4)
+        shared = cpu_ops.int4_prefill_matmul(x, packed, scales_and_zeros)
+    finally:
+        torch.set_num_threads(threads)
+    weight = gguf_q4.dequantize_packed(packed, scales_and_zeros, 0, n)
+    torch.testing.assert_close(alone, torch.mm(x, weight.t()), rtol=2**-7, atol=1e-2)
+    assert torch.equal(alone, shared)
+
+
 def test_the_brgemm_kernel_reads_rows_of_any_stride_and_checks_its_arguments():
     _brgemm_or_skip()
     packed, scales_and_zeros = _random_packed(128, 64, seed=0)

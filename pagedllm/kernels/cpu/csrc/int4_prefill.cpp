@@ -9,9 +9,10 @@
 // very layout inside every call, and the row-major decode is a transpose: at 1,000 rows of
 // SmolLM2's four shapes (one thread) that path took 13.9 ms a layer against the prepacked bf16
 // GEMM's 7.6, 5 ms of it the row-major decode.
-//   Grid: at::parallel_for over tiles of kTileN outputs; a program decodes its tile (the
-//   group's float32 values, rounded once to bf16 as int4_dequantize rounds them), then runs the
-//   brgemm over x in blocks of kBlockM rows, accumulating in float32 over all of K, and rounds
+//   Grid: at::parallel_for over blocks of 64 outputs (times parts of M where blocks are fewer
+//   than threads); a program takes its run of blocks kTileN outputs at a time, decodes the tile
+//   (float32 values rounded once to bf16, as int4_dequantize rounds them), then runs the brgemm
+//   over its rows of x in blocks of kBlockM, accumulating in float32 over all of K, and rounds
 //   each block's outputs to bf16 into out.
 //   Layouts: x bf16 [M, K], rows contiguous; out bf16 [M, N] contiguous; the weight as in
 //   int4_layout.h (N a multiple of 64, K of 32).
@@ -63,13 +64,22 @@ void write_vnni(const float (*tile)[kBlockN], uint32_t* dst, int64_t ld) {
   }
 }
 
+// A product's operands: x [M, K] (rows ld_x apart), the int4 weight, out [M, N].
+struct Operands {
+  const at::BFloat16* x;
+  int64_t ld_x;
+  const uint8_t* weight;
+  const c10::BFloat16* scales_and_zeros;
+  c10::BFloat16* out;
+  int64_t M, N, K;
+};
+
 // The tile of outputs [n0, n0 + width) in VNNI layout: vnni [K / 2][width] words.
-void decode_tile_vnni(const uint8_t* weight, const c10::BFloat16* sz, int64_t N, int64_t K, int64_t n0,
-                      int64_t width, uint32_t* vnni) {
+void decode_tile_vnni(const Operands& p, int64_t n0, int64_t width, uint32_t* vnni) {
   float tile[kGroup][kBlockN];
   for (int64_t b = n0 / kBlockN; b < (n0 + width) / kBlockN; ++b) {
-    for (int64_t g = 0; g < K / kGroup; ++g) {
-      decode_group(weight + (b * K + g * kGroup) * 32, sz + (g * N + b * kBlockN) * 2, tile);
+    for (int64_t g = 0; g < p.K / kGroup; ++g) {
+      decode_group(p.weight + (b * p.K + g * kGroup) * 32, p.scales_and_zeros + (g * p.N + b * kBlockN) * 2, tile);
       write_vnni(tile, vnni + g * (kGroup / 2) * width + (b * kBlockN - n0), width);
     }
   }
@@ -84,6 +94,23 @@ void prefetch_for_write(c10::BFloat16* out, int64_t rows, int64_t width, int64_t
     for (int64_t n = 0; n < width; n += 32) __builtin_prefetch(out + r * ld + n, /*rw=*/1, /*locality=*/3);
 }
 
+// out[m_begin:m_end, n0:n0 + width] <- x[m_begin:m_end] times the decoded tile, kBlockM rows per
+// brgemm into the float32 block c, each block rounded to bf16 once.
+void multiply_tile(const Operands& p, int64_t m_begin, int64_t m_end, int64_t n0, int64_t width,
+                   const uint32_t* vnni, float* c) {
+  const auto* b = reinterpret_cast<const at::BFloat16*>(vnni);
+  for (int64_t m0 = m_begin; m0 < m_end; m0 += kBlockM) {
+    const int64_t rows = std::min(kBlockM, m_end - m0);
+    prefetch_for_write(p.out + m0 * p.N + n0, rows, width, p.N);
+    cpublas::brgemm(rows, width, p.K, p.ld_x, width, width, /*add_C=*/false, p.x + m0 * p.ld_x, b, c);
+    for (int64_t r = 0; r < rows; ++r) {
+      c10::BFloat16* row = p.out + (m0 + r) * p.N + n0;
+#pragma omp simd
+      for (int64_t n = 0; n < width; ++n) row[n] = store<c10::BFloat16>(c[r * width + n]);
+    }
+  }
+}
+
 }  // namespace
 
 bool int4_prefill_supported() { return cpublas::could_pack(at::kBFloat16); }
@@ -94,31 +121,29 @@ void int4_prefill_matmul(const at::Tensor& out, const at::Tensor& x, const at::T
   const auto [N, K] = check_int4_weight(packed, scales_and_zeros);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.size(1) == K && x.stride(1) == 1,
               "x must be a bf16 [M, K] tensor with contiguous rows, K = packed.size(1) * 2");
-  const int64_t M = x.size(0), ld_x = x.stride(0);
+  const int64_t M = x.size(0);
   TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 && out.size(0) == M &&
                   out.size(1) == N,
               "out must be a contiguous bf16 [M, N] tensor");
-  const uint8_t* weight = packed.const_data_ptr<uint8_t>();
-  const c10::BFloat16* sz = scales_and_zeros.const_data_ptr<c10::BFloat16>();
-  const at::BFloat16* a = x.const_data_ptr<at::BFloat16>();
-  c10::BFloat16* y = out.mutable_data_ptr<c10::BFloat16>();
-  at::parallel_for(0, (N + kTileN - 1) / kTileN, 1, [&](int64_t begin, int64_t end) {
+  if (M == 0 || N == 0) return;
+  const Operands p{x.const_data_ptr<at::BFloat16>(), x.stride(0), packed.const_data_ptr<uint8_t>(),
+                   scales_and_zeros.const_data_ptr<c10::BFloat16>(), out.mutable_data_ptr<c10::BFloat16>(), M, N, K};
+  // Threads share out the blocks of 64 outputs, a contiguous run each, multiplied kTileN at a
+  // time. With fewer blocks than threads (a narrow weight on many cores) the rows are split too,
+  // into m_parts: each part decodes the tiles it multiplies again, a small cost beside kBlockM
+  // rows or more of GEMM.
+  const int64_t num_blocks = N / kBlockN, max_m_parts = (M + kBlockM - 1) / kBlockM;
+  const int64_t m_parts = std::clamp<int64_t>(at::get_num_threads() / num_blocks, 1, max_m_parts);
+  at::parallel_for(0, m_parts * num_blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<uint32_t> vnni(K / 2 * kTileN);
     std::vector<float> c(kBlockM * kTileN);
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t n0 = t * kTileN, width = std::min(kTileN, N - n0);
-      decode_tile_vnni(weight, sz, N, K, n0, width, vnni.data());
-      const auto* b = reinterpret_cast<const at::BFloat16*>(vnni.data());
-      for (int64_t m0 = 0; m0 < M; m0 += kBlockM) {
-        const int64_t rows = std::min(kBlockM, M - m0);
-        prefetch_for_write(y + m0 * N + n0, rows, width, N);
-        cpublas::brgemm(rows, width, K, ld_x, width, width, /*add_C=*/false, a + m0 * ld_x, b, c.data());
-        for (int64_t r = 0; r < rows; ++r) {
-          c10::BFloat16* row = y + (m0 + r) * N + n0;
-#pragma omp simd
-          for (int64_t n = 0; n < width; ++n) row[n] = store<c10::BFloat16>(c[r * width + n]);
-        }
-      }
+    for (int64_t i = begin; i < end;) {
+      const int64_t part = i / num_blocks, b0 = i % num_blocks;
+      const int64_t blocks = std::min({kTileN / kBlockN, num_blocks - b0, end - i});
+      decode_tile_vnni(p, b0 * kBlockN, blocks * kBlockN, vnni.data());
+      multiply_tile(p, M * part / m_parts, M * (part + 1) / m_parts, b0 * kBlockN, blocks * kBlockN, vnni.data(),
+                    c.data());
+      i += blocks;
     }
     // Hand the AMX tile configuration back before the thread runs other oneDNN code.
     cpublas::brgemm_release();
