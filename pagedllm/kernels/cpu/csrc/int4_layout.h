@@ -30,16 +30,21 @@ inline std::pair<int64_t, int64_t> check_int4_weight(const at::Tensor& packed, c
   return {N, K};
 }
 
+// The group's (scale, offset = zero - 8 scale) for its 64 outputs, so that w = q * scale + offset.
+inline void group_scales(const c10::BFloat16* __restrict pairs, float* __restrict scale, float* __restrict offset) {
+  for (int64_t n = 0; n < kBlockN; ++n) {
+    scale[n] = load(pairs[2 * n]);
+    offset[n] = load(pairs[2 * n + 1]) - 8.f * scale[n];
+  }
+}
+
 // tile[kk][n] <- w[64 b + n, 32 g + kk] in float32, as q * scale + (zero - 8 scale), for the group
 // whose 1 KB of nibbles start at `bytes` ([32 inputs][32 bytes]) and whose 64 (scale, zero) pairs
 // start at `pairs`. Rows of 64 outputs, so the arithmetic runs across the bytes in vectors.
 inline void decode_group(const uint8_t* __restrict bytes, const c10::BFloat16* __restrict pairs,
                          float (*__restrict tile)[kBlockN]) {
   float scale[kBlockN], offset[kBlockN];
-  for (int64_t n = 0; n < kBlockN; ++n) {
-    scale[n] = load(pairs[2 * n]);
-    offset[n] = load(pairs[2 * n + 1]) - 8.f * scale[n];
-  }
+  group_scales(pairs, scale, offset);
   for (int64_t kk = 0; kk < kGroup; ++kk) {
 #pragma omp simd
     for (int64_t j = 0; j < 32; ++j) {

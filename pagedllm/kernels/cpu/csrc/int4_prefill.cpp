@@ -35,6 +35,10 @@
 #include <algorithm>
 #include <vector>
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 #include "int4_layout.h"
 #include "ops.h"
 
@@ -51,9 +55,49 @@ namespace cpublas = at::native::cpublas;
 // 64 outputs were slower on this machine's noisy cores, from 128 on within its noise.
 constexpr int64_t kTileN = 256, kBlockM = 64;
 
-// VNNI rows [16 g, 16 g + 16) of the tile (inputs 32 g .. 32 g + 31), columns [n0, n0 + 64): each
-// 32-bit word holds the bf16 values of inputs 2 p (low half) and 2 p + 1 (high half) of output n.
-void write_vnni(const float (*tile)[kBlockN], uint32_t* dst, int64_t ld) {
+// VNNI rows [16 g, 16 g + 16) of a tile (inputs 32 g .. 32 g + 31) for one block's 64 outputs, at
+// dst ([16][ld] words), from the group's nibbles (`bytes`, [32 inputs][32 bytes]) and its 64
+// (scale, zero) pairs: each 32-bit word holds the bf16 weights of inputs 2 p (low half) and
+// 2 p + 1 (high half) of one output.
+#if defined(__AVX512BF16__)
+// Each pair of input rows decoded, rounded and interleaved in registers: 128 weights in ~40
+// instructions. (The portable form below, through a float32 tile, was ~4x slower.)
+void decode_group_vnni(const uint8_t* bytes, const c10::BFloat16* pairs, uint32_t* dst, int64_t ld) {
+  float scales[kBlockN], offsets[kBlockN];
+  group_scales(pairs, scales, offsets);
+  __m512 scale[4], offset[4];  // outputs 16 c .. 16 c + 15
+  for (int c = 0; c < 4; ++c) {
+    scale[c] = _mm512_loadu_ps(scales + 16 * c);
+    offset[c] = _mm512_loadu_ps(offsets + 16 * c);
+  }
+  // cvtne2ps gives [even 0..15 | odd 0..15] as bf16; this takes them to even 0, odd 0, even 1, ...
+  alignas(64) uint16_t order[32];
+  for (int i = 0; i < 16; ++i) order[2 * i] = i, order[2 * i + 1] = 16 + i;
+  const __m512i interleave = _mm512_load_si512(order);
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F);
+  for (int64_t p = 0; p < kGroup / 2; ++p) {
+    __m256i q[2][2];  // [input 2 p, 2 p + 1][outputs 0..31 (low nibbles), 32..63 (high)]
+    for (int r = 0; r < 2; ++r) {
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + (2 * p + r) * 32));
+      q[r][0] = _mm256_and_si256(packed, low_nibbles);
+      q[r][1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+    }
+    for (int c = 0; c < 4; ++c) {
+      __m512 w[2];
+      for (int r = 0; r < 2; ++r) {
+        const __m256i half = q[r][c / 2];
+        const __m128i bytes16 = c % 2 ? _mm256_extracti128_si256(half, 1) : _mm256_castsi256_si128(half);
+        w[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes16)), scale[c], offset[c]);
+      }
+      const __m512i both = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(w[1], w[0]));
+      _mm512_storeu_si512(dst + p * ld + 16 * c, _mm512_permutexvar_epi16(interleave, both));
+    }
+  }
+}
+#else
+void decode_group_vnni(const uint8_t* bytes, const c10::BFloat16* pairs, uint32_t* dst, int64_t ld) {
+  float tile[kGroup][kBlockN];
+  decode_group(bytes, pairs, tile);
   for (int64_t p = 0; p < kGroup / 2; ++p) {
 #pragma omp simd
     for (int64_t n = 0; n < kBlockN; ++n) {
@@ -63,6 +107,7 @@ void write_vnni(const float (*tile)[kBlockN], uint32_t* dst, int64_t ld) {
     }
   }
 }
+#endif
 
 // A product's operands: x [M, K] (rows ld_x apart), the int4 weight, out [M, N].
 struct Operands {
@@ -76,11 +121,10 @@ struct Operands {
 
 // The tile of outputs [n0, n0 + width) in VNNI layout: vnni [K / 2][width] words.
 void decode_tile_vnni(const Operands& p, int64_t n0, int64_t width, uint32_t* vnni) {
-  float tile[kGroup][kBlockN];
   for (int64_t b = n0 / kBlockN; b < (n0 + width) / kBlockN; ++b) {
     for (int64_t g = 0; g < p.K / kGroup; ++g) {
-      decode_group(p.weight + (b * p.K + g * kGroup) * 32, p.scales_and_zeros + (g * p.N + b * kBlockN) * 2, tile);
-      write_vnni(tile, vnni + g * (kGroup / 2) * width + (b * kBlockN - n0), width);
+      decode_group_vnni(p.weight + (b * p.K + g * kGroup) * 32, p.scales_and_zeros + (g * p.N + b * kBlockN) * 2,
+                        vnni + g * (kGroup / 2) * width + (b * kBlockN - n0), width);
     }
   }
 }
