@@ -84,8 +84,9 @@ def test_q4_matmul_agrees_with_the_dequantized_oracle_at_every_size(
     assert error < 1e-2, error
 
 
-# M: below, at and past the kernel's blocks of 64 rows; N: one tile of 64 outputs, a 256-output
-# tile and a 64-output tail, several tiles; K: one group, a few, SmolLM2's down projection's.
+# M: below, at and past the kernel's blocks of 64 rows; N, K: one block of 64 outputs; one tile of
+# five blocks; a tile of 448 outputs and a last one of 128 (its 512 KB tiles at K = 576); tiles of
+# 128 at SmolLM2's down projection's K; K from one group of 32 up.
 @pytest.mark.parametrize("num_rows", [1, 15, 64, 65, 130])
 @pytest.mark.parametrize(("n", "k"), [(64, 32), (320, 96), (576, 576), (128, 1536)])
 def test_the_brgemm_kernel_is_a_float32_product_of_the_dequantized_weight(num_rows: int, n: int, k: int):

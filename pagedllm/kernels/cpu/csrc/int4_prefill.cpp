@@ -1,23 +1,23 @@
 // Prefill-sized products with an int4 weight (int4_layout.h): the weight decoded to bf16 a tile
 // of output rows at a time, each tile a GEMM, so that no dense copy of the weight exists.
 //
-// int4_prefill_matmul: out = x W^T, each tile of kTileN output rows decoded straight into the
-// VNNI layout of oneDNN's brgemm micro-kernel (on AMX: bf16 pairs of consecutive inputs, B
-// [K / 2][kTileN][2]) and multiplied by at::native::cpublas::brgemm, the ukernel behind
-// PyTorch's CPU flash attention and Inductor's CPU GEMM templates. Decoding into torch.mm's
+// int4_prefill_matmul: out = x W^T, each tile of tile_n output rows (kTileBytes of bf16) decoded
+// straight into the VNNI layout of oneDNN's brgemm micro-kernel (on AMX: bf16 pairs of
+// consecutive inputs, B [K / 2][tile_n][2]) and multiplied by at::native::cpublas::brgemm, the
+// ukernel behind PyTorch's CPU flash attention and Inductor's CPU GEMM templates. Decoding into torch.mm's
 // row-major operand instead (int4_dequantize, below) makes oneDNN reorder each tile into this
 // very layout inside every call, and the row-major decode is a transpose: at 1,000 rows of
 // SmolLM2's four shapes (one thread) that path took 13.9 ms a layer against the prepacked bf16
 // GEMM's 7.6, 5 ms of it the row-major decode.
 //   Grid: at::parallel_for over blocks of 64 outputs (times parts of M where blocks are fewer
-//   than threads); a program takes its run of blocks kTileN outputs at a time, decodes the tile
+//   than threads); a program takes its run of blocks tile_n outputs at a time, decodes the tile
 //   (float32 values rounded once to bf16, as int4_dequantize rounds them), then runs the brgemm
 //   over its rows of x in blocks of kBlockM, accumulating in float32 over all of K, and rounds
 //   each block's outputs to bf16 into out.
 //   Layouts: x bf16 [M, K], rows contiguous; out bf16 [M, N] contiguous; the weight as in
 //   int4_layout.h (N a multiple of 64, K of 32).
 //   Bound: N K / 2 + 4 N K / 32 bytes of weight read once per call; x read once per tile
-//   (2 M K N / kTileN bytes, from cache); 2 M N K FLOPs at the AMX tile rate; the decode is
+//   (2 M K N / tile_n bytes, from L2 or L3); 2 M N K FLOPs at the AMX tile rate; the decode is
 //   O(N K), independent of M.
 //   ATen generates a brgemm kernel per (rows, width, K) and keeps it per thread: with M split
 //   into blocks of kBlockM, at most kBlockM row counts per weight shape, each generated once.
@@ -48,12 +48,14 @@ namespace {
 
 namespace cpublas = at::native::cpublas;
 
-// Output rows decoded per tile: its VNNI copy (2 K kTileN bytes: 288 KB at K = 576, 768 KB at
-// K = 1,536) stays in L2 while every block of x meets it, and x is read N / kTileN times. kBlockM:
-// rows of x per brgemm call; its float32 block of C (64 KB) is rounded into out while still in
-// cache. Chosen by measurement at 1,000 rows of SmolLM2's shapes (benchmarks/q4_gemm.py): tiles of
-// 64 outputs were slower on this machine's noisy cores, from 128 on within its noise.
-constexpr int64_t kTileN = 256, kBlockM = 64;
+// Bytes of a tile's VNNI copy (2 K bytes per output row: 448 outputs at K = 576, 128 at 1,536): it
+// stays in L2 while each block of kBlockM rows of x meets it, and x, read once per tile, is read
+// N / width times (from L3 where x outgrows L2). kBlockM: rows of x per brgemm call; its float32
+// block of C is rounded into out while still in cache. Chosen by measurement at 1,000 rows of
+// SmolLM2's shapes with the caches flushed between products, as a model's other layers flush
+// them: 512 KB tiles took 1.0x the prepacked bf16 GEMM's time (four runs, 0.94-1.08), tiles of 256
+// outputs 1.16x, 1 MB 1.26x; 32 or 128 rows per call were slower than 64.
+constexpr int64_t kTileBytes = 512 * 1024, kBlockM = 64;
 
 // VNNI rows [16 g, 16 g + 16) of a tile (inputs 32 g .. 32 g + 31) for one block's 64 outputs, at
 // dst ([16][ld] words), from the group's nibbles (`bytes`, [32 inputs][32 bytes]) and its 64
@@ -172,18 +174,19 @@ void int4_prefill_matmul(const at::Tensor& out, const at::Tensor& x, const at::T
   if (M == 0 || N == 0) return;
   const Operands p{x.const_data_ptr<at::BFloat16>(), x.stride(0), packed.const_data_ptr<uint8_t>(),
                    scales_and_zeros.const_data_ptr<c10::BFloat16>(), out.mutable_data_ptr<c10::BFloat16>(), M, N, K};
-  // Threads share out the blocks of 64 outputs, a contiguous run each, multiplied kTileN at a
+  // Threads share out the blocks of 64 outputs, a contiguous run each, multiplied tile_n at a
   // time. With fewer blocks than threads (a narrow weight on many cores) the rows are split too,
   // into m_parts: each part decodes the tiles it multiplies again, a small cost beside kBlockM
   // rows or more of GEMM.
   const int64_t num_blocks = N / kBlockN, max_m_parts = (M + kBlockM - 1) / kBlockM;
   const int64_t m_parts = std::clamp<int64_t>(at::get_num_threads() / num_blocks, 1, max_m_parts);
+  const int64_t tile_n = std::max<int64_t>(1, kTileBytes / (2 * K) / kBlockN) * kBlockN;  // outputs per tile
   at::parallel_for(0, m_parts * num_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> vnni(K / 2 * kTileN);
-    std::vector<float> c(kBlockM * kTileN);
+    std::vector<uint32_t> vnni(K / 2 * tile_n);
+    std::vector<float> c(kBlockM * tile_n);
     for (int64_t i = begin; i < end;) {
       const int64_t part = i / num_blocks, b0 = i % num_blocks;
-      const int64_t blocks = std::min({kTileN / kBlockN, num_blocks - b0, end - i});
+      const int64_t blocks = std::min({tile_n / kBlockN, num_blocks - b0, end - i});
       decode_tile_vnni(p, b0 * kBlockN, blocks * kBlockN, vnni.data());
       multiply_tile(p, M * part / m_parts, M * (part + 1) / m_parts, b0 * kBlockN, blocks * kBlockN, vnni.data(),
                     c.data());
