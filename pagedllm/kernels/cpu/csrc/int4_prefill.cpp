@@ -131,15 +131,6 @@ void decode_tile_vnni(const Operands& p, int64_t n0, int64_t width, uint32_t* vn
   }
 }
 
-// Starts the read-for-ownership of the out rows a block will write, so that it runs while the
-// brgemm computes: the rounded outputs are then stored into cache, where stored after the brgemm
-// into lines that are not, the stores stall on memory (20-30% of the product at 1,000 rows of
-// SmolLM2's shapes, measured without this).
-void prefetch_for_write(c10::BFloat16* out, int64_t rows, int64_t width, int64_t ld) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t n = 0; n < width; n += 32) __builtin_prefetch(out + r * ld + n, /*rw=*/1, /*locality=*/3);
-}
-
 // out[m_begin:m_end, n0:n0 + width] <- x[m_begin:m_end] times the decoded tile, kBlockM rows per
 // brgemm into the float32 block c, each block rounded to bf16 once.
 void multiply_tile(const Operands& p, int64_t m_begin, int64_t m_end, int64_t n0, int64_t width,
@@ -147,7 +138,6 @@ void multiply_tile(const Operands& p, int64_t m_begin, int64_t m_end, int64_t n0
   const auto* b = reinterpret_cast<const at::BFloat16*>(vnni);
   for (int64_t m0 = m_begin; m0 < m_end; m0 += kBlockM) {
     const int64_t rows = std::min(kBlockM, m_end - m0);
-    prefetch_for_write(p.out + m0 * p.N + n0, rows, width, p.N);
     cpublas::brgemm(rows, width, p.K, p.ld_x, width, width, /*add_C=*/false, p.x + m0 * p.ld_x, b, c);
     for (int64_t r = 0; r < rows; ++r) {
       c10::BFloat16* row = p.out + (m0 + r) * p.N + n0;
