@@ -39,6 +39,7 @@ SOURCES = (
     "binding.cpp",
     "cache.cpp",
     "int4_matmul.cpp",
+    "int4_prefill.cpp",
     "paged_attention.cpp",
     "rms_norm.cpp",
     "rotary.cpp",

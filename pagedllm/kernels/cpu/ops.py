@@ -78,6 +78,24 @@ def int4_matmul_few_rows(
     return out
 
 
+def int4_prefill_supported() -> bool:
+    """Whether ``int4_prefill_matmul`` runs here: oneDNN's brgemm ukernel with AMX bf16."""
+    load()
+    return bool(torch.ops.pagedllm_cpu.int4_prefill_supported())
+
+
+def int4_prefill_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor
+) -> torch.Tensor:
+    """``x W^T`` [M, N] bf16 for an ``int4_matmul_few_rows`` weight at prefill sizes: the weight
+    decoded a tile of output rows at a time into AMX's VNNI layout, each tile one brgemm. x: bf16
+    [M, K], rows contiguous. Needs ``int4_prefill_supported()``."""
+    load()
+    out = torch.empty(x.shape[0], packed.shape[0], dtype=torch.bfloat16)
+    torch.ops.pagedllm_cpu.int4_prefill_matmul(out, x, packed, scales_and_zeros)
+    return out
+
+
 def int4_dequantize(
     packed: torch.Tensor, scales_and_zeros: torch.Tensor, start: int, end: int
 ) -> torch.Tensor:

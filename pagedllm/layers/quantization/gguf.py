@@ -26,7 +26,10 @@ of the dense table's memory (Q8_0: 34 bytes per 32 values against 64 in bfloat16
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -127,29 +130,59 @@ FEW_ROWS = 4
 FEW_ROWS_BLOCK_N = 64  # its blocks of outputs: the int4 packing's tile of 64 rows
 
 
-# Rows from which a product dequantizes the weight a tile at a time into bf16 GEMMs (prefill):
-# torch's int4 kernel computes at about a third of a bf16 GEMM's rate there (a ~1,000-token
-# prompt of SmolLM2, one thread: 61 against 181 prompt tok/s), while dequantizing costs one pass
-# over the weight per call, amortised over the rows. Below it (decode) the int4 kernels win, by
-# reading a quarter of the bytes.
+# Rows from which a product decodes the weight a tile at a time into bf16 GEMMs (prefill, batches):
+# torch's int4 kernel computes at a fraction of a bf16 GEMM's rate there, while decoding costs one
+# pass over the weight per call, amortised over the rows. Below it the int4 kernels win, by reading
+# a quarter of the bytes. Where the brgemm kernel runs, from 8 rows (SmolLM2's four products of a
+# layer, one thread, benchmarks/q4_gemm.py: 1.0 against 1.2 ms at 8 rows, 1.4 against 14 ms at
+# 128; the int4 kernel won at 6); through torch.mm on row-major tiles, from 128 (a ~1,000-token
+# prompt: 61 against 181 prompt tok/s for the int4 kernel alone).
+BRGEMM_MIN_ROWS = 8
 DEQUANTIZE_MIN_ROWS = 128
 # Weight values dequantized per tile (1 MB in float32): a tile stays in cache from its decoding to
 # its GEMM, and a large model's layer never has a dense copy at once.
 DEQUANTIZE_TILE_VALUES = 1 << 18
 
 
+class TiledProduct(NamedTuple):
+    """The product that decodes a Q4 weight a tile at a time into bf16 GEMMs, and the rows from
+    which it beats torch's int4 kernel."""
+
+    matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    min_rows: int
+
+
+@functools.cache
+def tiled_product() -> TiledProduct:
+    """Chosen once per process: where oneDNN's brgemm ukernel runs on AMX, the C++ kernel that
+    decodes each tile straight into the micro-kernel's layout (``kernels/cpu/csrc/
+    int4_prefill.cpp``: no reorder inside a GEMM, no transposing decode, no padded rows); else
+    torch's bf16 mm on row-major tiles (``padded_dequantized_matmul``)."""
+    if cpu_kernels_available() and cpu_ops.int4_prefill_supported():
+        return TiledProduct(cpu_ops.int4_prefill_matmul, BRGEMM_MIN_ROWS)
+    return TiledProduct(padded_dequantized_matmul, DEQUANTIZE_MIN_ROWS)
+
+
 def q4_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """x [M, K] times a pack_q4 weight [N, K] transposed -> [M, N] in x's dtype."""
     x_bf16 = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
     num_rows, blocked = x.shape[0], packed.shape[0] % FEW_ROWS_BLOCK_N == 0
+    tiled = tiled_product()
     if num_rows <= FEW_ROWS and blocked and cpu_kernels_available():
         out = cpu_ops.int4_matmul_few_rows(x_bf16.contiguous(), packed, scales_and_zeros)
-    elif num_rows >= DEQUANTIZE_MIN_ROWS and blocked:
-        # Rows padded to a bucket: oneDNN (torch's bf16 mm) builds a primitive per shape.
-        out = dequantized_matmul(pad_rows(x_bf16), packed, scales_and_zeros)[:num_rows]
+    elif num_rows >= tiled.min_rows and blocked:
+        out = tiled.matmul(x_bf16.contiguous(), packed, scales_and_zeros)
     else:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x_bf16, packed, GROUP_SIZE, scales_and_zeros)
     return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+
+
+def padded_dequantized_matmul(
+    x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor
+) -> torch.Tensor:
+    """``dequantized_matmul`` with x's rows padded to a bucket: oneDNN, behind torch's bf16 mm,
+    builds a primitive per shape (layers/row_buckets.py)."""
+    return dequantized_matmul(pad_rows(x), packed, scales_and_zeros)[: x.shape[0]]
 
 
 def dequantized_matmul(x: torch.Tensor, packed: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:

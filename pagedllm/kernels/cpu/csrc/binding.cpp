@@ -19,6 +19,10 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.impl("rotary_embedding", c10::DispatchKey::CPU, TORCH_FN(pagedllm_cpu::rotary_embedding));
   m.def("int4_matmul_few_rows(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales_and_zeros) -> ()");
   m.impl("int4_matmul_few_rows", c10::DispatchKey::CPU, TORCH_FN(pagedllm_cpu::int4_matmul_few_rows));
+  // No tensor to dispatch on: one kernel for every backend.
+  m.def("int4_prefill_supported() -> bool", TORCH_FN(pagedllm_cpu::int4_prefill_supported));
+  m.def("int4_prefill_matmul(Tensor(a!) out, Tensor x, Tensor packed, Tensor scales_and_zeros) -> ()");
+  m.impl("int4_prefill_matmul", c10::DispatchKey::CPU, TORCH_FN(pagedllm_cpu::int4_prefill_matmul));
   m.def("int4_dequantize(Tensor(a!) out, Tensor packed, Tensor scales_and_zeros, int start) -> ()");
   m.impl("int4_dequantize", c10::DispatchKey::CPU, TORCH_FN(pagedllm_cpu::int4_dequantize));
   m.def("argmax_logsumexp(Tensor logits, Tensor(a!) argmax, Tensor(b!) logsumexp) -> ()");

@@ -25,14 +25,14 @@
 #include <immintrin.h>
 #endif
 
+#include "int4_layout.h"
 #include "ops.h"
-#include "vec_math.h"
 
 namespace pagedllm_cpu {
 
 namespace {
 
-constexpr int64_t kBlockN = 64, kGroup = 32, kMaxRows = 4;
+constexpr int64_t kMaxRows = 4;
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 // Rows [0, R) of x against output block b.
@@ -125,16 +125,9 @@ void int4_matmul_few_rows(const at::Tensor& out, const at::Tensor& x, const at::
                           const at::Tensor& scales_and_zeros) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "x must be a contiguous bf16 [M, K] tensor");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % kGroup == 0, "K must be a multiple of 32");
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2 &&
-                  packed.size(0) % kBlockN == 0 && packed.size(1) * 2 == K,
-              "packed must be contiguous uint8 [N, K / 2] with N a multiple of 64");
-  const int64_t N = packed.size(0);
-  TORCH_CHECK(scales_and_zeros.scalar_type() == at::kBFloat16 && scales_and_zeros.is_contiguous() &&
-                  scales_and_zeros.dim() == 3 && scales_and_zeros.size(0) == K / kGroup &&
-                  scales_and_zeros.size(1) == N && scales_and_zeros.size(2) == 2,
-              "scales_and_zeros must be contiguous bf16 [K / 32, N, 2]");
+  const auto [N, K] = check_int4_weight(packed, scales_and_zeros);
+  const int64_t M = x.size(0);
+  TORCH_CHECK(x.size(1) == K, "x must have K = packed.size(1) * 2 columns");
   TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 && out.size(0) == M &&
                   out.size(1) == N,
               "out must be a contiguous bf16 [M, N] tensor");
@@ -158,58 +151,6 @@ void int4_matmul_few_rows(const at::Tensor& out, const at::Tensor& x, const at::
           case 2: block_rows<2>(xr, sums, block, sz, K, N, b, yr); break;
           case 3: block_rows<3>(xr, sums, block, sz, K, N, b, yr); break;
           default: block_rows<4>(xr, sums, block, sz, K, N, b, yr);
-        }
-      }
-    }
-  });
-}
-
-// out <- rows [start, start + R) of the packed weight, dequantized: w = q * scale + (zero - 8 scale)
-// in float32, rounded once to bf16 (prefill's products then run as bf16 GEMMs:
-// layers/quantization/gguf.py).
-// Grid: at::parallel_for over blocks of 64 rows; a program decodes its blocks a group of 32 inputs
-// at a time into a float tile [32 inputs][64 rows] (vectorised across the bytes), then writes the
-// tile's 64 row segments transposed, in bf16.
-// Layouts as int4_matmul_few_rows; out bf16 [R, K] contiguous, R and start multiples of 64.
-// Bound: R K / 2 + 4 R K / 32 bytes read, 2 R K written.
-void int4_dequantize(const at::Tensor& out, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
-                     int64_t start) {
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 2,
-              "packed must be contiguous uint8 [N, K / 2]");
-  const int64_t N = packed.size(0), K = packed.size(1) * 2, R = out.size(0);
-  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.is_contiguous() && out.dim() == 2 && out.size(1) == K,
-              "out must be a contiguous bf16 [R, K] tensor");
-  TORCH_CHECK(K % kGroup == 0 && start % kBlockN == 0 && R % kBlockN == 0 && start + R <= N,
-              "K must be a multiple of 32, start and R multiples of 64 within N");
-  TORCH_CHECK(scales_and_zeros.scalar_type() == at::kBFloat16 && scales_and_zeros.is_contiguous() &&
-                  scales_and_zeros.dim() == 3 && scales_and_zeros.size(0) == K / kGroup &&
-                  scales_and_zeros.size(1) == N && scales_and_zeros.size(2) == 2,
-              "scales_and_zeros must be contiguous bf16 [K / 32, N, 2]");
-  const uint8_t* weight = packed.const_data_ptr<uint8_t>();
-  const c10::BFloat16* sz = scales_and_zeros.const_data_ptr<c10::BFloat16>();
-  c10::BFloat16* w = out.mutable_data_ptr<c10::BFloat16>();
-  at::parallel_for(start / kBlockN, (start + R) / kBlockN, 1, [&](int64_t begin, int64_t end) {
-    float scale[kBlockN], offset[kBlockN], tile[kGroup][kBlockN];
-    for (int64_t b = begin; b < end; ++b) {
-      for (int64_t g = 0; g < K / kGroup; ++g) {
-        for (int64_t n = 0; n < kBlockN; ++n) {
-          const c10::BFloat16* pair = sz + (g * N + b * kBlockN + n) * 2;
-          scale[n] = load(pair[0]);
-          offset[n] = load(pair[1]) - 8.f * scale[n];
-        }
-        // The group's values by input (rows of 64 outputs: vector arithmetic across the bytes),
-        const uint8_t* bytes = weight + (b * K + g * kGroup) * 32;  // [32 inputs][32 lanes]
-        for (int64_t kk = 0; kk < kGroup; ++kk) {
-          for (int64_t j = 0; j < 32; ++j) {
-            const uint8_t byte = bytes[kk * 32 + j];
-            tile[kk][j] = static_cast<float>(byte & 0x0F) * scale[j] + offset[j];
-            tile[kk][j + 32] = static_cast<float>(byte >> 4) * scale[j + 32] + offset[j + 32];
-          }
-        }
-        // then written by output row, each a contiguous run of 32 inputs.
-        for (int64_t n = 0; n < kBlockN; ++n) {
-          c10::BFloat16* row = w + (b * kBlockN + n - start) * K + g * kGroup;
-          for (int64_t kk = 0; kk < kGroup; ++kk) row[kk] = store<c10::BFloat16>(tile[kk][n]);
         }
       }
     }

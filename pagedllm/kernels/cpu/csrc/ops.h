@@ -36,7 +36,12 @@ void rotary_embedding(const at::Tensor& positions, const at::Tensor& query, cons
 // int4_matmul.cpp: out <- x W^T for a weight packed by aten._convert_weight_to_int4pack_for_cpu.
 void int4_matmul_few_rows(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                           const at::Tensor& scales_and_zeros);
-// int4_matmul.cpp: out <- output rows [start, start + out.size(0)) of such a weight, as bf16.
+// int4_prefill.cpp: whether int4_prefill_matmul runs here (oneDNN's brgemm ukernel on AMX).
+bool int4_prefill_supported();
+// int4_prefill.cpp: out <- x W^T for such a weight at prefill sizes, a tile of W decoded at a time.
+void int4_prefill_matmul(const at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                         const at::Tensor& scales_and_zeros);
+// int4_prefill.cpp: out <- output rows [start, start + out.size(0)) of such a weight, as bf16.
 void int4_dequantize(const at::Tensor& out, const at::Tensor& packed, const at::Tensor& scales_and_zeros,
                      int64_t start);
 
