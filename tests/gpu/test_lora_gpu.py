@@ -67,7 +67,10 @@ def test_decode_kernels_replay_in_a_cuda_graph(num_tokens):
     batch = LoRABatch(slots, rank, 64, {1}, torch.bfloat16, DEVICE)
     x = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).bfloat16()
     lora_a = torch.randn(slots * rank, hidden, device=DEVICE, generator=gen).bfloat16()
-    lora_b = torch.randn(out, slots * rank, device=DEVICE, generator=gen).bfloat16()
+    # B scaled as a trained adapter's (and the test above's): with unit B, an output near zero is a
+    # cancellation of terms near 40, whose bf16 rounding of h (the expand's tl.dot operand) alone
+    # leaves 0.25 there.
+    lora_b = (0.05 * torch.randn(out, slots * rank, device=DEVICE, generator=gen)).bfloat16()
     y = torch.zeros(num_tokens, out, device=DEVICE, dtype=torch.bfloat16)
     batch.set_token_slots(np.full(num_tokens, NO_SLOT))
     graph = torch.cuda.CUDAGraph()
@@ -83,7 +86,7 @@ def test_decode_kernels_replay_in_a_cuda_graph(num_tokens):
             if s >= 0:
                 a, b = lora_a[s * rank : (s + 1) * rank].float(), lora_b[:, s * rank : (s + 1) * rank].float()
                 expected[t] = b @ (a @ x[t].float())
-        torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=2e-1)
+        torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=3e-2)
 
 
 @pytest.mark.parametrize("repeats", [1, 3], ids=["bgmv-decode", "sgmv-decode"])
