@@ -83,6 +83,7 @@ def test_beam_search_equals_hf(tiny, num_beams, n, length_penalty, early_stoppin
     assert_all_blocks_free(llm)
 
 
+@pytest.mark.slow  # the real model through HF and the engine: 24 s here
 def test_beam_search_equals_hf_on_the_embedded_model(smollm2_hf_model):
     llm = LLM(device="cpu", max_model_len=256, dtype="float32")  # compared with HF in float32
     tokenizer = llm.get_tokenizer()

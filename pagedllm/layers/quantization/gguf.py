@@ -133,11 +133,15 @@ FEW_ROWS_BLOCK_N = 64  # its blocks of outputs: the int4 packing's tile of 64 ro
 # Rows from which a product decodes the weight a tile at a time into bf16 GEMMs (prefill, batches):
 # torch's int4 kernel computes at a fraction of a bf16 GEMM's rate there, while decoding costs one
 # pass over the weight per call, amortised over the rows. Below it the int4 kernels win, by reading
-# a quarter of the bytes. Where the brgemm kernel runs, from 8 rows (SmolLM2's four products of a
-# layer, one thread, benchmarks/q4_gemm.py: 1.0 against 1.2 ms at 8 rows, 1.4 against 14 ms at
-# 128; the int4 kernel won at 6); through torch.mm on row-major tiles, from 128 (a ~1,000-token
-# prompt: 61 against 181 prompt tok/s for the int4 kernel alone).
-BRGEMM_MIN_ROWS = 8
+# a quarter of the bytes. From 128 rows either way (a ~1,000-token prompt: 61 against 181 prompt
+# tok/s for the int4 kernel alone). The brgemm kernel already wins from 8 rows (SmolLM2's four
+# products of a layer, one thread, benchmarks/q4_gemm.py: 1.0 against 1.2 ms at 8 rows, 1.4
+# against 14 ms at 128), but it rounds differently from the int4 kernel, and short prompts sit on
+# its numerics: the embedded model's first token for README's prompt is a one-ulp bf16 tie
+# ("The", logprob -1.87, against "L", -1.99) that the int4 kernel's rounding breaks toward "The
+# capital of France is Paris." and brgemm's toward "L'Étoile, la Marseillaise". Rows 8-127 keep
+# the int4 kernel until a change of their numerics is judged on more than one prompt.
+BRGEMM_MIN_ROWS = 128
 DEQUANTIZE_MIN_ROWS = 128
 # Weight values dequantized per tile (1 MB in float32): a tile stays in cache from its decoding to
 # its GEMM, and a large model's layer never has a dense copy at once.
