@@ -84,6 +84,10 @@ def test_linear_sees_only_bucketed_shapes(monkeypatch: pytest.MonkeyPatch) -> No
     hold one primitive per input shape) sees only the buckets' shapes."""
     torch.manual_seed(0)
     layer = ReplicatedLinear(24, 40, bias=True)
+    # Layers allocate their parameters empty (a checkpoint fills them): whatever memory they got
+    # could hold NaN, which no comparison passes.
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
     weight, bias = layer.weight.data.clone(), layer.bias.data.clone()
     layer.quant_method = OneDNNLinearMethod()
     layer.quant_method.process_weights_after_loading(layer)
