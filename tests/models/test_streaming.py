@@ -125,6 +125,7 @@ def test_sinks_equal_streaming_llm_past_max_model_len(
     assert got == expected
 
 
+@pytest.mark.slow  # an engine driven through many preemptions: 9 s here
 def test_windowed_requests_preempt_without_changing_outputs(make_tiny_model: Any) -> None:
     """Behind a window a request holds a few blocks, so only siblings that fork (n > 1) outgrow a
     small cache: seeded samples come out the same whether they are swapped or recomputed."""
