@@ -193,6 +193,19 @@ def record_proposals(llm):
     return calls
 
 
+def assert_drafts_are_the_references(calls, prompts, outputs, hf_model, spec, tensors, config, aux) -> int:
+    """Every recorded proposal (``record_proposals``) equals the reference head's 3 drafts on the
+    context it was made from; returns how many were checked."""
+    contexts = {o.request_id: prompts[i] + o.outputs[0].token_ids for i, o in enumerate(outputs)}
+    checked = 0
+    for step in calls:
+        for req_id, (length, drafts) in step.items():
+            context = contexts[str(req_id)][:length]
+            assert drafts == reference_drafts(hf_model, spec["method"], tensors, config, context, 3, aux)
+            checked += 1
+    return checked
+
+
 # --- fixtures ----------------------------------------------------------------------------------------
 
 
@@ -245,13 +258,7 @@ def test_the_engines_drafts_are_an_independent_reference_heads(llama, tmp_path_f
     calls = record_proposals(llm)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    contexts = {o.request_id: prompts[i] + o.outputs[0].token_ids for i, o in enumerate(outputs)}
-    checked = 0
-    for step in calls:
-        for req_id, (length, drafts) in step.items():
-            context = contexts[str(req_id)][:length]
-            assert drafts == reference_drafts(hf_model, spec["method"], tensors, config, context, 3, aux)
-            checked += 1
+    checked = assert_drafts_are_the_references(calls, prompts, outputs, hf_model, spec, tensors, config, aux)
     assert checked >= 6
     if HEADS[name][1] is not None:  # the draft vocabulary maps to target ids outside its range
         assert any(d >= HEADS[name][1] for step in calls for _, ds in step.values() for d in ds)
@@ -277,13 +284,7 @@ def test_the_heads_steps_on_the_graphs_static_buffers_draft_as_the_reference(
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert token_ids(outputs) == [hf_greedy_tokens(hf_model, prompt, 8) for prompt in prompts]
-    contexts = {o.request_id: prompts[i] + o.outputs[0].token_ids for i, o in enumerate(outputs)}
-    checked = 0
-    for step in calls:
-        for req_id, (length, drafts) in step.items():
-            context = contexts[str(req_id)][:length]
-            assert drafts == reference_drafts(hf_model, spec["method"], tensors, config, context, 3, aux)
-            checked += 1
+    checked = assert_drafts_are_the_references(calls, prompts, outputs, hf_model, spec, tensors, config, aux)
     assert checked >= 6 and any(len(step) == 3 for step in calls)  # three requests padded to 4
 
 
