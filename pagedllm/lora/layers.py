@@ -76,8 +76,11 @@ class LinearWithLoRA(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [num_tokens, in] -> [num_tokens, out] (this rank's sizes)."""
+        # The shrink first: it reads only x, so under a CUDA graph it runs beside the base
+        # projection (``LoRABatch``); the expand adds to the base's output.
+        shrunk = self.batch.shrink(x, self.lora_a, self.num_slices)
         y = self.base(x)
-        self.batch.apply(y, x, self.lora_a, self.lora_b, self.num_slices, self.slice_starts)
+        self.batch.expand(y, shrunk, self.lora_b, self.slice_starts)
         return y
 
 
@@ -93,8 +96,9 @@ class RowParallelLinearWithLoRA(LinearWithLoRA):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base
+        shrunk = self.batch.shrink(x, self.lora_a, 1)
         y = base._matmul(x, base.bias if base.tp_rank == 0 else None)
-        self.batch.apply(y, x, self.lora_a, self.lora_b, 1, self.slice_starts)
+        self.batch.expand(y, shrunk, self.lora_b, self.slice_starts)
         return y if base.tp_size == 1 else tensor_model_parallel_all_reduce(y)
 
 

@@ -38,12 +38,17 @@ kernels, one per step by the step's shape (``set_token_slots``):
     decode-only step of fewer tokens
         -> BGMV (``kernels/triton/lora.py``): a program per token; the per-token slots live in a
            buffer at a fixed address, as the masks do here.
+
+A layer calls ``shrink`` before its base projection and ``expand`` after it: the shrink reads only
+x, so inside a CUDA graph capture it goes on a side stream and becomes a branch of the graph
+beside the base GEMM, and the step's chain of kernels holds one LoRA kernel per projection.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -64,6 +69,14 @@ def add_lora(
 ) -> None:
     """y: [T, out] += ((x [T, in] @ lora_a [C, in]^T) * mask [T, C]) @ lora_b [out, C]^T, in place."""
     y += F.linear(F.linear(x, lora_a) * mask, lora_b)
+
+
+class Shrunk(NamedTuple):
+    """A projection's shrink, for its expand: h (the masked product's ``[T, C]``, or the kernels'
+    split-K partials), and whether the kernels run SGMV (else BGMV)."""
+
+    h: torch.Tensor
+    sgmv: bool = False
 
 
 def token_lora_ids(row_lora_ids: np.ndarray, query_start_loc: np.ndarray, pad_to: int) -> np.ndarray:
@@ -113,17 +126,16 @@ class LoRABatch:
             # Imported here: the triton package is needed on CUDA only.
             from pagedllm.kernels.triton import lora, lora_sgmv
 
-            self._bgmv, self._sgmv, self._warm_up_sgmv = (
-                lora.lora_shrink_expand,
-                lora_sgmv.lora_sgmv_shrink_expand,
-                lora_sgmv.warm_up,
-            )
+            self._bgmv, self._sgmv, self._warm_up_sgmv = lora, lora_sgmv, lora_sgmv.warm_up
             self._segment_buffer = lora_sgmv.SegmentBuffer(max_num_tokens, num_slots, device)
             self._decode_block_m = min(lora_sgmv.BLOCK_MS)
             # The step's segments (SGMV's), at the buffer's fixed addresses; until a step sets
             # its own, none (what a CUDA graph is captured over).
             self._segments: SegmentPlan = self._plan_decode(np.empty(0, dtype=np.int64))
-            self.apply = self._apply_kernels
+            # Where the shrink runs while the base projection does, inside a CUDA graph (see
+            # ``_shrink_stream_if_captured``).
+            self._side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+            self.shrink, self.expand = self._shrink_kernels, self._expand_kernels
             return
         width = num_slots * max_rank
         self._masks = {
@@ -131,7 +143,7 @@ class LoRABatch:
         }
         # [S * R]: the slot each shrink column belongs to.
         self._column_slots = torch.arange(num_slots, device=device).repeat_interleave(max_rank)
-        self.apply = self._apply_masked
+        self.shrink, self.expand = self._shrink_masked, self._expand_masked
 
     def set_token_slots(self, token_slots: np.ndarray, has_prefill: bool = False) -> None:
         """token_slots: [num_tokens] int64, each token's slot or NO_SLOT; has_prefill: a request
@@ -182,7 +194,7 @@ class LoRABatch:
         """[num_tokens, num_slices * S * R] in the run dtype (the masked product's)."""
         return self._masks[num_slices][:num_tokens]
 
-    def _apply_masked(
+    def apply(
         self,
         y: torch.Tensor,
         x: torch.Tensor,
@@ -191,20 +203,62 @@ class LoRABatch:
         num_slices: int,
         slice_starts: tuple[int, int],
     ) -> None:
-        add_lora(y, x, lora_a, lora_b, self.mask(num_slices, x.shape[0]))
+        """y [T, out] += each token's adapter's (x A^T) B^T: ``shrink`` then ``expand``. A layer
+        calls the two itself, around its base projection, which the shrink may overlap."""
+        self.expand(y, self.shrink(x, lora_a, num_slices), lora_b, slice_starts)
 
-    def _apply_kernels(
-        self,
-        y: torch.Tensor,
-        x: torch.Tensor,
-        lora_a: torch.Tensor,
-        lora_b: torch.Tensor,
-        num_slices: int,
-        slice_starts: tuple[int, int],
+    # shrink(x, lora_a, num_slices) -> Shrunk; expand(y, shrunk, lora_b, slice_starts): bound at
+    # construction to one of the pairs below.
+
+    def _shrink_masked(self, x: torch.Tensor, lora_a: torch.Tensor, num_slices: int) -> Shrunk:
+        return Shrunk(F.linear(x, lora_a) * self.mask(num_slices, x.shape[0]))
+
+    def _expand_masked(
+        self, y: torch.Tensor, shrunk: Shrunk, lora_b: torch.Tensor, slice_starts: tuple[int, int]
     ) -> None:
+        y += F.linear(shrunk.h, lora_b)
+
+    def _shrink_kernels(self, x: torch.Tensor, lora_a: torch.Tensor, num_slices: int) -> Shrunk:
         # Chosen by the launch's token count where the grid is fixed: the same at capture and replay.
-        if not self._segments.fixed_grid or x.shape[0] >= SGMV_DECODE_MIN_TOKENS:
-            self._sgmv(y, x, lora_a, lora_b, self._segments, self.num_slots, self.max_rank, slice_starts)
+        sgmv = not self._segments.fixed_grid or x.shape[0] >= SGMV_DECODE_MIN_TOKENS
+        # h is allocated on the layer's stream, which alone uses and frees it (after the expand).
+        if sgmv:
+            h = self._sgmv.sgmv_partials(x, lora_a, self._segments, self.num_slots)
+        else:
+            h = self._bgmv.bgmv_partials(x, lora_a, self.num_slots)
+        with self._shrink_stream_if_captured():
+            if sgmv:
+                self._sgmv.sgmv_shrink(h, x, lora_a, self._segments, self.num_slots, self.max_rank)
+            else:
+                token_slots = self._token_slots[: x.shape[0]]
+                self._bgmv.bgmv_shrink(h, x, lora_a, token_slots, self.num_slots, self.max_rank)
+        return Shrunk(h, sgmv)
+
+    def _expand_kernels(
+        self, y: torch.Tensor, shrunk: Shrunk, lora_b: torch.Tensor, slice_starts: tuple[int, int]
+    ) -> None:
+        if self._side_stream is not None and torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
+        h, rank = shrunk.h, self.max_rank
+        if shrunk.sgmv:
+            self._sgmv.sgmv_expand(y, h, lora_b, self._segments, self.num_slots, rank, slice_starts)
+        else:
+            token_slots = self._token_slots[: y.shape[0]]
+            self._bgmv.bgmv_expand(y, h, lora_b, token_slots, self.num_slots, rank, slice_starts)
+
+    @contextlib.contextmanager
+    def _shrink_stream_if_captured(self) -> Iterator[None]:
+        """Inside a CUDA graph capture, the shrink goes on the side stream, forked from the
+        layer's: in the graph it becomes a branch that runs beside the base projection (which
+        reads the same x) instead of a node before it, and the expand joins the two. A decode
+        step of a few tokens is a chain of small kernels, each costing a launch latency on the
+        device (W3 with one adapter: 128 shrinks a token); the branch takes the shrinks off that
+        chain. Outside a capture (prefill steps, eager mode) the fork would cost the host two
+        events per projection and save nothing the host does not pay already: one stream."""
+        stream = self._side_stream
+        if stream is None or not torch.cuda.is_current_stream_capturing():
+            yield
             return
-        token_slots = self._token_slots[: x.shape[0]]
-        self._bgmv(y, x, lora_a, lora_b, token_slots, self.num_slots, self.max_rank, slice_starts)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            yield

@@ -89,6 +89,37 @@ def test_decode_kernels_replay_in_a_cuda_graph(num_tokens):
         torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=3e-2)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 16], ids=["bgmv-1", "sgmv-16"])
+def test_the_shrink_beside_the_base_projection_in_a_graph(num_tokens):
+    """As a LoRA layer runs it under capture: the shrink forked to the side stream, the base GEMM
+    on the layer's stream, the expand joining them. Replayed over new inputs and slots, the output
+    is the base product plus each token's adapter's."""
+    slots, rank, hidden, out = 4, 16, 512, 384
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    batch = LoRABatch(slots, rank, 64, {1}, torch.bfloat16, DEVICE)
+    weight = (hidden**-0.5 * torch.randn(out, hidden, device=DEVICE, generator=gen)).bfloat16()
+    lora_a = torch.randn(slots * rank, hidden, device=DEVICE, generator=gen).bfloat16()
+    lora_b = (0.05 * torch.randn(out, slots * rank, device=DEVICE, generator=gen)).bfloat16()
+    x = torch.zeros(num_tokens, hidden, device=DEVICE, dtype=torch.bfloat16)
+    batch.set_token_slots(np.full(num_tokens, NO_SLOT))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        shrunk = batch.shrink(x, lora_a, 1)
+        y = x @ weight.T
+        batch.expand(y, shrunk, lora_b, (out, out))
+    for step in range(3):
+        x.copy_(torch.randn(num_tokens, hidden, device=DEVICE, generator=gen))
+        token_slots = np.random.default_rng(step).integers(NO_SLOT, slots, num_tokens)
+        batch.set_token_slots(token_slots)
+        graph.replay()
+        expected = x.float() @ weight.float().T
+        for t, s in enumerate(token_slots.tolist()):
+            if s >= 0:
+                a, b = lora_a[s * rank : (s + 1) * rank].float(), lora_b[:, s * rank : (s + 1) * rank].float()
+                expected[t] += b @ (a @ x[t].float())
+        torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=3e-2)
+
+
 @pytest.mark.parametrize("repeats", [1, 3], ids=["bgmv-decode", "sgmv-decode"])
 def test_engine_with_adapters_on_cuda_gives_the_cpu_tokens(
     make_tiny_model, make_adapter, make_prompts, repeats

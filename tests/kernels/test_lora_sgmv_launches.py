@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.kernels.triton import lora_sgmv
+from pagedllm.kernels.triton import lora, lora_sgmv
 from pagedllm.lora.punica import NO_SLOT, SGMV_DECODE_MIN_TOKENS, LoRABatch
 from tests.kernels.test_lora_sgmv import (
     DEVICE,
@@ -168,24 +168,30 @@ def test_each_step_runs_the_kernel_its_shape_calls_for(monkeypatch):
     lora_a, lora_b = stack(adapters, slice_sizes, torch.float32)
     batch = LoRABatch(2, MAX_RANK, 32, {1}, torch.float32, DEVICE, use_kernels=True)
     ran = []
-    for name in ("_bgmv", "_sgmv"):
-        kernel = getattr(batch, name)
+    for module, name in (
+        (lora, "bgmv_shrink"),
+        (lora, "bgmv_expand"),
+        (lora_sgmv, "sgmv_shrink"),
+        (lora_sgmv, "sgmv_expand"),
+    ):
+        kernel = getattr(module, name)
         monkeypatch.setattr(
-            batch, name, lambda *args, kernel=kernel, name=name: ran.append(name) or kernel(*args)
+            module, name, lambda *args, kernel=kernel, name=name: ran.append(name) or kernel(*args)
         )
     rng = np.random.default_rng(0)
     for num_tokens, has_prefill, kernel, fixed_grid in (
-        (5, True, "_sgmv", False),
-        (5, False, "_bgmv", True),
-        (SGMV_DECODE_MIN_TOKENS - 1, False, "_bgmv", True),
-        (SGMV_DECODE_MIN_TOKENS, False, "_sgmv", True),
-        (20, True, "_sgmv", False),
+        (5, True, "sgmv", False),
+        (5, False, "bgmv", True),
+        (SGMV_DECODE_MIN_TOKENS - 1, False, "bgmv", True),
+        (SGMV_DECODE_MIN_TOKENS, False, "sgmv", True),
+        (20, True, "sgmv", False),
     ):
         token_slots = rng.integers(NO_SLOT, 2, num_tokens)
         x = torch.randn(num_tokens, lora_a.shape[1], generator=generator).to(DEVICE)
         y = torch.zeros(num_tokens, 24, device=DEVICE)
         batch.set_token_slots(token_slots, has_prefill)
+        ran.clear()
         batch.apply(y, x, lora_a, lora_b, 1, (24, 24))
-        assert ran[-1] == kernel and batch._segments.fixed_grid == fixed_grid
+        assert ran == [f"{kernel}_shrink", f"{kernel}_expand"] and batch._segments.fixed_grid == fixed_grid
         expected = dense_reference(torch.zeros(num_tokens, 24), x, adapters, slice_sizes, token_slots)
         torch.testing.assert_close(y.cpu(), expected, rtol=1e-4, atol=1e-4)

@@ -33,12 +33,10 @@ def test_the_kernels_give_the_masked_products_tokens(
         SamplingParams(temperature=0.0, max_tokens=4 + i % 9, ignore_eos=True) for i in range(len(choices))
     ]
     ran = set()  # which kernels ran: "bgmv", ("sgmv", fixed_grid)
-    bgmv, sgmv = lora.lora_shrink_expand, lora_sgmv.lora_sgmv_shrink_expand
-    monkeypatch.setattr(lora, "lora_shrink_expand", lambda *args: ran.add("bgmv") or bgmv(*args))
+    bgmv, sgmv = lora.bgmv_shrink, lora_sgmv.sgmv_shrink
+    monkeypatch.setattr(lora, "bgmv_shrink", lambda *args: ran.add("bgmv") or bgmv(*args))
     monkeypatch.setattr(
-        lora_sgmv,
-        "lora_sgmv_shrink_expand",
-        lambda *args: ran.add(("sgmv", args[4].fixed_grid)) or sgmv(*args),
+        lora_sgmv, "sgmv_shrink", lambda *args: ran.add(("sgmv", args[3].fixed_grid)) or sgmv(*args)
     )
     outputs = {}
     for use_kernels in (False, True):

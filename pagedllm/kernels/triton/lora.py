@@ -25,11 +25,13 @@ walking all of ``in`` (Llama-3.1-8B's down projection: 14336) one chunk after an
 bound on one SM while the rest idle. ``SPLIT_K`` is picked so the launch has about
 ``TARGET_PROGRAMS`` programs (at most one per ``BLOCK_K`` chunk).
 
-Launched with programmatic dependent launch on Hopper (``pdl.py``): the expand is scheduled while
-the shrink runs, and the projection's next kernel while the expand does; each waits on the device.
-The expand reads its token's slot and B before it waits (the one exception to ``pdl.py``'s rule,
-and a safe one: both are copied in before the step and no kernel writes them), so at batch 1 its
-weight read overlaps the shrink instead of following it.
+Launched with programmatic dependent launch on Hopper (``pdl.py``): each kernel is scheduled while
+the kernel before it in its stream runs, and waits on the device. The expand reads its token's
+slot and B before it waits (the one exception to ``pdl.py``'s rule, and a safe one: both are
+copied in before the step and no kernel writes them), so at batch 1 its weight read overlaps the
+kernel before it instead of following it. Inside a CUDA graph the engine runs the shrink on a side
+stream beside the base projection (``lora/punica.py``): the chain of a decode step then holds one
+LoRA kernel per projection, the expand.
 
 Bound: memory. A token reads ``n*R*in + out*R`` weight elements (its own adapter's: work does
 not grow with the number of slots, unlike the torch path's masked product) and writes
@@ -50,6 +52,8 @@ from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 TARGET_PROGRAMS = 512
 # Tokens from which the expand's output tiles are 256 wide rather than 64.
 EXPAND_WIDE_TOKENS = 16
+# The shrink's chunk of ``in``.
+SHRINK_BLOCK_K = 128
 
 
 @triton.jit
@@ -170,26 +174,76 @@ def lora_shrink_expand(
 
     token_slots: [T] int32/int64, each token's slot or -1; slice_starts: the first output row of
     slices 1 and 2 (``out`` for a slice that does not exist)."""
+    h = bgmv_partials(x, lora_a, num_slots)
+    bgmv_shrink(h, x, lora_a, token_slots, num_slots, rank)
+    bgmv_expand(y, h, lora_b, token_slots, num_slots, rank, slice_starts)
+
+
+def bgmv_partials(x: torch.Tensor, lora_a: torch.Tensor, num_slots: int) -> torch.Tensor:
+    """The shrink's output h ``[SPLIT_K, T, n*R]`` float32, uninitialised. Allocated apart from
+    the launch so that a caller running the shrink on another stream keeps h in its own stream's
+    memory."""
     num_tokens, in_features = x.shape
-    out_features = y.shape[1]
     num_cols = lora_a.shape[0] // num_slots  # n * R
+    _, split_k = _shrink_split(num_tokens, num_cols, in_features)
+    return torch.empty(split_k, num_tokens, num_cols, dtype=torch.float32, device=x.device)
+
+
+def _shrink_block_n(num_cols: int) -> int:
+    return min(triton.next_power_of_2(num_cols), 64)
+
+
+def _shrink_split(num_tokens: int, num_cols: int, in_features: int) -> tuple[int, int]:
+    """(BLOCK_K chunks per split, SPLIT_K): about ``TARGET_PROGRAMS`` programs in all."""
+    num_chunks = triton.cdiv(in_features, SHRINK_BLOCK_K)
+    num_col_blocks = triton.cdiv(num_cols, _shrink_block_n(num_cols))
+    wanted = triton.cdiv(TARGET_PROGRAMS, max(num_tokens, 1) * num_col_blocks)
+    chunks_per_split = triton.cdiv(num_chunks, min(num_chunks, wanted))
+    return chunks_per_split, triton.cdiv(num_chunks, chunks_per_split)
+
+
+def bgmv_shrink(
+    h: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    token_slots: torch.Tensor,
+    num_slots: int,
+    rank: int,
+) -> None:
+    """h (``bgmv_partials``) = each token's split-K partials of x A^T (layouts: module docstring)."""
+    split_k, num_tokens, num_cols = h.shape
+    in_features = x.shape[1]
     assert lora_a.shape == (num_cols * num_slots, in_features) and num_cols % rank == 0
-    assert lora_b.shape == (out_features, num_cols * num_slots) and y.shape[0] == num_tokens
-    assert token_slots.shape[0] >= num_tokens
-    assert x.stride(1) == 1 and y.stride(1) == 1 and lora_a.stride(1) == 1 and lora_b.stride(1) == 1
+    assert token_slots.shape[0] >= num_tokens and x.shape[0] == num_tokens
+    assert x.stride(1) == 1 and lora_a.stride(1) == 1
     if num_tokens == 0:
         return
-    block_n, block_k = min(triton.next_power_of_2(num_cols), 64), 128
-    num_col_blocks, num_chunks = triton.cdiv(num_cols, block_n), triton.cdiv(in_features, block_k)
-    wanted = triton.cdiv(TARGET_PROGRAMS, num_tokens * num_col_blocks)
-    chunks_per_split = triton.cdiv(num_chunks, min(num_chunks, wanted))
-    split_k = triton.cdiv(num_chunks, chunks_per_split)
-    h = torch.empty(split_k, num_tokens, num_cols, dtype=torch.float32, device=x.device)
-    _lora_shrink_kernel[(num_tokens, num_col_blocks, split_k)](
-        h, x, lora_a, token_slots, in_features, chunks_per_split * block_k, num_slots,
+    block_n = _shrink_block_n(num_cols)
+    chunks_per_split, split = _shrink_split(num_tokens, num_cols, in_features)
+    assert split == split_k, (split, split_k)
+    _lora_shrink_kernel[(num_tokens, triton.cdiv(num_cols, block_n), split_k)](
+        h, x, lora_a, token_slots, in_features, chunks_per_split * SHRINK_BLOCK_K, num_slots,
         x.stride(0), lora_a.stride(0), h.stride(0), h.stride(1),
-        RANK=rank, NUM_COLS=num_cols, BLOCK_N=block_n, BLOCK_K=block_k, **pdl_options(x.device),
+        RANK=rank, NUM_COLS=num_cols, BLOCK_N=block_n, BLOCK_K=SHRINK_BLOCK_K, **pdl_options(x.device),
     )  # fmt: skip
+
+
+def bgmv_expand(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    lora_b: torch.Tensor,
+    token_slots: torch.Tensor,
+    num_slots: int,
+    rank: int,
+    slice_starts: tuple[int, int],
+) -> None:
+    """y += each token's h (``bgmv_shrink``'s) times its adapter's B^T, in place."""
+    split_k, num_tokens, num_cols = h.shape
+    out_features = y.shape[1]
+    assert lora_b.shape == (out_features, num_cols * num_slots) and y.shape[0] == num_tokens
+    assert y.stride(1) == 1 and lora_b.stride(1) == 1
+    if num_tokens == 0:
+        return
     # Few tokens: narrow output tiles, for programs enough to fill the GPU; many tokens: wide
     # ones, so the launch is not mostly per-program overhead (T * out / 64 programs of 64 x R).
     block_o = 64 if num_tokens < EXPAND_WIDE_TOKENS else 256
@@ -197,5 +251,5 @@ def lora_shrink_expand(
         y, h, lora_b, token_slots, out_features, num_slots, slice_starts[0], slice_starts[1], split_k,
         y.stride(0), h.stride(0), h.stride(1), lora_b.stride(0),
         RANK=rank, NUM_SLICES=num_cols // rank, BLOCK_R=triton.next_power_of_2(rank),
-        BLOCK_S=triton.next_power_of_2(split_k), BLOCK_O=block_o, **pdl_options(x.device),
+        BLOCK_S=triton.next_power_of_2(split_k), BLOCK_O=block_o, **pdl_options(y.device),
     )  # fmt: skip

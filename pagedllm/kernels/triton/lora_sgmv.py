@@ -337,60 +337,85 @@ def lora_sgmv_shrink_expand(
 ) -> None:
     """y [T, out] += each token's own adapter's (x A^T) B^T, in place, segment by segment
     (layouts: ``lora.py``'s docstring; ``plan``: the step's segments)."""
+    h = sgmv_partials(x, lora_a, plan, num_slots)
+    sgmv_shrink(h, x, lora_a, plan, num_slots, rank)
+    sgmv_expand(y, h, lora_b, plan, num_slots, rank, slice_starts)
+
+
+def sgmv_partials(
+    x: torch.Tensor, lora_a: torch.Tensor, plan: SegmentPlan, num_slots: int, split_k: int | None = None
+) -> torch.Tensor:
+    """The shrink's output h ``[SPLIT_K, T, n*R]`` float32, uninitialised (allocated apart from
+    the launch, as BGMV's). ``split_k``: at most this many stretches of ``in`` (default: enough
+    for about ``TARGET_PROGRAMS`` programs when the tiles are fewer: decode steps, short
+    prefills); fewer when the chunks do not divide evenly."""
     num_tokens, in_features = x.shape
-    out_features = y.shape[1]
-    num_cols = lora_a.shape[0] // num_slots  # n * R
+    num_chunks = triton.cdiv(in_features, BLOCK_K)
+    if split_k is None:
+        grid_tiles = max(plan.grid_tiles(num_tokens), 1)
+        split_k = min(num_chunks, MAX_SPLIT_K, triton.cdiv(TARGET_PROGRAMS, grid_tiles))
+    split_k = triton.cdiv(num_chunks, triton.cdiv(num_chunks, split_k))
+    num_cols = lora_a.shape[0] // num_slots
+    return torch.empty(split_k, num_tokens, num_cols, dtype=torch.float32, device=x.device)
+
+
+def sgmv_shrink(
+    h: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, plan: SegmentPlan, num_slots: int, rank: int
+) -> None:
+    """h (``sgmv_partials``) = each tile's split-K partials of x A^T, scattered in token order."""
+    split_k, num_tokens, num_cols = h.shape
+    in_features = x.shape[1]
     num_slices = num_cols // rank
     assert lora_a.shape == (num_cols * num_slots, in_features) and num_cols == num_slices * rank
-    assert lora_b.shape == (out_features, num_cols * num_slots) and y.shape[0] == num_tokens
     # Rows past the plan's tokens (padding) run without adapter.
-    assert 1 <= num_slices <= 3 and plan.num_tokens <= num_tokens
-    assert x.stride(1) == 1 and y.stride(1) == 1 and lora_a.stride(1) == 1 and lora_b.stride(1) == 1
+    assert 1 <= num_slices <= 3 and plan.num_tokens <= num_tokens == x.shape[0]
+    assert x.stride(1) == 1 and lora_a.stride(1) == 1
     grid_tiles = plan.grid_tiles(num_tokens)
     if grid_tiles == 0:
         return
-    # Split K when the tiles alone are too few programs (decode steps, short prefills).
-    num_chunks = triton.cdiv(in_features, BLOCK_K)
-    split_k = min(num_chunks, MAX_SPLIT_K, triton.cdiv(TARGET_PROGRAMS, grid_tiles))
-    _launch(y, x, lora_a, lora_b, plan, grid_tiles, split_k, num_slots, rank, slice_starts)
+    chunks_per_split = triton.cdiv(triton.cdiv(in_features, BLOCK_K), split_k)
+    _sgmv_shrink_kernel[(grid_tiles, split_k)](
+        h, x, lora_a, *_tiles(plan), in_features, chunks_per_split * BLOCK_K, num_slots,
+        x.stride(0), lora_a.stride(0), h.stride(0), h.stride(1),
+        NUM_COLS=num_cols, BLOCK_N=max(16, triton.next_power_of_2(num_cols)), BLOCK_K=BLOCK_K,
+        **_common(plan, rank, split_k, lora_a.dtype), **pdl_options(x.device),
+    )  # fmt: skip
 
 
-def _launch(
+def sgmv_expand(
     y: torch.Tensor,
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
+    h: torch.Tensor,
     lora_b: torch.Tensor,
     plan: SegmentPlan,
-    grid_tiles: int,
-    split_k: int,
     num_slots: int,
     rank: int,
     slice_starts: tuple[int, int],
 ) -> None:
-    """The shrink and the expand over ``grid_tiles`` tiles, ``in`` cut into ``split_k`` stretches
-    of whole chunks (fewer when the chunks do not divide evenly)."""
-    num_tokens, in_features = x.shape
-    num_cols = lora_a.shape[0] // num_slots
-    chunks_per_split = triton.cdiv(triton.cdiv(in_features, BLOCK_K), split_k)
-    split_k = triton.cdiv(triton.cdiv(in_features, BLOCK_K), chunks_per_split)
-    precision = "ieee" if lora_a.dtype == torch.float32 else "tf32"
-    h = torch.empty(split_k, num_tokens, num_cols, dtype=torch.float32, device=x.device)
-    tiles = (plan.tile_slot, plan.tile_m0, plan.sorted_tokens, plan.seg_start, plan.seg_len)
-    common = {"RANK": rank, "BLOCK_M": plan.block_m, "PRECISION": precision, "SPLIT": split_k > 1}
-    _sgmv_shrink_kernel[(grid_tiles, split_k)](
-        h, x, lora_a, *tiles, in_features, chunks_per_split * BLOCK_K, num_slots,
-        x.stride(0), lora_a.stride(0), h.stride(0), h.stride(1),
-        NUM_COLS=num_cols, BLOCK_N=max(16, triton.next_power_of_2(num_cols)), BLOCK_K=BLOCK_K,
-        **common, **pdl_options(x.device),
-    )  # fmt: skip
+    """y += each tile's h (``sgmv_shrink``'s) times its slot's B^T, in place."""
+    split_k, num_tokens, num_cols = h.shape
     out_features = y.shape[1]
+    assert lora_b.shape == (out_features, num_cols * num_slots) and y.shape[0] == num_tokens
+    assert y.stride(1) == 1 and lora_b.stride(1) == 1
+    grid_tiles = plan.grid_tiles(num_tokens)
+    if grid_tiles == 0:
+        return
     _sgmv_expand_kernel[(grid_tiles, triton.cdiv(out_features, EXPAND_BLOCK_O))](
-        y, h, lora_b, *tiles, out_features, num_slots, slice_starts[0], slice_starts[1], split_k,
+        y, h, lora_b, *_tiles(plan), out_features, num_slots, slice_starts[0], slice_starts[1], split_k,
         y.stride(0), h.stride(0), h.stride(1), lora_b.stride(0),
         NUM_SLICES=num_cols // rank, MAX_SPLIT_K=MAX_SPLIT_K,
         BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_O=EXPAND_BLOCK_O,
-        **common, **pdl_options(x.device),
+        **_common(plan, rank, split_k, lora_b.dtype), **pdl_options(y.device),
     )  # fmt: skip
+
+
+def _tiles(plan: SegmentPlan) -> tuple[torch.Tensor, ...]:
+    return plan.tile_slot, plan.tile_m0, plan.sorted_tokens, plan.seg_start, plan.seg_len
+
+
+def _common(plan: SegmentPlan, rank: int, split_k: int, dtype: torch.dtype) -> dict[str, int | bool | str]:
+    """The constexprs both kernels share."""
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    return {"RANK": rank, "BLOCK_M": plan.block_m, "PRECISION": precision, "SPLIT": split_k > 1}
 
 
 def warm_up(
@@ -407,4 +432,6 @@ def warm_up(
         plan = plan_segments(np.zeros(1, dtype=np.int64), num_slots, lora_a.device, block_m)
         # A plan of 64-token tiles has enough of them not to split (``_block_m``).
         for split_k in (1, 2) if block_m == min(BLOCK_MS) else (1,):
-            _launch(y, x, lora_a, lora_b, plan, 1, split_k, num_slots, rank, slice_starts)
+            h = sgmv_partials(x, lora_a, plan, num_slots, split_k)
+            sgmv_shrink(h, x, lora_a, plan, num_slots, rank)
+            sgmv_expand(y, h, lora_b, plan, num_slots, rank, slice_starts)
