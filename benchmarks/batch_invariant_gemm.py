@@ -57,8 +57,13 @@ ROWS = (1, 64, 256, 2048)
 SWEEP = [
     MatmulTiles(64, 128, 64, 4, 3),
     MatmulTiles(64, 128, 64, 4, 4),
+    MatmulTiles(64, 128, 64, 4, 5),
     MatmulTiles(64, 64, 64, 4, 4),
+    MatmulTiles(64, 64, 64, 4, 6),
+    MatmulTiles(64, 128, 128, 4, 3),
+    MatmulTiles(64, 128, 128, 4, 4),
     MatmulTiles(64, 256, 64, 8, 3),
+    MatmulTiles(64, 256, 64, 8, 4),
     MatmulTiles(128, 128, 64, 8, 3),
     MatmulTiles(128, 256, 64, 8, 3),
 ]

@@ -2,8 +2,9 @@
 on CUDA; docs/determinism.md).
 
 A ``LinearMethod`` like any other (the seam quantization and oneDNN's prepacking use): the worker
-attaches it to every dense layer after loading, choosing each layer's K split once, from its shape
-and the GPU (``num_k_splits``), so a step runs no choice at all. The weight stays as loaded.
+attaches it to every dense layer after loading, choosing each layer's tiles and K split once, from
+its shape and the GPU (``tiles_for``, ``num_k_splits``), so a step runs no choice at all. The
+weight stays as loaded.
 """
 
 from __future__ import annotations
@@ -12,7 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels.triton.batch_invariant_matmul import batch_invariant_matmul, num_k_splits, num_sms
+from pagedllm.kernels.triton.batch_invariant_matmul import (
+    MatmulTiles,
+    batch_invariant_matmul,
+    num_k_splits,
+    num_sms,
+    tiles_for,
+)
 from pagedllm.layers.fused_moe.layer import FusedMoE
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.base import EmbeddingMethod, LinearMethod
@@ -20,17 +27,21 @@ from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 
 class BatchInvariantLinearMethod(LinearMethod):
-    """``x W^T + b`` with K summed in ``num_splits`` fixed ranges, whatever the number of rows."""
+    """``x W^T + b`` with K summed in ``num_splits`` fixed ranges of ``tiles``' K tiles, whatever
+    the number of rows."""
 
-    def __init__(self, num_splits: int) -> None:
+    def __init__(self, num_splits: int, tiles: MatmulTiles) -> None:
         self.num_splits = num_splits
+        self.tiles = tiles
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass  # the kernel reads nn.Linear's [N, K] weight as it is
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        return batch_invariant_matmul(rows, layer.weight, bias, self.num_splits).view(*x.shape[:-1], -1)
+        return batch_invariant_matmul(rows, layer.weight, bias, self.num_splits, self.tiles).view(
+            *x.shape[:-1], -1
+        )
 
 
 class BatchInvariantLMHeadMethod(BatchInvariantLinearMethod, EmbeddingMethod):
@@ -59,10 +70,17 @@ def use_batch_invariant_gemms(model: nn.Module, device: torch.device) -> None:
                 "which has no batch-invariant GEMM"
             )
         if isinstance(module, LinearBase):
-            n, k = module.weight.shape
-            module.quant_method = BatchInvariantLinearMethod(num_k_splits(n, k, sms))
+            module.quant_method = _invariant_method(BatchInvariantLinearMethod, module.weight, device, sms)
     lm_head = getattr(model, "lm_head", None)
     if not isinstance(lm_head, VocabParallelEmbedding):  # LogitsProcessor would take F.linear
         raise ValueError(f"batch_invariant=True: {type(model).__name__} has no lm_head to route")
-    n, k = lm_head.weight.shape
-    lm_head.quant_method = BatchInvariantLMHeadMethod(num_k_splits(n, k, sms))
+    lm_head.quant_method = _invariant_method(BatchInvariantLMHeadMethod, lm_head.weight, device, sms)
+
+
+def _invariant_method(
+    method: type[BatchInvariantLinearMethod], weight: torch.Tensor, device: torch.device, sms: int
+) -> BatchInvariantLinearMethod:
+    """The layer's method, its tiles and K split chosen once from its shape and the GPU."""
+    n, k = weight.shape
+    tiles = tiles_for(k, device)
+    return method(num_k_splits(n, k, sms, tiles), tiles)

@@ -9,9 +9,12 @@ import pytest
 import torch
 
 from pagedllm.kernels.triton.batch_invariant_matmul import (
+    LONG_K_TILES,
+    TILES,
     arrival_counters,
     batch_invariant_matmul,
     num_k_splits,
+    tiles_for,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -33,19 +36,20 @@ def _inputs(dtype: torch.dtype, rows: int = 70) -> tuple[torch.Tensor, torch.Ten
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16])
 @pytest.mark.parametrize("split_in_grid", [False, True])
-def test_rows_are_the_same_bits_whatever_the_batch(dtype: torch.dtype, split_in_grid: bool) -> None:
+@pytest.mark.parametrize("tiles", [TILES, LONG_K_TILES], ids=["tiles", "long-k-tiles"])
+def test_rows_are_the_same_bits_whatever_the_batch(dtype: torch.dtype, split_in_grid: bool, tiles) -> None:
     x, weight, bias = _inputs(dtype)
-    full = batch_invariant_matmul(x, weight, bias, num_splits=2, split_in_grid=split_in_grid)
+
+    def matmul(rows: torch.Tensor, in_grid: bool = split_in_grid) -> torch.Tensor:
+        return batch_invariant_matmul(rows, weight, bias, 2, tiles, split_in_grid=in_grid)
+
+    full = matmul(x)
     for m in (1, 3, 65):
-        assert torch.equal(
-            batch_invariant_matmul(x[:m], weight, bias, 2, split_in_grid=split_in_grid), full[:m]
-        )
+        assert torch.equal(matmul(x[:m]), full[:m])
     order = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    assert torch.equal(
-        batch_invariant_matmul(x[order], weight, bias, 2, split_in_grid=split_in_grid), full[order]
-    )
+    assert torch.equal(matmul(x[order]), full[order])
     # The other schedule sums the same ranges in the same order.
-    assert torch.equal(batch_invariant_matmul(x, weight, bias, 2, split_in_grid=not split_in_grid), full)
+    assert torch.equal(matmul(x, not split_in_grid), full)
 
 
 @pytest.mark.parametrize(
@@ -74,6 +78,29 @@ def test_split_in_grid_leaves_every_arrival_counter_at_zero() -> None:
     assert not counters.any()
 
 
+def test_tiles_depend_on_the_layers_k_only() -> None:
+    cpu = torch.device("cpu")
+    assert tiles_for(1024, cpu) == tiles_for(3072, cpu) == TILES  # Qwen3-0.6B's layers
+    assert tiles_for(4096, cpu) == tiles_for(14336, cpu) == LONG_K_TILES  # Llama-3.1-8B's
+    assert LONG_K_TILES.block_k == 2 * TILES.block_k
+    # Their pipeline's buffers at 16 bits: what Hopper's 227 KiB of shared memory holds, Ampere's
+    # 163 KiB does not (tiles_for falls back to TILES there).
+    assert LONG_K_TILES.shared_memory_bytes(2) == 192 * 1024
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="the GPU's shared memory")
+def test_long_k_tiles_fit_this_gpu_or_are_not_chosen() -> None:
+    device = torch.device(DEVICE)
+    limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    tiles = tiles_for(4096, device)
+    assert tiles.shared_memory_bytes(2) <= limit
+    x, weight, bias = (t.bfloat16() for t in _inputs(torch.float32))
+    out = batch_invariant_matmul(x, weight, bias, 2, tiles)
+    torch.testing.assert_close(
+        out.float(), x.float() @ weight.float().t() + bias.float(), atol=2e-2, rtol=2e-2
+    )
+
+
 def test_split_count_depends_on_the_layer_and_the_gpu_only() -> None:
     # Qwen3-0.6B on an H100 (132 SMs): qkv (4096 x 1024), o_proj (1024 x 2048), down (1024 x 3072), LM head.
     assert num_k_splits(4096, 1024, 132) == 1  # 32 tiles want 4 splits; 16 K tiles allow 1
@@ -87,6 +114,10 @@ def test_split_count_depends_on_the_layer_and_the_gpu_only() -> None:
     assert num_k_splits(4096, 14336, 132) == 4
     # The same layer on a GPU of 78 SMs.
     assert num_k_splits(4096, 14336, 78) == 2
+    # With the long-K tiles (Llama-3.1-8B's): half as many K tiles allow fewer splits.
+    assert num_k_splits(6144, 4096, 132, LONG_K_TILES) == 2
+    assert num_k_splits(4096, 4096, 132, LONG_K_TILES) == 2
+    assert num_k_splits(4096, 14336, 132, LONG_K_TILES) == 4
 
 
 def test_use_batch_invariant_gemms_routes_dense_layers_and_a_tied_head() -> None:

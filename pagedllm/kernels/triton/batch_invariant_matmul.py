@@ -51,8 +51,9 @@ from pagedllm.kernels.triton.gemm_tile import output_tile
 
 @dataclass(frozen=True)
 class MatmulTiles:
-    """The one launch configuration, for every M: changing any of it changes the numerics (the
-    MMA instruction sequence), so it is a constant, not a per-shape tuning."""
+    """A layer's launch configuration, the same for every M: changing any of it changes the
+    numerics (the MMA instruction sequence), so it is chosen from the layer's shape (``tiles_for``),
+    never from the step's."""
 
     block_m: int = 64
     block_n: int = 128
@@ -60,8 +61,33 @@ class MatmulTiles:
     num_warps: int = 4
     num_stages: int = 3
 
+    def shared_memory_bytes(self, element_size: int) -> int:
+        """The software pipeline's buffers: x and W tiles of every stage."""
+        return self.num_stages * (self.block_m + self.block_n) * self.block_k * element_size
+
 
 TILES = MatmulTiles()
+# Layers with K of LONG_K or more: K tiles twice as wide, a stage deeper. Chosen on an H100
+# (``benchmarks/batch_invariant_gemm.py --sweep``, eleven configurations): at one row,
+# Llama-3.1-8B's four projections and LM head take 5.55 ms a step this way against cuBLAS's 5.51
+# and TILES' 6.12 (a decode step reads the weights with more bytes in flight per program), and
+# they are no slower at 64, 256 and 2,048 rows but for down_proj at 2,048 (1.18x); at Qwen3-0.6B's
+# K of 1,024-3,072 the same tiles are 12-20% slower than TILES at 256 and 2,048 rows.
+LONG_K = 4096
+LONG_K_TILES = MatmulTiles(block_k=128, num_stages=4)
+
+
+def tiles_for(k: int, device: torch.device) -> MatmulTiles:
+    """A layer's tiles: from its K and what the GPU's shared memory holds, never from M."""
+    if k < LONG_K:
+        return TILES
+    if device.type == "cuda":
+        limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+        if LONG_K_TILES.shared_memory_bytes(2) > limit:  # 192 KiB: Hopper's, not Ampere's
+            return TILES
+    return LONG_K_TILES
+
+
 # The fewest K tiles per split: a shorter range spends too much of its time filling the software
 # pipeline, which every M pays in the in-program schedule (measured on an H100: Qwen3-0.6B's qkv
 # GEMM, 16 K tiles, at 2,048 rows takes 37 us in one split and 50 us in four).
