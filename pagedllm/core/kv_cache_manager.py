@@ -248,12 +248,13 @@ class KVCacheManager:
         answered without touching the allocator. (Only the first block written can be shared: a
         fork shares its parent's table, which ends at the block of the parent's newest token.)
         """
-        table = self._tables[request.req_id]
-        index = request.num_computed_tokens // self.block_size - self._num_dropped[request.req_id]
-        last = (request.num_computed_tokens + num_new_tokens - 1) // self.block_size - self._num_dropped[
-            request.req_id
-        ]
-        if last < len(table) and table[index].ref_count == 1:
+        req_id = request.req_id
+        table = self._tables[req_id]
+        dropped = self._num_dropped[req_id]
+        first_token = request.num_computed_tokens
+        block_size = self.block_size
+        last = (first_token + num_new_tokens - 1) // block_size - dropped
+        if last < len(table) and table[first_token // block_size - dropped].ref_count == 1:
             return True
         if self.num_blocks_to_grow(request, num_new_tokens) > self.gpu_allocator.get_num_free_blocks():
             return False

@@ -400,7 +400,6 @@ class Scheduler:
         appended = result.appended
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         kv = self.kv_cache_manager
-        max_context_len = self.max_context_len
         row = 0
         while row < num_rows:
             request = requests.get(req_ids[row])
@@ -424,14 +423,12 @@ class Scheduler:
                 result.forked += [(request, child) for child in samplers[1:]]
                 self.num_generation_tokens += len(samplers) - 1
             else:
-                samplers = [request]  # the common case: one token for one request
+                samplers = (request,)  # the common case: one token for one request
             for sampler in samplers:
                 token_id = token_ids[row]
                 sampler.append_output_token(token_id, logprobs[row])
                 appended.append((sampler, row))
-                status = stop_status(sampler, token_id, len(sampler.output_token_ids), max_context_len)
-                if status is not None:
-                    self.queues.stop_by_token(sampler, stop_reason(sampler, token_id), status)
+                self._stop_if_ends(sampler, token_id)
                 row += 1
         self.isolation.sampled(req_ids)
         return result

@@ -61,8 +61,12 @@ def make_scheduler(num_gpu_blocks: int = 32, k: int = 4, max_model_len: int = 64
     return scheduler
 
 
-def add(scheduler: Scheduler, prompt: list[int], max_tokens: int = 32) -> Request:
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+def add(
+    scheduler: Scheduler, prompt: list[int], max_tokens: int = 32, stop_token_ids: list[int] | None = None
+) -> Request:
+    params = SamplingParams(
+        temperature=0.0, max_tokens=max_tokens, ignore_eos=True, stop_token_ids=stop_token_ids
+    )
     request = Request(scheduler.new_req_id(), prompt, params, BLOCK_SIZE)
     scheduler.add_request(request)
     return request
@@ -105,8 +109,7 @@ def test_drafts_are_scheduled_after_the_newest_token_and_rejected_ones_rolled_ba
 
 def test_a_stop_inside_the_accepted_drafts_ends_the_request_there():
     scheduler = make_scheduler()
-    request = add(scheduler, [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], max_tokens=32)
-    request.sampling_params.stop_token_ids = [5]
+    request = add(scheduler, [1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], max_tokens=32, stop_token_ids=[5])
     run_prefill(scheduler, request, 4)
     out = scheduler.schedule()
     assert out.scheduled_spec_decode_tokens == {request.req_id: [5, 6, 7, 8]}
