@@ -82,5 +82,5 @@ def _invariant_method(
 ) -> BatchInvariantLinearMethod:
     """The layer's method, its tiles and K split chosen once from its shape and the GPU."""
     n, k = weight.shape
-    tiles = tiles_for(k, device)
+    tiles = tiles_for(k, device, weight.element_size())
     return method(num_k_splits(n, k, sms, tiles), tiles)

@@ -1,6 +1,7 @@
-"""batch_invariant=True on the GPU, Qwen3-0.6B's config with dummy bf16 weights: 16 greedy requests
-give the same tokens and the same logprobs (every bit) alone, with 15 others and with 63 others;
-the same with prefix caching and chunked prefill on (other chunk boundaries, cached prefixes);
+"""batch_invariant=True on the GPU, Qwen3-0.6B's and Llama-3.1-8B's configs with dummy bf16 weights
+(the 8B's layers run the GEMM's long-K tiles): 16 greedy requests give the same tokens and the
+same logprobs (every bit) alone, with 15 others and with 63 others; for the 0.6B the same with
+prefix caching and chunked prefill on (other chunk boundaries, cached prefixes);
 and the logprobs reported while generating equal those of a scoring pass over prompt + output, for
 256 requests. Without the mode, 2 of 16 such requests diverged (H200, 2026-11-27)."""
 
@@ -20,20 +21,25 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
-MODEL = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs", "qwen3-0.6b")
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "configs")
+MODEL = os.path.join(CONFIGS, "qwen3-0.6b")
 NUM_TARGETS = 16
 Result = tuple[list[int], list[float]]
 # Plain, and with prefix caching and chunked prefill: chunks of at most 96 tokens cut prompts at
 # other places than the plain engine's whole-prompt prefill does (64 sequences at most, which a
 # 96-token step can all decode).
 ENGINES = {
-    "plain": {"max_num_seqs": 256},
-    "prefix-caching-chunked": {
-        "enable_prefix_caching": True,
-        "enable_chunked_prefill": True,
-        "max_num_batched_tokens": 96,
-        "max_num_seqs": 64,
-    },
+    "plain": (MODEL, {"max_num_seqs": 256}),
+    "prefix-caching-chunked": (
+        MODEL,
+        {
+            "enable_prefix_caching": True,
+            "enable_chunked_prefill": True,
+            "max_num_batched_tokens": 96,
+            "max_num_seqs": 64,
+        },
+    ),
+    "llama-3.1-8b": (os.path.join(CONFIGS, "llama-3.1-8b"), {"max_num_seqs": 64}),
 }
 
 
@@ -41,10 +47,10 @@ def _requests(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]
     """Prompts of 20-200 tokens, half behind one shared 48-token prefix (prefix-cache hits), and
     greedy params asking 24-40 tokens (a batch shrinks as requests finish: padded CUDA graphs)."""
     rng = random.Random(seed)
-    shared = [rng.randrange(3, 150_000) for _ in range(48)]
+    shared = [rng.randrange(3, 128_000) for _ in range(48)]
     prompts, params = [], []
     for i in range(n):
-        tail = [rng.randrange(3, 150_000) for _ in range(rng.randint(20, 150))]
+        tail = [rng.randrange(3, 128_000) for _ in range(rng.randint(20, 150))]
         prompts.append(shared + tail if i % 2 else tail)
         params.append(
             SamplingParams(temperature=0.0, max_tokens=rng.randint(24, 40), logprobs=0, ignore_eos=True)
@@ -64,8 +70,9 @@ def _generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) 
 
 @pytest.fixture(scope="module", params=list(ENGINES))
 def engine(request):
+    model, options = ENGINES[request.param]
     llm = LLM(
-        MODEL,
+        model,
         device="cuda",
         dtype="bfloat16",
         load_format="dummy",
@@ -73,7 +80,7 @@ def engine(request):
         max_model_len=1024,
         gpu_memory_utilization=0.5,
         batch_invariant=True,
-        **ENGINES[request.param],
+        **options,
     )
     yield request.param, llm
     llm.llm_engine.shutdown()

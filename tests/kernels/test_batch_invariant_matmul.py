@@ -36,8 +36,12 @@ def _inputs(dtype: torch.dtype, rows: int = 70) -> tuple[torch.Tensor, torch.Ten
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16])
 @pytest.mark.parametrize("split_in_grid", [False, True])
-@pytest.mark.parametrize("tiles", [TILES, LONG_K_TILES], ids=["tiles", "long-k-tiles"])
-def test_rows_are_the_same_bits_whatever_the_batch(dtype: torch.dtype, split_in_grid: bool, tiles) -> None:
+@pytest.mark.parametrize("layer_k", [1024, 4096], ids=["tiles", "long-k-tiles"])
+def test_rows_are_the_same_bits_whatever_the_batch(
+    dtype: torch.dtype, split_in_grid: bool, layer_k: int
+) -> None:
+    """With the tiles a layer of ``layer_k`` inputs gets (on this device, at this dtype)."""
+    tiles = tiles_for(layer_k, torch.device(DEVICE), dtype.itemsize)
     x, weight, bias = _inputs(dtype)
 
     def matmul(rows: torch.Tensor, in_grid: bool = split_in_grid) -> torch.Tensor:
@@ -86,12 +90,14 @@ def test_tiles_depend_on_the_layers_k_only() -> None:
     # Their pipeline's buffers at 16 bits: what Hopper's 227 KiB of shared memory holds, Ampere's
     # 163 KiB does not (tiles_for falls back to TILES there).
     assert LONG_K_TILES.shared_memory_bytes(2) == 192 * 1024
+    assert LONG_K_TILES.shared_memory_bytes(4) == 384 * 1024  # float32: more than any GPU's
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="the GPU's shared memory")
 def test_long_k_tiles_fit_this_gpu_or_are_not_chosen() -> None:
     device = torch.device(DEVICE)
     limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    assert tiles_for(4096, device, 4) == TILES
     tiles = tiles_for(4096, device)
     assert tiles.shared_memory_bytes(2) <= limit
     x, weight, bias = (t.bfloat16() for t in _inputs(torch.float32))

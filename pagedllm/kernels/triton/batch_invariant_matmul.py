@@ -77,13 +77,14 @@ LONG_K = 4096
 LONG_K_TILES = MatmulTiles(block_k=128, num_stages=4)
 
 
-def tiles_for(k: int, device: torch.device) -> MatmulTiles:
-    """A layer's tiles: from its K and what the GPU's shared memory holds, never from M."""
+def tiles_for(k: int, device: torch.device, element_size: int = 2) -> MatmulTiles:
+    """A layer's tiles: from its K, its weights' element size and what the GPU's shared memory
+    holds, never from M (float32 weights, or a GPU with Ampere's 163 KiB, keep TILES)."""
     if k < LONG_K:
         return TILES
     if device.type == "cuda":
         limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
-        if LONG_K_TILES.shared_memory_bytes(2) > limit:  # 192 KiB: Hopper's, not Ampere's
+        if LONG_K_TILES.shared_memory_bytes(element_size) > limit:
             return TILES
     return LONG_K_TILES
 
