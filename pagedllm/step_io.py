@@ -148,8 +148,11 @@ class EngineCoreRequest:
     arrival_time: float
     # The adapter it runs with (enable_lora; checked by the processor), or None.
     lora_request: LoRARequest | None = None
-    # The adapter it runs with (enable_lora; checked by the processor), or None.
-    lora_request: LoRARequest | None = None
+    # Whether the frontend needs each token as it is sampled (it streams, matches stop strings,
+    # returns logprobs, or fans out). Otherwise the core reports the request's first token (its
+    # time to first token) and then the rest at its end: no output per token and step to build,
+    # send and apply.
+    reports_each_token: bool = True
 
 
 # A sampled token's logprob, its rank, and the top tokens with theirs (when logprobs were asked).

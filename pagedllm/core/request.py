@@ -167,6 +167,10 @@ class RequestGroup:
         # What the core counts of it (speculative decoding's drafts), sent to the frontend's
         # RequestMetrics when it ends.
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        # How the engine core reports its tokens (``EngineCoreRequest.reports_each_token``), and,
+        # when not each as it comes, how many of its one sequence's tokens it has reported.
+        self.reports_each_token = True
+        self.num_reported_tokens = 0
 
     @property
     def max_running_seqs(self) -> int:

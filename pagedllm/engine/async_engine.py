@@ -317,6 +317,7 @@ class AsyncLLMEngine:
             request_id, prompt, sampling_params, prompt_token_ids, arrival_time, lora_request
         )
         state = new_request_state(request, prompt, stream=True, pooling_params=pooling_params)
+        request.reports_each_token = state.needs_each_token
         stream = RequestStream(request_id, coalesce=state.output_kind == RequestOutputKind.CUMULATIVE)
         error = self.processor.too_long(request)
         if error is not None:

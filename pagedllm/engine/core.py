@@ -176,20 +176,28 @@ class EngineCore:
             request.eos_token_ids,
             request.lora_request,
         )
+        first.group.reports_each_token = request.reports_each_token
         beams = BeamSearchState(beam_width=params.best_of) if params.use_beam_search else None
         self.requests[request.request_id] = _LiveRequest(first.group, beams)
         if self.lora_gate is None or self.lora_gate.admit(first):
             self.scheduler.add_request(first)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> None:
-        """End requests wherever they are; their blocks are free when this returns. Call it
-        between steps, from the thread that steps."""
+    def abort_requests(self, request_ids: Iterable[str]) -> EngineCoreOutputs:
+        """End requests wherever they are; their blocks are free when this returns. Returns the
+        tokens not reported yet of those reported only at their end (for their final outputs).
+        Call it between steps, from the thread that steps."""
+        out = EngineCoreOutputs()
         for request_id in request_ids:
             live = self.requests.pop(request_id, None)
             if live is not None:
+                for seq in live.group.members:
+                    if unreported := _unreported_tokens(seq):
+                        index, cumulative = seq.output_index, seq.cumulative_logprob
+                        out.outputs.append(EngineCoreOutput(request_id, index, unreported, None, cumulative))
                 if self.lora_gate is not None:
                     self.lora_gate.discard(live.group.members)
                 self.scheduler.finish_requests(list(live.group.members), RequestStatus.FINISHED_ABORTED)
+        return out
 
     def finish_sequences(self, stopped: Iterable[tuple[str, int]]) -> None:
         """End sequences, by (request_id, output index), that the frontend stopped (a stop string);
@@ -311,22 +319,30 @@ class EngineCore:
         appended = sampled.appended
         for i, (request, row) in enumerate(appended):
             group = request.group
-            new_logprobs = None
-            if group.sampling_params.logprobs is not None:
-                rank, top_ids, top_logprobs = top_tokens[row]
-                new_logprobs = [(logprobs[row], rank, top_ids, top_logprobs)]
             last = i + 1 == len(appended) or appended[i + 1][0] is not request
-            outputs.append(
-                EngineCoreOutput(
-                    group.request_id,
-                    request.output_index,
-                    [token_ids[row]],
-                    new_logprobs,
-                    request.cumulative_logprob,
-                    FINISH_REASONS.get(request.status) if last else None,
-                    request.stop_reason if last else None,
+            finish_reason = FINISH_REASONS.get(request.status) if last else None
+            if group.reports_each_token:
+                new_token_ids = [token_ids[row]]
+                new_logprobs = None
+                if group.sampling_params.logprobs is not None:
+                    rank, top_ids, top_logprobs = top_tokens[row]
+                    new_logprobs = [(logprobs[row], rank, top_ids, top_logprobs)]
+            elif last and (not group.num_reported_tokens or finish_reason is not None):
+                new_token_ids, new_logprobs = _unreported_tokens(request), None
+            else:
+                new_token_ids = None  # reported at its end
+            if new_token_ids is not None:
+                outputs.append(
+                    EngineCoreOutput(
+                        group.request_id,
+                        request.output_index,
+                        new_token_ids,
+                        new_logprobs,
+                        request.cumulative_logprob,
+                        finish_reason,
+                        request.stop_reason if last else None,
+                    )
                 )
-            )
             if request.output_index == 0 and len(request.output_token_ids) == 1:  # its first token
                 out.first_scheduled[group.request_id] = request.first_scheduled_time
             if not group.members:
@@ -419,7 +435,7 @@ class EngineCore:
                 EngineCoreOutput(
                     live.group.request_id,
                     request.output_index,
-                    [],
+                    _unreported_tokens(request),
                     None,
                     request.cumulative_logprob,
                     request.status.finish_reason,
@@ -481,3 +497,14 @@ def _has_cache_ops(scheduler_output: SchedulerOutput) -> bool:
         or scheduler_output.blocks_to_swap_out
         or scheduler_output.blocks_to_copy
     )
+
+
+def _unreported_tokens(request: Request) -> list[int]:
+    """The tokens of a request reported only at its first token and its end that the frontend
+    has not had yet (marked reported now); none for one reported token by token."""
+    group = request.group
+    if group.reports_each_token:
+        return []
+    tokens = request.output_token_ids[group.num_reported_tokens :]
+    group.num_reported_tokens = len(request.output_token_ids)
+    return tokens

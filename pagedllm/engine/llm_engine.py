@@ -94,7 +94,9 @@ class LLMEngine:
         With ``stream`` (the default) the request's outputs come back after every step that
         extends it, shaped by ``sampling_params.output_kind``; without, only once it finishes
         (FINAL_ONLY), and its text is decoded once at the end (incrementally only when stop
-        strings need it), which saves host time every step.
+        strings need it); unless it asked for logprobs or several sequences, the engine core then
+        reports its first token and the rest at its end, not each token: both save host time
+        every step.
         """
         if request_id in self.output_processor.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -107,6 +109,7 @@ class LLMEngine:
         if error is not None:
             self._finished_at_once.append(finish_refused(self.output_processor, state, error))
             return
+        request.reports_each_token = state.needs_each_token
         self.output_processor.add_request(state)
         self.engine_core.add_request(request)
 
@@ -116,7 +119,8 @@ class LLMEngine:
         had), which no step will return. Call it between steps, from the thread that steps."""
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self._finished_at_once = [o for o in self._finished_at_once if o.request_id not in request_ids]
-        self.engine_core.abort_requests(request_ids)
+        # Tokens of requests reported only at their end, for their final outputs.
+        self.output_processor.process_outputs(self.engine_core.abort_requests(request_ids))
         return self.output_processor.abort(request_ids)
 
     def request_id_of(self, req_id: int) -> str | None:

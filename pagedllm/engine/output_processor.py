@@ -89,6 +89,19 @@ class RequestState:
         self.streams = self.output_kind != RequestOutputKind.FINAL_ONLY
         self.decodes_incrementally = self.streams or bool(self.sampling_params.stop)
 
+    @property
+    def needs_each_token(self) -> bool:
+        """Whether it needs each token as it is sampled (``EngineCoreRequest.reports_each_token``):
+        to stream it, match stop strings, return its logprobs, or follow a fan-out's sequences."""
+        params = self.sampling_params
+        return (
+            self.decodes_incrementally
+            or params.logprobs is not None
+            or params.n > 1
+            or params.best_of > 1
+            or params.use_beam_search
+        )
+
     def seq(self, index: int) -> SequenceState:
         """The sequence at ``index``; a new one the first time (a fork the core just made)."""
         for seq in self.seqs:
