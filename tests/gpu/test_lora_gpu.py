@@ -64,15 +64,9 @@ def test_decode_kernels_replay_in_a_cuda_graph(num_tokens):
     from 16) captured once, replayed over new slots (and new segments) each step."""
     slots, rank, hidden, out = 4, 8, 256, 384
     gen = torch.Generator(device=DEVICE).manual_seed(0)
-    batch = LoRABatch(slots, rank, 64, {1}, torch.bfloat16, DEVICE)
     x = torch.randn(num_tokens, hidden, device=DEVICE, generator=gen).bfloat16()
-    lora_a = torch.randn(slots * rank, hidden, device=DEVICE, generator=gen).bfloat16()
-    # B scaled as a trained adapter's (and the test above's): with unit B, an output near zero is a
-    # cancellation of terms near 40, whose bf16 rounding of h (the expand's tl.dot operand) alone
-    # leaves 0.25 there.
-    lora_b = (0.05 * torch.randn(out, slots * rank, device=DEVICE, generator=gen)).bfloat16()
+    batch, lora_a, lora_b = slot_adapters(num_tokens, slots, rank, hidden, out, gen)
     y = torch.zeros(num_tokens, out, device=DEVICE, dtype=torch.bfloat16)
-    batch.set_token_slots(np.full(num_tokens, NO_SLOT))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         batch.apply(y, x, lora_a, lora_b, 1, (out, out))
@@ -81,11 +75,7 @@ def test_decode_kernels_replay_in_a_cuda_graph(num_tokens):
         batch.set_token_slots(token_slots)
         y.zero_()
         graph.replay()
-        expected = torch.zeros(num_tokens, out, device=DEVICE)
-        for t, s in enumerate(token_slots.tolist()):
-            if s >= 0:
-                a, b = lora_a[s * rank : (s + 1) * rank].float(), lora_b[:, s * rank : (s + 1) * rank].float()
-                expected[t] = b @ (a @ x[t].float())
+        expected = per_token_lora(x, lora_a, lora_b, token_slots, rank)
         torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=3e-2)
 
 
@@ -96,12 +86,9 @@ def test_the_shrink_beside_the_base_projection_in_a_graph(num_tokens):
     is the base product plus each token's adapter's."""
     slots, rank, hidden, out = 4, 16, 512, 384
     gen = torch.Generator(device=DEVICE).manual_seed(1)
-    batch = LoRABatch(slots, rank, 64, {1}, torch.bfloat16, DEVICE)
     weight = (hidden**-0.5 * torch.randn(out, hidden, device=DEVICE, generator=gen)).bfloat16()
-    lora_a = torch.randn(slots * rank, hidden, device=DEVICE, generator=gen).bfloat16()
-    lora_b = (0.05 * torch.randn(out, slots * rank, device=DEVICE, generator=gen)).bfloat16()
+    batch, lora_a, lora_b = slot_adapters(num_tokens, slots, rank, hidden, out, gen)
     x = torch.zeros(num_tokens, hidden, device=DEVICE, dtype=torch.bfloat16)
-    batch.set_token_slots(np.full(num_tokens, NO_SLOT))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         shrunk = batch.shrink(x, lora_a, 1)
@@ -112,12 +99,35 @@ def test_the_shrink_beside_the_base_projection_in_a_graph(num_tokens):
         token_slots = np.random.default_rng(step).integers(NO_SLOT, slots, num_tokens)
         batch.set_token_slots(token_slots)
         graph.replay()
-        expected = x.float() @ weight.float().T
-        for t, s in enumerate(token_slots.tolist()):
-            if s >= 0:
-                a, b = lora_a[s * rank : (s + 1) * rank].float(), lora_b[:, s * rank : (s + 1) * rank].float()
-                expected[t] += b @ (a @ x[t].float())
+        expected = x.float() @ weight.float().T + per_token_lora(x, lora_a, lora_b, token_slots, rank)
         torch.testing.assert_close(y.float(), expected, rtol=2e-2, atol=3e-2)
+
+
+def slot_adapters(
+    num_tokens: int, slots: int, rank: int, hidden: int, out: int, gen: torch.Generator
+) -> tuple[LoRABatch, torch.Tensor, torch.Tensor]:
+    """A decode batch of ``num_tokens`` tokens (none on a slot yet: what a graph is captured
+    over) and random bf16 slot weights A [slots * rank, hidden], B [out, slots * rank]. B is
+    scaled as a trained adapter's (and the test above's): with unit B, an output near zero is a
+    cancellation of terms near 40, whose bf16 rounding of h (the expand's tl.dot operand) alone
+    leaves 0.25 there."""
+    batch = LoRABatch(slots, rank, 64, {1}, torch.bfloat16, DEVICE)
+    lora_a = torch.randn(slots * rank, hidden, device=DEVICE, generator=gen).bfloat16()
+    lora_b = (0.05 * torch.randn(out, slots * rank, device=DEVICE, generator=gen)).bfloat16()
+    batch.set_token_slots(np.full(num_tokens, NO_SLOT))
+    return batch, lora_a, lora_b
+
+
+def per_token_lora(
+    x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, token_slots: np.ndarray, rank: int
+) -> torch.Tensor:
+    """[T, out] float32: each token's own slot's (x A^T) B^T, one token at a time (0 without)."""
+    expected = torch.zeros(x.shape[0], lora_b.shape[0], device=x.device)
+    for t, s in enumerate(token_slots.tolist()):
+        if s >= 0:
+            a, b = lora_a[s * rank : (s + 1) * rank].float(), lora_b[:, s * rank : (s + 1) * rank].float()
+            expected[t] = b @ (a @ x[t].float())
+    return expected
 
 
 @pytest.mark.parametrize("repeats", [1, 3], ids=["bgmv-decode", "sgmv-decode"])

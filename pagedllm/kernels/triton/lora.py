@@ -238,10 +238,7 @@ def bgmv_expand(
     slice_starts: tuple[int, int],
 ) -> None:
     """y += each token's h (``bgmv_shrink``'s) times its adapter's B^T, in place."""
-    split_k, num_tokens, num_cols = h.shape
-    out_features = y.shape[1]
-    assert lora_b.shape == (out_features, num_cols * num_slots) and y.shape[0] == num_tokens
-    assert y.stride(1) == 1 and lora_b.stride(1) == 1
+    split_k, num_tokens, num_cols, out_features = expand_shapes(y, h, lora_b, num_slots)
     if num_tokens == 0:
         return
     # Few tokens: narrow output tiles, for programs enough to fill the GPU; many tokens: wide
@@ -253,3 +250,14 @@ def bgmv_expand(
         RANK=rank, NUM_SLICES=num_cols // rank, BLOCK_R=triton.next_power_of_2(rank),
         BLOCK_S=triton.next_power_of_2(split_k), BLOCK_O=block_o, **pdl_options(y.device),
     )  # fmt: skip
+
+
+def expand_shapes(
+    y: torch.Tensor, h: torch.Tensor, lora_b: torch.Tensor, num_slots: int
+) -> tuple[int, int, int, int]:
+    """An expand's (SPLIT_K, T, n*R, out), its operands' layouts checked."""
+    split_k, num_tokens, num_cols = h.shape
+    out_features = y.shape[1]
+    assert lora_b.shape == (out_features, num_cols * num_slots) and y.shape[0] == num_tokens
+    assert y.stride(1) == 1 and lora_b.stride(1) == 1
+    return split_k, num_tokens, num_cols, out_features

@@ -64,6 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.triton.lora import expand_shapes
 from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 
 
@@ -392,10 +393,7 @@ def sgmv_expand(
     slice_starts: tuple[int, int],
 ) -> None:
     """y += each tile's h (``sgmv_shrink``'s) times its slot's B^T, in place."""
-    split_k, num_tokens, num_cols = h.shape
-    out_features = y.shape[1]
-    assert lora_b.shape == (out_features, num_cols * num_slots) and y.shape[0] == num_tokens
-    assert y.stride(1) == 1 and lora_b.stride(1) == 1
+    split_k, num_tokens, num_cols, out_features = expand_shapes(y, h, lora_b, num_slots)
     grid_tiles = plan.grid_tiles(num_tokens)
     if grid_tiles == 0:
         return
