@@ -21,7 +21,6 @@ Whatever lies between is computed next, a chunk at a time::
 from __future__ import annotations
 
 import enum
-import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -152,11 +151,6 @@ class RequestGroup:
         # Live sequences, in the order they were created (finished ones leave).
         self.members: list[Request] = [first]
         self.eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
-        # What ``stop_status`` reads for every sampled token, gathered here once: the token ids
-        # that end a sequence (EOS and the stop token ids) and the output count limits.
-        self.stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids)
-        self.min_tokens = params.min_tokens
-        self.max_tokens = sys.maxsize if params.max_tokens is None else params.max_tokens
         # Sent to the workers with each member: the tokens banned until min_tokens outputs exist,
         # and how many most likely tokens a sample returns (logprobs, beam search's candidates).
         self.min_tokens_stop_ids = (

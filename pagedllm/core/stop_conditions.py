@@ -22,11 +22,15 @@ def stop_status(
 ) -> RequestStatus | None:
     """The status the request ends with when ``token_id`` is its ``num_output_tokens``-th output,
     or None. Runs for every sampled token: written flat."""
-    group = request.group
-    if token_id in group.stop_ids and num_output_tokens >= group.min_tokens:
+    params = request.sampling_params
+    if num_output_tokens >= params.min_tokens and (
+        token_id in request.group.eos_token_ids or token_id in params.stop_token_ids
+    ):
         return RequestStatus.FINISHED_STOPPED
-    if num_output_tokens >= group.max_tokens or (
-        max_context_len is not None and len(request.prompt_token_ids) + num_output_tokens >= max_context_len
+    num_tokens = len(request.prompt_token_ids) + num_output_tokens
+    max_tokens = params.max_tokens
+    if (max_context_len is not None and num_tokens >= max_context_len) or (
+        max_tokens is not None and num_output_tokens >= max_tokens
     ):
         return RequestStatus.FINISHED_LENGTH_CAPPED
     return None

@@ -218,9 +218,7 @@ class OutputProcessor:
         if output.pooling_output is not None:
             state.pooled = output.pooling_output
             return False
-        seqs = state.seqs
-        # A new one when replaced: its whole tokens, decoded afresh. (The first test: n = 1.)
-        seq = seqs[0] if seqs and seqs[0].index == output.index else state.seq(output.index)
+        seq = state.seq(output.index)  # a new one when replaced: its whole tokens, decoded afresh
         seq.token_ids += output.new_token_ids
         seq.cumulative_logprob = output.cumulative_logprob
         seq.finish_reason = output.finish_reason

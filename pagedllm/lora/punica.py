@@ -64,19 +64,14 @@ NO_SLOT = -1
 SGMV_DECODE_MIN_TOKENS = 16
 
 
-def add_lora(
-    y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, mask: torch.Tensor
-) -> None:
-    """y: [T, out] += ((x [T, in] @ lora_a [C, in]^T) * mask [T, C]) @ lora_b [out, C]^T, in place."""
-    y += F.linear(F.linear(x, lora_a) * mask, lora_b)
-
-
 class Shrunk(NamedTuple):
     """A projection's shrink, for its expand: h (the masked product's ``[T, C]``, or the kernels'
-    split-K partials), and whether the kernels run SGMV (else BGMV)."""
+    split-K partials), whether the kernels run SGMV (else BGMV), and whether the shrink ran on
+    the side stream (which the expand then joins)."""
 
     h: torch.Tensor
     sgmv: bool = False
+    forked: bool = False
 
 
 def token_lora_ids(row_lora_ids: np.ndarray, query_start_loc: np.ndarray, pad_to: int) -> np.ndarray:
@@ -211,11 +206,13 @@ class LoRABatch:
     # construction to one of the pairs below.
 
     def _shrink_masked(self, x: torch.Tensor, lora_a: torch.Tensor, num_slices: int) -> Shrunk:
+        """h = (x [T, in] @ lora_a [C, in]^T) * mask [T, C]."""
         return Shrunk(F.linear(x, lora_a) * self.mask(num_slices, x.shape[0]))
 
     def _expand_masked(
         self, y: torch.Tensor, shrunk: Shrunk, lora_b: torch.Tensor, slice_starts: tuple[int, int]
     ) -> None:
+        """y [T, out] += h @ lora_b [out, C]^T, in place."""
         y += F.linear(shrunk.h, lora_b)
 
     def _shrink_kernels(self, x: torch.Tensor, lora_a: torch.Tensor, num_slices: int) -> Shrunk:
@@ -226,18 +223,18 @@ class LoRABatch:
             h = self._sgmv.sgmv_partials(x, lora_a, self._segments, self.num_slots)
         else:
             h = self._bgmv.bgmv_partials(x, lora_a, self.num_slots)
-        with self._shrink_stream_if_captured():
+        with self._shrink_stream_if_captured() as forked:
             if sgmv:
                 self._sgmv.sgmv_shrink(h, x, lora_a, self._segments, self.num_slots, self.max_rank)
             else:
                 token_slots = self._token_slots[: x.shape[0]]
                 self._bgmv.bgmv_shrink(h, x, lora_a, token_slots, self.num_slots, self.max_rank)
-        return Shrunk(h, sgmv)
+        return Shrunk(h, sgmv, forked)
 
     def _expand_kernels(
         self, y: torch.Tensor, shrunk: Shrunk, lora_b: torch.Tensor, slice_starts: tuple[int, int]
     ) -> None:
-        if self._side_stream is not None and torch.cuda.is_current_stream_capturing():
+        if shrunk.forked:
             torch.cuda.current_stream(self.device).wait_stream(self._side_stream)
         h, rank = shrunk.h, self.max_rank
         if shrunk.sgmv:
@@ -247,18 +244,19 @@ class LoRABatch:
             self._bgmv.bgmv_expand(y, h, lora_b, token_slots, self.num_slots, rank, slice_starts)
 
     @contextlib.contextmanager
-    def _shrink_stream_if_captured(self) -> Iterator[None]:
+    def _shrink_stream_if_captured(self) -> Iterator[bool]:
         """Inside a CUDA graph capture, the shrink goes on the side stream, forked from the
         layer's: in the graph it becomes a branch that runs beside the base projection (which
         reads the same x) instead of a node before it, and the expand joins the two. A decode
         step of a few tokens is a chain of small kernels, each costing a launch latency on the
         device (W3 with one adapter: 128 shrinks a token); the branch takes the shrinks off that
         chain. Outside a capture (prefill steps, eager mode) the fork would cost the host two
-        events per projection and save nothing the host does not pay already: one stream."""
+        events per projection and save nothing the host does not pay already: one stream.
+        Yields whether it forked."""
         stream = self._side_stream
         if stream is None or not torch.cuda.is_current_stream_capturing():
-            yield
+            yield False
             return
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            yield
+            yield True

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.lora.punica import NO_SLOT, LoRABatch, add_lora, token_lora_ids
+from pagedllm.lora.punica import NO_SLOT, LoRABatch, token_lora_ids
 
 
 def test_token_lora_ids_repeat_each_request_over_its_tokens():
@@ -56,7 +56,7 @@ def test_stacked_masked_product_equals_each_tokens_own_adapter(num_slices):
             continue
         for i, (a, b) in enumerate(adapters[slot]):
             expected[t, i * out_per_slice : (i + 1) * out_per_slice] += b @ (a @ x[t])
-    add_lora(y, x, lora_a, lora_b, batch.mask(num_slices, num_tokens))
+    batch.apply(y, x, lora_a, lora_b, num_slices, (0, 0))  # slice starts: the kernels' only
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
     # Tokens without an adapter are left exactly as they were.
     assert torch.equal(y[slots == NO_SLOT], expected[slots == NO_SLOT])

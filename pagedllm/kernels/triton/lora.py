@@ -185,7 +185,7 @@ def bgmv_partials(x: torch.Tensor, lora_a: torch.Tensor, num_slots: int) -> torc
     memory."""
     num_tokens, in_features = x.shape
     num_cols = lora_a.shape[0] // num_slots  # n * R
-    _, split_k = _shrink_split(num_tokens, num_cols, in_features)
+    split_k = _shrink_split_k(num_tokens, num_cols, in_features)
     return torch.empty(split_k, num_tokens, num_cols, dtype=torch.float32, device=x.device)
 
 
@@ -193,13 +193,13 @@ def _shrink_block_n(num_cols: int) -> int:
     return min(triton.next_power_of_2(num_cols), 64)
 
 
-def _shrink_split(num_tokens: int, num_cols: int, in_features: int) -> tuple[int, int]:
-    """(BLOCK_K chunks per split, SPLIT_K): about ``TARGET_PROGRAMS`` programs in all."""
+def _shrink_split_k(num_tokens: int, num_cols: int, in_features: int) -> int:
+    """SPLIT_K: about ``TARGET_PROGRAMS`` programs in all, each over whole BLOCK_K chunks (as
+    many as ``cdiv(chunks, SPLIT_K)``, which gives back the same SPLIT_K)."""
     num_chunks = triton.cdiv(in_features, SHRINK_BLOCK_K)
     num_col_blocks = triton.cdiv(num_cols, _shrink_block_n(num_cols))
     wanted = triton.cdiv(TARGET_PROGRAMS, max(num_tokens, 1) * num_col_blocks)
-    chunks_per_split = triton.cdiv(num_chunks, min(num_chunks, wanted))
-    return chunks_per_split, triton.cdiv(num_chunks, chunks_per_split)
+    return triton.cdiv(num_chunks, triton.cdiv(num_chunks, min(num_chunks, wanted)))
 
 
 def bgmv_shrink(
@@ -219,8 +219,7 @@ def bgmv_shrink(
     if num_tokens == 0:
         return
     block_n = _shrink_block_n(num_cols)
-    chunks_per_split, split = _shrink_split(num_tokens, num_cols, in_features)
-    assert split == split_k, (split, split_k)
+    chunks_per_split = triton.cdiv(triton.cdiv(in_features, SHRINK_BLOCK_K), split_k)
     _lora_shrink_kernel[(num_tokens, triton.cdiv(num_cols, block_n), split_k)](
         h, x, lora_a, token_slots, in_features, chunks_per_split * SHRINK_BLOCK_K, num_slots,
         x.stride(0), lora_a.stride(0), h.stride(0), h.stride(1),
