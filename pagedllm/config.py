@@ -244,19 +244,33 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor parallelism: ``tensor_parallel_size`` ranks, one per device, each holding a
-    Megatron-style shard of every layer; ``distributed_executor_backend`` runs them: "uni" (one
-    rank, in the engine's process), "mp" (one spawned process per rank on this host) or "ray"
+    """Tensor and pipeline parallelism: ``pipeline_parallel_size`` stages, each a contiguous run
+    of the decoder's layers, each run by ``tensor_parallel_size`` ranks holding a Megatron-style
+    shard of its layers; one rank per device, ``world_size`` in all
+    (distributed/parallel_state.py lays them out). ``distributed_executor_backend`` runs them:
+    "uni" (one rank, in the engine's process), "mp" (one process per rank on this host) or "ray"
     (one Ray actor per rank, on the nodes of a Ray cluster). ``disable_custom_all_reduce`` sends
     every all-reduce through NCCL instead of the one-shot kernel for small messages on GPUs."""
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
     disable_custom_all_reduce: bool = False
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def output_rank(self) -> int:
+        """The rank whose samples the engine reads: the last stage's first."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
         _require(isinstance(tp, int) and tp >= 1, "tensor_parallel_size", "an int >= 1", tp)
+        pp = self.pipeline_parallel_size
+        _require(isinstance(pp, int) and pp >= 1, "pipeline_parallel_size", "an int >= 1", pp)
         backend = self.distributed_executor_backend
         _require(
             backend in DISTRIBUTED_EXECUTOR_BACKENDS,
@@ -277,6 +291,12 @@ class ParallelConfig:
                 "1 with distributed_executor_backend='uni' ('mp' or 'ray' run more)",
                 tp,
             )
+            _require(
+                pp == 1,
+                "pipeline_parallel_size",
+                "1 with distributed_executor_backend='uni' ('mp' or 'ray' run more)",
+                pp,
+            )
 
     def check_model(self, model_config: ModelConfig) -> None:
         """Refuse a size that does not shard the model's heads and features evenly (before any
@@ -288,6 +308,12 @@ class ParallelConfig:
                 f"(num_attention_heads={model_config.num_attention_heads}, num_key_value_heads="
                 f"{model_config.num_kv_heads}, replicated when fewer than the ranks, intermediate_size="
                 f"{_intermediate_size(model_config)}): one of {_valid_tp_sizes(model_config)}, got {tp}"
+            )
+        pp, num_layers = self.pipeline_parallel_size, model_config.num_layers
+        if pp > num_layers:
+            raise ValueError(
+                f"pipeline_parallel_size must give every stage at least one of the model's {num_layers} "
+                f"layers: at most {num_layers}, got {pp}"
             )
 
 
@@ -385,6 +411,8 @@ class EngineConfig:
                     f"1 with speculative_config method {method!r} (a sharded draft is not supported yet)",
                     self.parallel_config.tensor_parallel_size,
                 )
+        if self.parallel_config.pipeline_parallel_size > 1:
+            self._check_pipeline_parallel()
         if self.pooler_config is not None:
             # The pooler reads every prompt token's hidden state: none may come from the cache.
             _require(
@@ -398,6 +426,22 @@ class EngineConfig:
                 "speculative_config",
                 "None with runner='pooling' (a pooling model generates nothing)",
                 self.speculative_config,
+            )
+
+    def _check_pipeline_parallel(self) -> None:
+        """What pipeline stages cannot run with yet, refused before anything loads."""
+        pp = self.parallel_config.pipeline_parallel_size
+        unsupported = {
+            "speculative_config": (self.speculative_config, "the drafter runs beside the whole target"),
+            "lora_config": (self.lora_config, "adapters are placed on every layer of one rank"),
+            "pooler_config": (self.pooler_config, "the pooler reads the last stage's hidden states"),
+        }
+        for field, (value, why) in unsupported.items():
+            _require(value is None, field, f"None with pipeline_parallel_size={pp} ({why})", value)
+        if self.model_config.has_recurrent_state:
+            raise ValueError(
+                f"pipeline_parallel_size={pp} is not supported on models with linear-attention layers "
+                "yet (their recurrent-state cache spans every layer of one rank)"
             )
 
     def _check_fp8_kv_cache(self) -> None:
@@ -442,7 +486,7 @@ def resolve_device(device: str | torch.device, parallel_config: ParallelConfig |
     """
     import torch
 
-    if parallel_config is not None and parallel_config.tensor_parallel_size > 1:
+    if parallel_config is not None and parallel_config.world_size > 1:
         return _resolve_parallel_device(device, parallel_config)
     if isinstance(device, str):
         _require(
@@ -465,12 +509,12 @@ def resolve_device(device: str | torch.device, parallel_config: ParallelConfig |
 def _resolve_parallel_device(device: str | torch.device, parallel_config: ParallelConfig) -> torch.device:
     import torch
 
-    tp = parallel_config.tensor_parallel_size
+    world_size = parallel_config.world_size
     name = str(device)
     _require(
         name in ("auto", "cpu", "cuda"),
         "device",
-        f"'auto', 'cpu' or 'cuda' with tensor_parallel_size={tp} (rank r runs on cuda:r; choose the GPUs "
+        f"'auto', 'cpu' or 'cuda' with {world_size} ranks (rank r runs on cuda:r; choose the GPUs "
         "with CUDA_VISIBLE_DEVICES)",
         name,
     )
@@ -479,12 +523,17 @@ def _resolve_parallel_device(device: str | torch.device, parallel_config: Parall
     # With Ray the GPUs are the cluster's, which the Ray executor counts: this host may have none.
     if name == "cuda" and parallel_config.distributed_executor_backend != "ray":
         num_gpus = torch.cuda.device_count()
+        field = (
+            "tensor_parallel_size"
+            if parallel_config.pipeline_parallel_size == 1
+            else ("tensor_parallel_size x pipeline_parallel_size")
+        )
         _require(
-            tp <= num_gpus,
-            "tensor_parallel_size",
+            world_size <= num_gpus,
+            field,
             f"<= the {num_gpus} visible CUDA devices (one rank per GPU; distributed_executor_backend='ray' "
             "spans hosts)",
-            tp,
+            world_size,
         )
     return torch.device(name)
 

@@ -1,10 +1,22 @@
-"""Tensor-parallel state and collectives.
+"""Tensor- and pipeline-parallel state and collectives.
 
-The tensor-parallel group is the whole default process group: one process per device, all of
-them sharding every layer (no pipeline or data parallelism yet). The rank and size are whatever
-``torch.distributed`` says: without an initialized process group, or with a group of one, this is
-a single rank and every collective returns its input unchanged. The one state kept here is the
-one-shot all-reduce on CUDA (``symm_mem.py``), which takes the small messages NCCL is slow at.
+One process per device. ``world_size = tensor_parallel_size x pipeline_parallel_size`` ranks,
+laid out stage-major as vLLM lays them out: global rank ``r`` is tensor-parallel rank
+``r % tp`` of pipeline stage ``r // tp``::
+
+    tp = 2, pp = 2        stage 0: ranks 0, 1 (layers [0, L/2))    stage 1: ranks 2, 3 (layers [L/2, L))
+
+A stage's ranks form its tensor-parallel group: they shard every layer of the stage
+(Megatron-style) and all-reduce inside it. Between stages, rank ``r`` sends its activations to
+rank ``r + tp`` (point to point: every rank of a stage holds the whole hidden state after its
+all-reduces), and the last stage's first rank, which samples, broadcasts the sampled tokens to
+every rank: the first stage embeds them in the next step, and every rank's persistent batch
+records them (GPipe-style stages; Huang et al. 2019, and vLLM's pipeline parallelism).
+
+Without an initialized process group, or with a group of one, this is a single rank and every
+collective returns its input unchanged. With one stage the tensor-parallel group is the default
+group itself. The one other state kept here is the one-shot all-reduce on CUDA (``symm_mem.py``),
+which takes the small messages NCCL is slow at (one stage only: it spans the default group).
 """
 
 from __future__ import annotations
@@ -16,6 +28,12 @@ from pagedllm.distributed.symm_mem import SymmMemAllReduce, create_symm_mem_all_
 
 # This process's one-shot all-reduce, or None (NCCL or gloo does every all-reduce).
 _symm_mem_all_reduce: SymmMemAllReduce | None = None
+# The tensor-parallel layout: ranks per stage, this rank's stage and the stage count. The group
+# is None with one stage (the default group), else this stage's subgroup.
+_tp_size = 1
+_pp_rank = 0
+_pp_size = 1
+_tp_group: dist.ProcessGroup | None = None
 
 
 def _is_distributed() -> bool:
@@ -28,15 +46,21 @@ def init_distributed_environment(
     distributed_init_method: str,
     device: torch.device | str = "cpu",
     custom_all_reduce: bool = True,
+    tensor_parallel_size: int | None = None,
 ) -> None:
-    """Join the process group of ``world_size`` ranks (no-op for one rank or when already joined).
+    """Join the process group of ``world_size`` ranks (no-op for one rank or when already joined),
+    in stages of ``tensor_parallel_size`` ranks (all of them when None: one stage).
 
     The collectives run over NCCL when ``device`` is a GPU, over gloo on the CPU; on a GPU, with
-    ``custom_all_reduce``, small all-reduces take the one-shot kernel where the GPUs allow it.
+    ``custom_all_reduce`` and one stage, small all-reduces take the one-shot kernel where the GPUs
+    allow it.
     """
-    global _symm_mem_all_reduce
+    global _symm_mem_all_reduce, _tp_size, _pp_rank, _pp_size, _tp_group
     if world_size == 1 or dist.is_initialized():
         return
+    tp = tensor_parallel_size or world_size
+    if world_size % tp:
+        raise ValueError(f"world_size {world_size} is not a multiple of tensor_parallel_size {tp}")
     device = torch.device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
@@ -47,7 +71,14 @@ def init_distributed_environment(
         # NCCL binds the group to this rank's GPU now, not lazily on the first collective.
         device_id=device if device.type == "cuda" else None,
     )
-    if custom_all_reduce:
+    _tp_size, _pp_rank, _pp_size = tp, rank // tp, world_size // tp
+    if _pp_size > 1:
+        # Every rank creates every stage's group, in the same order (torch.distributed's rule).
+        for stage in range(_pp_size):
+            group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)))
+            if stage == _pp_rank:
+                _tp_group = group
+    elif custom_all_reduce:
         _symm_mem_all_reduce = create_symm_mem_all_reduce(device)
 
 
@@ -57,42 +88,100 @@ def uses_custom_all_reduce() -> bool:
 
 
 def destroy_distributed_environment() -> None:
-    global _symm_mem_all_reduce
+    global _symm_mem_all_reduce, _tp_size, _pp_rank, _pp_size, _tp_group
     _symm_mem_all_reduce = None
+    _tp_size, _pp_rank, _pp_size, _tp_group = 1, 0, 1, None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
+def _is_tensor_parallel() -> bool:
+    return _is_distributed() and get_tensor_model_parallel_world_size() > 1
+
+
 def get_tensor_model_parallel_world_size() -> int:
-    return dist.get_world_size() if _is_distributed() else 1
+    if not _is_distributed():
+        return 1
+    return _tp_size if _pp_size > 1 else dist.get_world_size()
 
 
 def get_tensor_model_parallel_rank() -> int:
-    return dist.get_rank() if _is_distributed() else 0
+    return dist.get_rank() % get_tensor_model_parallel_world_size() if _is_distributed() else 0
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _pp_size if _is_distributed() else 1
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _pp_rank if _is_distributed() else 0
+
+
+def is_first_pipeline_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_last_pipeline_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+def pipeline_stage_layers(num_layers: int, stage: int | None = None, num_stages: int | None = None) -> range:
+    """The decoder layers of pipeline ``stage`` (this rank's when None): ``num_layers`` split into
+    ``num_stages`` contiguous runs, the first ``num_layers % num_stages`` stages one layer longer."""
+    stage = get_pipeline_model_parallel_rank() if stage is None else stage
+    num_stages = get_pipeline_model_parallel_world_size() if num_stages is None else num_stages
+    base, extra = divmod(num_layers, num_stages)
+    start = stage * base + min(stage, extra)
+    return range(start, start + base + (stage < extra))
+
+
+def pipeline_send(tensors: list[torch.Tensor]) -> None:
+    """Send a stage's activations to the same tensor-parallel rank of the next stage."""
+    dst = dist.get_rank() + _tp_size
+    for tensor in tensors:
+        dist.send(tensor.contiguous(), dst=dst)
+
+
+def pipeline_recv(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Fill ``tensors`` (shaped as the previous stage sends them) from the same tensor-parallel
+    rank of the previous stage; returns them."""
+    src = dist.get_rank() - _tp_size
+    for tensor in tensors:
+        dist.recv(tensor, src=src)
+    return tensors
+
+
+def broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as the last stage's first rank (the one that samples) holds it, on every rank
+    (in place)."""
+    if get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(tensor, src=(_pp_size - 1) * _tp_size)
+    return tensor
 
 
 def tensor_model_parallel_all_reduce(input_: torch.Tensor) -> torch.Tensor:
     """The sum of ``input_`` over the ranks: ``input_`` itself, summed in place (NCCL, gloo), or a
     new tensor (the one-shot kernel); use the returned tensor."""
-    if not _is_distributed():
+    if not _is_tensor_parallel():
         return input_
     if _symm_mem_all_reduce is not None and _symm_mem_all_reduce.should_use(input_):
         return _symm_mem_all_reduce.all_reduce(input_)
-    dist.all_reduce(input_)
+    dist.all_reduce(input_, group=_tp_group)
     return input_
 
 
 def tensor_model_parallel_all_gather(input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's ``input_`` along ``dim``, in rank order."""
-    if not _is_distributed():
+    if not _is_tensor_parallel():
         return input_
-    chunks = [torch.empty_like(input_) for _ in range(dist.get_world_size())]
-    dist.all_gather(chunks, input_.contiguous())
+    chunks = [torch.empty_like(input_) for _ in range(get_tensor_model_parallel_world_size())]
+    dist.all_gather(chunks, input_.contiguous(), group=_tp_group)
     return torch.cat(chunks, dim=dim)
 
 
 def tensor_model_parallel_broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-    """``tensor`` as rank ``src`` holds it, on every rank (in place)."""
-    if _is_distributed():
-        dist.broadcast(tensor, src=src)
+    """``tensor`` as tensor-parallel rank ``src`` of this stage holds it, on every rank of the
+    stage (in place)."""
+    if _is_tensor_parallel():
+        dist.broadcast(tensor, src=dist.get_rank() - get_tensor_model_parallel_rank() + src, group=_tp_group)
     return tensor

@@ -104,6 +104,13 @@ class EngineArgs:
     tensor_parallel_size: int = dataclasses.field(
         default=1, metadata={"help": "devices to shard the model over (Megatron-style, one rank per device)"}
     )
+    pipeline_parallel_size: int = dataclasses.field(
+        default=1,
+        metadata={
+            "help": "pipeline stages: the decoder's layers split into this many contiguous runs, each on "
+            "tensor_parallel_size devices of its own (tensor_parallel_size x pipeline_parallel_size ranks)"
+        },
+    )
     data_parallel_size: int = dataclasses.field(
         default=1,
         metadata={
@@ -231,16 +238,25 @@ class EngineArgs:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.task is not None and self.task not in TASKS:
             raise ValueError(f"task must be one of {list(TASKS)} (or use runner=), got {self.task!r}")
+        world_size = self.tensor_parallel_size * self.pipeline_parallel_size
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend
-            or ("uni" if self.tensor_parallel_size == 1 else "mp"),
+            or ("uni" if world_size == 1 else "mp"),
             disable_custom_all_reduce=self.disable_custom_all_reduce,
+            pipeline_parallel_size=self.pipeline_parallel_size,
         )
         device = resolve_device(self.device, parallel_config)
         model_path, gguf_file = resolve_model_path(self.model)
         hf_config = load_hf_config(model_path, gguf_file)
         model_class = check_architecture(hf_config)
+        if parallel_config.pipeline_parallel_size > 1 and not getattr(
+            model_class, "supports_pipeline_parallel", False
+        ):
+            raise ValueError(
+                f"pipeline_parallel_size={parallel_config.pipeline_parallel_size} is not supported for "
+                f"{model_class.__name__} (its layers are not split into stages); use pipeline_parallel_size=1"
+            )
         runner = self._runner(hf_config)
         model_config = ModelConfig(
             model=model_path,
@@ -290,7 +306,7 @@ class EngineArgs:
             load_config=LoadConfig(load_format=self._load_format(gguf_file)),
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
-            compile_cpu_decode=self.cpu_compile and device.type == "cpu" and self.tensor_parallel_size == 1,
+            compile_cpu_decode=self.cpu_compile and device.type == "cpu" and world_size == 1,
             async_scheduling=device.type == "cuda" and speculative_config is None
             if self.async_scheduling is None
             else self.async_scheduling,

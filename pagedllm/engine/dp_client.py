@@ -79,7 +79,7 @@ CoreFactory = Callable[[EngineArgs, dict[str, str], str], EngineCoreClient]
 
 def check_data_parallel(engine_args: EngineArgs) -> None:
     """Refuse, before anything loads, sizes the server cannot run, naming them."""
-    dp, tp = engine_args.data_parallel_size, engine_args.tensor_parallel_size
+    dp, tp = engine_args.data_parallel_size, replica_size(engine_args)
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise ValueError(f"data_parallel_size must be an int >= 1, got {dp!r}")
     if dp == 1:
@@ -101,11 +101,19 @@ def check_data_parallel(engine_args: EngineArgs) -> None:
     if device == "cuda" and num_visible == 0:
         raise ValueError("device='cuda' was asked for, but no CUDA device is visible")
     if num_visible and dp * tp > num_visible:
+        sizes = "tensor_parallel_size"
+        if engine_args.pipeline_parallel_size > 1:
+            sizes = "tensor_parallel_size x pipeline_parallel_size"
         raise ValueError(
-            f"data_parallel_size ({dp}) x tensor_parallel_size ({tp}) = {dp * tp} devices, but "
+            f"data_parallel_size ({dp}) x {sizes} ({tp}) = {dp * tp} devices, but "
             f"{num_visible} CUDA devices are visible: data_parallel_size <= {max(num_visible // tp, 1)} "
-            f"at tensor_parallel_size={tp} (one device per rank of every replica)"
+            f"at {sizes}={tp} (one device per rank of every replica)"
         )
+
+
+def replica_size(engine_args: EngineArgs) -> int:
+    """The ranks (devices) of one replica: tensor_parallel_size x pipeline_parallel_size."""
+    return engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
 
 
 def visible_cuda_devices() -> list[str]:
@@ -122,18 +130,19 @@ def visible_cuda_devices() -> list[str]:
 def replica_engine_args(engine_args: EngineArgs, on_cuda: bool) -> EngineArgs:
     """A replica's own arguments: one engine, CPU threads split between the replicas. The
     seed stays: the replicas are one model (``--load-format dummy`` draws its weights from it)."""
-    dp, tp = engine_args.data_parallel_size, engine_args.tensor_parallel_size
+    dp, tp = engine_args.data_parallel_size, replica_size(engine_args)
     threads = engine_args.threads
     if threads is None and not on_cuda:
         threads = max(1, physical_cpu_cores() // (dp * tp))
     return dataclasses.replace(engine_args, data_parallel_size=1, threads=threads)
 
 
-def replica_env(rank: int, tensor_parallel_size: int, devices: list[str]) -> dict[str, str]:
-    """Replica ``rank``'s environment: its slice of the visible CUDA devices (none on the CPU)."""
+def replica_env(rank: int, num_ranks: int, devices: list[str]) -> dict[str, str]:
+    """Replica ``rank``'s environment: its slice of ``num_ranks`` of the visible CUDA devices (none
+    on the CPU)."""
     if not devices:
         return {}
-    mine = devices[rank * tensor_parallel_size : (rank + 1) * tensor_parallel_size]
+    mine = devices[rank * num_ranks : (rank + 1) * num_ranks]
     return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
 
 
@@ -162,7 +171,7 @@ def start_data_parallel_core(engine_args: EngineArgs, make_core: CoreFactory) ->
     try:
         for rank in range(engine_args.data_parallel_size):
             args = replica_engine_args(engine_args, on_cuda=bool(devices))
-            env = replica_env(rank, engine_args.tensor_parallel_size, devices)
+            env = replica_env(rank, replica_size(engine_args), devices)
             cores.append(make_core(args, env, f"pagedllm-engine-dp{rank}"))
         for core in cores:
             core.wait_ready()

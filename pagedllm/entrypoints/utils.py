@@ -21,8 +21,11 @@ def engine_summary(config: EngineConfig, num_gpu_blocks: int, load_seconds: floa
     device = config.device_config.device
     num_threads = config.device_config.num_threads
     device_text = f"{device} ({num_threads} threads)" if device.type == "cpu" and num_threads else str(device)
-    if config.parallel_config.tensor_parallel_size > 1:
-        device_text += f" x {config.parallel_config.tensor_parallel_size} ranks"
+    parallel_config = config.parallel_config
+    if parallel_config.world_size > 1:
+        device_text += f" x {parallel_config.world_size} ranks"
+        if parallel_config.pipeline_parallel_size > 1:
+            device_text += f" ({parallel_config.pipeline_parallel_size} pipeline stages)"
     attention = get_attn_backend(config.attention_backend, device, config.batch_invariant).name
     quantized = model_config.gguf_file is not None and keeps_gguf_quantized(
         model_config.quantization, True, device, model_config.dtype

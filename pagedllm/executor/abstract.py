@@ -3,7 +3,8 @@
 Two kinds of call cross it. Setup calls (load the model, profile memory, allocate the cache,
 capture graphs) go to every rank through ``collective_rpc`` and return every rank's answer. The
 per-step call, ``execute_model(msg)``, sends one small picklable message (the scheduler's output
-for the step) to every rank and returns rank 0's result only: all ranks compute the same sampled
+for the step) to every rank and returns one rank's result only (rank 0's, or with pipeline
+stages the last stage's first rank's): all ranks of the last stage compute the same sampled
 tokens (they all gather the full logits), so one copy is enough.
 """
 
@@ -28,7 +29,8 @@ WorkerCall = str | Callable[..., Any]
 
 
 class Executor:
-    """Runs ``tensor_parallel_size`` workers and talks to them; subclasses choose where they run.
+    """Runs ``world_size`` workers (tensor_parallel_size x pipeline_parallel_size) and talks to
+    them; subclasses choose where they run.
 
     Construction starts the workers, joins their process group and loads the model's shards.
     """
@@ -54,7 +56,7 @@ class Executor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepHandle:
         """Launch one step, ``Worker.execute_model`` on every rank, and return at once; the
-        handle's ``get()`` gives rank 0's samples."""
+        handle's ``get()`` gives the output rank's samples."""
         raise NotImplementedError
 
     def check_health(self) -> None:
@@ -66,7 +68,8 @@ class Executor:
     # --- setup, on every rank ---------------------------------------------------------------
 
     def get_kv_cache_spec(self) -> KVCacheSpec:
-        """The KV cache the model needs (rank 0's: every rank's differs only in its head count)."""
+        """The KV cache the model needs (rank 0's: every rank's differs only in its head count and,
+        with pipeline stages, its layers; each rank sizes its own blocks)."""
         return self.collective_rpc("get_kv_cache_spec")[0]
 
     def determine_num_available_blocks(self) -> tuple[int, int]:

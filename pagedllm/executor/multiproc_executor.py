@@ -45,12 +45,12 @@ _START_METHODS = ("fork", "spawn", "forkserver")
 
 class MultiprocExecutor(RemoteExecutor):
     def _init_workers(self) -> None:
-        tp_size = self.config.parallel_config.tensor_parallel_size
+        world_size = self.config.parallel_config.world_size
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
         context = torch.multiprocessing.get_context(choose_start_method())
         processes: list[BaseProcess] = []
         conns: list[Connection] = []
-        for rank in range(tp_size):
+        for rank in range(world_size):
             driver_end, worker_end = context.Pipe(duplex=True)
             process = context.Process(
                 target=worker_process_main,
@@ -80,7 +80,7 @@ def choose_start_method() -> str:
     if reason is None:
         return "fork"
     logger.warning(
-        "spawning the tensor-parallel ranks (%s, so fork is unsafe): build the engine under "
+        "spawning the ranks (%s, so fork is unsafe): build the engine under "
         '`if __name__ == "__main__":`, since each rank imports the main script again',
         reason,
     )
@@ -148,8 +148,7 @@ def _serve(conn: Connection, config: EngineConfig, rank: int, local_rank: int, i
 
     if config.device_config.device.type == "cpu":
         # The ranks share the host's cores; each taking all of them would thrash.
-        tp_size = config.parallel_config.tensor_parallel_size
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // tp_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.parallel_config.world_size))
     return run_worker_loop(conn, config, rank, local_rank, init_method)
 
 

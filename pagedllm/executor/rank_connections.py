@@ -170,8 +170,11 @@ class RemoteExecutor(Executor):
     _finalizer: Callable[[], Any]
 
     def __init__(self, config: EngineConfig) -> None:
-        # Steps sent whose answers have not been read yet, oldest first (rank 0 answers in order).
+        # Steps sent whose answers have not been read yet, oldest first (the output rank answers
+        # in order).
         self._pending: collections.deque[PendingStep] = collections.deque()
+        # The rank whose samples the engine reads: rank 0, or the last pipeline stage's first.
+        self.output_rank = config.parallel_config.output_rank
         super().__init__(config)
 
     def collective_rpc(
@@ -179,7 +182,7 @@ class RemoteExecutor(Executor):
     ) -> list[Any]:
         try:
             # A step's answer still unread (one that only told the ranks which requests finished
-            # is never waited for) comes first on rank 0's connection: read it off before the call.
+            # is never waited for) comes first on the output rank's connection: read it off before the call.
             self._read_pending()
             return self.ranks.call(method, args, kwargs, None, None)
         except BaseException:
@@ -187,7 +190,8 @@ class RemoteExecutor(Executor):
             raise
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> PendingStep:
-        """Send the step to every rank and return; ``get()`` on the result gives rank 0's samples.
+        """Send the step to every rank and return; ``get()`` on the result gives the output rank's
+        samples.
 
         The engine schedules step N + 1 while step N runs on the ranks, and sends it before it
         reads step N's answer: the ranks find it waiting when they finish N, and the driver's
@@ -198,7 +202,7 @@ class RemoteExecutor(Executor):
         buffer, so its write never blocks.
         """
         try:
-            frame = encode_call("execute_model_remote", (scheduler_output,), None, 0)
+            frame = encode_call("execute_model_remote", (scheduler_output,), None, self.output_rank)
             if len(frame) > PIPELINED_FRAME_BYTES:
                 self._read_pending()
             while len(self._pending) > 1:
@@ -239,13 +243,15 @@ class PendingStep:
         self._received = False
 
     def receive(self) -> None:
-        """Read this step's answer, the oldest unread on rank 0's connection."""
+        """Read this step's answer, the oldest unread on the output rank's connection."""
         if self._received:
             return
         self._received = True
         try:
             self._executor.ranks.check()
-            self._result = self._executor.ranks.receive(0, "execute_model", EXECUTE_MODEL_TIMEOUT_S)
+            executor = self._executor
+            timeout = EXECUTE_MODEL_TIMEOUT_S
+            self._result = executor.ranks.receive(executor.output_rank, "execute_model", timeout)
         except BaseException:
             self._executor.shutdown()
             raise

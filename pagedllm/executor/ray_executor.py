@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, ParallelConfig
 from pagedllm.executor.rank_connections import RankConnections, RemoteExecutor
 
 logger = logging.getLogger(__name__)
@@ -96,11 +96,11 @@ class RayExecutor(RemoteExecutor):
 
         if not ray.is_initialized():
             ray.init()
-        tp_size = self.config.parallel_config.tensor_parallel_size
+        world_size = self.config.parallel_config.world_size
         use_gpus = self.config.device_config.device.type == "cuda"
         device = "GPU" if use_gpus else "CPU"
-        _check_cluster_size(ray, tp_size, device)
-        held = _RayRanks(placement_group([{device: 1}] * tp_size, strategy="PACK"))
+        _check_cluster_size(ray, self.config.parallel_config, device)
+        held = _RayRanks(placement_group([{device: 1}] * world_size, strategy="PACK"))
         self._finalizer = weakref.finalize(self, _release, ray, held)
         try:
             self._place_actors(ray, held, use_gpus)
@@ -113,16 +113,17 @@ class RayExecutor(RemoteExecutor):
     def _place_actors(self, ray: Any, held: _RayRanks, use_gpus: bool) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        tp_size = self.config.parallel_config.tensor_parallel_size
+        parallel_config = self.config.parallel_config
+        world_size = parallel_config.world_size
         try:
             ray.get(held.placement_group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError as e:
             raise ValueError(
-                f"the Ray cluster could not reserve {tp_size} {'GPUs' if use_gpus else 'CPUs'} for "
-                f"tensor_parallel_size={tp_size} in {PLACEMENT_TIMEOUT_S:.0f} s (are they in use?)"
+                f"the Ray cluster could not reserve {world_size} {'GPUs' if use_gpus else 'CPUs'} for "
+                f"{_sizes(parallel_config)} in {PLACEMENT_TIMEOUT_S:.0f} s (are they in use?)"
             ) from e
         actor_class = ray.remote(RayWorkerActor)
-        for bundle in range(tp_size):
+        for bundle in range(world_size):
             strategy = PlacementGroupSchedulingStrategy(
                 held.placement_group, placement_group_bundle_index=bundle
             )
@@ -167,13 +168,22 @@ def _import_ray() -> Any:
     return ray
 
 
-def _check_cluster_size(ray: Any, tp_size: int, device: str) -> None:
+def _sizes(parallel_config: ParallelConfig) -> str:
+    text = f"tensor_parallel_size={parallel_config.tensor_parallel_size}"
+    if parallel_config.pipeline_parallel_size > 1:
+        text += f" x pipeline_parallel_size={parallel_config.pipeline_parallel_size}"
+    return text
+
+
+def _check_cluster_size(ray: Any, parallel_config: ParallelConfig, device: str) -> None:
     """Refuse, before anything is placed or loaded, a cluster with fewer devices than ranks."""
     num_devices = int(ray.cluster_resources().get(device, 0))
-    if num_devices < tp_size:
+    world_size = parallel_config.world_size
+    if num_devices < world_size:
+        lower = "tensor_parallel_size" if parallel_config.pipeline_parallel_size == 1 else "the sizes"
         raise ValueError(
-            f"tensor_parallel_size={tp_size} needs {tp_size} {device}s in the Ray cluster (one per rank), "
-            f"and it has {num_devices}: add nodes (ray start --address=...) or lower tensor_parallel_size"
+            f"{_sizes(parallel_config)} needs {world_size} {device}s in the Ray cluster (one per rank), "
+            f"and it has {num_devices}: add nodes (ray start --address=...) or lower {lower}"
         )
 
 

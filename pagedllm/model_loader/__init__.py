@@ -18,6 +18,7 @@ from pagedllm.model_loader.dummy_loader import initialize_dummy_weights
 from pagedllm.model_loader.hf_loader import iterate_safetensors_weights
 from pagedllm.model_loader.quantized import attach_quant_methods, resolve_quantization
 from pagedllm.models import get_model_class
+from pagedllm.models.utils import CausalLM
 
 
 def get_model(
@@ -41,6 +42,8 @@ def get_model(
         # an 8B model on the way.
         with _default_dtype(model_config.dtype), torch.device(device):
             model = model_class(model_config.hf_config, attn_backend)
+            if isinstance(model, CausalLM):  # a pipeline stage keeps its own modules only
+                model.keep_pipeline_stage()
             if quant_config is not None:
                 attach_quant_methods(model, quant_config)
         with torch.no_grad():

@@ -35,7 +35,13 @@ from pagedllm.models.llama import (
     LlamaMLP,
     rotary_embedding,
 )
-from pagedllm.models.utils import DecoderModel, attention_sinks, layer_sliding_windows, pre_norm
+from pagedllm.models.utils import (
+    DecoderModel,
+    attention_sinks,
+    layer_sliding_windows,
+    make_stage_layers,
+    pre_norm,
+)
 
 
 def _hidden_act(config: PretrainedConfig) -> str:
@@ -110,9 +116,9 @@ class GemmaModel(DecoderModel):
             layer_type: rotary_embedding(config, _rope_parameters(config, layer_type), unbounded)
             for layer_type in sorted(set(layer_types))
         }
-        self.layers = nn.ModuleList(
-            GemmaDecoderLayer(config, rotary[layer_type], attn_backend, window)
-            for layer_type, window in zip(layer_types, windows, strict=True)
+        self.layers = make_stage_layers(
+            len(windows),
+            lambda i: GemmaDecoderLayer(config, rotary[layer_types[i]], attn_backend, windows[i]),
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 

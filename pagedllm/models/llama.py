@@ -37,7 +37,14 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
 from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from pagedllm.models.utils import CausalLM, DecoderModel, attention_sinks, layer_sliding_windows, pre_norm
+from pagedllm.models.utils import (
+    CausalLM,
+    DecoderModel,
+    attention_sinks,
+    layer_sliding_windows,
+    make_stage_layers,
+    pre_norm,
+)
 
 
 @dataclass(frozen=True)
@@ -262,9 +269,9 @@ class LlamaModel(DecoderModel):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin cache shared by every layer: it is the same table, and can be large.
         rotary_emb = rotary_embedding(config, unbounded=attention_sinks(config) > 0)
-        self.layers = nn.ModuleList(
-            make_layer(config, i, rotary_emb, attn_backend, window)
-            for i, window in enumerate(layer_sliding_windows(config))
+        windows = layer_sliding_windows(config)
+        self.layers = make_stage_layers(
+            len(windows), lambda i: make_layer(config, i, rotary_emb, attn_backend, windows[i])
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -280,6 +287,7 @@ class LlamaForCausalLM(CausalLM):
     skipped_checkpoint_names = ("rotary_emb.inv_freq",)
     # The decoder layer: __init__(config, rotary_emb, attn_backend, sliding_window, mlp).
     decoder_layer: ClassVar[type[nn.Module]] = LlamaDecoderLayer
+    supports_pipeline_parallel: ClassVar[bool] = True
 
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()

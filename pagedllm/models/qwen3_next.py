@@ -22,6 +22,7 @@ Only the full-attention layers have a KV cache (bound to them in order, attentio
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -176,6 +177,9 @@ class Qwen3NextModel(DecoderModel):
 
 class Qwen3NextForCausalLM(MoeForCausalLM):
     """Loads as the Llama family's MoE members do (packed q/k/v and gate/up, stacked experts)."""
+
+    # Its layers are built whole (their recurrent-state cache spans every layer of a rank).
+    supports_pipeline_parallel: ClassVar[bool] = False
 
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         CausalLM.__init__(self)

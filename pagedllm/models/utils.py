@@ -1,14 +1,22 @@
 """What every model family shares: the engine's model interface (forward, logits, weight loading),
-the pre-norm decoder's loop, and the per-layer sliding windows read from a Hugging Face config."""
+the pre-norm decoder's loop and its pipeline stages, and the per-layer sliding windows read from a
+Hugging Face config."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from pagedllm.distributed import (
+    get_pipeline_model_parallel_world_size,
+    is_first_pipeline_stage,
+    is_last_pipeline_stage,
+    pipeline_stage_layers,
+)
 from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.utils import CheckpointSlice, CheckpointTensor, default_weight_loader
 from pagedllm.layers.vocab_parallel_embedding import ParallelLMHead
@@ -92,14 +100,40 @@ def pre_norm(
     return norm(hidden_states, residual)
 
 
+@dataclass
+class IntermediateTensors:
+    """What a pipeline stage hands the next: the last layer's block output and the residual
+    stream, both [num_tokens, hidden_size] (their sum is the stream; the next stage's first norm
+    fuses the add, as within a stage)."""
+
+    hidden_states: torch.Tensor
+    residual: torch.Tensor
+
+
+class PPMissingLayer(nn.Identity):
+    """A module that lives on another pipeline stage: no parameters, never called."""
+
+
+def make_stage_layers(num_layers: int, make_layer: Callable[[int], nn.Module]) -> nn.ModuleList:
+    """The decoder's layers, built for this rank's pipeline stage only (``make_layer(i)``), the
+    others ``PPMissingLayer``: a layer's index, hence its name in the checkpoint, stays its own."""
+    stage = pipeline_stage_layers(num_layers)
+    return nn.ModuleList(make_layer(i) if i in stage else PPMissingLayer() for i in range(num_layers))
+
+
 class DecoderModel(nn.Module):
     """A decoder whose layers defer each block's residual add to the next norm, which fuses it:
     ``layer(positions, hidden_states, residual) -> (block output, residual stream)``, the stream
     being their sum, and the final ``norm`` fuses the last add.
 
     A family sets ``embed_tokens``, ``layers`` and ``norm`` (and ``embed_scale``, by which the
-    embeddings are multiplied: Gemma's). The layers read their KV caches and the step's metadata
-    themselves (attention/forward_context.py).
+    embeddings are multiplied: Gemma's), its layers built by ``make_stage_layers`` where the family
+    supports pipeline stages. The layers read their KV caches and the step's metadata themselves
+    (attention/forward_context.py).
+
+    Under pipeline parallelism a stage runs its own layers only: the first embeds the tokens, a
+    later one continues the previous stage's ``IntermediateTensors``; the last applies the final
+    norm, every other returns its ``IntermediateTensors``.
     """
 
     embed_tokens: nn.Module
@@ -107,16 +141,35 @@ class DecoderModel(nn.Module):
     norm: nn.Module
     embed_scale: float | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [num_tokens] int64 -> final hidden states [num_tokens, hidden_size]."""
-        hidden_states = self.embed_tokens(input_ids)
-        if self.embed_scale is not None:
-            hidden_states = hidden_states * self.embed_scale
-        residual = None
-        for layer in self.layers:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions: [num_tokens] int64 -> final hidden states [num_tokens,
+        hidden_size] (the last stage), or this stage's ``IntermediateTensors``."""
+        if intermediate_tensors is None:
+            hidden_states = self.embed_tokens(input_ids)
+            if self.embed_scale is not None:
+                hidden_states = hidden_states * self.embed_scale
+            residual = None
+        else:
+            hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
+        for layer in self.stage_layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        if isinstance(self.norm, PPMissingLayer):
+            return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    @property
+    def stage_layers(self) -> nn.ModuleList:
+        """The layers this rank's pipeline stage runs (all of them with one stage)."""
+        if get_pipeline_model_parallel_world_size() == 1:
+            return self.layers
+        stage = pipeline_stage_layers(len(self.layers))
+        return self.layers[stage.start : stage.stop]
 
 
 class CausalLM(nn.Module):
@@ -136,6 +189,9 @@ class CausalLM(nn.Module):
     # Substrings of checkpoint names that carry nothing we load (buffers derived from the config).
     skipped_checkpoint_names: ClassVar[tuple[str, ...]] = ()
 
+    # Whether ``model`` is a DecoderModel whose layers ``make_stage_layers`` builds (pipeline stages).
+    supports_pipeline_parallel: ClassVar[bool] = False
+
     model: nn.Module
     lm_head: nn.Module
     logits_processor: LogitsProcessor
@@ -150,11 +206,44 @@ class CausalLM(nn.Module):
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.logits_processor = LogitsProcessor(config.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
         """input_ids, positions: [num_tokens] int64, run inside ``set_forward_context`` with the
         KV caches bound (attention/forward_context.py). Returns the final hidden states:
-        [num_tokens, hidden_size]."""
-        return self.model(input_ids, positions)
+        [num_tokens, hidden_size]; under pipeline parallelism a stage before the last returns its
+        ``IntermediateTensors``, and a stage after the first continues ``intermediate_tensors``."""
+        if intermediate_tensors is None:
+            return self.model(input_ids, positions)
+        return self.model(input_ids, positions, intermediate_tensors)
+
+    def keep_pipeline_stage(self) -> None:
+        """Drop what this rank's pipeline stage does not run (its layers were never built): the
+        embedding but on the first stage (and on the last when the LM head is tied to it), the
+        final norm and the LM head but on the last. A no-op with one stage."""
+        if get_pipeline_model_parallel_world_size() == 1:
+            return
+        first, last = is_first_pipeline_stage(), is_last_pipeline_stage()
+        if not first and not (last and self.tie_word_embeddings):
+            self.model.embed_tokens = PPMissingLayer()
+        if not last:
+            self.model.norm = PPMissingLayer()
+            self.lm_head = PPMissingLayer()
+
+    def _on_other_stage(self, name: str) -> bool:
+        """Whether parameter ``name`` belongs to a module of another pipeline stage."""
+        parts = name.split(".")
+        for end in range(1, len(parts)):
+            try:
+                module = self.get_submodule(".".join(parts[:end]))
+            except AttributeError:
+                return False
+            if isinstance(module, PPMissingLayer):
+                return True
+        return False
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_rows, hidden_size] -> [num_rows, vocab_size] float32."""
@@ -171,6 +260,8 @@ class CausalLM(nn.Module):
         # The KV cache scales go to the attention layers, which hold them outside the parameters.
         for ckpt_name, name, shard_id, tensor in self._checkpoint_tensors(load_kv_scales(self, weights)):
             if name not in params:
+                if self._on_other_stage(name):
+                    continue
                 model = type(self).__name__
                 raise ValueError(f"checkpoint weight {ckpt_name!r} matches no parameter of {model}")
             param = params[name]

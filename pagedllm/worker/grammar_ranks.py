@@ -32,11 +32,13 @@ from pagedllm.worker.request_logits import GrammarConstraint, GrammarSeam
 
 
 def grammar_constraint(
-    model_config: ModelConfig, rank: int, world_size: int, fill_ahead: bool
+    model_config: ModelConfig, rank: int, world_size: int, fill_ahead: bool, samples: bool = True
 ) -> GrammarSeam:
     """This rank's part in structured outputs: the grammars alone (one rank), the grammars and
-    their broadcast (rank 0 of several), or the received bitmask (the other ranks)."""
-    if rank > 0:
+    their broadcast (rank 0 of several), or the received bitmask (the other ranks). ``rank`` and
+    ``world_size`` are the tensor-parallel group's; a pipeline stage that does not sample
+    (``samples`` False) holds no grammar."""
+    if rank > 0 or not samples:
         return ReceivedGrammarMask()
     grammars = GrammarConstraint(RankGrammarCompiler(model_config), fill_ahead)
     return grammars if world_size == 1 else SourceGrammarMask(grammars)

@@ -26,6 +26,7 @@ from pagedllm.worker.eagle import make_drafter
 from pagedllm.worker.grammar_ranks import grammar_constraint
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import InputBuffers, to_device
+from pagedllm.worker.pipeline import PipelineStage, WholeModel
 from pagedllm.worker.request_logits import RequestLogitsProcessors
 from pagedllm.worker.spec_decode import DraftVerifier, VerifiedSamples
 from pagedllm.worker.step_inputs import ModelInput, StepPlan, max_num_step_seqs, plan_step, stage_model_input
@@ -122,8 +123,24 @@ class ModelRunner:
         self.sampler = Sampler(self.device, batch_invariant=config.batch_invariant)
         scheduler_config = config.scheduler_config
         self.max_model_len = config.model_config.max_model_len
+        parallel_config = config.parallel_config
+        # This rank's part of each forward pass (worker/pipeline.py). Pipeline stages run eagerly:
+        # a captured graph would need the stage boundary's buffers as its inputs and outputs.
+        self.stage: WholeModel | PipelineStage = WholeModel()
+        if parallel_config.pipeline_parallel_size > 1:
+            model_config = config.model_config
+            self.stage = PipelineStage(
+                rank // parallel_config.tensor_parallel_size,
+                parallel_config.pipeline_parallel_size,
+                model_config.hidden_size,
+                model_config.dtype,
+                self.device,
+            )
         self.use_cuda_graphs = (
-            self.device.type == "cuda" and not config.enforce_eager and attn_backend.supports_cuda_graphs
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and attn_backend.supports_cuda_graphs
+            and parallel_config.pipeline_parallel_size == 1
         )
         spec_config = config.speculative_config
         # Verifications of drafts run as decodes, one per token (batch expansion,
@@ -152,11 +169,13 @@ class ModelRunner:
         self.input_batch = InputBatch(
             2 * scheduler_config.max_num_seqs, max_blocks_per_req, config.model_config.vocab_size, self.device
         )
+        tp_size = parallel_config.tensor_parallel_size
         grammars = grammar_constraint(
             config.model_config,
-            rank,
-            config.parallel_config.tensor_parallel_size,
+            rank % tp_size,
+            tp_size,
             fill_ahead=self.device.type == "cuda",
+            samples=self.stage.is_last,
         )
         self.logits_processors = RequestLogitsProcessors(self.input_batch, grammars)
         self.graph_runner: CudaGraphRunner | None = None
@@ -291,6 +310,8 @@ class ModelRunner:
             return StepOutput(None, None, [], [], self.device)
         model_input = self.prepare_inputs(scheduler_output)
         hidden_states = self.run_model(model_input, scheduler_output.total_num_scheduled_tokens)
+        if hidden_states is None:  # a pipeline stage before the last, which samples
+            return self._follow_samples(model_input)
         drafter = self.drafter if self.drafter is not None and self.drafter.ready else None
         if drafter is not None:
             drafter.prefill(model_input, hidden_states)
@@ -307,6 +328,7 @@ class ModelRunner:
             token_bitmask = self.logits_processors.before_sampling(logits[:num_sample_rows], model_input)
             metadata = batch.sampling_metadata(model_input.sample_rows)
             sampled = self.sampler(logits[:num_sample_rows], metadata, token_bitmask)
+            self.stage.share_samples(sampled.token_ids)
             first = to_device(model_input.first_sample_index, self.device)
             batch.record_samples(model_input.sampling_req_rows, first, sampled.token_ids)
             if metadata.max_num_top_tokens:
@@ -330,10 +352,20 @@ class ModelRunner:
             step.draft_token_ids = drafter.propose(rows)
         return step
 
-    def run_model(self, model_input: ModelInput, num_tokens: int) -> torch.Tensor:
+    def _follow_samples(self, model_input: ModelInput) -> StepOutput:
+        """A stage before the last: record the samples the last stage drew, as it does."""
+        if len(model_input.sample_rows):
+            assert isinstance(self.stage, PipelineStage)
+            tokens = self.stage.receive_samples(len(model_input.sample_rows))
+            first = to_device(model_input.first_sample_index, self.device)
+            self.input_batch.record_samples(model_input.sampling_req_rows, first, tokens)
+        return StepOutput(model_input, None, [], [], self.device)
+
+    def run_model(self, model_input: ModelInput, num_tokens: int) -> torch.Tensor | None:
         """The forward pass: a captured graph (which reads the input buffers: no context), or the
         compiled decode step or the eager model under the step's forward context. Returns the
-        final hidden states, [num_tokens (padded under a graph), hidden_size]."""
+        final hidden states, [num_tokens (padded under a graph), hidden_size]; None on a pipeline
+        stage before the last (its output went on to the next stage)."""
         assert self.model is not None
         if model_input.graph_num_seqs is not None:
             assert self.graph_runner is not None
@@ -342,7 +374,7 @@ class ModelRunner:
         if self.compiled_decode is not None and CompiledDecode.applies(model_input.attn_metadata, num_tokens):
             forward = self.compiled_decode
         with set_forward_context(model_input.attn_metadata):
-            return forward(model_input.input_ids, model_input.positions)
+            return self.stage.forward(forward, model_input.input_ids, model_input.positions)
 
     def _score_prompts(
         self, logits: torch.Tensor, model_input: ModelInput

@@ -9,7 +9,7 @@ import torch
 from pagedllm.attention.backends import get_attn_backend
 from pagedllm.attention.kv_quant import check_kv_cache_dtype
 from pagedllm.config import EngineConfig, GiB, kv_cache_torch_dtype
-from pagedllm.distributed import init_distributed_environment
+from pagedllm.distributed import init_distributed_environment, pipeline_stage_layers
 from pagedllm.layers.onednn_linear import onednn_available, prepack_dense_weights
 from pagedllm.lora.request import LoRARequest
 from pagedllm.models.utils import kv_cache_window
@@ -28,7 +28,8 @@ from pagedllm.worker.state_cache import (
 class Worker:
     """Args:
     config: the engine's configuration (the same on every rank).
-    rank: this worker's tensor-parallel rank, in [0, tensor_parallel_size).
+    rank: this worker's rank, in [0, world_size): tensor-parallel rank ``rank % tp`` of pipeline
+        stage ``rank // tp`` (distributed/parallel_state.py).
     local_rank: its index among the GPUs of its host: it runs on cuda:local_rank.
     distributed_init_method: where the ranks meet ("tcp://host:port"); None for one rank.
     """
@@ -56,8 +57,13 @@ class Worker:
         check_kv_cache_dtype(self.attn_backend, kv_cache_dtype)
         self.state_cache_spec = state_cache_spec(config)
         self.state_cache: StateCache | None = None
+        parallel_config = config.parallel_config
+        num_layers = num_kv_cache_layers(config)
+        if parallel_config.pipeline_parallel_size > 1:  # this stage's layers (no hybrid has stages)
+            stage = rank // parallel_config.tensor_parallel_size
+            num_layers = len(pipeline_stage_layers(num_layers, stage, parallel_config.pipeline_parallel_size))
         self.kv_cache_spec = KVCacheSpec(
-            num_layers=num_kv_cache_layers(config),
+            num_layers=num_layers,
             num_kv_heads=model_config.num_kv_heads_per_rank(config.parallel_config.tensor_parallel_size),
             head_size=model_config.head_size,
             block_size=cache_config.block_size,
@@ -76,15 +82,16 @@ class Worker:
             torch.cuda.set_device(self.device)
         if self.config.device_config.num_threads is not None:
             torch.set_num_threads(self.config.device_config.num_threads)
-        tp_size = self.config.parallel_config.tensor_parallel_size
-        if tp_size > 1:
+        parallel_config = self.config.parallel_config
+        if parallel_config.world_size > 1:
             assert self.distributed_init_method is not None, "several ranks need a distributed_init_method"
             init_distributed_environment(
-                tp_size,
+                parallel_config.world_size,
                 self.rank,
                 self.distributed_init_method,
                 self.device,
-                custom_all_reduce=not self.config.parallel_config.disable_custom_all_reduce,
+                custom_all_reduce=not parallel_config.disable_custom_all_reduce,
+                tensor_parallel_size=parallel_config.tensor_parallel_size,
             )
         # The same seed on every rank: ranks sample the same tokens from the same gathered logits.
         torch.manual_seed(self.config.model_config.seed)
@@ -215,17 +222,18 @@ class Worker:
         return self.model_runner.execute_model(scheduler_output)
 
     def execute_model_remote(self, scheduler_output: SchedulerOutput) -> StepOutput | None:
-        """``execute_model`` for a rank in another process: rank 0 returns the step's handle (the
-        worker loop sends its samples once they reach the host, while this rank goes on to the next
-        step); the other ranks return None, their samples being rank 0's."""
+        """``execute_model`` for a rank in another process: the output rank (the last pipeline
+        stage's first) returns the step's handle (the worker loop sends its samples once they reach
+        the host, while this rank goes on to the next step); the other ranks return None, their
+        samples being the output rank's."""
         step = self.execute_model(scheduler_output)
-        return step if self.rank == 0 else None
+        return step if self.rank == self.config.parallel_config.output_rank else None
 
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
     """The device of the rank with index ``local_rank`` on its host: the configured device for a
     single rank, cuda:local_rank (or the CPU) for several."""
     device = config.device_config.device
-    if config.parallel_config.tensor_parallel_size == 1 or device.type != "cuda":
+    if config.parallel_config.world_size == 1 or device.type != "cuda":
         return device
     return torch.device("cuda", local_rank)

@@ -1,6 +1,6 @@
-"""Tensor parallelism on a Ray cluster of two nodes (a head and a second ``ray start --address``
-node, one CPU each, started here): one rank per node, the same greedy tokens as one rank, a
-cluster too small refused up front, a dead rank failing the engine fast."""
+"""Tensor and pipeline parallelism on a Ray cluster of two nodes (a head and a second ``ray start
+--address`` node, one CPU each, started here): one rank per node, the same greedy tokens as one
+rank, a cluster too small refused up front, a dead rank failing the engine fast."""
 
 from __future__ import annotations
 
@@ -156,6 +156,33 @@ def test_one_rank_per_node_gives_the_tokens_of_one_rank(
         two.llm_engine.shutdown()
 
 
+def test_one_pipeline_stage_per_node_gives_the_tokens_of_one_rank(
+    two_node_cluster, make_tiny_model_once, random_prompts, assert_every_block_free
+):
+    """PP=2 over the two nodes: stage 0 on the driver's node, stage 1 (which samples) on the other."""
+    _, model_config = make_tiny_model_once(
+        LlamaConfig, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3
+    )
+    prompts = random_prompts(5, model_config.vocab_size)
+    expected = LLM(model_config.model, device="cpu", swap_space=0.01).generate(
+        prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False
+    )
+    two = LLM(
+        model_config.model,
+        device="cpu",
+        swap_space=0.01,
+        pipeline_parallel_size=2,
+        distributed_executor_backend="ray",
+    )
+    try:
+        assert len(set(two.llm_engine.executor.rank_node_ids)) == 2
+        outputs = two.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+        assert_every_block_free(two.llm_engine)
+    finally:
+        two.llm_engine.shutdown()
+
+
 def test_a_cluster_with_fewer_devices_than_ranks_is_refused(two_node_cluster, make_tiny_model_once):
     _, model_config = make_tiny_model_once(LlamaConfig, num_attention_heads=4, num_key_value_heads=2)
     start = time.monotonic()
@@ -163,7 +190,18 @@ def test_a_cluster_with_fewer_devices_than_ranks_is_refused(two_node_cluster, ma
         ValueError, match=r"tensor_parallel_size=4 needs 4 CPUs in the Ray cluster .* it has 2"
     ):
         LLM(model_config.model, device="cpu", tensor_parallel_size=4, distributed_executor_backend="ray")
-    assert time.monotonic() - start < 5  # no actor was started, no weight read
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=2 x pipeline_parallel_size=2 needs 4 CPUs in the Ray cluster .* has 2",
+    ):
+        LLM(
+            model_config.model,
+            device="cpu",
+            tensor_parallel_size=2,
+            pipeline_parallel_size=2,
+            distributed_executor_backend="ray",
+        )
+    assert time.monotonic() - start < 10  # no actor was started, no weight read
 
 
 @pytest.mark.slow
