@@ -27,7 +27,8 @@
 # with n-gram drafts at a synthetic acceptance rate), w3-eagle (W3 with an EAGLE-3 head at synthetic
 # acceptance 1.0 and 0.7), tp (two GPUs: the tensor-parallel GPU tests,
 # then all-reduce latency (benchmarks/all_reduce.py: NCCL against the one-shot kernel), W2 and W3
-# at tensor_parallel_size 1 and 2, W3 at 2 with NCCL alone; the table gives TP=2 over TP=1), so
+# at tensor_parallel_size 1 and 2, W2 at pipeline_parallel_size 2, W3 at TP=2 with NCCL alone;
+# the table gives TP=2 and PP=2 over TP=1), so
 # (benchmarks/structured_output.py: 32 json_schema requests against 32 unconstrained), sampler
 # (benchmarks/sampler.py: the fused last sampling pass against the torch path), determinism (the
 # batch-invariant GPU and kernel tests, its GEMM against cuBLAS at W1's and W3's layer
@@ -94,6 +95,9 @@ tp_bench() {  # W2 and W3 at tensor_parallel_size 1 and 2, in the same call; all
         run "w3_tp$size" python3 -m pagedllm bench latency --skip-eager --tensor-parallel-size "$size" \
             --output-json "$OUT/w3_tp$size.json"
     done
+    # W2 over two pipeline stages (two micro-batches in flight), against TP=1 above.
+    run w2_pp2 python3 -m pagedllm bench throughput --workload W2 --pipeline-parallel-size 2 \
+        --output-json "$OUT/w2_pp2.json"
     # W3 at TP=2 with NCCL doing every all-reduce: what the one-shot kernel buys.
     run w3_tp2_nccl python3 -m pagedllm bench latency --skip-eager --tensor-parallel-size 2 \
         --disable-custom-all-reduce --output-json "$OUT/w3_tp2_nccl.json"

@@ -126,8 +126,8 @@ def _quantized_rows(folder: str) -> list[tuple[str, str, str]]:
 
 
 def _tensor_parallel_rows(folder: str) -> list[tuple[str, str, str]]:
-    """W2 output tok/s and W3 ms/token at TP=1 and TP=2, and TP=2 over TP=1 (targets: W2 >= 1.8x,
-    W3 <= 0.6x)."""
+    """W2 output tok/s and W3 ms/token at TP=1 and TP=2, W2 at PP=2, and each over TP=1 (targets:
+    W2 TP=2 >= 1.8x, W3 TP=2 <= 0.6x, W2 PP=2 >= 1.7x)."""
     table = []
     w2 = {size: _load(folder, f"w2_tp{size}") for size in (1, 2)}
     w3 = {size: _load(folder, f"w3_tp{size}") for size in (1, 2)}
@@ -145,6 +145,12 @@ def _tensor_parallel_rows(folder: str) -> list[tuple[str, str, str]]:
     if w3[1] and w3[2]:
         ratio = w3[2]["cuda_graphs"]["tpot_ms"] / w3[1]["cuda_graphs"]["tpot_ms"]
         table.append(("W3 TP=2 / TP=1", "ms/token (target <= 0.6x)", f"{ratio:.2f}x"))
+    pp2 = _load(folder, "w2_pp2")
+    if pp2:
+        table.append(("W2 PP=2", "output tok/s", f"{pp2['output_tok_s']:.0f}"))
+        if w2[1]:
+            ratio = pp2["output_tok_s"] / w2[1]["output_tok_s"]
+            table.append(("W2 PP=2 / TP=1", "output tok/s (target >= 1.7x)", f"{ratio:.2f}x"))
     nccl = _load(folder, "w3_tp2_nccl")
     if nccl:
         table.append(("W3 TP=2, NCCL only", "ms/token", f"{nccl['cuda_graphs']['tpot_ms']:.2f}"))

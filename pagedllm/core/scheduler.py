@@ -55,7 +55,7 @@ from pagedllm.core.request_queues import PreemptionMode, RequestQueues
 from pagedllm.core.spec_decode import SpecDecoding
 from pagedllm.core.step_budget import StepBudget
 from pagedllm.core.step_message import describe_step
-from pagedllm.core.stop_conditions import ends_with_samples_in_flight, stop_reason, stop_status
+from pagedllm.core.stop_conditions import sits_out, stop_reason, stop_status
 from pagedllm.spec_config import SpeculativeConfig
 from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
 
@@ -88,6 +88,8 @@ class Scheduler:
             (core/spec_decode.py); None: one token per decoding request and step.
         max_loras: most distinct LoRA adapters running at once (None: no LoRA).
         num_state_slots: recurrent-state slots of a hybrid model (0: none; core/state_cache.py).
+        pipeline_parallel_size: P > 1 stages: a request whose sample is in flight sits out, and a
+            step decodes at most 1/P of max_num_seqs (steps in flight are different micro-batches).
     """
 
     def __init__(
@@ -102,9 +104,12 @@ class Scheduler:
         speculative_config: SpeculativeConfig | None = None,
         max_loras: int | None = None,
         num_state_slots: int = 0,
+        pipeline_parallel_size: int = 1,
     ) -> None:
         self.config = scheduler_config
         self.max_loras = max_loras
+        self.waits_for_samples = pipeline_parallel_size > 1
+        self.max_step_decodes = -(-scheduler_config.max_num_seqs // pipeline_parallel_size)
         self.kv_cache_manager = KVCacheManager(
             block_size,
             num_gpu_blocks,
@@ -188,7 +193,7 @@ class Scheduler:
         drafts: dict[int, list[int]] = {}
         decodes, prefills = self._schedule_running(out, budget, drafts)
         # A decode is one token: those within the budget run (the rest keep their new slot).
-        del decodes[max(budget.remaining_tokens, 0) :]
+        del decodes[max(min(budget.remaining_tokens, self.max_step_decodes), 0) :]
         num_scheduled_tokens = out.num_scheduled_tokens
         for request in decodes:
             num_scheduled_tokens[request.req_id] = 1
@@ -218,10 +223,10 @@ class Scheduler:
     def _schedule_running(
         self, out: SchedulerOutput, budget: StepBudget, drafts: dict[int, list[int]]
     ) -> tuple[list[Request], list[Request]]:
-        """Reserve slots for decoding requests, preempting from the lowest priority up. Only the
-        requests the isolation policy admits are considered, and the others are preempted first.
-        With speculative decoding a decoding request's drafts go into ``drafts`` and get slots
-        too, when the cache has them without preempting anyone."""
+        """Reserve slots for decoding requests, preempting from the lowest priority up, among those
+        the isolation policy admits (the others are preempted first). With speculative decoding a
+        decoding request's drafts go into ``drafts`` and get slots too, when the cache has them
+        without preempting anyone."""
         running = self.queues.sorted_running()
         isolation = self.isolation
         queue = deque(filter(isolation.admits, running) if isolation.active else running)
@@ -237,10 +242,8 @@ class Scheduler:
             request = queue.popleft()
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted with a sibling of lower priority
-            if request.num_output_placeholders and (
-                request.needs_host_between_steps or ends_with_samples_in_flight(request, max_context_len)
-            ):
-                continue  # its next step waits for the host to see its sample, or never comes
+            if request.num_output_placeholders and sits_out(request, max_context_len, self.waits_for_samples):
+                continue
             if windowed:  # first, so that the blocks it frees can take this step's tokens
                 kv.slide_window(request)
             num_new_tokens = request.num_uncomputed_tokens
@@ -478,12 +481,12 @@ class Scheduler:
     def isolate_failure(self, dropped: list[SchedulerOutput], error: str) -> None:
         """Take back steps that raised, and narrow down the user request responsible.
 
-        ``dropped``: the steps whose samples will never come (the one that raised and, with
-        asynchronous scheduling, the other one launched). Every live request they computed is a
-        suspect; requests holding blocks they were to swap lost their copy. Both are preempted
-        by RECOMPUTE. When the suspects are all in the running probe and are one group, it is the
-        culprit: its live sequences finish with FINISHED_ERROR and ``error``, and are reported
-        through ``stopped``. Otherwise the isolation policy tests them again, apart.
+        ``dropped``: the steps whose samples will never come (the one that raised and the others in
+        flight). Every live request they computed is a suspect; requests holding blocks they were to
+        swap lost their copy. Both are preempted by RECOMPUTE. When the suspects are all in the
+        running probe and are one group, it is the culprit: its live sequences finish with
+        FINISHED_ERROR and ``error``, and are reported through ``stopped``. Otherwise the isolation
+        policy tests them again, apart.
         """
         queues = self.queues
         queues.report_again(dropped)

@@ -50,3 +50,14 @@ def ends_with_samples_in_flight(request: Request, max_context_len: int | None) -
     return (max_context_len is not None and request.num_computed_tokens >= max_context_len) or (
         max_tokens is not None and num_outputs >= max_tokens
     )
+
+
+def sits_out(request: Request, max_context_len: int | None, first_stage_waits: bool) -> bool:
+    """Whether a request with samples in flight stays out of the next step: that step needs them
+    on the host first (a best_of request's fork, beam search's choice) or, with pipeline stages
+    (``first_stage_waits``), on the first stage; or it needs no step after them."""
+    return (
+        first_stage_waits
+        or request.needs_host_between_steps
+        or ends_with_samples_in_flight(request, max_context_len)
+    )

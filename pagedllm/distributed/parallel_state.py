@@ -34,6 +34,10 @@ _tp_size = 1
 _pp_rank = 0
 _pp_size = 1
 _tp_group: dist.ProcessGroup | None = None
+# With several stages: every rank, for the sampled tokens' broadcast. A group of its own, so that
+# a stage can receive a step's samples after it sent the next step's activations (one group's
+# operations run in the order they were issued).
+_samples_group: dist.ProcessGroup | None = None
 
 
 def _is_distributed() -> bool:
@@ -55,7 +59,7 @@ def init_distributed_environment(
     ``custom_all_reduce`` and one stage, small all-reduces take the one-shot kernel where the GPUs
     allow it.
     """
-    global _symm_mem_all_reduce, _tp_size, _pp_rank, _pp_size, _tp_group
+    global _symm_mem_all_reduce, _tp_size, _pp_rank, _pp_size, _tp_group, _samples_group
     if world_size == 1 or dist.is_initialized():
         return
     tp = tensor_parallel_size or world_size
@@ -78,6 +82,7 @@ def init_distributed_environment(
             group = dist.new_group(list(range(stage * tp, (stage + 1) * tp)))
             if stage == _pp_rank:
                 _tp_group = group
+        _samples_group = dist.new_group(list(range(world_size)))
     elif custom_all_reduce:
         _symm_mem_all_reduce = create_symm_mem_all_reduce(device)
 
@@ -88,9 +93,9 @@ def uses_custom_all_reduce() -> bool:
 
 
 def destroy_distributed_environment() -> None:
-    global _symm_mem_all_reduce, _tp_size, _pp_rank, _pp_size, _tp_group
+    global _symm_mem_all_reduce, _tp_size, _pp_rank, _pp_size, _tp_group, _samples_group
     _symm_mem_all_reduce = None
-    _tp_size, _pp_rank, _pp_size, _tp_group = 1, 0, 1, None
+    _tp_size, _pp_rank, _pp_size, _tp_group, _samples_group = 1, 0, 1, None, None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -151,12 +156,13 @@ def pipeline_recv(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return tensors
 
 
-def broadcast_from_last_stage(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as the last stage's first rank (the one that samples) holds it, on every rank
-    (in place)."""
-    if get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast(tensor, src=(_pp_size - 1) * _tp_size)
-    return tensor
+def broadcast_from_last_stage(tensor: torch.Tensor) -> dist.Work | None:
+    """Start filling ``tensor`` on every rank with what the last stage's first rank (the one that
+    samples) holds in it; returns the operation to ``wait()`` on before reading ``tensor`` (None
+    with one stage: nothing to do)."""
+    if get_pipeline_model_parallel_world_size() == 1:
+        return None
+    return dist.broadcast(tensor, src=(_pp_size - 1) * _tp_size, group=_samples_group, async_op=True)
 
 
 def tensor_model_parallel_all_reduce(input_: torch.Tensor) -> torch.Tensor:

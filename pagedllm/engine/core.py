@@ -23,7 +23,9 @@ the host's work for one step overlaps the device's work for the other. A request
 step N may then have had one more token computed by step N + 1: it is dropped, never returned
 or counted. Requests whose next step depends on their newest token on the host (beam search, a
 best_of request's first sample, which forks it) make the core wait for the step in flight before
-it schedules the next.
+it schedules the next. With ``pipeline_parallel_size`` P the core keeps P - 1 steps in flight,
+each a different micro-batch (the scheduler keeps a request whose sample is in flight out of the
+next step), so that every stage has one to run while the core waits for the oldest.
 
 The price is latency: the next step is scheduled before a request arriving now can join it, so
 its first token comes about one step later. Offline runs (``LLM``, the benchmarks) take the
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -137,14 +140,18 @@ class EngineCore:
             speculative_config=config.speculative_config,
             max_loras=config.lora_config.max_loras if config.lora_config else None,
             num_state_slots=self.executor.get_kv_cache_spec().num_state_slots,
+            pipeline_parallel_size=config.parallel_config.pipeline_parallel_size,
         )
-        self.async_scheduling = config.async_scheduling
         # With enable_lora: requests whose adapter the workers are still reading wait here.
         self.lora_gate = LoRALoadGate(self.executor.collective_rpc) if config.lora_config else None
         # Live requests, by the caller's id.
         self.requests: dict[str, _LiveRequest] = {}
-        # The step launched but not yet applied (asynchronous scheduling).
-        self._in_flight: tuple[SchedulerOutput, StepHandle] | None = None
+        # Steps launched but not yet applied, oldest first: none after a step without
+        # asynchronous scheduling, else one, or one per pipeline stage but the last (so that
+        # every stage has a micro-batch while the core waits for the oldest).
+        self._in_flight: deque[tuple[SchedulerOutput, StepHandle]] = deque()
+        pp = config.parallel_config.pipeline_parallel_size
+        self.max_in_flight = max(pp - 1, 1) if config.async_scheduling else 0
         # User requests failed since the last model step that succeeded.
         self._num_failed_in_a_row = 0
         # Set once the core gave up: why (every later step raises ExecutorDeadError with it).
@@ -227,11 +234,8 @@ class EngineCore:
             self._admit_loaded_adapters()
         scheduler_output = None
         try:
-            if self._in_flight is not None and (
-                not self.async_scheduling or self.scheduler.has_requests_needing_host()
-            ):
-                self._apply(*self._in_flight, out)
-                self._in_flight = None
+            if self._in_flight and self.scheduler.has_requests_needing_host():
+                self._apply_in_flight(out, len(self._in_flight))
             scheduler_output = self.scheduler.schedule()
             if self.scheduler.queues.stopped:
                 self._report_stopped(out)
@@ -243,29 +247,32 @@ class EngineCore:
             ):
                 with _model_step():
                     launched = self.executor.execute_model(scheduler_output)
-            if self._in_flight is not None:
-                self._apply(*self._in_flight, out)
-                self._in_flight = None
             if launched is not None and scheduler_output.has_forward:
-                if self.async_scheduling:
-                    self._in_flight = (scheduler_output, launched)
-                else:
-                    self._apply(scheduler_output, launched, out)
+                self._in_flight.append((scheduler_output, launched))
+                self._apply_in_flight(out, len(self._in_flight) - self.max_in_flight)
+            elif self._in_flight:  # nothing new: the oldest step's samples let the next one run
+                self._apply_in_flight(out, 1)
         except _StepFailed as failure:
-            # Neither the step that raised nor the other one launched is applied: their
-            # requests' progress since the last applied step is gone.
+            # Neither the step that raised nor the others launched are applied: their requests'
+            # progress since the last applied step is gone.
             dropped = [] if scheduler_output is None else [scheduler_output]
-            if self._in_flight is not None:
-                dropped.append(self._in_flight[0])
-                self._in_flight = None
+            dropped += [step for step, _ in self._in_flight if step is not scheduler_output]
+            self._in_flight.clear()
             self._handle_failed_step(failure.error, dropped, out)
         return out
+
+    def _apply_in_flight(self, out: EngineCoreOutputs, count: int) -> None:
+        """Apply the ``count`` oldest steps in flight, oldest first (a step whose samples fail
+        stays in flight: the failure handling drops it)."""
+        for _ in range(count):
+            self._apply(*self._in_flight[0], out)
+            self._in_flight.popleft()
 
     def _admit_loaded_adapters(self) -> None:
         """Requests whose adapter is now on every rank go to the scheduler; those whose adapter
         failed to load end with its error (reported with the step's stopped requests)."""
         assert self.lora_gate is not None
-        idle = self._in_flight is None and not self.scheduler.has_unfinished_requests()
+        idle = not self._in_flight and not self.scheduler.has_unfinished_requests()
         ready, failed = self.lora_gate.poll(idle)
         for request in ready:
             self.scheduler.add_request(request)

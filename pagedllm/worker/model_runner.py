@@ -132,6 +132,7 @@ class ModelRunner:
             self.stage = PipelineStage(
                 rank // parallel_config.tensor_parallel_size,
                 parallel_config.pipeline_parallel_size,
+                rank % parallel_config.tensor_parallel_size,
                 model_config.hidden_size,
                 model_config.dtype,
                 self.device,
@@ -267,7 +268,10 @@ class ModelRunner:
     # --- the step ---------------------------------------------------------------------------
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
-        """Apply the step's diffs to the persistent batch."""
+        """Apply the step's diffs to the persistent batch (first, on a pipeline stage before the
+        last, the samples of earlier steps that this one needs: worker/pipeline.py)."""
+        for samples in self.stage.samples_before(scheduler_output):
+            self._record_received_samples(samples.req_ids, samples.sample_index, samples.tokens)
         dropped = scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids
         if dropped:
             self.logits_processors.drop(dropped)
@@ -353,13 +357,24 @@ class ModelRunner:
         return step
 
     def _follow_samples(self, model_input: ModelInput) -> StepOutput:
-        """A stage before the last: record the samples the last stage drew, as it does."""
+        """A stage before the last: start receiving the samples the last stage draws (recorded
+        before a later step needs them, ``update_states``)."""
         if len(model_input.sample_rows):
             assert isinstance(self.stage, PipelineStage)
-            tokens = self.stage.receive_samples(len(model_input.sample_rows))
-            first = to_device(model_input.first_sample_index, self.device)
-            self.input_batch.record_samples(model_input.sampling_req_rows, first, tokens)
+            req_ids = [self.input_batch.req_ids[row] for row in model_input.sampling_req_rows]
+            num_rows = len(model_input.sample_rows)
+            self.stage.defer_samples(num_rows, req_ids, np.asarray(model_input.first_sample_index))
         return StepOutput(model_input, None, [], [], self.device)
+
+    def _record_received_samples(
+        self, req_ids: list[int], sample_index: np.ndarray, tokens: torch.Tensor
+    ) -> None:
+        """Record an earlier step's samples for its requests still here, as the last stage did."""
+        batch = self.input_batch
+        kept = [(batch.row_of[req_id], j) for j, req_id in enumerate(req_ids) if req_id in batch.row_of]
+        if kept:
+            rows, index = (np.array(column, dtype=np.int64) for column in zip(*kept))
+            batch.record_samples(rows, to_device(sample_index[index], self.device), tokens)
 
     def run_model(self, model_input: ModelInput, num_tokens: int) -> torch.Tensor | None:
         """The forward pass: a captured graph (which reads the input buffers: no context), or the

@@ -4,6 +4,8 @@ own layers only; what stages cannot run is refused before anything loads."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from transformers import BloomConfig, Gemma2Config, LlamaConfig, MistralConfig, Qwen3Config
 
@@ -98,6 +100,40 @@ def test_two_stages_give_the_tokens_of_one_rank(
         two.llm_engine.shutdown()
 
 
+def test_steps_in_flight_together_are_different_micro_batches(make_tiny_model_once, random_prompts):
+    """With asynchronous scheduling a step goes out before the previous one is applied, and holds
+    none of its requests (their samples are in flight), each decoding at most half of
+    max_num_seqs: the two stages work on two micro-batches at once, and the tokens stay those of
+    one rank."""
+    _, model_config = make_tiny_model_once(LlamaConfig, num_attention_heads=4, num_key_value_heads=2)
+    prompts = random_prompts(8, model_config.vocab_size, lo=3, hi=6)
+    options = dict(device="cpu", swap_space=0.01, max_num_seqs=8)
+    expected = LLM(model_config.model, **options).generate(
+        prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False
+    )
+    two = LLM(model_config.model, pipeline_parallel_size=2, async_scheduling=True, **options)
+    executor = two.llm_engine.executor
+    steps: list[tuple[set[int], int]] = []
+    execute = executor.execute_model
+
+    def record(msg):
+        handle = execute(msg)
+        if msg.total_num_scheduled_tokens:
+            steps.append((set(msg.num_scheduled_tokens), len(executor._pending)))
+        return handle
+
+    executor.execute_model = record
+    try:
+        outputs = two.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        assert token_ids(outputs) == token_ids(expected)
+    finally:
+        two.llm_engine.shutdown()
+    # Pairs whose second step went out while the first was in flight (unanswered).
+    overlapped = [(a, b) for (a, _), (b, pending) in itertools.pairwise(steps) if pending == 2]
+    assert len(overlapped) >= 10 and all(not a & b for a, b in overlapped)
+    assert max(len(ids) for ids, _ in steps[1:]) <= 4  # decodes: half of max_num_seqs a step
+
+
 def test_two_stages_of_two_ranks_with_sampling_logprobs_and_preemption(
     make_tiny_model_once, random_prompts, assert_every_block_free
 ):
@@ -120,8 +156,14 @@ def test_two_stages_of_two_ranks_with_sampling_logprobs_and_preemption(
     roomy = LLM(model_config.model, **options)
     expected = roomy.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     # 24 blocks of 4 tokens: far fewer than the 8 requests need at once, so some are preempted.
+    # Micro-batches in flight (asynchronous scheduling) through the preemptions.
     tight = LLM(
-        model_config.model, num_kv_blocks=24, tensor_parallel_size=2, pipeline_parallel_size=2, **options
+        model_config.model,
+        num_kv_blocks=24,
+        tensor_parallel_size=2,
+        pipeline_parallel_size=2,
+        async_scheduling=True,
+        **options,
     )
     try:
         outputs = tight.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
