@@ -519,15 +519,15 @@ def _resolve_parallel_device(device: str | torch.device, parallel_config: Parall
         name,
     )
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        # Counted through NVML: torch.cuda.is_available() initializes the CUDA driver in this
+        # process, after which forked ranks cannot use CUDA (torch's "poisoned fork").
+        name = "cuda" if torch.cuda.device_count() > 0 else "cpu"
     # With Ray the GPUs are the cluster's, which the Ray executor counts: this host may have none.
     if name == "cuda" and parallel_config.distributed_executor_backend != "ray":
         num_gpus = torch.cuda.device_count()
-        field = (
-            "tensor_parallel_size"
-            if parallel_config.pipeline_parallel_size == 1
-            else ("tensor_parallel_size x pipeline_parallel_size")
-        )
+        field = "tensor_parallel_size"
+        if parallel_config.pipeline_parallel_size > 1:
+            field = "tensor_parallel_size x pipeline_parallel_size"
         _require(
             world_size <= num_gpus,
             field,

@@ -120,7 +120,7 @@ def visible_cuda_devices() -> list[str]:
     """The CUDA devices this process may use, as CUDA_VISIBLE_DEVICES names them."""
     import torch
 
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    count = torch.cuda.device_count()  # NVML: the replicas' processes may still fork their ranks
     names = os.environ.get("CUDA_VISIBLE_DEVICES")
     if names is None:
         return [str(index) for index in range(count)]

@@ -116,9 +116,13 @@ class PPMissingLayer(nn.Identity):
 
 def make_stage_layers(num_layers: int, make_layer: Callable[[int], nn.Module]) -> nn.ModuleList:
     """The decoder's layers, built for this rank's pipeline stage only (``make_layer(i)``), the
-    others ``PPMissingLayer``: a layer's index, hence its name in the checkpoint, stays its own."""
+    others ``PPMissingLayer``: a layer's index, hence its name in the checkpoint, stays its own.
+    With several stages the list keeps its stage's range as ``stage``."""
     stage = pipeline_stage_layers(num_layers)
-    return nn.ModuleList(make_layer(i) if i in stage else PPMissingLayer() for i in range(num_layers))
+    layers = nn.ModuleList(make_layer(i) if i in stage else PPMissingLayer() for i in range(num_layers))
+    if len(stage) < num_layers:
+        layers.stage = stage
+    return layers
 
 
 class DecoderModel(nn.Module):
@@ -165,11 +169,10 @@ class DecoderModel(nn.Module):
 
     @property
     def stage_layers(self) -> nn.ModuleList:
-        """The layers this rank's pipeline stage runs (all of them with one stage)."""
-        if get_pipeline_model_parallel_world_size() == 1:
-            return self.layers
-        stage = pipeline_stage_layers(len(self.layers))
-        return self.layers[stage.start : stage.stop]
+        """The layers this rank's pipeline stage runs (all of them with one stage); fixed when the
+        layers were built, so that a step reads no process-group state."""
+        stage = getattr(self.layers, "stage", None)
+        return self.layers if stage is None else self.layers[stage.start : stage.stop]
 
 
 class CausalLM(nn.Module):

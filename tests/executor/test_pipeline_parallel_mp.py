@@ -52,8 +52,10 @@ CASES = {
     ),
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-# Stages compute what one rank does in the same order: a seeded sample is the same draw too.
+# Stages compute what one rank does in the same order: a seeded sample is the same draw too, and
+# a best_of request forks after its first samples as at one rank.
 SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=16, ignore_eos=True)
+BEST_OF = SamplingParams(n=2, best_of=3, temperature=0.8, seed=11, max_tokens=16, ignore_eos=True)
 
 
 def token_ids(outputs) -> list[list[list[int]]]:
@@ -75,7 +77,7 @@ def test_two_stages_give_the_tokens_of_one_rank(
     config_class, overrides = CASES[case]
     _, model_config = make_tiny_model_once(config_class, **overrides)
     prompts = random_prompts(6, model_config.vocab_size)
-    params = [GREEDY] * 5 + [SEEDED]
+    params = [GREEDY] * 4 + [SEEDED, BEST_OF]
     one = LLM(model_config.model, device="cpu", swap_space=0.01)
     expected = one.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
 

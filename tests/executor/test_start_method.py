@@ -76,3 +76,23 @@ def test_the_environment_names_the_start_method(monkeypatch):
     monkeypatch.setenv(START_METHOD_ENV, "vfork")
     with pytest.raises(ValueError, match=f"{START_METHOD_ENV}='vfork': expected one of fork, spawn"):
         choose_start_method()
+
+
+def test_choosing_the_ranks_devices_leaves_cuda_uninitialised(monkeypatch):
+    """``torch.cuda.is_available()`` initializes the CUDA driver, after which a forked rank cannot
+    use CUDA ("Cannot re-initialize CUDA in forked subprocess") although ``is_initialized()``
+    still says False: the engine's process counts GPUs through NVML (``device_count``) before it
+    forks its ranks."""
+    import torch
+
+    from pagedllm.config import ParallelConfig, resolve_device
+
+    def poisons_fork() -> bool:
+        raise AssertionError("torch.cuda.is_available() was called before the ranks were forked")
+
+    monkeypatch.setattr(torch.cuda, "is_available", poisons_fork)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for sizes in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+        parallel_config = ParallelConfig(distributed_executor_backend="mp", **sizes)
+        assert resolve_device("auto", parallel_config).type == "cuda"
+        assert resolve_device("cuda", parallel_config).type == "cuda"

@@ -95,6 +95,25 @@ def test_two_ranks_give_the_tokens_of_one(
     assert_ranks_stopped(two.llm_engine)
 
 
+def test_four_ranks_give_the_tokens_of_one(make_tiny_model_once, random_prompts, assert_every_block_free):
+    """TP=4: two KV heads for four ranks (each replicated on two), an MLP and a vocabulary split
+    four ways (the vocabulary unevenly)."""
+    _, model_config = make_tiny_model_once(
+        LlamaConfig, num_attention_heads=4, num_key_value_heads=2, vocab_size=163, tie_word_embeddings=False
+    )
+    prompts = random_prompts(4, model_config.vocab_size)
+    expected = LLM(model_config.model, device="cpu", swap_space=0.01).generate(
+        prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False
+    )
+    four = LLM(model_config.model, device="cpu", swap_space=0.01, tensor_parallel_size=4)
+    try:
+        outputs = four.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        assert token_ids(outputs) == token_ids(expected)
+        assert_every_block_free(four.llm_engine)
+    finally:
+        four.llm_engine.shutdown()
+
+
 def test_preemption_and_prefix_caching_at_two_ranks_change_no_output(
     make_tiny_model_once, random_prompts, assert_every_block_free
 ):
@@ -209,15 +228,29 @@ def test_a_sliding_window_with_sinks_at_two_ranks_gives_the_tokens_of_one(
 def grammar_role(worker) -> tuple[str, bool]:
     """A rank's part in structured outputs, and whether it built a grammar compiler's manager."""
     grammars = worker.model_runner.logits_processors.grammars
-    compiler = getattr(getattr(grammars, "grammars", None), "_compile_grammar", None)
+    compiler = getattr(getattr(grammars, "grammars", grammars), "_compile_grammar", None)
     return type(grammars).__name__, getattr(compiler, "_manager", None) is not None
 
 
-def test_output_constraints_hold_at_two_ranks(tiny_llama_with_tokenizer):
-    """A compiled grammar is a native object that does not cross processes: rank 0 compiles the
-    constraint it receives and broadcasts each step's bitmask; rank 1 compiles nothing. The sampled
-    tokens stay inside the grammar, as at one rank (a rank sampling under another mask would feed
-    itself other tokens, and the two ranks' shards would no longer add up)."""
+@pytest.mark.parametrize(
+    "sizes, roles",
+    [
+        ({"tensor_parallel_size": 2}, [("SourceGrammarMask", True), ("ReceivedGrammarMask", False)]),
+        # Two pipeline stages, micro-batches in flight: the last stage samples, so it keeps the
+        # grammars (no broadcast: it is one rank); the first holds none.
+        (
+            {"pipeline_parallel_size": 2, "async_scheduling": True},
+            [("ReceivedGrammarMask", False), ("GrammarConstraint", True)],
+        ),
+    ],
+    ids=["tp2", "pp2"],
+)
+def test_output_constraints_hold_at_two_ranks(tiny_llama_with_tokenizer, sizes, roles):
+    """A compiled grammar is a native object that does not cross processes: the sampling rank
+    compiles the constraint it receives and, with tensor parallelism, broadcasts each step's
+    bitmask; the other rank compiles nothing. The sampled tokens stay inside the grammar, as at one
+    rank (a rank sampling under another mask would feed itself other tokens, and the two ranks'
+    shards would no longer add up)."""
     regex = StructuredOutputsParams(regex="(ab|c){1,3}x")
     choice = StructuredOutputsParams(choice=["alpha beta", "gamma"])
     params = [
@@ -227,13 +260,12 @@ def test_output_constraints_hold_at_two_ranks(tiny_llama_with_tokenizer):
     prompts = [[10, 11, 12], [40, 41], [7, 8, 9]]
     one = LLM(tiny_llama_with_tokenizer, device="cpu", swap_space=0.01)
     expected = one.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    two = LLM(tiny_llama_with_tokenizer, device="cpu", swap_space=0.01, tensor_parallel_size=2)
+    two = LLM(tiny_llama_with_tokenizer, device="cpu", swap_space=0.01, **sizes)
     try:
         outputs = two.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-        roles = two.llm_engine.executor.collective_rpc(grammar_role)
+        assert two.llm_engine.executor.collective_rpc(grammar_role) == roles
     finally:
         two.llm_engine.shutdown()
-    assert roles == [("SourceGrammarMask", True), ("ReceivedGrammarMask", False)]
     assert [o.outputs[0].text for o in outputs] == [o.outputs[0].text for o in expected]
     assert re.fullmatch("(ab|c){1,3}x", outputs[0].outputs[0].text)
     assert outputs[1].outputs[0].text in ("alpha beta", "gamma")

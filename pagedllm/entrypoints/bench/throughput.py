@@ -209,7 +209,7 @@ def plot(result: dict[str, Any], path: str) -> bool:
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
-    if not torch.cuda.is_available():
+    if torch.cuda.device_count() == 0:  # NVML: the engine may fork its ranks after this
         raise SystemExit("pagedllm bench throughput needs a CUDA device")
     workload = WORKLOADS[args.workload]
     prompts = workload.prompts(args.num_prompts)
@@ -231,6 +231,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         device=torch.cuda.get_device_name(),
         attention_backend=engine.executor.collective_rpc(attention_backend_name)[0],
         tensor_parallel_size=engine.config.parallel_config.tensor_parallel_size,
+        pipeline_parallel_size=engine.config.parallel_config.pipeline_parallel_size,
         enforce_eager=engine.config.enforce_eager,
         batch_invariant=engine.config.batch_invariant,
         num_gpu_blocks=engine.num_gpu_blocks,
@@ -251,8 +252,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         )
     engine.shutdown()
     loras_note = f" with {args.num_loras} rank-{args.lora_rank} LoRAs" if args.num_loras else ""
+    pp = result["pipeline_parallel_size"]
     print(
-        f"{workload.name}{loras_note} at TP={result['tensor_parallel_size']}: "
+        f"{workload.name}{loras_note} at TP={result['tensor_parallel_size']}{f' PP={pp}' if pp > 1 else ''}: "
         f"{result['num_requests']} requests in {result['elapsed_s']:.2f} s: "
         f"{result['output_tok_s']:.0f} output tok/s, {result['total_tok_s']:.0f} total tok/s "
         f"(prefill {result['prefill_s']:.2f} s, decode {result['decode_s']:.2f} s over "
