@@ -438,11 +438,6 @@ class EngineConfig:
         }
         for field, (value, why) in unsupported.items():
             _require(value is None, field, f"None with pipeline_parallel_size={pp} ({why})", value)
-        if self.model_config.has_recurrent_state:
-            raise ValueError(
-                f"pipeline_parallel_size={pp} is not supported on models with linear-attention layers "
-                "yet (their recurrent-state cache spans every layer of one rank)"
-            )
 
     def _check_fp8_kv_cache(self) -> None:
         """What an FP8 KV cache cannot run with, refused before anything loads (the attention

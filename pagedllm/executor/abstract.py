@@ -76,7 +76,14 @@ class Executor:
         """(device blocks, CPU swap blocks) that fit on every rank: each rank profiles its own
         device, and the smallest answer is what all of them allocate."""
         answers = self.collective_rpc("determine_num_available_blocks")
-        return min(gpu for gpu, _ in answers), min(cpu for _, cpu in answers)
+        # None: a rank whose layers cache no K/V (a pipeline stage of recurrent layers) sets no bound.
+        gpu = [num for num, _ in answers if num is not None]
+        cpu = [num for _, num in answers if num is not None]
+        if not gpu:
+            raise ValueError(
+                "no layer of the model keeps a KV cache: pagedllm runs models with attention layers"
+            )
+        return min(gpu), min(cpu)
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """Allocate the KV cache (and capture CUDA graphs) on every rank."""

@@ -26,7 +26,7 @@ from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowP
 from pagedllm.layers.linear_attention.mamba2 import Mamba2Mixer
 from pagedllm.layers.linear_attention.state import LayerStateShape
 from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from pagedllm.models.utils import CausalLM, DecoderModel, pre_norm
+from pagedllm.models.utils import CausalLM, DecoderModel, make_stage_layers, pre_norm
 
 MAMBA, ATTENTION, MLP = "linear_attention", "full_attention", "mlp"
 # Checkpoint name prefixes -> ours (the "model." decoder's names, DecoderModel's).
@@ -114,14 +114,15 @@ class NemotronHModel(DecoderModel):
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            NemotronHBlock(config, i, attn_backend) for i in range(config.num_hidden_layers)
+        self.layers = make_stage_layers(
+            config.num_hidden_layers, lambda i: NemotronHBlock(config, i, attn_backend)
         )
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
 
 class NemotronHForCausalLM(CausalLM):
     rotary: ClassVar[bool] = False
+    supports_pipeline_parallel: ClassVar[bool] = True
     packed_modules_mapping: ClassVar[dict[str, tuple[tuple[str, int | str], ...]]] = {
         "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
     }
@@ -143,13 +144,23 @@ class NemotronHForCausalLM(CausalLM):
     # --- the hybrid model's interface (worker/state_cache.py) -----------------------------------
 
     @staticmethod
-    def num_attention_layers(config: PretrainedConfig) -> int:
-        return sum(kind == ATTENTION for kind in config.layers_block_type)
+    def num_attention_layers(config: PretrainedConfig, layers: range | None = None) -> int:
+        """Layers with a paged KV cache (among ``layers``, a pipeline stage's; all when None)."""
+        kinds = config.layers_block_type
+        return sum(kinds[i] == ATTENTION for i in (range(len(kinds)) if layers is None else layers))
 
     @staticmethod
-    def state_shapes(config: PretrainedConfig, tp_size: int) -> list[LayerStateShape]:
-        """The Mamba-2 layers' states, whole on every rank (their mixers are replicated)."""
-        return [Mamba2Mixer.state_shape_of(config) for kind in config.layers_block_type if kind == MAMBA]
+    def state_shapes(
+        config: PretrainedConfig, tp_size: int, layers: range | None = None
+    ) -> list[LayerStateShape]:
+        """The Mamba-2 layers' states (among ``layers``), whole on every rank (their mixers are
+        replicated)."""
+        kinds = config.layers_block_type
+        return [
+            Mamba2Mixer.state_shape_of(config)
+            for i in (range(len(kinds)) if layers is None else layers)
+            if kinds[i] == MAMBA
+        ]
 
     def linear_attention_layers(self) -> Iterator[Mamba2Mixer]:
-        return (layer.mixer for layer in self.model.layers if layer.block_type == MAMBA)
+        return (layer.mixer for layer in self.model.stage_layers if layer.block_type == MAMBA)

@@ -22,7 +22,6 @@ Only the full-attention layers have a KV cache (bound to them in order, attentio
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import ClassVar
 
 import torch
 from torch import nn
@@ -38,7 +37,7 @@ from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from pagedllm.models.llama import LlamaMLP, head_dim, rotary_embedding
 from pagedllm.models.moe import MoeForCausalLM, SparseMoeBlock
-from pagedllm.models.utils import CausalLM, DecoderModel, pre_norm
+from pagedllm.models.utils import CausalLM, DecoderModel, make_stage_layers, pre_norm
 
 LINEAR_ATTENTION = "linear_attention"
 # Qwen3.5's text model types, whose Gated DeltaNet keeps its four input projections apart.
@@ -168,18 +167,14 @@ class Qwen3NextModel(DecoderModel):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         rotary_emb = rotary_embedding(config)
-        self.layers = nn.ModuleList(
-            Qwen3NextDecoderLayer(config, i, rotary_emb, attn_backend)
-            for i in range(config.num_hidden_layers)
+        self.layers = make_stage_layers(
+            config.num_hidden_layers, lambda i: Qwen3NextDecoderLayer(config, i, rotary_emb, attn_backend)
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class Qwen3NextForCausalLM(MoeForCausalLM):
     """Loads as the Llama family's MoE members do (packed q/k/v and gate/up, stacked experts)."""
-
-    # Its layers are built whole (their recurrent-state cache spans every layer of a rank).
-    supports_pipeline_parallel: ClassVar[bool] = False
 
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         CausalLM.__init__(self)
@@ -189,15 +184,22 @@ class Qwen3NextForCausalLM(MoeForCausalLM):
     # --- the hybrid model's interface (worker/state_cache.py) -----------------------------------
 
     @staticmethod
-    def num_attention_layers(config: PretrainedConfig) -> int:
-        """Layers with a paged KV cache."""
-        return sum(kind != LINEAR_ATTENTION for kind in config.layer_types)
+    def num_attention_layers(config: PretrainedConfig, layers: range | None = None) -> int:
+        """Layers with a paged KV cache (among ``layers``, a pipeline stage's; all when None)."""
+        kinds = config.layer_types
+        return sum(kinds[i] != LINEAR_ATTENTION for i in (range(len(kinds)) if layers is None else layers))
 
     @staticmethod
-    def state_shapes(config: PretrainedConfig, tp_size: int) -> list[LayerStateShape]:
-        """Each linear-attention layer's state per request on one rank, in layer order."""
+    def state_shapes(
+        config: PretrainedConfig, tp_size: int, layers: range | None = None
+    ) -> list[LayerStateShape]:
+        """Each linear-attention layer's state per request on one rank (among ``layers``), in
+        layer order."""
         shape = GatedDeltaNet.state_shape_of(config, tp_size)
-        return [shape for kind in config.layer_types if kind == LINEAR_ATTENTION]
+        kinds = config.layer_types
+        return [
+            shape for i in (range(len(kinds)) if layers is None else layers) if kinds[i] == LINEAR_ATTENTION
+        ]
 
     def linear_attention_layers(self) -> Iterator[GatedDeltaNet]:
-        return (layer.linear_attn for layer in self.model.layers if layer.is_linear)
+        return (layer.linear_attn for layer in self.model.stage_layers if layer.is_linear)

@@ -239,6 +239,9 @@ class ModelRunner:
             self.execute_model(out).get()
         finally:
             bind_kv_caches(self.model, None)
+        # A stage before the last waits for the profile step's samples and drops them: the dummy
+        # requests' ids come again as real requests.
+        self.stage.samples_before(out)
         for i in range(num_reqs):
             self.input_batch.remove_request(i, finished=True)
         self.sampler.warm_up(self.config.model_config.vocab_size, self.device)

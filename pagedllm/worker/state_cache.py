@@ -22,22 +22,24 @@ def hybrid_model_class(config: EngineConfig) -> type | None:
     return model_class if hasattr(model_class, "state_shapes") else None
 
 
-def state_cache_spec(config: EngineConfig) -> StateCacheSpec | None:
-    """This rank's state cache: one slot per request the scheduler may keep (max_num_seqs)."""
+def state_cache_spec(config: EngineConfig, layers: range | None = None) -> StateCacheSpec | None:
+    """This rank's state cache: one slot per request the scheduler may keep (max_num_seqs), for
+    the linear-attention layers among ``layers`` (its pipeline stage's; all when None)."""
     model_class = hybrid_model_class(config)
     if model_class is None:
         return None
     hf_config = config.model_config.hf_config
-    shapes = model_class.state_shapes(hf_config, config.parallel_config.tensor_parallel_size)
+    shapes = model_class.state_shapes(hf_config, config.parallel_config.tensor_parallel_size, layers)
     return StateCacheSpec(tuple(shapes), config.model_config.dtype, config.scheduler_config.max_num_seqs)
 
 
-def num_kv_cache_layers(config: EngineConfig) -> int:
-    """Layers with a paged KV cache: the attention layers of a hybrid model, else every layer."""
+def num_kv_cache_layers(config: EngineConfig, layers: range | None = None) -> int:
+    """Layers with a paged KV cache among ``layers`` (a pipeline stage's; all when None): the
+    attention layers of a hybrid model, else every layer."""
     model_class = hybrid_model_class(config)
     if model_class is None:
-        return config.model_config.num_layers
-    return model_class.num_attention_layers(config.model_config.hf_config)
+        return config.model_config.num_layers if layers is None else len(layers)
+    return model_class.num_attention_layers(config.model_config.hf_config, layers)
 
 
 class StateCache:

@@ -55,16 +55,18 @@ class Worker:
         )
         kv_cache_dtype = kv_cache_torch_dtype(cache_config.cache_dtype, model_config.dtype)
         check_kv_cache_dtype(self.attn_backend, kv_cache_dtype)
-        self.state_cache_spec = state_cache_spec(config)
-        self.state_cache: StateCache | None = None
         parallel_config = config.parallel_config
-        num_layers = num_kv_cache_layers(config)
-        if parallel_config.pipeline_parallel_size > 1:  # this stage's layers (no hybrid has stages)
-            stage = rank // parallel_config.tensor_parallel_size
-            num_layers = len(pipeline_stage_layers(num_layers, stage, parallel_config.pipeline_parallel_size))
+        # This rank's pipeline stage's layers (all of them with one stage).
+        stage = pipeline_stage_layers(
+            model_config.num_layers,
+            rank // parallel_config.tensor_parallel_size,
+            parallel_config.pipeline_parallel_size,
+        )
+        self.state_cache_spec = state_cache_spec(config, stage)
+        self.state_cache: StateCache | None = None
         self.kv_cache_spec = KVCacheSpec(
-            num_layers=num_layers,
-            num_kv_heads=model_config.num_kv_heads_per_rank(config.parallel_config.tensor_parallel_size),
+            num_layers=num_kv_cache_layers(config, stage),
+            num_kv_heads=model_config.num_kv_heads_per_rank(parallel_config.tensor_parallel_size),
             head_size=model_config.head_size,
             block_size=cache_config.block_size,
             dtype=kv_cache_dtype,
@@ -137,9 +139,10 @@ class Worker:
         """The cache this rank's model needs, for the engine's scheduler (vLLM's name)."""
         return self.kv_cache_spec
 
-    def determine_num_available_blocks(self) -> tuple[int, int]:
+    def determine_num_available_blocks(self) -> tuple[int | None, int | None]:
         """(device blocks, CPU swap blocks) that fit the memory budget (vLLM's design's
-        profile_num_available_blocks).
+        profile_num_available_blocks); None for no bound, on a pipeline stage none of whose layers
+        caches K/V (recurrent layers only: a block costs it nothing).
 
         On a GPU, one forward pass at the scheduler's largest step (max_num_batched_tokens) finds
         the activation peak; what ``gpu_memory_utilization`` leaves after it, the weights and
@@ -153,15 +156,15 @@ class Worker:
         drafter = self.model_runner.drafter
         reserved = 0 if drafter is None else drafter.scratch_bytes
         block_bytes += 0 if drafter is None else drafter.block_bytes
-        num_cpu_blocks = int(cache_config.swap_space * GiB) // block_bytes
+        num_cpu_blocks = _blocks_in(int(cache_config.swap_space * GiB), block_bytes)
         if cache_config.num_kv_blocks is not None:
             return cache_config.num_kv_blocks, num_cpu_blocks
         if self.device.type == "cpu":
             budget = kv_budget_after_state(cache_config.kv_cache_memory, self.state_cache_spec)
-            return max(budget - reserved, 0) // block_bytes, num_cpu_blocks
+            return _blocks_in(budget - reserved, block_bytes), num_cpu_blocks
         return self._profile_num_gpu_blocks(block_bytes, reserved), num_cpu_blocks
 
-    def _profile_num_gpu_blocks(self, block_bytes: int, reserved: int = 0) -> int:
+    def _profile_num_gpu_blocks(self, block_bytes: int, reserved: int = 0) -> int | None:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         baseline = torch.cuda.memory_allocated(self.device)
@@ -176,6 +179,8 @@ class Worker:
         in_use = total - free
         utilization = self.config.cache_config.gpu_memory_utilization
         budget = total * utilization - in_use - activation_peak - reserved
+        if block_bytes == 0:  # profiled all the same: the other stages' profile runs need this one
+            return None
         num_blocks = int(budget // block_bytes)
         if num_blocks <= 0:
             raise ValueError(
@@ -228,6 +233,10 @@ class Worker:
         samples being the output rank's."""
         step = self.execute_model(scheduler_output)
         return step if self.rank == self.config.parallel_config.output_rank else None
+
+
+def _blocks_in(budget: int, block_bytes: int) -> int | None:
+    return None if block_bytes == 0 else max(budget, 0) // block_bytes
 
 
 def rank_device(config: EngineConfig, local_rank: int) -> torch.device:

@@ -243,6 +243,31 @@ def test_greedy_equals_hf(case_model: Callable, case: str, backend: str) -> None
     assert [o.outputs[0].token_ids for o in outputs] == expected[:num_prompts]
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_pipeline_stages_give_hfs_greedy_tokens(case_model: Callable, case: str) -> None:
+    """Every family over two pipeline stages (two gloo ranks, micro-batches in flight): HF's
+    greedy tokens, with chunked prefill and prefix caching, windows, MLA's latent cache, routers."""
+    model, prompts, expected = case_model(case)
+    llm = LLM(
+        model,
+        device="cpu",
+        pipeline_parallel_size=2,
+        async_scheduling=True,
+        swap_space=0.01,
+        max_model_len=512,
+        block_size=8,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=48,
+        max_num_seqs=4,
+        enable_prefix_caching=True,
+    )
+    try:
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_registry_and_layer_choices(make_tiny_model: Callable) -> None:
     assert get_model_class(["Phi3ForCausalLM"]) is LlamaForCausalLM
     assert get_model_class(["SmolLM3ForCausalLM"]) is LlamaForCausalLM

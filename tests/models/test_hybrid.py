@@ -153,6 +153,34 @@ def test_nemotron_h_greedy_matches_hf_through_preemption_and_slot_reuse(nemotron
     _assert_state_slots_free(llm)
 
 
+def num_state_layers(worker) -> int:
+    return len(worker.state_cache_spec.layer_shapes)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_two_pipeline_stages_match_hf(family: str, request: pytest.FixtureRequest) -> None:
+    """Each stage keeps the recurrent state of its own linear-attention layers and the KV of its
+    attention layers: HF's greedy tokens over chunked prefills, micro-batches in flight."""
+    path, prompts, expected = request.getfixturevalue(family)
+    llm, outputs = _generate(
+        path, prompts[:4], max_num_seqs=4, pipeline_parallel_size=2, async_scheduling=True
+    )
+    try:
+        assert outputs == expected[:4]
+        hf_config = llm.llm_engine.config.model_config.hf_config
+        kinds = getattr(hf_config, "layers_block_type", None) or hf_config.layer_types
+        half = -(-len(kinds) // 2)  # the first stage takes the odd layer
+        stages = (kinds[:half], kinds[half:])
+        executor = llm.llm_engine.executor
+        kv_layers = [spec.num_layers for spec in executor.collective_rpc("get_kv_cache_spec")]
+        assert kv_layers == [stage.count("full_attention") for stage in stages]
+        assert executor.collective_rpc(num_state_layers) == [
+            stage.count("linear_attention") for stage in stages
+        ]
+    finally:
+        llm.llm_engine.shutdown()
+
+
 def test_nemotron_h_moe_layers_are_refused() -> None:
     config = NemotronHConfig(**{**TINY_NEMOTRON_H, "layers_block_type": ["linear_attention", "moe"]})
     with pytest.raises(ValueError, match="layers_block_type 'moe'"):
