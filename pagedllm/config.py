@@ -433,7 +433,6 @@ class EngineConfig:
         pp = self.parallel_config.pipeline_parallel_size
         unsupported = {
             "speculative_config": (self.speculative_config, "the drafter runs beside the whole target"),
-            "lora_config": (self.lora_config, "adapters are placed on every layer of one rank"),
             "pooler_config": (self.pooler_config, "the pooler reads the last stage's hidden states"),
         }
         for field, (value, why) in unsupported.items():

@@ -43,6 +43,8 @@ class LoRAModelManager:
     """Args:
     model: the loaded model (its projections are replaced in place).
     max_num_tokens: most tokens in one forward pass.
+    layers: the decoder layers this rank holds (its pipeline stage's; None: all). An adapter's
+        weights for other layers are another stage's to load.
     """
 
     def __init__(
@@ -52,8 +54,10 @@ class LoRAModelManager:
         hf_config: PretrainedConfig,
         max_num_tokens: int,
         device: torch.device,
+        layers: range | None = None,
     ) -> None:
         self.lora_config = lora_config
+        self.layers = layers
         self.hf_config = hf_config
         targets = _find_projections(model)
         if not targets:
@@ -166,10 +170,17 @@ class LoRAModelManager:
         self._slot_of[lora_int_id] = slot
         return slot
 
+    def _on_other_stage(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` is another pipeline stage's."""
+        num_layers = self.hf_config.num_hidden_layers
+        return self.layers is not None and layer not in self.layers and 0 <= layer < num_layers
+
     def _slices_of(self, wrapper: LinearWithLoRA, weights: AdapterWeights) -> list[SliceWeights]:
         slices: list[SliceWeights] = [None] * wrapper.num_slices
         for (layer, module), ab in weights.weights.items():
             owner = self.slices.get((layer, module))
+            if owner is None and self._on_other_stage(layer):
+                continue
             if owner is None:
                 raise ValueError(f"the model has no {module} in layer {layer} for LoRA to adapt")
             if owner[0] is wrapper:

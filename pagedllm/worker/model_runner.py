@@ -16,6 +16,7 @@ from torch import nn
 from pagedllm.attention import bind_kv_caches, set_forward_context
 from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.config import EngineConfig
+from pagedllm.distributed import pipeline_stage_layers
 from pagedllm.lora.model_manager import LoRAModelManager
 from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.sampling_params import SamplingParams
@@ -204,12 +205,16 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.load_model(self.model)
         if config.lora_config is not None:
+            stage_layers = None
+            if isinstance(self.stage, PipelineStage):
+                stage_layers = pipeline_stage_layers(config.model_config.num_layers)
             self.lora_manager = LoRAModelManager(
                 self.model,
                 config.lora_config,
                 config.model_config.hf_config,
                 self.buffers.max_num_tokens,
                 self.device,
+                stage_layers,
             )
 
     # --- setup: memory profile and CUDA graphs ----------------------------------------------

@@ -1,6 +1,7 @@
 """LoRA at two tensor-parallel CPU ranks (gloo, the "mp" executor): A and B sharded with their
 projection (B's rows by head for q/k/v, a KV head replicated on both ranks; A's columns for o and
-down) give PEFT's merged model's greedy tokens, as one rank does."""
+down) give PEFT's merged model's greedy tokens, as one rank does; and at two pipeline stages, each
+loading the adapters' weights of its own layers."""
 
 from __future__ import annotations
 
@@ -18,10 +19,18 @@ CASES = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "case, sizes",
+    [
+        pytest.param(case, {"tensor_parallel_size": 2}, marks=pytest.mark.slow, id=f"tp2-{case}")
+        for case in CASES
+    ]
+    + [
+        pytest.param("gqa-split", {"pipeline_parallel_size": 2, "async_scheduling": True}, id="pp2-gqa-split")
+    ],
+)
 def test_two_ranks_with_adapters_give_peft_merged_tokens(
-    make_tiny_model, make_adapter, peft_merged, hf_greedy_tokens, make_prompts, case
+    make_tiny_model, make_adapter, peft_merged, hf_greedy_tokens, make_prompts, case, sizes
 ):
     hf_model, model_config = make_tiny_model(LlamaConfig, **CASES[case])
     loras = [
@@ -30,10 +39,8 @@ def test_two_ranks_with_adapters_give_peft_merged_tokens(
     ]
     choices = [loras[0], None, loras[1], loras[0]]
     prompts = make_prompts(len(choices), model_config.vocab_size, seed=11)
-    llm = LLM(
-        model_config.model, device="cpu", swap_space=0.01, tensor_parallel_size=2,
-        enable_lora=True, max_loras=2, max_lora_rank=8,
-    )  # fmt: skip
+    options = dict(device="cpu", swap_space=0.01, enable_lora=True, max_loras=2, max_lora_rank=8)
+    llm = LLM(model_config.model, **options, **sizes)
     outputs = llm.generate(
         prompt_token_ids=prompts, sampling_params=GREEDY, lora_request=choices, use_tqdm=False
     )
