@@ -317,6 +317,14 @@ class ParallelConfig:
             )
 
 
+def ranks_field(pipeline_parallel_size: int) -> str:
+    """The fields whose product is the rank count: tensor_parallel_size, times
+    pipeline_parallel_size when there are stages."""
+    if pipeline_parallel_size == 1:
+        return "tensor_parallel_size"
+    return "tensor_parallel_size x pipeline_parallel_size"
+
+
 def _intermediate_size(model_config: ModelConfig) -> int | None:
     return getattr(model_config.hf_config, "intermediate_size", None)
 
@@ -519,12 +527,9 @@ def _resolve_parallel_device(device: str | torch.device, parallel_config: Parall
     # With Ray the GPUs are the cluster's, which the Ray executor counts: this host may have none.
     if name == "cuda" and parallel_config.distributed_executor_backend != "ray":
         num_gpus = torch.cuda.device_count()
-        field = "tensor_parallel_size"
-        if parallel_config.pipeline_parallel_size > 1:
-            field = "tensor_parallel_size x pipeline_parallel_size"
         _require(
             world_size <= num_gpus,
-            field,
+            ranks_field(parallel_config.pipeline_parallel_size),
             f"<= the {num_gpus} visible CUDA devices (one rank per GPU; distributed_executor_backend='ray' "
             "spans hosts)",
             world_size,

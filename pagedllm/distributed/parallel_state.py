@@ -28,9 +28,12 @@ from pagedllm.distributed.symm_mem import SymmMemAllReduce, create_symm_mem_all_
 
 # This process's one-shot all-reduce, or None (NCCL or gloo does every all-reduce).
 _symm_mem_all_reduce: SymmMemAllReduce | None = None
-# The tensor-parallel layout: ranks per stage, this rank's stage and the stage count. The group
-# is None with one stage (the default group), else this stage's subgroup.
+# This rank's place in the layout, set when it joins the process group (every group is joined
+# through init_distributed_environment) and read by every collective, so that none asks
+# torch.distributed again: ranks per stage and its rank among them, its stage and the stage
+# count. The group is None with one stage (the default group), else this stage's subgroup.
 _tp_size = 1
+_tp_rank = 0
 _pp_rank = 0
 _pp_size = 1
 _tp_group: dist.ProcessGroup | None = None
@@ -38,10 +41,6 @@ _tp_group: dist.ProcessGroup | None = None
 # a stage can receive a step's samples after it sent the next step's activations (one group's
 # operations run in the order they were issued).
 _samples_group: dist.ProcessGroup | None = None
-
-
-def _is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def init_distributed_environment(
@@ -59,7 +58,7 @@ def init_distributed_environment(
     ``custom_all_reduce`` and one stage, small all-reduces take the one-shot kernel where the GPUs
     allow it.
     """
-    global _symm_mem_all_reduce, _tp_size, _pp_rank, _pp_size, _tp_group, _samples_group
+    global _symm_mem_all_reduce, _tp_size, _tp_rank, _pp_rank, _pp_size, _tp_group, _samples_group
     if world_size == 1 or dist.is_initialized():
         return
     tp = tensor_parallel_size or world_size
@@ -75,7 +74,7 @@ def init_distributed_environment(
         # NCCL binds the group to this rank's GPU now, not lazily on the first collective.
         device_id=device if device.type == "cuda" else None,
     )
-    _tp_size, _pp_rank, _pp_size = tp, rank // tp, world_size // tp
+    _tp_size, _tp_rank, _pp_rank, _pp_size = tp, rank % tp, rank // tp, world_size // tp
     if _pp_size > 1:
         # Every rank creates every stage's group, in the same order (torch.distributed's rule).
         for stage in range(_pp_size):
@@ -93,33 +92,27 @@ def uses_custom_all_reduce() -> bool:
 
 
 def destroy_distributed_environment() -> None:
-    global _symm_mem_all_reduce, _tp_size, _pp_rank, _pp_size, _tp_group, _samples_group
+    global _symm_mem_all_reduce, _tp_size, _tp_rank, _pp_rank, _pp_size, _tp_group, _samples_group
     _symm_mem_all_reduce = None
-    _tp_size, _pp_rank, _pp_size, _tp_group, _samples_group = 1, 0, 1, None, None
+    _tp_size, _tp_rank, _pp_rank, _pp_size, _tp_group, _samples_group = 1, 0, 0, 1, None, None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
-def _is_tensor_parallel() -> bool:
-    return _is_distributed() and get_tensor_model_parallel_world_size() > 1
-
-
 def get_tensor_model_parallel_world_size() -> int:
-    if not _is_distributed():
-        return 1
-    return _tp_size if _pp_size > 1 else dist.get_world_size()
+    return _tp_size
 
 
 def get_tensor_model_parallel_rank() -> int:
-    return dist.get_rank() % get_tensor_model_parallel_world_size() if _is_distributed() else 0
+    return _tp_rank
 
 
 def get_pipeline_model_parallel_world_size() -> int:
-    return _pp_size if _is_distributed() else 1
+    return _pp_size
 
 
 def get_pipeline_model_parallel_rank() -> int:
-    return _pp_rank if _is_distributed() else 0
+    return _pp_rank
 
 
 def is_first_pipeline_stage() -> bool:
@@ -160,7 +153,7 @@ def broadcast_from_last_stage(tensor: torch.Tensor) -> dist.Work | None:
     """Start filling ``tensor`` on every rank with what the last stage's first rank (the one that
     samples) holds in it; returns the operation to ``wait()`` on before reading ``tensor`` (None
     with one stage: nothing to do)."""
-    if get_pipeline_model_parallel_world_size() == 1:
+    if _pp_size == 1:
         return None
     return dist.broadcast(tensor, src=(_pp_size - 1) * _tp_size, group=_samples_group, async_op=True)
 
@@ -168,7 +161,7 @@ def broadcast_from_last_stage(tensor: torch.Tensor) -> dist.Work | None:
 def tensor_model_parallel_all_reduce(input_: torch.Tensor) -> torch.Tensor:
     """The sum of ``input_`` over the ranks: ``input_`` itself, summed in place (NCCL, gloo), or a
     new tensor (the one-shot kernel); use the returned tensor."""
-    if not _is_tensor_parallel():
+    if _tp_size == 1:
         return input_
     if _symm_mem_all_reduce is not None and _symm_mem_all_reduce.should_use(input_):
         return _symm_mem_all_reduce.all_reduce(input_)
@@ -178,7 +171,7 @@ def tensor_model_parallel_all_reduce(input_: torch.Tensor) -> torch.Tensor:
 
 def tensor_model_parallel_all_gather(input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's ``input_`` along ``dim``, in rank order."""
-    if not _is_tensor_parallel():
+    if _tp_size == 1:
         return input_
     chunks = [torch.empty_like(input_) for _ in range(get_tensor_model_parallel_world_size())]
     dist.all_gather(chunks, input_.contiguous(), group=_tp_group)
@@ -188,6 +181,6 @@ def tensor_model_parallel_all_gather(input_: torch.Tensor, dim: int = -1) -> tor
 def tensor_model_parallel_broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     """``tensor`` as tensor-parallel rank ``src`` of this stage holds it, on every rank of the
     stage (in place)."""
-    if _is_tensor_parallel():
-        dist.broadcast(tensor, src=dist.get_rank() - get_tensor_model_parallel_rank() + src, group=_tp_group)
+    if _tp_size > 1:
+        dist.broadcast(tensor, src=dist.get_rank() - _tp_rank + src, group=_tp_group)
     return tensor

@@ -39,7 +39,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, ranks_field
 from pagedllm.cpu_info import physical_cpu_cores
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_proc import (
@@ -101,9 +101,7 @@ def check_data_parallel(engine_args: EngineArgs) -> None:
     if device == "cuda" and num_visible == 0:
         raise ValueError("device='cuda' was asked for, but no CUDA device is visible")
     if num_visible and dp * tp > num_visible:
-        sizes = "tensor_parallel_size"
-        if engine_args.pipeline_parallel_size > 1:
-            sizes = "tensor_parallel_size x pipeline_parallel_size"
+        sizes = ranks_field(engine_args.pipeline_parallel_size)
         raise ValueError(
             f"data_parallel_size ({dp}) x {sizes} ({tp}) = {dp * tp} devices, but "
             f"{num_visible} CUDA devices are visible: data_parallel_size <= {max(num_visible // tp, 1)} "

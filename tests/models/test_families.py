@@ -223,22 +223,24 @@ def case_model(greedy_reference: Callable) -> Callable[[str], tuple[str, list, l
     return get
 
 
+# Chunked prompts (48-token steps) and prefix caching, as both greedy tests run every family.
+ENGINE_OPTIONS = dict(
+    device="cpu",
+    max_model_len=512,
+    block_size=8,
+    enable_chunked_prefill=True,
+    max_num_batched_tokens=48,
+    max_num_seqs=4,
+    enable_prefix_caching=True,
+)
+
+
 @pytest.mark.parametrize("case, backend", GREEDY_CASES)
 def test_greedy_equals_hf(case_model: Callable, case: str, backend: str) -> None:
     model, prompts, expected = case_model(case)
     # The Triton interpreter is slow: two prompts (the prefix-sharing pair) are its whole test.
     num_prompts = 2 if backend == "triton" else len(prompts)
-    llm = LLM(
-        model,
-        device="cpu",
-        attention_backend=backend,
-        max_model_len=512,
-        block_size=8,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=48,
-        max_num_seqs=4,
-        enable_prefix_caching=True,
-    )
+    llm = LLM(model, attention_backend=backend, **ENGINE_OPTIONS)
     outputs = llm.generate(prompt_token_ids=prompts[:num_prompts], sampling_params=GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected[:num_prompts]
 
@@ -248,19 +250,7 @@ def test_two_pipeline_stages_give_hfs_greedy_tokens(case_model: Callable, case: 
     """Every family over two pipeline stages (two gloo ranks, micro-batches in flight): HF's
     greedy tokens, with chunked prefill and prefix caching, windows, MLA's latent cache, routers."""
     model, prompts, expected = case_model(case)
-    llm = LLM(
-        model,
-        device="cpu",
-        pipeline_parallel_size=2,
-        async_scheduling=True,
-        swap_space=0.01,
-        max_model_len=512,
-        block_size=8,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=48,
-        max_num_seqs=4,
-        enable_prefix_caching=True,
-    )
+    llm = LLM(model, pipeline_parallel_size=2, async_scheduling=True, swap_space=0.01, **ENGINE_OPTIONS)
     try:
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == expected
