@@ -244,33 +244,46 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor and pipeline parallelism: ``pipeline_parallel_size`` stages, each a contiguous run
-    of the decoder's layers, each run by ``tensor_parallel_size`` ranks holding a Megatron-style
-    shard of its layers; one rank per device, ``world_size`` in all
-    (distributed/parallel_state.py lays them out). ``distributed_executor_backend`` runs them:
-    "uni" (one rank, in the engine's process), "mp" (one process per rank on this host) or "ray"
-    (one Ray actor per rank, on the nodes of a Ray cluster). ``disable_custom_all_reduce`` sends
-    every all-reduce through NCCL instead of the one-shot kernel for small messages on GPUs."""
+    """Tensor, context and pipeline parallelism: ``pipeline_parallel_size`` stages, each a
+    contiguous run of the decoder's layers, each run by ``tensor_parallel_size`` ranks holding a
+    Megatron-style shard of its layers; ``context_parallel_size`` such groups share every
+    sequence's KV cache, striped by token, and merge their attention (attention/context_parallel.py);
+    one rank per device, ``world_size`` in all (distributed/parallel_state.py lays them out).
+    ``distributed_executor_backend`` runs them: "uni" (one rank, in the engine's process), "mp"
+    (one process per rank on this host) or "ray" (one Ray actor per rank, on the nodes of a Ray
+    cluster). ``disable_custom_all_reduce`` sends every all-reduce through NCCL instead of the
+    one-shot kernel for small messages on GPUs."""
 
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "uni"
     disable_custom_all_reduce: bool = False
     pipeline_parallel_size: int = 1
+    context_parallel_size: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.tensor_parallel_size * self.context_parallel_size * self.pipeline_parallel_size
 
     @property
     def output_rank(self) -> int:
         """The rank whose samples the engine reads: the last stage's first."""
-        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size * self.context_parallel_size
+
+    def rank_layout(self, rank: int) -> tuple[int, int, int]:
+        """(pipeline stage, context-parallel rank, tensor-parallel rank) of global ``rank``: stages
+        outermost, tensor-parallel ranks innermost (distributed/parallel_state.py)."""
+        tp, cp = self.tensor_parallel_size, self.context_parallel_size
+        return rank // (tp * cp), rank // tp % cp, rank % tp
 
     def __post_init__(self) -> None:
-        tp = self.tensor_parallel_size
-        _require(isinstance(tp, int) and tp >= 1, "tensor_parallel_size", "an int >= 1", tp)
-        pp = self.pipeline_parallel_size
-        _require(isinstance(pp, int) and pp >= 1, "pipeline_parallel_size", "an int >= 1", pp)
+        sizes = {
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+            "context_parallel_size": self.context_parallel_size,
+        }
+        for field, size in sizes.items():
+            ok = isinstance(size, int) and not isinstance(size, bool) and size >= 1
+            _require(ok, field, "an int >= 1", size)
         backend = self.distributed_executor_backend
         _require(
             backend in DISTRIBUTED_EXECUTOR_BACKENDS,
@@ -285,17 +298,16 @@ class ParallelConfig:
             self.disable_custom_all_reduce,
         )
         if backend == "uni":
+            for field, size in sizes.items():
+                why = "1 with distributed_executor_backend='uni' ('mp' or 'ray' run more)"
+                _require(size == 1, field, why, size)
+        if self.context_parallel_size > 1:
             _require(
-                tp == 1,
-                "tensor_parallel_size",
-                "1 with distributed_executor_backend='uni' ('mp' or 'ray' run more)",
-                tp,
-            )
-            _require(
-                pp == 1,
+                self.pipeline_parallel_size == 1,
                 "pipeline_parallel_size",
-                "1 with distributed_executor_backend='uni' ('mp' or 'ray' run more)",
-                pp,
+                f"1 with context_parallel_size={self.context_parallel_size} (stages of context-parallel "
+                "groups are not supported yet)",
+                self.pipeline_parallel_size,
             )
 
     def check_model(self, model_config: ModelConfig) -> None:
@@ -317,12 +329,15 @@ class ParallelConfig:
             )
 
 
-def ranks_field(pipeline_parallel_size: int) -> str:
+def ranks_field(pipeline_parallel_size: int, context_parallel_size: int = 1) -> str:
     """The fields whose product is the rank count: tensor_parallel_size, times
-    pipeline_parallel_size when there are stages."""
-    if pipeline_parallel_size == 1:
-        return "tensor_parallel_size"
-    return "tensor_parallel_size x pipeline_parallel_size"
+    context_parallel_size and pipeline_parallel_size where they are above 1."""
+    fields = ["tensor_parallel_size"]
+    if context_parallel_size > 1:
+        fields.append("context_parallel_size")
+    if pipeline_parallel_size > 1:
+        fields.append("pipeline_parallel_size")
+    return " x ".join(fields)
 
 
 def _intermediate_size(model_config: ModelConfig) -> int | None:
@@ -387,6 +402,12 @@ class EngineConfig:
     # where the worker picks its kernels; engine/batch_invariant.py refuses what cannot follow.
     batch_invariant: bool = False
 
+    @property
+    def scheduler_block_size(self) -> int:
+        """Tokens per block as the scheduler counts them: with context parallelism a block id names
+        one ``block_size`` block on each of the ranks, which hold every P-th of its tokens."""
+        return self.cache_config.block_size * self.parallel_config.context_parallel_size
+
     def __post_init__(self) -> None:
         _require(
             self.attention_backend in ATTENTION_BACKENDS,
@@ -421,6 +442,8 @@ class EngineConfig:
                 )
         if self.parallel_config.pipeline_parallel_size > 1:
             self._check_pipeline_parallel()
+        if self.parallel_config.context_parallel_size > 1:
+            self._check_context_parallel()
         if self.pooler_config is not None:
             # The pooler reads every prompt token's hidden state: none may come from the cache.
             _require(
@@ -445,6 +468,28 @@ class EngineConfig:
         }
         for field, (value, why) in unsupported.items():
             _require(value is None, field, f"None with pipeline_parallel_size={pp} ({why})", value)
+
+    def _check_context_parallel(self) -> None:
+        """What a KV cache striped over context-parallel ranks cannot hold, refused before anything
+        loads: state that is not per token, and attention that is not one softmax over keys."""
+        cp = self.parallel_config.context_parallel_size
+        model = self.model_config
+        kind = "recurrent state" if model.has_recurrent_state else "latent attention (MLA)"
+        refused = [
+            ("speculative_config", self.speculative_config, self.speculative_config is None,
+             "drafts are not split over the ranks"),
+            ("model", model.model, not (model.has_recurrent_state or model.is_mla),
+             f"its {kind} is not split by token"),
+            ("attention_sinks", model.attention_sinks, model.attention_sinks == 0,
+             "the kept sinks are not striped"),
+            ("attention_backend", self.attention_backend,
+             self.attention_backend in ("auto", "torch", "triton"),
+             "the 'torch' and 'triton' backends attend over a striped cache"),
+            ("pooler_config", self.pooler_config, self.pooler_config is None, "pooling models are not split"),
+        ]  # fmt: skip
+        for field, value, ok, why in refused:
+            if not ok:
+                raise ValueError(f"{field}={value!r} is not supported with context_parallel_size={cp}: {why}")
 
     def _check_fp8_kv_cache(self) -> None:
         """What an FP8 KV cache cannot run with, refused before anything loads (the attention
@@ -529,7 +574,7 @@ def _resolve_parallel_device(device: str | torch.device, parallel_config: Parall
         num_gpus = torch.cuda.device_count()
         _require(
             world_size <= num_gpus,
-            ranks_field(parallel_config.pipeline_parallel_size),
+            ranks_field(parallel_config.pipeline_parallel_size, parallel_config.context_parallel_size),
             f"<= the {num_gpus} visible CUDA devices (one rank per GPU; distributed_executor_backend='ray' "
             "spans hosts)",
             world_size,

@@ -130,7 +130,7 @@ def _check_lengths(
         return  # the engine checked at start that one full-length sequence fits the cache
     # No sequence holds more blocks than one of max_model_len tokens (with sinks, far fewer).
     max_len = min(num_prompt_tokens + (params.max_tokens or max_model_len), max_model_len)
-    block_size = config.cache_config.block_size
+    block_size = config.scheduler_block_size
     # The prompt's full blocks are shared by every sequence; each holds its own blocks after them.
     num_shared = num_prompt_tokens // block_size
     num_blocks = num_shared + params.best_of * (-(-max_len // block_size) - num_shared)

@@ -18,7 +18,10 @@ import torch
 from torch import nn
 
 from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
+from pagedllm.attention.context_parallel import merge_across_ranks
 from pagedllm.attention.forward_context import get_forward_context
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.distributed import get_context_parallel_rank, get_context_parallel_world_size
 
 # The layers the op dispatches to, by ``Attention.layer_id`` (weak: models come and go).
 _LAYERS: weakref.WeakValueDictionary[int, Attention] = weakref.WeakValueDictionary()
@@ -43,10 +46,10 @@ def _attention_op(
     sink_query: torch.Tensor | None,
     layer_id: int,
 ) -> torch.Tensor:
-    impl = _LAYERS[layer_id].impl
+    layer = _LAYERS[layer_id]
     attn_metadata = get_forward_context().attn_metadata
     # Query and key come rotated (see Attention.forward): no positions.
-    return impl.forward(query, key, value, (key_cache, value_cache), attn_metadata, sink_query=sink_query)
+    return layer.attend(query, key, value, (key_cache, value_cache), attn_metadata, sink_query, None)
 
 
 _lib.impl("attention", _attention_op, "CPU")
@@ -107,7 +110,13 @@ class Attention(AttentionLayerBase):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
+        cp = get_context_parallel_world_size()
+        if cp > 1:
+            _check_context_parallel(backend, cp, variants)
+            variants.update(cp_rank=get_context_parallel_rank(), cp_world_size=cp)
         self.impl = backend(num_heads, head_size, scale, num_kv_heads, **variants)
+        # Chosen once: over the whole cache, or over this rank's stripe and merged across ranks.
+        self.attend = self._attend_striped if cp > 1 else self._attend_whole
         self.layer_id = next(_layer_ids)
         _LAYERS[self.layer_id] = self
 
@@ -140,7 +149,48 @@ class Attention(AttentionLayerBase):
             )
         else:
             attn_metadata = get_forward_context().attn_metadata
-            output = self.impl.forward(
-                query, key, value, self.kv_cache, attn_metadata, sink_query=sink_query, positions=positions
-            )
+            output = self.attend(query, key, value, self.kv_cache, attn_metadata, sink_query, positions)
         return output.view(num_tokens, self.num_heads * self.head_size)
+
+    def _attend_whole(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+        sink_query: torch.Tensor | None,
+        positions: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return self.impl.forward(
+            query, key, value, kv_cache, attn_metadata, sink_query=sink_query, positions=positions
+        )
+
+    def _attend_striped(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+        sink_query: torch.Tensor | None,
+        positions: torch.Tensor | None,
+    ) -> torch.Tensor:
+        out, lse = self.impl.forward_partial(
+            query, key, value, kv_cache, attn_metadata, sink_query=sink_query, positions=positions
+        )
+        return merge_across_ranks(out, lse)
+
+
+def _check_context_parallel(backend: type[AttentionBackend], cp: int, variants: dict[str, Any]) -> None:
+    """Refuse, at construction, a layer context parallelism cannot split."""
+    if not backend.supports_context_parallel:
+        raise ValueError(
+            f"context_parallel_size={cp} needs an attention backend that reads a striped cache "
+            f"('torch' or 'triton'), got {backend.name!r}"
+        )
+    if variants.get("sinks") is not None or variants.get("attention_sinks"):
+        raise ValueError(
+            f"context_parallel_size={cp} does not support attention sinks (learned or kept): the sink "
+            "term belongs to no rank's stripe"
+        )

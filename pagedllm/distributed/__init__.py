@@ -1,6 +1,9 @@
 from pagedllm.distributed.parallel_state import (
     broadcast_from_last_stage,
+    context_parallel_all_gather,
     destroy_distributed_environment,
+    get_context_parallel_rank,
+    get_context_parallel_world_size,
     get_pipeline_model_parallel_rank,
     get_pipeline_model_parallel_world_size,
     get_tensor_model_parallel_rank,
@@ -19,7 +22,10 @@ from pagedllm.distributed.parallel_state import (
 
 __all__ = [
     "broadcast_from_last_stage",
+    "context_parallel_all_gather",
     "destroy_distributed_environment",
+    "get_context_parallel_rank",
+    "get_context_parallel_world_size",
     "get_pipeline_model_parallel_rank",
     "get_pipeline_model_parallel_world_size",
     "get_tensor_model_parallel_rank",

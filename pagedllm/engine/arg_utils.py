@@ -111,6 +111,14 @@ class EngineArgs:
             "tensor_parallel_size devices of its own (tensor_parallel_size x pipeline_parallel_size ranks)"
         },
     )
+    context_parallel_size: int = dataclasses.field(
+        default=1,
+        metadata={
+            "help": "ranks sharing each sequence's KV cache, striped by token, for contexts one device "
+            "cannot hold or attend fast enough; each such rank holds a tensor_parallel_size shard of the "
+            "weights (tensor_parallel_size x context_parallel_size ranks)"
+        },
+    )
     data_parallel_size: int = dataclasses.field(
         default=1,
         metadata={
@@ -238,13 +246,14 @@ class EngineArgs:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.task is not None and self.task not in TASKS:
             raise ValueError(f"task must be one of {list(TASKS)} (or use runner=), got {self.task!r}")
-        world_size = self.tensor_parallel_size * self.pipeline_parallel_size
+        world_size = self.tensor_parallel_size * self.context_parallel_size * self.pipeline_parallel_size
         parallel_config = ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend
             or ("uni" if world_size == 1 else "mp"),
             disable_custom_all_reduce=self.disable_custom_all_reduce,
             pipeline_parallel_size=self.pipeline_parallel_size,
+            context_parallel_size=self.context_parallel_size,
         )
         device = resolve_device(self.device, parallel_config)
         model_path, gguf_file = resolve_model_path(self.model)

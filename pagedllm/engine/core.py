@@ -131,7 +131,7 @@ class EngineCore:
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         self.scheduler = Scheduler(
             config.scheduler_config,
-            config.cache_config.block_size,
+            config.scheduler_block_size,
             num_gpu_blocks,
             num_cpu_blocks,
             enable_prefix_caching=config.cache_config.enable_prefix_caching,
@@ -158,7 +158,7 @@ class EngineCore:
         self._dead_reason: str | None = None
 
     def _check_cache_fits(self, num_gpu_blocks: int) -> None:
-        block_size = self.config.cache_config.block_size
+        block_size = self.config.scheduler_block_size
         max_model_len = self.config.model_config.max_model_len
         if num_gpu_blocks * block_size < max_model_len:
             raise ValueError(
@@ -177,7 +177,7 @@ class EngineCore:
             self.scheduler.new_req_id(),
             request.prompt_token_ids,
             params,
-            self.config.cache_config.block_size,
+            self.config.scheduler_block_size,
             request.arrival_time,
             request.request_id,
             request.eos_token_ids,

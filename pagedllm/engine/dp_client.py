@@ -101,7 +101,7 @@ def check_data_parallel(engine_args: EngineArgs) -> None:
     if device == "cuda" and num_visible == 0:
         raise ValueError("device='cuda' was asked for, but no CUDA device is visible")
     if num_visible and dp * tp > num_visible:
-        sizes = ranks_field(engine_args.pipeline_parallel_size)
+        sizes = ranks_field(engine_args.pipeline_parallel_size, engine_args.context_parallel_size)
         raise ValueError(
             f"data_parallel_size ({dp}) x {sizes} ({tp}) = {dp * tp} devices, but "
             f"{num_visible} CUDA devices are visible: data_parallel_size <= {max(num_visible // tp, 1)} "
@@ -110,8 +110,9 @@ def check_data_parallel(engine_args: EngineArgs) -> None:
 
 
 def replica_size(engine_args: EngineArgs) -> int:
-    """The ranks (devices) of one replica: tensor_parallel_size x pipeline_parallel_size."""
-    return engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
+    """The ranks (devices) of one replica: tensor x context x pipeline parallel sizes."""
+    args = engine_args
+    return args.tensor_parallel_size * args.context_parallel_size * args.pipeline_parallel_size
 
 
 def visible_cuda_devices() -> list[str]:
@@ -203,9 +204,10 @@ class DataParallelCore:
         self.num_gpu_blocks = min(core.num_gpu_blocks for core in cores)
         self.engine_stats: list[EngineStats] = [core.initial_stats for core in cores]
         self.initial_stats = sum_engine_stats(self.engine_stats)
-        cache_config = self.config.cache_config
         self.router = DataParallelRouter(
-            len(cores), cache_config.block_size, prefix_affinity=cache_config.enable_prefix_caching
+            len(cores),
+            self.config.scheduler_block_size,
+            prefix_affinity=self.config.cache_config.enable_prefix_caching,
         )
         self._last_heard = [time.monotonic()] * len(cores)
 

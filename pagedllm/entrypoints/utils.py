@@ -26,13 +26,21 @@ def engine_summary(config: EngineConfig, num_gpu_blocks: int, load_seconds: floa
         device_text += f" x {parallel_config.world_size} ranks"
         if parallel_config.pipeline_parallel_size > 1:
             device_text += f" ({parallel_config.pipeline_parallel_size} pipeline stages)"
-    attention = get_attn_backend(config.attention_backend, device, config.batch_invariant).name
+        if parallel_config.context_parallel_size > 1:
+            cp = parallel_config.context_parallel_size
+            device_text += f" (KV striped over {cp} context-parallel ranks)"
+    attention = get_attn_backend(
+        config.attention_backend,
+        device,
+        config.batch_invariant,
+        context_parallel=config.parallel_config.context_parallel_size > 1,
+    ).name
     quantized = model_config.gguf_file is not None and keeps_gguf_quantized(
         model_config.quantization, True, device, model_config.dtype
     )
     quant_config = resolve_quantization(model_config)
     quantization = "gguf" if quantized else quant_config.name if quant_config is not None else "none"
-    block_size = config.cache_config.block_size
+    block_size = config.scheduler_block_size
     dtype = str(model_config.dtype).removeprefix("torch.")
     model = os.path.basename(os.path.normpath(model_config.model))  # its path is the one given
     return (

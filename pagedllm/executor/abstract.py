@@ -29,7 +29,7 @@ WorkerCall = str | Callable[..., Any]
 
 
 class Executor:
-    """Runs ``world_size`` workers (tensor_parallel_size x pipeline_parallel_size) and talks to
+    """Runs ``world_size`` workers (tensor x context x pipeline parallel sizes) and talks to
     them; subclasses choose where they run.
 
     Construction starts the workers, joins their process group and loads the model's shards.

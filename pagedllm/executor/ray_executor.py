@@ -170,8 +170,9 @@ def _import_ray() -> Any:
 
 def _sizes(parallel_config: ParallelConfig) -> str:
     text = f"tensor_parallel_size={parallel_config.tensor_parallel_size}"
-    if parallel_config.pipeline_parallel_size > 1:
-        text += f" x pipeline_parallel_size={parallel_config.pipeline_parallel_size}"
+    for name in ("context_parallel_size", "pipeline_parallel_size"):
+        if getattr(parallel_config, name) > 1:
+            text += f" x {name}={getattr(parallel_config, name)}"
     return text
 
 
@@ -180,7 +181,8 @@ def _check_cluster_size(ray: Any, parallel_config: ParallelConfig, device: str) 
     num_devices = int(ray.cluster_resources().get(device, 0))
     world_size = parallel_config.world_size
     if num_devices < world_size:
-        lower = "tensor_parallel_size" if parallel_config.pipeline_parallel_size == 1 else "the sizes"
+        alone = parallel_config.world_size == parallel_config.tensor_parallel_size
+        lower = "tensor_parallel_size" if alone else "the sizes"
         raise ValueError(
             f"{_sizes(parallel_config)} needs {world_size} {device}s in the Ray cluster (one per rank), "
             f"and it has {num_devices}: add nodes (ray start --address=...) or lower {lower}"

@@ -119,21 +119,26 @@ class ModelRunner:
         self.config = config
         self.device = config.device_config.device
         self.block_size = config.cache_config.block_size
+        parallel_config = config.parallel_config
+        stage, cp_rank, tp_rank = parallel_config.rank_layout(rank)
+        # This rank's share of every sequence's cache (context parallelism: every cp_size-th token,
+        # worker/step_inputs.py), and the tokens of one of the scheduler's blocks.
+        self.stripe = (cp_rank, parallel_config.context_parallel_size)
+        self.tokens_per_block = self.block_size * parallel_config.context_parallel_size
         self.attn_backend = attn_backend
         self.model: nn.Module | None = None
         self.sampler = Sampler(self.device, batch_invariant=config.batch_invariant)
         scheduler_config = config.scheduler_config
         self.max_model_len = config.model_config.max_model_len
-        parallel_config = config.parallel_config
         # This rank's part of each forward pass (worker/pipeline.py). Pipeline stages run eagerly:
         # a captured graph would need the stage boundary's buffers as its inputs and outputs.
         self.stage: WholeModel | PipelineStage = WholeModel()
         if parallel_config.pipeline_parallel_size > 1:
             model_config = config.model_config
             self.stage = PipelineStage(
-                rank // parallel_config.tensor_parallel_size,
+                stage,
                 parallel_config.pipeline_parallel_size,
-                rank % parallel_config.tensor_parallel_size,
+                tp_rank,
                 model_config.hidden_size,
                 model_config.dtype,
                 self.device,
@@ -158,7 +163,7 @@ class ModelRunner:
         self.capture_sizes = (
             graph_capture_sizes(max_num_seqs, max_num_attn_seqs) if self.use_cuda_graphs else []
         )
-        max_blocks_per_req = -(-self.max_model_len // self.block_size)
+        max_blocks_per_req = -(-self.max_model_len // self.tokens_per_block)
         self.buffers = InputBuffers(
             max_num_tokens=max([scheduler_config.max_num_batched_tokens, *self.capture_sizes]),
             max_num_seqs=max_num_attn_seqs,
@@ -171,11 +176,10 @@ class ModelRunner:
         self.input_batch = InputBatch(
             2 * scheduler_config.max_num_seqs, max_blocks_per_req, config.model_config.vocab_size, self.device
         )
-        tp_size = parallel_config.tensor_parallel_size
         grammars = grammar_constraint(
             config.model_config,
-            rank % tp_size,
-            tp_size,
+            tp_rank,
+            parallel_config.tensor_parallel_size,
             fill_ahead=self.device.type == "cuda",
             samples=self.stage.is_last,
         )
@@ -232,7 +236,7 @@ class ModelRunner:
         out = SchedulerOutput()
         for i in range(num_reqs):
             prompt_len = min(num_tokens // num_reqs + (i < num_tokens % num_reqs), self.max_model_len)
-            num_blocks = -(-prompt_len // self.block_size)
+            num_blocks = -(-prompt_len // self.tokens_per_block)
             out.scheduled_new_reqs.append(
                 NewRequestData(i, None, [0] * prompt_len, [], params, [0] * num_blocks, 0, 1, [], 0)
             )
@@ -288,7 +292,7 @@ class ModelRunner:
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInput:
         """The step's flattened batch, decodes first, in the input buffers (worker/step_inputs.py)."""
         plan = self.plan_inputs(scheduler_output)
-        return stage_model_input(plan, self.input_batch, self.buffers, self.block_size, self.has_state)
+        return stage_model_input(plan, self.input_batch, self.buffers, self.tokens_per_block, self.has_state)
 
     def plan_inputs(self, scheduler_output: SchedulerOutput) -> StepPlan:
         """The step's flattened batch on the host (and the adapters' rows, with LoRA)."""
@@ -300,6 +304,7 @@ class ModelRunner:
             self.graph_runner,
             scheduler_output.scheduled_spec_decode_tokens,
             self.expand_verify,
+            self.stripe,
         )
         if self.lora_manager is not None:
             # Per attention sequence: an expanded request's adapter on each of its tokens.

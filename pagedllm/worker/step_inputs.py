@@ -20,7 +20,8 @@ function of per-request arrays, tested on its own (tests/worker/test_step_inputs
 - ``token_positions``: each token's position and its request's index in the step;
 - ``compute_slot_mapping``: the cache slot each token writes. Behind a sliding window a request's
   table has lost the blocks of its first ``num_dropped`` tokens, so attention reads cache
-  positions (position - num_dropped) while the rotary embedding takes the positions themselves;
+  positions (position - num_dropped) while the rotary embedding takes the positions themselves.
+  With context parallelism a rank writes only its stripe of the positions (every P-th);
 - ``host_input_ids``: the tokens the host has; a decoding request's newest sample was drawn on the
   device and never came back, so its input is read from ``InputBatch.last_token_ids`` there;
 - ``sample_rows``, ``verify_rows``, ``prompt_logprob_rows``: which hidden-state rows the step
@@ -213,15 +214,25 @@ def token_positions(
     return positions, req_index
 
 
-def compute_slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+def compute_slot_mapping(
+    block_table: np.ndarray, positions: np.ndarray, block_size: int, stripe: tuple[int, int] = (0, 1)
+) -> np.ndarray:
     """Cache slot of each position: block_table[pos // block_size] * block_size + pos % block_size.
-    block_table: [num_tokens, width] (each token's request's row) or [width] (one request)."""
+    block_table: [num_tokens, width] (each token's request's row) or [width] (one request).
+
+    ``stripe = (r, P)``: context parallelism over P ranks, this one r, whose cache holds the
+    positions ``pos % P == r`` at local index ``pos // P`` (a block of the scheduler's, block_size
+    x P positions, is one block_size block on every rank); the other positions get -1, written
+    by another rank."""
+    rank, size = stripe
+    local = positions // size
     blocks = (
-        np.take_along_axis(block_table, (positions // block_size)[:, None], axis=-1)[:, 0]
+        np.take_along_axis(block_table, (local // block_size)[:, None], axis=-1)[:, 0]
         if (block_table.ndim == 2)
-        else block_table[positions // block_size]
+        else block_table[local // block_size]
     )
-    return blocks.astype(np.int64) * block_size + positions % block_size
+    slots = blocks.astype(np.int64) * block_size + local % block_size
+    return slots if size == 1 else np.where(positions % size == rank, slots, -1)
 
 
 def host_input_ids(
@@ -366,11 +377,13 @@ def plan_step(
     graph_runner: CudaGraphRunner | None,
     drafts: dict[int, list[int]] | None = None,
     expand_verify: bool = False,
+    stripe: tuple[int, int] = (0, 1),
 ) -> StepPlan:
     """The step's inputs on the host, from the persistent batch (already updated for the step),
     the tokens scheduled per request and the drafts among them (speculative decoding);
     ``expand_verify`` (chosen once by the runner): requests verifying drafts go to attention as
-    decodes, one per token (``expand_decodes``)."""
+    decodes, one per token (``expand_decodes``); ``stripe``: this rank's share of the cache under
+    context parallelism (``compute_slot_mapping``)."""
     req_ids = list(num_scheduled_tokens)
     query_lens = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
     rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
@@ -391,7 +404,7 @@ def plan_step(
     positions, req_index = token_positions(starts, query_lens, query_start_loc)
     # Attention writes and reads cache positions; the rotary embedding takes the positions.
     slot_mapping = compute_slot_mapping(
-        batch.block_table[rows[req_index]], positions - num_dropped[req_index], block_size
+        batch.block_table[rows[req_index]], positions - num_dropped[req_index], block_size, stripe
     )
     input_ids, device_input_index, device_input_rows = host_input_ids(
         batch.host_token_ids, rows, starts, batch.num_host_tokens[rows], query_start_loc, num_drafts
@@ -467,7 +480,7 @@ def stage_block_tables(
 
 
 def stage_model_input(
-    plan: StepPlan, batch: InputBatch, buffers: InputBuffers, block_size: int, has_state: bool = False
+    plan: StepPlan, batch: InputBatch, buffers: InputBuffers, tokens_per_block: int, has_state: bool = False
 ) -> ModelInput:
     """The plan in device tensors: each array copied into its buffer (padded to the graph's batch
     size with tokens that write nothing, slot -1, and attend to one, seq_len 1; with
@@ -489,7 +502,7 @@ def stage_model_input(
         query_start_loc=put("query_start_loc", plan.query_start_loc),
         seq_lens=put("seq_lens", seq_lens, pad_to, 1),
         block_tables=stage_block_tables(
-            batch, buffers, plan.seq_rows, block_table_width(max_seq_len, block_size), pad_to
+            batch, buffers, plan.seq_rows, block_table_width(max_seq_len, tokens_per_block), pad_to
         ),
         max_query_len=plan.max_query_len,
         max_seq_len=max_seq_len,

@@ -49,7 +49,12 @@ class Worker:
             config, device_config=dataclasses.replace(config.device_config, device=self.device)
         )
         model_config, cache_config = config.model_config, config.cache_config
-        self.attn_backend = get_attn_backend(config.attention_backend, self.device, config.batch_invariant)
+        self.attn_backend = get_attn_backend(
+            config.attention_backend,
+            self.device,
+            config.batch_invariant,
+            context_parallel=config.parallel_config.context_parallel_size > 1,
+        )
         self.attn_backend.check_supported(
             model_config.head_size, cache_config.block_size, model_config.dtype, self.device
         )
@@ -59,7 +64,7 @@ class Worker:
         # This rank's pipeline stage's layers (all of them with one stage).
         stage = pipeline_stage_layers(
             model_config.num_layers,
-            rank // parallel_config.tensor_parallel_size,
+            parallel_config.rank_layout(rank)[0],
             parallel_config.pipeline_parallel_size,
         )
         self.state_cache_spec = state_cache_spec(config, stage)
@@ -94,6 +99,7 @@ class Worker:
                 self.device,
                 custom_all_reduce=not parallel_config.disable_custom_all_reduce,
                 tensor_parallel_size=parallel_config.tensor_parallel_size,
+                context_parallel_size=parallel_config.context_parallel_size,
             )
         # The same seed on every rank: ranks sample the same tokens from the same gathered logits.
         torch.manual_seed(self.config.model_config.seed)

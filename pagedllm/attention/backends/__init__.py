@@ -9,14 +9,15 @@ from pagedllm.platform import platform_for
 
 
 def get_attn_backend(
-    name: str, device: torch.device, batch_invariant: bool = False
+    name: str, device: torch.device, batch_invariant: bool = False, context_parallel: bool = False
 ) -> type[AttentionBackend]:
     """The backend class for ``name``. 'auto' is the Triton kernels on a GPU and the vectorised
-    CPU backend on the CPU (each measured fastest there: benchmarks/RESULTS.md). With
-    ``batch_invariant``, Triton's is its one-kernel invariant variant (the CPU's is invariant as
-    it is; engine/batch_invariant.py refuses the others on CUDA)."""
+    CPU backend on the CPU (each measured fastest there: benchmarks/RESULTS.md), or the torch
+    backend on the CPU with ``context_parallel`` (a striped cache, which the CPU kernels do not
+    read). With ``batch_invariant``, Triton's is its one-kernel invariant variant (the CPU's is
+    invariant as it is; engine/batch_invariant.py refuses the others on CUDA)."""
     if name == "auto":
-        name = "triton" if platform_for(device).is_cuda() else "cpu"
+        name = "triton" if platform_for(device).is_cuda() else "torch" if context_parallel else "cpu"
     if name == "triton" and batch_invariant:
         from pagedllm.attention.backends.triton_invariant_backend import TritonInvariantAttentionBackend
 

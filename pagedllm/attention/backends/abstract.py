@@ -35,6 +35,8 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: ClassVar[bool] = False
     # Whether the kernels read a float8_e4m3fn cache (kv_cache_dtype="fp8", attention/kv_quant.py).
     supports_fp8_kv_cache: ClassVar[bool] = False
+    # Whether forward_partial attends over a cache striped over context-parallel ranks.
+    supports_context_parallel: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -49,6 +51,8 @@ class AttentionBackend(ABC):
         attention_sinks: int = 0,
         rotary: Rotary | None = None,
         sinks: torch.Tensor | None = None,
+        cp_rank: int = 0,
+        cp_world_size: int = 1,
     ) -> None:
         """Per-layer attention variants (None, or 0 for attention_sinks: off):
 
@@ -75,6 +79,8 @@ class AttentionBackend(ABC):
         rotary: the rotary embedding (neox style) that turns ``forward``'s query and key to their
             ``positions``. The backend applies it, or fuses it into its cache write where its
             kernels can (Triton's), so that models call every backend alike.
+        cp_rank, cp_world_size: context parallelism (``forward_partial``): this rank's cache
+            holds the tokens at positions ``t % cp_world_size == cp_rank`` of every sequence.
         """
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
@@ -102,6 +108,8 @@ class AttentionBackend(ABC):
         self.attention_sinks = attention_sinks
         self.sinks = sinks
         self.rotary = rotary
+        self.cp_rank = cp_rank
+        self.cp_world_size = cp_world_size
         # The FP8 cache's per-tensor scales (attention/kv_quant.py): float32 device scalars, 1.0
         # unless the checkpoint has them (filled in place by models/kv_scales.py, so a captured
         # CUDA graph reads the loaded values); unread with a cache in the model dtype.
@@ -142,6 +150,29 @@ class AttentionBackend(ABC):
         (``_check_sink_query``). positions: [num_tokens] int64, the tokens' positions: the
         layer's ``rotary`` turns query and key (they come unrotated) to them; None where query and
         key come rotated already (``rotate``), or without a rotary embedding."""
+
+    def forward_partial(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+        sink_query: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context parallelism, for backends that ``supports_context_parallel``: this rank holds
+        the keys at positions ``j * cp_world_size + cp_rank`` (its cache's local index ``j`` of the
+        sequence) and gets every query of the step. Writes the step's K/V as ``forward`` does
+        (``slot_mapping`` is -1 where another rank stores the token), then attends every query to
+        the keys it sees here. The metadata stays global: ``seq_lens`` are whole contexts, and
+        a sequence's local key count is ``ceil((seq_len - cp_rank) / cp_world_size)``.
+
+        Returns (out [num_tokens, num_heads, head_size] in the query dtype, lse [num_tokens,
+        num_heads] float32): the softmax-weighted values over this rank's visible keys, and the
+        natural log of that softmax's denominator; -inf, with out 0, where a query sees no key
+        here. ``attention/context_parallel.py`` merges the ranks' partials."""
+        raise NotImplementedError(f"the {self.name!r} attention backend does not read a striped cache")
 
     def rotate(
         self, positions: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor

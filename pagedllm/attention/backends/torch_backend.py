@@ -67,6 +67,7 @@ def gather_context(
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     supports_fp8_kv_cache = True
+    supports_context_parallel = True
 
     @staticmethod
     def get_kv_cache_shape(
@@ -91,6 +92,35 @@ class TorchAttentionBackend(AttentionBackend):
         sink_query: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        return self._forward(query, key, value, kv_cache, attn_metadata, sink_query, positions, None)
+
+    def forward_partial(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+        sink_query: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        lse = query.new_empty(query.shape[:2], dtype=torch.float32)
+        out = self._forward(query, key, value, kv_cache, attn_metadata, sink_query, positions, lse)
+        return out, lse
+
+    def _forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+        sink_query: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        lse: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """forward, and with ``lse`` ([num_tokens, num_heads] float32) forward_partial: each
+        query's log-sum-exp written into it."""
         sink_query = self._check_sink_query(query, sink_query) if self.attention_sinks else None
         query, key = self.rotate(positions, query, key)
         key_cache, value_cache = kv_cache
@@ -106,6 +136,7 @@ class TorchAttentionBackend(AttentionBackend):
                 key_cache,
                 value_cache,
                 attn_metadata,
+                None if lse is None else lse[:num_decodes],
             )
         query_start_loc = attn_metadata.query_start_loc_cpu.tolist()
         seq_lens = attn_metadata.seq_lens_cpu.tolist()
@@ -118,8 +149,22 @@ class TorchAttentionBackend(AttentionBackend):
                 value_cache,
                 attn_metadata.block_tables[i],
                 seq_lens[i],
+                None if lse is None else lse[start:end],
             )
         return output
+
+    def _local_len(self, seq_len: torch.Tensor | int) -> torch.Tensor | int:
+        """The keys of a context of ``seq_len`` tokens this rank's cache holds (all of them
+        without context parallelism)."""
+        size, rank = self.cp_world_size, self.cp_rank
+        if size == 1:
+            return seq_len
+        local = (seq_len - rank + size - 1) // size
+        return local.clamp_min(0) if isinstance(local, torch.Tensor) else max(local, 0)
+
+    def _key_positions(self, num_keys: int, device: torch.device) -> torch.Tensor:
+        """The context positions of this rank's first ``num_keys`` cached keys."""
+        return torch.arange(num_keys, device=device) * self.cp_world_size + self.cp_rank
 
     def _decode(
         self,
@@ -128,23 +173,24 @@ class TorchAttentionBackend(AttentionBackend):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         md: AttentionMetadata,
+        lse: torch.Tensor | None,
     ) -> torch.Tensor:
         """query (and sink_query, None without sinks): [num_decodes, num_heads, head_size], one
         token per sequence."""
         num_decodes = query.shape[0]
         block_size = key_cache.shape[1]
         seq_lens = md.seq_lens[:num_decodes].long()
-        max_len = int(md.seq_lens_cpu[:num_decodes].max())
-        num_blocks = (max_len + block_size - 1) // block_size
+        max_len = int(self._local_len(md.seq_lens_cpu[:num_decodes].max()))
+        num_blocks = max((max_len + block_size - 1) // block_size, 1)
         block_tables = md.block_tables[:num_decodes, :num_blocks].long()
         # [num_decodes, num_blocks * block_size, num_kv_heads, head_size]
         keys = load_kv(key_cache, block_tables, self.k_scale).flatten(1, 2)
         values = load_kv(value_cache, block_tables, self.v_scale).flatten(1, 2)
-        k_pos = torch.arange(keys.shape[1], device=query.device)
+        k_pos = self._key_positions(keys.shape[1], query.device)
         q_pos = (seq_lens - 1)[:, None]  # [num_decodes, 1]: each query is its context's last token
-        valid = k_pos[None, :] < seq_lens[:, None]
+        valid = torch.arange(keys.shape[1], device=query.device)[None, :] < self._local_len(seq_lens)[:, None]
         sinks = None if sink_query is None else sink_query[:, None]
-        out = self._attend(query[:, None], sinks, keys, values, q_pos, k_pos, valid)
+        out = self._attend(query[:, None], sinks, keys, values, q_pos, k_pos, valid, lse)
         return out[:, 0]
 
     def _prefill(
@@ -155,17 +201,19 @@ class TorchAttentionBackend(AttentionBackend):
         value_cache: torch.Tensor,
         block_table: torch.Tensor,
         seq_len: int,
+        lse: torch.Tensor | None,
     ) -> torch.Tensor:
         """query: [query_len, num_heads, head_size], the last query_len positions of the context."""
         query_len = query.shape[0]
-        keys = gather_context(key_cache, block_table, seq_len, self.k_scale)[None]
-        values = gather_context(value_cache, block_table, seq_len, self.v_scale)[None]
+        num_keys = self._local_len(seq_len)
+        keys = gather_context(key_cache, block_table, num_keys, self.k_scale)[None]
+        values = gather_context(value_cache, block_table, num_keys, self.v_scale)[None]
         # Query i sits at position seq_len - query_len + i.
         q_pos = torch.arange(seq_len - query_len, seq_len, device=query.device)[None]
-        k_pos = torch.arange(seq_len, device=query.device)
-        valid = torch.ones(1, seq_len, dtype=torch.bool, device=query.device)
+        k_pos = self._key_positions(num_keys, query.device)
+        valid = torch.ones(1, num_keys, dtype=torch.bool, device=query.device)
         sinks = None if sink_query is None else sink_query[None]
-        return self._attend(query[None], sinks, keys, values, q_pos, k_pos, valid)[0]
+        return self._attend(query[None], sinks, keys, values, q_pos, k_pos, valid, lse)[0]
 
     def _attend(
         self,
@@ -176,13 +224,16 @@ class TorchAttentionBackend(AttentionBackend):
         q_pos: torch.Tensor,
         k_pos: torch.Tensor,
         valid: torch.Tensor,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Softmax attention in float32 with every variant, written out.
 
         query: [batch, num_queries, num_heads, head_size]; keys, values: [batch, num_keys,
         num_kv_heads, head_size]; q_pos: [batch, num_queries] and k_pos: [num_keys] context
         positions; valid: [batch, num_keys], the keys that exist; sink_query: like query, or None
-        without sinks. Returns the shape of query.
+        without sinks. Returns the shape of query. With ``lse`` ([batch, num_queries, num_heads]
+        float32, written), the attention is a context-parallel rank's partial: each row's
+        log-sum-exp goes there, and a row with no visible key gets 0 and -inf.
 
         Visible: the keys that exist, ``k <= q``, and with a window ``k > q - sliding_window`` or
         (attention sinks) ``k < attention_sinks``. A visible sink outside the window is scored with
@@ -220,7 +271,12 @@ class TorchAttentionBackend(AttentionBackend):
             slopes = self.alibi_slopes.view(self.num_kv_heads, group)
             scores = scores + slopes[None, :, :, None, None] * distance[:, None, None].float()
         scores = torch.where(visible[:, None, None], scores, float("-inf"))
-        if self.sinks is None:
+        if lse is not None:
+            # [b, kvh, g, q]; a row with no visible key is all -inf: its probabilities are 0.
+            row_lse = torch.logsumexp(scores, dim=-1)
+            probs = torch.exp(scores - torch.where(row_lse.isinf(), 0.0, row_lse)[..., None])
+            lse.copy_(row_lse.permute(0, 3, 1, 2).flatten(2).view(lse.shape))
+        elif self.sinks is None:
             probs = torch.softmax(scores, dim=-1)
         else:
             # The learned sink: one more logit per head in the softmax, its probability dropped.
