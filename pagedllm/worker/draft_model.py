@@ -111,7 +111,7 @@ class DraftModelRunner:
         attn_backend.check_supported(draft.head_size, block_size, draft.dtype, self.device)
         self.kv_cache_spec = KVCacheSpec(
             num_layers=draft.num_layers,
-            num_kv_heads=draft.num_kv_heads,
+            num_kv_heads=draft.num_kv_heads_per_rank(config.parallel_config.tensor_parallel_size),
             head_size=draft.head_size,
             block_size=block_size,
             dtype=draft.dtype,
