@@ -18,6 +18,8 @@ and a draft vocabulary that does not split evenly.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from test_spec_decode import TIGHT, assert_all_blocks_free, make_llm, mixed_prompts, token_ids
 from test_spec_draft_model import perturbed_copy
@@ -49,14 +51,24 @@ def drafter(name: str, target, tmp_path_factory) -> dict:
     return {"method": name, "model": model, "num_speculative_tokens": 3}
 
 
-def record_drafts(llm: LLM) -> list[dict[int, list[int]]]:
-    """The drafts each step's output brings the scheduler (rank 0's at TP=2), step by step."""
-    proposals = llm.llm_engine.scheduler.spec_decoding.drafter
-    calls: list[dict[int, list[int]]] = []
+def record_drafts(llm: LLM) -> list[dict[int, tuple[int, list[int]]]]:
+    """The drafts each step's output brings the scheduler (rank 0's at TP=2), step by step: req_id
+    -> (the length of the context they continue, the drafts)."""
+    scheduler = llm.llm_engine.scheduler
+    proposals = scheduler.spec_decoding.drafter
+    calls: list[dict[int, tuple[int, list[int]]]] = []
     receive = proposals.receive
 
     def recording(output):
-        calls.append({req_id: list(ids) for req_id, ids in output.draft_token_ids.items()})
+        # Received before the step's samples are applied: the context grows by its rows.
+        added = Counter(output.req_ids)
+        requests = scheduler.queues.requests
+        calls.append(
+            {
+                req_id: (requests[req_id].num_tokens + added[req_id], list(ids))
+                for req_id, ids in output.draft_token_ids.items()
+            }
+        )
         receive(output)
 
     proposals.receive = recording
