@@ -328,6 +328,19 @@ class ParallelConfig:
                 f"layers: at most {num_layers}, got {pp}"
             )
 
+    def check_draft(self, model_config: ModelConfig, draft_config: ModelConfig) -> None:
+        """Refuse a size that does not shard the speculative draft's (or EAGLE head's) heads and
+        features evenly too, naming the sizes that shard both models."""
+        tp = self.tensor_parallel_size
+        if tp not in _valid_tp_sizes(draft_config):
+            both = sorted(set(_valid_tp_sizes(model_config)) & set(_valid_tp_sizes(draft_config)))
+            raise ValueError(
+                f"tensor_parallel_size must also split speculative_config.model's heads and MLP evenly "
+                f"over the ranks (num_attention_heads={draft_config.num_attention_heads}, "
+                f"num_key_value_heads={draft_config.num_kv_heads}, replicated when fewer than the ranks, "
+                f"intermediate_size={_intermediate_size(draft_config)}): one of {both}, got {tp}"
+            )
+
 
 def ranks_field(pipeline_parallel_size: int, context_parallel_size: int = 1) -> str:
     """The fields whose product is the rank count: tensor_parallel_size, times
@@ -432,14 +445,9 @@ class EngineConfig:
                     "speculative_config is not supported on models with linear-attention layers: their "
                     "recurrent state cannot roll back rejected drafts"
                 )
-            method = self.speculative_config.method
-            if method != "ngram":
-                _require(
-                    self.parallel_config.tensor_parallel_size == 1,
-                    "tensor_parallel_size",
-                    f"1 with speculative_config method {method!r} (a sharded draft is not supported yet)",
-                    self.parallel_config.tensor_parallel_size,
-                )
+            if self.draft_model_config is not None:
+                # The draft (or EAGLE head) is sharded over the target's ranks (worker/draft_model.py).
+                self.parallel_config.check_draft(self.model_config, self.draft_model_config)
         if self.parallel_config.pipeline_parallel_size > 1:
             self._check_pipeline_parallel()
         if self.parallel_config.context_parallel_size > 1:

@@ -4,7 +4,7 @@
 #
 #   scripts/gpu_check.sh                 tests, K1, K1 windowed, W1, W3 (the short set)
 #   scripts/gpu_check.sh tests k1 k1-sweep k1-w1 k1-fp8 k1-window w1 w1-profile w2 w3 hf w4 w4-thread w5 moe moe-sweep cuda
-#       lora w1-lora w3-lora w1-fp8kv w3-fp8 w3-w4a16 w2-fp8 quant w3-spec w3-eagle
+#       lora w1-lora w3-lora w1-fp8kv w3-fp8 w3-w4a16 w2-fp8 quant w3-spec w3-eagle w3-eagle-tp
 #       sanitize so sampler
 #       tp (tp-tests, tp-bench)
 #       determinism
@@ -25,7 +25,8 @@
 # weights, dummy), w2-fp8 (W2 with FP8 W8A8 weights), quant (bench quant: every quantized GEMM path at
 # Llama-3.1-8B's layer shapes, decode to prefill, and the skinny kernels' launch sweep), w3-spec (W3
 # with n-gram drafts at a synthetic acceptance rate), w3-eagle (W3 with an EAGLE-3 head at synthetic
-# acceptance 1.0 and 0.7), tp (two GPUs: the tensor-parallel GPU tests,
+# acceptance 1.0 and 0.7), w3-eagle-tp (two GPUs: W3 at TP=2 with the EAGLE-3 head and with n-gram
+# drafts, both at synthetic acceptance 1.0, and without speculation), tp (two GPUs: the tensor-parallel GPU tests,
 # then all-reduce latency (benchmarks/all_reduce.py: NCCL against the one-shot kernel), W2 and W3
 # at tensor_parallel_size 1 and 2, W2 at pipeline_parallel_size 2, W3 at TP=2 with NCCL alone;
 # the table gives TP=2 and PP=2 over TP=1), so
@@ -180,6 +181,16 @@ for stage in "${stages[@]}"; do
                 --speculative-config '{"method": "eagle3", "model": "benchmarks/configs/llama-3.1-8b-eagle3", "num_speculative_tokens": 3}' \
                 --synthetic-acceptance-rate "$rate" --output-json "$OUT/w3_eagle_$rate.json"
         done
+        ;;
+    w3-eagle-tp)  # TP=2, k=3, acceptance 1.0: EAGLE-3 within 10% of n-gram (the verify-only cost: no drafting)
+        run w3_tp2 python3 -m pagedllm bench latency --skip-eager --tensor-parallel-size 2 \
+            --output-json "$OUT/w3_tp2.json"
+        run w3_tp2_ngram python3 -m pagedllm bench latency --skip-eager --tensor-parallel-size 2 \
+            --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' \
+            --synthetic-acceptance-rate 1.0 --output-json "$OUT/w3_tp2_ngram.json"
+        run w3_tp2_eagle python3 -m pagedllm bench latency --skip-eager --tensor-parallel-size 2 \
+            --speculative-config '{"method": "eagle3", "model": "benchmarks/configs/llama-3.1-8b-eagle3", "num_speculative_tokens": 3}' \
+            --synthetic-acceptance-rate 1.0 --output-json "$OUT/w3_tp2_eagle.json"
         ;;
     moe-sweep) run moe python3 -m pagedllm bench moe --sweep --output-json "$OUT/moe.json" ;;
     hf) run hf python3 benchmarks/compare_hf.py --output-json "$OUT/hf.json" ;;

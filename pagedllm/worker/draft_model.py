@@ -30,6 +30,14 @@ draft's K/V of P .. P + k (the newest token and the drafts being verified) in th
 The k proposal steps run as one loop over inputs computed before it starts, replayed from a CUDA
 graph per number of proposing requests where graphs are on (worker/proposal_graphs.py).
 
+**Under tensor parallelism the draft is sharded over the target's ranks** (vLLM's choice for draft
+models and EAGLE heads): built from the same parallel layers, each rank holds its shard of the
+weights and its KV heads (replicated when fewer than the ranks) and runs the same prefill and
+proposal steps, whose all-reduces and logits all-gather leave every rank the same argmax. The
+engine reads rank 0's drafts and schedules them on every rank. Sharded, the draft's weight reads
+divide over the ranks like the target's; on rank 0 alone they would not, and rank 0 would hold
+fewer KV blocks than its peers, which all must match (docs/spec_decode.md, "Tensor parallelism").
+
 Drafts are argmax tokens, a point mass: rejection sampling against them is lossless with the
 verifier the n-gram method uses (sample/rejection_sampler.py), whatever the draft proposes; a
 wrong or stale draft costs acceptance, never correctness.
@@ -111,7 +119,7 @@ class DraftModelRunner:
         attn_backend.check_supported(draft.head_size, block_size, draft.dtype, self.device)
         self.kv_cache_spec = KVCacheSpec(
             num_layers=draft.num_layers,
-            num_kv_heads=draft.num_kv_heads,
+            num_kv_heads=draft.num_kv_heads_per_rank(config.parallel_config.tensor_parallel_size),
             head_size=draft.head_size,
             block_size=block_size,
             dtype=draft.dtype,

@@ -148,15 +148,17 @@ class EagleProposer(DraftModelRunner):
         assert self.model is not None and self.cache_engine is not None and self._pending is not None
         model_input, target_hidden = self._pending
         self._pending = None
-        if not len(rows):
-            return {}
         input_ids, positions, metadata = unpadded_inputs(model_input)
         num_tokens = input_ids.shape[0]
         next_ids, last_index = self._next_tokens(model_input, input_ids, rows)
         hidden = self.aux.buffer[:num_tokens] if self.aux is not None else target_hidden[:num_tokens]
         hidden = self.model.combine_hidden_states(hidden)
+        # Even when no request proposes (a step of prompt chunks only): the head's K/V of every
+        # scheduled token is written here, and later steps read it.
         with set_forward_context(metadata):
             out, hidden = self.model(self.embed(next_ids), positions, hidden)
+        if not len(rows):
+            return {}
         index = to_device(last_index, self.device)
         tokens = self._greedy(out.index_select(0, index))
         hidden = hidden.index_select(0, index)

@@ -333,6 +333,8 @@ class ModelRunner:
         if drafter is not None:
             drafter.prefill(model_input, hidden_states)
         if model_input.logits_indices.numel() == 0:
+            if drafter is not None:  # nothing to propose, but an EAGLE head's K/V to write
+                drafter.propose(model_input.sampling_req_rows)
             return StepOutput(model_input, None, [], [], self.device)
         logits = self.model.compute_logits(hidden_states[model_input.logits_indices])
         num_sample_rows = len(model_input.sample_rows)

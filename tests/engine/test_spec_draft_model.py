@@ -227,8 +227,11 @@ def test_a_draft_the_engine_cannot_run_beside_the_target_is_refused_before_loadi
         make_llm(model_config, speculative_config=draft_config(other_vocab.model))
     with pytest.raises(ValueError, match=r"speculative_config.model .* max_model_len 64"):
         make_llm(model_config, max_model_len=128, speculative_config=draft_config(short.model))
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        make_llm(model_config, tensor_parallel_size=2, speculative_config=draft_config(drafts["self"]))
+    # Sharded over the target's ranks, the draft's heads must split over them too: Qwen2's 2 do not
+    # split over 4 (test_spec_tensor_parallel.py runs TP=2).
+    with pytest.raises(ValueError, match=r"tensor_parallel_size .* speculative_config.model's heads"):
+        spec = draft_config(drafts["qwen2-1-layer"])
+        make_llm(model_config, tensor_parallel_size=4, speculative_config=spec)
     with pytest.raises(ValueError, match="async_scheduling"):
         make_llm(model_config, async_scheduling=True, speculative_config=draft_config(drafts["self"]))
     with pytest.raises(ValueError, match=r"speculative_config\.model: model '/nonexistent/draft'"):

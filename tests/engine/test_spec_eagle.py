@@ -245,8 +245,11 @@ def make_head(tmp_path_factory, model_config, name, seed=0):
 def test_the_engines_drafts_are_an_independent_reference_heads(llama, tmp_path_factory, name):
     hf_model, model_config = llama
     spec, tensors, config, aux = make_head(tmp_path_factory, model_config, name)
-    prompts = mixed_prompts(3, model_config.vocab_size, seed=5)
     # 16-token steps cut the prompts into chunks: a chunk's last position reads the next prompt token.
+    # The first prompt's first chunk is a step alone, in which nothing samples: the head's K/V of
+    # its tokens is written all the same (later proposals read it).
+    prompts = [list(range(3, 33))]
+    prompts += mixed_prompts(3, model_config.vocab_size, seed=5)
     llm = make_llm(
         model_config,
         block_size=4,
@@ -384,10 +387,10 @@ def test_an_eagle_head_the_engine_cannot_run_is_refused_before_loading(llama, tm
             r"speculative_config.model .* vocabulary",
         ),
         (head("layers", eagle_aux_hidden_state_layer_ids=[0, 1, 9]), {}, "eagle_aux_hidden_state_layer_ids"),
-        (head("tp"), {"tensor_parallel_size": 2}, "tensor_parallel_size"),
+        (head("tp", intermediate_size=81), {"tensor_parallel_size": 2}, "tensor_parallel_size"),
         (head("async"), {"async_scheduling": True}, "async_scheduling"),
         (
-            {"method": "eagle3", "model": str(tmp_path / "tp"), "num_speculative_tokens": 17},
+            {"method": "eagle3", "model": str(tmp_path / "async"), "num_speculative_tokens": 17},
             {},
             "num_speculative_tokens",
         ),

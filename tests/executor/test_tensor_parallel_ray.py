@@ -8,6 +8,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -18,6 +19,11 @@ from transformers import LlamaConfig, Qwen3Config
 
 import pagedllm
 from pagedllm import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "engine"))
+from test_spec_decode import mixed_prompts
+from test_spec_eagle import write_head
+from test_spec_tensor_parallel import record_drafts
 
 ray = pytest.importorskip("ray")
 
@@ -152,6 +158,39 @@ def test_one_rank_per_node_gives_the_tokens_of_one_rank(
         outputs = two.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
         assert_every_block_free(two.llm_engine)
+    finally:
+        two.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_an_eagle3_head_sharded_over_the_nodes_drafts_as_one_rank(
+    two_node_cluster, make_tiny_model_once, tmp_path, hf_greedy_tokens
+):
+    """Speculative decoding with an EAGLE-3 head, sharded over the two nodes' ranks: greedy output
+    is HF's, and rank 0's drafts are one rank's step for step."""
+    hf_model, model_config = make_tiny_model_once(
+        LlamaConfig, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2
+    )
+    head, *_ = write_head(tmp_path / "head", model_config.hf_config, "eagle3", 97)
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": 3}
+    prompts = mixed_prompts(4, model_config.vocab_size)
+    one = LLM(model_config.model, device="cpu", swap_space=0.01, speculative_config=spec)
+    one_drafts = record_drafts(one)
+    one.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+    two = LLM(
+        model_config.model,
+        device="cpu",
+        swap_space=0.01,
+        tensor_parallel_size=2,
+        distributed_executor_backend="ray",
+        speculative_config=spec,
+    )
+    try:
+        two_drafts = record_drafts(two)
+        outputs = two.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        expected = [hf_greedy_tokens(hf_model, prompt, GREEDY.max_tokens) for prompt in prompts]
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert two_drafts == one_drafts and any(two_drafts)
     finally:
         two.llm_engine.shutdown()
 
