@@ -35,6 +35,8 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: ClassVar[bool] = False
     # Whether the kernels read a float8_e4m3fn cache (kv_cache_dtype="fp8", attention/kv_quant.py).
     supports_fp8_kv_cache: ClassVar[bool] = False
+    # Whether the backend has forward_partial: attention over one context-parallel rank's keys.
+    supports_context_parallel: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -49,6 +51,8 @@ class AttentionBackend(ABC):
         attention_sinks: int = 0,
         rotary: Rotary | None = None,
         sinks: torch.Tensor | None = None,
+        cp_rank: int = 0,
+        cp_world_size: int = 1,
     ) -> None:
         """Per-layer attention variants (None, or 0 for attention_sinks: off):
 
@@ -102,6 +106,9 @@ class AttentionBackend(ABC):
         self.attention_sinks = attention_sinks
         self.sinks = sinks
         self.rotary = rotary
+        # Context parallelism: this rank holds the keys at positions t, t % cp_world_size == cp_rank.
+        self.cp_rank = cp_rank
+        self.cp_world_size = cp_world_size
         # The FP8 cache's per-tensor scales (attention/kv_quant.py): float32 device scalars, 1.0
         # unless the checkpoint has them (filled in place by models/kv_scales.py, so a captured
         # CUDA graph reads the loaded values); unread with a cache in the model dtype.
