@@ -98,25 +98,24 @@ def rank_step(
         block_tables[i, :n] = perm[first : first + n]
         first += n
 
-    def slot(i: int, pos: int) -> int:
-        """The cache slot of global position pos of sequence i; -1 where another rank holds it."""
-        if pos % cp_world_size != cp_rank:
-            return -1
-        j = pos // cp_world_size
-        return int(block_tables[i, j // block_size]) * block_size + j % block_size
+    def slots(i: int, positions: range) -> torch.Tensor:
+        """The cache slots of global positions of sequence i; -1 where another rank holds one."""
+        pos = torch.tensor(list(positions), dtype=torch.int64)
+        j = pos // cp_world_size  # the local index, were the token this rank's
+        slot = block_tables[i, j // block_size].long() * block_size + j % block_size
+        return torch.where(pos % cp_world_size == cp_rank, slot, -1)
 
     shape = (num_blocks, num_kv_heads, block_size, head_size)
     caches = tuple(torch.full(shape, float("nan")).to(cache_dtype) for _ in range(2))
     for i, ctx in enumerate(seqs.context_lens):
-        for pos in range(ctx):
-            s = slot(i, pos)
-            if s >= 0:
-                for cache, kv in zip(caches, (seqs.keys, seqs.values)):
-                    cache[s // block_size, :, s % block_size] = kv[i][pos].to(cache_dtype)
-    slots = [
-        slot(i, pos) for i, (c, n) in enumerate(zip(seqs.context_lens, seqs.seq_lens)) for pos in range(c, n)
-    ]
-    slot_mapping = torch.tensor(slots + [-1] * num_padding_tokens, dtype=torch.int64)
+        context = slots(i, range(ctx))
+        mine = context >= 0
+        for cache, kv in zip(caches, (seqs.keys, seqs.values)):
+            s = context[mine]
+            cache[s // block_size, :, s % block_size] = kv[i][:ctx][mine].to(cache_dtype)
+    lens = zip(seqs.context_lens, seqs.seq_lens)
+    new_slots = torch.cat([slots(i, range(ctx, n)) for i, (ctx, n) in enumerate(lens)])
+    slot_mapping = torch.cat([new_slots, torch.full((num_padding_tokens,), -1, dtype=torch.int64)])
     query_start_loc = torch.tensor([0, *torch.tensor(seqs.query_lens).cumsum(0).tolist()], dtype=torch.int32)
     seq_lens = torch.tensor(seqs.seq_lens, dtype=torch.int32)
     md = AttentionMetadata(

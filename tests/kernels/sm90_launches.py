@@ -94,6 +94,58 @@ def prefill() -> None:
             )
 
 
+def context_parallel() -> None:
+    """Partial decode and prefill (with lse) over rank 1 of 2's stripe: one and several decode
+    partitions; no variant, a window, ALiBi with a soft cap; and the partial launch at P = 1."""
+    for dtype in DTYPES:
+        inputs = DecodeInputs.random(
+            DecodeShape((40, 300), NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype), CPU, seed=0
+        )
+        query = torch.empty(50, NUM_HEADS, HEAD_SIZE, dtype=dtype)  # 10 + 40 new tokens
+        lse = torch.empty(50, NUM_HEADS)
+        tiles = {
+            "block_n": 32 if dtype == torch.float32 else 64,
+            "num_warps": 8 if dtype == torch.float32 else 4,
+        }
+        alibi_cap = {"alibi_slopes": torch.ones(NUM_HEADS), "logits_soft_cap": 30.0}
+        for variant in ({}, {"sliding_window": 32}, alibi_cap):
+            for cp_rank, cp_world_size in ((1, 2), (0, 1)):
+                cp = {"cp_rank": cp_rank, "cp_world_size": cp_world_size, **variant}
+                for max_seq_len, partition_size in ((300, 512), (1024, 128)):
+                    paged_decode(
+                        inputs.query,
+                        inputs.key_cache,
+                        inputs.value_cache,
+                        inputs.block_tables,
+                        inputs.seq_lens,
+                        inputs.scale,
+                        max_seq_len,
+                        torch.empty_like(inputs.query),
+                        lse=lse[:2],
+                        partition_size=partition_size,
+                        **tiles,
+                        **cp,
+                    )
+                paged_prefill(
+                    query,
+                    inputs.key_cache,
+                    inputs.value_cache,
+                    inputs.block_tables,
+                    inputs.seq_lens,
+                    torch.tensor([0, 10, 50], dtype=torch.int32),
+                    inputs.scale,
+                    0,
+                    2,
+                    40,
+                    torch.empty_like(query),
+                    lse=lse,
+                    block_m=32 if dtype == torch.float32 else 64,
+                    block_n=16 if dtype == torch.float32 else 64,
+                    num_warps=tiles["num_warps"],
+                    **cp,
+                )
+
+
 def cache_write() -> None:
     for dtype in DTYPES:
         key = torch.empty(5, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype)
@@ -259,6 +311,7 @@ def quant() -> None:
 LAUNCHES: list[Callable[[], None]] = [
     decode,
     prefill,
+    context_parallel,
     cache_write,
     fp8_kv_cache,
     moe,
