@@ -23,6 +23,11 @@ Attention sinks (StreamingLLM, Xiao et al. 2023) are one more stage in each kern
 a window has passed with ``sink_query`` (see each kernel's header); a layer without them launches the
 kernels compiled before sinks existed (``SINKS`` is a constexpr).
 
+Context parallelism (``cp_world_size`` P > 1): ``forward_partial`` runs the same three kernels
+over this rank's stripe of each context (global position ``t`` at local index ``t // P`` on rank ``t
+% P``), each attention kernel reading 1/P of the K/V and writing every query's log-sum-exp beside
+its output (see each kernel's header); the decode partitions are sized for the rank's keys.
+
 With ``kv_cache_dtype="fp8"`` the caches are float8_e4m3fn in the same layout (half the bytes per
 block): the cache write stores ``saturate(x / scale)`` and both attention kernels widen the tiles
 and multiply the layer's scales (``k_scale``, ``v_scale``: device scalars) back in.

@@ -34,12 +34,29 @@ Kernel 2, ``_paged_decode_reduce_kernel``, grid ``(num_seqs, num_heads)``:
   partition_size)`` of them; with one, kernel 1 wrote the output and the program exits), rescales each by
   ``exp2(m_p - max_p m_p)`` and writes ``sum(w_p * acc_p) / sum(w_p * l_p)``.
 
+Context parallelism (``CP_SIZE = P > 1``, with ``PARTIAL``; Striped Attention's layout, merged as
+in Ring/Tree Attention): rank ``r``'s cache holds the keys at global positions ``t = j * P + r`` at
+local index ``j`` of each block table, and ``seq_lens`` stay global. Both kernels turn the bounds
+into local indices once per program (``paged_tiles.local_key_count``: ``ceil((n - r) / P)`` keys
+below global ``n``), so the context ``[window_start, seq_len)`` becomes ``ceil((seq_len - r) / P)``
+local keys from ``ceil((window_start - r) / P)``, and partitions, tiles and the reduce run over
+those exactly as over an unsplit context; ALiBi scores the global key position. Each program then
+reads 1/P of the K/V bytes, and the grid's partition axis shrinks to ``cdiv(cdiv(max_seq_len, P),
+partition_size)``. With ``PARTIAL`` the launch also writes each query head's log-sum-exp (natural
+log of its softmax denominator) to ``lse`` ``[num_seqs, num_heads]`` float32 -- kernel 1 for a
+one-partition sequence, the reduce otherwise (``max_p m_p + log2(sum w_p l_p)``, back to base e) --
+and a query that sees none of this rank's keys (position 0 on rank 1, a window shorter than P) gets
+out 0 and lse -inf from partition 0 with no tile read. The attention layer merges the P ranks'
+(out, lse). With ``CP_SIZE = 1`` and no ``PARTIAL`` the kernels compile as before (sm_90 PTX:
+kernel 1 the same instruction count; the reduce 5 fewer, its skip test being ``num_parts <= 1``).
+
 ``num_partitions = cdiv(max_seq_len, partition_size)`` (with a window, ``cdiv(min(max_seq_len,
 sliding_window + BLOCK_N - 1), partition_size)``) comes from a host bound, not from the device's
 ``seq_lens``, so a CUDA graph captured with ``max_seq_len = max_model_len`` stays valid for every
 replay; the programs past a sequence's end exit immediately.
 
-Layouts: query/output (and sink_query) ``[num_seqs, num_heads, head_size]``; key_cache/value_cache
+Layouts: query/output (and sink_query) ``[num_seqs, num_heads, head_size]``, lse ``[num_seqs,
+num_heads]`` float32 (PARTIAL); key_cache/value_cache
 ``[num_blocks, num_kv_heads, block_size, head_size]``; block_tables ``[num_seqs, max_blocks]``
 int32; seq_lens ``[num_seqs]`` int32; workspace (float32) partial_out ``[num_seqs, num_heads,
 num_partitions, HEAD_DIM]``, max_logits/exp_sums ``[num_seqs, num_heads, num_partitions]``.
@@ -50,7 +67,9 @@ partly masked tile; with sinks, ``min(attention_sinks, window_start)`` more in `
 attention_sinks, BLOCK_N)`` masked tiles, and one more query row per KV head); FLOPs ~ ``4 *
 sum(seq_lens) * num_heads * head_size``, i.e. ~2 * num_queries_per_kv FLOPs per byte at 16 bits,
 far below any GPU's ridge point. The workspace traffic is ``num_partitions * num_heads *
-head_size * 4`` bytes per sequence, < 1% of the K/V bytes at partitions of 512 tokens.
+head_size * 4`` bytes per sequence, < 1% of the K/V bytes at partitions of 512 tokens. Under
+context parallelism a rank reads ``ceil(seq_len / P)`` keys per sequence (bytes and FLOPs / P) and
+writes ``num_heads * 4`` more bytes of lse.
 """
 
 from __future__ import annotations

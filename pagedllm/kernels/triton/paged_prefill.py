@@ -34,7 +34,21 @@ with the right query, into one online softmax. Keys between the sinks and the wi
 read. A program whose rows' windows have passed no sink (sink stage bound 0) runs no extra tile
 and does not load ``sink_query``.
 
-Layouts: query/out (and sink_query) ``[num_tokens, num_heads, head_size]`` (flattened batch, rows
+Context parallelism (``CP_SIZE = P > 1``, with ``PARTIAL``): rank ``r``'s cache holds the keys at
+global positions ``t = j * P + r`` at local index ``j``; seq_lens, query_start_loc and so every
+``q_pos`` stay global (each rank sees every query of the step). The stages' bounds become local
+(``paged_tiles.local_key_count``): keys visible to every row are the ``ceil((first_pos + 1 - r) /
+P)`` first, the causal end ``ceil((min(seq_len, last_pos + 1) - r) / P)``, a window's first key
+``ceil((first_pos - sliding_window + 1 - r) / P)``; the causal and window masks and ALiBi compare
+the global key position ``j * P + r`` with ``q_pos``. A query tile thus walks 1/P of the keys (and
+the tiles past every row's causal bound are still skipped). A row may see no key of this rank
+(position ``< r``): the online softmax keeps it at ``m_i = -inf, l_i = 0`` and the launch writes
+out 0 and lse -inf. With ``PARTIAL`` each row's log-sum-exp (``(m_i + log2 l_i) * ln 2``) goes to
+``lse`` ``[num_tokens, num_heads]`` float32 for the attention layer's merge across ranks. With
+``CP_SIZE = 1`` and no ``PARTIAL`` the kernel compiles to the code it had before.
+
+Layouts: query/out (and sink_query) ``[num_tokens, num_heads, head_size]``, lse ``[num_tokens,
+num_heads]`` float32 (PARTIAL) (flattened batch, rows
 located by ``query_start_loc``); key_cache/value_cache in either layout of
 ``paged_tiles.PagedKVLayout``: the Triton backend's ``[num_blocks, num_kv_heads, block_size,
 head_size]``, or vLLM's original (the cuda backend's: K ``[num_blocks, num_kv_heads, head_size / x,
@@ -48,7 +62,8 @@ Bound: compute for long chunks. FLOPs ~ ``4 * num_heads * head_size * sum_s(quer
 sum_s(seq_len * cdiv(query_len, BLOCK_M))`` before L2 reuse across the GQA group and query blocks
 (with a window, ``min(seq_len, sliding_window + BLOCK_M)`` in place of ``seq_len``; with sinks,
 ``cdiv(attention_sinks, BLOCK_N) * BLOCK_N`` more keys at most, plus the program's ``sink_query``
-rows: ``BLOCK_M * head_size * element_size``).
+rows: ``BLOCK_M * head_size * element_size``). Under context parallelism each rank's FLOPs and
+bytes are ~1/P of these (the striping gives every rank an equal share of the causal triangle).
 """
 
 from __future__ import annotations
