@@ -50,22 +50,24 @@ def rank_step(
         j = pos // cp_world_size
         slot = table[i, j // BLOCK_SIZE].long() * BLOCK_SIZE + j % BLOCK_SIZE
         slots.append(torch.where(pos % cp_world_size == cp_rank, slot, -1))
-    query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-    num_tokens = sum(query_lens)
+    # The step's index tensors, on the host (the _cpu copies) and the device.
+    host = {
+        "slot_mapping": torch.cat(slots),
+        "query_start_loc": torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
+        "seq_lens": torch.tensor(seq_lens, dtype=torch.int32),
+        "block_tables": table,
+    }
     cuda = torch.device("cuda")
     md = AttentionMetadata(
         num_decodes=sum(q == 1 for q in query_lens),
         num_prefills=sum(q > 1 for q in query_lens),
-        slot_mapping=torch.cat(slots).to(cuda),
-        query_start_loc=query_start_loc.to(cuda),
-        seq_lens=seq_lens_t.to(cuda),
-        block_tables=table.to(cuda),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
-        query_start_loc_cpu=query_start_loc,
-        seq_lens_cpu=seq_lens_t,
+        query_start_loc_cpu=host["query_start_loc"],
+        seq_lens_cpu=host["seq_lens"],
+        **{name: tensor.to(cuda) for name, tensor in host.items()},
     )
+    num_tokens = sum(query_lens)
     cache_shape = (sum(blocks), NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE)
     tensors = (
         torch.randn(num_tokens, NUM_HEADS, HEAD_SIZE, dtype=DTYPE, device=cuda),

@@ -10,11 +10,18 @@ the caches and the slot mapping (-1 where another rank stores the token) are the
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+
+# Where the kernel tests run: on the CPU under Triton's interpreter (tests/kernels/conftest.py sets
+# it without a GPU), else on CUDA.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 
 
 @dataclass
@@ -32,6 +39,15 @@ class Sequences:
     @property
     def seq_lens(self) -> list[int]:
         return [c + q for c, q in zip(self.context_lens, self.query_lens)]
+
+    def rounded(self, dtype: torch.dtype) -> Sequences:
+        """The sequences as tensors of ``dtype`` hold them (the reference's inputs), in float32."""
+
+        def r(x: torch.Tensor) -> torch.Tensor:
+            return x.to(dtype).float()
+
+        keys, values = [r(k) for k in self.keys], [r(v) for v in self.values]
+        return Sequences(self.context_lens, self.query_lens, self.num_decodes, r(self.query), keys, values)
 
     def new_tokens(self, kv: list[torch.Tensor]) -> torch.Tensor:
         """The step's new tokens' rows of ``keys`` or ``values``, concatenated."""
@@ -86,17 +102,15 @@ def rank_step(
     """Rank cp_rank's step (cp_world_size 1: the unsplit one): query, key and value in dtype, the
     caches in cache_dtype (default dtype). Physical blocks are shuffled."""
     cache_dtype = cache_dtype or dtype
-    gen = torch.Generator().manual_seed(cp_rank)
     num_kv_heads, head_size = seqs.keys[0].shape[1:]
-    local_lens = [local_count(n, cp_rank, cp_world_size) for n in seqs.seq_lens]
-    blocks_per_seq = [-(-n // block_size) for n in local_lens]
-    num_blocks = sum(blocks_per_seq) + 2
-    perm = torch.randperm(num_blocks, generator=gen)
-    block_tables = torch.zeros(len(local_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
-    first = 0
-    for i, n in enumerate(blocks_per_seq):
-        block_tables[i, :n] = perm[first : first + n]
-        first += n
+    local_lens = torch.tensor([local_count(n, cp_rank, cp_world_size) for n in seqs.seq_lens])
+    blocks_per_seq = -(-local_lens // block_size)
+    num_blocks = int(blocks_per_seq.sum()) + 2
+    # Row i's first blocks_per_seq[i] entries (row-major, so in order) get a shuffled set of blocks.
+    block_tables = torch.zeros(len(local_lens), int(blocks_per_seq.max()) + 1, dtype=torch.int32)
+    owned = torch.arange(block_tables.shape[1])[None, :] < blocks_per_seq[:, None]
+    shuffled = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(cp_rank))
+    block_tables[owned] = shuffled[: int(blocks_per_seq.sum())].int()
 
     def slots(i: int, positions: range) -> torch.Tensor:
         """The cache slots of global positions of sequence i; -1 where another rank holds one."""
@@ -141,17 +155,17 @@ def rank_step(
 
 
 def reference_partial(
-    seqs: Sequences,
-    cp_rank: int,
-    cp_world_size: int,
-    scale: float,
-    sliding_window: int | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    logits_soft_cap: float | None = None,
+    seqs: Sequences, stripe: tuple[int, int], scale: float, **variants: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out [num_tokens, num_heads, head_size], lse [num_tokens, num_heads]) in float64: each query
-    over the keys of rank cp_rank it sees, by the mask of global positions; out 0 and lse -inf
-    where it sees none. The inputs are taken as they are (round them to the cache dtype first)."""
+    over the keys of rank ``stripe = (cp_rank, cp_world_size)`` it sees, by the mask of global
+    positions; out 0 and lse -inf where it sees none. variants: the backends' sliding_window,
+    alibi_slopes, logits_soft_cap. The inputs are taken as they are (``Sequences.rounded`` first)."""
+    cp_rank, cp_world_size = stripe
+    sliding_window = variants.pop("sliding_window", None)
+    alibi_slopes = variants.pop("alibi_slopes", None)
+    logits_soft_cap = variants.pop("logits_soft_cap", None)
+    assert not variants, f"no reference for {sorted(variants)}"
     num_heads = seqs.query.shape[1]
     group = num_heads // seqs.keys[0].shape[1]
     outs, lses = [], []

@@ -32,13 +32,21 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 2, 128, 16
 
 
 def _variants(num_heads: int, query: torch.Tensor) -> list[dict]:
-    """The attention variants (AttentionBackend's): none, a window, ALiBi, a soft cap, sinks."""
+    """The attention variants (AttentionBackend's): none, a window, ALiBi, a soft cap, sinks; then
+    context parallelism's partial launches (lse out) on rank 1 of 2 with none, a window, ALiBi and
+    a soft cap, and at P = 1."""
+    partial = {"lse": torch.empty(query.shape[:2])}
+    rank1 = {"cp_rank": 1, "cp_world_size": 2, **partial}
     return [
         {},
         {"sliding_window": 32},
         {"alibi_slopes": torch.ones(num_heads)},
         {"logits_soft_cap": 30.0},
         {"sliding_window": 32, "attention_sinks": 4, "sink_query": torch.empty_like(query)},
+        rank1,
+        {**rank1, "sliding_window": 32},
+        {**rank1, "alibi_slopes": torch.ones(num_heads), "logits_soft_cap": 30.0},
+        partial,
     ]
 
 
@@ -92,58 +100,6 @@ def prefill() -> None:
                 num_warps=8 if dtype == torch.float32 else 4,
                 **variant,
             )
-
-
-def context_parallel() -> None:
-    """Partial decode and prefill (with lse) over rank 1 of 2's stripe: one and several decode
-    partitions; no variant, a window, ALiBi with a soft cap; and the partial launch at P = 1."""
-    for dtype in DTYPES:
-        inputs = DecodeInputs.random(
-            DecodeShape((40, 300), NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype), CPU, seed=0
-        )
-        query = torch.empty(50, NUM_HEADS, HEAD_SIZE, dtype=dtype)  # 10 + 40 new tokens
-        lse = torch.empty(50, NUM_HEADS)
-        tiles = {
-            "block_n": 32 if dtype == torch.float32 else 64,
-            "num_warps": 8 if dtype == torch.float32 else 4,
-        }
-        alibi_cap = {"alibi_slopes": torch.ones(NUM_HEADS), "logits_soft_cap": 30.0}
-        for variant in ({}, {"sliding_window": 32}, alibi_cap):
-            for cp_rank, cp_world_size in ((1, 2), (0, 1)):
-                cp = {"cp_rank": cp_rank, "cp_world_size": cp_world_size, **variant}
-                for max_seq_len, partition_size in ((300, 512), (1024, 128)):
-                    paged_decode(
-                        inputs.query,
-                        inputs.key_cache,
-                        inputs.value_cache,
-                        inputs.block_tables,
-                        inputs.seq_lens,
-                        inputs.scale,
-                        max_seq_len,
-                        torch.empty_like(inputs.query),
-                        lse=lse[:2],
-                        partition_size=partition_size,
-                        **tiles,
-                        **cp,
-                    )
-                paged_prefill(
-                    query,
-                    inputs.key_cache,
-                    inputs.value_cache,
-                    inputs.block_tables,
-                    inputs.seq_lens,
-                    torch.tensor([0, 10, 50], dtype=torch.int32),
-                    inputs.scale,
-                    0,
-                    2,
-                    40,
-                    torch.empty_like(query),
-                    lse=lse,
-                    block_m=32 if dtype == torch.float32 else 64,
-                    block_n=16 if dtype == torch.float32 else 64,
-                    num_warps=tiles["num_warps"],
-                    **cp,
-                )
 
 
 def cache_write() -> None:
@@ -311,7 +267,6 @@ def quant() -> None:
 LAUNCHES: list[Callable[[], None]] = [
     decode,
     prefill,
-    context_parallel,
     cache_write,
     fp8_kv_cache,
     moe,

@@ -9,8 +9,6 @@ tiles and key tiles on every rank.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -20,22 +18,16 @@ from pagedllm.attention.backends import triton_backend
 from pagedllm.attention.backends.cuda_backend import CudaAttentionBackend
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.attention.backends.triton_backend import TritonAttentionBackend
-from tests.kernels.cp_attention_inputs import (
-    Sequences,
-    make_sequences,
-    merge_partials,
-    rank_step,
-    reference_partial,
-)
+from tests.kernels import cp_attention_inputs as cp
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-if not INTERPRET and not torch.cuda.is_available():
+if not cp.INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
-DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+DEVICE = cp.DEVICE
 
 # (atol, rtol), as the Triton kernel tests use: float32 dots are exact; float16 rounds q and p.
 TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float16: (4e-3, 4e-3)}
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE = 4, 2, 64
+SHAPE = (NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE)
 SCALE = HEAD_SIZE**-0.5
 
 
@@ -61,7 +53,7 @@ def backend(
 
 
 def run_partial(
-    seqs: Sequences,
+    seqs: cp.Sequences,
     layer: TritonAttentionBackend,
     block_size: int,
     dtype: torch.dtype,
@@ -69,7 +61,7 @@ def run_partial(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """forward_partial of ``layer`` on its rank's step (two padding tokens after the real ones),
     cut to the real tokens."""
-    step = rank_step(
+    step = cp.rank_step(
         seqs, layer.cp_rank, layer.cp_world_size, block_size, dtype, DEVICE, 2, cache_dtype=cache_dtype
     )
     out, lse = layer.forward_partial(step.query, step.key, step.value, step.kv_cache, step.md)
@@ -77,16 +69,6 @@ def run_partial(
     assert lse.dtype == torch.float32 and lse.shape == step.query.shape[:2]
     num_tokens = seqs.query.shape[0]
     return out[:num_tokens], lse[:num_tokens]
-
-
-def rounded(seqs: Sequences, dtype: torch.dtype) -> Sequences:
-    """The sequences as a cache of ``dtype`` holds them (the reference's inputs)."""
-
-    def r(x: torch.Tensor) -> torch.Tensor:
-        return x.to(dtype).float()
-
-    keys, values = [r(k) for k in seqs.keys], [r(v) for v in seqs.values]
-    return Sequences(seqs.context_lens, seqs.query_lens, seqs.num_decodes, r(seqs.query), keys, values)
 
 
 def assert_partial_matches(
@@ -124,10 +106,10 @@ MIXED = (4, [0, 9, 70, 131], [1] * 4)
 PREFILLS = ([0, 45, 21, 90], [37, 16, 1, 5])
 
 
-def mixed_sequences(seed: int = 0) -> Sequences:
+def mixed_sequences(seed: int = 0) -> cp.Sequences:
     num_decodes, decode_ctx, decode_q = MIXED
     context_lens, query_lens = decode_ctx + PREFILLS[0], decode_q + PREFILLS[1]
-    return make_sequences(num_decodes, context_lens, query_lens, (NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE), seed)
+    return cp.make_sequences(num_decodes, context_lens, query_lens, SHAPE, seed)
 
 
 # Each variant over one block size (the plain one over both): the interpreter is slow.
@@ -150,7 +132,7 @@ def test_forward_partial_matches_reference(variant: str, block_size: int, cp_wor
     variants = VARIANTS[variant]
     for cp_rank in range(cp_world_size):
         got = run_partial(seqs, backend(cp_rank, cp_world_size, **variants), block_size, torch.float32)
-        want = reference_partial(seqs, cp_rank, cp_world_size, SCALE, **variants)
+        want = cp.reference_partial(seqs, (cp_rank, cp_world_size), SCALE, **variants)
         assert_partial_matches(got, want, torch.float32)
 
 
@@ -159,14 +141,14 @@ def test_forward_partial_float16_matches_reference(cp_world_size: int) -> None:
     seqs = mixed_sequences(seed=1)
     for cp_rank in range(cp_world_size):
         got = run_partial(seqs, backend(cp_rank, cp_world_size), 16, torch.float16)
-        want = reference_partial(rounded(seqs, torch.float16), cp_rank, cp_world_size, SCALE)
+        want = cp.reference_partial(seqs.rounded(torch.float16), (cp_rank, cp_world_size), SCALE)
         assert_partial_matches(got, want, torch.float16)
 
 
 def test_queries_without_a_key_on_the_rank_give_minus_inf_and_zero() -> None:
     # Position 0 (a decode of a one-token context, and a fresh prompt's first token) is rank 0's:
     # on ranks 1 and 2 those rows see nothing. So does every row of rank 2 before position 2.
-    seqs = make_sequences(1, [0, 0], [1, 3], (NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE))
+    seqs = cp.make_sequences(1, [0, 0], [1, 3], SHAPE)
     for cp_rank in (1, 2):
         out, lse = run_partial(seqs, backend(cp_rank, 3), 8, torch.float32)
         no_key = [0, 1] if cp_rank == 1 else [0, 1, 2]  # token rows: the decode, then the prompt
@@ -177,11 +159,11 @@ def test_queries_without_a_key_on_the_rank_give_minus_inf_and_zero() -> None:
 def test_partial_without_context_parallelism_is_forward_with_lse() -> None:
     seqs = mixed_sequences(seed=2)
     got = run_partial(seqs, backend(sliding_window=40), 16, torch.float32)
-    assert_partial_matches(got, reference_partial(seqs, 0, 1, SCALE, sliding_window=40), torch.float32)
+    assert_partial_matches(got, cp.reference_partial(seqs, (0, 1), SCALE, sliding_window=40), torch.float32)
 
 
 def merged_against_unsplit(
-    seqs: Sequences, cp_world_size: int, block_size: int, cache_dtype: torch.dtype, **options: object
+    seqs: cp.Sequences, cp_world_size: int, block_size: int, cache_dtype: torch.dtype, **options: object
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
     """((merged out, merged lse) of the P ranks' partials, forward's out on the unsplit cache, the
     unsplit forward_partial's lse), float32 queries over caches of cache_dtype. options: backend's."""
@@ -189,8 +171,8 @@ def merged_against_unsplit(
         run_partial(seqs, backend(r, cp_world_size, **options), block_size, torch.float32, cache_dtype)
         for r in range(cp_world_size)
     ]
-    merged = merge_partials([o for o, _ in partials], [lse for _, lse in partials])
-    step = rank_step(seqs, 0, 1, block_size, torch.float32, DEVICE, cache_dtype=cache_dtype)
+    merged = cp.merge_partials([o for o, _ in partials], [lse for _, lse in partials])
+    step = cp.rank_step(seqs, 0, 1, block_size, torch.float32, DEVICE, cache_dtype=cache_dtype)
     unsplit = backend(**options).forward(step.query, step.key, step.value, step.kv_cache, step.md)
     _, unsplit_lse = run_partial(seqs, backend(**options), block_size, torch.float32, cache_dtype)
     return merged, unsplit, unsplit_lse
@@ -207,7 +189,7 @@ def test_merged_partials_equal_unsplit_forward(variant: str, cp_world_size: int)
     torch.testing.assert_close(out.float(), unsplit.float(), atol=atol, rtol=rtol)
     torch.testing.assert_close(lse.float(), unsplit_lse, atol=atol, rtol=rtol)
     # And the unsplit step against the torch backend, an oracle the Triton kernels do not share.
-    step = rank_step(seqs, 0, 1, 8, torch.float32, DEVICE)
+    step = cp.rank_step(seqs, 0, 1, 8, torch.float32, DEVICE)
     torch_caches = tuple(c.permute(0, 2, 1, 3).contiguous() for c in step.kv_cache)
     variants = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in VARIANTS[variant].items()}
     oracle = TorchAttentionBackend(NUM_HEADS, HEAD_SIZE, SCALE, NUM_KV_HEADS, **variants)
@@ -229,6 +211,6 @@ def test_forward_partial_is_refused_without_context_parallel_support() -> None:
     assert TritonAttentionBackend.supports_context_parallel
     assert not CudaAttentionBackend.supports_context_parallel
     layer = CudaAttentionBackend(NUM_HEADS, HEAD_SIZE, SCALE, NUM_KV_HEADS, cp_rank=1, cp_world_size=2)
-    step = rank_step(mixed_sequences(), 1, 2, 8, torch.float32, DEVICE)
+    step = cp.rank_step(mixed_sequences(), 1, 2, 8, torch.float32, DEVICE)
     with pytest.raises(NotImplementedError, match="cuda attention backend has no context-parallel"):
         layer.forward_partial(step.query, step.key, step.value, step.kv_cache, step.md)

@@ -73,43 +73,13 @@ class PagedAttentionBackend(AttentionBackend):
         attn_metadata: AttentionMetadata,
         sink_query: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self._step(query, key, value, kv_cache, attn_metadata, sink_query, positions)
-
-    def forward_partial(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
-        sink_query: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes this step's K/V (as forward), then attends every query to THIS rank's visible
-        keys: (out [num_tokens, num_heads, head_size] in the query dtype, lse [num_tokens,
-        num_heads] float32, natural log of the softmax denominator of the scaled (soft-capped,
-        ALiBi'd) scores; -inf where a query sees no key on this rank, with out 0 there). Padding
-        tokens' rows are left unwritten, as forward's."""
-        if not self.supports_context_parallel:
-            raise NotImplementedError(f"the {self.name} attention backend has no context-parallel attention")
-        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
-        out = self._step(query, key, value, kv_cache, attn_metadata, sink_query, positions, lse=lse)
-        return out, lse
-
-    def _step(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
-        sink_query: torch.Tensor | None,
-        positions: torch.Tensor | None,
-        **partial: torch.Tensor,
-    ) -> torch.Tensor:
-        """forward's step; ``partial`` is ``{"lse": ...}`` from forward_partial, passed to the
-        pieces with each launch's rows, and empty from forward (whose pieces need not take it)."""
+        """AttentionBackend.forward; with ``lse`` (forward_partial's), attention over this
+        context-parallel rank's keys, each row's log-sum-exp written to lse."""
+        # Passed to the pieces only when given: a backend without context parallelism has pieces
+        # that do not take it.
+        partial = {} if lse is None else {"lse": lse}
         sink_query = self._check_sink_query(query, sink_query) if self.attention_sinks else None
         key_cache, value_cache = kv_cache
         md = attn_metadata
@@ -143,6 +113,20 @@ class PagedAttentionBackend(AttentionBackend):
                 **partial,
             )
         return output
+
+    def forward_partial(
+        self, query: torch.Tensor, *inputs: Any, **options: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's arguments (query, key, value, kv_cache, attn_metadata, sink_query,
+        positions). Writes this step's K/V (as forward), then attends every query to THIS rank's
+        visible keys: (out [num_tokens, num_heads, head_size] in the query dtype, lse [num_tokens,
+        num_heads] float32, natural log of the softmax denominator of the scaled (soft-capped,
+        ALiBi'd) scores; -inf where a query sees no key on this rank, with out 0 there). Padding
+        tokens' rows are left unwritten, as forward's."""
+        if not self.supports_context_parallel:
+            raise NotImplementedError(f"the {self.name} attention backend has no context-parallel attention")
+        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+        return self.forward(query, *inputs, **options, lse=lse), lse
 
 
 def check_kernels_support(

@@ -261,17 +261,7 @@ def _paged_decode_kernel(
     values = (value_cache_ptr + kv_head * stride_v_head, stride_v_block, stride_v_slot, v_dim_offs)
     cache = (keys, values, (block_tables_ptr + seq * stride_bt_seq, stride_bt_blk))
     scores = (qk_scale, v_scale, sliding_window, soft_cap, alibi_row, cp_rank)
-    CONFIG: tl.constexpr = (
-        HEAD_SIZE,
-        HEAD_DIM,
-        BLOCK_SIZE,
-        BLOCK_N,
-        SOFT_CAP,
-        ALIBI,
-        DOT_PRECISION,
-        KV_FP8,
-        CP_SIZE,
-    )
+    CONFIG: tl.constexpr = (HEAD_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFT_CAP, ALIBI, DOT_PRECISION, KV_FP8)
     if SINKS:
         # The sinks the window has passed, [0, sink_end), for the window's first partition only
         # (sink_end = 0 elsewhere: no tile, and the sink query is not even loaded). They end at or
@@ -294,11 +284,16 @@ def _paged_decode_kernel(
     # without per-token masks; then at most one tile cut by seq_len. Not causal: the query is the
     # context's last token.
     rows = (q, q_pos)
-    state = attend_paged_range(state, rows, lo, head_end, window_start, cache, scores, CONFIG, MASK_TAIL=True)
+    # (CP_SIZE for ALiBi's key positions: the ranges are local already.)
     state = attend_paged_range(
-        state, rows, head_end, full_end, head_end, cache, scores, CONFIG, MASK_TAIL=False
+        state, rows, lo, head_end, window_start, cache, scores, CONFIG, MASK_TAIL=True, CP_SIZE=CP_SIZE
     )
-    state = attend_paged_range(state, rows, full_end, end, full_end, cache, scores, CONFIG, MASK_TAIL=True)
+    state = attend_paged_range(
+        state, rows, head_end, full_end, head_end, cache, scores, CONFIG, MASK_TAIL=False, CP_SIZE=CP_SIZE
+    )
+    state = attend_paged_range(
+        state, rows, full_end, end, full_end, cache, scores, CONFIG, MASK_TAIL=True, CP_SIZE=CP_SIZE
+    )
     acc, l_i, m_i = state
 
     # A sequence whose context fits one partition (every one when num_partitions is 1; under a CUDA

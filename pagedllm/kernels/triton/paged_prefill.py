@@ -230,17 +230,7 @@ def _paged_prefill_kernel(
         l_i += 1.0
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # What every stage below shares (paged_tiles.attend_paged_range's tuples).
-    CONFIG: tl.constexpr = (
-        HEAD_SIZE,
-        HEAD_DIM,
-        BLOCK_SIZE,
-        BLOCK_N,
-        SOFT_CAP,
-        ALIBI,
-        DOT_PRECISION,
-        KV_FP8,
-        CP_SIZE,
-    )
+    CONFIG: tl.constexpr = (HEAD_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFT_CAP, ALIBI, DOT_PRECISION, KV_FP8)
     scores = (qk_scale, v_scale, sliding_window, soft_cap, alibi_row, cp_rank)
     state = (acc, l_i, m_i)
     keys = (key_cache_ptr + kv_head * stride_k_head, stride_k_block, stride_k_slot, k_dim_offs)
@@ -266,7 +256,16 @@ def _paged_prefill_kernel(
         )
     rows = (q, q_pos)
     state = attend_paged_range(
-        state, rows, unmasked_lo, unmasked_end, unmasked_lo, cache, scores, CONFIG, MASK_TAIL=False
+        state,
+        rows,
+        unmasked_lo,
+        unmasked_end,
+        unmasked_lo,
+        cache,
+        scores,
+        CONFIG,
+        MASK_TAIL=False,
+        CP_SIZE=CP_SIZE,
     )
     # If the unmasked stage was empty this one starts at key 0, or the window's first tile: without
     # a window every row sees key 0, so no row is fully masked in its first tile; with one, or with
@@ -284,6 +283,7 @@ def _paged_prefill_kernel(
         MASK_TAIL=True,
         CAUSAL=True,
         WINDOW=WINDOW,
+        CP_SIZE=CP_SIZE,
     )
     acc, l_i, m_i = state
 

@@ -83,6 +83,7 @@ def attend_paged_range(
     CAUSAL: tl.constexpr = False,  # mask keys past each row's q_pos
     WINDOW: tl.constexpr = False,  # mask keys at or before each row's q_pos - sliding_window
     SINK: tl.constexpr = False,  # the opposite: mask keys after q_pos - sliding_window (in the window)
+    CP_SIZE: tl.constexpr = 1,  # context-parallel ranks: local key j is at j * CP_SIZE + cp_rank
 ):
     """One stage of the online softmax: ``state`` updated with the keys [lo, hi). The arguments
     every stage of a program shares travel as tuples (Triton inlines the call: the same code)::
@@ -100,7 +101,7 @@ def attend_paged_range(
                 cp_rank        read when CP_SIZE > 1: this rank's stripe (local key j at j * P + r)
         CONFIG: HEAD_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_N; SOFT_CAP, ALIBI (the variants),
                 DOT_PRECISION (dot_precision), KV_FP8 (the caches hold float8_e4m3fn; q is in
-                the compute dtype), CP_SIZE (context-parallel ranks; 1: off)
+                the compute dtype)
     """
     acc, l_i, m_i = state
     q, q_pos = rows
@@ -115,7 +116,6 @@ def attend_paged_range(
     ALIBI: tl.constexpr = CONFIG[5]
     DOT_PRECISION: tl.constexpr = CONFIG[6]
     KV_FP8: tl.constexpr = CONFIG[7]
-    CP_SIZE: tl.constexpr = CONFIG[8]
     offs_d = tl.arange(0, HEAD_DIM)
     dim_mask = offs_d < HEAD_SIZE
     if not MASK_TAIL:
