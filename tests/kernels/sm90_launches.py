@@ -32,13 +32,21 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE = 8, 2, 128, 16
 
 
 def _variants(num_heads: int, query: torch.Tensor) -> list[dict]:
-    """The attention variants (AttentionBackend's): none, a window, ALiBi, a soft cap, sinks."""
+    """The attention variants (AttentionBackend's): none, a window, ALiBi, a soft cap, sinks; then
+    context parallelism's partial launches (lse out) on rank 1 of 2 with none, a window, ALiBi and
+    a soft cap, and at P = 1."""
+    partial = {"lse": torch.empty(query.shape[:2])}
+    rank1 = {"cp_rank": 1, "cp_world_size": 2, **partial}
     return [
         {},
         {"sliding_window": 32},
         {"alibi_slopes": torch.ones(num_heads)},
         {"logits_soft_cap": 30.0},
         {"sliding_window": 32, "attention_sinks": 4, "sink_query": torch.empty_like(query)},
+        rank1,
+        {**rank1, "sliding_window": 32},
+        {**rank1, "alibi_slopes": torch.ones(num_heads), "logits_soft_cap": 30.0},
+        partial,
     ]
 
 

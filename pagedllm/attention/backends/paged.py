@@ -14,6 +14,12 @@ tensors; a backend names its own and may take another backend's (the CUDA backen
 the Triton kernel, which reads both layouts). Grids come from host ints in the metadata
 (``max_seq_len``, ``max_query_len``): forward never syncs with the device, and with
 ``max_seq_len`` pinned to ``max_model_len`` a decode step is CUDA-graph capturable.
+
+Context parallelism (``cp_world_size`` P > 1) runs the same step through ``forward_partial``: the
+cache holds this rank's stripe of every context (global position ``t`` at local index ``t // P`` on
+rank ``t % P``), the metadata stays global, and the pieces, given an ``lse`` to write, attend each
+query to this rank's keys only and return the log-sum-exp of its scores, for the attention layer to
+merge across ranks. A backend whose pieces take ``lse`` says so with ``supports_context_parallel``.
 """
 
 from __future__ import annotations
@@ -30,10 +36,11 @@ from pagedllm.attention.metadata import AttentionMetadata
 # kernels read (rotated, where the layer has a rotary embedding).
 CacheWrite = Callable[..., torch.Tensor]
 # decode(layer, query, sink_query, key_cache, value_cache, block_tables, seq_lens,
-# (min_seq_len, max_seq_len), out): the decodes' rows of out.
+# (min_seq_len, max_seq_len), out[, lse=]): the decodes' rows of out (and of lse, when given).
 Decode = Callable[..., None]
 # prefill(layer, query, sink_query, kv_cache, block_tables, seq_lens, query_start_loc,
-# (first_seq, num_seqs, max_query_len), out): the rows of sequences [first, first + num) of out.
+# (first_seq, num_seqs, max_query_len), out[, lse=]): the rows of sequences [first, first + num)
+# of out (and of lse, when given).
 Prefill = Callable[..., None]
 
 
@@ -66,7 +73,13 @@ class PagedAttentionBackend(AttentionBackend):
         attn_metadata: AttentionMetadata,
         sink_query: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """AttentionBackend.forward; with ``lse`` (forward_partial's), attention over this
+        context-parallel rank's keys, each row's log-sum-exp written to lse."""
+        # Passed to the pieces only when given: a backend without context parallelism has pieces
+        # that do not take it.
+        partial = {} if lse is None else {"lse": lse}
         sink_query = self._check_sink_query(query, sink_query) if self.attention_sinks else None
         key_cache, value_cache = kv_cache
         md = attn_metadata
@@ -85,6 +98,7 @@ class PagedAttentionBackend(AttentionBackend):
                 md.seq_lens[:num_decodes],
                 (md.min_decode_seq_len, md.max_seq_len),
                 output[:num_decodes],
+                **{name: rows[:num_decodes] for name, rows in partial.items()},
             )
         if md.num_prefills:
             self.prefill(
@@ -96,8 +110,23 @@ class PagedAttentionBackend(AttentionBackend):
                 md.query_start_loc,
                 (num_decodes, md.num_prefills, md.max_query_len),
                 output,
+                **partial,
             )
         return output
+
+    def forward_partial(
+        self, query: torch.Tensor, *inputs: Any, **options: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward's arguments (query, key, value, kv_cache, attn_metadata, sink_query,
+        positions). Writes this step's K/V (as forward), then attends every query to THIS rank's
+        visible keys: (out [num_tokens, num_heads, head_size] in the query dtype, lse [num_tokens,
+        num_heads] float32, natural log of the softmax denominator of the scaled (soft-capped,
+        ALiBi'd) scores; -inf where a query sees no key on this rank, with out 0 there). Padding
+        tokens' rows are left unwritten, as forward's."""
+        if not self.supports_context_parallel:
+            raise NotImplementedError(f"the {self.name} attention backend has no context-parallel attention")
+        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+        return self.forward(query, *inputs, **options, lse=lse), lse
 
 
 def check_kernels_support(

@@ -23,6 +23,11 @@ Attention sinks (StreamingLLM, Xiao et al. 2023) are one more stage in each kern
 a window has passed with ``sink_query`` (see each kernel's header); a layer without them launches the
 kernels compiled before sinks existed (``SINKS`` is a constexpr).
 
+Context parallelism (``cp_world_size`` P > 1): ``forward_partial`` runs the same three kernels
+over this rank's stripe of each context (global position ``t`` at local index ``t // P`` on rank ``t
+% P``), each attention kernel reading 1/P of the K/V and writing every query's log-sum-exp beside
+its output (see each kernel's header); the decode partitions are sized for the rank's keys.
+
 With ``kv_cache_dtype="fp8"`` the caches are float8_e4m3fn in the same layout (half the bytes per
 block): the cache write stores ``saturate(x / scale)`` and both attention kernels widen the tiles
 and multiply the layer's scales (``k_scale``, ``v_scale``: device scalars) back in.
@@ -93,23 +98,27 @@ def triton_decode(
     seq_lens: torch.Tensor,
     seq_len_range: tuple[int, int],
     out: torch.Tensor,
+    lse: torch.Tensor | None = None,
 ) -> None:
     """paged_decode. query, out (and sink_query, None without sinks): [num_decodes, num_heads,
     head_size]; one new token per sequence. seq_len_range: the (min, max) decode context on the
-    host, min 0 where unknown."""
+    host, min 0 where unknown. lse ([num_decodes, num_heads] float32): a partial launch over this
+    context-parallel rank's keys (PagedAttentionBackend.forward_partial)."""
     launch = _launch_kwargs(layer.head_size, compute_dtype(query, key_cache))[0]
     min_seq_len, max_seq_len = seq_len_range
     # A windowed layer reads at most a window per sequence: size the partitions for that, so
     # that its few live partitions still fill the GPU (the others exit at once). Its sinks
     # are a few more tiles in the window's first partition, not worth a partition of their own.
+    # Under context parallelism a rank reads 1 / cp_world_size of each: size for this rank's keys.
     window = layer.sliding_window or max_seq_len
+    cp = layer.cp_world_size
     partition_size = decode_partition_size(
         query.shape[0],
         layer.num_kv_heads,
-        min(max_seq_len, window),
+        -(-min(max_seq_len, window) // cp),
         launch,
         query.device,
-        min_seq_len=min(min_seq_len, window),
+        min_seq_len=min(min_seq_len, window) // cp,
     )
     paged_decode(
         query,
@@ -123,6 +132,9 @@ def triton_decode(
         sink_query=sink_query,
         k_scale=layer.k_scale,
         v_scale=layer.v_scale,
+        cp_rank=layer.cp_rank,
+        cp_world_size=cp,
+        lse=lse,
         **layer.kernel_variants,
         **{**launch, "partition_size": partition_size},
     )
@@ -138,10 +150,12 @@ def triton_prefill(
     query_start_loc: torch.Tensor,
     seqs: tuple[int, int, int],
     out: torch.Tensor,
+    lse: torch.Tensor | None = None,
 ) -> None:
     """paged_prefill for sequences [first, first + count) of the batch, ``seqs = (first, count,
     max_query_len)``. One kernel for every layout: it reads the Triton and vLLM's original caches
-    alike. sink_query: the shape of query, None without sinks."""
+    alike. sink_query: the shape of query, None without sinks. lse ([num_tokens, num_heads]
+    float32): a partial launch over this context-parallel rank's keys (forward_partial)."""
     key_cache, value_cache = kv_cache
     first_seq, num_seqs, max_query_len = seqs
     paged_prefill(
@@ -159,6 +173,9 @@ def triton_prefill(
         sink_query=sink_query,
         k_scale=layer.k_scale,
         v_scale=layer.v_scale,
+        cp_rank=layer.cp_rank,
+        cp_world_size=layer.cp_world_size,
+        lse=lse,
         **layer.kernel_variants,
         **_launch_kwargs(layer.head_size, compute_dtype(query, key_cache))[1],
     )
@@ -169,6 +186,7 @@ class TritonAttentionBackend(PagedAttentionBackend):
 
     name = "triton"
     supports_fp8_kv_cache = True
+    supports_context_parallel = True
     get_kv_cache_shape = staticmethod(triton_kv_cache_shape)
     write_cache = write_cache_rotating
     decode = triton_decode

@@ -34,12 +34,29 @@ Kernel 2, ``_paged_decode_reduce_kernel``, grid ``(num_seqs, num_heads)``:
   partition_size)`` of them; with one, kernel 1 wrote the output and the program exits), rescales each by
   ``exp2(m_p - max_p m_p)`` and writes ``sum(w_p * acc_p) / sum(w_p * l_p)``.
 
+Context parallelism (``CP_SIZE = P > 1``, with ``PARTIAL``; Striped Attention's layout, merged as
+in Ring/Tree Attention): rank ``r``'s cache holds the keys at global positions ``t = j * P + r`` at
+local index ``j`` of each block table, and ``seq_lens`` stay global. Both kernels turn the bounds
+into local indices once per program (``paged_tiles.local_key_count``: ``ceil((n - r) / P)`` keys
+below global ``n``), so the context ``[window_start, seq_len)`` becomes ``ceil((seq_len - r) / P)``
+local keys from ``ceil((window_start - r) / P)``, and partitions, tiles and the reduce run over
+those exactly as over an unsplit context; ALiBi scores the global key position. Each program then
+reads 1/P of the K/V bytes, and the grid's partition axis shrinks to ``cdiv(cdiv(max_seq_len, P),
+partition_size)``. With ``PARTIAL`` the launch also writes each query head's log-sum-exp (natural
+log of its softmax denominator) to ``lse`` ``[num_seqs, num_heads]`` float32 -- kernel 1 for a
+one-partition sequence, the reduce otherwise (``max_p m_p + log2(sum w_p l_p)``, back to base e) --
+and a query that sees none of this rank's keys (position 0 on rank 1, a window shorter than P) gets
+out 0 and lse -inf from partition 0 with no tile read. The attention layer merges the P ranks'
+(out, lse). With ``CP_SIZE = 1`` and no ``PARTIAL`` the kernels compile as before (sm_90 PTX:
+kernel 1 the same instruction count; the reduce 5 fewer, its skip test being ``num_parts <= 1``).
+
 ``num_partitions = cdiv(max_seq_len, partition_size)`` (with a window, ``cdiv(min(max_seq_len,
 sliding_window + BLOCK_N - 1), partition_size)``) comes from a host bound, not from the device's
 ``seq_lens``, so a CUDA graph captured with ``max_seq_len = max_model_len`` stays valid for every
 replay; the programs past a sequence's end exit immediately.
 
-Layouts: query/output (and sink_query) ``[num_seqs, num_heads, head_size]``; key_cache/value_cache
+Layouts: query/output (and sink_query) ``[num_seqs, num_heads, head_size]``, lse ``[num_seqs,
+num_heads]`` float32 (PARTIAL); key_cache/value_cache
 ``[num_blocks, num_kv_heads, block_size, head_size]``; block_tables ``[num_seqs, max_blocks]``
 int32; seq_lens ``[num_seqs]`` int32; workspace (float32) partial_out ``[num_seqs, num_heads,
 num_partitions, HEAD_DIM]``, max_logits/exp_sums ``[num_seqs, num_heads, num_partitions]``.
@@ -50,7 +67,9 @@ partly masked tile; with sinks, ``min(attention_sinks, window_start)`` more in `
 attention_sinks, BLOCK_N)`` masked tiles, and one more query row per KV head); FLOPs ~ ``4 *
 sum(seq_lens) * num_heads * head_size``, i.e. ~2 * num_queries_per_kv FLOPs per byte at 16 bits,
 far below any GPU's ridge point. The workspace traffic is ``num_partitions * num_heads *
-head_size * 4`` bytes per sequence, < 1% of the K/V bytes at partitions of 512 tokens.
+head_size * 4`` bytes per sequence, < 1% of the K/V bytes at partitions of 512 tokens. Under
+context parallelism a rank reads ``ceil(seq_len / P)`` keys per sequence (bytes and FLOPs / P) and
+writes ``num_heads * 4`` more bytes of lse.
 """
 
 from __future__ import annotations
@@ -64,10 +83,13 @@ import triton.language as tl
 from pagedllm.kernels.triton.paged_tiles import (
     attend_paged_range,
     check_paged_inputs,
+    check_partial_inputs,
     compute_dtype,
     dot_precision,
     fp8_kv_scales,
     fp8_scale_args,
+    local_key_count,
+    row_lse,
 )
 from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 
@@ -86,9 +108,12 @@ def _window_start(seq_len, sliding_window):
 _WORKSPACE_STRIDES = ["stride_po_seq", "stride_po_head", "stride_ml_seq", "stride_ml_head"]
 
 
-@triton.jit(do_not_specialize=["partition_size", "sliding_window", "attention_sinks", *_WORKSPACE_STRIDES])
+@triton.jit(
+    do_not_specialize=["partition_size", "sliding_window", "attention_sinks", "cp_rank", *_WORKSPACE_STRIDES]
+)
 def _paged_decode_kernel(
     out_ptr,
+    lse_ptr,  # [num_seqs, num_heads] float32, written when PARTIAL
     partial_out_ptr,
     max_logits_ptr,
     exp_sums_ptr,
@@ -106,6 +131,7 @@ def _paged_decode_kernel(
     sliding_window,  # 0: no window
     attention_sinks,  # read when SINKS
     soft_cap,  # the logit cap * log2(e), read when SOFT_CAP
+    cp_rank,  # read when CP_SIZE > 1
     stride_q_seq,
     stride_q_head,
     stride_q_dim,
@@ -115,6 +141,8 @@ def _paged_decode_kernel(
     stride_o_seq,
     stride_o_head,
     stride_o_dim,
+    stride_lse_seq,
+    stride_lse_head,
     stride_po_seq,
     stride_po_head,
     stride_po_part,
@@ -145,6 +173,8 @@ def _paged_decode_kernel(
     LEARNED_SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,  # the caches hold float8_e4m3fn (paged_tiles.attend_paged_range)
+    CP_SIZE: tl.constexpr,  # context-parallel ranks (module docstring); 1: off
+    PARTIAL: tl.constexpr,  # write each row's log-sum-exp to lse_ptr; 0 and -inf for no key
     USE_GDC: tl.constexpr,
 ):
     wait_for_prior_kernel(USE_GDC)
@@ -162,13 +192,38 @@ def _paged_decode_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    # The single query sits at seq_len - 1 and sees keys >= window_start (all with no window).
+    global_len = tl.load(seq_lens_ptr + seq)
+    # The single query sits at global_len - 1 and sees keys >= window_start (all with no window).
     # Partitions count from the window's first tile, so a windowed layer's grid spans the window,
-    # not the context.
-    window_start = _window_start(seq_len, sliding_window)
+    # not the context. From here on key indices are this rank's (local_key_count: the same
+    # numbers without context parallelism).
+    seq_len = local_key_count(global_len, cp_rank, CP_SIZE)
+    window_start = local_key_count(_window_start(global_len, sliding_window), cp_rank, CP_SIZE)
     start = window_start // BLOCK_N * BLOCK_N + part * partition_size
     end = tl.minimum(start + partition_size, seq_len)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_dim_offs = offs_d * stride_k_dim
+    v_dim_offs = offs_d * stride_v_dim
+    heads = kv_head * NUM_QUERIES_PER_KV + offs_h
+    row_mask = (offs_h[:, None] < NUM_QUERIES_PER_KV) & (offs_d[None, :] < HEAD_SIZE)
+    if PARTIAL:  # noqa: SIM102 (a constexpr test on its own: kernels without lse keep no branch)
+        if window_start >= seq_len:
+            # This rank holds no key the query sees: out 0 and lse -inf, from partition 0 (the
+            # one every launch has).
+            if part == 0:
+                tl.store(
+                    out_ptr
+                    + seq * stride_o_seq
+                    + heads[:, None] * stride_o_head
+                    + offs_d[None, :] * stride_o_dim,
+                    tl.zeros([BLOCK_H, HEAD_DIM], dtype=out_ptr.dtype.element_ty),
+                    mask=row_mask,
+                )
+                no_key = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+                head_mask = offs_h < NUM_QUERIES_PER_KV
+                tl.store(lse_ptr + seq * stride_lse_seq + heads * stride_lse_head, no_key, mask=head_mask)
+            return
     if start >= seq_len:
         return
     # The window's first tile (the only one cut by its lower edge, in partition 0) is masked on its
@@ -179,18 +234,12 @@ def _paged_decode_kernel(
         head_end = tl.minimum(lo + BLOCK_N, end)
     full_end = tl.maximum(start + (end - start) // BLOCK_N * BLOCK_N, head_end)
 
-    offs_h = tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, HEAD_DIM)
-    k_dim_offs = offs_d * stride_k_dim
-    v_dim_offs = offs_d * stride_v_dim
-    heads = kv_head * NUM_QUERIES_PER_KV + offs_h
-    row_mask = (offs_h[:, None] < NUM_QUERIES_PER_KV) & (offs_d[None, :] < HEAD_SIZE)
     q = tl.load(
         query_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :] * stride_q_dim,
         mask=row_mask,
         other=0.0,
     ).to(q_ty)
-    q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + seq_len - 1
+    q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + global_len - 1
     alibi_row = tl.zeros([BLOCK_H], dtype=tl.float32)
     if ALIBI:
         slopes = tl.load(alibi_slopes_ptr + heads, mask=offs_h < NUM_QUERIES_PER_KV, other=0.0)
@@ -211,7 +260,7 @@ def _paged_decode_kernel(
     keys = (key_cache_ptr + kv_head * stride_k_head, stride_k_block, stride_k_slot, k_dim_offs)
     values = (value_cache_ptr + kv_head * stride_v_head, stride_v_block, stride_v_slot, v_dim_offs)
     cache = (keys, values, (block_tables_ptr + seq * stride_bt_seq, stride_bt_blk))
-    scores = (qk_scale, v_scale, sliding_window, soft_cap, alibi_row)
+    scores = (qk_scale, v_scale, sliding_window, soft_cap, alibi_row, cp_rank)
     CONFIG: tl.constexpr = (HEAD_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFT_CAP, ALIBI, DOT_PRECISION, KV_FP8)
     if SINKS:
         # The sinks the window has passed, [0, sink_end), for the window's first partition only
@@ -235,11 +284,16 @@ def _paged_decode_kernel(
     # without per-token masks; then at most one tile cut by seq_len. Not causal: the query is the
     # context's last token.
     rows = (q, q_pos)
-    state = attend_paged_range(state, rows, lo, head_end, window_start, cache, scores, CONFIG, MASK_TAIL=True)
+    # (CP_SIZE for ALiBi's key positions: the ranges are local already.)
     state = attend_paged_range(
-        state, rows, head_end, full_end, head_end, cache, scores, CONFIG, MASK_TAIL=False
+        state, rows, lo, head_end, window_start, cache, scores, CONFIG, MASK_TAIL=True, CP_SIZE=CP_SIZE
     )
-    state = attend_paged_range(state, rows, full_end, end, full_end, cache, scores, CONFIG, MASK_TAIL=True)
+    state = attend_paged_range(
+        state, rows, head_end, full_end, head_end, cache, scores, CONFIG, MASK_TAIL=False, CP_SIZE=CP_SIZE
+    )
+    state = attend_paged_range(
+        state, rows, full_end, end, full_end, cache, scores, CONFIG, MASK_TAIL=True, CP_SIZE=CP_SIZE
+    )
     acc, l_i, m_i = state
 
     # A sequence whose context fits one partition (every one when num_partitions is 1; under a CUDA
@@ -252,6 +306,9 @@ def _paged_decode_kernel(
             out.to(out_ptr.dtype.element_ty),
             mask=row_mask,
         )
+        if PARTIAL:
+            lse_offs = seq * stride_lse_seq + heads * stride_lse_head
+            tl.store(lse_ptr + lse_offs, row_lse(l_i, m_i), mask=offs_h < NUM_QUERIES_PER_KV)
     else:
         head_mask = offs_h < NUM_QUERIES_PER_KV
         ml_offs = seq * stride_ml_seq + heads * stride_ml_head + part * stride_ml_part
@@ -268,9 +325,10 @@ def _paged_decode_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["partition_size", "sliding_window", *_WORKSPACE_STRIDES])
+@triton.jit(do_not_specialize=["partition_size", "sliding_window", "cp_rank", *_WORKSPACE_STRIDES])
 def _paged_decode_reduce_kernel(
     out_ptr,
+    lse_ptr,  # written when PARTIAL
     partial_out_ptr,
     max_logits_ptr,
     exp_sums_ptr,
@@ -278,6 +336,8 @@ def _paged_decode_reduce_kernel(
     stride_o_seq,
     stride_o_head,
     stride_o_dim,
+    stride_lse_seq,
+    stride_lse_head,
     stride_po_seq,
     stride_po_head,
     stride_po_part,
@@ -287,10 +347,13 @@ def _paged_decode_reduce_kernel(
     stride_ml_part,
     partition_size,
     sliding_window,
+    cp_rank,
     HEAD_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    CP_SIZE: tl.constexpr,
+    PARTIAL: tl.constexpr,
     USE_GDC: tl.constexpr,
 ):
     wait_for_prior_kernel(USE_GDC)
@@ -298,10 +361,15 @@ def _paged_decode_reduce_kernel(
     head = tl.program_id(1)
     # Only the partitions kernel 1 wrote, [0, num_parts) from the window's first tile: the rest of
     # the workspace is uninitialized.
-    seq_len = tl.load(seq_lens_ptr + seq)
-    first_key = _window_start(seq_len, sliding_window) // BLOCK_N * BLOCK_N
+    # (Kernel 1's local key indices: local_key_count.)
+    global_len = tl.load(seq_lens_ptr + seq)
+    seq_len = local_key_count(global_len, cp_rank, CP_SIZE)
+    first_key = local_key_count(_window_start(global_len, sliding_window), cp_rank, CP_SIZE)
+    first_key = first_key // BLOCK_N * BLOCK_N
     num_parts = tl.cdiv(seq_len - first_key, partition_size)
-    if num_parts == 1:  # kernel 1 wrote this sequence's output itself
+    # Kernel 1 wrote this sequence's output itself: it had one partition, or (a partial decode) none
+    # with a key the query sees (seq_len - first_key < BLOCK_N, so at most one).
+    if num_parts <= 1:
         return
     offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -337,6 +405,9 @@ def _paged_decode_reduce_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=offs_d < HEAD_SIZE,
     )
+    if PARTIAL:
+        lse = row_lse(tl.sum(denom, 0), global_max)
+        tl.store(lse_ptr + seq * stride_lse_seq + head * stride_lse_head, lse)
 
 
 def paged_decode(
@@ -357,6 +428,9 @@ def paged_decode(
     sinks: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    cp_rank: int = 0,
+    cp_world_size: int = 1,
+    lse: torch.Tensor | None = None,
     partition_size: int = 512,
     block_n: int = 64,
     num_warps: int = 4,
@@ -374,9 +448,15 @@ def paged_decode(
     sinks outside each sequence's window. ``sinks`` ([num_heads]): gpt-oss's learned sink logits.
     With float8_e4m3fn caches (kv_cache_dtype="fp8"), ``k_scale`` and ``v_scale`` (float32 scalars
     on the device) dequantize them: attention reads ``k * k_scale`` and ``v * v_scale``.
+
+    With ``lse`` ([num_seqs, num_heads] float32) the launch is partial: it also writes each row's
+    log-sum-exp, and a query that sees no key writes out 0 and lse -inf. With ``cp_world_size`` P
+    > 1 (needs ``lse``) the caches hold only rank ``cp_rank``'s stripe of each context (module
+    docstring); seq_lens and ``max_seq_len`` stay global.
     """
     layout = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
     kv_fp8, kv_scales = fp8_scale_args(query, key_cache, k_scale, v_scale)
+    check_partial_inputs(query, lse, cp_rank, cp_world_size, attention_sinks > 0 or sinks is not None)
     assert sinks is None or (sinks.shape == query.shape[1:2] and sinks.is_contiguous())
     assert layout.key_chunk == 0, "paged_decode reads the Triton layout (the cuda backend has its own decode)"
     assert block_tables.shape[0] == seq_lens.shape[0] == query.shape[0], "one query per sequence"
@@ -392,8 +472,11 @@ def paged_decode(
         return out
     num_queries_per_kv = num_heads // num_kv_heads
     head_dim = triton.next_power_of_2(head_size)
-    # A window's keys start within a tile of its first tile: it spans at most window + block_n - 1.
-    attended_bound = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + block_n - 1)
+    # This rank's keys of the longest context; a window's start within a tile of its first tile:
+    # it spans at most (its local keys) + block_n - 1.
+    attended_bound = triton.cdiv(max_seq_len, cp_world_size)
+    if sliding_window is not None:
+        attended_bound = min(attended_bound, triton.cdiv(sliding_window, cp_world_size) + block_n - 1)
     num_partitions = triton.cdiv(attended_bound, partition_size)
     single_partition = num_partitions == 1
     # float32 scratch for kernel 1's per-partition state; a [.., 1, ..] stub when it is unused.
@@ -404,8 +487,12 @@ def paged_decode(
     max_logits = torch.empty(num_seqs, num_heads, workspace_parts, dtype=torch.float32, device=query.device)
     exp_sums = torch.empty_like(max_logits)
 
+    # Without lse: a pointer never written, and strides that do not follow the workspace's.
+    partial = lse is not None
+    lse, lse_strides = (lse, lse.stride()) if partial else (max_logits, (0, 0))
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
         out,
+        lse,
         partial_out,
         max_logits,
         exp_sums,
@@ -422,9 +509,11 @@ def paged_decode(
         sliding_window or 0,
         attention_sinks,
         (logits_soft_cap or 0.0) * math.log2(math.e),
+        cp_rank,
         *query.stride(),
         *(sink_query if streaming_sinks else query).stride(),
         *out.stride(),
+        *lse_strides,
         *partial_out.stride(),
         *max_logits.stride(),
         *key_cache.stride(),
@@ -443,6 +532,8 @@ def paged_decode(
         LEARNED_SINKS=sinks is not None,
         DOT_PRECISION=dot_precision(compute_dtype(query, key_cache) == torch.float32),
         KV_FP8=kv_fp8,
+        CP_SIZE=cp_world_size,
+        PARTIAL=partial,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(query.device),
@@ -450,21 +541,26 @@ def paged_decode(
     if not single_partition:
         _paged_decode_reduce_kernel[(num_seqs, num_heads)](
             out,
+            lse,
             partial_out,
             max_logits,
             exp_sums,
             seq_lens,
             *out.stride(),
+            *lse_strides,
             *partial_out.stride(),
             *max_logits.stride(),
             partition_size=partition_size,
             sliding_window=sliding_window or 0,
+            cp_rank=cp_rank,
             HEAD_SIZE=head_size,
             HEAD_DIM=head_dim,
             BLOCK_N=block_n,
             # One tile width for any number of partitions: masked lanes cost nothing here, and a
             # width per count would compile a kernel per count.
             BLOCK_P=_REDUCE_BLOCK_P,
+            CP_SIZE=cp_world_size,
+            PARTIAL=partial,
             **pdl_options(query.device),
         )
     return out

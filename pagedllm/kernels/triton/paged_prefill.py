@@ -34,7 +34,21 @@ with the right query, into one online softmax. Keys between the sinks and the wi
 read. A program whose rows' windows have passed no sink (sink stage bound 0) runs no extra tile
 and does not load ``sink_query``.
 
-Layouts: query/out (and sink_query) ``[num_tokens, num_heads, head_size]`` (flattened batch, rows
+Context parallelism (``CP_SIZE = P > 1``, with ``PARTIAL``): rank ``r``'s cache holds the keys at
+global positions ``t = j * P + r`` at local index ``j``; seq_lens, query_start_loc and so every
+``q_pos`` stay global (each rank sees every query of the step). The stages' bounds become local
+(``paged_tiles.local_key_count``): keys visible to every row are the ``ceil((first_pos + 1 - r) /
+P)`` first, the causal end ``ceil((min(seq_len, last_pos + 1) - r) / P)``, a window's first key
+``ceil((first_pos - sliding_window + 1 - r) / P)``; the causal and window masks and ALiBi compare
+the global key position ``j * P + r`` with ``q_pos``. A query tile thus walks 1/P of the keys (and
+the tiles past every row's causal bound are still skipped). A row may see no key of this rank
+(position ``< r``): the online softmax keeps it at ``m_i = -inf, l_i = 0`` and the launch writes
+out 0 and lse -inf. With ``PARTIAL`` each row's log-sum-exp (``(m_i + log2 l_i) * ln 2``) goes to
+``lse`` ``[num_tokens, num_heads]`` float32 for the attention layer's merge across ranks. With
+``CP_SIZE = 1`` and no ``PARTIAL`` the kernel compiles to the code it had before.
+
+Layouts: query/out (and sink_query) ``[num_tokens, num_heads, head_size]``, lse ``[num_tokens,
+num_heads]`` float32 (PARTIAL) (flattened batch, rows
 located by ``query_start_loc``); key_cache/value_cache in either layout of
 ``paged_tiles.PagedKVLayout``: the Triton backend's ``[num_blocks, num_kv_heads, block_size,
 head_size]``, or vLLM's original (the cuda backend's: K ``[num_blocks, num_kv_heads, head_size / x,
@@ -48,7 +62,8 @@ Bound: compute for long chunks. FLOPs ~ ``4 * num_heads * head_size * sum_s(quer
 sum_s(seq_len * cdiv(query_len, BLOCK_M))`` before L2 reuse across the GQA group and query blocks
 (with a window, ``min(seq_len, sliding_window + BLOCK_M)`` in place of ``seq_len``; with sinks,
 ``cdiv(attention_sinks, BLOCK_N) * BLOCK_N`` more keys at most, plus the program's ``sink_query``
-rows: ``BLOCK_M * head_size * element_size``).
+rows: ``BLOCK_M * head_size * element_size``). Under context parallelism each rank's FLOPs and
+bytes are ~1/P of these (the striping gives every rank an equal share of the causal triangle).
 """
 
 from __future__ import annotations
@@ -62,21 +77,25 @@ import triton.language as tl
 from pagedllm.kernels.triton.paged_tiles import (
     attend_paged_range,
     check_paged_inputs,
+    check_partial_inputs,
     compute_dtype,
     dim_offsets,
     dot_precision,
     fp8_kv_scales,
     fp8_scale_args,
+    local_key_count,
+    row_lse,
 )
 
 
 # first_seq (how many decodes precede the prefills) changes every step: specialised, as Triton
 # specialises ints equal to 1 or divisible by 16, it would compile new kernels mid-serving.
 # sliding_window varies per layer (Gemma): one kernel for every value, as for first_seq; so may
-# attention_sinks.
-@triton.jit(do_not_specialize=["first_seq", "sliding_window", "attention_sinks"])
+# attention_sinks; and cp_rank (one kernel for every rank).
+@triton.jit(do_not_specialize=["first_seq", "sliding_window", "attention_sinks", "cp_rank"])
 def _paged_prefill_kernel(
     out_ptr,
+    lse_ptr,  # [num_tokens, num_heads] float32, written when PARTIAL
     query_ptr,
     sink_query_ptr,  # [num_tokens, num_heads, head_size], read when SINKS
     key_cache_ptr,
@@ -93,6 +112,7 @@ def _paged_prefill_kernel(
     sliding_window,  # read when WINDOW
     attention_sinks,  # read when SINKS
     soft_cap,  # the logit cap * log2(e), read when SOFT_CAP
+    cp_rank,  # read when CP_SIZE > 1
     stride_q_tok,
     stride_q_head,
     stride_q_dim,
@@ -102,6 +122,8 @@ def _paged_prefill_kernel(
     stride_o_tok,
     stride_o_head,
     stride_o_dim,
+    stride_lse_tok,
+    stride_lse_head,
     stride_k_block,
     stride_k_head,
     stride_k_slot,
@@ -128,6 +150,8 @@ def _paged_prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,  # the caches hold float8_e4m3fn (paged_tiles.attend_paged_range)
     PACK_GQA: tl.constexpr,  # rows are (token, head of the KV group) pairs: see the module docstring
+    CP_SIZE: tl.constexpr,  # context-parallel ranks (module docstring); 1: off
+    PARTIAL: tl.constexpr,  # write each row's log-sum-exp to lse_ptr; 0 and -inf for no key
 ):
     m_block = tl.program_id(0)
     seq = first_seq + tl.program_id(2)
@@ -182,16 +206,18 @@ def _paged_prefill_kernel(
 
     # Keys <= the tile's first query position are visible to all its rows (first_pos < seq_len
     # because the tile holds at least one real row); the tiles after that straddle the diagonal.
+    # The bounds are global positions turned into this rank's key indices (local_key_count: the
+    # same numbers without context parallelism); q_pos stays global.
     first_pos = context_len + first_row
     unmasked_lo = 0
-    unmasked_end = (first_pos + 1) // BLOCK_N * BLOCK_N
-    kv_end = tl.minimum(seq_len, context_len + last_row + 1)
+    unmasked_end = local_key_count(first_pos + 1, cp_rank, CP_SIZE) // BLOCK_N * BLOCK_N
+    kv_end = local_key_count(tl.minimum(seq_len, context_len + last_row + 1), cp_rank, CP_SIZE)
     kv_lo = unmasked_end
     if WINDOW:
         # Only keys > first_pos - sliding_window are visible to any row: start at that key's
         # tile, and mask every tile (the window's lower edge moves with the row, like the
         # diagonal). Keys before kv_lo are not even loaded: their blocks may be gone.
-        kv_lo = tl.maximum(first_pos - sliding_window + 1, 0)
+        kv_lo = local_key_count(tl.maximum(first_pos - sliding_window + 1, 0), cp_rank, CP_SIZE)
         unmasked_lo = kv_lo // BLOCK_N * BLOCK_N
         unmasked_end = unmasked_lo
 
@@ -205,7 +231,7 @@ def _paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     # What every stage below shares (paged_tiles.attend_paged_range's tuples).
     CONFIG: tl.constexpr = (HEAD_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFT_CAP, ALIBI, DOT_PRECISION, KV_FP8)
-    scores = (qk_scale, v_scale, sliding_window, soft_cap, alibi_row)
+    scores = (qk_scale, v_scale, sliding_window, soft_cap, alibi_row, cp_rank)
     state = (acc, l_i, m_i)
     keys = (key_cache_ptr + kv_head * stride_k_head, stride_k_block, stride_k_slot, k_dim_offs)
     values = (value_cache_ptr + kv_head * stride_v_head, stride_v_block, stride_v_slot, v_dim_offs)
@@ -230,11 +256,21 @@ def _paged_prefill_kernel(
         )
     rows = (q, q_pos)
     state = attend_paged_range(
-        state, rows, unmasked_lo, unmasked_end, unmasked_lo, cache, scores, CONFIG, MASK_TAIL=False
+        state,
+        rows,
+        unmasked_lo,
+        unmasked_end,
+        unmasked_lo,
+        cache,
+        scores,
+        CONFIG,
+        MASK_TAIL=False,
+        CP_SIZE=CP_SIZE,
     )
     # If the unmasked stage was empty this one starts at key 0, or the window's first tile: without
-    # a window every row sees key 0, so no row is fully masked in its first tile; with one,
-    # attend_paged_range keeps such rows NaN-free.
+    # a window every row sees key 0, so no row is fully masked in its first tile; with one, or with
+    # context parallelism (a row may see no key of this rank at all), attend_paged_range keeps such
+    # rows NaN-free.
     state = attend_paged_range(
         state,
         rows,
@@ -247,10 +283,20 @@ def _paged_prefill_kernel(
         MASK_TAIL=True,
         CAUSAL=True,
         WINDOW=WINDOW,
+        CP_SIZE=CP_SIZE,
     )
     acc, l_i, m_i = state
 
-    out = acc / l_i[:, None]
+    if PARTIAL:
+        # A row that saw no key (acc 0, l_i 0) writes out 0 and lse -inf; the others divide by l_i.
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(
+            lse_ptr + tokens * stride_lse_tok + head * stride_lse_head,
+            row_lse(l_i, m_i),
+            mask=offs_m < query_len,
+        )
+    else:
+        out = acc / l_i[:, None]
     tl.store(
         out_ptr + tokens[:, None] * stride_o_tok + head_col * stride_o_head + offs_d[None, :] * stride_o_dim,
         out.to(out_ptr.dtype.element_ty),
@@ -285,6 +331,9 @@ def paged_prefill(
     num_stages: int = 2,
     enable_fp_fusion: bool = True,
     pack_gqa: bool = False,
+    cp_rank: int = 0,
+    cp_world_size: int = 1,
+    lse: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of sequences ``[first_seq, first_seq + num_prefills)`` over their paged
     context (cached prefix + the chunk itself); writes their rows of ``out``.
@@ -303,9 +352,15 @@ def paged_prefill(
     ``pack_gqa``: a program's rows are (token, head) pairs of one KV head's group (module docstring).
     With float8_e4m3fn caches (kv_cache_dtype="fp8"), ``k_scale`` and ``v_scale`` (float32 scalars
     on the device) dequantize them: attention reads ``k * k_scale`` and ``v * v_scale``.
+
+    With ``lse`` ([num_tokens, num_heads] float32) the launch is partial: it also writes each
+    row's log-sum-exp, and a row that sees no key writes out 0 and lse -inf. With
+    ``cp_world_size`` P > 1 (needs ``lse``) the caches hold only rank ``cp_rank``'s stripe of each
+    context (module docstring); seq_lens and query_start_loc stay global.
     """
     layout = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
     kv_fp8, kv_scales = fp8_scale_args(query, key_cache, k_scale, v_scale)
+    check_partial_inputs(query, lse, cp_rank, cp_world_size, attention_sinks > 0 or sinks is not None)
     assert sinks is None or (sinks.shape == query.shape[1:2] and sinks.is_contiguous())
     assert query_start_loc.dtype == torch.int32 and query_start_loc.shape[0] == seq_lens.shape[0] + 1
     assert first_seq >= 0 and first_seq + num_prefills <= seq_lens.shape[0]
@@ -321,8 +376,10 @@ def paged_prefill(
         if pack_gqa
         else (triton.cdiv(max_query_len, block_m), num_heads, num_prefills)
     )
+    partial = lse is not None
     _paged_prefill_kernel[grid](
         out,
+        lse if partial else out,  # a pointer never written without lse
         query,
         sink_query if streaming_sinks else query,  # a pointer never read without sinks
         key_cache,
@@ -338,9 +395,11 @@ def paged_prefill(
         sliding_window or 0,
         attention_sinks,
         (logits_soft_cap or 0.0) * math.log2(math.e),
+        cp_rank,
         *query.stride(),
         *(sink_query if streaming_sinks else query).stride(),
         *out.stride(),
+        *(lse.stride() if partial else (0, 0)),
         *layout.key_strides,
         *layout.value_strides,
         *block_tables.stride(),
@@ -359,6 +418,8 @@ def paged_prefill(
         DOT_PRECISION=dot_precision(compute_dtype(query, key_cache) == torch.float32),
         KV_FP8=kv_fp8,
         PACK_GQA=pack_gqa,
+        CP_SIZE=cp_world_size,
+        PARTIAL=partial,
         num_warps=num_warps,
         num_stages=num_stages,
         enable_fp_fusion=enable_fp_fusion,

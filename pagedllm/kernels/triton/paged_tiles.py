@@ -46,9 +46,17 @@ the HBM rate is more conversion than the SM issues. fp16 holds bf16 queries exac
 its range, 6e-5 to 65504; smaller components lose bits, not magnitude) and the probabilities
 more finely.
 
+Context parallelism (``CP_SIZE = P > 1``; Striped Attention, Brandon et al. 2023): a rank ``r``
+holds the keys at global positions ``t = j * P + r`` at *local* index ``j`` of its block table. The
+loop walks local indices (``lo``, ``hi``, ``kv_lo`` and the paging are local), while the masks and
+ALiBi compare global positions: key ``j`` is at ``j * P + r`` and ``q_pos`` stays global.
+``local_key_count`` turns a global bound into a local one. With ``CP_SIZE = 1`` the key position is
+the index itself and the loop compiles as it did before context parallelism.
+
 Without WINDOW or SINK, every row must see at least one unmasked key in the first tile it processes
-(otherwise ``exp2(-inf - -inf)`` is NaN); the callers guarantee it. With WINDOW or SINK a fully
-masked row keeps ``m_i = -inf, l_i = 0`` until it meets its first visible key.
+(otherwise ``exp2(-inf - -inf)`` is NaN); the callers guarantee it. With WINDOW or SINK, or a causal
+stage under context parallelism (query position 0 sees no key on rank 1), a fully masked row keeps
+``m_i = -inf, l_i = 0`` until it meets its first visible key.
 """
 
 from __future__ import annotations
@@ -69,12 +77,13 @@ def attend_paged_range(
     hi,  # the context tokens [lo, hi) to attend to
     kv_lo,  # with MASK_TAIL, tokens < kv_lo are masked too (pass lo when none are)
     cache,  # (keys, values, block_table) of this program's KV head and sequence: see below
-    scores,  # (qk_scale, v_scale, sliding_window, soft_cap, alibi_row): see the variants below
+    scores,  # (qk_scale, v_scale, sliding_window, soft_cap, alibi_row, cp_rank): see below
     CONFIG: tl.constexpr,  # the kernel's shape and variants: see below
     MASK_TAIL: tl.constexpr,  # the range's ends may fall inside a tile: mask tokens outside [kv_lo, hi)
     CAUSAL: tl.constexpr = False,  # mask keys past each row's q_pos
     WINDOW: tl.constexpr = False,  # mask keys at or before each row's q_pos - sliding_window
     SINK: tl.constexpr = False,  # the opposite: mask keys after q_pos - sliding_window (in the window)
+    CP_SIZE: tl.constexpr = 1,  # context-parallel ranks: local key j is at j * CP_SIZE + cp_rank
 ):
     """One stage of the online softmax: ``state`` updated with the keys [lo, hi). The arguments
     every stage of a program shares travel as tuples (Triton inlines the call: the same code)::
@@ -89,6 +98,7 @@ def attend_paged_range(
                 sliding_window read when WINDOW or SINK: row r's window holds keys > q_pos[r] - it
                 soft_cap       read when SOFT_CAP: the cap * log2(e)
                 alibi_row      [ROWS] ALiBi slope of each row * log2(e), read when ALIBI
+                cp_rank        read when CP_SIZE > 1: this rank's stripe (local key j at j * P + r)
         CONFIG: HEAD_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_N; SOFT_CAP, ALIBI (the variants),
                 DOT_PRECISION (dot_precision), KV_FP8 (the caches hold float8_e4m3fn; q is in
                 the compute dtype)
@@ -97,7 +107,7 @@ def attend_paged_range(
     q, q_pos = rows
     keys, values, block_table = cache
     block_table_ptr, stride_bt_blk = block_table
-    qk_scale, v_scale, sliding_window, soft_cap, alibi_row = scores
+    qk_scale, v_scale, sliding_window, soft_cap, alibi_row, cp_rank = scores
     HEAD_SIZE: tl.constexpr = CONFIG[0]
     HEAD_DIM: tl.constexpr = CONFIG[1]
     BLOCK_SIZE: tl.constexpr = CONFIG[2]
@@ -145,19 +155,22 @@ def attend_paged_range(
         if SOFT_CAP:
             # cap * tanh(s / cap) in log2 units: both s and the cap carry the factor log2(e).
             s = soft_cap * _tanh(s / soft_cap)
+        key_pos = offs_n  # the keys' global positions, which the masks and ALiBi compare
+        if CP_SIZE > 1:
+            key_pos = offs_n * CP_SIZE + cp_rank
         if ALIBI:
-            s += alibi_row[:, None] * (offs_n[None, :] - q_pos[:, None]).to(tl.float32)
+            s += alibi_row[:, None] * (key_pos[None, :] - q_pos[:, None]).to(tl.float32)
         if MASK_TAIL:
             s = tl.where(token_mask[None, :], s, float("-inf"))
         if CAUSAL:
-            s = tl.where(offs_n[None, :] <= q_pos[:, None], s, float("-inf"))
+            s = tl.where(key_pos[None, :] <= q_pos[:, None], s, float("-inf"))
         if WINDOW:
-            s = tl.where(offs_n[None, :] > q_pos[:, None] - sliding_window, s, float("-inf"))
+            s = tl.where(key_pos[None, :] > q_pos[:, None] - sliding_window, s, float("-inf"))
         if SINK:
-            s = tl.where(offs_n[None, :] <= q_pos[:, None] - sliding_window, s, float("-inf"))
+            s = tl.where(key_pos[None, :] <= q_pos[:, None] - sliding_window, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = m_new
-        if WINDOW or SINK:
+        if WINDOW or SINK or (CAUSAL and CP_SIZE > 1):
             # A row may see no key of a tile its neighbours need: subtract 0, not -inf, so that
             # its p and alpha are exp2(-inf) = 0 instead of exp2(-inf - -inf) = NaN.
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -173,6 +186,24 @@ def attend_paged_range(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def local_key_count(num_global, cp_rank, CP_SIZE: tl.constexpr):
+    """How many of the global positions [0, num_global) (num_global >= 0) this rank holds: those
+    ``t = j * CP_SIZE + cp_rank``, i.e. ``ceil((num_global - cp_rank) / CP_SIZE)`` clipped at 0
+    (the numerator below is >= 0, so ``//`` is a floor). Monotone in num_global, so a global bound
+    ``min(a, b)`` maps to ``min(local(a), local(b))``. num_global itself with CP_SIZE 1."""
+    if CP_SIZE > 1:
+        num_global = (num_global - cp_rank + CP_SIZE - 1) // CP_SIZE
+    return num_global
+
+
+@triton.jit
+def row_lse(l_i, m_i):
+    """Each row's natural log of its softmax denominator from the running state (m_i in log2
+    units): ``(m_i + log2(l_i)) * ln(2)``; -inf for a row that saw no key (m_i = -inf, l_i = 0)."""
+    return (m_i + tl.log2(l_i)) * 0.6931471805599453
 
 
 @triton.jit
@@ -293,6 +324,21 @@ def fp8_scale_args(
         )
     assert query.dtype in (torch.float16, torch.bfloat16, torch.float32), f"query dtype {query.dtype}"
     return True, (k_scale, v_scale)
+
+
+def check_partial_inputs(
+    query: torch.Tensor, lse: torch.Tensor | None, cp_rank: int, cp_world_size: int, has_sinks: bool
+) -> None:
+    """What a partial launch (``lse`` given) and a context-parallel one (``cp_world_size > 1``)
+    assume: lse [num_tokens, num_heads] float32 with unit head stride; rank in [0, P); no sinks of
+    either kind in a partial launch (context parallelism refuses those layers)."""
+    assert cp_world_size >= 1 and 0 <= cp_rank < cp_world_size, f"cp_rank {cp_rank} of {cp_world_size}"
+    if lse is not None:
+        assert lse.dtype == torch.float32 and lse.shape == query.shape[:2] and lse.stride(1) == 1, (
+            f"lse {lse.dtype} {tuple(lse.shape)}: want float32 {tuple(query.shape[:2])}"
+        )
+    assert cp_world_size == 1 or lse is not None, "a context-parallel launch is partial: it needs lse"
+    assert lse is None or not has_sinks, "a partial launch does not take sinks (merging would repeat them)"
 
 
 def dot_precision(is_float32: bool) -> str:
