@@ -6,7 +6,7 @@
 #   scripts/gpu_check.sh tests k1 k1-sweep k1-w1 k1-fp8 k1-window w1 w1-profile w2 w3 hf w4 w4-thread w5 moe moe-sweep cuda
 #       lora w1-lora w3-lora w1-fp8kv w3-fp8 w3-w4a16 w2-fp8 quant w3-spec w3-eagle w3-eagle-tp
 #       sanitize so sampler
-#       tp (tp-tests, tp-bench)
+#       tp (tp-tests, tp-bench) cp
 #       determinism
 #       dp
 #
@@ -36,7 +36,9 @@
 # shapes (benchmarks/batch_invariant_gemm.py), then W1 and W3 in the default mode and with
 # --batch-invariant; the table gives the ratios, targets W1 >= 0.9x and W3 <= 1.05x), dp (two GPUs:
 # W4 at 64 req/s against pagedllm serve with one engine, then with --data-parallel-size 2; the table
-# gives DP=2's p99 TTFT over DP=1's, target <= 0.6x). Results go
+# gives DP=2's p99 TTFT over DP=1's, target <= 0.6x), cp (two GPUs: context parallelism's GPU tests,
+# benchmarks/cp_attention.py, then a 65,536-token prompt at CP=1, CP=2 and TP=2; the table gives CP=2's
+# prefill over CP=1's, target <= 0.6x, and its decode over TP=2's, target <= 1.0x). Results go
 # to $OUT (the device tool's output folder) or /tmp/gpu_check.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -217,6 +219,18 @@ for stage in "${stages[@]}"; do
         tp_bench
         ;;
     tp-tests) tp_tests ;;
+    cp)  # two GPUs: context parallelism's GPU tests, its kernels' split, and a 65,536-token prompt
+        run cp_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_context_parallel_gpu.py \
+            tests/gpu/test_context_parallel_engine_gpu.py -ra
+        run cp_attention python3 benchmarks/cp_attention.py
+        # The prefill (first token) and decode of Llama-3.1-8B's shape at that context: CP=1, CP=2, TP=2.
+        for layout in "cp1" "cp2 --context-parallel-size 2" "tp2 --tensor-parallel-size 2"; do
+            read -r name flags <<<"$layout"
+            # shellcheck disable=SC2086
+            run "long_$name" python3 -m pagedllm bench latency --skip-eager --num-iters 1 --input-len 65536 \
+                $flags --output-json "$OUT/long_$name.json"
+        done
+        ;;
     determinism) determinism ;;
     tp-bench) tp_bench ;;
     so)

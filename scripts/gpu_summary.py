@@ -51,6 +51,7 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
     table += _quantized_rows(folder)
     table += _tensor_parallel_rows(folder)
     table += _spec_tensor_parallel_rows(folder)
+    table += _context_parallel_rows(folder)
     table += _determinism_rows(folder)
     table += _data_parallel_rows(folder)
     r = _load(folder, "hf")
@@ -186,6 +187,27 @@ def _spec_tensor_parallel_rows(folder: str) -> list[tuple[str, str, str]]:
     if eagle and plain:
         ratio = eagle["cuda_graphs"]["tpot_ms"] / plain["cuda_graphs"]["tpot_ms"]
         table.append(("W3 TP=2 eagle / no speculation", "ms/token (synthetic 1.0)", f"{ratio:.2f}x"))
+    return table
+
+
+def _context_parallel_rows(folder: str) -> list[tuple[str, str, str]]:
+    """A 65,536-token prompt (Llama-3.1-8B's shape) at CP=1, CP=2 and TP=2: the prefill (time to the
+    first token; target CP=2 <= 0.6x CP=1) and the decode at that context (target: CP=2's ms/token
+    at most TP=2's)."""
+    runs = {name: _load(folder, f"long_{name}") for name in ("cp1", "cp2", "tp2")}
+    table = []
+    for name, r in runs.items():
+        if r:
+            m = r["cuda_graphs"]
+            figure = f"{m['ttft_ms'] / 1e3:.2f} s / {m['tpot_ms']:.2f} ms"
+            table.append((f"{r['input_len']:,} tokens {name.upper()}", "prefill / decode ms/token", figure))
+    cp1, cp2, tp2 = runs["cp1"], runs["cp2"], runs["tp2"]
+    if cp1 and cp2:
+        ratio = cp2["cuda_graphs"]["ttft_ms"] / cp1["cuda_graphs"]["ttft_ms"]
+        table.append(("long prompt CP=2 / CP=1", "prefill time (target <= 0.6x)", f"{ratio:.2f}x"))
+    if cp2 and tp2:
+        ratio = cp2["cuda_graphs"]["tpot_ms"] / tp2["cuda_graphs"]["tpot_ms"]
+        table.append(("long prompt CP=2 / TP=2", "decode ms/token (target <= 1.0x)", f"{ratio:.2f}x"))
     return table
 
 

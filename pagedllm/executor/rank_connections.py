@@ -26,9 +26,6 @@ from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
 
 # Seconds between liveness checks while a wait has nothing to read.
 POLL_INTERVAL_S = 0.5
-# Step messages up to this size are sent before the previous step's answer is read: far below
-# the smallest socket buffer of a local connection, so writing one never blocks.
-PIPELINED_FRAME_BYTES = 32 * 1024
 # Seconds a step may take before the engine gives up on its workers (a hung collective).
 EXECUTE_MODEL_TIMEOUT_S = float(os.environ.get("PAGEDLLM_EXECUTE_MODEL_TIMEOUT_S", "300"))
 
@@ -195,16 +192,15 @@ class RemoteExecutor(Executor):
 
         The engine schedules step N + 1 while step N runs on the ranks, and sends it before it
         reads step N's answer: the ranks find it waiting when they finish N, and the driver's
-        round trip (reading the answer, applying it, scheduling) stays off their critical path.
-        A large message (a new batch's prompts) is sent only after the answers before it are
-        read: both sides could otherwise block writing to each other, the message filling the
-        rank's socket while the rank waits to send its answer. A small one fits in the socket's
-        buffer, so its write never blocks.
+        round trip (reading the answer, applying it, scheduling) stays off their critical path;
+        with pipeline stages, the first stage runs step N + 1 while the last runs N. A message
+        larger than a socket's buffer (a batch of prompts) blocks this write until the rank has
+        read it, that is until the rank finishes the step it runs: a rank's loop only executes
+        and reads, its answers go out from a thread of their own (worker_loop.ReplySender), so
+        the two ends never wait on each other.
         """
         try:
             frame = encode_call("execute_model_remote", (scheduler_output,), None, self.output_rank)
-            if len(frame) > PIPELINED_FRAME_BYTES:
-                self._read_pending()
             while len(self._pending) > 1:
                 # One answer outstanding is all the overlap needs; unread answers piling up (steps
                 # nobody waits for) could fill the sockets.

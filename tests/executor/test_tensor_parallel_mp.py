@@ -166,38 +166,57 @@ def test_a_killed_rank_fails_the_requests_within_seconds_and_stops_every_rank(
         llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=GREEDY, use_tqdm=False)
 
 
-@pytest.mark.parametrize("pipelined", [True, False])
-def test_small_step_messages_go_out_before_the_previous_answer_is_read(
-    pipelined, make_tiny_model_once, random_prompts, monkeypatch
-):
-    """A decode step's message is sent while the step before it is unanswered (rank 0's answers
-    are then read in order); a message above the threshold waits for the answers first."""
-    from pagedllm.executor import rank_connections
+@pytest.mark.parametrize(
+    "large",
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["decode-messages", "messages-over-a-socket-buffer"],
+)
+def test_step_messages_go_out_before_the_previous_answer_is_read(large, make_tiny_model_once, random_prompts):
+    """A step's message is sent while the step before it is unanswered (rank 0's answers are then
+    read in order), a small decode step's and a batch of prompts larger than a local socket's
+    buffer alike: the ranks read their messages while their reply threads send answers, so a
+    write that blocks waits only for the rank to finish the step it runs (a pipeline's first
+    stage gets step N + 1 while the last runs step N)."""
+    from pagedllm.executor.worker_loop import encode_call
 
-    if not pipelined:
-        monkeypatch.setattr(rank_connections, "PIPELINED_FRAME_BYTES", 0)
-    _, model_config = make_tiny_model_once(LlamaConfig, num_attention_heads=4, num_key_value_heads=2)
-    prompts = random_prompts(4, model_config.vocab_size)
-    expected = LLM(model_config.model, device="cpu", swap_space=0.01).generate(
-        prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False
+    _, model_config = make_tiny_model_once(
+        LlamaConfig, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024
+    )
+    if large:
+        prompts = random_prompts(128, model_config.vocab_size, lo=1000, hi=1000)
+        options = dict(max_num_seqs=128, max_num_batched_tokens=128_000, max_model_len=1024)
+        params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    else:
+        prompts, options, params = random_prompts(4, model_config.vocab_size), {}, GREEDY
+    expected = LLM(model_config.model, device="cpu", swap_space=0.01, **options).generate(
+        prompt_token_ids=prompts, sampling_params=params, use_tqdm=False
     )
     two = LLM(
-        model_config.model, device="cpu", swap_space=0.01, tensor_parallel_size=2, async_scheduling=True
+        model_config.model,
+        device="cpu",
+        swap_space=0.01,
+        tensor_parallel_size=2,
+        async_scheduling=True,
+        **options,
     )
     executor = two.llm_engine.executor
     unanswered: list[int] = []
+    sizes: list[int] = []
     execute = executor.execute_model
 
     def record(msg):
         step = execute(msg)
         unanswered.append(len(executor._pending))
+        sizes.append(len(encode_call("execute_model_remote", (msg,), None, 0)))
         return step
 
     executor.execute_model = record
     try:
-        outputs = two.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
+        outputs = two.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
         assert token_ids(outputs) == token_ids(expected)
-        assert max(unanswered) == (2 if pipelined else 1)
+        assert max(unanswered) == 2
+        if large:  # Linux's default socket buffer is 208 KiB
+            assert max(sizes) > 256 * 1024
     finally:
         two.llm_engine.shutdown()
 

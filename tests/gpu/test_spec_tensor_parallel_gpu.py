@@ -64,7 +64,14 @@ def test_two_gpus_draft_and_verify_as_one_with_cuda_graphs(make_tiny_model, tmp_
     )
     if method == "eagle3":
         # Two heads of 64, one per rank; a draft vocabulary that splits unevenly over the ranks.
-        model, *_ = write_head(tmp_path / "head", model_config.hf_config, "eagle3", 97)
+        model, *_ = write_head(
+            tmp_path / "head",
+            model_config.hf_config,
+            "eagle3",
+            97,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
     else:
         model = model_config.model  # the target as its own draft
     spec = {"method": method, "model": model, "num_speculative_tokens": 3}

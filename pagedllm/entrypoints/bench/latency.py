@@ -49,6 +49,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--lora-rank", type=int, default=0, help="run the request with one random LoRA adapter of this rank"
     )
+    parser.add_argument(
+        "--input-len",
+        type=int,
+        default=None,
+        help="prompt tokens instead of W3's 128 (W3's prompt repeated): a long context's prefill (the "
+        "first token's time) and its decode",
+    )
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(load_format="dummy", model=None, max_num_seqs=1)
     return parser
@@ -123,13 +130,16 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("pagedllm bench latency needs a CUDA device")
     workload = WORKLOADS["W3"]
     prompt = workload.prompts()[0]
+    if args.input_len is not None:
+        prompt = (prompt * -(-args.input_len // len(prompt)))[: args.input_len]
     rate = args.synthetic_acceptance_rate
     engine_args = with_synthetic_acceptance(EngineArgs.from_cli_args(args), rate)
     synthetic = "" if rate is None else f" [SYNTHETIC: drafts accepted at rate {rate}, not the model's]"
     engine_args = dataclasses.replace(
         engine_args,
         model=engine_args.model or workload.model,
-        max_model_len=engine_args.max_model_len or workload.max_model_len,
+        max_model_len=engine_args.max_model_len
+        or max(workload.max_model_len, len(prompt) + workload.output_len),
     )
     bandwidth = copy_bandwidth()
     torch.cuda.empty_cache()  # the copy's 2 GiB, cached here, would be counted against rank 0
@@ -138,6 +148,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(),
         "copy_gbps": bandwidth / 1e9,
         "tensor_parallel_size": engine_args.tensor_parallel_size,
+        "context_parallel_size": engine_args.context_parallel_size,
+        "input_len": len(prompt),
         "speculative_config": engine_args.speculative_config,
         "synthetic_acceptance_rate": rate,
         "batch_invariant": engine_args.batch_invariant,
@@ -161,8 +173,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         m = result[mode]
         m["over_floor"] = m["tpot_ms"] / floor_ms
         lora_note = f" with a rank-{args.lora_rank} LoRA" if args.lora_rank else ""
+        sizes = f"TP={engine_args.tensor_parallel_size}"
+        if engine_args.context_parallel_size > 1:
+            sizes += f" CP={engine_args.context_parallel_size}"
+        if args.input_len is not None:
+            sizes += f", {len(prompt):,}-token prompt"
         print(
-            f"W3{lora_note} {mode} at TP={engine_args.tensor_parallel_size}: {m['tpot_ms']:.2f} ms/token "
+            f"W3{lora_note} {mode} at {sizes}: {m['tpot_ms']:.2f} ms/token "
             f"({m['over_floor']:.2f}x the {floor_ms:.2f} ms "
             f"weight-read floor), first token {m['ttft_ms']:.1f} ms{synthetic}"
         )
