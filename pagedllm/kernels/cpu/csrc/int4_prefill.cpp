@@ -49,14 +49,18 @@ namespace {
 
 namespace cpublas = at::native::cpublas;
 
-// Bytes of a tile's VNNI copy (2 K bytes per output row: 448 outputs at K = 576, 128 at 1,536): it
-// stays in L2 while each block of kBlockM rows of x meets it, and x, read once per tile, is read
-// N / width times (from L3 where x outgrows L2). kBlockM: rows of x per brgemm call; its float32
-// block of C is rounded into out while still in cache. Chosen by measurement at 1,000 rows of
-// SmolLM2's shapes with the caches flushed between products, as a model's other layers flush
-// them: 512 KB tiles took 1.0x the prepacked bf16 GEMM's time (four runs, 0.94-1.08), tiles of 256
-// outputs 1.16x, 1 MB 1.26x; 32 or 128 rows per call were slower than 64.
-constexpr int64_t kTileBytes = 512 * 1024, kBlockM = 64;
+// Bytes of a tile's VNNI copy (2 K bytes per output row: 640 outputs at K = 576, 256 at 1,536): it
+// stays in L2 (2 MB a core here) while each block of kBlockM rows of x meets it, and x, read once
+// per tile, is read N / width times (from L3 where x outgrows L2). kBlockM: rows of x per brgemm
+// call, 36 KB at K = 576, which stay in L1 while the micro-kernel sweeps the tile's columns; the
+// block's float32 C is rounded into out while still in cache. Chosen by measurement at 1,000 rows
+// of SmolLM2's shapes, one thread, L2 flushed between products (as a model's other layers flush
+// it), alternating configurations round by round (medians of 80 rounds, ms a layer): 768 KB and
+// 32 rows 7.67, 1 MB and 32 rows 7.81, 512 KB and 32 rows 8.75, 512 KB and 64 rows 8.39 (the
+// previous choice, made while each call allocated its tile afresh, which cost large tiles most);
+// 768 KB and 32 rows was the fastest on each of the four shapes. In engine profiles (three each,
+// noisy) its time beside attention's was ~5% below 512 KB and 64 rows'.
+constexpr int64_t kTileBytes = 768 * 1024, kBlockM = 32;
 
 // VNNI rows [16 g, 16 g + 16) of a tile (inputs 32 g .. 32 g + 31) for one block's 64 outputs, at
 // dst ([16][ld] words), from the group's nibbles (`bytes`, [32 inputs][32 bytes]) and its 64
