@@ -84,11 +84,11 @@ def test_q4_matmul_agrees_with_the_dequantized_oracle_at_every_size(
     assert error < 1e-2, error
 
 
-# M: below, at and past the kernel's blocks of 64 rows; N, K: one block of 64 outputs; one tile of
-# five blocks; a tile of 448 outputs and a last one of 128 (its 512 KB tiles at K = 576); tiles of
-# 128 at SmolLM2's down projection's K; K from one group of 32 up.
-@pytest.mark.parametrize("num_rows", [1, 15, 64, 65, 130])
-@pytest.mark.parametrize(("n", "k"), [(64, 32), (320, 96), (576, 576), (128, 1536)])
+# M: below, at and past the kernel's blocks of 32 rows; N, K: one block of 64 outputs; one tile of
+# five blocks; a tile of 640 outputs and a last one of 320 (its 768 KB tiles at K = 576, SmolLM2's
+# qkv); tiles of 256 and a last one of 64 at SmolLM2's down projection's K; K from one group of 32.
+@pytest.mark.parametrize("num_rows", [1, 15, 32, 33, 130])
+@pytest.mark.parametrize(("n", "k"), [(64, 32), (320, 96), (960, 576), (576, 1536)])
 def test_the_brgemm_kernel_is_a_float32_product_of_the_dequantized_weight(num_rows: int, n: int, k: int):
     """Against ``dequantize_packed`` (the torch formulation of the decoding) and a float32 matmul:
     the kernel rounds only its output to bf16, so it agrees to bf16's 8 significant bits, and with

@@ -11,7 +11,8 @@
 // GEMM's 7.6, 5 ms of it the row-major decode.
 //   Grid: at::parallel_for over blocks of 64 outputs (times parts of M where blocks are fewer
 //   than threads); a program takes its run of blocks tile_n outputs at a time, decodes the tile
-//   (float32 values rounded once to bf16, as int4_dequantize rounds them), then runs the brgemm
+//   (float32 values rounded once to bf16, as int4_dequantize rounds them) into its thread's
+//   scratch (kept from call to call: no page faulted in per product), then runs the brgemm
 //   over its rows of x in blocks of kBlockM, accumulating in float32 over all of K, and rounds
 //   each block's outputs to bf16 into out.
 //   Layouts: x bf16 [M, K], rows contiguous; out bf16 [M, N] contiguous; the weight as in
@@ -33,7 +34,7 @@
 #include <ATen/native/CPUBlas.h>
 
 #include <algorithm>
-#include <vector>
+#include <cstdlib>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -48,14 +49,18 @@ namespace {
 
 namespace cpublas = at::native::cpublas;
 
-// Bytes of a tile's VNNI copy (2 K bytes per output row: 448 outputs at K = 576, 128 at 1,536): it
-// stays in L2 while each block of kBlockM rows of x meets it, and x, read once per tile, is read
-// N / width times (from L3 where x outgrows L2). kBlockM: rows of x per brgemm call; its float32
-// block of C is rounded into out while still in cache. Chosen by measurement at 1,000 rows of
-// SmolLM2's shapes with the caches flushed between products, as a model's other layers flush
-// them: 512 KB tiles took 1.0x the prepacked bf16 GEMM's time (four runs, 0.94-1.08), tiles of 256
-// outputs 1.16x, 1 MB 1.26x; 32 or 128 rows per call were slower than 64.
-constexpr int64_t kTileBytes = 512 * 1024, kBlockM = 64;
+// Bytes of a tile's VNNI copy (2 K bytes per output row: 640 outputs at K = 576, 256 at 1,536): it
+// stays in L2 (2 MB a core here) while each block of kBlockM rows of x meets it, and x, read once
+// per tile, is read N / width times (from L3 where x outgrows L2). kBlockM: rows of x per brgemm
+// call, 36 KB at K = 576, which stay in L1 while the micro-kernel sweeps the tile's columns; the
+// block's float32 C is rounded into out while still in cache. Chosen by measurement at 1,000 rows
+// of SmolLM2's shapes, one thread, L2 flushed between products (as a model's other layers flush
+// it), alternating configurations round by round (medians of 80 rounds, ms a layer): 768 KB and
+// 32 rows 7.67, 1 MB and 32 rows 7.81, 512 KB and 32 rows 8.75, 512 KB and 64 rows 8.39 (the
+// previous choice, made while each call allocated its tile afresh, which cost large tiles most);
+// 768 KB and 32 rows was the fastest on each of the four shapes. End to end the two were level
+// (1,000-token prefills alternating the two in one engine: median TTFT ratio 1.007, 16 pairs).
+constexpr int64_t kTileBytes = 768 * 1024, kBlockM = 32;
 
 // VNNI rows [16 g, 16 g + 16) of a tile (inputs 32 g .. 32 g + 31) for one block's 64 outputs, at
 // dst ([16][ld] words), from the group's nibbles (`bytes`, [32 inputs][32 bytes]) and its 64
@@ -111,6 +116,27 @@ void decode_group_vnni(const uint8_t* bytes, const c10::BFloat16* pairs, uint32_
 }
 #endif
 
+// At least `bytes` of this thread's scratch, 64-byte aligned and kept from call to call (grown,
+// never shrunk). A std::vector per call was zero-filled, and at ~600 KB came from mmap, so that
+// its pages faulted in again on every product: with glibc's mmap threshold raised (the buffers
+// then reused from the heap) the kernel's median at 1,000 rows fell from 12.3 to 10.1 ms a layer.
+void* thread_scratch(size_t bytes) {
+  struct Scratch {
+    void* data = nullptr;
+    size_t bytes = 0;
+    ~Scratch() { std::free(data); }
+  };
+  thread_local Scratch scratch;
+  if (scratch.bytes < bytes) {
+    std::free(scratch.data);
+    const size_t rounded = (bytes + 63) / 64 * 64;  // aligned_alloc takes a multiple of the alignment
+    scratch.data = std::aligned_alloc(64, rounded);
+    scratch.bytes = scratch.data ? rounded : 0;
+    TORCH_CHECK(scratch.data != nullptr, "int4_prefill_matmul: cannot allocate ", rounded, " bytes of scratch");
+  }
+  return scratch.data;
+}
+
 // A product's operands: x [M, K] (rows ld_x apart), the int4 weight, out [M, N].
 struct Operands {
   const at::BFloat16* x;
@@ -131,6 +157,22 @@ void decode_tile_vnni(const Operands& p, int64_t n0, int64_t width, uint32_t* vn
   }
 }
 
+// row[0:width] <- c[0:width] rounded to nearest even bf16 (width a multiple of 16): one instruction
+// per 16 values where AVX512-BF16 has it, against ~7 integer operations for store<BFloat16>. The
+// two agree on every sum brgemm writes (AMX flushes denormals, which the instruction would read
+// as zero); a NaN stays a NaN.
+inline void round_row(const float* c, c10::BFloat16* row, int64_t width) {
+#if defined(__AVX512BF16__)
+  for (int64_t n = 0; n < width; n += 16) {
+    const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_loadu_ps(c + n)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + n), bits);
+  }
+#else
+#pragma omp simd
+  for (int64_t n = 0; n < width; ++n) row[n] = store<c10::BFloat16>(c[n]);
+#endif
+}
+
 // out[m_begin:m_end, n0:n0 + width] <- x[m_begin:m_end] times the decoded tile, kBlockM rows per
 // brgemm into the float32 block c, each block rounded to bf16 once.
 void multiply_tile(const Operands& p, int64_t m_begin, int64_t m_end, int64_t n0, int64_t width,
@@ -139,11 +181,7 @@ void multiply_tile(const Operands& p, int64_t m_begin, int64_t m_end, int64_t n0
   for (int64_t m0 = m_begin; m0 < m_end; m0 += kBlockM) {
     const int64_t rows = std::min(kBlockM, m_end - m0);
     cpublas::brgemm(rows, width, p.K, p.ld_x, width, width, /*add_C=*/false, p.x + m0 * p.ld_x, b, c);
-    for (int64_t r = 0; r < rows; ++r) {
-      c10::BFloat16* row = p.out + (m0 + r) * p.N + n0;
-#pragma omp simd
-      for (int64_t n = 0; n < width; ++n) row[n] = store<c10::BFloat16>(c[r * width + n]);
-    }
+    for (int64_t r = 0; r < rows; ++r) round_row(c + r * width, p.out + (m0 + r) * p.N + n0, width);
   }
 }
 
@@ -171,15 +209,15 @@ void int4_prefill_matmul(const at::Tensor& out, const at::Tensor& x, const at::T
   const int64_t num_blocks = N / kBlockN, max_m_parts = (M + kBlockM - 1) / kBlockM;
   const int64_t m_parts = std::clamp<int64_t>(at::get_num_threads() / num_blocks, 1, max_m_parts);
   const int64_t tile_n = std::max<int64_t>(1, kTileBytes / (2 * K) / kBlockN) * kBlockN;  // outputs per tile
+  const size_t vnni_bytes = K / 2 * tile_n * sizeof(uint32_t);
   at::parallel_for(0, m_parts * num_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<uint32_t> vnni(K / 2 * tile_n);
-    std::vector<float> c(kBlockM * tile_n);
+    auto* vnni = static_cast<uint32_t*>(thread_scratch(vnni_bytes + kBlockM * tile_n * sizeof(float)));
+    auto* c = reinterpret_cast<float*>(reinterpret_cast<char*>(vnni) + vnni_bytes);
     for (int64_t i = begin; i < end;) {
       const int64_t part = i / num_blocks, b0 = i % num_blocks;
       const int64_t blocks = std::min({tile_n / kBlockN, num_blocks - b0, end - i});
-      decode_tile_vnni(p, b0 * kBlockN, blocks * kBlockN, vnni.data());
-      multiply_tile(p, M * part / m_parts, M * (part + 1) / m_parts, b0 * kBlockN, blocks * kBlockN, vnni.data(),
-                    c.data());
+      decode_tile_vnni(p, b0 * kBlockN, blocks * kBlockN, vnni);
+      multiply_tile(p, M * part / m_parts, M * (part + 1) / m_parts, b0 * kBlockN, blocks * kBlockN, vnni, c);
       i += blocks;
     }
     // Hand the AMX tile configuration back before the thread runs other oneDNN code.
