@@ -2,7 +2,7 @@
 the absorbed form, and against the model's own ``MLAAttention._attend_absorbed`` (the torch path).
 
 Runs on the CPU under TRITON_INTERPRET=1 (conftest.py), else on CUDA; float32 and tiny shapes
-(kv_lora_rank 32, rope 16): contexts that cross partitions and blocks, ragged batches, heads not
+(kv_lora_rank 32, rope 8): contexts that cross partitions and blocks, ragged batches, heads not
 a multiple of the kernel's block of 16. The block tables are shuffled and the cache outside the
 sequences' slots is NaN, so a read of a wrong slot shows.
 """
@@ -14,10 +14,11 @@ import torch
 
 pytest.importorskip("triton", reason="the MLA decode kernel needs the triton package")
 
-from pagedllm.kernels.triton.mla_decode import mla_decode
+from pagedllm.kernels.triton.mla_decode import check_mla_dims, mla_decode
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-RANK, ROPE = 32, 16
+# DeepSeek-V2-Lite has r = 512, rope 64; 8 rope dims exercise the padding to a dot's depth.
+RANK, ROPE = 32, 8
 
 
 def _batch(seq_lens: list[int], num_heads: int, block_size: int, seed: int = 0) -> dict:
@@ -105,3 +106,9 @@ def test_mla_decode_matches_the_layers_absorbed_form() -> None:
     batch["q_pe"] = query[..., nope:].clone()
     out_latent = _run(batch, layer.scale, seq_len, partition_size=32)
     torch.testing.assert_close(torch.einsum("qhr,hvr->qhv", out_latent, layer.w_uv), expected)
+
+
+@pytest.mark.parametrize("rank", [24, 8])
+def test_kv_lora_rank_the_kernel_cannot_tile_is_refused(rank: int) -> None:
+    with pytest.raises(ValueError, match=f"kv_lora_rank must be a power of two >= 16 .* got {rank}"):
+        check_mla_dims(rank)

@@ -47,7 +47,11 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.triton.launch import decode_partition_size
-from pagedllm.kernels.triton.paged_decode import _REDUCE_BLOCK_P, _paged_decode_reduce_kernel
+from pagedllm.kernels.triton.paged_decode import (
+    _REDUCE_BLOCK_P,
+    _WORKSPACE_STRIDES,
+    _paged_decode_reduce_kernel,
+)
 from pagedllm.kernels.triton.paged_tiles import dot_precision
 from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 
@@ -59,7 +63,7 @@ MLA_PARTITION_SIZE = 1024
 MLA_BLOCK_N = 32
 
 
-@triton.jit(do_not_specialize=["partition_size", "stride_po_seq", "stride_po_head", "stride_ml_seq", "stride_ml_head"])
+@triton.jit(do_not_specialize=["partition_size", *_WORKSPACE_STRIDES])
 def _mla_decode_kernel(
     out_ptr,
     partial_out_ptr,
@@ -88,8 +92,9 @@ def _mla_decode_kernel(
     stride_c_block,
     stride_c_slot,
     stride_bt_seq,
-    LORA_RANK: tl.constexpr,  # r: a power of two (512 in DeepSeek-V2/V3)
-    ROPE_DIM: tl.constexpr,  # a power of two (64)
+    LORA_RANK: tl.constexpr,  # r: a power of two >= 16 (512 in DeepSeek-V2/V3)
+    ROPE_DIM: tl.constexpr,  # 64 in DeepSeek-V2/V3
+    ROPE_PAD: tl.constexpr,  # ROPE_DIM up to a power of two >= 16 (a dot's minimum depth)
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -109,7 +114,8 @@ def _mla_decode_kernel(
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < num_heads
     offs_r = tl.arange(0, LORA_RANK)
-    offs_p = tl.arange(0, ROPE_DIM)
+    offs_p = tl.arange(0, ROPE_PAD)
+    rope_mask = offs_p < ROPE_DIM
     offs_n = tl.arange(0, BLOCK_N)
     cache_ty = cache_ptr.dtype.element_ty
     q_latent = tl.load(
@@ -119,7 +125,7 @@ def _mla_decode_kernel(
     ).to(cache_ty)
     q_pe = tl.load(
         q_pe_ptr + seq * stride_qp_seq + heads[:, None] * stride_qp_head + offs_p[None, :],
-        mask=head_mask[:, None],
+        mask=head_mask[:, None] & rope_mask[None, :],
         other=0.0,
     ).to(cache_ty)
 
@@ -134,7 +140,9 @@ def _mla_decode_kernel(
         blocks = tl.load(block_table + tokens // BLOCK_SIZE, mask=live, other=0).to(tl.int64)
         rows = cache_ptr + blocks * stride_c_block + (tokens % BLOCK_SIZE) * stride_c_slot
         latent = tl.load(rows[:, None] + offs_r[None, :], mask=live[:, None], other=0.0)
-        k_pe = tl.load(rows[:, None] + LORA_RANK + offs_p[None, :], mask=live[:, None], other=0.0)
+        k_pe = tl.load(
+            rows[:, None] + LORA_RANK + offs_p[None, :], mask=live[:, None] & rope_mask[None, :], other=0.0
+        )
         s = tl.dot(q_latent, tl.trans(latent), input_precision=DOT_PRECISION)
         s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=DOT_PRECISION)
         s = tl.where(live[None, :], s * qk_scale, float("-inf"))
@@ -165,6 +173,15 @@ def _mla_decode_kernel(
             + offs_r[None, :],
             acc,
             mask=head_mask[:, None],
+        )
+
+
+def check_mla_dims(kv_lora_rank: int) -> None:
+    """ValueError for a latent the kernel cannot tile: its r dims are one tile of a power of two,
+    at least a dot's depth of 16 (any rope dims are padded)."""
+    if kv_lora_rank < 16 or triton.next_power_of_2(kv_lora_rank) != kv_lora_rank:
+        raise ValueError(
+            f"kv_lora_rank must be a power of two >= 16 for the Triton MLA decode kernel, got {kv_lora_rank}"
         )
 
 
@@ -204,7 +221,7 @@ def mla_decode(
     assert all(t.stride(-1) == 1 for t in (q_latent, q_pe, out, cache)), "last dims must be contiguous"
     assert block_tables.dtype == seq_lens.dtype == torch.int32, "int32 block_tables and seq_lens"
     assert block_tables.shape[0] == seq_lens.shape[0] == num_seqs, "one query per sequence"
-    assert triton.next_power_of_2(lora_rank) == lora_rank and triton.next_power_of_2(rope_dim) == rope_dim
+    check_mla_dims(lora_rank)
     if num_seqs == 0:
         return out
     num_head_blocks = triton.cdiv(num_heads, MLA_BLOCK_H)
@@ -248,6 +265,7 @@ def mla_decode(
         block_tables.stride(0),
         LORA_RANK=lora_rank,
         ROPE_DIM=rope_dim,
+        ROPE_PAD=max(16, triton.next_power_of_2(rope_dim)),
         BLOCK_SIZE=cache.shape[1],
         BLOCK_H=MLA_BLOCK_H,
         BLOCK_N=block_n,
