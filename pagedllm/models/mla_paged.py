@@ -6,27 +6,24 @@ dependency: ``MLAAttention`` imports it when it is built for the Triton backend.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kernels.triton.mla_decode import check_mla_dims, mla_decode
 from pagedllm.kernels.triton.reshape_and_cache import reshape_and_cache
 
-if TYPE_CHECKING:
-    from pagedllm.models.deepseek_v2 import MLAAttention
-
 __all__ = ["check_mla_dims", "step_paged"]
 
 
 def step_paged(
-    layer: MLAAttention, q: torch.Tensor, entry: torch.Tensor, cache: torch.Tensor, md: AttentionMetadata
+    layer: nn.Module, q: torch.Tensor, entry: torch.Tensor, cache: torch.Tensor, md: AttentionMetadata
 ) -> torch.Tensor:
-    """q: [num_tokens, num_heads, qk_head_dim] (rotated); entry: [num_tokens, 1, r + rope], each
-    token's latent; cache: the layer's, the Triton layout of one KV head [num_blocks, 1,
-    block_size, r + rope] (the same memory as the torch layout's [num_blocks, block_size, 1, r +
-    rope]) -> [num_tokens, num_heads, v_head_dim].
+    """layer: the ``MLAAttention`` (its dims, W_UK/W_UV and per-sequence path; not imported
+    here, which it imports). q: [num_tokens, num_heads, qk_head_dim] (rotated); entry:
+    [num_tokens, 1, r + rope], each token's latent; cache: the layer's, the Triton layout of one KV
+    head [num_blocks, 1, block_size, r + rope] (the same memory as the torch layout's [num_blocks,
+    block_size, 1, r + rope]) -> [num_tokens, num_heads, v_head_dim].
 
     Decodes take the absorbed form: W_UK^T q_nope as one batched matmul over the heads, the
     kernel, then W_UV the same way. Prefill chunks stay expanded a sequence at a time
