@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 # The benchmarks (modules of pagedllm.entrypoints.bench) and their one-line help.
 BENCHMARKS = {
-    "throughput": "offline throughput: W1, W2, W5",
+    "throughput": "offline throughput: W1, W2, W5, W6, W7",
     "latency": "single-request latency: W3",
     "serve": "online serving against an OpenAI-compatible endpoint: W4",
     "kernels": "paged decode attention bandwidth: K1",
