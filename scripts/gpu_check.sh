@@ -4,6 +4,7 @@
 #
 #   scripts/gpu_check.sh                 tests, K1, K1 windowed, W1, W3 (the short set)
 #   scripts/gpu_check.sh tests k1 k1-sweep k1-w1 k1-fp8 k1-window w1 w1-profile w2 w3 hf w4 w4-thread w5 moe moe-sweep cuda
+#       w7 k1-mla
 #       lora w1-lora w3-lora w1-fp8kv w3-fp8 w3-w4a16 w2-fp8 quant w3-spec w3-eagle
 #       sanitize so sampler
 #       tp (tp-tests, tp-bench)
@@ -17,7 +18,9 @@
 # includes the profiler), w3 (bench latency, profiled), hf (benchmarks/compare_hf.py: W1 through
 # transformers too), w4 (bench serve against pagedllm serve; w4-thread: the server with its engine on a
 # thread of its own process, --no-engine-process), w5 (bench throughput of the
-# Qwen3-30B-A3B mixture of experts, against its floor), moe (bench moe: the fused MoE kernel against
+# Qwen3-30B-A3B mixture of experts, against its floor), w7 (bench throughput of DeepSeek-V2-Lite's
+# multi-head latent attention and shared experts, against its floor, KV bytes per token beside
+# Llama-3.1-8B's), k1-mla (bench mla: the MLA decode kernel against FlashInfer's MLA decode), moe (bench moe: the fused MoE kernel against
 # the per-expert torch reference; moe-sweep: every launch too), cuda (W1 on the cuda backend),
 # sanitize (compute-sanitizer on the CUDA kernels), lora (bench lora: the BGMV and SGMV kernels against
 # the masked torch product), w1-lora / w3-lora (W1 with 8 rank-16 LoRA adapters, W3 with one), w1-fp8kv
@@ -144,6 +147,10 @@ for stage in "${stages[@]}"; do
             --profile-steps 20
         ;;
     w5) run w5 python3 -m pagedllm bench throughput --workload W5 --output-json "$OUT/w5.json" --output-png "$OUT/w5.png" ;;
+    w7) run w7 python3 -m pagedllm bench throughput --workload W7 --output-json "$OUT/w7.json" --output-png "$OUT/w7.png" ;;
+    k1-mla)  # MLA's target: >= 1.0x FlashInfer's MLA decode at every context (FlashInfer's time / ours)
+        run k1_mla python3 -m pagedllm bench mla --output-json "$OUT/k1_mla.json"
+        ;;
     sampler) run sampler python3 benchmarks/sampler.py --output-json "$OUT/sampler.json" ;;
     moe) run moe python3 -m pagedllm bench moe --output-json "$OUT/moe.json" ;;
     lora) run lora python3 -m pagedllm bench lora --output-json "$OUT/lora.json" ;;

@@ -112,3 +112,46 @@ def test_mla_decode_matches_the_layers_absorbed_form() -> None:
 def test_kv_lora_rank_the_kernel_cannot_tile_is_refused(rank: int) -> None:
     with pytest.raises(ValueError, match=f"kv_lora_rank must be a power of two >= 16 .* got {rank}"):
         check_mla_dims(rank)
+
+
+def test_bench_mla_inputs_and_call() -> None:
+    """``pagedllm bench mla``'s defaults (K1's batch and contexts, V2-Lite's latent) and its call of
+    the kernel on the paged inputs it builds, against the naive reference over each sequence's
+    blocks read back through its block table (tiny float32 shape, on the CPU)."""
+    import argparse
+
+    from pagedllm.entrypoints.bench import mla as bench_mla
+
+    parser = argparse.ArgumentParser()
+    bench_mla.add_cli_args(parser)
+    defaults = parser.parse_args([])
+    assert [c.label for c in defaults.contexts] == ["512", "4096", "16384", "1-8192"]
+    assert (defaults.batch_size, defaults.num_heads, defaults.kv_lora_rank, defaults.qk_rope_head_dim) == (
+        64,
+        16,
+        512,
+        64,
+    )
+    args = parser.parse_args(
+        [
+            "--num-heads",
+            "5",
+            "--kv-lora-rank",
+            "32",
+            "--qk-rope-head-dim",
+            "8",
+            "--block-size",
+            "8",
+            "--dtype",
+            "float32",
+        ]
+    )
+    seq_lens = (3, 40, 17)
+    inputs = bench_mla._inputs(seq_lens, args, DEVICE)
+    call, out = bench_mla._ours(inputs, 0.2)
+    call()
+    for i, seq_len in enumerate(seq_lens):
+        blocks = inputs["block_tables"][i, : inputs["pages"][i]].long()
+        context = inputs["cache"][blocks].flatten(0, 1)[:seq_len].cpu()
+        expected = _naive(inputs["q_latent"][i].cpu(), inputs["q_pe"][i].cpu(), context, 0.2)
+        torch.testing.assert_close(out[i].cpu().double(), expected, rtol=1e-4, atol=1e-4)
