@@ -31,6 +31,9 @@ import torch
 from pagedllm.entrypoints.bench import write_json
 from pagedllm.entrypoints.bench.kernels import K1_CONTEXTS, ContextRange
 
+# (block_n, num_warps, num_stages) that --sweep tries (MLALaunch's fields; kept as tuples so that
+# parsing the arguments imports no triton).
+SWEEP = tuple(itertools.product((16, 32, 64), (4, 8), (1, 2, 3)))
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -50,6 +53,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
     parser.add_argument("--seed", type=int, default=0, help="seeds the lengths and the random latents")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time every launch of SWEEP; report the best per context"
+    )
     parser.add_argument("--output-json", help="write the report (every row) here")
 
 
@@ -76,9 +82,12 @@ def _inputs(seq_lens: tuple[int, ...], args: argparse.Namespace, device: torch.d
     }
 
 
-def _ours(inputs: dict[str, Any], scale: float) -> tuple[Callable[[], object], torch.Tensor]:
-    """The engine's call (eager: the batch's own longest and shortest context as the bounds)."""
-    from pagedllm.kernels.triton.mla_decode import mla_decode
+def _ours(
+    inputs: dict[str, Any], scale: float, launch: tuple[int, int, int] | None = None
+) -> tuple[Callable[[], object], torch.Tensor]:
+    """The engine's call (eager: the batch's own longest and shortest context as the bounds), at
+    ``launch``, an entry of SWEEP (None: the engine's)."""
+    from pagedllm.kernels.triton.mla_decode import MLALaunch, mla_decode
 
     out = torch.empty_like(inputs["q_latent"])
     lens = inputs["seq_lens"].tolist()
@@ -94,6 +103,7 @@ def _ours(inputs: dict[str, Any], scale: float) -> tuple[Callable[[], object], t
             max(lens),
             out,
             min_seq_len=min(lens),
+            launch=None if launch is None else MLALaunch(*launch),
         )
 
     return call, out
@@ -142,6 +152,8 @@ def _row(context: ContextRange, args: argparse.Namespace, has_flashinfer: bool) 
     row: dict[str, Any] = {"context": context.label, "latent_bytes": num_bytes, "ours_ms": _median_ms(ours)}
     row["ours_gbps"] = _gbps(num_bytes, row["ours_ms"])
     row["copy_gbps"] = _gbps(2 * num_bytes, _copy_ms(num_bytes))
+    if args.sweep:
+        row.update(_sweep(inputs, scale))
     if has_flashinfer:
         theirs, their_out = _flashinfer(inputs, scale)
         row["flashinfer_ms"] = _median_ms(theirs)
@@ -150,6 +162,23 @@ def _row(context: ContextRange, args: argparse.Namespace, has_flashinfer: bool) 
         ours(), theirs()
         row["max_abs_diff"] = (our_out.float() - their_out.float()).abs().max().item()
     return row
+
+
+def _sweep(inputs: dict[str, Any], scale: float) -> dict[str, Any]:
+    """The fastest of ``SWEEP`` (launches that do not fit the device's registers or shared memory
+    are skipped)."""
+    from triton.runtime.errors import OutOfResources
+
+    from pagedllm.kernels.bench import _median_ms
+
+    timings = {}
+    for launch in SWEEP:
+        try:
+            timings[launch] = _median_ms(_ours(inputs, scale, launch)[0])
+        except OutOfResources:
+            continue
+    best = min(timings, key=timings.get)
+    return {"best_ms": timings[best], "best_launch": dict(zip(("block_n", "num_warps", "num_stages"), best))}
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -175,7 +204,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             else f"{'-':>9} {'-':>6} {'-':>8}"
         )
         ours = f"{1e3 * r['ours_ms']:9.1f} {r['ours_gbps']:6.0f}"
-        print(f"{r['context']:>10} {ours} {theirs} {r['copy_gbps']:9.0f}")
+        best = f"  best {1e3 * r['best_ms']:.1f} us at {r['best_launch']}" if "best_ms" in r else ""
+        print(f"{r['context']:>10} {ours} {theirs} {r['copy_gbps']:9.0f}{best}")
     report = {
         "device": torch.cuda.get_device_name(),
         "flashinfer": has_flashinfer,

@@ -9,7 +9,7 @@ is both key (all of it) and value (its first ``r`` dims). The context is split a
 (Dao et al. 2023) and merged by ``paged_decode``'s reduce kernel, which this kernel's partials
 match: log2-unit running max ``m_i``, sum ``l_i`` and unnormalized ``acc`` per head and partition.
 
-Kernel 1, ``_mla_decode_kernel``, grid ``(num_seqs, cdiv(num_heads, BLOCK_H), num_partitions)``:
+Kernel 1, ``_mla_decode_kernel``, grid ``(cdiv(num_heads, BLOCK_H), num_seqs, num_partitions)``:
   a program takes ``BLOCK_H`` heads of one sequence (the rows of its dots, >= 16 for the tensor
   cores) and one partition of its context. Per tile of ``BLOCK_N`` tokens it reads the block
   numbers, then the tile's latents ``[BLOCK_N, r]`` and rope keys ``[BLOCK_N, rope]`` once for all
@@ -41,6 +41,7 @@ num_heads * r * 4`` bytes per sequence.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -57,10 +58,27 @@ from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 
 # Heads per program: the tensor cores' minimum row count, and DeepSeek-V2-Lite's heads per rank.
 MLA_BLOCK_H = 16
-# Tokens per partition at most (decode_partition_size may split finer) and per tile: a
-# [32, 576] 16-bit tile is 36 KiB of shared memory per pipeline stage.
+# Tokens per partition: at most MLA_PARTITION_SIZE, at least MLA_MIN_PARTITION when
+# decode_partition_size splits finer to fill the GPU. A partition's float32 partials are r * 4 =
+# 2 KiB per head, written then read again by the reduce: 32 KiB for 16 heads against 288 KiB of
+# latents read over 256 tokens (11%), where 64-token partitions would add 44%.
 MLA_PARTITION_SIZE = 1024
-MLA_BLOCK_N = 32
+MLA_MIN_PARTITION = 256
+
+
+@dataclass(frozen=True)
+class MLALaunch:
+    """Launch parameters of ``mla_decode``: latent tokens per tile, warps, pipeline stages. A
+    16-bit [32, 576] tile is 36 KiB of shared memory per stage; float32 (the tests' dtype, exact
+    dots on FMA units) takes half the tile and twice the warps for its registers."""
+
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+
+    @classmethod
+    def default(cls, dtype: torch.dtype) -> MLALaunch:
+        return cls(block_n=16, num_warps=8) if dtype == torch.float32 else cls()
 
 
 @triton.jit(do_not_specialize=["partition_size", *_WORKSPACE_STRIDES])
@@ -102,8 +120,10 @@ def _mla_decode_kernel(
     USE_GDC: tl.constexpr,
 ):
     wait_for_prior_kernel(USE_GDC)
-    seq = tl.program_id(0)
-    head_block = tl.program_id(1)
+    # Head blocks vary fastest: those of one sequence and partition run together and share its
+    # latent tiles in L2 (128 heads: 8 blocks reading the same bytes).
+    head_block = tl.program_id(0)
+    seq = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = part * partition_size
@@ -197,9 +217,7 @@ def mla_decode(
     *,
     min_seq_len: int = 0,
     partition_size: int | None = None,
-    block_n: int = MLA_BLOCK_N,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    launch: MLALaunch | None = None,
 ) -> torch.Tensor:
     """Each sequence's single query, absorbed, over its paged latents; writes ``out``.
 
@@ -208,7 +226,8 @@ def mla_decode(
     [num_seqs, max_blocks] int32; seq_lens: [num_seqs] int32, each in [1, max_seq_len].
     ``max_seq_len`` is a host bound (max_model_len under CUDA graphs) that sets the number of
     partitions; ``min_seq_len`` (0: unknown) lets ``decode_partition_size`` leave equal contexts
-    unsplit; ``partition_size`` overrides that choice (tests). ``scale`` multiplies the scores.
+    unsplit; ``partition_size`` overrides that choice (tests), ``launch`` the tiles and warps
+    (``MLALaunch.default`` for the cache's dtype). ``scale`` multiplies the scores.
     """
     num_seqs, num_heads, lora_rank = q_latent.shape
     rope_dim = q_pe.shape[2]
@@ -226,10 +245,12 @@ def mla_decode(
         return out
     num_head_blocks = triton.cdiv(num_heads, MLA_BLOCK_H)
     if partition_size is None:
-        launch = {"partition_size": MLA_PARTITION_SIZE, "block_n": block_n}
+        bounds = {"partition_size": MLA_PARTITION_SIZE, "block_n": MLA_MIN_PARTITION}
         partition_size = decode_partition_size(
-            num_seqs, num_head_blocks, max_seq_len, launch, q_latent.device, min_seq_len
+            num_seqs, num_head_blocks, max_seq_len, bounds, q_latent.device, min_seq_len
         )
+    launch = launch or MLALaunch.default(cache.dtype)
+    block_n = launch.block_n
     assert partition_size % block_n == 0, f"partition_size {partition_size} not a multiple of {block_n}"
     num_partitions = triton.cdiv(max_seq_len, partition_size)
     # float32 scratch for the partitions' state; a one-partition stub when the reduce never runs.
@@ -239,7 +260,7 @@ def mla_decode(
     )
     max_logits = torch.empty(num_seqs, num_heads, workspace_parts, dtype=torch.float32, device=out.device)
     exp_sums = torch.empty_like(max_logits)
-    _mla_decode_kernel[(num_seqs, num_head_blocks, num_partitions)](
+    _mla_decode_kernel[(num_head_blocks, num_seqs, num_partitions)](
         out,
         partial_out,
         max_logits,
@@ -270,8 +291,8 @@ def mla_decode(
         BLOCK_H=MLA_BLOCK_H,
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(cache.dtype == torch.float32),
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
         **pdl_options(out.device),
     )
     if num_partitions > 1:
