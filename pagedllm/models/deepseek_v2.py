@@ -7,12 +7,14 @@ MLA compresses each token's keys and values into one latent: ``c_kv = RMSNorm(W_
 head. The cache holds exactly that, ``[c_kv | k_pe]``, one "head" of ``kv_lora_rank +
 qk_rope_head_dim`` per token (``ModelConfig.head_size`` and ``num_kv_heads`` say so to the cache
 engine): 576 numbers a token for DeepSeek-V2 against 128 heads x (192 + 128) for its keys and
-values expanded. Each step gathers a sequence's latents from the paged cache. Prefill attends in
-the expanded form (``_attend``): it expands them with ``kv_b_proj`` into every head's ``k_nope``
-and ``v``, appends ``k_pe`` and attends, causal. Decode attends in the absorbed form
+values expanded. Prefill attends in the expanded form (``_attend``): it expands them with
+``kv_b_proj`` into every head's ``k_nope`` and ``v``, appends ``k_pe`` and attends, causal. Decode attends in the absorbed form
 (``_attend_absorbed``), as DeepSeek and vLLM do: ``kv_b_proj`` folds into the query and the output,
-and attention runs as MQA over the latents directly. The cache is the torch layout, which the torch and cpu
-backends share; the engine allocates no value cache beside it (``KVCacheSpec.keys_only``).
+and attention runs as MQA over the latents directly. The engine allocates no value cache beside the
+latents (``KVCacheSpec.keys_only``). On the torch and cpu backends (the oracle) a step runs a
+sequence at a time (``_step_per_sequence``); on the Triton backend every decode of the step runs in
+one kernel launch (``models/mla_paged.py``), the cache the Triton layout of one KV head, the same
+memory as the torch layout's.
 
 Rotary embedding: DeepSeek rotates interleaved pairs ``(x[2i], x[2i + 1])`` (complex
 multiplication in the reference), with the usual angles and YaRN's attention factor; the softmax
