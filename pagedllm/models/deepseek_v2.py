@@ -8,13 +8,13 @@ head. The cache holds exactly that, ``[c_kv | k_pe]``, one "head" of ``kv_lora_r
 qk_rope_head_dim`` per token (``ModelConfig.head_size`` and ``num_kv_heads`` say so to the cache
 engine): 576 numbers a token for DeepSeek-V2 against 128 heads x (192 + 128) for its keys and
 values expanded. Prefill attends in the expanded form (``_attend``): it expands them with
-``kv_b_proj`` into every head's ``k_nope`` and ``v``, appends ``k_pe`` and attends, causal. Decode attends in the absorbed form
-(``_attend_absorbed``), as DeepSeek and vLLM do: ``kv_b_proj`` folds into the query and the output,
-and attention runs as MQA over the latents directly. The engine allocates no value cache beside the
-latents (``KVCacheSpec.keys_only``). On the torch and cpu backends (the oracle) a step runs a
-sequence at a time (``_step_per_sequence``); on the Triton backend every decode of the step runs in
-one kernel launch (``models/mla_paged.py``), the cache the Triton layout of one KV head, the same
-memory as the torch layout's.
+``kv_b_proj`` into every head's ``k_nope`` and ``v``, appends ``k_pe`` and attends, causal. Decode
+attends in the absorbed form (``_attend_absorbed``), as DeepSeek and vLLM do: ``kv_b_proj`` folds
+into the query and the output, and attention runs as MQA over the latents directly. The engine
+allocates no value cache beside the latents (``KVCacheSpec.keys_only``). On the torch and cpu
+backends (the oracle) a step runs a sequence at a time (``_step_per_sequence``); on the Triton
+backend every decode of the step runs in one kernel launch (``models/mla_paged.py``), the cache the
+Triton layout of one KV head, the same memory as the torch layout's.
 
 Rotary embedding: DeepSeek rotates interleaved pairs ``(x[2i], x[2i + 1])`` (complex
 multiplication in the reference), with the usual angles and YaRN's attention factor; the softmax

@@ -29,24 +29,19 @@ from typing import Any
 import torch
 
 from pagedllm.entrypoints.bench import write_json
-from pagedllm.entrypoints.bench.kernels import K1_CONTEXTS, ContextRange
+from pagedllm.entrypoints.bench.kernels import ContextRange, add_decode_batch_args
 
 # (block_n, num_warps, num_stages) that --sweep tries (MLALaunch's fields; kept as tuples so that
 # parsing the arguments imports no triton).
 SWEEP = tuple(itertools.product((16, 32, 64), (4, 8), (1, 2, 3)))
+# Tokens per partition that --sweep tries at the engine's launch, beside decode_partition_size's
+# choice (the least the engine splits to is mla_decode.MLA_MIN_PARTITION).
+SWEEP_PARTITIONS = (64, 128, 256, 512, 1024)
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--contexts",
-        nargs="+",
-        type=ContextRange.parse,
-        default=list(K1_CONTEXTS),
-        metavar="LEN|LO-HI",
-        help="context lengths: LEN for a uniform batch, LO-HI for lengths drawn uniformly from [LO, HI]",
-    )
-    parser.add_argument("--batch-size", type=int, default=64, help="sequences per decode step")
+    add_decode_batch_args(parser)
     parser.add_argument("--num-heads", type=int, default=16, help="query heads (V2-Lite 16, V3 128)")
     parser.add_argument("--kv-lora-rank", type=int, default=512)
     parser.add_argument("--qk-rope-head-dim", type=int, default=64)
@@ -83,10 +78,13 @@ def _inputs(seq_lens: tuple[int, ...], args: argparse.Namespace, device: torch.d
 
 
 def _ours(
-    inputs: dict[str, Any], scale: float, launch: tuple[int, int, int] | None = None
+    inputs: dict[str, Any],
+    scale: float,
+    launch: tuple[int, int, int] | None = None,
+    partition_size: int | None = None,
 ) -> tuple[Callable[[], object], torch.Tensor]:
     """The engine's call (eager: the batch's own longest and shortest context as the bounds), at
-    ``launch``, an entry of SWEEP (None: the engine's)."""
+    ``launch``, an entry of SWEEP, and ``partition_size`` (None: the engine's choices)."""
     from pagedllm.kernels.triton.mla_decode import MLALaunch, mla_decode
 
     out = torch.empty_like(inputs["q_latent"])
@@ -103,6 +101,7 @@ def _ours(
             max(lens),
             out,
             min_seq_len=min(lens),
+            partition_size=partition_size,
             launch=None if launch is None else MLALaunch(*launch),
         )
 
@@ -165,8 +164,8 @@ def _row(context: ContextRange, args: argparse.Namespace, has_flashinfer: bool) 
 
 
 def _sweep(inputs: dict[str, Any], scale: float) -> dict[str, Any]:
-    """The fastest of ``SWEEP`` (launches that do not fit the device's registers or shared memory
-    are skipped)."""
+    """The fastest of ``SWEEP``'s launches (those past the device's registers or shared memory
+    skipped) and of ``SWEEP_PARTITIONS`` at the engine's launch."""
     from triton.runtime.errors import OutOfResources
 
     from pagedllm.kernels.bench import _median_ms
@@ -174,11 +173,15 @@ def _sweep(inputs: dict[str, Any], scale: float) -> dict[str, Any]:
     timings = {}
     for launch in SWEEP:
         try:
-            timings[launch] = _median_ms(_ours(inputs, scale, launch)[0])
+            timings[(launch, None)] = _median_ms(_ours(inputs, scale, launch)[0])
         except OutOfResources:
             continue
-    best = min(timings, key=timings.get)
-    return {"best_ms": timings[best], "best_launch": dict(zip(("block_n", "num_warps", "num_stages"), best))}
+    for partition_size in SWEEP_PARTITIONS:
+        timings[(None, partition_size)] = _median_ms(_ours(inputs, scale, None, partition_size)[0])
+    (launch, partition_size), best_ms = min(timings.items(), key=lambda item: item[1])
+    fields = ("block_n", "num_warps", "num_stages")
+    best = {"partition_size": partition_size or "auto", **dict(zip(fields, launch or ("default",) * 3))}
+    return {"best_ms": best_ms, "best_launch": best}
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

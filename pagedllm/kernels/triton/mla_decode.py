@@ -16,7 +16,7 @@ Kernel 1, ``_mla_decode_kernel``, grid ``(cdiv(num_heads, BLOCK_H), num_seqs, nu
   its heads; ``s = q_latent c^T + q_pe k_pe^T`` (two dots into one ``[BLOCK_H, BLOCK_N]``), an
   online-softmax update, and ``acc += p c`` reusing the latent tile as the values. A sequence whose
   context fits one partition gets ``acc / l_i`` written to the output directly.
-Kernel 2: ``paged_decode._paged_decode_reduce_kernel`` (grid ``(num_seqs, num_heads)``), launched
+Kernel 2: ``paged_decode``'s reduce (``reduce_partitions``, grid ``(num_seqs, num_heads)``), launched
   only when some launch spans several partitions; it skips single-partition sequences.
 
 ``num_partitions`` comes from the host bound ``max_seq_len`` (``max_model_len`` under CUDA
@@ -49,9 +49,10 @@ import triton.language as tl
 
 from pagedllm.kernels.triton.launch import decode_partition_size
 from pagedllm.kernels.triton.paged_decode import (
-    _REDUCE_BLOCK_P,
     _WORKSPACE_STRIDES,
-    _paged_decode_reduce_kernel,
+    partition_workspace,
+    reduce_partitions,
+    write_partition,
 )
 from pagedllm.kernels.triton.paged_tiles import dot_precision
 from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
@@ -174,26 +175,17 @@ def _mla_decode_kernel(
         acc = tl.dot(p.to(cache_ty), latent, acc=acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    if tl.cdiv(seq_len, partition_size) == 1:
-        out = acc / l_i[:, None]
-        tl.store(
-            out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + offs_r[None, :],
-            out.to(out_ptr.dtype.element_ty),
-            mask=head_mask[:, None],
-        )
-    else:
-        ml_offs = seq * stride_ml_seq + heads * stride_ml_head + part * stride_ml_part
-        tl.store(max_logits_ptr + ml_offs, m_i, mask=head_mask)
-        tl.store(exp_sums_ptr + ml_offs, l_i, mask=head_mask)
-        tl.store(
-            partial_out_ptr
-            + seq * stride_po_seq
-            + heads[:, None] * stride_po_head
-            + part * stride_po_part
-            + offs_r[None, :],
-            acc,
-            mask=head_mask[:, None],
-        )
+    # A context of one partition is written out whole; others leave partials for the reduce.
+    heads_out = out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head
+    state_offs = seq * stride_ml_seq + heads * stride_ml_head + part * stride_ml_part
+    partial_rows = partial_out_ptr + seq * stride_po_seq + heads * stride_po_head + part * stride_po_part
+    partials = (
+        partial_rows[:, None] + offs_r[None, :],
+        max_logits_ptr + state_offs,
+        exp_sums_ptr + state_offs,
+    )
+    whole = (heads_out + offs_r[None, :], head_mask[:, None])
+    write_partition((acc, l_i, m_i), tl.cdiv(seq_len, partition_size) == 1, whole, partials, head_mask)
 
 
 def check_mla_dims(kv_lora_rank: int) -> None:
@@ -253,13 +245,8 @@ def mla_decode(
     block_n = launch.block_n
     assert partition_size % block_n == 0, f"partition_size {partition_size} not a multiple of {block_n}"
     num_partitions = triton.cdiv(max_seq_len, partition_size)
-    # float32 scratch for the partitions' state; a one-partition stub when the reduce never runs.
-    workspace_parts = 1 if num_partitions == 1 else num_partitions
-    partial_out = torch.empty(
-        num_seqs, num_heads, workspace_parts, lora_rank, dtype=torch.float32, device=out.device
-    )
-    max_logits = torch.empty(num_seqs, num_heads, workspace_parts, dtype=torch.float32, device=out.device)
-    exp_sums = torch.empty_like(max_logits)
+    workspace = partition_workspace(num_seqs, num_heads, num_partitions, lora_rank, out.device)
+    partial_out, max_logits, exp_sums = workspace
     _mla_decode_kernel[(num_head_blocks, num_seqs, num_partitions)](
         out,
         partial_out,
@@ -296,21 +283,5 @@ def mla_decode(
         **pdl_options(out.device),
     )
     if num_partitions > 1:
-        _paged_decode_reduce_kernel[(num_seqs, num_heads)](
-            out,
-            partial_out,
-            max_logits,
-            exp_sums,
-            seq_lens,
-            *out.stride(),
-            *partial_out.stride(),
-            *max_logits.stride(),
-            partition_size=partition_size,
-            sliding_window=0,
-            HEAD_SIZE=lora_rank,
-            HEAD_DIM=lora_rank,
-            BLOCK_N=block_n,
-            BLOCK_P=_REDUCE_BLOCK_P,
-            **pdl_options(out.device),
-        )
+        reduce_partitions(out, workspace, seq_lens, partition_size, lora_rank, block_n)
     return out
