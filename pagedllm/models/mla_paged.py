@@ -1,12 +1,14 @@
 """Multi-head latent attention's GPU step (the Triton attention backend): ``MLAAttention``'s
 ``_step_per_sequence`` computed with every decode of the step in one launch of the MLA decode
-kernel (kernels/triton/mla_decode.py). Its own module because it imports triton, an optional
-dependency: ``MLAAttention`` imports it when it is built for the Triton backend.
+kernel (kernels/triton/mla_decode.py) and the prefill chunks expanded together, in padded batches.
+Its own module because it imports triton, an optional dependency: ``MLAAttention`` imports it when
+it is built for the Triton backend.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.attention.metadata import AttentionMetadata
@@ -14,6 +16,11 @@ from pagedllm.kernels.triton.mla_decode import check_mla_dims, mla_decode
 from pagedllm.kernels.triton.reshape_and_cache import reshape_and_cache
 
 __all__ = ["check_mla_dims", "step_paged"]
+
+# A padded prefill batch holds at most this many (context token, head) pairs of expanded keys and
+# values (V2-Lite's 16 heads: 65,536 context tokens, 0.67 GB in bf16); a longer context is a
+# batch of its own, as the per-sequence path would expand it.
+_PREFILL_BATCH_ELEMENTS = 2**20
 
 
 def step_paged(
@@ -26,11 +33,10 @@ def step_paged(
     block_size, 1, r + rope]) -> [num_tokens, num_heads, v_head_dim].
 
     Decodes take the absorbed form: W_UK^T q_nope as one batched matmul over the heads, the
-    kernel, then W_UV the same way. Prefill chunks stay expanded a sequence at a time
-    (``_attend_sequences``): their cost is the expansion, 2 seq_len r H (nope + v) FLOPs a
-    sequence, a few large matmuls that a batched kernel would not make cheaper. Nothing here syncs
-    with the device before the prefills (the decode grid comes from ``md.max_seq_len``, a host
-    int): a decode-only step is CUDA-graph capturable.
+    kernel, then W_UV the same way. Prefill chunks take the expanded form (cheaper when many
+    queries share a context), batched: ``_prefill_batch``. Nothing here syncs with the device
+    (grids and index tensors come from the metadata's host copies): a decode-only step is
+    CUDA-graph capturable.
     """
     num_blocks, width = cache.shape[0], cache.shape[-1]
     # The latent is both key and value: the write's two copies land on the same slot.
@@ -55,6 +61,78 @@ def step_paged(
             min_seq_len=md.min_decode_seq_len,
         )
         output[:num_decodes] = torch.bmm(out_latent, layer.w_uv.transpose(1, 2)).transpose(0, 1)
-    if md.num_prefills:
-        layer._attend_sequences(q, cache, md, num_decodes, output)
+    starts, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
+    for group in _prefill_groups(seq_lens, num_decodes, layer.num_heads):
+        _prefill_batch(
+            layer, q, cache.view(num_blocks, -1, width), md.block_tables, starts, seq_lens, group, output
+        )
     return output
+
+
+def _prefill_groups(seq_lens: list[int], first: int, num_heads: int) -> list[range]:
+    """Sequences [first, len(seq_lens)) cut into consecutive groups whose padded contexts hold at
+    most _PREFILL_BATCH_ELEMENTS (token, head) pairs (a longer context alone)."""
+    groups, start, longest = [], first, 0
+    for i in range(first, len(seq_lens)):
+        longest = max(longest, seq_lens[i])
+        if i > start and (i - start + 1) * longest * num_heads > _PREFILL_BATCH_ELEMENTS:
+            groups.append(range(start, i))
+            start, longest = i, seq_lens[i]
+    return [*groups, range(start, len(seq_lens))] if start < len(seq_lens) else groups
+
+
+def _prefill_batch(
+    layer: nn.Module,
+    q: torch.Tensor,
+    latents: torch.Tensor,
+    block_tables: torch.Tensor,
+    starts: list[int],
+    seq_lens: list[int],
+    group: range,
+    output: torch.Tensor,
+) -> None:
+    """The expanded form for the prefill chunks of sequences ``group`` at once; writes their rows
+    of ``output``. latents: [num_blocks, block_size, r + rope]; starts, seq_lens: the metadata's
+    host query_start_loc and seq_lens.
+
+    Their contexts are gathered into one zero-padded [n, max_len, r + rope] batch, expanded by
+    ``kv_b_proj`` in one matmul, and attended by SDPA with a mask per sequence (its queries are the
+    last query_len positions of its context: causal, aligned to the end). Padding costs attention
+    FLOPs only, a few percent of the expansion's and projections' at W7's prompts."""
+    n, block_size = len(group), latents.shape[1]
+    query_lens = [starts[i + 1] - starts[i] for i in group]
+    lens = [seq_lens[i] for i in group]
+    max_q, max_len = max(query_lens), max(lens)
+    device = q.device
+    # Host-built indices (one copy each): each padded query row's token, each context's positions.
+    rows = [starts[i] + min(j, ql - 1) for i, ql in zip(group, query_lens) for j in range(max_q)]
+    q_rows = _host_index(rows, device).view(n, max_q)
+    positions = torch.arange(max_len, device=device)
+    seq_len = _host_index(lens, device)[:, None]
+    blocks = block_tables[group.start : group.stop, : -(-max_len // block_size)].long()
+    context = latents[blocks[:, positions // block_size], positions % block_size]  # [n, max_len, r + rope]
+    context = context.masked_fill((positions >= seq_len)[..., None], 0.0)  # padding, NaN-free
+    latent, k_pe = context.split([layer.kv_lora_rank, layer.qk_rope_head_dim], dim=-1)
+    kv = layer.kv_b_proj(latent).view(n, max_len, layer.num_heads, -1)
+    k_nope, values = kv.split([layer.qk_nope_head_dim, layer.v_head_dim], dim=-1)
+    keys = torch.cat((k_nope, k_pe[:, :, None].expand(-1, -1, layer.num_heads, -1)), dim=-1)
+    # Query j of a sequence sits at seq_len - query_len + j; padded rows repeat its last query.
+    q_pos = torch.arange(max_q, device=device) + seq_len - _host_index(query_lens, device)[:, None]
+    mask = (positions[None, None, :] <= q_pos[..., None]) & (positions < seq_len)[:, None, :]
+    attended = F.scaled_dot_product_attention(
+        q[q_rows].transpose(1, 2),
+        keys.transpose(1, 2),
+        values.transpose(1, 2),
+        attn_mask=mask[:, None],
+        scale=layer.scale,
+    )  # [n, num_heads, max_q, v_head_dim]
+    valid = [i * max_q + j for i, ql in enumerate(query_lens) for j in range(ql)]
+    attended = attended.transpose(1, 2).flatten(0, 1)
+    output[starts[group.start] : starts[group.stop]] = attended[_host_index(valid, device)]
+
+
+def _host_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host-built integers on ``device`` without a host sync: on CUDA through pinned memory (a
+    pageable copy would wait for the stream's queued work)."""
+    host = torch.tensor(values, dtype=torch.long)
+    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
