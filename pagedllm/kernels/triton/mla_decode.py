@@ -6,8 +6,8 @@ fold into the query and the output, so each head's score against token k is
 dims, mapped back by W_UV after this kernel). Every head reads the same cached entry ``[c_kv |
 k_pe]`` per token: attention is MQA with one "head" of ``r + rope`` (576 for DeepSeek-V2/V3) that
 is both key (all of it) and value (its first ``r`` dims). The context is split as in FlashDecoding
-(Dao et al. 2023) and merged by ``paged_decode``'s reduce kernel, which this kernel's partials
-match: log2-unit running max ``m_i``, sum ``l_i`` and unnormalized ``acc`` per head and partition.
+(Dao et al. 2023): each partition leaves its log2-unit running max ``m_i``, sum ``l_i`` and
+unnormalized ``acc`` per head, and a second kernel merges them.
 
 Kernel 1, ``_mla_decode_kernel``, grid ``(cdiv(num_heads, BLOCK_H), num_seqs, num_partitions)``:
   a program takes ``BLOCK_H`` heads of one sequence (the rows of its dots, >= 16 for the tensor
@@ -16,8 +16,11 @@ Kernel 1, ``_mla_decode_kernel``, grid ``(cdiv(num_heads, BLOCK_H), num_seqs, nu
   its heads; ``s = q_latent c^T + q_pe k_pe^T`` (two dots into one ``[BLOCK_H, BLOCK_N]``), an
   online-softmax update, and ``acc += p c`` reusing the latent tile as the values. A sequence whose
   context fits one partition gets ``acc / l_i`` written to the output directly.
-Kernel 2: ``paged_decode``'s reduce (``reduce_partitions``, grid ``(num_seqs, num_heads)``), launched
-  only when some launch spans several partitions; it skips single-partition sequences.
+Kernel 2, ``_mla_merge_kernel``, grid ``(cdiv(num_heads, BLOCK_H), num_seqs)``, launched only when
+  some sequence may span several partitions: a program folds its heads' partitions one at a time
+  into a running ``(m, l, acc)`` (the online softmax's rescaling, over partitions), reading each
+  partition's ``[BLOCK_H, r]`` rows contiguous, and writes ``acc / l``; a sequence of one
+  partition (kernel 1 wrote it) exits at once.
 
 ``num_partitions`` comes from the host bound ``max_seq_len`` (``max_model_len`` under CUDA
 graphs), never from the device's ``seq_lens``: no host sync, and a captured graph stays valid for
@@ -27,15 +30,15 @@ Layouts: q_latent/out ``[num_seqs, num_heads, r]`` and q_pe ``[num_seqs, num_hea
 strides (views of batched matmuls' outputs); cache ``[num_blocks, block_size, r + rope]`` with the
 last dim contiguous (the torch layout ``[.., block_size, 1, ..]`` and the Triton layout ``[.., 1,
 block_size, ..]`` of one KV head are both this in memory); block_tables ``[num_seqs, max_blocks]``
-int32; seq_lens ``[num_seqs]`` int32; workspace (float32) partial_out ``[num_seqs, num_heads,
-num_partitions, r]``, max_logits/exp_sums ``[num_seqs, num_heads, num_partitions]``.
+int32; seq_lens ``[num_seqs]`` int32; workspace (float32) partials ``[num_seqs, num_partitions,
+num_heads, r]`` and stats ``[num_seqs, num_partitions, num_heads, 2]`` (``m_i``, ``l_i``).
 
 Bound: memory. Bytes ~ ``sum(seq_lens) * (r + rope) * element_size * cdiv(num_heads, BLOCK_H)``
 (each latent read once per head block: once for DeepSeek-V2-Lite's 16 heads, 8x for V3's 128 at
 BLOCK_H = 16); FLOPs ~ ``2 * sum(seq_lens) * num_heads * (2 r + rope)``: 128 heads make ~2 * 128 *
 1,088 / 1,152 ~ 240 FLOPs per byte at 16 bits over one read, near an H100's ridge point, which is
 why heads share a tile instead of each re-reading it. Workspace traffic ``num_partitions *
-num_heads * r * 4`` bytes per sequence.
+num_heads * r * 4`` bytes per sequence, written by kernel 1 and read by kernel 2.
 """
 
 from __future__ import annotations
@@ -48,12 +51,6 @@ import triton
 import triton.language as tl
 
 from pagedllm.kernels.triton.launch import decode_partition_size
-from pagedllm.kernels.triton.paged_decode import (
-    _WORKSPACE_STRIDES,
-    partition_workspace,
-    reduce_partitions,
-    write_partition,
-)
 from pagedllm.kernels.triton.paged_tiles import dot_precision
 from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 
@@ -82,12 +79,15 @@ class MLALaunch:
         return cls(block_n=16, num_warps=8) if dtype == torch.float32 else cls()
 
 
+# The workspace's strides follow the number of partitions, which changes from launch to launch.
+_WORKSPACE_STRIDES = ["stride_w_seq", "stride_w_part", "stride_s_seq", "stride_s_part"]
+
+
 @triton.jit(do_not_specialize=["partition_size", *_WORKSPACE_STRIDES])
 def _mla_decode_kernel(
     out_ptr,
-    partial_out_ptr,
-    max_logits_ptr,
-    exp_sums_ptr,
+    partials_ptr,
+    stats_ptr,
     q_latent_ptr,
     q_pe_ptr,
     cache_ptr,
@@ -102,12 +102,10 @@ def _mla_decode_kernel(
     stride_qp_head,
     stride_o_seq,
     stride_o_head,
-    stride_po_seq,
-    stride_po_head,
-    stride_po_part,
-    stride_ml_seq,
-    stride_ml_head,
-    stride_ml_part,  # shared by max_logits and exp_sums
+    stride_w_seq,  # partials (heads r apart, dims contiguous)
+    stride_w_part,
+    stride_s_seq,  # stats (heads 2 apart)
+    stride_s_part,
     stride_c_block,
     stride_c_slot,
     stride_bt_seq,
@@ -123,16 +121,13 @@ def _mla_decode_kernel(
     wait_for_prior_kernel(USE_GDC)
     # Head blocks vary fastest: those of one sequence and partition run together and share its
     # latent tiles in L2 (128 heads: 8 blocks reading the same bytes).
-    head_block = tl.program_id(0)
-    seq = tl.program_id(1)
-    part = tl.program_id(2)
+    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    seq, part = tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     start = part * partition_size
     if start >= seq_len:
         return
     end = tl.minimum(start + partition_size, seq_len)
-
-    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     head_mask = heads < num_heads
     offs_r = tl.arange(0, LORA_RANK)
     offs_p = tl.arange(0, ROPE_PAD)
@@ -175,17 +170,64 @@ def _mla_decode_kernel(
         acc = tl.dot(p.to(cache_ty), latent, acc=acc, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    # A context of one partition is written out whole; others leave partials for the reduce.
-    heads_out = out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head
-    state_offs = seq * stride_ml_seq + heads * stride_ml_head + part * stride_ml_part
-    partial_rows = partial_out_ptr + seq * stride_po_seq + heads * stride_po_head + part * stride_po_part
-    partials = (
-        partial_rows[:, None] + offs_r[None, :],
-        max_logits_ptr + state_offs,
-        exp_sums_ptr + state_offs,
-    )
-    whole = (heads_out + offs_r[None, :], head_mask[:, None])
-    write_partition((acc, l_i, m_i), tl.cdiv(seq_len, partition_size) == 1, whole, partials, head_mask)
+    if tl.cdiv(seq_len, partition_size) == 1:  # the whole context: the output itself
+        out = acc / l_i[:, None]
+        out_rows = out_ptr + seq * stride_o_seq + heads * stride_o_head
+        tl.store(
+            out_rows[:, None] + offs_r[None, :], out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None]
+        )
+    else:  # this partition's state, for kernel 2
+        rows = seq * stride_w_seq + part * stride_w_part + heads * LORA_RANK
+        tl.store(partials_ptr + rows[:, None] + offs_r[None, :], acc, mask=head_mask[:, None])
+        stats = stats_ptr + seq * stride_s_seq + part * stride_s_part + heads * 2
+        tl.store(stats[:, None] + tl.arange(0, 2)[None, :], tl.join(m_i, l_i), mask=head_mask[:, None])
+
+
+@triton.jit(do_not_specialize=["partition_size", *_WORKSPACE_STRIDES])
+def _mla_merge_kernel(
+    out_ptr,
+    partials_ptr,
+    stats_ptr,
+    seq_lens_ptr,
+    partition_size,
+    num_heads,
+    stride_o_seq,
+    stride_o_head,
+    stride_w_seq,
+    stride_w_part,
+    stride_s_seq,
+    stride_s_part,
+    LORA_RANK: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    USE_GDC: tl.constexpr,
+):
+    wait_for_prior_kernel(USE_GDC)
+    heads = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    seq = tl.program_id(1)
+    # Only the partitions kernel 1 wrote: the rest of the workspace is uninitialized.
+    num_parts = tl.cdiv(tl.load(seq_lens_ptr + seq), partition_size)
+    if num_parts == 1:
+        return
+    head_mask = heads < num_heads
+    offs_r = tl.arange(0, LORA_RANK)
+    m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l = tl.zeros([BLOCK_H], dtype=tl.float32)  # noqa: E741 (the paper's name)
+    acc = tl.zeros([BLOCK_H, LORA_RANK], dtype=tl.float32)
+    for part in range(num_parts):
+        # Every partition below num_parts holds a key, so each m_p is finite.
+        stats = stats_ptr + seq * stride_s_seq + part * stride_s_part + heads * 2
+        m_p = tl.load(stats, mask=head_mask, other=0.0)
+        l_p = tl.load(stats + 1, mask=head_mask, other=1.0)  # (padding rows: no 0 / 0)
+        rows = seq * stride_w_seq + part * stride_w_part + heads * LORA_RANK
+        acc_p = tl.load(partials_ptr + rows[:, None] + offs_r[None, :], mask=head_mask[:, None], other=0.0)
+        m_new = tl.maximum(m, m_p)
+        alpha, beta = tl.exp2(m - m_new), tl.exp2(m_p - m_new)
+        acc = acc * alpha[:, None] + acc_p * beta[:, None]
+        l = l * alpha + l_p * beta  # noqa: E741
+        m = m_new
+    out_rows = out_ptr + seq * stride_o_seq + heads * stride_o_head
+    out = (acc / l[:, None]).to(out_ptr.dtype.element_ty)
+    tl.store(out_rows[:, None] + offs_r[None, :], out, mask=head_mask[:, None])
 
 
 def check_mla_dims(kv_lora_rank: int) -> None:
@@ -245,13 +287,16 @@ def mla_decode(
     block_n = launch.block_n
     assert partition_size % block_n == 0, f"partition_size {partition_size} not a multiple of {block_n}"
     num_partitions = triton.cdiv(max_seq_len, partition_size)
-    workspace = partition_workspace(num_seqs, num_heads, num_partitions, lora_rank, out.device)
-    partial_out, max_logits, exp_sums = workspace
+    # float32 scratch for the partitions' state (unread with one partition: kernel 1 writes the output).
+    partials = torch.empty(
+        num_seqs, num_partitions, num_heads, lora_rank, dtype=torch.float32, device=out.device
+    )
+    stats = torch.empty(num_seqs, num_partitions, num_heads, 2, dtype=torch.float32, device=out.device)
+    workspace_strides = (partials.stride(0), partials.stride(1), stats.stride(0), stats.stride(1))
     _mla_decode_kernel[(num_head_blocks, num_seqs, num_partitions)](
         out,
-        partial_out,
-        max_logits,
-        exp_sums,
+        partials,
+        stats,
         q_latent,
         q_pe,
         cache,
@@ -266,8 +311,7 @@ def mla_decode(
         q_pe.stride(1),
         out.stride(0),
         out.stride(1),
-        *partial_out.stride()[:3],
-        *max_logits.stride(),
+        *workspace_strides,
         cache.stride(0),
         cache.stride(1),
         block_tables.stride(0),
@@ -283,5 +327,20 @@ def mla_decode(
         **pdl_options(out.device),
     )
     if num_partitions > 1:
-        reduce_partitions(out, workspace, seq_lens, partition_size, lora_rank, block_n)
+        _mla_merge_kernel[(num_head_blocks, num_seqs)](
+            out,
+            partials,
+            stats,
+            seq_lens,
+            partition_size,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            *workspace_strides,
+            LORA_RANK=lora_rank,
+            BLOCK_H=MLA_BLOCK_H,
+            # Two [BLOCK_H, r] float32 tiles in registers (the running and the read partition).
+            num_warps=8,
+            **pdl_options(out.device),
+        )
     return out

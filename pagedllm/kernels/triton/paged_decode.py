@@ -245,32 +245,27 @@ def _paged_decode_kernel(
     # A sequence whose context fits one partition (every one when num_partitions is 1; under a CUDA
     # graph captured for max_model_len, most of them) has nothing to merge: its only program
     # writes the output, and the reduce pass skips it.
-    out_ptrs = out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :] * stride_o_dim
-    ml_offs = seq * stride_ml_seq + heads * stride_ml_head + part * stride_ml_part
-    po_offs = seq * stride_po_seq + heads * stride_po_head + part * stride_po_part
-    partial_ptrs = partial_out_ptr + po_offs[:, None] + offs_d[None, :] * stride_po_dim
-    is_whole = tl.cdiv(seq_len - start, partition_size) == 1 and part == 0
-    partials = (partial_ptrs, max_logits_ptr + ml_offs, exp_sums_ptr + ml_offs)
-    write_partition((acc, l_i, m_i), is_whole, (out_ptrs, row_mask), partials, offs_h < NUM_QUERIES_PER_KV)
-
-
-@triton.jit
-def write_partition(state, is_whole, out, partials, head_mask):
-    """The end of a decode program over one partition of one sequence, ``state`` its (acc
-    [BLOCK_H, HEAD_DIM], l_i, m_i [BLOCK_H]). The sequence's only partition (``is_whole``)
-    writes ``acc / l_i`` to ``out`` = (pointers [BLOCK_H, HEAD_DIM], their mask); any other its
-    partials for the reduce, ``partials`` = (pointers into partial_out [BLOCK_H, HEAD_DIM], into
-    max_logits and exp_sums [BLOCK_H]), the rows past the program's heads masked by ``head_mask``.
-    Also the MLA decode's (mla_decode.py)."""
-    acc, l_i, m_i = state
-    if is_whole:
-        out_ptrs, out_mask = out
-        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptrs.dtype.element_ty), mask=out_mask)
+    if tl.cdiv(seq_len - start, partition_size) == 1 and part == 0:
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :] * stride_o_dim,
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_mask,
+        )
     else:
-        partial_ptrs, max_logits_ptrs, exp_sums_ptrs = partials
-        tl.store(max_logits_ptrs, m_i, mask=head_mask)
-        tl.store(exp_sums_ptrs, l_i, mask=head_mask)
-        tl.store(partial_ptrs, acc, mask=head_mask[:, None])
+        head_mask = offs_h < NUM_QUERIES_PER_KV
+        ml_offs = seq * stride_ml_seq + heads * stride_ml_head + part * stride_ml_part
+        tl.store(max_logits_ptr + ml_offs, m_i, mask=head_mask)
+        tl.store(exp_sums_ptr + ml_offs, l_i, mask=head_mask)
+        tl.store(
+            partial_out_ptr
+            + seq * stride_po_seq
+            + heads[:, None] * stride_po_head
+            + part * stride_po_part
+            + offs_d[None, :] * stride_po_dim,
+            acc,
+            mask=head_mask[:, None],
+        )
 
 
 @triton.jit(do_not_specialize=["partition_size", "sliding_window", *_WORKSPACE_STRIDES])
@@ -344,60 +339,6 @@ def _paged_decode_reduce_kernel(
     )
 
 
-PartitionWorkspace = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def partition_workspace(
-    num_seqs: int, num_heads: int, num_partitions: int, head_dim: int, device: torch.device
-) -> PartitionWorkspace:
-    """Float32 scratch for kernel 1's per-partition state: (partial_out [num_seqs, num_heads,
-    num_partitions, head_dim], max_logits, exp_sums [num_seqs, num_heads, num_partitions]). With
-    one partition it is an unread stub: kernel 1 writes every output itself, kernel 2 never runs."""
-    partial_out = torch.empty(
-        num_seqs, num_heads, num_partitions, head_dim, dtype=torch.float32, device=device
-    )
-    max_logits = torch.empty(num_seqs, num_heads, num_partitions, dtype=torch.float32, device=device)
-    return partial_out, max_logits, torch.empty_like(max_logits)
-
-
-def reduce_partitions(
-    out: torch.Tensor,
-    workspace: PartitionWorkspace,
-    seq_lens: torch.Tensor,
-    partition_size: int,
-    head_size: int,
-    block_n: int,
-    sliding_window: int | None = None,
-) -> None:
-    """Kernel 2 over a decode's partitions (a launch spanning several): merges each sequence's
-    live partitions into ``out`` [num_seqs, num_heads, head_size]; also the MLA decode's merge
-    (kernels/triton/mla_decode.py), whose partials follow kernel 1's convention."""
-    partial_out, max_logits, exp_sums = workspace
-    num_seqs, num_heads, _, head_dim = partial_out.shape
-    _paged_decode_reduce_kernel[(num_seqs, num_heads)](
-        out,
-        partial_out,
-        max_logits,
-        exp_sums,
-        seq_lens,
-        *out.stride(),
-        *partial_out.stride(),
-        *max_logits.stride(),
-        partition_size=partition_size,
-        sliding_window=sliding_window or 0,
-        HEAD_SIZE=head_size,
-        HEAD_DIM=head_dim,
-        BLOCK_N=block_n,
-        # One tile width for any number of partitions: masked lanes cost nothing here, and a
-        # width per count would compile a kernel per count.
-        BLOCK_P=_REDUCE_BLOCK_P,
-        # A [BLOCK_P, HEAD_DIM] float32 tile of partials in registers: 32 a thread at head size 128
-        # over 4 warps, 128 at MLA's 512, which takes 8 warps (64) rather than spill.
-        num_warps=max(4, head_dim // 64),
-        **pdl_options(out.device),
-    )
-
-
 def paged_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -454,8 +395,15 @@ def paged_decode(
     # A window's keys start within a tile of its first tile: it spans at most window + block_n - 1.
     attended_bound = max_seq_len if sliding_window is None else min(max_seq_len, sliding_window + block_n - 1)
     num_partitions = triton.cdiv(attended_bound, partition_size)
-    workspace = partition_workspace(num_seqs, num_heads, num_partitions, head_dim, query.device)
-    partial_out, max_logits, exp_sums = workspace
+    single_partition = num_partitions == 1
+    # float32 scratch for kernel 1's per-partition state; a [.., 1, ..] stub when it is unused.
+    workspace_parts = 1 if single_partition else num_partitions
+    partial_out = torch.empty(
+        num_seqs, num_heads, workspace_parts, head_dim, dtype=torch.float32, device=query.device
+    )
+    max_logits = torch.empty(num_seqs, num_heads, workspace_parts, dtype=torch.float32, device=query.device)
+    exp_sums = torch.empty_like(max_logits)
+
     _paged_decode_kernel[(num_seqs, num_kv_heads, num_partitions)](
         out,
         partial_out,
@@ -499,6 +447,24 @@ def paged_decode(
         num_stages=num_stages,
         **pdl_options(query.device),
     )
-    if num_partitions > 1:
-        reduce_partitions(out, workspace, seq_lens, partition_size, head_size, block_n, sliding_window)
+    if not single_partition:
+        _paged_decode_reduce_kernel[(num_seqs, num_heads)](
+            out,
+            partial_out,
+            max_logits,
+            exp_sums,
+            seq_lens,
+            *out.stride(),
+            *partial_out.stride(),
+            *max_logits.stride(),
+            partition_size=partition_size,
+            sliding_window=sliding_window or 0,
+            HEAD_SIZE=head_size,
+            HEAD_DIM=head_dim,
+            BLOCK_N=block_n,
+            # One tile width for any number of partitions: masked lanes cost nothing here, and a
+            # width per count would compile a kernel per count.
+            BLOCK_P=_REDUCE_BLOCK_P,
+            **pdl_options(query.device),
+        )
     return out
