@@ -58,7 +58,7 @@ from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 MLA_BLOCK_H = 16
 # Tokens per partition: at most MLA_PARTITION_SIZE, at least MLA_MIN_PARTITION when
 # decode_partition_size splits finer to fill the GPU. A partition's float32 partials are r * 4 =
-# 2 KiB per head, written then read again by the reduce: 32 KiB for 16 heads against 288 KiB of
+# 2 KiB per head, written then read again by kernel 2: 32 KiB for 16 heads against 288 KiB of
 # latents read over 256 tokens (11%), where 64-token partitions would add 44%.
 MLA_PARTITION_SIZE = 1024
 MLA_MIN_PARTITION = 256
@@ -66,9 +66,11 @@ MLA_MIN_PARTITION = 256
 
 @dataclass(frozen=True)
 class MLALaunch:
-    """Launch parameters of ``mla_decode``: latent tokens per tile, warps, pipeline stages. A
-    16-bit [32, 576] tile is 36 KiB of shared memory per stage; float32 (the tests' dtype, exact
-    dots on FMA units) takes half the tile and twice the warps for its registers."""
+    """Launch parameters of ``mla_decode``: latent tokens per tile, warps, pipeline stages. Triton
+    does not multi-buffer this loop (its tile feeds two dots): compiled for sm_90 it takes the same
+    shared memory at 1, 2 or 3 stages, 58 KiB at the 16-bit default, so latency hides behind the
+    programs an SM holds at once (``bench mla --sweep`` times the alternatives). Float32 (the
+    tests' dtype, exact dots on FMA units) takes half the tile and twice the warps."""
 
     block_n: int = 32
     num_warps: int = 4
