@@ -222,7 +222,7 @@ def _k1(row: dict) -> str:
 
 
 def _k1_mla(row: dict) -> str:
-    if "flashinfer_ms" not in row:
+    if "ratio" not in row:
         return f"{1e3 * row['ours_ms']:.1f} / no FlashInfer ({row['ours_gbps']:.0f})"
     times = f"{1e3 * row['ours_ms']:.1f} / {1e3 * row['flashinfer_ms']:.1f}"
     return f"{times} ({row['ratio']:.3f}x; {row['ours_gbps']:.0f} vs {row['flashinfer_gbps']:.0f})"
