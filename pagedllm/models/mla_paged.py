@@ -26,8 +26,8 @@ _PREFILL_BATCH_ELEMENTS = 2**20
 def step_paged(
     layer: nn.Module, q: torch.Tensor, entry: torch.Tensor, cache: torch.Tensor, md: AttentionMetadata
 ) -> torch.Tensor:
-    """layer: the ``MLAAttention`` (its dims, W_UK/W_UV and per-sequence path; not imported
-    here, which it imports). q: [num_tokens, num_heads, qk_head_dim] (rotated); entry:
+    """layer: the ``MLAAttention`` (its dims, projections, W_UK and W_UV; not imported here, which
+    it imports). q: [num_tokens, num_heads, qk_head_dim] (rotated); entry:
     [num_tokens, 1, r + rope], each token's latent; cache: the layer's, the Triton layout of one KV
     head [num_blocks, 1, block_size, r + rope] (the same memory as the torch layout's [num_blocks,
     block_size, 1, r + rope]) -> [num_tokens, num_heads, v_head_dim].
@@ -61,11 +61,12 @@ def step_paged(
             min_seq_len=md.min_decode_seq_len,
         )
         output[:num_decodes] = torch.bmm(out_latent, layer.w_uv.transpose(1, 2)).transpose(0, 1)
-    starts, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
-    for group in _prefill_groups(seq_lens, num_decodes, layer.num_heads):
-        _prefill_batch(
-            layer, q, cache.view(num_blocks, -1, width), md.block_tables, starts, seq_lens, group, output
-        )
+    if md.num_prefills:
+        starts, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
+        for group in _prefill_groups(seq_lens, num_decodes, layer.num_heads):
+            _prefill_batch(
+                layer, q, cache.view(num_blocks, -1, width), md.block_tables, starts, seq_lens, group, output
+            )
     return output
 
 
