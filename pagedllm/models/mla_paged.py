@@ -35,8 +35,8 @@ def step_paged(
     Decodes take the absorbed form: W_UK^T q_nope as one batched matmul over the heads, the
     kernel, then W_UV the same way. Prefill chunks take the expanded form (cheaper when many
     queries share a context), batched: ``_prefill_batch``. Nothing here syncs with the device
-    (grids and index tensors come from the metadata's host copies): a decode-only step is
-    CUDA-graph capturable.
+    (grids and batch sizes come from the metadata's host copies, indices from its device tensors):
+    a decode-only step is CUDA-graph capturable.
     """
     num_blocks, width = cache.shape[0], cache.shape[-1]
     # The latent is both key and value: the write's two copies land on the same slot.
@@ -64,9 +64,9 @@ def step_paged(
     if md.num_prefills:
         starts, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
         for group in _prefill_groups(seq_lens, num_decodes, layer.num_heads):
-            _prefill_batch(
-                layer, q, cache.view(num_blocks, -1, width), md.block_tables, starts, seq_lens, group, output
-            )
+            max_q = max(starts[i + 1] - starts[i] for i in group)
+            bounds = (max_q, max(seq_lens[i] for i in group))
+            _prefill_batch(layer, q, cache.view(num_blocks, -1, width), md, group, bounds, output)
     return output
 
 
@@ -86,39 +86,38 @@ def _prefill_batch(
     layer: nn.Module,
     q: torch.Tensor,
     latents: torch.Tensor,
-    block_tables: torch.Tensor,
-    starts: list[int],
-    seq_lens: list[int],
+    md: AttentionMetadata,
     group: range,
+    bounds: tuple[int, int],
     output: torch.Tensor,
 ) -> None:
     """The expanded form for the prefill chunks of sequences ``group`` at once; writes their rows
-    of ``output``. latents: [num_blocks, block_size, r + rope]; starts, seq_lens: the metadata's
-    host query_start_loc and seq_lens.
+    of ``output``. latents: [num_blocks, block_size, r + rope]; bounds: the group's longest query
+    and context (host ints, from the metadata's host copies).
 
     Their contexts are gathered into one zero-padded [n, max_len, r + rope] batch, expanded by
     ``kv_b_proj`` in one matmul, and attended by SDPA with a mask per sequence (its queries are the
     last query_len positions of its context: causal, aligned to the end). Padding costs attention
-    FLOPs only, a few percent of the expansion's and projections' at W7's prompts."""
-    n, block_size = len(group), latents.shape[1]
-    query_lens = [starts[i + 1] - starts[i] for i in group]
-    lens = [seq_lens[i] for i in group]
-    max_q, max_len = max(query_lens), max(lens)
-    device = q.device
-    # Host-built indices (one copy each): each padded query row's token, each context's positions.
-    rows = [starts[i] + min(j, ql - 1) for i, ql in zip(group, query_lens) for j in range(max_q)]
-    q_rows = _host_index(rows, device).view(n, max_q)
+    FLOPs only, a few percent of the expansion's and projections' at W7's prompts. Indices come
+    from the metadata's device tensors: no host-to-device copy."""
+    (max_q, max_len), block_size, device = bounds, latents.shape[1], q.device
+    query_start = md.query_start_loc[group.start : group.stop + 1].long()
+    first_query, query_len = query_start[:-1, None], (query_start[1:] - query_start[:-1])[:, None]
+    seq_len = md.seq_lens[group.start : group.stop, None].long()
     positions = torch.arange(max_len, device=device)
-    seq_len = _host_index(lens, device)[:, None]
-    blocks = block_tables[group.start : group.stop, : -(-max_len // block_size)].long()
+    blocks = md.block_tables[group.start : group.stop, : -(-max_len // block_size)].long()
     context = latents[blocks[:, positions // block_size], positions % block_size]  # [n, max_len, r + rope]
     context = context.masked_fill((positions >= seq_len)[..., None], 0.0)  # padding, NaN-free
     latent, k_pe = context.split([layer.kv_lora_rank, layer.qk_rope_head_dim], dim=-1)
-    kv = layer.kv_b_proj(latent).view(n, max_len, layer.num_heads, -1)
+    kv = layer.kv_b_proj(latent).view(len(group), max_len, layer.num_heads, -1)
     k_nope, values = kv.split([layer.qk_nope_head_dim, layer.v_head_dim], dim=-1)
     keys = torch.cat((k_nope, k_pe[:, :, None].expand(-1, -1, layer.num_heads, -1)), dim=-1)
-    # Query j of a sequence sits at seq_len - query_len + j; padded rows repeat its last query.
-    q_pos = torch.arange(max_q, device=device) + seq_len - _host_index(query_lens, device)[:, None]
+    # Query j of a sequence is its token first_query + j at position seq_len - query_len + j. Rows
+    # past its query_len repeat its last query; their position past the context sees what the
+    # last query sees, so they compute its very output, and writing them back is harmless.
+    j = torch.arange(max_q, device=device)
+    q_rows = first_query + torch.minimum(j, query_len - 1)  # [n, max_q]
+    q_pos = seq_len - query_len + j
     mask = (positions[None, None, :] <= q_pos[..., None]) & (positions < seq_len)[:, None, :]
     attended = F.scaled_dot_product_attention(
         q[q_rows].transpose(1, 2),
@@ -127,13 +126,4 @@ def _prefill_batch(
         attn_mask=mask[:, None],
         scale=layer.scale,
     )  # [n, num_heads, max_q, v_head_dim]
-    valid = [i * max_q + j for i, ql in enumerate(query_lens) for j in range(ql)]
-    attended = attended.transpose(1, 2).flatten(0, 1)
-    output[starts[group.start] : starts[group.stop]] = attended[_host_index(valid, device)]
-
-
-def _host_index(values: list[int], device: torch.device) -> torch.Tensor:
-    """Host-built integers on ``device`` without a host sync: on CUDA through pinned memory (a
-    pageable copy would wait for the stream's queued work)."""
-    host = torch.tensor(values, dtype=torch.long)
-    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+    output[q_rows.flatten()] = attended.transpose(1, 2).flatten(0, 1)
