@@ -4,12 +4,12 @@
 #
 #   scripts/gpu_check.sh                 tests, K1, K1 windowed, W1, W3 (the short set)
 #   scripts/gpu_check.sh tests k1 k1-sweep k1-w1 k1-fp8 k1-window w1 w1-profile w2 w3 hf w4 w4-thread w5 moe moe-sweep cuda
-#       w7 k1-mla
 #       lora w1-lora w3-lora w1-fp8kv w3-fp8 w3-w4a16 w2-fp8 quant w3-spec w3-eagle
 #       sanitize so sampler
 #       tp (tp-tests, tp-bench)
 #       determinism
 #       dp
+#       w7 k1-mla
 #
 # Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too; k1-w1: the
 # sweep at W1's decode shape; k1-fp8: the Triton decode over an FP8 cache; k1-window:
