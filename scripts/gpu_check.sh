@@ -9,6 +9,7 @@
 #       tp (tp-tests, tp-bench) cp
 #       determinism
 #       dp
+#       w7 k1-mla
 #
 # Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too; k1-w1: the
 # sweep at W1's decode shape; k1-fp8: the Triton decode over an FP8 cache; k1-window:
@@ -17,7 +18,9 @@
 # includes the profiler), w3 (bench latency, profiled), hf (benchmarks/compare_hf.py: W1 through
 # transformers too), w4 (bench serve against pagedllm serve; w4-thread: the server with its engine on a
 # thread of its own process, --no-engine-process), w5 (bench throughput of the
-# Qwen3-30B-A3B mixture of experts, against its floor), moe (bench moe: the fused MoE kernel against
+# Qwen3-30B-A3B mixture of experts, against its floor), w7 (bench throughput of DeepSeek-V2-Lite's
+# multi-head latent attention and shared experts, against its floor, KV bytes per token beside
+# Llama-3.1-8B's), k1-mla (bench mla: the MLA decode kernel against FlashInfer's MLA decode), moe (bench moe: the fused MoE kernel against
 # the per-expert torch reference; moe-sweep: every launch too), cuda (W1 on the cuda backend),
 # sanitize (compute-sanitizer on the CUDA kernels), lora (bench lora: the BGMV and SGMV kernels against
 # the masked torch product), w1-lora / w3-lora (W1 with 8 rank-16 LoRA adapters, W3 with one), w1-fp8kv
@@ -147,6 +150,10 @@ for stage in "${stages[@]}"; do
             --profile-steps 20
         ;;
     w5) run w5 python3 -m pagedllm bench throughput --workload W5 --output-json "$OUT/w5.json" --output-png "$OUT/w5.png" ;;
+    w7) run w7 python3 -m pagedllm bench throughput --workload W7 --output-json "$OUT/w7.json" --output-png "$OUT/w7.png" ;;
+    k1-mla)  # MLA's target: >= 1.0x FlashInfer's MLA decode at every context (FlashInfer's time / ours)
+        run k1_mla python3 -m pagedllm bench mla --output-json "$OUT/k1_mla.json"
+        ;;
     sampler) run sampler python3 benchmarks/sampler.py --output-json "$OUT/sampler.json" ;;
     moe) run moe python3 -m pagedllm bench moe --output-json "$OUT/moe.json" ;;
     lora) run lora python3 -m pagedllm bench lora --output-json "$OUT/lora.json" ;;

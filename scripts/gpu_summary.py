@@ -18,7 +18,7 @@ def _load(folder: str, name: str) -> dict | list | None:
 def rows(folder: str) -> list[tuple[str, str, str]]:
     """(benchmark, figure, value) rows for whatever ran."""
     table: list[tuple[str, str, str]] = []
-    for name in ("w1", "w1_cuda", "w1_lora", "w1_fp8kv", "w2", "w2_fp8", "w5"):
+    for name in ("w1", "w1_cuda", "w1_lora", "w1_fp8kv", "w2", "w2_fp8", "w5", "w7"):
         r = _load(folder, name)
         if r:
             label = f"{r['workload']} {r['attention_backend']}" + _variant(name)
@@ -32,6 +32,11 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
             )
             if "floor" in r:
                 table.append((label, "fraction of floor (floor s)", _floor(r)))
+            if "kv_bytes_per_token" in r:
+                kv = r["kv_bytes_per_token"]
+                table.append(
+                    (label, "KV B/token (Llama-3.1-8B's)", f"{kv['model']:,} ({kv['llama-3.1-8b']:,})")
+                )
     for name in ("w3", "w3_lora", "w3_fp8", "w3_w4a16", "w3_spec", "w3_eagle_1.0", "w3_eagle_0.7"):
         r = _load(folder, name)
         for mode in ("cuda_graphs", "eager") if r else ():
@@ -69,6 +74,9 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
             label = f"K1{_variant(name)} {row['implementation']} ctx {row['context']}"
             launch = "default launch" if row in r["rows"] and row["default_launch"] else "best launch"
             table.append((label, f"GB/s (of copy; vs SDPA), {launch}", _k1(row)))
+    r = _load(folder, "k1_mla")
+    for row in r["rows"] if r else ():
+        table.append((f"K1-MLA ctx {row['context']}", "ours / FlashInfer us (FI / ours; GB/s)", _k1_mla(row)))
     r = _load(folder, "moe")
     if r:
         for row in r["rows"]:
@@ -255,6 +263,13 @@ def _variant(name: str) -> str:
 
 def _k1(row: dict) -> str:
     return f"{row['gbps']:.0f} ({row['fraction_of_copy']:.0%}; {row['vs_sdpa']:.2f}x)"
+
+
+def _k1_mla(row: dict) -> str:
+    if "ratio" not in row:
+        return f"{1e3 * row['ours_ms']:.1f} / no FlashInfer ({row['ours_gbps']:.0f})"
+    times = f"{1e3 * row['ours_ms']:.1f} / {1e3 * row['flashinfer_ms']:.1f}"
+    return f"{times} ({row['ratio']:.3f}x; {row['ours_gbps']:.0f} vs {row['flashinfer_gbps']:.0f})"
 
 
 def _floor(r: dict) -> str:

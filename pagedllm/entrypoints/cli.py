@@ -25,10 +25,11 @@ logger = logging.getLogger(__name__)
 
 # The benchmarks (modules of pagedllm.entrypoints.bench) and their one-line help.
 BENCHMARKS = {
-    "throughput": "offline throughput: W1, W2, W5",
+    "throughput": "offline throughput: W1, W2, W5, W6, W7",
     "latency": "single-request latency: W3",
     "serve": "online serving against an OpenAI-compatible endpoint: W4",
     "kernels": "paged decode attention bandwidth: K1",
+    "mla": "MLA decode kernel against FlashInfer's MLA decode: K1-MLA",
     "moe": "fused MoE kernel against the per-expert torch reference",
     "lora": "LoRA BGMV and SGMV shrink/expand kernels against the masked torch product",
     "quant": "quantized GEMM paths (FP8, W4A16; decode to prefill) at Llama-3.1-8B's layer shapes",

@@ -7,12 +7,14 @@ MLA compresses each token's keys and values into one latent: ``c_kv = RMSNorm(W_
 head. The cache holds exactly that, ``[c_kv | k_pe]``, one "head" of ``kv_lora_rank +
 qk_rope_head_dim`` per token (``ModelConfig.head_size`` and ``num_kv_heads`` say so to the cache
 engine): 576 numbers a token for DeepSeek-V2 against 128 heads x (192 + 128) for its keys and
-values expanded. Each step gathers a sequence's latents from the paged cache. Prefill attends in
-the expanded form (``_attend``): it expands them with ``kv_b_proj`` into every head's ``k_nope``
-and ``v``, appends ``k_pe`` and attends, causal. Decode attends in the absorbed form
-(``_attend_absorbed``), as DeepSeek and vLLM do: ``kv_b_proj`` folds into the query and the output,
-and attention runs as MQA over the latents directly. The cache is the torch layout, which the torch and cpu
-backends share; the engine allocates no value cache beside it (``KVCacheSpec.keys_only``).
+values expanded. Prefill attends in the expanded form (``_attend``): it expands them with
+``kv_b_proj`` into every head's ``k_nope`` and ``v``, appends ``k_pe`` and attends, causal. Decode
+attends in the absorbed form (``_attend_absorbed``), as DeepSeek and vLLM do: ``kv_b_proj`` folds
+into the query and the output, and attention runs as MQA over the latents directly. The engine
+allocates no value cache beside the latents (``KVCacheSpec.keys_only``). On the torch and cpu
+backends (the oracle) a step runs a sequence at a time (``_step_per_sequence``); on the Triton
+backend every decode of the step runs in one kernel launch (``models/mla_paged.py``), the cache the
+Triton layout of one KV head, the same memory as the torch layout's.
 
 Rotary embedding: DeepSeek rotates interleaved pairs ``(x[2i], x[2i + 1])`` (complex
 multiplication in the reference), with the usual angles and YaRN's attention factor; the softmax
@@ -25,6 +27,7 @@ best groups (``group_limited_greedy``) or over all experts (``greedy``), weights
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import ClassVar
 
@@ -34,9 +37,10 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedllm.attention.backends.abstract import AttentionBackend
-from pagedllm.attention.backends.torch_backend import TorchAttentionBackend, gather_context
+from pagedllm.attention.backends.torch_backend import gather_context
 from pagedllm.attention.forward_context import get_forward_context
 from pagedllm.attention.layer import AttentionLayerBase
+from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.layers.fused_moe import select_experts_group_limited
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -44,6 +48,11 @@ from pagedllm.layers.rotary_embedding import RotaryEmbedding, get_rope_parameter
 from pagedllm.models.glm4_moe import SharedExpertsMoeBlock
 from pagedllm.models.llama import LlamaDecoderLayer, LlamaMLP
 from pagedllm.models.moe import MoeForCausalLM
+
+# The backends MLA runs on: the torch and cpu backends' per-sequence loop (the oracle), the Triton
+# backend's decode kernel (models/mla_paged.py). A cache of one KV head is [num_blocks, block_size,
+# r + rope] in memory in both their layouts; the CUDA backend's chunked key layout is not.
+_MLA_BACKENDS = ("torch", "cpu", "triton")
 
 
 def _softmax_scale(config: PretrainedConfig, qk_head_dim: int) -> float:
@@ -82,11 +91,10 @@ class MLAAttention(AttentionLayerBase):
         sliding_window: int | None,
     ) -> None:
         super().__init__()
-        torch_layout = TorchAttentionBackend.get_kv_cache_shape(1, 16, 1, 8, torch.float32)
-        if attn_backend.get_kv_cache_shape(1, 16, 1, 8, torch.float32) != torch_layout:
+        if attn_backend.name not in _MLA_BACKENDS:
             raise ValueError(
-                f"multi-head latent attention (DeepSeek-V2) runs on the 'torch' and 'cpu' attention "
-                f"backends only, got {attn_backend.name!r}"
+                f"multi-head latent attention (DeepSeek-V2) runs on the attention backends "
+                f"{_MLA_BACKENDS}, got {attn_backend.name!r}"
             )
         if sliding_window is not None or rotary_emb is None:
             raise ValueError(
@@ -118,9 +126,14 @@ class MLAAttention(AttentionLayerBase):
         interleaved = getattr(config, "rope_interleave", True)
         self._rotate = _rotate_interleaved if interleaved else _rotate_halves
         self.scale = _softmax_scale(config, self.qk_head_dim)
-        # Decode's form, chosen here: the torch and cpu backends (the only ones MLA runs on) both
-        # take the absorbed one; prefill stays expanded, cheaper when many queries share a context.
-        self._attend_decode = self._attend_absorbed
+        # The path, chosen here once: the oracle's per-sequence loop, or the Triton decode kernel
+        # (imported for that path only: triton is an optional dependency).
+        self._attend_step = self._step_per_sequence
+        if attn_backend.name == "triton":
+            from pagedllm.models.mla_paged import check_mla_dims, step_paged
+
+            check_mla_dims(self.kv_lora_rank)
+            self._attend_step = functools.partial(step_paged, self)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         """positions: [num_tokens]; hidden_states: [num_tokens, hidden_size] -> same shape. Writes
@@ -141,19 +154,34 @@ class MLAAttention(AttentionLayerBase):
         k_pe = self._rotate(k_pe[:, None], cos, sin)
         # The cache entry of a token: [c_kv | k_pe], one "head".
         entry = torch.cat((self.kv_a_layernorm(latent)[:, None], k_pe), dim=-1)
-        key_cache = self.kv_cache[0]  # (the value cache is the same tensor: the latent is both)
-        attn_metadata = get_forward_context().attn_metadata
-        slot_mapping = attn_metadata.slot_mapping
-        valid = slot_mapping >= 0
-        key_cache.view(-1, 1, key_cache.shape[-1])[slot_mapping[valid]] = entry[valid].to(key_cache.dtype)
-        output = q.new_empty(num_tokens, self.num_heads, self.v_head_dim)
-        starts = attn_metadata.query_start_loc_cpu.tolist()
-        for i, seq_len in enumerate(attn_metadata.seq_lens_cpu.tolist()):
-            context = gather_context(key_cache, attn_metadata.block_tables[i], seq_len)[:, 0]
-            # Decode (one new token) attends over the latents, prefill expands them.
-            attend = self._attend_decode if starts[i + 1] - starts[i] == 1 else self._attend
-            output[starts[i] : starts[i + 1]] = attend(q[starts[i] : starts[i + 1]], context)
+        output = self._attend_step(q, entry, self.kv_cache[0], get_forward_context().attn_metadata)
         return self.o_proj(output.flatten(1))
+
+    def _step_per_sequence(
+        self, q: torch.Tensor, entry: torch.Tensor, cache: torch.Tensor, md: AttentionMetadata
+    ) -> torch.Tensor:
+        """The torch and cpu backends' path, and the oracle: q: [num_tokens, num_heads,
+        qk_head_dim], entry: [num_tokens, 1, r + rope] -> [num_tokens, num_heads, v_head_dim]. A
+        sequence at a time, gathering its latents; decodes absorbed, prefills expanded."""
+        valid = md.slot_mapping >= 0
+        cache.view(-1, 1, cache.shape[-1])[md.slot_mapping[valid]] = entry[valid].to(cache.dtype)
+        output = q.new_empty(q.shape[0], self.num_heads, self.v_head_dim)
+        self._attend_sequences(q, cache, md, 0, output)
+        return output
+
+    def _attend_sequences(
+        self, q: torch.Tensor, cache: torch.Tensor, md: AttentionMetadata, first: int, output: torch.Tensor
+    ) -> None:
+        """Sequences [first, num_seqs) one at a time, over latents gathered from ``cache`` (either
+        layout); writes their rows of ``output``. Reads the host copies of the metadata."""
+        by_token = cache.view(cache.shape[0], -1, 1, cache.shape[-1])
+        starts = md.query_start_loc_cpu.tolist()
+        seq_lens = md.seq_lens_cpu.tolist()
+        for i in range(first, md.num_seqs):
+            context = gather_context(by_token, md.block_tables[i], seq_lens[i])[:, 0]
+            # Decode (one new token) attends over the latents, prefill expands them.
+            attend = self._attend_absorbed if starts[i + 1] - starts[i] == 1 else self._attend
+            output[starts[i] : starts[i + 1]] = attend(q[starts[i] : starts[i + 1]], context)
 
     def _attend(self, query: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """The expanded form. query: [query_len, num_heads, qk_head_dim], the last query_len

@@ -17,6 +17,7 @@ from pagedllm.kernels.triton.batch_invariant_matmul import batch_invariant_matmu
 from pagedllm.kernels.triton.fused_moe import fused_moe
 from pagedllm.kernels.triton.lora import lora_shrink_expand
 from pagedllm.kernels.triton.lora_sgmv import SegmentBuffer, lora_sgmv_shrink_expand, plan_segments
+from pagedllm.kernels.triton.mla_decode import MLALaunch, mla_decode
 from pagedllm.kernels.triton.paged_decode import paged_decode
 from pagedllm.kernels.triton.paged_prefill import paged_prefill
 from pagedllm.kernels.triton.quant_gemm import _fp8_quant_kernel, fp8_block_gemm, w4a16_gemm
@@ -264,8 +265,37 @@ def quant() -> None:
             _fp8_quant_kernel[(40, k // group)](x, q, scale, k, group, k, k, k // group, BLOCK=block)
 
 
+def mla() -> None:
+    """The MLA decode at DeepSeek's latent (512 + 64) with V2-Lite's 16 heads and V3's 128, in one
+    partition and several, at the engine's launch per dtype and every launch bench mla --sweep
+    tries in bf16 (those past the device's limits must fail as OutOfResources, which the sweep
+    skips)."""
+    from triton.runtime.errors import OutOfResources
+
+    from pagedllm.entrypoints.bench.mla import SWEEP
+
+    seq_lens, block_tables = torch.tensor([40, 300], dtype=torch.int32), torch.zeros(2, 64, dtype=torch.int32)
+    for dtype in DTYPES:
+        cache = torch.empty(8, BLOCK_SIZE, 576, dtype=dtype)
+        for num_heads in (16, 128):
+            q_latent, q_pe = (
+                torch.empty(2, num_heads, 512, dtype=dtype),
+                torch.empty(2, num_heads, 64, dtype=dtype),
+            )
+            out = torch.empty_like(q_latent)
+            for max_seq_len, partition_size in ((300, 1024), (1024, 256)):
+                args = (q_latent, q_pe, cache, block_tables, seq_lens, 0.1, max_seq_len, out)
+                mla_decode(*args, partition_size=partition_size)
+                for launch in SWEEP if dtype == torch.bfloat16 and num_heads == 16 else ():
+                    try:
+                        mla_decode(*args, partition_size=partition_size, launch=MLALaunch(*launch))
+                    except OutOfResources:
+                        print(f"out of resources: {launch}")
+
+
 LAUNCHES: list[Callable[[], None]] = [
     decode,
+    mla,
     prefill,
     cache_write,
     fp8_kv_cache,

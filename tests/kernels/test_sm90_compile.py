@@ -32,6 +32,8 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
     for kernel in (
         "_paged_decode_kernel",
         "_paged_decode_reduce_kernel",
+        "_mla_decode_kernel",
+        "_mla_merge_kernel",
         "_paged_prefill_kernel",
         "_reshape_and_cache_kernel",
         "_moe_gemm_kernel",

@@ -29,8 +29,8 @@ from transformers import (
 )
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.attention.backends.cuda_backend import CudaAttentionBackend
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
-from pagedllm.attention.backends.triton_backend import TritonAttentionBackend
 from pagedllm.layers.fused_moe import select_experts_group_limited, select_experts_grouped
 from pagedllm.model_loader import get_model
 from pagedllm.models import get_model_class
@@ -116,8 +116,8 @@ CASES: dict[str, tuple[type, dict[str, Any]]] = {
     ),
 }
 
-# DeepSeek-V2's multi-head latent attention: the latent cache in the torch layout, so the torch and
-# cpu backends; with and without q_lora, greedy and group-limited routing, YaRN's mscale.
+# DeepSeek-V2's multi-head latent attention, on the torch, cpu and Triton backends; with and without
+# q_lora, greedy and group-limited routing, YaRN's mscale.
 _MLA = {
     **_BASE,
     "num_attention_heads": 4,
@@ -205,12 +205,11 @@ CASES.update(MLA_CASES)
 
 # The Triton interpreter takes ~10-20 s a case.
 BACKENDS = ("torch", "cpu", "triton")
-# Every family on every backend that takes it (MLA: not Triton, see test_mla_refuses_other_backends).
+# Every family on every backend (MLA on Triton: its own decode kernel, models/mla_paged.py).
 GREEDY_CASES = [
     pytest.param(case, backend, marks=[pytest.mark.slow] if backend == "triton" else [])
     for case in CASES
     for backend in BACKENDS
-    if not (case in MLA_CASES and backend == "triton")
 ]
 
 
@@ -315,9 +314,9 @@ def test_mla_refuses_other_backends(make_tiny_model: Callable) -> None:
     config_class, overrides = MLA_CASES["deepseekv2-group-limited"]
     _, model_config = make_tiny_model(config_class, **overrides)
     with pytest.raises(
-        ValueError, match="runs on the 'torch' and 'cpu' attention backends only, got 'triton'"
+        ValueError, match=r"runs on the attention backends \('torch', 'cpu', 'triton'\), got 'cuda'"
     ):
-        get_model(model_config, "auto", torch.device("cpu"), TritonAttentionBackend)
+        get_model(model_config, "auto", torch.device("cpu"), CudaAttentionBackend)
 
 
 def test_mla_caches_one_latent_per_token(make_tiny_model: Callable) -> None:
@@ -414,7 +413,7 @@ def test_mla_absorbed_equals_expanded(
     _, model_config = make_tiny_model(config_class, **overrides)
     model = get_model(model_config, "auto", torch.device("cpu"), TorchAttentionBackend)
     attention = next(m for m in model.modules() if isinstance(m, MLAAttention))
-    assert attention._attend_decode == attention._attend_absorbed
+    assert attention._attend_step == attention._step_per_sequence  # the torch backend's path
     generator = torch.Generator().manual_seed(query_len + seq_len)
     query = torch.randn(query_len, attention.num_heads, attention.qk_head_dim, generator=generator)
     context = torch.randn(seq_len, attention.kv_lora_rank + attention.qk_rope_head_dim, generator=generator)

@@ -68,8 +68,8 @@ K1_CONTEXTS = (
 )
 
 
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    """The K1 shape by default (benchmarks/README.md); every dimension can be changed."""
+def add_decode_batch_args(parser: argparse.ArgumentParser) -> None:
+    """K1's decode batch, --contexts and --batch-size (also ``bench mla``'s)."""
     parser.add_argument(
         "--contexts",
         nargs="+",
@@ -79,6 +79,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="context lengths: LEN for a uniform batch, LO-HI for lengths drawn uniformly from [LO, HI]",
     )
     parser.add_argument("--batch-size", type=int, default=64, help="sequences per decode step")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    """The K1 shape by default (benchmarks/README.md); every dimension can be changed."""
+    add_decode_batch_args(parser)
     parser.add_argument("--num-heads", type=int, default=32, help="query heads")
     parser.add_argument("--num-kv-heads", type=int, default=8, help="key/value heads")
     parser.add_argument("--head-size", type=int, default=128)

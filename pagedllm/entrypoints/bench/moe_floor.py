@@ -1,16 +1,19 @@
-"""The physical floor of an offline mixture-of-experts workload (W5): the least time the device
-needs to read what the run must read and compute what it must compute.
+"""The physical floor of an offline mixture-of-experts workload (W5, W7): the least time the
+device needs to read what the run must read and compute what it must compute.
 
-* Decode: each step reads the dense weights (attention, routers, LM head, dense MLPs) and, per
-  sparse layer, the experts the batch's tokens touch. With uniform routing a batch of ``B`` tokens
-  touches ``E * (1 - (1 - k / E) ** B)`` distinct experts in expectation (each expert is missed by
-  one token with probability ``1 - k / E``). The batch is ``min(requests left, max_num_seqs)``:
-  requests decode in waves of the run's largest batch, each request ``output_len - 1`` steps (its
-  first token comes from its prefill).
-* KV: each decode step of a request reads its whole context once, K and V of every layer.
+* Decode: each step reads the dense weights (attention, routers, shared experts, LM head, dense
+  MLPs) and, per sparse layer, the routed experts the batch's tokens touch. With uniform routing a
+  batch of ``B`` tokens touches ``E * (1 - (1 - k / E) ** B)`` distinct experts in expectation
+  (each expert is missed by one token with probability ``1 - k / E``). The batch is
+  ``min(requests left, max_num_seqs)``: requests decode in waves of the run's largest batch, each
+  request ``output_len - 1`` steps (its first token comes from its prefill).
+* KV: each decode step of a request reads its whole context once, every layer's cache entry per
+  token: K and V of every KV head, or with multi-head latent attention (DeepSeek-V2/V3) the one
+  latent of ``kv_lora_rank + qk_rope_head_dim`` (``kv_bytes_per_token``).
 * Prefill: ``2 * active parameters`` FLOPs per prompt token (attention projections, router, the
-  top-k experts or the dense MLP), the causal attention's ``4 * heads * head_dim * p (p + 1) / 2``
-  per layer, and the LM head once per request, at the device's measured matmul peak.
+  shared and top-k experts or the dense MLP), the causal attention's ``2 * heads * (qk_dim + v_dim)
+  * p (p + 1) / 2`` per layer, and the LM head once per request, at the device's measured matmul
+  peak.
 
 Bytes go at the measured copy bandwidth (bytes read + written per second), as the W3 floor does.
 """
@@ -25,50 +28,88 @@ from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
+class AttentionShape:
+    """Per layer: the attention's projection parameters, the cache elements a token keeps and the
+    FLOPs of one (query, key) pair."""
+
+    params: int
+    kv_elements: int
+    flops_per_pair: int
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> AttentionShape:
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        if getattr(config, "kv_lora_rank", None) is not None:
+            # MLA: q (through q_lora_rank or not), kv_a to the latent and k_pe, kv_b, o.
+            rank, rope = config.kv_lora_rank, config.qk_rope_head_dim
+            qk_dim, v_dim = config.qk_nope_head_dim + rope, config.v_head_dim
+            q_lora = config.q_lora_rank
+            q_params = hidden * heads * qk_dim if q_lora is None else q_lora * (hidden + heads * qk_dim)
+            kv_params = hidden * (rank + rope) + rank * heads * (config.qk_nope_head_dim + v_dim)
+            return cls(
+                q_params + kv_params + heads * v_dim * hidden, rank + rope, 2 * heads * (qk_dim + v_dim)
+            )
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        return cls(
+            hidden * head_dim * (2 * heads + 2 * kv_heads), 2 * kv_heads * head_dim, 4 * heads * head_dim
+        )
+
+
+def kv_bytes_per_token(config: PretrainedConfig, element_size: int) -> int:
+    """Bytes of KV cache one token takes over every layer (Llama-3.1-8B: 131,072 in bf16)."""
+    return config.num_hidden_layers * AttentionShape.from_config(config).kv_elements * element_size
+
+
+def _sparse_layers(config: PretrainedConfig) -> tuple[int, int]:
+    """(number of sparse layers, routed experts' intermediate size)."""
+    if config.model_type == "qwen3_moe":
+        from pagedllm.models.qwen3_moe import is_sparse_layer
+
+        num_sparse = sum(is_sparse_layer(config, i) for i in range(config.num_hidden_layers))
+        return num_sparse, config.moe_intermediate_size
+    if config.model_type in ("deepseek_v2", "deepseek_v3"):  # the first layers dense
+        return config.num_hidden_layers - config.first_k_dense_replace, config.moe_intermediate_size
+    return config.num_hidden_layers, config.intermediate_size  # Mixtral: every layer sparse
+
+
+@dataclass(frozen=True)
 class MoeShape:
     """The parameter counts of a mixture-of-experts decoder that the floor needs."""
 
     num_layers: int
     num_sparse_layers: int
     hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
+    attention: AttentionShape
     vocab_size: int
     num_experts: int
     top_k: int
-    expert_params: int  # gate, up and down of one expert
+    expert_params: int  # gate, up and down of one routed expert
+    shared_expert_params: int  # of a sparse layer's shared experts together (DeepSeek's); 0: none
     dense_mlp_params: int  # gate, up and down of one dense layer's MLP
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> MoeShape:
-        from pagedllm.models.qwen3_moe import is_sparse_layer
-
-        num_experts = getattr(config, "num_experts", None) or config.num_local_experts
-        if config.model_type == "qwen3_moe":
-            num_sparse = sum(is_sparse_layer(config, i) for i in range(config.num_hidden_layers))
-            moe_intermediate = config.moe_intermediate_size
-        else:  # Mixtral: every layer sparse, experts as wide as intermediate_size
-            num_sparse, moe_intermediate = config.num_hidden_layers, config.intermediate_size
+        num_experts = (
+            getattr(config, "num_experts", None)
+            or getattr(config, "n_routed_experts", None)
+            or config.num_local_experts
+        )
+        num_sparse, moe_intermediate = _sparse_layers(config)
         hidden = config.hidden_size
+        expert_params = 3 * hidden * moe_intermediate
         return cls(
             num_layers=config.num_hidden_layers,
             num_sparse_layers=num_sparse,
             hidden_size=hidden,
-            num_heads=config.num_attention_heads,
-            num_kv_heads=config.num_key_value_heads,
-            head_dim=getattr(config, "head_dim", None) or hidden // config.num_attention_heads,
+            attention=AttentionShape.from_config(config),
             vocab_size=config.vocab_size,
             num_experts=num_experts,
             top_k=config.num_experts_per_tok,
-            expert_params=3 * hidden * moe_intermediate,
+            expert_params=expert_params,
+            shared_expert_params=(getattr(config, "n_shared_experts", None) or 0) * expert_params,
             dense_mlp_params=3 * hidden * config.intermediate_size,
         )
-
-    @property
-    def attention_params(self) -> int:
-        """q, k, v and o projections of one layer."""
-        return self.hidden_size * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
 
     @property
     def num_dense_layers(self) -> int:
@@ -81,8 +122,8 @@ class MoeShape:
     def decode_step_params(self, batch_size: int) -> float:
         """Parameters one decode step of ``batch_size`` sequences reads."""
         dense = (
-            self.num_layers * self.attention_params
-            + self.num_sparse_layers * self.num_experts * self.hidden_size  # routers
+            self.num_layers * self.attention.params
+            + self.num_sparse_layers * (self.num_experts * self.hidden_size + self.shared_expert_params)
             + self.num_dense_layers * self.dense_mlp_params
             + self.vocab_size * self.hidden_size  # LM head
         )
@@ -92,13 +133,18 @@ class MoeShape:
     def active_params_per_token(self) -> int:
         """Parameters a prompt token multiplies (no embedding, no LM head)."""
         return (
-            self.num_layers * self.attention_params
-            + self.num_sparse_layers * (self.num_experts * self.hidden_size + self.top_k * self.expert_params)
+            self.num_layers * self.attention.params
+            + self.num_sparse_layers
+            * (
+                self.num_experts * self.hidden_size
+                + self.shared_expert_params
+                + self.top_k * self.expert_params
+            )
             + self.num_dense_layers * self.dense_mlp_params
         )
 
     def kv_bytes_per_token(self, element_size: int) -> int:
-        return self.num_layers * 2 * self.num_kv_heads * self.head_dim * element_size
+        return self.num_layers * self.attention.kv_elements * element_size
 
 
 def moe_floor(
@@ -120,7 +166,7 @@ def moe_floor(
     context_tokens = sum(decode_steps * p + decode_steps * (decode_steps + 1) // 2 for p in prompt_lens)
     kv_bytes = context_tokens * shape.kv_bytes_per_token(element_size)
     attention_flops = sum(
-        4 * shape.num_layers * shape.num_heads * shape.head_dim * p * (p + 1) // 2 for p in prompt_lens
+        shape.num_layers * shape.attention.flops_per_pair * p * (p + 1) // 2 for p in prompt_lens
     )
     prefill_flops = (
         2 * shape.active_params_per_token * sum(prompt_lens)

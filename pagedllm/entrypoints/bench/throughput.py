@@ -1,11 +1,12 @@
-"""``pagedllm bench throughput``: offline throughput, W1, W2, W5 and W6 (benchmarks/README.md).
+"""``pagedllm bench throughput``: offline throughput, W1, W2, W5, W6 and W7 (benchmarks/README.md).
 
 Every request is queued at once and the engine steps until all finish (greedy, EOS ignored,
 dummy weights of the workload's architecture). Reports output and total tokens per second, and
 the step timeline: each step's wall time and the tokens it computed, so that the prefill phase,
 the decode phase and the per-step overhead can be read apart. ``--profile-steps N`` also records N
 decode steps with the torch profiler and prints where host and device time go. For a mixture of
-experts (W5) it also reports the run against its floor (``moe_floor.py``). ``--num-loras K
+experts (W5, W7) it also reports the run against its floor (``moe_floor.py``), and the KV cache
+bytes per token beside Llama-3.1-8B's. ``--num-loras K
 --lora-rank R`` runs the requests with K random rank-R LoRA adapters, request i with adapter i mod K
 (``lora_adapters.py``).
 """
@@ -14,19 +15,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import tempfile
 import time
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.bench import write_json
 from pagedllm.entrypoints.bench.ceilings import copy_bandwidth, matmul_peak_flops
 from pagedllm.entrypoints.bench.lora_adapters import write_random_adapters
-from pagedllm.entrypoints.bench.moe_floor import MoeShape, moe_floor
-from pagedllm.entrypoints.bench.workloads import WORKLOADS, Workload
+from pagedllm.entrypoints.bench.moe_floor import MoeShape, kv_bytes_per_token, moe_floor
+from pagedllm.entrypoints.bench.workloads import CONFIG_DIR, WORKLOADS, Workload
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
 
@@ -34,10 +37,12 @@ from pagedllm.sampling_params import SamplingParams
 # prefill steps as 8,192 on W1 (0.37 s of prefill against 0.43 s; 30,385 and 30,592 output tok/s
 # against 29,770 and 30,381, one H200 call), W2 unchanged (3,943 tok/s either way).
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 16384
+# The mixtures of experts whose floor moe_floor.py knows (W5's Qwen3-MoE, Mixtral, W7's DeepSeek).
+MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--workload", choices=["W1", "W2", "W5", "W6"], default="W1")
+    parser.add_argument("--workload", choices=["W1", "W2", "W5", "W6", "W7"], default="W1")
     parser.add_argument("--num-prompts", type=int, default=None, help="the workload's first N prompts")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--output-png", default=None)
@@ -180,6 +185,16 @@ def _moe_floor(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> 
     )
 
 
+def _kv_bytes_beside_llama(engine: LLMEngine) -> dict[str, int]:
+    """KV cache bytes per token of the run's model and of Llama-3.1-8B, in the run's dtype."""
+    element_size = engine.config.model_config.dtype.itemsize
+    llama = AutoConfig.from_pretrained(os.path.join(CONFIG_DIR, "llama-3.1-8b"))
+    return {
+        "model": kv_bytes_per_token(engine.config.model_config.hf_config, element_size),
+        "llama-3.1-8b": kv_bytes_per_token(llama, element_size),
+    }
+
+
 def plot(result: dict[str, Any], path: str) -> bool:
     try:
         import matplotlib
@@ -236,14 +251,17 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         batch_invariant=engine.config.batch_invariant,
         num_gpu_blocks=engine.num_gpu_blocks,
     )
-    if engine.config.model_config.hf_config.model_type in ("qwen3_moe", "mixtral"):
+    if engine.config.model_config.hf_config.model_type in MOE_MODEL_TYPES:
         result["floor"] = _moe_floor(engine, prompts, workload.output_len)
         result["fraction_of_floor"] = result["floor"]["floor_s"] / result["elapsed_s"]
+        result["kv_bytes_per_token"] = _kv_bytes_beside_llama(engine)
         print(
             f"{workload.name} floor {result['floor']['floor_s']:.2f} s (decode weights "
             f"{result['floor']['decode_weight_s']:.2f} s, KV {result['floor']['kv_s']:.2f} s, prefill "
             f"{result['floor']['prefill_s']:.2f} s): the run is at {result['fraction_of_floor']:.0%} of it"
         )
+        kv = result["kv_bytes_per_token"]
+        print(f"KV cache per token: {kv['model']:,} B, Llama-3.1-8B's {kv['llama-3.1-8b']:,} B")
     for phase, profiled in result["profiles"].items():
         print(profiled.pop("table"))
         print(

@@ -44,4 +44,6 @@ WORKLOADS = {
     "W5": Workload("W5", _config("qwen3-30b-a3b"), 512, (100, 1024), 256),
     # A hybrid (Gated DeltaNet + attention) model: docs/hybrid_models.md.
     "W6": Workload("W6", _config("qwen3-next-2b"), 256, (100, 1024), 256),
+    # Multi-head latent attention (MLA) and shared experts, on W1's requests: benchmarks/README.md.
+    "W7": Workload("W7", _config("deepseek-v2-lite"), 256, (100, 1024), 256),
 }
