@@ -20,7 +20,6 @@ from torch import nn
 from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.attention.context_parallel import merge_across_ranks
 from pagedllm.attention.forward_context import get_forward_context
-from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed import get_context_parallel_rank, get_context_parallel_world_size
 
 # The layers the op dispatches to, by ``Attention.layer_id`` (weak: models come and go).
@@ -49,7 +48,7 @@ def _attention_op(
     layer = _LAYERS[layer_id]
     attn_metadata = get_forward_context().attn_metadata
     # Query and key come rotated (see Attention.forward): no positions.
-    return layer.attend(query, key, value, (key_cache, value_cache), attn_metadata, sink_query, None)
+    return layer.attend(query, key, value, (key_cache, value_cache), attn_metadata, sink_query=sink_query)
 
 
 _lib.impl("attention", _attention_op, "CPU")
@@ -116,7 +115,7 @@ class Attention(AttentionLayerBase):
             variants.update(cp_rank=get_context_parallel_rank(), cp_world_size=cp)
         self.impl = backend(num_heads, head_size, scale, num_kv_heads, **variants)
         # Chosen once: over the whole cache, or over this rank's stripe and merged across ranks.
-        self.attend = self._attend_striped if cp > 1 else self._attend_whole
+        self.attend = self._attend_striped if cp > 1 else self.impl.forward
         self.layer_id = next(_layer_ids)
         _LAYERS[self.layer_id] = self
 
@@ -149,37 +148,14 @@ class Attention(AttentionLayerBase):
             )
         else:
             attn_metadata = get_forward_context().attn_metadata
-            output = self.attend(query, key, value, self.kv_cache, attn_metadata, sink_query, positions)
+            output = self.attend(
+                query, key, value, self.kv_cache, attn_metadata, sink_query=sink_query, positions=positions
+            )
         return output.view(num_tokens, self.num_heads * self.head_size)
 
-    def _attend_whole(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
-        sink_query: torch.Tensor | None,
-        positions: torch.Tensor | None,
-    ) -> torch.Tensor:
-        return self.impl.forward(
-            query, key, value, kv_cache, attn_metadata, sink_query=sink_query, positions=positions
-        )
-
-    def _attend_striped(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
-        sink_query: torch.Tensor | None,
-        positions: torch.Tensor | None,
-    ) -> torch.Tensor:
-        out, lse = self.impl.forward_partial(
-            query, key, value, kv_cache, attn_metadata, sink_query=sink_query, positions=positions
-        )
-        return merge_across_ranks(out, lse)
+    def _attend_striped(self, *inputs: Any, **options: Any) -> torch.Tensor:
+        """``impl.forward``'s arguments: this rank's partial attention, merged across ranks."""
+        return merge_across_ranks(*self.impl.forward_partial(*inputs, **options))
 
 
 def _check_context_parallel(backend: type[AttentionBackend], cp: int, variants: dict[str, Any]) -> None:

@@ -149,7 +149,8 @@ def stats(num_running: int = 0, num_gpu_blocks: int = 10) -> EngineStats:
 class FakeCore:
     def __init__(self) -> None:
         self.config = SimpleNamespace(
-            cache_config=SimpleNamespace(block_size=BLOCK_SIZE, enable_prefix_caching=True)
+            cache_config=SimpleNamespace(block_size=BLOCK_SIZE, enable_prefix_caching=True),
+            scheduler_block_size=BLOCK_SIZE,
         )
         self.tokenizer = None
         self.num_gpu_blocks = 10

@@ -212,5 +212,5 @@ def test_forward_partial_is_refused_without_context_parallel_support() -> None:
     assert not CudaAttentionBackend.supports_context_parallel
     layer = CudaAttentionBackend(NUM_HEADS, HEAD_SIZE, SCALE, NUM_KV_HEADS, cp_rank=1, cp_world_size=2)
     step = cp.rank_step(mixed_sequences(), 1, 2, 8, torch.float32, DEVICE)
-    with pytest.raises(NotImplementedError, match="cuda attention backend has no context-parallel"):
+    with pytest.raises(NotImplementedError, match=r"the 'cuda' attention backend does not read a striped"):
         layer.forward_partial(step.query, step.key, step.value, step.kv_cache, step.md)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -152,27 +152,25 @@ class AttentionBackend(ABC):
         key come rotated already (``rotate``), or without a rotary embedding."""
 
     def forward_partial(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
-        sink_query: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
+        self, query: torch.Tensor, *inputs: Any, **options: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Context parallelism, for backends that ``supports_context_parallel``: this rank holds
-        the keys at positions ``j * cp_world_size + cp_rank`` (its cache's local index ``j`` of the
-        sequence) and gets every query of the step. Writes the step's K/V as ``forward`` does
+        """Context parallelism, for backends that ``supports_context_parallel`` (whose ``forward``
+        then takes an ``lse`` to write): ``forward``'s arguments, this rank holding the keys at
+        positions ``j * cp_world_size + cp_rank`` (its cache's local index ``j`` of the sequence)
+        and getting every query of the step. Writes the step's K/V as ``forward`` does
         (``slot_mapping`` is -1 where another rank stores the token), then attends every query to
         the keys it sees here. The metadata stays global: ``seq_lens`` are whole contexts, and
         a sequence's local key count is ``ceil((seq_len - cp_rank) / cp_world_size)``.
 
         Returns (out [num_tokens, num_heads, head_size] in the query dtype, lse [num_tokens,
         num_heads] float32): the softmax-weighted values over this rank's visible keys, and the
-        natural log of that softmax's denominator; -inf, with out 0, where a query sees no key
-        here. ``attention/context_parallel.py`` merges the ranks' partials."""
-        raise NotImplementedError(f"the {self.name!r} attention backend does not read a striped cache")
+        natural log of that softmax's denominator (of the scaled, soft-capped, ALiBi'd scores);
+        -inf, with out 0, where a query sees no key here; padding tokens' rows unwritten.
+        ``attention/context_parallel.py`` merges the ranks' partials."""
+        if not self.supports_context_parallel:
+            raise NotImplementedError(f"the {self.name!r} attention backend does not read a striped cache")
+        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
+        return self.forward(query, *inputs, **options, lse=lse), lse
 
     def rotate(
         self, positions: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor

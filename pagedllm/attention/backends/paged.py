@@ -131,20 +131,6 @@ class PagedAttentionBackend(AttentionBackend):
             )
         return output
 
-    def forward_partial(
-        self, query: torch.Tensor, *inputs: Any, **options: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """forward's arguments (query, key, value, kv_cache, attn_metadata, sink_query,
-        positions). Writes this step's K/V (as forward), then attends every query to THIS rank's
-        visible keys: (out [num_tokens, num_heads, head_size] in the query dtype, lse [num_tokens,
-        num_heads] float32, natural log of the softmax denominator of the scaled (soft-capped,
-        ALiBi'd) scores; -inf where a query sees no key on this rank, with out 0 there). Padding
-        tokens' rows are left unwritten, as forward's."""
-        if not self.supports_context_parallel:
-            raise NotImplementedError(f"the {self.name} attention backend has no context-parallel attention")
-        lse = torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
-        return self.forward(query, *inputs, **options, lse=lse), lse
-
 
 def check_kernels_support(
     backend: str,

@@ -91,36 +91,10 @@ class TorchAttentionBackend(AttentionBackend):
         attn_metadata: AttentionMetadata,
         sink_query: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return self._forward(query, key, value, kv_cache, attn_metadata, sink_query, positions, None)
-
-    def forward_partial(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
-        sink_query: torch.Tensor | None = None,
-        positions: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        lse = query.new_empty(query.shape[:2], dtype=torch.float32)
-        out = self._forward(query, key, value, kv_cache, attn_metadata, sink_query, positions, lse)
-        return out, lse
-
-    def _forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: KVCache,
-        attn_metadata: AttentionMetadata,
-        sink_query: torch.Tensor | None,
-        positions: torch.Tensor | None,
-        lse: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """forward, and with ``lse`` ([num_tokens, num_heads] float32) forward_partial: each
-        query's log-sum-exp written into it."""
+        """With ``lse`` ([num_tokens, num_heads] float32; ``forward_partial``), attention over
+        this context-parallel rank's keys, each query's log-sum-exp written into it."""
         sink_query = self._check_sink_query(query, sink_query) if self.attention_sinks else None
         query, key = self.rotate(positions, query, key)
         key_cache, value_cache = kv_cache
