@@ -125,8 +125,13 @@ VARIANT_BLOCKS = [
 ]
 
 
+# Three ranks (a stripe that is not a power of two) run in `make test-slow`: interpreted, each case
+# takes seconds, and two ranks exercise every path of the kernels already.
+THREE_RANKS = pytest.param(3, marks=pytest.mark.slow)
+
+
 @pytest.mark.parametrize("variant, block_size", VARIANT_BLOCKS)
-@pytest.mark.parametrize("cp_world_size", [2, 3])
+@pytest.mark.parametrize("cp_world_size", [2, THREE_RANKS])
 def test_forward_partial_matches_reference(variant: str, block_size: int, cp_world_size: int) -> None:
     seqs = mixed_sequences()
     variants = VARIANTS[variant]
@@ -179,7 +184,7 @@ def merged_against_unsplit(
 
 
 @pytest.mark.parametrize("variant", ["plain", "window7", "window-alibi-softcap"])
-@pytest.mark.parametrize("cp_world_size", [2, 3])
+@pytest.mark.parametrize("cp_world_size", [2, THREE_RANKS])
 def test_merged_partials_equal_unsplit_forward(variant: str, cp_world_size: int) -> None:
     seqs = mixed_sequences(seed=3)
     (out, lse), unsplit, unsplit_lse = merged_against_unsplit(
