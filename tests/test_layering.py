@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
         "pagedllm.cache_dir",
         "pagedllm.config",
         "pagedllm.config_checks",
+        "pagedllm.parallel_config",
         "pagedllm.spec_config",
         "pagedllm.sampling_params",
         "pagedllm.distributed",

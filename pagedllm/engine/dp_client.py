@@ -39,7 +39,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
-from pagedllm.config import EngineConfig, ranks_field
+from pagedllm.config import EngineConfig
 from pagedllm.cpu_info import physical_cpu_cores
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core_proc import (
@@ -53,6 +53,7 @@ from pagedllm.engine.core_proc import (
 )
 from pagedllm.engine.dp_router import DataParallelRouter
 from pagedllm.engine.stats import EngineStats, sum_engine_stats
+from pagedllm.parallel_config import ranks_field
 from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
-from pagedllm.config import EngineConfig, ParallelConfig
+from pagedllm.config import EngineConfig
 from pagedllm.executor.rank_connections import RankConnections, RemoteExecutor
+from pagedllm.parallel_config import ParallelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -225,7 +225,7 @@ def compute_slot_mapping(
     x P positions, is one block_size block on every rank); the other positions get -1, written
     by another rank."""
     rank, size = stripe
-    local = positions // size
+    local = positions if size == 1 else positions // size
     blocks = (
         np.take_along_axis(block_table, (local // block_size)[:, None], axis=-1)[:, 0]
         if (block_table.ndim == 2)

@@ -85,7 +85,8 @@ def test_choosing_the_ranks_devices_leaves_cuda_uninitialised(monkeypatch):
     forks its ranks."""
     import torch
 
-    from pagedllm.config import ParallelConfig, resolve_device
+    from pagedllm.config import resolve_device
+    from pagedllm.parallel_config import ParallelConfig
 
     def poisons_fork() -> bool:
         raise AssertionError("torch.cuda.is_available() was called before the ranks were forked")

@@ -149,7 +149,8 @@ def test_rotary_fused_into_the_cache_write(
     head_size: int, num_heads: int, num_kv_heads: int, dtype: torch.dtype
 ) -> None:
     """Query rotated in place and key rotated into the cache, in one kernel: what the rotary layer's
-    torch path and a plain cache write give, padding slots skipped (their query left as it was)."""
+    torch path and a plain cache write give. A token with slot -1 (CUDA-graph padding, or a token
+    another context-parallel rank stores) writes nothing, and its query is rotated all the same."""
     gen = torch.Generator().manual_seed(head_size)
     num_tokens, block_size, num_blocks = 9, 8, 6
     rope = RotaryEmbedding(head_size, 512, {"rope_type": "default", "rope_theta": 10000.0}, dtype).to(DEVICE)
@@ -158,9 +159,8 @@ def test_rotary_fused_into_the_cache_write(
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     positions = torch.randint(0, 512, (num_tokens,), generator=gen).to(DEVICE)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(DEVICE)
-    slots[3] = -1  # a CUDA-graph padding token
+    slots[3] = -1  # stored by no one here
     ref_q, ref_k = rope.forward_torch(positions, q.clone(), k.clone())
-    ref_q[3] = q[3]
     shape = (num_blocks, num_kv_heads, block_size, head_size)
     ref_caches = [torch.full(shape, float("nan"), dtype=dtype, device=DEVICE) for _ in range(2)]
     # The torch backend's layout is [blocks, block_size, heads, head]: write there, then transpose.

@@ -51,7 +51,6 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
         "_sgmv_shrink_kernel",
         "_sgmv_expand_kernel",
         "_matmul_kernel",
-        "_reduce_kernel",
         "_skinny_kernel",
         "_w4a16_kernel",
         "_fp8_block_kernel",

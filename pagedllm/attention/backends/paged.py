@@ -63,23 +63,6 @@ class PagedAttentionBackend(AttentionBackend):
             "attention_sinks": self.attention_sinks,
             "sinks": self.sinks,
         }
-        if self.cp_world_size > 1:
-            # A rotating cache write skips the tokens it does not store (slot -1: padding, whose
-            # query is unused), leaving their queries unrotated; with context parallelism another
-            # rank stores most of them, and every query is used here: rotate first, then write.
-            self.write_cache = self._rotate_then_write
-
-    def _rotate_then_write(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: KVCache,
-        slot_mapping: torch.Tensor,
-        positions: torch.Tensor | None,
-    ) -> torch.Tensor:
-        query, key = self.rotate(positions, query, key)
-        return type(self).write_cache(self, query, key, value, kv_cache, slot_mapping, None)
 
     def forward(
         self,

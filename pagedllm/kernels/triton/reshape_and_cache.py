@@ -21,7 +21,9 @@ rounding): it rotates the token's query heads in place and its key heads on the 
 from the token's ``[cos | sin]`` row. One launch and one read of K instead of the rotary kernel's
 read and write of q and k followed by this copy: at a decode step of one sequence the launches are
 most of the cost (W3's profile on an H200: 117 us per token for the two kernels over 32 layers).
-Padding tokens (slot < 0) are skipped whole, their query left unrotated (its output is unused).
+A token whose slot is negative stores nothing, but its query is still rotated: with context
+parallelism (``attention/context_parallel.py``) another rank stores it and this one attends with
+its query (a padding token's rotated query is simply unused).
 
 With float8_e4m3fn caches (``kv_cache_dtype="fp8"``) each element is stored as ``saturate(x /
 scale)`` with its tensor's per-layer scale (two float32 loads per program): half the bytes
@@ -84,6 +86,13 @@ def _reshape_and_cache_kernel(
     wait_for_prior_kernel(USE_GDC)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    offs_half = tl.arange(0, HALF_DIM)
+    half_mask = offs_half < HEAD_SIZE // 2
+    if ROTARY:
+        cos_sin_row = cos_sin_ptr + tl.load(cos_sin_index_ptr + token).to(tl.int64) * stride_cos_sin
+        cos = tl.load(cos_sin_row + offs_half, mask=half_mask, other=0.0).to(tl.float32)
+        sin = tl.load(cos_sin_row + HEAD_SIZE // 2 + offs_half, mask=half_mask, other=0.0).to(tl.float32)
+        rotate_heads(query_ptr + token * stride_q_tok, cos, sin, NUM_HEADS, HEAD_SIZE, HALF_DIM, BLOCK_H_Q)
     if slot < 0:
         return
     block = slot // BLOCK_SIZE
@@ -105,12 +114,6 @@ def _reshape_and_cache_kernel(
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
     if ROTARY:
-        offs_half = tl.arange(0, HALF_DIM)
-        half_mask = offs_half < HEAD_SIZE // 2
-        cos_sin_row = cos_sin_ptr + tl.load(cos_sin_index_ptr + token).to(tl.int64) * stride_cos_sin
-        cos = tl.load(cos_sin_row + offs_half, mask=half_mask, other=0.0).to(tl.float32)
-        sin = tl.load(cos_sin_row + HEAD_SIZE // 2 + offs_half, mask=half_mask, other=0.0).to(tl.float32)
-        rotate_heads(query_ptr + token * stride_q_tok, cos, sin, NUM_HEADS, HEAD_SIZE, HALF_DIM, BLOCK_H_Q)
         k_mask = (offs_h[:, None] < NUM_KV_HEADS) & half_mask[None, :]
         k1 = tl.load(k_row + offs_half[None, :] * stride_k_dim, mask=k_mask, other=0.0)
         k2 = tl.load(k_row + (HEAD_SIZE // 2 + offs_half[None, :]) * stride_k_dim, mask=k_mask, other=0.0)
