@@ -8,6 +8,11 @@ sees: 1 (W3's decode), 64 and 256 (W1's decode batches), 2,048 (a prefill chunk)
 count and each schedule (split in the grid or in the program), to choose ``num_k_splits``' rule and
 the schedule's (both may change: neither moves the numerics with M).
 
+``--wide``: every layer from 64 to 8,192 rows with the narrow tiles, the engine's choice
+(``LayerGemm``: wide output tiles from a full wave of them) and each candidate in
+``WIDE_CANDIDATES`` (the layer's BLOCK_K, other output tiles), each checked to give the narrow
+tiles' bits. ``--few-rows``: the same from 1 to 256 rows with ``FEW_ROWS_CANDIDATES``.
+
 ``--sweep``: the same for other candidate tile configurations (``SWEEP``), each summarised by the
 geometric mean of its speedups over cuBLAS. Without it, each layer runs the tiles the engine gives
 it (``tiles_for``: from its K, never from M, since the tiles set the numerics); the sweep is how
@@ -34,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedllm.kernels.triton.batch_invariant_matmul import (
     TILES,
+    LayerGemm,
     MatmulTiles,
     batch_invariant_matmul,
     num_k_splits,
@@ -115,6 +121,82 @@ def measure(n: int, k: int, m: int, device: torch.device, tiles: MatmulTiles | N
     }
 
 
+# Output tiles tried for many rows, per BLOCK_K (the layer's, so that every candidate gives the
+# narrow tiles' bits: checked on every call of the sweep).
+WIDE_CANDIDATES = {
+    64: [
+        MatmulTiles(128, 256, 64, 8, 3),
+        MatmulTiles(128, 128, 64, 8, 3),
+        MatmulTiles(128, 128, 64, 4, 4),
+        MatmulTiles(256, 128, 64, 8, 3),
+    ],
+    128: [
+        MatmulTiles(128, 256, 128, 8, 2),
+        MatmulTiles(128, 128, 128, 8, 3),
+        MatmulTiles(128, 128, 128, 4, 3),
+    ],
+}
+WIDE_ROWS = (64, 256, 512, 1024, 2048, 4096, 8192)
+# Output tiles tried for few rows (a decode step), per BLOCK_K: narrower N tiles make more
+# programs for a memory-bound product that the layer's narrow tiles leave SMs idle on.
+FEW_ROWS_CANDIDATES = {
+    64: [MatmulTiles(64, 64, 64, 4, 4), MatmulTiles(64, 64, 64, 4, 6), MatmulTiles(64, 32, 64, 4, 6)],
+    128: [MatmulTiles(64, 64, 128, 4, 4), MatmulTiles(64, 64, 128, 4, 5), MatmulTiles(64, 32, 128, 4, 6)],
+}
+FEW_ROWS = (1, 8, 32, 64, 128, 256)
+
+
+def tile_sweep(
+    device: torch.device, candidates: dict[int, list[MatmulTiles]], row_counts: tuple[int, ...]
+) -> list[dict]:
+    """Each layer x row count: the narrow tiles, the engine's choice, each candidate of the layer's
+    BLOCK_K and cuBLAS, and whether each candidate's output equals the narrow tiles' bit for bit
+    (it must, for the engine to take it). Prints one line per (layer, rows)."""
+    rows = []
+    for (model, layer), (n, k) in LAYERS.items():
+        gemm = LayerGemm.for_layer(n, k, device)
+        x_all = torch.randn(max(row_counts), k, device=device, dtype=torch.bfloat16)
+        weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
+        for m in row_counts:
+            x = x_all[:m]
+            narrow_out = batch_invariant_matmul(x, weight, None, gemm.num_splits, gemm.tiles)
+            narrow = _graph_us(
+                functools.partial(batch_invariant_matmul, x, weight, None, gemm.num_splits, gemm.tiles)
+            )
+            cublas = _graph_us(functools.partial(F.linear, x, weight))
+            engine = _graph_us(functools.partial(gemm, x, weight, None))
+            runs = []
+            for tiles in candidates[gemm.tiles.block_k]:
+                call = functools.partial(batch_invariant_matmul, x, weight, None, gemm.num_splits, tiles)
+                same = torch.equal(call(), narrow_out)
+                runs.append({"tiles": str(tiles), "us": _graph_us(call), "same_bits": same})
+            rows.append(
+                {
+                    "model": model,
+                    "layer": layer,
+                    "n": n,
+                    "k": k,
+                    "m": m,
+                    "num_splits": gemm.num_splits,
+                    "narrow_us": narrow,
+                    "engine_us": engine,
+                    "cublas_us": cublas,
+                    "engine_tiles": str(gemm.tiles_for_rows(m)),
+                    "runs": runs,
+                }
+            )
+            print(
+                f"{model} {layer} M={m}: cuBLAS {cublas:.1f}, narrow {narrow:.1f}, engine {engine:.1f} us; "
+                + ", ".join(
+                    f"{r['tiles'][11:].replace('block_', '').replace('num_', '')}: {r['us']:.1f}"
+                    + ("" if r["same_bits"] else " DIFFERENT BITS")
+                    for r in runs
+                ),
+                flush=True,
+            )
+    return rows
+
+
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
@@ -176,11 +258,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="also the candidate configurations in SWEEP")
     parser.add_argument("--splits-sweep", action="store_true", help="split counts and schedules (SPLITS)")
+    parser.add_argument(
+        "--wide", action="store_true", help="wide output tiles for many rows (WIDE_CANDIDATES)"
+    )
+    parser.add_argument(
+        "--few-rows", action="store_true", help="narrower tiles for few rows (FEW_ROWS_CANDIDATES)"
+    )
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
-    if args.splits_sweep:
-        rows = splits_sweep(device)
+    if args.splits_sweep or args.wide or args.few_rows:
+        if args.splits_sweep:
+            rows = splits_sweep(device)
+        elif args.wide:
+            rows = tile_sweep(device, WIDE_CANDIDATES, WIDE_ROWS)
+        else:
+            rows = tile_sweep(device, FEW_ROWS_CANDIDATES, FEW_ROWS)
         if args.output_json:
             Path(args.output_json).write_text(
                 json.dumps({"device": torch.cuda.get_device_name(), "rows": rows})

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+# torch.cuda.is_available() then asks NVML instead of initialising the CUDA driver, which would
+# leave this process unable to fork ranks that use CUDA (torch's "poisoned fork"): a script that
+# checks for a GPU before building a multi-GPU engine keeps forked ranks (executor/multiproc_executor.py).
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 # The public names are imported on first use (PEP 562): importing the engine costs seconds
 # (torch, transformers), which every ``pagedllm`` command would pay before parsing its arguments,

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, NoReturn
 
 from pagedllm.config import EngineConfig
 from pagedllm.executor.abstract import Executor, ExecutorDeadError, WorkerCall
@@ -77,7 +77,8 @@ class RankConnections:
             try:
                 conn.send_bytes(frame)
             except OSError as e:
-                self._fail(f"rank {rank} is gone (its connection broke: {e!r})")
+                self._raise_sent_error()
+                self._fail(f"rank {rank} is gone (its connection broke: {e!r}){self._exit_detail(rank)}")
 
     def receive(self, rank: int, what: str, timeout: float | None) -> Any:
         """The answer of ``rank`` to the oldest call sent to it and not yet received."""
@@ -87,6 +88,7 @@ class RankConnections:
         if self.failure is None:
             dead = self.find_dead_rank() or self._ended_process()
             if dead is not None:
+                self._raise_sent_error()
                 self.failure = dead
         if self.failure is not None:
             raise ExecutorDeadError(f"the workers cannot run: {self.failure}")
@@ -126,14 +128,25 @@ class RankConnections:
         except (EOFError, OSError):
             self._fail(f"rank {rank} died during {what}{self._exit_detail(rank)}")
         if not ok:
-            error, text = payload
-            self.failure = f"rank {rank} failed in {what}: {error!r}"
-            raise ExecutorDeadError(
-                f"the workers cannot run: {self.failure}\n--- rank {rank}: {text}"
-            ) from error
+            self._raise_rank_error(rank, what, payload)
         if not expected:
             self._fail(f"rank {rank} answered {what}, which it was not asked to answer")
         return payload
+
+    def _raise_rank_error(self, rank: int, what: str, payload: tuple[BaseException, str]) -> NoReturn:
+        error, text = payload
+        self.failure = f"rank {rank} failed in {what}: {error!r}"
+        raise ExecutorDeadError(f"the workers cannot run: {self.failure}\n--- rank {rank}: {text}") from error
+
+    def _raise_sent_error(self) -> None:
+        """Raise the error a rank sent before it ended (a worker that could not be built sends
+        its error, then exits), if one waits unread; the answers before it are moot now."""
+        for rank, conn in enumerate(self.conns):
+            with contextlib.suppress(EOFError, OSError):
+                while conn.poll(0):
+                    ok, payload = pickle.loads(conn.recv_bytes())
+                    if not ok:
+                        self._raise_rank_error(rank, "its last call", payload)
 
     def _ended_process(self) -> str | None:
         for rank, process in enumerate(self.processes):

@@ -2,8 +2,9 @@
 on CUDA; docs/determinism.md).
 
 A ``LinearMethod`` like any other (the seam quantization and oneDNN's prepacking use): the worker
-attaches it to every dense layer after loading, choosing each layer's tiles and K split once, from
-its shape and the GPU (``tiles_for``, ``num_k_splits``), so a step runs no choice at all. The
+attaches it to every dense layer after loading, choosing each layer's K split and tiles once, from
+its shape and the GPU (``LayerGemm.for_layer``); a step chooses only between the layer's narrow
+and wide output tiles by its number of rows, which leaves the sums as they are. The
 weight stays as loaded.
 """
 
@@ -13,13 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.kernels.triton.batch_invariant_matmul import (
-    MatmulTiles,
-    batch_invariant_matmul,
-    num_k_splits,
-    num_sms,
-    tiles_for,
-)
+from pagedllm.kernels.triton.batch_invariant_matmul import LayerGemm
 from pagedllm.layers.fused_moe.layer import FusedMoE
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization.base import EmbeddingMethod, LinearMethod
@@ -27,21 +22,18 @@ from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
 
 class BatchInvariantLinearMethod(LinearMethod):
-    """``x W^T + b`` with K summed in ``num_splits`` fixed ranges of ``tiles``' K tiles, whatever
-    the number of rows."""
+    """``x W^T + b`` with K summed in the layer's fixed ranges of K tiles, whatever the number of
+    rows."""
 
-    def __init__(self, num_splits: int, tiles: MatmulTiles) -> None:
-        self.num_splits = num_splits
-        self.tiles = tiles
+    def __init__(self, gemm: LayerGemm) -> None:
+        self.gemm = gemm
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         pass  # the kernel reads nn.Linear's [N, K] weight as it is
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        return batch_invariant_matmul(rows, layer.weight, bias, self.num_splits, self.tiles).view(
-            *x.shape[:-1], -1
-        )
+        return self.gemm(rows, layer.weight, bias).view(*x.shape[:-1], -1)
 
 
 class BatchInvariantLMHeadMethod(BatchInvariantLinearMethod, EmbeddingMethod):
@@ -58,7 +50,6 @@ class BatchInvariantLMHeadMethod(BatchInvariantLinearMethod, EmbeddingMethod):
 def use_batch_invariant_gemms(model: nn.Module, device: torch.device) -> None:
     """Every dense linear layer and the LM head of ``model`` (loaded, on ``device``) through the
     batch-invariant GEMM. ValueError naming a layer that has no invariant path."""
-    sms = num_sms(device)
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE):
             raise ValueError(
@@ -70,17 +61,16 @@ def use_batch_invariant_gemms(model: nn.Module, device: torch.device) -> None:
                 "which has no batch-invariant GEMM"
             )
         if isinstance(module, LinearBase):
-            module.quant_method = _invariant_method(BatchInvariantLinearMethod, module.weight, device, sms)
+            module.quant_method = _invariant_method(BatchInvariantLinearMethod, module.weight, device)
     lm_head = getattr(model, "lm_head", None)
     if not isinstance(lm_head, VocabParallelEmbedding):  # LogitsProcessor would take F.linear
         raise ValueError(f"batch_invariant=True: {type(model).__name__} has no lm_head to route")
-    lm_head.quant_method = _invariant_method(BatchInvariantLMHeadMethod, lm_head.weight, device, sms)
+    lm_head.quant_method = _invariant_method(BatchInvariantLMHeadMethod, lm_head.weight, device)
 
 
 def _invariant_method(
-    method: type[BatchInvariantLinearMethod], weight: torch.Tensor, device: torch.device, sms: int
+    method: type[BatchInvariantLinearMethod], weight: torch.Tensor, device: torch.device
 ) -> BatchInvariantLinearMethod:
-    """The layer's method, its tiles and K split chosen once from its shape and the GPU."""
+    """The layer's method, its K split and tiles chosen once from its shape and the GPU."""
     n, k = weight.shape
-    tiles = tiles_for(k, device, weight.element_size())
-    return method(num_k_splits(n, k, sms, tiles), tiles)
+    return method(LayerGemm.for_layer(n, k, device, weight.element_size()))

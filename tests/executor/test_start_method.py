@@ -97,3 +97,36 @@ def test_choosing_the_ranks_devices_leaves_cuda_uninitialised(monkeypatch):
         parallel_config = ParallelConfig(distributed_executor_backend="mp", **sizes)
         assert resolve_device("auto", parallel_config).type == "cuda"
         assert resolve_device("cuda", parallel_config).type == "cuda"
+
+
+def test_a_rank_that_fails_to_start_names_its_error(tiny_llama_with_tokenizer: str, monkeypatch):
+    """A rank whose worker cannot be built sends its error and exits before the engine's first
+    call: the engine's error is the rank's, not a broken pipe."""
+    from pagedllm.executor import worker_loop
+    from pagedllm.executor.multiproc_executor import MultiprocExecutor
+
+    def failing_worker(*args, **kwargs):
+        raise ValueError("this rank's device is unusable")
+
+    start_workers = MultiprocExecutor._init_workers
+
+    def start_and_wait_for_the_exits(self):
+        start_workers(self)
+        for process in self.ranks.processes:  # the first call then finds every pipe closed
+            process.join(30)
+
+    monkeypatch.setenv(START_METHOD_ENV, "fork")  # the ranks inherit the failing worker
+    monkeypatch.setattr(worker_loop, "Worker", failing_worker)
+    monkeypatch.setattr(MultiprocExecutor, "_init_workers", start_and_wait_for_the_exits)
+    with pytest.raises(Exception, match="this rank's device is unusable"):
+        LLM(tiny_llama_with_tokenizer, device="cpu", swap_space=0.01, tensor_parallel_size=2)
+
+
+def test_importing_the_package_keeps_cuda_availability_checks_fork_safe():
+    """torch.cuda.is_available() through NVML, not the driver: a script may check for a GPU before
+    it builds an engine whose ranks are forked."""
+    code = "import pagedllm, os; print(os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK'))"
+    env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert result.stdout.strip() == "1", result.stderr

@@ -1,7 +1,8 @@
 """batch_invariant=True on the GPU, Qwen3-0.6B's and Llama-3.1-8B's configs with dummy bf16 weights
 (the 8B's layers run the GEMM's long-K tiles): 16 greedy requests give the same tokens and the
-same logprobs (every bit) alone, with 15 others and with 63 others; for the 0.6B the same with
-prefix caching and chunked prefill on (other chunk boundaries, cached prefixes);
+same logprobs (every bit) alone, with 15 others and with 63 others; for both the same with
+prefix caching and chunked prefill on (other chunk boundaries, cached prefixes, and the GEMM's
+narrow output tiles where a whole prefill takes the wide ones); the same at TP=2;
 and the logprobs reported while generating equal those of a scoring pass over prompt + output, for
 256 requests. Without the mode, 2 of 16 such requests diverged (H200, 2026-11-27)."""
 
@@ -28,19 +29,21 @@ Result = tuple[list[int], list[float]]
 # Plain, and with prefix caching and chunked prefill: chunks of at most 96 tokens cut prompts at
 # other places than the plain engine's whole-prompt prefill does (64 sequences at most, which a
 # 96-token step can all decode).
+CACHED_CHUNKED = {
+    "enable_prefix_caching": True,
+    "enable_chunked_prefill": True,
+    "max_num_batched_tokens": 96,
+    "max_num_seqs": 64,
+}
+LLAMA = os.path.join(CONFIGS, "llama-3.1-8b")
 ENGINES = {
     "plain": (MODEL, {"max_num_seqs": 256}),
-    "prefix-caching-chunked": (
-        MODEL,
-        {
-            "enable_prefix_caching": True,
-            "enable_chunked_prefill": True,
-            "max_num_batched_tokens": 96,
-            "max_num_seqs": 64,
-        },
-    ),
-    "llama-3.1-8b": (os.path.join(CONFIGS, "llama-3.1-8b"), {"max_num_seqs": 64}),
+    "prefix-caching-chunked": (MODEL, CACHED_CHUNKED),
+    "llama-3.1-8b": (LLAMA, {"max_num_seqs": 64}),
+    "llama-3.1-8b-prefix-caching-chunked": (LLAMA, CACHED_CHUNKED),
 }
+# Engines whose results alone must equal each other's (the same model, other chunkings).
+SAME_MODEL = [("plain", "prefix-caching-chunked"), ("llama-3.1-8b", "llama-3.1-8b-prefix-caching-chunked")]
 
 
 def _requests(n: int, seed: int) -> tuple[list[list[int]], list[SamplingParams]]:
@@ -103,8 +106,11 @@ def test_sixteen_requests_identical_alone_with_15_and_with_63_others(engine):
     diverged = [i for i in range(NUM_TARGETS) if not alone[i] == with_15[i] == with_63[i]]
     assert not diverged, f"requests {diverged} of {NUM_TARGETS} depend on their batch ({name})"
     _ALONE[name] = alone
-    if len(_ALONE) == len(ENGINES):  # chunk boundaries and cached prefixes change nothing either
-        assert _ALONE["plain"] == _ALONE["prefix-caching-chunked"]
+    # Chunk boundaries and cached prefixes change nothing either; nor do the GEMM's output tiles:
+    # a whole batch's prefill runs the wide tiles, 96-token chunks the narrow.
+    for first, second in SAME_MODEL:
+        if first in _ALONE and second in _ALONE:
+            assert _ALONE[first] == _ALONE[second], (first, second)
 
 
 def test_generated_logprobs_equal_the_scoring_pass_for_256_requests(engine):
@@ -147,12 +153,13 @@ def test_tensor_parallel_2_is_identical_to_itself_across_batch_sizes():
         tensor_parallel_size=2,  # the default memory share: the module's engine may still hold half
         batch_invariant=True,
     )
-    prompts, params = _requests(32, seed=2)
+    prompts, params = _requests(64, seed=2)
+    targets = slice(0, NUM_TARGETS)
     try:
-        alone = [_generate(llm, [p], [sp])[0] for p, sp in zip(prompts[:8], params[:8])]
-        with_7 = _generate(llm, prompts[:8], params[:8])
-        with_24 = _generate(llm, prompts, params)[:8]
+        alone = [_generate(llm, [p], [sp])[0] for p, sp in zip(prompts[targets], params[targets])]
+        with_15 = _generate(llm, prompts[targets], params[targets])
+        with_63 = _generate(llm, prompts, params)[targets]
     finally:
         llm.llm_engine.shutdown()  # the rank processes
-    assert with_7 == alone
-    assert with_24 == alone
+    diverged = [i for i in range(NUM_TARGETS) if not alone[i] == with_15[i] == with_63[i]]
+    assert not diverged, f"requests {diverged} of {NUM_TARGETS} depend on their batch at TP=2"

@@ -7,14 +7,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 from pagedllm.kernels.triton.batch_invariant_matmul import (
+    FEW_ROWS_TILES,
     LONG_K_TILES,
     TILES,
+    LayerGemm,
+    MatmulTiles,
     arrival_counters,
     batch_invariant_matmul,
     num_k_splits,
+    num_sms,
     tiles_for,
+    wide_tiles,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -54,6 +60,65 @@ def test_rows_are_the_same_bits_whatever_the_batch(
     assert torch.equal(matmul(x[order]), full[order])
     # The other schedule sums the same ranges in the same order.
     assert torch.equal(matmul(x, not split_in_grid), full)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, BF16])
+@pytest.mark.parametrize("layer_k", [1024, 4096], ids=["tiles", "long-k-tiles"])
+def test_wide_tiles_give_the_same_bits_as_the_narrow(dtype: torch.dtype, layer_k: int) -> None:
+    """The output tile decides only which program computes an element: with the layer's BLOCK_K
+    and splits, the wide tiles, the few-rows tiles (N tiles of 64 and 32) and others give every
+    row the same bits as the narrow ones, at row counts that cut both tiles anywhere and with
+    either schedule of the narrow."""
+    device = torch.device(DEVICE)
+    tiles = tiles_for(layer_k, device, dtype.itemsize)
+    wide = wide_tiles(tiles, device, dtype.itemsize)
+    assert wide is not None and wide.block_k == tiles.block_k
+    few = list(FEW_ROWS_TILES[tiles.block_k].values())
+    others = [wide, MatmulTiles(128, 256, tiles.block_k, 8, 2), *few]
+    x, weight, bias = _inputs(dtype, rows=160)
+    for splits in (1, 2, 5):
+        narrow = batch_invariant_matmul(x, weight, bias, splits, tiles, split_in_grid=True)
+        assert torch.equal(
+            batch_invariant_matmul(x, weight, bias, splits, tiles, split_in_grid=False), narrow
+        )
+        for other in others:
+            for m in (1, 129, 160):
+                out = batch_invariant_matmul(x[:m], weight, bias, splits, other)
+                assert torch.equal(out, narrow[:m]), (other, splits, m)
+
+
+def test_a_layer_takes_the_wide_tiles_from_a_share_of_the_sms() -> None:
+    device = torch.device(DEVICE)
+    gemm = LayerGemm.for_layer(N, K, device)  # 2 wide tiles a row block, BLOCK_K 64: half the SMs
+    assert gemm.tiles == tiles_for(K, device) and gemm.wide == wide_tiles(gemm.tiles, device)
+    assert (gemm.wide.block_m, gemm.wide.block_n) == (128, 128)
+    assert gemm.wide_from_rows == triton.cdiv(triton.cdiv(num_sms(device), 2), 2) * 128
+    assert gemm.tiles_for_rows(gemm.wide_from_rows - 1) == gemm.tiles
+    assert gemm.tiles_for_rows(gemm.wide_from_rows) == gemm.wide
+    # On an H100's or H200's 132 SMs (bf16). Qwen3-0.6B (BLOCK_K 64, 66 wide tiles wanted): the LM
+    # head's 1,187 a row block from one row block; qkv's 32 from 3; o_proj's 8 from 9.
+    cpu = torch.device("cpu")
+    assert LayerGemm.for_layer(151_936, 1024, cpu, sms=132).wide_from_rows == 128
+    assert LayerGemm.for_layer(4096, 1024, cpu, sms=132).wide_from_rows == 384
+    assert LayerGemm.for_layer(1024, 2048, cpu, sms=132).wide_from_rows == 1152
+    assert LayerGemm.for_layer(1024, 2048, cpu, sms=132).num_splits == num_k_splits(1024, 2048, 132)
+    # Llama-3.1-8B (BLOCK_K 128, 33 wanted): o_proj's 32 a row block from 2; qkv's 48 from 1.
+    assert LayerGemm.for_layer(4096, 4096, cpu, sms=132).wide_from_rows == 256
+    assert LayerGemm.for_layer(6144, 4096, cpu, sms=132).wide_from_rows == 128
+    # Few rows: the narrowest N tiles whose programs (row blocks x N tiles x splits) make one wave.
+    # Qwen3-0.6B's qkv (1 split): 128 programs of N tiles of 32 at 64 rows; at 128 rows 2 x 64 of 64.
+    qkv = LayerGemm.for_layer(4096, 1024, cpu, sms=132)
+    assert [qkv.tiles_for_rows(m).block_n for m in (1, 64, 65, 128, 129, 383)] == [32, 32, 64, 64, 128, 128]
+    assert qkv.tiles_for_rows(1) == FEW_ROWS_TILES[64][32]
+    # Llama-3.1-8B's o_proj (2 splits): 64 x 2 programs of 64 at one row; its down_proj (4 splits)
+    # would make 256 with N tiles of 64, so keeps 128.
+    assert LayerGemm.for_layer(4096, 4096, cpu, sms=132).tiles_for_rows(1) == FEW_ROWS_TILES[128][64]
+    assert LayerGemm.for_layer(4096, 14336, cpu, sms=132).tiles_for_rows(1) == LONG_K_TILES
+    # float32 long-K tiles keep the narrow at every M: the wide pipeline would not fit.
+    assert LayerGemm.for_layer(N, 4096, cpu, 4).tiles_for_rows(10**6) == LONG_K_TILES
+    x, weight, bias = _inputs(torch.float16, rows=3)
+    narrow = batch_invariant_matmul(x, weight, bias, gemm.num_splits, gemm.tiles)
+    assert torch.equal(gemm(x, weight, bias), narrow)
 
 
 @pytest.mark.parametrize(

@@ -10,9 +10,19 @@ is a function of K and N alone:
         partial[s] = sum over the BLOCK_K tiles of range s, in order, of x_tile @ W_tile^T   (fp32)
         out        = ((partial[0] + partial[1]) + partial[2]) + ...  (+ bias), cast to x's dtype
 
-Every element goes through the same tiles (one fixed BLOCK_M x BLOCK_N x BLOCK_K and warp count
-for every M, so one MMA instruction sequence), and a row's tile neighbours only add masked zeros
-to nothing: its bits depend on its own data and on (N, K). Splitting K is what keeps a decode step
+Every element goes through the same K tiles (one BLOCK_K per layer, so one sequence of MMA
+instructions along K, each accumulating into the element's float32 sum in order), and a row's tile
+neighbours only add masked zeros to nothing: its bits depend on its own data and on (N, K). The
+output tile (BLOCK_M x BLOCK_N, warps, pipeline stages) decides only which program computes an
+element, not how: a layer has its narrow tiles, narrower ones for few rows
+(``FEW_ROWS_TILES``: more programs for a memory-bound product) and ``wide_tiles`` for many (a
+prefill chunk, the LM head over a large batch), all with its BLOCK_K, and which one runs is chosen
+by M (``LayerGemm.tiles_for_rows``). The two give the same bits where the MMA computes each element's
+k-step alike whatever the instruction's M and N (a tensor core's product of one row and one column,
+added to that element's accumulator): checked bit for bit on the GPU at every layer shape of W1 and
+W3 (``benchmarks/batch_invariant_gemm.py --wide``), by the kernel tests, and end to end by the
+engine's tests, where a decode (narrow tiles) and the scoring prefill of the same tokens (wide)
+must report the same logprobs. Splitting K is what keeps a decode step
 (M = 1) fast: one program per N tile would leave most SMs idle; ``num_splits`` programs per tile
 fill them, the way split-K does in cuBLAS, but with a split count that does not move with M.
 
@@ -77,16 +87,78 @@ LONG_K = 4096
 LONG_K_TILES = MatmulTiles(block_k=128, num_stages=4)
 
 
+def _fits(tiles: MatmulTiles, device: torch.device, element_size: int) -> bool:
+    """Whether the GPU's shared memory holds ``tiles``' pipeline (Hopper's 227 KiB for the
+    interpreter)."""
+    if device.type == "cuda":
+        limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    else:
+        limit = 227 * 1024
+    return tiles.shared_memory_bytes(element_size) <= limit
+
+
 def tiles_for(k: int, device: torch.device, element_size: int = 2) -> MatmulTiles:
     """A layer's tiles: from its K, its weights' element size and what the GPU's shared memory
     holds, never from M (float32 weights, or a GPU with Ampere's 163 KiB, keep TILES)."""
-    if k < LONG_K:
+    if k < LONG_K or (device.type == "cuda" and not _fits(LONG_K_TILES, device, element_size)):
         return TILES
-    if device.type == "cuda":
-        limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
-        if LONG_K_TILES.shared_memory_bytes(element_size) > limit:
-            return TILES
     return LONG_K_TILES
+
+
+# Wide output tiles for many rows (``benchmarks/batch_invariant_gemm.py --wide``, H200, W1's and
+# W3's layers from 64 to 8,192 rows; raw results/h200x2_2026-11-28_batch_invariant_wide.json):
+# 128 x 128 outputs in eight warps, three stages, were the fastest of four candidates at the layer's
+# BLOCK_K wherever a wide tile won (128 x 256 spills its accumulators: up to 5x slower on the
+# split layers), and gave the narrow tiles' bits at every shape. They win once their count fills
+# a share of the SMs that depends on the depth of K: half of them at BLOCK_K 64 (Qwen3-0.6B's qkv
+# at 512 rows: 10.3 against 11.2 us; at 256 rows the narrow ones win, 7.5 against 9.7), a quarter
+# at BLOCK_K 128 (Llama-3.1-8B's o_proj at 256 rows: 24.1 against 28.9 us), and never below one
+# tile of rows (the LM head at 64 rows: 92 against 84 us).
+WIDE_SM_SHARE = {64: 2, 128: 4}  # wide from cdiv(SMs, share) tiles
+
+
+def wide_tiles(tiles: MatmulTiles, device: torch.device, element_size: int = 2) -> MatmulTiles | None:
+    """The output tiles for many rows, with ``tiles``' BLOCK_K (so the same sums): 128 x 128
+    outputs in two warp groups, each weight tile read from L2 feeding twice the rows. None where
+    the GPU's shared memory does not hold their pipeline (float32's long-K tiles, or long-K tiles
+    on a GPU with less than Hopper's 227 KiB)."""
+    wide = MatmulTiles(block_m=128, block_n=128, block_k=tiles.block_k, num_warps=8, num_stages=3)
+    return wide if _fits(wide, device, element_size) else None
+
+
+# Narrower output tiles for few rows (``benchmarks/batch_invariant_gemm.py --few-rows``, H200, 1 to
+# 256 rows; raw results/h200x2_2026-11-28_batch_invariant_few_rows.json): a product of few rows is
+# memory-bound, and the layer's 128-wide N tiles times its K splits can leave SMs idle, so its N
+# tiles narrow to 64 or 32 while the programs still make one wave. Llama-3.1-8B's o_proj at one
+# row (32 tiles x 2 splits): 9.4 us with N tiles of 64 against 13.2 (cuBLAS 10.2); Qwen3-0.6B's
+# qkv at 64 rows: 4.6 with 32 against 7.1 (cuBLAS 4.2). Per BLOCK_K, then BLOCK_N.
+FEW_ROWS_TILES = {
+    64: {64: MatmulTiles(64, 64, 64, 4, 4), 32: MatmulTiles(64, 32, 64, 4, 6)},
+    128: {64: MatmulTiles(64, 64, 128, 4, 4), 32: MatmulTiles(64, 32, 128, 4, 6)},
+}
+FEW_ROW_BLOCKS = 4  # up to 4 x 64 = 256 rows
+
+
+def few_rows_tiles(
+    tiles: MatmulTiles,
+    n: int,
+    num_splits: int,
+    row_blocks: int,
+    sms: int,
+    device: torch.device,
+    element_size: int,
+) -> MatmulTiles:
+    """For ``row_blocks`` blocks of 64 rows: the narrowest of ``tiles`` and ``FEW_ROWS_TILES``
+    (same BLOCK_K) whose programs, row blocks x N tiles x splits, still fit in one wave of SMs."""
+    chosen = tiles
+    for block_n in (64, 32):
+        candidate = FEW_ROWS_TILES[tiles.block_k][block_n]
+        if row_blocks * triton.cdiv(n, block_n) * num_splits > sms or not _fits(
+            candidate, device, element_size
+        ):
+            break
+        chosen = candidate
+    return chosen
 
 
 # The fewest K tiles per split: a shorter range spends too much of its time filling the software
@@ -289,3 +361,46 @@ def batch_invariant_matmul(
         num_stages=tiles.num_stages,
     )
     return out
+
+
+@dataclass(frozen=True)
+class LayerGemm:
+    """A layer's batch-invariant GEMM, chosen once from its shape and the GPU: the K split and the
+    narrow tiles' BLOCK_K set its numerics; up to 256 rows narrower N tiles may run
+    (``FEW_ROWS_TILES``), from ``wide_from_rows`` rows the wide ones (``WIDE_SM_SHARE``), all with
+    that BLOCK_K."""
+
+    num_splits: int
+    tiles: MatmulTiles
+    wide: MatmulTiles | None
+    wide_from_rows: int
+    few_rows: tuple[MatmulTiles, ...]  # for 1, 2, ... FEW_ROW_BLOCKS blocks of 64 rows
+
+    @classmethod
+    def for_layer(
+        cls, n: int, k: int, device: torch.device, element_size: int = 2, sms: int | None = None
+    ) -> LayerGemm:
+        """``sms``: the GPU's SM count (default: ``device``'s)."""
+        tiles = tiles_for(k, device, element_size)
+        sms = sms or num_sms(device)
+        wide = wide_tiles(tiles, device, element_size)
+        wide_from_rows = 0
+        if wide is not None:  # the fewest rows of whole tiles whose count fills the SMs' share
+            wanted = triton.cdiv(sms, WIDE_SM_SHARE[tiles.block_k])
+            wide_from_rows = triton.cdiv(wanted, triton.cdiv(n, wide.block_n)) * wide.block_m
+        splits = num_k_splits(n, k, sms, tiles)
+        few_rows = tuple(
+            few_rows_tiles(tiles, n, splits, blocks, sms, device, element_size)
+            for blocks in range(1, FEW_ROW_BLOCKS + 1)
+        )
+        return cls(splits, tiles, wide, wide_from_rows, few_rows)
+
+    def tiles_for_rows(self, m: int) -> MatmulTiles:
+        """The output tiles for ``m`` rows: which program computes an element, never how."""
+        if self.wide is not None and m >= self.wide_from_rows:
+            return self.wide
+        row_blocks = max(1, triton.cdiv(m, 64))
+        return self.few_rows[row_blocks - 1] if row_blocks <= len(self.few_rows) else self.tiles
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return batch_invariant_matmul(x, weight, bias, self.num_splits, self.tiles_for_rows(x.shape[0]))
