@@ -18,7 +18,9 @@ import torch
 from pagedllm.attention.backends import get_attn_backend
 from pagedllm.attention.backends.cpu_backend import (
     KERNEL_CHUNK_MAX_CONTEXT,
+    SDPA_CAUSAL_MIN_TOKENS,
     CpuAttentionBackend,
+    CpuInvariantAttentionBackend,
     write_to_paged_cache_indexed,
 )
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
@@ -109,6 +111,9 @@ BATCHES = [
     ([64, 1], [1, 33]),
     # Longer chunks, fresh and behind a prefix.
     ([10, 0, 5, 0, 150], [1, 80, 2, 65, 30]),
+    # Fresh prompts on either side of SDPA_CAUSAL_MIN_TOKENS (causal SDPA from it) beside a
+    # decode and a chunk behind a prefix.
+    ([9, 0, 0, 0, 12], [1, SDPA_CAUSAL_MIN_TOKENS - 1, SDPA_CAUSAL_MIN_TOKENS, 300, 20]),
     # Contexts past KERNEL_CHUNK_MAX_CONTEXT: the kernel keeps the decodes, SDPA takes the chunks.
     ([KERNEL_CHUNK_MAX_CONTEXT + 52, 7, 0], [1, 1, 40]),
     ([30, KERNEL_CHUNK_MAX_CONTEXT + 22], [1, 25]),
@@ -257,3 +262,24 @@ def test_auto_picks_cpu_backend_on_cpu_and_cpu_refuses_other_devices() -> None:
     assert get_attn_backend("auto", torch.device("cpu")) is CpuAttentionBackend
     with pytest.raises(ValueError, match="CPU only"):
         CpuAttentionBackend.check_supported(64, 16, torch.float32, torch.device("cuda"))
+
+
+def test_the_invariant_variant_gives_a_prompt_the_same_bits_whole_or_in_chunks() -> None:
+    """batch_invariant=True on the CPU: a prompt long enough for causal SDPA goes through the
+    kernel instead, so prefilled whole or as a chunk behind its cached first part it gets the same
+    bits (the default backend's causal SDPA would sum in other tiles)."""
+    assert get_attn_backend("auto", torch.device("cpu"), batch_invariant=True) is CpuInvariantAttentionBackend
+    assert get_attn_backend("auto", torch.device("cpu")) is CpuAttentionBackend
+    num_heads, num_kv_heads, head_size, length, cut = 6, 3, 32, 2 * SDPA_CAUSAL_MIN_TOKENS, 50
+    backend = CpuInvariantAttentionBackend(num_heads, head_size, head_size**-0.5, num_kv_heads)
+    assert not backend.causal_prefill
+    q, k, v, caches, md = make_step([0], [length], num_heads, num_kv_heads, head_size, 16, torch.bfloat16)
+    whole = backend.forward(q, k, v, caches, md)
+    # The same prompt's last part as a chunk behind its first ``cut`` tokens, read from the cache.
+    _, _, _, _, chunk_md = make_step(
+        [cut], [length - cut], num_heads, num_kv_heads, head_size, 16, torch.bfloat16
+    )
+    chunk_md.block_tables[:] = md.block_tables[:, : chunk_md.block_tables.shape[1]]
+    chunk_md.slot_mapping = md.slot_mapping[cut:]
+    chunk = backend.forward(q[cut:], k[cut:], v[cut:], caches, chunk_md)
+    assert torch.equal(chunk, whole[cut:])

@@ -14,8 +14,8 @@ def get_attn_backend(
     """The backend class for ``name``. 'auto' is the Triton kernels on a GPU and the vectorised
     CPU backend on the CPU (each measured fastest there: benchmarks/RESULTS.md), or the torch
     backend on the CPU with ``context_parallel`` (a striped cache, which the CPU kernels do not
-    read). With ``batch_invariant``, Triton's is its one-kernel invariant variant (the CPU's is
-    invariant as it is; engine/batch_invariant.py refuses the others on CUDA)."""
+    read). With ``batch_invariant``, Triton's and the CPU's are their invariant variants (one
+    kernel for every query); engine/batch_invariant.py refuses the others on CUDA."""
     if name == "auto":
         name = "triton" if platform_for(device).is_cuda() else "torch" if context_parallel else "cpu"
     if name == "triton" and batch_invariant:
@@ -23,9 +23,9 @@ def get_attn_backend(
 
         return TritonInvariantAttentionBackend
     if name == "cpu":
-        from pagedllm.attention.backends.cpu_backend import CpuAttentionBackend
+        from pagedllm.attention.backends.cpu_backend import CpuAttentionBackend, CpuInvariantAttentionBackend
 
-        return CpuAttentionBackend
+        return CpuInvariantAttentionBackend if batch_invariant else CpuAttentionBackend
     if name == "torch":
         from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 

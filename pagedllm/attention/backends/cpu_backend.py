@@ -9,12 +9,14 @@ with an online softmax in float32, so there is no gathered copy, no mask and no 
 Python; the cache write before it is one C++ call too (``reshape_and_cache``). One layer of C1's
 decode step (32 sequences of ~100 tokens, bf16, 2 cores) spends ~0.15 ms in attention that way,
 against ~0.57 ms in the PyTorch formulation below (benchmarks/RESULTS.md). Prefill chunks join
-the same call while every context of the step is at most ``KERNEL_CHUNK_MAX_CONTEXT`` tokens;
-past that, chunks take SDPA, whose GEMM tiles win behind long cached prefixes, and decodes the
-kernel alone. The kernel is built on first use; where it cannot be (no compiler), or with
+the same call while every context of the step is at most ``KERNEL_CHUNK_MAX_CONTEXT`` tokens and
+no fresh prompt has ``SDPA_CAUSAL_MIN_TOKENS`` or more; past either, decodes take the kernel alone,
+fresh prompts causal SDPA (its flash kernel's GEMM tiles, 4x the kernel at 1,000 tokens) and
+chunks behind a cached prefix SDPA with a mask, whose tiles win behind long prefixes. The
+kernel is built on first use; where it cannot be (no compiler), or with
 ``PAGEDLLM_CPU_KERNELS=0``, or for what it does not cover (attention sinks, a cache in another
-dtype than the queries), everything takes the PyTorch formulation, computed the
-way a CPU is fast at:
+dtype than the queries), everything takes the PyTorch formulation, computed the way a CPU is
+fast at:
 
 * Cache writes are one ``index_copy_`` per cache into its flattened ``[slots, kv_heads, head]``
   view (no boolean indexing, no dtype round trip).
@@ -109,6 +111,17 @@ def gather_contexts(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: t
 # (benchmarks/RESULTS.md).
 KERNEL_CHUNK_MAX_CONTEXT = 2048
 
+# A step with a fresh prompt (no cached prefix) of at least this many tokens is split: decodes
+# and chunks behind a prefix as before, each fresh prompt by SDPA with ``is_causal``. Its keys are
+# then the chunk's own, in order, so SDPA needs no mask, its flash kernel skips the tiles above the
+# diagonal and computes in GEMM tiles, and ``enable_gqa`` reads each KV head once for its group;
+# the kernel walks each token's keys with vector code. Measured on the development CPU (SmolLM2's
+# 9 query / 3 KV heads of 64, bf16, one thread, one layer; benchmarks/cpu_prefill_attention.py):
+# 64 tokens 0.11 against 0.18 ms, 1,000 tokens 12.4 against 51.6, 2,048 tokens 27.7 against 218.
+# Below it a whole step stays one kernel call: many short prompts (C1's 32 of ~36 tokens) cost
+# more as one SDPA call each.
+SDPA_CAUSAL_MIN_TOKENS = 64
+
 # Up to this many decodes SDPA's fused kernel wins (its fixed cost is lower); past it, two batched
 # matmuls do (measured crossover between 8 and 16 sequences of ~128 tokens, bf16, 2 cores).
 SDPA_MAX_DECODES = 8
@@ -116,6 +129,8 @@ SDPA_MAX_DECODES = 8
 
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
+    # Fresh prompts of SDPA_CAUSAL_MIN_TOKENS or more by causal SDPA (off where it cannot apply).
+    causal_prefill = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         """AttentionBackend's arguments."""
@@ -130,6 +145,14 @@ class CpuAttentionBackend(AttentionBackend):
             else self.alibi_slopes.view(self.num_kv_heads, self.num_queries_per_kv, 1, 1)
         )
         self.use_kernel = self.attention_sinks == 0 and self.sinks is None and cpu_kernels_available()
+        # A fresh prompt by causal SDPA where nothing edits the scores or narrows the keys.
+        self.causal_prefill = self.causal_prefill and not (
+            self.attention_sinks
+            or self.sinks is not None
+            or self.sliding_window is not None
+            or slopes is not None
+            or self.logits_soft_cap is not None
+        )
 
     # The reference's layout: caches, swaps and tests are shared with it.
     get_kv_cache_shape = TorchAttentionBackend.get_kv_cache_shape
@@ -161,7 +184,8 @@ class CpuAttentionBackend(AttentionBackend):
         else:
             write_to_paged_cache_indexed(key, value, key_cache, value_cache, md.slot_mapping)
         num_decodes = md.num_decodes
-        if kernel and md.max_seq_len <= KERNEL_CHUNK_MAX_CONTEXT:  # the whole step in one call
+        whole_step = kernel and md.max_seq_len <= KERNEL_CHUNK_MAX_CONTEXT
+        if whole_step and not (self.causal_prefill and self._long_fresh_prompt(md)):  # one call
             return self._kernel(query, key_cache, value_cache, md, md.num_seqs)
         if num_decodes == query.shape[0]:  # decodes only, no padding tokens: no output copy
             return self._decode(query, sink_query, key_cache, value_cache, md, kernel)
@@ -176,6 +200,16 @@ class CpuAttentionBackend(AttentionBackend):
             output[start:end] = self._prefill(query, key, value, key_cache, value_cache, md, i, sink_query)
         return output
 
+    @staticmethod
+    def _long_fresh_prompt(md: AttentionMetadata) -> bool:
+        """Whether a prefill chunk of the step is a whole prompt of SDPA_CAUSAL_MIN_TOKENS or more."""
+        if md.num_decodes == md.num_seqs:
+            return False
+        prefills = slice(md.num_decodes, md.num_seqs)
+        query_lens = (md.query_start_loc_cpu[1:] - md.query_start_loc_cpu[:-1])[prefills]
+        fresh = query_lens == md.seq_lens_cpu[prefills]
+        return bool(((query_lens >= SDPA_CAUSAL_MIN_TOKENS) & fresh).any())
+
     def _prefill(
         self,
         query: torch.Tensor,
@@ -189,11 +223,16 @@ class CpuAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Sequence i's chunk of queries by SDPA (or the explicit path): [query_len, heads, head]."""
         start, end = int(md.query_start_loc_cpu[i]), int(md.query_start_loc_cpu[i + 1])
+        q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, query_len, head_size]
         if end - start == int(md.seq_lens_cpu[i]):  # no cached prefix: the context is this step's K/V
             k, v = key[start:end].transpose(0, 1)[None], value[start:end].transpose(0, 1)[None]
+            if self.causal_prefill:  # fewer tokens too, once the step is split
+                out = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.scale, enable_gqa=True
+                )
+                return out[0].transpose(0, 1)
         else:
             k, v = self._gather(key_cache, value_cache, md, i, i + 1)
-        q = query[start:end].transpose(0, 1)[None]  # [1, num_heads, query_len, head_size]
         sq = None if sink_query is None else sink_query[start:end].transpose(0, 1)[None]
         return self._attend(q, k, v, md.seq_lens_cpu[i : i + 1], sq)[0].transpose(0, 1)
 
@@ -375,3 +414,11 @@ class CpuAttentionBackend(AttentionBackend):
             sink = sink.expand(num_seqs, -1, -1, -1)  # [num_seqs, kv_heads, rows, 1]
             probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
         return torch.matmul(probs.to(values.dtype), values)
+
+
+class CpuInvariantAttentionBackend(CpuAttentionBackend):
+    """``batch_invariant=True`` on the CPU: every prompt through the kernel, whose per-token sums
+    do not depend on where a prompt's chunks start, so a prompt prefilled whole, in chunks or
+    behind a cached prefix, and a token decoded or scored later, get the same bits."""
+
+    causal_prefill = False
