@@ -15,6 +15,8 @@ import pytest
 from test_spec_decode import TIGHT, assert_all_blocks_free, make_llm, mixed_prompts, token_ids
 from test_spec_draft_model import draft_config, perturbed_copy
 from test_spec_eagle import make_head
+from test_spec_tensor_parallel import TARGET as TP_TARGET
+from test_spec_tensor_parallel import drafter as tp_drafter
 from transformers import LlamaConfig
 
 from pagedllm import LLM, SamplingParams
@@ -92,11 +94,15 @@ def counters(llm: LLM) -> tuple:
     )
 
 
-def run_both(model_config, spec: dict, prompts, params, **kwargs) -> tuple[list, list, list[LLM]]:
+def run_both(
+    model_config, spec: dict, prompts, params, same_steps: bool = True, **kwargs
+) -> tuple[list, list, list[LLM]]:
     """The requests through a synchronous and an asynchronous engine; every block free after.
-    Each request's verifications must have been handed the same drafts by both: the placeholders
-    the asynchronous scheduler sent were resolved to the drafter's proposals (a request a token
-    stopped may have verified once more, in the step launched before its stop was seen)."""
+    With ``same_steps`` (a cache with room for every draft), each request's verifications must
+    have been handed the same drafts by both: the placeholders the asynchronous scheduler sent
+    were resolved to the drafter's proposals (a request a token stopped may have verified once
+    more, in the step launched before its stop was seen). Under cache pressure the two engines
+    drop drafts in different steps (the asynchronous one holds blocks for drafts in flight)."""
     results, llms, logs = [], [], []
     for async_scheduling in (False, True):
         llm = make_llm(model_config, async_scheduling=async_scheduling, speculative_config=spec, **kwargs)
@@ -105,6 +111,8 @@ def run_both(model_config, spec: dict, prompts, params, **kwargs) -> tuple[list,
         assert_all_blocks_free(llm)
         llms.append(llm)
     logs[1].assert_ran_ahead()
+    if not same_steps:
+        return results[0], results[1], llms
     sync_verified, async_verified = logs[0].verified, logs[1].verified
     assert set(sync_verified) <= set(async_verified)
     for req_id, drafts in async_verified.items():
@@ -178,15 +186,15 @@ def test_preemption_prefix_caching_and_chunked_prefill_change_no_output(target, 
 
 
 @pytest.mark.slow
-def test_swapped_groups_and_seeded_samples_are_the_synchronous_runs(target, drafters):
-    """Sampled requests with seeds, some with n = 2 (siblings swapped out as a group when the
-    cache runs short): the same tokens and acceptance counters with and without async."""
-    _, model_config = target
+def test_swapped_groups_change_no_output(target, drafters, hf_greedy_tokens):
+    """Groups of n = 2 siblings swapped out and in when the cache runs short, some with a
+    verification in flight. top_k=1 makes their sampling the argmax whatever the draws (a seeded
+    sampled output depends on the steps' drafts, which cache pressure changes), so every sibling's
+    tokens are HF's greedy ones."""
+    hf_model, model_config = target
     prompts = mixed_prompts(6, model_config.vocab_size, seed=6)
     params = [
-        SamplingParams(
-            n=2 if i % 3 == 0 else 1, temperature=0.8, top_p=0.9, seed=i, max_tokens=24, ignore_eos=True
-        )
+        SamplingParams(n=2 if i % 2 == 0 else 1, temperature=0.8, top_k=1, max_tokens=24, ignore_eos=True)
         for i in range(len(prompts))
     ]
     sync_out, async_out, llms = run_both(
@@ -194,12 +202,16 @@ def test_swapped_groups_and_seeded_samples_are_the_synchronous_runs(target, draf
         drafters["draft_model"],
         prompts,
         params,
+        same_steps=False,
         block_size=4,
         num_kv_blocks=40,
         swap_space=1.0,
         max_model_len=96,
     )
     assert completions(async_out) == completions(sync_out)
+    for output, prompt in zip(async_out, prompts):
+        expected = hf_greedy_tokens(hf_model, prompt, 24)
+        assert [c.token_ids for c in output.outputs] == [expected] * len(output.outputs)
     stats = llms[1].llm_engine.get_stats()
     assert stats.num_preemptions_swap > 0
     assert stats.spec_decoding.num_draft_tokens > 0
@@ -290,3 +302,30 @@ def test_ngram_with_async_scheduling_is_refused_naming_the_field(target):
     ngram = {"method": "ngram", "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match=r"async_scheduling.*ngram"):
         make_llm(model_config, async_scheduling=True, speculative_config=ngram)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["draft_model", "eagle3"])
+def test_two_tensor_parallel_ranks_run_ahead_as_one(
+    make_tiny_model_for_module, tmp_path_factory, hf_greedy_tokens, name
+):
+    """TP=2 (the "mp" executor: the ranks run the step while the core schedules the next):
+    greedy output through preemption, prefix caching and chunked prefill is HF's."""
+    target = make_tiny_model_for_module(LlamaConfig, **TP_TARGET)
+    hf_model, model_config = target
+    spec = tp_drafter(name, target, tmp_path_factory)
+    shared = mixed_prompts(1, model_config.vocab_size, seed=3)[0][:12]
+    prompts = [shared + p for p in mixed_prompts(7, model_config.vocab_size, seed=1)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    llm = make_llm(
+        model_config, **TIGHT, async_scheduling=True, speculative_config=spec, tensor_parallel_size=2
+    )
+    try:
+        assert llm.llm_engine.engine_core.max_in_flight == 1
+        outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        assert token_ids(outputs) == [hf_greedy_tokens(hf_model, p, 16) for p in prompts]
+        stats = llm.llm_engine.get_stats()
+        assert stats.num_preemptions_recompute > 0 and stats.spec_decoding.num_draft_tokens > 0
+        assert_all_blocks_free(llm)
+    finally:
+        llm.llm_engine.shutdown()
