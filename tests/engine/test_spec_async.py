@@ -6,7 +6,9 @@ after N (they stay on the device), and corrects when N's output arrives; the wor
 tokens back by N's rejected drafts. Every test runs the same requests with a draft model and an
 EAGLE-3 head through a synchronous and an asynchronous engine (CPU, float32) and compares what
 comes out with each other and with HF ``generate``; ``assert_ran_ahead`` checks that the
-asynchronous engine did launch steps over unverified drafts.
+asynchronous engine did launch steps over unverified drafts. (The uniproc CPU executor computes
+a step when it is launched, so what runs ahead here is the core: its placeholders, optimistic
+counts and corrections; at TP=2 the ranks' processes run the step while the core schedules.)
 """
 
 from __future__ import annotations
