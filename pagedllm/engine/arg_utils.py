@@ -193,8 +193,8 @@ class EngineArgs:
     async_scheduling: bool | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "schedule each step while the previous one runs on the device (default: on with CUDA, "
-            "off on the CPU)"
+            "help": "schedule each step while the previous one runs on the device (default: on with CUDA "
+            "unless speculative_config's method is ngram, off on the CPU)"
         },
     )
     speculative_config: dict | str | None = dataclasses.field(
