@@ -127,6 +127,7 @@ def completions(outputs) -> list[list[tuple]]:
     return [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["draft_model", "eagle3"])
 def test_greedy_output_and_acceptance_are_the_synchronous_runs_and_hfs(
     target, drafters, hf_greedy_tokens, drafter
@@ -219,6 +220,7 @@ def test_swapped_groups_change_no_output(target, drafters, hf_greedy_tokens):
     assert stats.spec_decoding.num_draft_tokens > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["draft_model", "eagle3"])
 def test_a_seeded_sampled_request_draws_the_same_tokens(target, drafters, drafter):
     _, model_config = target
@@ -230,6 +232,7 @@ def test_a_seeded_sampled_request_draws_the_same_tokens(target, drafters, drafte
     assert counters(llms[1])[1] > 0
 
 
+@pytest.mark.slow
 def test_an_abort_while_a_verification_is_in_flight_leaves_the_rest_unchanged(target, drafters):
     _, model_config = target
     prompts = mixed_prompts(4, model_config.vocab_size, seed=8)
@@ -262,6 +265,7 @@ def test_an_abort_while_a_verification_is_in_flight_leaves_the_rest_unchanged(ta
     assert set(finals[1]) == {"0", "2", "3"}
 
 
+@pytest.mark.slow
 def test_stop_strings_end_requests_beside_speculating_ones(tiny_llama_with_tokenizer):
     """Stop strings are matched on text by the frontend (those requests decode without drafts,
     beside requests that speculate): with the model as its own draft, the same text."""
