@@ -303,12 +303,13 @@ class EngineConfig:
         if self.cache_config.cache_dtype != "auto":
             self._check_fp8_kv_cache()
         if self.speculative_config is not None:
-            # A draft continues the newest token, which the host sees only once the step that
-            # sampled it is applied: speculative steps are synchronous.
+            # An n-gram draft is looked up in the newest tokens, which the host sees only once the
+            # step that sampled them is applied; a drafter's proposals stay on the device.
             _require(
-                not self.async_scheduling,
+                not (self.async_scheduling and self.speculative_config.method == "ngram"),
                 "async_scheduling",
-                "False with speculative_config (drafts need the previous step's tokens on the host)",
+                "False with speculative_config method 'ngram' (its drafts are looked up on the host "
+                "in the previous step's tokens; draft_model, eagle and eagle3 run asynchronously)",
                 self.async_scheduling,
             )
             if self.model_config.has_recurrent_state:

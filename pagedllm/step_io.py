@@ -59,6 +59,12 @@ class CachedRequestData:
     num_computed_tokens: list[int] = field(default_factory=list)
 
 
+# A draft id the scheduler does not know: the worker proposed the draft and holds it on the device
+# (a draft model's or an EAGLE head's; with asynchronous scheduling its proposals are still on
+# their way when the next step is scheduled).
+DRAFT_PLACEHOLDER = -1
+
+
 @dataclass
 class SchedulerOutput:
     """One step: which requests compute how many tokens, and the block moves to do first."""
@@ -83,6 +89,10 @@ class SchedulerOutput:
     # Speculative decoding: req_id -> draft tokens to verify, scheduled after the request's newest
     # token (they count in num_scheduled_tokens; core/spec_decode.py).
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
+    # With asynchronous scheduling: cached requests whose num_computed_tokens counts the drafts of
+    # the step before as accepted (its output had not reached the scheduler); each worker takes
+    # back those it rejected.
+    optimistic_req_ids: set[int] = field(default_factory=set)
 
     @property
     def has_forward(self) -> bool:
@@ -118,8 +128,9 @@ class ModelRunnerOutput:
     # req_id -> drafts accepted, for each request that verified drafts: its rows (consecutive) are
     # the accepted drafts, then one token sampled from the target after them.
     num_accepted_tokens: dict[int, int] = field(default_factory=dict)
-    # Speculative decoding with a draft model: req_id -> the drafts the worker proposed after this
-    # step's tokens, for the scheduler to verify next step (worker/draft_model.py).
+    # Speculative decoding with a draft model or an EAGLE head: req_id -> the drafts the worker
+    # proposed after this step's tokens (worker/draft_model.py). The worker keeps them on the
+    # device and verifies them when the scheduler schedules placeholders for them.
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # Pooling models: req_id -> the pooled vector of each request whose prompt the step completed
     # (in place of a sample; worker/pooling_runner.py).

@@ -176,8 +176,14 @@ class Scheduler:
         return self.isolation.active
 
     def has_requests_needing_host(self) -> bool:
-        """Whether a running request's next step waits on the host seeing its newest sample."""
-        return any(r.num_output_placeholders and r.needs_host_between_steps for r in self.queues.running)
+        """Whether a running request's next step waits on the host seeing its newest sample (or,
+        with speculative decoding near its length limit, how many of its drafts were accepted)."""
+        spec = self.spec_decoding
+        return any(
+            r.num_output_placeholders
+            and (r.needs_host_between_steps or (spec is not None and spec.waits_for_acceptance(r)))
+            for r in self.queues.running
+        )
 
     # --- scheduling -----------------------------------------------------------------------
 

@@ -20,10 +20,17 @@ are the request's known tokens, registers only accepted ones.
 
 Requests whose next token depends on more than the target's logits get no drafts and decode one
 token at a time in the same steps: beam search (the host picks continuations), a best_of request
-before it forks, structured outputs and bad words (their masks depend on the tokens before, so
-each draft position would need its own grammar state), and stop strings (the engine matches them
-on the text after the step; one completed inside a verified run would need the core to take the
-tokens after it back).
+before it forks, and structured outputs and bad words (their masks depend on the tokens before,
+so each draft position would need its own grammar state). Stop strings are matched by the frontend
+token by token: one completed inside a verified run ends the sequence there, and the frontend
+drops the run's later tokens.
+
+With asynchronous scheduling the next step is scheduled before this one's verification reaches
+the host: ``describe_step`` counts the drafts as accepted (placeholders up to one past the
+computed tokens), the drafts of the next step are placeholders for the worker's proposals
+(``WorkerProposals``), and ``apply_verification`` takes back the rejected ones when the output
+arrives; near a length limit the core waits instead (``waits_for_acceptance``). docs/spec_decode.md
+draws the flow.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from pagedllm.core.kv_cache_manager import KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.core.step_budget import StepBudget
 from pagedllm.spec_config import MODEL_METHODS, SpeculativeConfig
-from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
+from pagedllm.step_io import DRAFT_PLACEHOLDER, ModelRunnerOutput, SchedulerOutput
 
 
 @dataclass
@@ -119,16 +126,21 @@ class NgramProposer:
 
 class WorkerProposals:
     """The worker's proposals (``draft_model``, ``eagle``, ``eagle3``; worker/draft_model.py,
-    worker/eagle.py): the worker drafts after each step's samples and returns the drafts with
-    them, so a request's drafts for this step are those of the step just applied (steps are
-    synchronous with speculation). A request the worker did not draft for (it did not sample
-    last step) decodes one token meanwhile."""
+    worker/eagle.py): the worker drafts ``k`` tokens after every sample it draws and keeps them on
+    the device, where the next verification of the request reads them; the scheduler schedules
+    placeholders (``DRAFT_PLACEHOLDER``) for them. A request has them when its newest token was
+    sampled in the step in flight (asynchronous scheduling: that step's output, and the drafts'
+    ids, are still on their way) or in the step just applied. A request the worker did not draft
+    for (a sibling forked after its first token, a request swapped in) decodes one token
+    meanwhile."""
 
     def __init__(self) -> None:
         self.proposals: dict[int, list[int]] = {}
 
     def draft(self, request: Request, num_tokens: int) -> list[int]:
-        return self.proposals.get(request.req_id, [])[:num_tokens]
+        if request.num_output_placeholders or request.req_id in self.proposals:
+            return [DRAFT_PLACEHOLDER] * num_tokens
+        return []
 
     def receive(self, output: ModelRunnerOutput) -> None:
         self.proposals = output.draft_token_ids
@@ -144,13 +156,15 @@ def can_speculate(request: Request) -> bool:
 def max_num_drafts(request: Request, num_speculative_tokens: int, max_context_len: int | None) -> int:
     """Drafts the request may verify this step: ``num_speculative_tokens`` cut so that the drafts
     and the token sampled after them fit under ``max_tokens`` and the context (a decoding request:
-    its one uncomputed token is its newest sample)."""
+    its one uncomputed token is its newest sample). Tokens in flight count as accepted: the cut
+    never passes the limits, and is exact once they are known (``waits_for_acceptance``)."""
     num = num_speculative_tokens
     max_tokens = request.sampling_params.max_tokens
+    num_tokens = request.num_tokens_with_placeholders
     if max_tokens is not None:
-        num = min(num, max_tokens - request.num_output_tokens - 1)
+        num = min(num, max_tokens - (num_tokens - request.num_prompt_tokens) - 1)
     if max_context_len is not None:
-        num = min(num, max_context_len - request.num_tokens - 1)
+        num = min(num, max_context_len - num_tokens - 1)
     return max(num, 0)
 
 
@@ -180,6 +194,18 @@ class SpecDecoding:
         ``disable_by_batch_size`` running requests, verifying them costs more than it saves."""
         limit = self.config.disable_by_batch_size
         return limit is None or num_running < limit
+
+    def waits_for_acceptance(self, request: Request) -> bool:
+        """Whether the request's next drafts depend on how many of those in flight are accepted
+        (asynchronous scheduling): near max_tokens or the context their number does, and the
+        engine applies the step in flight first, so that every step drafts what a synchronous
+        one would (same tokens, same acceptance counters, same seeded draws)."""
+        return (
+            request.num_output_placeholders > 1  # drafts in flight besides the sample
+            and can_speculate(request)
+            and max_num_drafts(request, self.num_speculative_tokens, self.max_context_len)
+            < self.num_speculative_tokens
+        )
 
     def propose(self, request: Request) -> list[int]:
         """Drafts for a decoding request (all of its tokens known to the host)."""
@@ -233,10 +259,19 @@ class SpecDecoding:
         """Apply a verification of ``drafts``: its rows from ``row`` on are the accepted drafts and
         one token more. Take back the rejected drafts' progress and the blocks only they used,
         then append the tokens up to the first that stops the request. Returns the next row and
-        the tokens generated."""
+        the tokens generated.
+
+        The request's placeholders counted every draft as accepted (``describe_step``); a step
+        scheduled since (asynchronous scheduling) computes from there, and its tokens sit
+        ``rejected`` positions earlier than scheduled: the worker moved them back, and the
+        request keeps the blocks they use. A request preempted by recomputation meanwhile has
+        no progress to take back."""
         num_accepted = output.num_accepted_tokens[request.req_id]
+        num_rejected = len(drafts) - num_accepted
         self.record(request, len(drafts), num_accepted)
-        request.num_computed_tokens -= len(drafts) - num_accepted
+        request.num_output_placeholders -= len(drafts)
+        if request.num_computed_tokens:
+            request.num_computed_tokens -= num_rejected
         token_ids, logprobs = output.sampled_token_ids, output.logprobs
         end = row + num_accepted + 1
         for index in range(row, end):
@@ -245,7 +280,8 @@ class SpecDecoding:
             appended.append((request, index))
             if stop_if_ends(request, token_id):
                 return end, num_accepted + 1  # the tokens after it are dropped
-        kv.free_tail(request, request.num_tokens)
+        if request.num_computed_tokens:
+            kv.free_tail(request, max(request.num_computed_tokens, request.num_tokens))
         return end, num_accepted + 1
 
     def record(self, request: Request, num_drafts: int, num_accepted: int) -> None:

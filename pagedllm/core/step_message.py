@@ -34,6 +34,8 @@ def describe_step(scheduled: list[Request], out: SchedulerOutput, kv: KVCacheMan
             cached.req_ids.append(req_id)
             cached.block_table_diffs.append(kv.take_block_table_diff(request))
             cached.num_computed_tokens.append(request.num_computed_tokens)
+            if request.num_output_placeholders > 1:  # drafts in flight, counted as accepted
+                out.optimistic_req_ids.add(req_id)
         num_new_tokens = num_scheduled_tokens[req_id]
         num_computed_tokens = request.num_computed_tokens
         num_prompt_tokens = len(request.prompt_token_ids)
@@ -44,9 +46,11 @@ def describe_step(scheduled: list[Request], out: SchedulerOutput, kv: KVCacheMan
         num_computed_tokens += num_new_tokens
         request.num_computed_tokens = num_computed_tokens
         num_known_tokens = num_prompt_tokens + len(request.output_token_ids)
-        # Past the end only by drafts, which update_from_output takes back when rejected.
+        # A step that reaches the end samples a token; one that runs past it by drafts counts
+        # them as accepted until its output says otherwise (update_from_output takes back the
+        # rejected ones), so that a step scheduled before that output continues after them.
         if num_computed_tokens >= num_known_tokens + request.num_output_placeholders:
-            request.num_output_placeholders += 1
+            request.num_output_placeholders = num_computed_tokens - num_known_tokens + 1
         if request.first_scheduled_time is None:
             request.first_scheduled_time = now
     return num_prefill_tokens

@@ -193,8 +193,8 @@ class EngineArgs:
     async_scheduling: bool | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "schedule each step while the previous one runs on the device (default: on with CUDA, "
-            "off on the CPU)"
+            "help": "schedule each step while the previous one runs on the device (default: on with CUDA "
+            "unless speculative_config's method is ngram, off on the CPU)"
         },
     )
     speculative_config: dict | str | None = dataclasses.field(
@@ -316,7 +316,8 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             compile_cpu_decode=self.cpu_compile and device.type == "cpu" and world_size == 1,
-            async_scheduling=device.type == "cuda" and speculative_config is None
+            async_scheduling=device.type == "cuda"
+            and (speculative_config is None or speculative_config.method != "ngram")
             if self.async_scheduling is None
             else self.async_scheduling,
             speculative_config=speculative_config,

@@ -153,6 +153,8 @@ class OutputProcessor:
             state = requests.get(request_id)
             if state is None:
                 continue  # aborted meanwhile
+            if request_id in stopped_requests and (request_id, output.index) in stopped:
+                continue  # a token after the stop string, in the same verified run of drafts
             if request_id in replaced and request_id not in touched:
                 state.seqs = []
             if state.streams or output.finish_reason is not None or request_id in replaced:

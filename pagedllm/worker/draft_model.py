@@ -1,8 +1,8 @@
 """Speculative decoding with a draft model (vLLM's ``draft_model`` method), the worker's side: a
 smaller model with the target's vocabulary, run by the same worker, proposes each request's next
 ``k`` tokens greedily after the target's step, and the proposals travel back with the step's
-samples (``ModelRunnerOutput.draft_token_ids``) for the scheduler to schedule as the next step's
-drafts (core/spec_decode.py verifies them like any drafts).
+samples (``ModelRunnerOutput.draft_token_ids``, which tells the scheduler to schedule them) and
+stay on the device for the next step to verify (``worker/spec_decode.py: DeviceDrafts``).
 
 **Its KV cache lives on the target's block tables.** The draft has its own K/V tensors (its own
 layers, heads and head size) indexed by the SAME block ids as the target's, so the scheduler and
@@ -183,16 +183,20 @@ class DraftModelRunner:
         with set_forward_context(metadata):
             self.model(input_ids, positions)
 
-    def propose(self, rows: np.ndarray) -> dict[int, list[int]]:
+    def propose(self, rows: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
         """After the target's samples are recorded: ``k`` greedy drafts for the requests in batch
-        ``rows``, continuing each one's newest token (``last_token_ids``, on the device)."""
+        ``rows``, continuing each one's newest token (``last_token_ids``, on the device). Returns
+        the rows proposed for and their drafts, [num_rows, k] int64 on the device."""
         assert self.model is not None and self.cache_engine is not None
         rows = rows[: self.max_num_proposals]
         if not len(rows):
-            return {}
+            return rows, self.no_proposals()
         tokens = self.batch.last_token_ids.index_select(0, to_device(rows, self.device))
-        drafts = self._run_proposals(tokens, None, self._proposal_inputs(rows, self.num_speculative_tokens))
-        return self._by_request(rows, drafts)
+        inputs = self._proposal_inputs(rows, self.num_speculative_tokens)
+        return rows, self._run_proposals(tokens, None, inputs)
+
+    def no_proposals(self) -> torch.Tensor:
+        return torch.empty((0, self.num_speculative_tokens), dtype=torch.int64, device=self.device)
 
     def _step(
         self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None
@@ -242,11 +246,6 @@ class DraftModelRunner:
         drafts = torch.empty((tokens.shape[0], inputs.num_steps), dtype=torch.int64, device=self.device)
         run_steps(self._step, tokens, hidden, eager_steps(inputs, self.device), drafts)
         return drafts
-
-    def _by_request(self, rows: np.ndarray, drafts: torch.Tensor) -> dict[int, list[int]]:
-        """drafts: [num_reqs, k] (device) -> req_id -> its k drafts, on the host."""
-        req_ids = self.batch.req_ids
-        return {req_ids[row]: ids for row, ids in zip(rows.tolist(), drafts.tolist())}
 
     def _proposal_inputs(self, rows: np.ndarray, num_steps: int) -> ProposalInputs:
         """The loop's inputs for the requests in batch ``rows``, from their newest tokens'

@@ -142,9 +142,10 @@ class EagleProposer(DraftModelRunner):
         the tokens this step samples (``propose``)."""
         self._pending = (model_input, hidden_states)
 
-    def propose(self, rows: np.ndarray) -> dict[int, list[int]]:
+    def propose(self, rows: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
         """After the target's samples are recorded: the head's pass over the step's tokens, then
-        ``k - 1`` head steps, for the requests in batch ``rows`` (those that gained tokens)."""
+        ``k - 1`` head steps, for the requests in batch ``rows`` (those that gained tokens).
+        Returns the rows proposed for and their drafts, [num_rows, k] int64 on the device."""
         assert self.model is not None and self.cache_engine is not None and self._pending is not None
         model_input, target_hidden = self._pending
         self._pending = None
@@ -158,7 +159,7 @@ class EagleProposer(DraftModelRunner):
         with set_forward_context(metadata):
             out, hidden = self.model(self.embed(next_ids), positions, hidden)
         if not len(rows):
-            return {}
+            return rows, self.no_proposals()
         index = to_device(last_index, self.device)
         tokens = self._greedy(out.index_select(0, index))
         hidden = hidden.index_select(0, index)
@@ -170,7 +171,7 @@ class EagleProposer(DraftModelRunner):
         if self.num_proposal_steps:
             inputs = self._proposal_inputs(rows, self.num_proposal_steps)
             drafts[:, 1:] = self._run_proposals(tokens, hidden, inputs)
-        return self._by_request(rows, drafts)
+        return rows, drafts
 
     def _step(
         self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None

@@ -29,7 +29,7 @@ from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import InputBuffers, to_device
 from pagedllm.worker.pipeline import PipelineStage, WholeModel
 from pagedllm.worker.request_logits import RequestLogitsProcessors
-from pagedllm.worker.spec_decode import DraftVerifier, VerifiedSamples
+from pagedllm.worker.spec_decode import DeviceDrafts, DraftVerifier, VerifiedSamples
 from pagedllm.worker.step_inputs import ModelInput, StepPlan, max_num_step_seqs, plan_step, stage_model_input
 
 
@@ -55,8 +55,11 @@ class StepOutput:
         self._prompt_logprobs = prompt_logprobs
         self._host: list[torch.Tensor | None] = []
         self._event = None
-        # The draft model's proposals (worker/draft_model.py), on the host.
-        self.draft_token_ids: dict[int, list[int]] = {}
+        # The drafter's proposals (worker/draft_model.py): their requests, and the ids on their
+        # way to the host behind the drafter's work.
+        self._proposal_req_ids: list[int] = []
+        self._proposals: torch.Tensor | None = None
+        self._proposals_event = None
         if sampled is None:
             return
         tensors = [sampled.token_ids, sampled.logprobs]
@@ -74,6 +77,18 @@ class StepOutput:
             self._event.record()
         else:
             self._host = tensors
+
+    def carry_proposals(self, req_ids: list[int], drafts: torch.Tensor) -> None:
+        """drafts: [len(req_ids), k] int64 (device), the drafter's proposals: copied to the host
+        without waiting (the scheduler learns from them which requests have drafts)."""
+        self._proposal_req_ids = req_ids
+        if drafts.device.type != "cuda":
+            self._proposals = drafts
+            return
+        self._proposals = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
+        self._proposals.copy_(drafts, non_blocking=True)
+        self._proposals_event = torch.cuda.Event()
+        self._proposals_event.record()
 
     def samples_on_host(self) -> torch.Tensor:
         """The sampled ids' host buffer [num sample rows] int64, without waiting: on CUDA it holds
@@ -110,7 +125,10 @@ class StepOutput:
             )
         if self._verified is not None:
             self._verified.append_to(output)
-        output.draft_token_ids = self.draft_token_ids
+        if self._proposals is not None:
+            if self._proposals_event is not None:
+                self._proposals_event.synchronize()
+            output.draft_token_ids = dict(zip(self._proposal_req_ids, self._proposals.tolist()))
         return output
 
 
@@ -193,6 +211,12 @@ class ModelRunner:
         )
         # Speculative decoding with a draft model or an EAGLE head: it runs after every step's samples.
         self.drafter = make_drafter(config, attn_backend, self.input_batch, self.buffers.max_num_tokens)
+        # Its proposals, which the next verification of each request reads on the device.
+        self.device_drafts = (
+            None
+            if spec_config is None
+            else DeviceDrafts(self.input_batch.max_num_rows, spec_config.num_speculative_tokens, self.device)
+        )
         # With enable_lora: the model's projections wrapped, and the adapters' slots.
         self.lora_manager: LoRAModelManager | None = None
         # Whether the model keeps a recurrent state per request (hybrid models): the step then
@@ -288,6 +312,9 @@ class ModelRunner:
         if dropped:
             self.logits_processors.drop(dropped)
         self.input_batch.apply_scheduler_output(scheduler_output)
+        if scheduler_output.optimistic_req_ids:
+            assert self.verifier is not None, "drafts counted by a runner without speculative_config"
+            self.verifier.take_back_rejected(scheduler_output.optimistic_req_ids)
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInput:
         """The step's flattened batch, decodes first, in the input buffers (worker/step_inputs.py)."""
@@ -326,6 +353,10 @@ class ModelRunner:
         if not scheduler_output.total_num_scheduled_tokens:
             return StepOutput(None, None, [], [], self.device)
         model_input = self.prepare_inputs(scheduler_output)
+        verify_drafts = None
+        if model_input.verify is not None:
+            assert self.device_drafts is not None, "drafts sent to a runner without speculative_config"
+            verify_drafts = self.device_drafts.resolve(model_input.verify, model_input.input_ids)
         hidden_states = self.run_model(model_input, scheduler_output.total_num_scheduled_tokens)
         if hidden_states is None:  # a pipeline stage before the last, which samples
             return self._follow_samples(model_input)
@@ -355,8 +386,10 @@ class ModelRunner:
         num_scored_rows = num_sample_rows + model_input.num_verify_rows
         verified = None
         if model_input.verify is not None:
-            assert self.verifier is not None, "drafts sent to a runner without speculative_config"
-            verified = self.verifier(logits[num_sample_rows:num_scored_rows], model_input.verify)
+            assert self.verifier is not None and verify_drafts is not None
+            verified = self.verifier(
+                logits[num_sample_rows:num_scored_rows], model_input.verify, verify_drafts
+            )
         prompt_logprobs = self._score_prompts(logits[num_scored_rows:], model_input)
         num_top_tokens = batch.num_top_tokens[model_input.sample_rows[top_rows]].tolist() if top_rows else []
         step = StepOutput(
@@ -368,7 +401,10 @@ class ModelRunner:
             rows = model_input.sampling_req_rows
             if model_input.verify is not None:
                 rows = np.concatenate([rows, model_input.verify.rows])
-            step.draft_token_ids = drafter.propose(rows)
+            rows, drafts = drafter.propose(rows)
+            assert self.device_drafts is not None
+            self.device_drafts.record(rows, drafts)
+            step.carry_proposals([batch.req_ids[row] for row in rows.tolist()], drafts)
         return step
 
     def _follow_samples(self, model_input: ModelInput) -> StepOutput:

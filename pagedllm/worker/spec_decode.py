@@ -10,9 +10,19 @@ before j as outputs, min_tokens bans counting them too, temperature, top-k, top-
 ``sampler.sampling_distribution``), and the rejection sampler (``sample/rejection_sampler.py``)
 accepts a prefix of the drafts and draws one token more.
 
-The emitted tokens are copied to the host before the step returns: the persistent batch needs
-their number to know each row's length, and the scheduler needs them before it can draft again
-(speculative steps are synchronous; ``EngineConfig`` refuses ``async_scheduling`` with them).
+The emitted tokens are copied to the host before the drafter runs: the persistent batch needs
+their number to know each row's length, and the drafter its requests' newest positions. That is
+the step's one wait, in the middle of the step, where the host has nothing else to do for it: the
+drafter's work is then queued behind it and the host returns, so that with asynchronous
+scheduling the next step is scheduled and its inputs prepared while the device drafts.
+
+A drafter's proposals (draft model, EAGLE head) stay on the device (``DeviceDrafts``): the
+scheduler schedules placeholders for them (``DRAFT_PLACEHOLDER``), and the step that verifies
+them reads them where the drafter left them. With asynchronous scheduling the scheduler also
+counts the drafts of the step in flight as accepted: for those requests
+(``SchedulerOutput.optimistic_req_ids``) the worker takes its own rejections back from the
+computed counts it receives (``take_back_rejected``), so that the next step's positions and slots
+follow the tokens actually accepted.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import torch
 from pagedllm.sample.logits_processors import apply_allowed_token_ids, apply_logit_bias
 from pagedllm.sample.rejection_sampler import rejection_sample
 from pagedllm.sample.sampler import sampling_distribution
-from pagedllm.step_io import ModelRunnerOutput
+from pagedllm.step_io import DRAFT_PLACEHOLDER, ModelRunnerOutput
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import to_device
 from pagedllm.worker.step_inputs import VerifyRows
@@ -62,9 +72,19 @@ class DraftVerifier:
     def __init__(self, input_batch: InputBatch, synthetic_acceptance_rate: float | None = None) -> None:
         self.batch = input_batch
         self.synthetic_acceptance_rate = synthetic_acceptance_rate
+        # Per batch row, the drafts its latest verification rejected.
+        self.num_rejected = np.zeros(input_batch.max_num_rows, dtype=np.int64)
 
-    def __call__(self, logits: torch.Tensor, verify: VerifyRows) -> VerifiedSamples:
-        """logits: [sum(k + 1), vocab] float32, the verify rows' (edited in place)."""
+    def take_back_rejected(self, req_ids: set[int]) -> None:
+        """The scheduler counted these requests' drafts of the step before as accepted (it had
+        not seen that step's output): move their computed tokens back before the rejected ones."""
+        batch = self.batch
+        rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        batch.num_computed_tokens[rows] -= self.num_rejected[rows]
+
+    def __call__(self, logits: torch.Tensor, verify: VerifyRows, drafts: torch.Tensor) -> VerifiedSamples:
+        """logits: [sum(k + 1), vocab] float32, the verify rows' (edited in place); drafts:
+        [num_verify_reqs, max k] int64 on the device, -1 past a request's drafts."""
         batch = self.batch
         num_drafts = verify.num_drafts
         num_rows = num_drafts + 1
@@ -79,10 +99,9 @@ class DraftVerifier:
         logprobs = torch.log_softmax(logits, dim=-1)  # the model's, as the sampler reports them
         metadata = batch.sampling_metadata(rows, output_offsets=positions)
         if metadata.output_counts is not None:
-            metadata.output_counts = metadata.output_counts + self._draft_counts(verify, positions, logits)
+            metadata.output_counts = metadata.output_counts + self._draft_counts(verify, drafts, logits)
         argmax, probs = sampling_distribution(logits, metadata)
         device = logits.device
-        drafts = to_device(verify.draft_token_ids, device)
         greedy = uniform = None
         if probs is not None:
             assert metadata.greedy is not None
@@ -102,6 +121,7 @@ class DraftVerifier:
         num_accepted = sample.num_accepted.tolist()
         emitted = [tokens[: n + 1] for tokens, n in zip(sample.output_token_ids.tolist(), num_accepted)]
         batch.record_verified(verify.rows, emitted)
+        self.num_rejected[verify.rows] = verify.num_drafts - np.asarray(num_accepted, dtype=np.int64)
         out = VerifiedSamples(num_accepted_tokens=dict(zip(verify.req_ids, num_accepted)))
         for req_id, tokens, values in zip(verify.req_ids, emitted, chosen.tolist()):
             out.req_ids += [req_id] * len(tokens)
@@ -111,20 +131,23 @@ class DraftVerifier:
             self._top_tokens(out, verify, logprobs, sample.row_index, emitted, chosen)
         return out
 
-    def _draft_counts(self, verify: VerifyRows, positions: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
+    def _draft_counts(self, verify: VerifyRows, drafts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """[sum(k + 1), vocab]: per verify row, how often each token occurs among its request's
-        drafts before it (outputs, for penalties, once those drafts are accepted)."""
+        drafts before it (outputs, for penalties, once those drafts are accepted). drafts:
+        [num_verify_reqs, max k] on the device; only the indices are built on the host."""
         counts = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        max_k = drafts.shape[1]
         index_rows: list[int] = []
-        index_tokens: list[int] = []
+        index_drafts: list[int] = []  # into drafts.view(-1)
         row = 0
-        for drafts, k in zip(verify.draft_token_ids.tolist(), verify.num_drafts.tolist()):
+        for i, k in enumerate(verify.num_drafts.tolist()):
             for j in range(1, k + 1):  # row j counts drafts 0 .. j - 1
                 index_rows += [row + j] * j
-                index_tokens += drafts[:j]
+                index_drafts += range(i * max_k, i * max_k + j)
             row += k + 1
         if index_rows:
-            index = (to_device(index_rows, logits.device), to_device(index_tokens, logits.device))
+            tokens = drafts.reshape(-1).index_select(0, to_device(index_drafts, logits.device))
+            index = (to_device(index_rows, logits.device), tokens)
             counts.index_put_(index, torch.ones(len(index_rows), device=logits.device), accumulate=True)
         return counts
 
@@ -166,3 +189,42 @@ class DraftVerifier:
                         top_logprobs[i][j][:num_top],
                     )
                 out_row += 1
+
+
+class DeviceDrafts:
+    """A drafter's proposals on the device, per batch row: [rows, k] int64, the drafts after each
+    row's newest token as of the latest step that sampled it. Args: the batch's row count, k and
+    the device."""
+
+    def __init__(self, max_num_rows: int, num_speculative_tokens: int, device: torch.device) -> None:
+        self.device = device
+        self.token_ids = torch.zeros((max_num_rows, num_speculative_tokens), dtype=torch.int64, device=device)
+
+    def record(self, rows: np.ndarray, drafts: torch.Tensor) -> None:
+        """drafts: [len(rows), k] (device), proposed after the rows' newest tokens."""
+        if len(rows):
+            self.token_ids.index_copy_(0, to_device(rows, self.device), drafts)
+
+    def resolve(self, verify: VerifyRows, input_ids: torch.Tensor) -> torch.Tensor:
+        """The step's drafts, [num_verify_reqs, max k] int64 on the device (-1 past a request's):
+        the scheduler's ids where it sent ids, the held proposals where it sent placeholders,
+        which are also written into ``input_ids`` [num_tokens] at the drafts' tokens. Indices are
+        built on the host and applied with gathers: no host sync."""
+        host = verify.draft_token_ids
+        device = self.device
+        drafts = to_device(host, device)
+        is_draft = np.arange(host.shape[1]) < verify.num_drafts[:, None]
+        placeholder = (host == DRAFT_PLACEHOLDER) & is_draft
+        if not placeholder.any():
+            return drafts
+        held = self.token_ids.index_select(0, to_device(verify.rows, device))[:, : host.shape[1]]
+        drafts = torch.where(to_device(placeholder, device), held, drafts)
+        # A request's verify rows are its newest token, then its drafts in order: the drafts'
+        # tokens are every row but each request's first, in the row-major order of is_draft.
+        num_rows = verify.num_drafts + 1
+        is_first = np.zeros(int(num_rows.sum()), dtype=bool)
+        is_first[np.cumsum(num_rows) - num_rows] = True
+        draft_tokens = verify.logits_indices[~is_first]
+        values = drafts.reshape(-1).index_select(0, to_device(np.flatnonzero(placeholder), device))
+        input_ids.index_copy_(0, to_device(draft_tokens[placeholder[is_draft]], device), values)
+        return drafts

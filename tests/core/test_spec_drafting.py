@@ -17,7 +17,7 @@ from pagedllm.core.scheduler import Scheduler
 from pagedllm.core.spec_decode import NgramProposer, max_num_drafts
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.spec_config import SpeculativeConfig
-from pagedllm.step_io import ModelRunnerOutput
+from pagedllm.step_io import DRAFT_PLACEHOLDER, ModelRunnerOutput
 
 BLOCK_SIZE = 4
 
@@ -148,3 +148,83 @@ def test_without_free_blocks_for_its_drafts_a_request_decodes_one_token():
     assert out.num_scheduled_tokens == {request.req_id: 1, other.req_id: 1}
     assert out.scheduled_spec_decode_tokens == {}
     assert not scheduler.last_preemptions
+
+
+# --- asynchronous scheduling: drafts in flight counted as accepted ---------------------------
+
+
+def make_async_scheduler(k: int = 3) -> Scheduler:
+    """A scheduler whose drafts come from the worker (a draft model), stepped as the core steps
+    with asynchronous scheduling: step N + 1 scheduled before step N's output is applied."""
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
+    spec = SpeculativeConfig(method="draft_model", model="draft", num_speculative_tokens=k)
+    scheduler = Scheduler(config, BLOCK_SIZE, 32, 0, speculative_config=spec)
+    scheduler.kv_cache_manager.watermark_blocks = 0
+    return scheduler
+
+
+def verified(req_id: int, tokens: list[int], num_accepted: int, drafts: list[int]) -> ModelRunnerOutput:
+    """A verification's output: the accepted drafts and one token more, and the next drafts."""
+    return ModelRunnerOutput(
+        [req_id] * len(tokens),
+        tokens,
+        [0.0] * len(tokens),
+        num_accepted_tokens={req_id: num_accepted},
+        draft_token_ids={req_id: drafts},
+    )
+
+
+def test_a_step_scheduled_over_drafts_in_flight_is_corrected_when_their_output_arrives():
+    scheduler = make_async_scheduler()
+    kv = scheduler.kv_cache_manager
+    request = add(scheduler, list(range(1, 14)))  # 13 prompt tokens, positions 0 .. 12
+    rid = request.req_id
+    prefill = scheduler.schedule()
+    # Step 1, scheduled before the prefill's sample is seen: its newest token and 3 placeholders
+    # for the drafts the worker will propose after that sample (positions 13 .. 16).
+    step1 = scheduler.schedule()
+    assert step1.scheduled_spec_decode_tokens == {rid: [DRAFT_PLACEHOLDER] * 3}
+    assert step1.num_scheduled_tokens == {rid: 4} and not step1.optimistic_req_ids
+    scheduler.update_from_output(
+        prefill, ModelRunnerOutput([rid], [50], [0.0], draft_token_ids={rid: [6, 7, 8]})
+    )
+    # Step 2, scheduled while step 1 runs: its 3 drafts counted as accepted, so its tokens
+    # start at position 17 (13 + 4) and reach 20; 21 tokens hold 6 blocks of 4.
+    step2 = scheduler.schedule()
+    assert step2.optimistic_req_ids == {rid}
+    assert step2.scheduled_cached_reqs.num_computed_tokens == [17]
+    assert request.num_computed_tokens == 21
+    assert request.num_output_placeholders == 1 + 3 + 1 + 3  # step 1's four, step 2's four
+    assert len(kv.get_block_ids(request)) == 6
+    # Step 1 accepted one draft of three: 2 tokens; step 2 really computes positions 15 .. 18.
+    scheduler.update_from_output(step1, verified(rid, [6, 51], 1, [9, 9, 9]))
+    assert request.output_token_ids == [50, 6, 51]
+    assert request.num_computed_tokens == 19 and request.num_output_placeholders == 4
+    assert len(kv.get_block_ids(request)) == 5  # the block only positions 20 .. 23 reached: free
+    # Step 2 accepts all 3: the request's 20 tokens are computed but its newest.
+    scheduler.update_from_output(step2, verified(rid, [9, 9, 9, 52], 3, [1, 2, 3]))
+    assert request.output_token_ids == [50, 6, 51, 9, 9, 9, 52]
+    assert request.num_computed_tokens == 19 and request.num_output_placeholders == 0
+    assert scheduler.spec_decoding.num_draft_tokens == 6
+    assert scheduler.spec_decoding.num_accepted_tokens == 4
+
+
+def test_near_max_tokens_the_next_drafts_wait_for_the_acceptance_in_flight():
+    scheduler = make_async_scheduler()
+    request = add(scheduler, list(range(1, 14)), max_tokens=7)
+    rid = request.req_id
+    prefill = scheduler.schedule()
+    step1 = scheduler.schedule()  # 3 placeholders: 1 + 3 + 1 of 7 outputs at most
+    assert step1.scheduled_spec_decode_tokens == {rid: [DRAFT_PLACEHOLDER] * 3}
+    scheduler.update_from_output(
+        prefill, ModelRunnerOutput([rid], [50], [0.0], draft_token_ids={rid: [6, 7, 8]})
+    )
+    # Counting step 1's drafts as accepted, 5 outputs: the next step could draft only 1 (7 - 5 -
+    # 1), where 0 to 3 accepted would allow 3 down to 1. The core applies step 1 first.
+    assert scheduler.spec_decoding.waits_for_acceptance(request)
+    assert scheduler.has_requests_needing_host()
+    scheduler.update_from_output(step1, verified(rid, [51], 0, [9, 9, 9]))
+    assert not scheduler.has_requests_needing_host()
+    step2 = scheduler.schedule()  # 2 outputs, exactly: 3 drafts fit
+    assert step2.scheduled_spec_decode_tokens == {rid: [DRAFT_PLACEHOLDER] * 3}
+    assert not step2.optimistic_req_ids

@@ -115,3 +115,21 @@ def test_abort_ends_running_sequences_and_forgets_the_request(smollm2_tokenizer)
         == smollm2_tokenizer.decode([1, 2, 3, 100, 101])[len(smollm2_tokenizer.decode([1, 2, 3])) :]
     )
     assert processor.abort(["r"]) == [] and not processor.requests
+
+
+def test_a_stop_string_inside_a_verified_run_ends_the_sequence_and_the_request_there(smollm2_tokenizer):
+    """Speculative decoding reports several tokens of a sequence in one step (a verified run of
+    drafts, one output per token): tokens after the one completing a stop string are dropped, and
+    the sequence and its request end there."""
+    tokenizer = smollm2_tokenizer
+    token_ids = tokenizer("The answer is forty-two. END of story", add_special_tokens=False)["input_ids"]
+    params = SamplingParams(stop=["END"], max_tokens=100)
+    processor = OutputProcessor(tokenizer)
+    processor.add_request(_state("r", params, RequestOutputKind.FINAL_ONLY))
+    one_step = EngineCoreOutputs(outputs=[EngineCoreOutput("r", 0, [t], None, -0.5, None) for t in token_ids])
+    outputs, stopped = _run(processor, [one_step])
+    whole = tokenizer.decode(token_ids)
+    assert stopped == [("r", 0)]
+    assert len(outputs) == 1 and outputs[0].finished and not processor.requests
+    assert outputs[0].outputs[0].text == whole[: whole.index("END")]
+    assert outputs[0].outputs[0].finish_reason == "stop"

@@ -232,8 +232,6 @@ def test_a_draft_the_engine_cannot_run_beside_the_target_is_refused_before_loadi
     with pytest.raises(ValueError, match=r"tensor_parallel_size .* speculative_config.model's heads"):
         spec = draft_config(drafts["qwen2-1-layer"])
         make_llm(model_config, tensor_parallel_size=4, speculative_config=spec)
-    with pytest.raises(ValueError, match="async_scheduling"):
-        make_llm(model_config, async_scheduling=True, speculative_config=draft_config(drafts["self"]))
     with pytest.raises(ValueError, match=r"speculative_config\.model: model '/nonexistent/draft'"):
         make_llm(model_config, speculative_config=draft_config("/nonexistent/draft"))
 

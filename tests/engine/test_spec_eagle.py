@@ -184,10 +184,13 @@ def record_proposals(llm):
     propose = drafter.propose
 
     def recording(rows):
-        lengths = {drafter.batch.req_ids[r]: int(drafter.batch.num_tokens[r]) for r in rows.tolist()}
-        drafts = propose(rows)
-        calls.append({req_id: (lengths[req_id], ids) for req_id, ids in drafts.items()})
-        return drafts
+        req_ids = drafter.batch.req_ids
+        lengths = {req_ids[r]: int(drafter.batch.num_tokens[r]) for r in rows.tolist()}
+        proposed, drafts = propose(rows)
+        calls.append(
+            {req_ids[r]: (lengths[req_ids[r]], ids) for r, ids in zip(proposed.tolist(), drafts.tolist())}
+        )
+        return proposed, drafts
 
     drafter.propose = recording
     return calls
@@ -388,9 +391,8 @@ def test_an_eagle_head_the_engine_cannot_run_is_refused_before_loading(llama, tm
         ),
         (head("layers", eagle_aux_hidden_state_layer_ids=[0, 1, 9]), {}, "eagle_aux_hidden_state_layer_ids"),
         (head("tp", intermediate_size=81), {"tensor_parallel_size": 2}, "tensor_parallel_size"),
-        (head("async"), {"async_scheduling": True}, "async_scheduling"),
         (
-            {"method": "eagle3", "model": str(tmp_path / "async"), "num_speculative_tokens": 17},
+            {"method": "eagle3", "model": str(tmp_path / "layers"), "num_speculative_tokens": 17},
             {},
             "num_speculative_tokens",
         ),

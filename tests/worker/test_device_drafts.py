@@ -1,0 +1,69 @@
+"""The worker's side of speculative decoding with asynchronous scheduling, on hand-made inputs:
+placeholder drafts resolved from the drafter's device buffer into the verifier's drafts and the
+step's input ids, and the rejections of the step before taken back from optimistic computed
+counts. Expected values are worked out by hand in the comments."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.step_io import DRAFT_PLACEHOLDER, NewRequestData, SchedulerOutput
+from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.spec_decode import DeviceDrafts, DraftVerifier
+from pagedllm.worker.step_inputs import verify_rows
+
+CPU = torch.device("cpu")
+P = DRAFT_PLACEHOLDER
+
+
+def test_placeholders_are_read_from_the_drafters_buffer_into_the_drafts_and_input_ids():
+    # Requests at batch rows 3 and 1 verify 2 and 3 drafts; the first with ids the scheduler
+    # sent (n-gram), the second with placeholders. Step tokens: a plain decode at index 0, then
+    # request 11 at 1..3 (newest, d, d), request 12 at 4..7 (newest, d, d, d).
+    buffer = DeviceDrafts(max_num_rows=6, num_speculative_tokens=3, device=CPU)
+    buffer.record(np.array([1, 3]), torch.tensor([[21, 22, 23], [31, 32, 33]]))
+    rows = np.array([0, 3, 1])
+    num_drafts = np.array([0, 2, 3])
+    verify = verify_rows([10, 11, 12], rows, num_drafts, {11: [8, 9], 12: [P, P, P]}, np.array([0, 1, 4, 8]))
+    input_ids = torch.tensor([0, 45, 8, 9, 46, P, P, P])
+    drafts = buffer.resolve(verify, input_ids)
+    # Row 1's buffer holds 21 22 23: request 12's drafts; request 11 keeps its own ids.
+    assert drafts.tolist() == [[8, 9, -1], [21, 22, 23]]
+    assert input_ids.tolist() == [0, 45, 8, 9, 46, 21, 22, 23]
+
+
+def test_drafts_the_scheduler_sent_are_used_as_they_are():
+    buffer = DeviceDrafts(max_num_rows=2, num_speculative_tokens=2, device=CPU)
+    verify = verify_rows([5], np.array([1]), np.array([2]), {5: [7, 6]}, np.array([0, 3]))
+    input_ids = torch.tensor([4, 7, 6])
+    assert buffer.resolve(verify, input_ids).tolist() == [[7, 6]]
+    assert input_ids.tolist() == [4, 7, 6]
+
+
+def _new_request(req_id: int, num_tokens: int, num_computed: int) -> NewRequestData:
+    params = SamplingParams(temperature=0.0)
+    return NewRequestData(
+        req_id, None, list(range(num_tokens)), [], params, [0, 1, 2, 3], num_computed, 1, [], 0
+    )
+
+
+def test_the_rejections_of_the_step_before_are_taken_back_from_optimistic_counts():
+    batch = InputBatch(4, 8, 50, CPU)
+    verifier = DraftVerifier(batch)
+    for req_id in (7, 8):
+        batch.add_request(_new_request(req_id, 10, 9))
+    # The last verifications: request 7 (row 0) rejected 2 of its drafts, request 8 (row 1) none.
+    verifier.num_rejected[[batch.row_of[7], batch.row_of[8]]] = [2, 0]
+    # The scheduler counted request 7's drafts as accepted: 9 + 1 + 3 = 13 (really 11); request
+    # 8's count is exact (its step's output had reached it).
+    out = SchedulerOutput()
+    out.scheduled_cached_reqs.req_ids = [7, 8]
+    out.scheduled_cached_reqs.num_computed_tokens = [13, 12]
+    out.scheduled_cached_reqs.block_table_diffs = [None, None]
+    out.optimistic_req_ids = {7}
+    batch.apply_scheduler_output(out)
+    verifier.take_back_rejected(out.optimistic_req_ids)
+    assert batch.num_computed_tokens[batch.row_of[7]] == 11
+    assert batch.num_computed_tokens[batch.row_of[8]] == 12
