@@ -15,6 +15,11 @@ if "PYTEST_XDIST_WORKER" in os.environ and int(os.environ.get("PAGEDLLM_TEST_NUM
     worker = int(os.environ["PYTEST_XDIST_WORKER"].removeprefix("gw"))
     os.environ["CUDA_VISIBLE_DEVICES"] = str(worker % int(os.environ["PAGEDLLM_TEST_NUM_GPUS"]))
 
+# torch.cuda.is_available() below through NVML: initialising the CUDA driver here would leave this
+# process unable to fork ranks that use CUDA, which the multi-GPU tests' engines do (importing
+# pagedllm sets the same, but only once imported).
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
 import torch
 
 # Triton reads TRITON_INTERPRET once, when first imported, and importing transformers imports it:
