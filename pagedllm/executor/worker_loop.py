@@ -40,6 +40,8 @@ from pagedllm.worker.worker import Worker
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_FRAME = b""
+# torch's error in a forked child of a process that had started CUDA.
+FORKED_AFTER_CUDA = "Cannot re-initialize CUDA in forked subprocess"
 
 
 def encode_call(
@@ -112,6 +114,14 @@ def run_worker_loop(
     try:
         worker = Worker(config, rank, local_rank, distributed_init_method)
     except Exception as e:
+        if FORKED_AFTER_CUDA in str(e):
+            e = RuntimeError(
+                f"{e}. This rank was forked from a process whose CUDA driver had started (a torch.cuda "
+                "call before the engine: torch.cuda.is_available() does so unless "
+                "PYTORCH_NVML_BASED_CUDA_CHECK=1, which importing pagedllm first sets). Set "
+                "PAGEDLLM_WORKER_MULTIPROC_METHOD=spawn and build the engine under "
+                '`if __name__ == "__main__":`'
+            )
         conn.send_bytes(encode_error(e))
         return False
     replies = ReplySender(conn)

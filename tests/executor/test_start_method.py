@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.executor import multiproc_executor
+from pagedllm.executor import multiproc_executor, worker_loop
 from pagedllm.executor.multiproc_executor import START_METHOD_ENV, choose_start_method
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -99,14 +99,23 @@ def test_choosing_the_ranks_devices_leaves_cuda_uninitialised(monkeypatch):
         assert resolve_device("cuda", parallel_config).type == "cuda"
 
 
-def test_a_rank_that_fails_to_start_names_its_error(tiny_llama_with_tokenizer: str, monkeypatch):
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (ValueError("this rank's device is unusable"), "this rank's device is unusable"),
+        # torch's, in a rank forked after CUDA started: the engine says what to do.
+        (RuntimeError(worker_loop.FORKED_AFTER_CUDA), "PAGEDLLM_WORKER_MULTIPROC_METHOD=spawn"),
+    ],
+)
+def test_a_rank_that_fails_to_start_names_its_error(
+    tiny_llama_with_tokenizer: str, monkeypatch, error: Exception, expected: str
+):
     """A rank whose worker cannot be built sends its error and exits before the engine's first
     call: the engine's error is the rank's, not a broken pipe."""
-    from pagedllm.executor import worker_loop
     from pagedllm.executor.multiproc_executor import MultiprocExecutor
 
     def failing_worker(*args, **kwargs):
-        raise ValueError("this rank's device is unusable")
+        raise error
 
     start_workers = MultiprocExecutor._init_workers
 
@@ -118,7 +127,7 @@ def test_a_rank_that_fails_to_start_names_its_error(tiny_llama_with_tokenizer: s
     monkeypatch.setenv(START_METHOD_ENV, "fork")  # the ranks inherit the failing worker
     monkeypatch.setattr(worker_loop, "Worker", failing_worker)
     monkeypatch.setattr(MultiprocExecutor, "_init_workers", start_and_wait_for_the_exits)
-    with pytest.raises(Exception, match="this rank's device is unusable"):
+    with pytest.raises(Exception, match=expected):
         LLM(tiny_llama_with_tokenizer, device="cpu", swap_space=0.01, tensor_parallel_size=2)
 
 
