@@ -1,4 +1,6 @@
-"""Hostile requests against the real server (``pagedllm serve`` with the embedded SmolLM2).
+"""Hostile requests against the real server (``pagedllm serve`` with a tiny random Llama that has
+the embedded SmolLM2's tokenizer and chat template: every refusal here is the server's and the
+tokenizer's, and the tiny model makes each victim's tokens cheap).
 
 Each case runs beside a victim: a streamed completion that must finish whole (every token, no
 error event) while the hostile request is answered with a 4xx naming the field (or served, where
@@ -16,18 +18,17 @@ from typing import Any
 import pytest
 
 API_KEY = "sk-hostile"
-MAX_MODEL_LEN = 512
+MAX_MODEL_LEN = 256  # the tiny model's max_position_embeddings
 MAX_NUM_SEQS = 16
 VICTIM_TOKENS = 8
-VOCAB = 49152
+VOCAB = 49152  # SmolLM2's tokenizer's
 
 
 @pytest.fixture(scope="module")
-def server(launch_server, smollm2_gguf):
-    return launch_server(
-        ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--swap-space", "0.1"],
-        api_key=API_KEY,
-    )
+def server(launch_server, tiny_llama_with_tokenizer):
+    args = [tiny_llama_with_tokenizer, "--max-model-len", str(MAX_MODEL_LEN)]
+    args += ["--max-num-seqs", str(MAX_NUM_SEQS), "--swap-space", "0.1"]
+    return launch_server(args, api_key=API_KEY)
 
 
 def _post_raw(server, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
@@ -479,7 +480,7 @@ def test_shutdown_ends_open_streams_with_an_error_event(server):
     """Last in the module: it stops the server."""
     host, port = server.url.removeprefix("http://").split(":")
     connection = http.client.HTTPConnection(host, int(port), timeout=120)
-    body = {"prompt": "Once", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    body = {"prompt": "Once", "max_tokens": MAX_MODEL_LEN - 8, "ignore_eos": True, "stream": True}
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
     connection.request("POST", "/v1/completions", body=json.dumps(body), headers=headers)
     response = connection.getresponse()

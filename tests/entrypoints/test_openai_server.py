@@ -107,7 +107,7 @@ def test_chat_completion(client, model):
 
 
 def test_streamed_completion_equals_the_non_streamed_one_with_the_same_seed(client, model):
-    kwargs = {"model": model, "prompt": PROMPT, "max_tokens": 24, "temperature": 0.9, "seed": 7}
+    kwargs = {"model": model, "prompt": PROMPT, "max_tokens": 12, "temperature": 0.9, "seed": 7}
     full = client.completions.create(**kwargs)
     chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
     assert all(c.id == chunks[0].id and c.object == "text_completion" for c in chunks)
@@ -121,7 +121,7 @@ def test_streamed_completion_equals_the_non_streamed_one_with_the_same_seed(clie
 
 
 def test_streamed_chat_equals_the_non_streamed_one_for_each_of_n_choices(client, model):
-    kwargs = {"model": model, "messages": MESSAGES, "max_tokens": 20, "temperature": 1.0, "seed": 3, "n": 2}
+    kwargs = {"model": model, "messages": MESSAGES, "max_tokens": 10, "temperature": 1.0, "seed": 3, "n": 2}
     full = client.chat.completions.create(**kwargs)
     assert [c.index for c in full.choices] == [0, 1]
     texts, roles, finish_reasons = ["", ""], [None, None], [None, None]
@@ -138,15 +138,15 @@ def test_streamed_chat_equals_the_non_streamed_one_for_each_of_n_choices(client,
 
 
 def test_stop_strings_end_the_text_before_them(client, model):
-    unstopped = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0)
+    unstopped = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
     text = unstopped.choices[0].text
     assert " " in text.strip(), "the test needs an output with two words"
     stop = text.strip().split(" ")[1]
-    stopped = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    stopped = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop])
     assert stopped.choices[0].text == text[: text.index(stop)]
     assert stopped.choices[0].finish_reason == "stop"
     streamed = client.completions.create(
-        model=model, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop], stream=True
+        model=model, prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop], stream=True
     )
     assert "".join(c.choices[0].text for c in streamed if c.choices) == stopped.choices[0].text
 
