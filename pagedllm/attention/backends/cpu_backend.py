@@ -104,11 +104,11 @@ def gather_contexts(cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: t
 
 
 # Prefill chunks take the kernel too while no context of the step is longer than this: the whole
-# step is then one call, with no per-sequence Python. Fresh prompts of every length measured ran
-# faster through it than through SDPA (bf16, 2 cores, a layer of SmolLM2: C1's 32 prompts of ~36
-# tokens 0.5 against 2.9 ms; one of 2,048 tokens 60 against 63), and so did chunks behind a
-# short cached prefix; behind 2,000-4,000 cached tokens SDPA's GEMM tiles win by 10-20%
-# (benchmarks/RESULTS.md).
+# step is then one call, with no per-sequence Python. Against SDPA with a mask, fresh prompts of
+# every length measured ran faster through it (bf16, 2 cores, a layer of SmolLM2: C1's 32 prompts
+# of ~36 tokens 0.5 against 2.9 ms; one of 2,048 tokens 60 against 63), and so did chunks behind
+# a short cached prefix; behind 2,000-4,000 cached tokens SDPA's GEMM tiles win by 10-20%
+# (benchmarks/RESULTS.md). Causal SDPA, without a mask, beats it on long fresh prompts (below).
 KERNEL_CHUNK_MAX_CONTEXT = 2048
 
 # A step with a fresh prompt (no cached prefix) of at least this many tokens is split: decodes
