@@ -17,14 +17,16 @@ output tile (BLOCK_M x BLOCK_N, warps, pipeline stages) decides only which progr
 element, not how: a layer has its narrow tiles, narrower ones for few rows
 (``FEW_ROWS_TILES``: more programs for a memory-bound product) and ``wide_tiles`` for many (a
 prefill chunk, the LM head over a large batch), all with its BLOCK_K, and which one runs is chosen
-by M (``LayerGemm.tiles_for_rows``). The two give the same bits where the MMA computes each element's
-k-step alike whatever the instruction's M and N (a tensor core's product of one row and one column,
-added to that element's accumulator): checked bit for bit on the GPU at every layer shape of W1 and
-W3 (``benchmarks/batch_invariant_gemm.py --wide``), by the kernel tests, and end to end by the
-engine's tests, where a decode (narrow tiles) and the scoring prefill of the same tokens (wide)
-must report the same logprobs. Splitting K is what keeps a decode step
-(M = 1) fast: one program per N tile would leave most SMs idle; ``num_splits`` programs per tile
-fill them, the way split-K does in cuBLAS, but with a split count that does not move with M.
+by M (``LayerGemm.tiles_for_rows``). They give the same bits because the MMA computes each
+element's k-step alike whatever the instruction's M and N (a tensor core's product of one row and
+one column, added to that element's accumulator): checked bit for bit on the GPU at every layer
+shape of W1 and W3 from 1 to 8,192 rows (``benchmarks/batch_invariant_gemm.py --wide`` and
+``--few-rows``), by the kernel tests, and end to end by the engine's tests, where a decode (few-rows
+tiles) and the scoring prefill of the same tokens (wide) must report the same logprobs.
+
+Splitting K is what keeps a decode step (M = 1) fast: one program per N tile would leave most SMs
+idle; ``num_splits`` programs per tile fill them, the way split-K does in cuBLAS, but with a split
+count that does not move with M.
 
 Two schedules compute those same sums; the host picks by M, which changes only where they run:
 
@@ -136,6 +138,7 @@ FEW_ROWS_TILES = {
     64: {64: MatmulTiles(64, 64, 64, 4, 4), 32: MatmulTiles(64, 32, 64, 4, 6)},
     128: {64: MatmulTiles(64, 64, 128, 4, 4), 32: MatmulTiles(64, 32, 128, 4, 6)},
 }
+FEW_ROWS_BLOCK_M = 64  # every FEW_ROWS_TILES entry's
 FEW_ROW_BLOCKS = 4  # up to 4 x 64 = 256 rows
 
 
@@ -399,7 +402,7 @@ class LayerGemm:
         """The output tiles for ``m`` rows: which program computes an element, never how."""
         if self.wide is not None and m >= self.wide_from_rows:
             return self.wide
-        row_blocks = max(1, triton.cdiv(m, 64))
+        row_blocks = max(1, triton.cdiv(m, FEW_ROWS_BLOCK_M))
         return self.few_rows[row_blocks - 1] if row_blocks <= len(self.few_rows) else self.tiles
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
