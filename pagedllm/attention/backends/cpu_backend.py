@@ -417,8 +417,9 @@ class CpuAttentionBackend(AttentionBackend):
 
 
 class CpuInvariantAttentionBackend(CpuAttentionBackend):
-    """``batch_invariant=True`` on the CPU: every prompt through the kernel, whose per-token sums
-    do not depend on where a prompt's chunks start, so a prompt prefilled whole, in chunks or
-    behind a cached prefix, and a token decoded or scored later, get the same bits."""
+    """``batch_invariant=True`` on the CPU: no causal SDPA, whose tiles would sum a whole prompt
+    otherwise than its chunks. Prompts stay in the kernel, whose per-token sums do not depend on
+    where a chunk starts, so a prompt prefilled whole, in chunks or behind a cached prefix, and a
+    token decoded or scored later, get the same bits."""
 
     causal_prefill = False
