@@ -11,7 +11,8 @@ the schedule's (both may change: neither moves the numerics with M).
 ``--wide``: every layer from 64 to 8,192 rows with the narrow tiles, the engine's choice
 (``LayerGemm``: wide output tiles from a full wave of them) and each candidate in
 ``WIDE_CANDIDATES`` (the layer's BLOCK_K, other output tiles), each checked to give the narrow
-tiles' bits. ``--few-rows``: the same from 1 to 256 rows with ``FEW_ROWS_CANDIDATES``.
+tiles' bits. ``--few-rows``: the same from 1 to 256 rows with ``FEW_ROWS_CANDIDATES``. Either
+exits non-zero if any candidate's bits differ.
 
 ``--sweep``: the same for other candidate tile configurations (``SWEEP``), each summarised by the
 geometric mean of its speedups over cuBLAS. Without it, each layer runs the tiles the engine gives
@@ -274,10 +275,13 @@ def main() -> None:
             rows = tile_sweep(device, WIDE_CANDIDATES, WIDE_ROWS)
         else:
             rows = tile_sweep(device, FEW_ROWS_CANDIDATES, FEW_ROWS)
+        differing = [row for row in rows for run in row.get("runs", ()) if run.get("same_bits") is False]
         if args.output_json:
             Path(args.output_json).write_text(
                 json.dumps({"device": torch.cuda.get_device_name(), "rows": rows})
             )
+        if differing:  # an output tile the engine may take would change a row's bits with M
+            sys.exit(f"{len(differing)} candidate runs gave other bits than the narrow tiles")
         return
     results = {}
     for tiles in [None] + (SWEEP if args.sweep else []):

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -202,12 +203,13 @@ class CpuAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _long_fresh_prompt(md: AttentionMetadata) -> bool:
-        """Whether a prefill chunk of the step is a whole prompt of SDPA_CAUSAL_MIN_TOKENS or more."""
-        if md.num_decodes == md.num_seqs:
+        """Whether a prefill chunk of the step is a whole prompt of SDPA_CAUSAL_MIN_TOKENS or more
+        (asked by every layer: decode steps and short chunks answer from ``max_query_len``)."""
+        if md.max_query_len < SDPA_CAUSAL_MIN_TOKENS:
             return False
         prefills = slice(md.num_decodes, md.num_seqs)
-        query_lens = (md.query_start_loc_cpu[1:] - md.query_start_loc_cpu[:-1])[prefills]
-        fresh = query_lens == md.seq_lens_cpu[prefills]
+        query_lens = np.diff(md.query_start_loc_cpu.numpy())[prefills]
+        fresh = query_lens == md.seq_lens_cpu.numpy()[prefills]
         return bool(((query_lens >= SDPA_CAUSAL_MIN_TOKENS) & fresh).any())
 
     def _prefill(
