@@ -128,6 +128,7 @@ WIDE_CANDIDATES = {
     64: [
         MatmulTiles(128, 256, 64, 8, 3),
         MatmulTiles(128, 128, 64, 8, 3),
+        MatmulTiles(128, 128, 64, 8, 4),
         MatmulTiles(128, 128, 64, 4, 4),
         MatmulTiles(256, 128, 64, 8, 3),
     ],
@@ -137,7 +138,7 @@ WIDE_CANDIDATES = {
         MatmulTiles(128, 128, 128, 4, 3),
     ],
 }
-WIDE_ROWS = (64, 256, 512, 1024, 2048, 4096, 8192)
+WIDE_ROWS = (64, 256, 512, 1024, 2048, 4096, 8192, 16_384)
 # Output tiles tried for few rows (a decode step), per BLOCK_K: narrower N tiles make more
 # programs for a memory-bound product that the layer's narrow tiles leave SMs idle on.
 FEW_ROWS_CANDIDATES = {

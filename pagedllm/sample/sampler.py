@@ -20,6 +20,7 @@ truncation did to the sampling distribution, as vLLM reports them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -54,10 +55,11 @@ class Sampler(nn.Module):
         pagedllm's kernels, each row's argmax and log-sum-exp in one pass (kernels/cpu); else
         torch's log_softmax. The CPU draws by inverting each row's CDF, other devices by the
         exponential race.
-    batch_invariant: always torch's log_softmax, which reduces each row in one pass whatever the
-        number of rows (the fused pass splits a few rows' vocabulary into more chunks than a
-        batch's), and is what prompt logprobs are scored with: a generated token's logprob then
-        equals its score in a later pass over prompt + output, bit for bit.
+    batch_invariant: a row's token and logprobs independent of the other rows, and equal, bit
+        for bit, to what a later pass over prompt + output scores (``log_softmax``, which prompt
+        logprobs use). With Triton, the fused pass with one chunk size for every batch, and
+        ``log_softmax`` the logits minus the logsumexp it subtracts; else torch's log_softmax,
+        which reduces each row in one pass whatever the number of rows.
     """
 
     def __init__(self, device: torch.device | str = "cpu", batch_invariant: bool = False) -> None:
@@ -66,13 +68,24 @@ class Sampler(nn.Module):
         on_cpu = self.device.type == "cpu"
         self._draw = _draw_by_inverse_cdf if on_cpu else _draw_by_race
         self._apply_token_bitmask = token_bitmask_applier(self.device)
-        if batch_invariant:
-            self._sample = self._torch_pass
-        elif platform_for(self.device).triton:
-            from pagedllm.kernels.triton.sampling import sample_tokens
+        self.batch_invariant = batch_invariant
+        # Every logprob of a row (top tokens, prompt logprobs): [rows, vocab] -> [rows, vocab].
+        self.log_softmax = _log_softmax
+        # A batch where some row asks for top tokens, which need every logprob.
+        self._sample_with_top_tokens = self._torch_pass
+        if platform_for(self.device).triton:
+            from pagedllm.kernels.triton import sampling
 
-            self._sample_tokens = sample_tokens
+            self._sample_tokens = functools.partial(sampling.sample_tokens, invariant=batch_invariant)
             self._sample = self._fused_pass
+            if batch_invariant:
+                # The top tokens too come from the fused pass's logsumexp, and the batch's asking
+                # for them changes nothing else: a row's token is still the fused pass's.
+                invariant_logsumexp = functools.partial(sampling.logsumexp, invariant=True)
+                self.log_softmax = lambda logits: logits - invariant_logsumexp(logits)[:, None]
+                self._sample_with_top_tokens = self._fused_pass_with_top_tokens
+        elif batch_invariant:
+            self._sample = self._torch_pass
         elif on_cpu and cpu_kernels_available():
             self._sample = self._cpu_kernel_pass
         else:
@@ -83,7 +96,7 @@ class Sampler(nn.Module):
         if self._sample == self._fused_pass:
             from pagedllm.kernels.triton.sampling import warm_up
 
-            warm_up(vocab_size, device)
+            warm_up(vocab_size, device, invariant=self.batch_invariant)
 
     def forward(
         self, logits: torch.Tensor, metadata: SamplingMetadata, token_bitmask: torch.Tensor | None = None
@@ -93,9 +106,9 @@ class Sampler(nn.Module):
         memory (which the fused pass reads in place), or None: the tokens each row may take, as if
         its other logits were -inf (the logprobs too)."""
         # Chosen per step, because batches differ here: top tokens need every logprob, which
-        # only the torch pass computes (the others compute the chosen tokens' alone).
+        # the fused and CPU passes do not compute (they compute the chosen tokens' alone).
         if metadata.max_num_top_tokens:
-            return self._torch_pass(logits, metadata, token_bitmask)
+            return self._sample_with_top_tokens(logits, metadata, token_bitmask)
         return self._sample(logits, metadata, token_bitmask)
 
     def _fused_pass(
@@ -118,6 +131,16 @@ class Sampler(nn.Module):
             logits, x, noise, inv_temperature, metadata.greedy, bitmask=token_bitmask
         )
         return SamplerOutput(token_ids=token_ids, logprobs=chosen)
+
+    def _fused_pass_with_top_tokens(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, token_bitmask: torch.Tensor | None
+    ) -> SamplerOutput:
+        """The fused pass's tokens and logprobs, and the top tokens from ``log_softmax``."""
+        if token_bitmask is not None:  # the top tokens' logprobs are the masked ones too
+            self._apply_token_bitmask(logits, token_bitmask)
+        output = self._fused_pass(logits, metadata, None)
+        _add_top_tokens(output, self.log_softmax(logits), metadata)
+        return output
 
     def _cpu_kernel_pass(
         self, logits: torch.Tensor, metadata: SamplingMetadata, token_bitmask: torch.Tensor | None
@@ -142,15 +165,25 @@ class Sampler(nn.Module):
         """Every logprob (a log_softmax over the rows), the draw, and the top tokens asked for."""
         if token_bitmask is not None:
             self._apply_token_bitmask(logits, token_bitmask)
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = self.log_softmax(logits)
         token_ids = self._draw(penalised(logits, metadata, copy=False), metadata)
         chosen = logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
         output = SamplerOutput(token_ids=token_ids, logprobs=chosen)
         if metadata.max_num_top_tokens:
-            scores = _beam_scores(logprobs, metadata)
-            output.top_logprobs, output.top_token_ids = scores.topk(metadata.max_num_top_tokens, dim=-1)
-            output.ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+            _add_top_tokens(output, logprobs, metadata)
         return output
+
+
+def _log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _add_top_tokens(output: SamplerOutput, logprobs: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """The ``metadata.max_num_top_tokens`` best tokens of each row by ``logprobs`` (beam rows: by
+    their penalised scores), and the chosen tokens' ranks."""
+    scores = _beam_scores(logprobs, metadata)
+    output.top_logprobs, output.top_token_ids = scores.topk(metadata.max_num_top_tokens, dim=-1)
+    output.ranks = (logprobs > output.logprobs[:, None]).sum(dim=-1) + 1
 
 
 def sampling_distribution(

@@ -451,7 +451,7 @@ class ModelRunner:
             return []
         batch = self.input_batch
         targets = to_device([t for _, _, ts in requests for t in ts], logits.device, torch.int64)
-        logprobs = torch.log_softmax(logits, dim=-1)
+        logprobs = self.sampler.log_softmax(logits)  # the sampler's, to the bit
         chosen = logprobs.gather(-1, targets[:, None]).squeeze(-1)
         ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
         scored = []

@@ -197,6 +197,7 @@ def layers() -> None:
         )
         silu_and_mul(torch.empty(3, 2 * 1536, dtype=dtype))
     warm_up(49152, CPU)  # the sampler's variants and the grammar bitmask
+    warm_up(49152, CPU, invariant=True)  # batch_invariant=True's: one chunk size, no FMA contraction
 
 
 def lora() -> None:
@@ -225,8 +226,8 @@ def lora() -> None:
 
 
 def batch_invariant() -> None:
-    """batch_invariant=True's GEMM (both schedules, with and without a bias) and its one attention
-    launch (no FMA contraction)."""
+    """batch_invariant=True's GEMM (both schedules, with and without a bias) and its attention's
+    two launches (no FMA contraction)."""
     for dtype in DTYPES:
         x, weight, bias = torch.empty(5, 1024, dtype=dtype), torch.empty(384, 1024, dtype=dtype), None
         for split_in_grid in (True, False):
@@ -238,11 +239,12 @@ def batch_invariant() -> None:
         query = torch.empty(41, NUM_HEADS, HEAD_SIZE, dtype=dtype)  # a decode and a 40-token chunk
         query_start_loc = torch.tensor([0, 1, 41], dtype=torch.int32)
         for variant in _variants(NUM_HEADS, query):
-            paged_prefill(
-                query, inputs.key_cache, inputs.value_cache, inputs.block_tables, inputs.seq_lens,
-                query_start_loc, inputs.scale, 0, 2, 40, torch.empty_like(query),
-                **invariant_launch(HEAD_SIZE, dtype), **variant,
-            )  # fmt: skip
+            for prefill in (False, True):  # the decodes' launch and the prefill chunks'
+                paged_prefill(
+                    query, inputs.key_cache, inputs.value_cache, inputs.block_tables, inputs.seq_lens,
+                    query_start_loc, inputs.scale, 0, 2, 40, torch.empty_like(query),
+                    **invariant_launch(HEAD_SIZE, dtype, prefill), **variant,
+                )  # fmt: skip
 
 
 def quant() -> None:

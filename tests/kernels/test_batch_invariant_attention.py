@@ -23,23 +23,30 @@ DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=NEEDS
 class Sequences:
     """Random sequences whose whole K/V already sits in a paged cache, each in blocks of its own."""
 
-    def __init__(self, seq_lens: list[int], dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        seq_lens: list[int],
+        dtype: torch.dtype,
+        heads: tuple[int, int, int] = (NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE),
+    ) -> None:
         generator = torch.Generator().manual_seed(len(seq_lens))
+        num_heads, num_kv_heads, self.head_size = heads
         blocks_per_seq = -(-max(seq_lens) // BLOCK_SIZE)
         num_blocks = blocks_per_seq * len(seq_lens)
-        shape = (num_blocks, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE)
+        shape = (num_blocks, num_kv_heads, BLOCK_SIZE, self.head_size)
         self.key_cache = torch.randn(shape, generator=generator).to(DEVICE, dtype)
         self.value_cache = torch.randn(shape, generator=generator).to(DEVICE, dtype)
         order = torch.randperm(num_blocks, generator=generator)  # blocks scattered over the cache
         self.block_tables = order.view(len(seq_lens), blocks_per_seq).to(DEVICE, torch.int32)
         self.queries = [
-            torch.randn(n, NUM_HEADS, HEAD_SIZE, generator=generator).to(DEVICE, dtype) for n in seq_lens
+            torch.randn(n, num_heads, self.head_size, generator=generator).to(DEVICE, dtype) for n in seq_lens
         ]
         self.seq_lens = seq_lens
 
     def attend(self, chunks: list[tuple[int, int]]) -> list[torch.Tensor]:
         """One launch over the (sequence, query positions [start, seq_len)) pairs: the output rows of
-        each, the way the backend runs a step (query_len 1: a decode)."""
+        each, the way the backend runs a step (query_len 1: a decode; a launch with a longer query
+        takes the prefill chunks' configuration, decodes included)."""
         query = torch.cat([self.queries[s][start:] for s, start in chunks])
         query_lens = [self.seq_lens[s] - start for s, start in chunks]
         query_start_loc = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -57,7 +64,7 @@ class Sequences:
             len(chunks),
             max(query_lens),
             out,
-            **invariant_launch(HEAD_SIZE, self.key_cache.dtype),
+            **invariant_launch(self.head_size, self.key_cache.dtype, prefill=max(query_lens) > 1),
         )
         return list(out.split(query_lens))
 
@@ -76,9 +83,22 @@ class Sequences:
         return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
+# (heads, KV heads, head size): the tests' small shape; on the GPU also Qwen3-0.6B's, Llama-3.1-8B's
+# group of 4 and a head of 256, where the prefill chunks' 32-row tiles must sum as the decodes' 16.
+HEAD_SHAPES = [
+    (NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE),
+    pytest.param((16, 8, 128), marks=NEEDS_GPU),
+    pytest.param((32, 8, 128), marks=NEEDS_GPU),
+    pytest.param((8, 4, 256), marks=NEEDS_GPU),
+]
+
+
+@pytest.mark.parametrize("heads", HEAD_SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_query_row_is_the_same_bits_decoded_prefilled_or_chunked(dtype: torch.dtype) -> None:
-    seqs = Sequences([SEQ_LEN, 37, 70, 5], dtype)
+def test_a_query_row_is_the_same_bits_decoded_prefilled_or_chunked(
+    dtype: torch.dtype, heads: tuple[int, int, int]
+) -> None:
+    seqs = Sequences([SEQ_LEN, 37, 70, 5], dtype, heads)
     whole = seqs.attend([(0, 0)])[0]  # sequence 0 prefilled in one chunk, alone
     for start in (1, 17, 63, 64, 90):  # a cached prefix (or earlier chunks) of `start` tokens
         assert torch.equal(seqs.attend([(0, start)])[0], whole[start:])

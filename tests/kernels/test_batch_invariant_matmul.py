@@ -13,6 +13,7 @@ from pagedllm.kernels.triton.batch_invariant_matmul import (
     FEW_ROWS_TILES,
     LONG_K_TILES,
     TILES,
+    WIDE_SPLIT_STAGES,
     LayerGemm,
     MatmulTiles,
     arrival_counters,
@@ -72,9 +73,10 @@ def test_wide_tiles_give_the_same_bits_as_the_narrow(dtype: torch.dtype, layer_k
     device = torch.device(DEVICE)
     tiles = tiles_for(layer_k, device, dtype.itemsize)
     wide = wide_tiles(tiles, device, dtype.itemsize)
-    assert wide is not None and wide.block_k == tiles.block_k
+    split_wide = wide_tiles(tiles, device, dtype.itemsize, num_splits=2)
+    assert wide is not None and wide.block_k == split_wide.block_k == tiles.block_k
     few = list(FEW_ROWS_TILES[tiles.block_k].values())
-    others = [wide, MatmulTiles(128, 256, tiles.block_k, 8, 2), *few]
+    others = [wide, split_wide, MatmulTiles(128, 256, tiles.block_k, 8, 2), *few]
     x, weight, bias = _inputs(dtype, rows=160)
     for splits in (1, 2, 5):
         narrow = batch_invariant_matmul(x, weight, bias, splits, tiles, split_in_grid=True)
@@ -90,7 +92,8 @@ def test_wide_tiles_give_the_same_bits_as_the_narrow(dtype: torch.dtype, layer_k
 def test_a_layer_takes_the_wide_tiles_from_a_share_of_the_sms() -> None:
     device = torch.device(DEVICE)
     gemm = LayerGemm.for_layer(N, K, device)  # 2 wide tiles a row block, BLOCK_K 64: half the SMs
-    assert gemm.tiles == tiles_for(K, device) and gemm.wide == wide_tiles(gemm.tiles, device)
+    assert gemm.tiles == tiles_for(K, device)
+    assert gemm.wide == wide_tiles(gemm.tiles, device, num_splits=gemm.num_splits)
     assert (gemm.wide.block_m, gemm.wide.block_n) == (128, 128)
     assert gemm.wide_from_rows == triton.cdiv(triton.cdiv(num_sms(device), 2), 2) * 128
     assert gemm.tiles_for_rows(gemm.wide_from_rows - 1) == gemm.tiles
@@ -114,6 +117,10 @@ def test_a_layer_takes_the_wide_tiles_from_a_share_of_the_sms() -> None:
     # would make 256 with N tiles of 64, so keeps 128.
     assert LayerGemm.for_layer(4096, 4096, cpu, sms=132).tiles_for_rows(1) == FEW_ROWS_TILES[128][64]
     assert LayerGemm.for_layer(4096, 14336, cpu, sms=132).tiles_for_rows(1) == LONG_K_TILES
+    # A layer of several K splits runs its wide tiles a stage deeper, where the stage fits.
+    assert LayerGemm.for_layer(1024, 2048, cpu, sms=132).wide.num_stages == WIDE_SPLIT_STAGES
+    assert LayerGemm.for_layer(4096, 1024, cpu, sms=132).wide.num_stages == 3  # one split
+    assert LayerGemm.for_layer(4096, 4096, cpu, sms=132).wide.num_stages == 3  # BLOCK_K 128: no room
     # float32 long-K tiles keep the narrow at every M: the wide pipeline would not fit.
     assert LayerGemm.for_layer(N, 4096, cpu, 4).tiles_for_rows(10**6) == LONG_K_TILES
     x, weight, bias = _inputs(torch.float16, rows=3)
@@ -217,3 +224,4 @@ def test_use_batch_invariant_gemms_routes_dense_layers_and_a_tied_head() -> None
     assert torch.equal(got[1], expected[1])  # lookups read the table as before
     torch.testing.assert_close(got[2], expected[2], atol=1e-5, rtol=1e-5)
     assert torch.equal(model.qkv(x[:2]), got[0][:2])
+

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton", reason="the fused sampling kernel needs the triton package")
 
-from pagedllm.kernels.triton.sampling import apply_token_bitmask, sample_tokens
+from pagedllm.kernels.triton.sampling import apply_token_bitmask, logsumexp, sample_tokens
 from pagedllm.sample.sampler import _race
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -143,6 +143,37 @@ def test_a_bitmask_given_to_the_pass_equals_applying_it_first(num_rows, vocab_si
         assert torch.equal(tokens, expected_tokens)
         torch.testing.assert_close(logprobs, expected_logprobs, atol=0, rtol=0)
         assert tokens[0].item() == vocab_size - 1 and torch.isfinite(logprobs).all()
+
+
+@pytest.mark.parametrize("vocab_size", [1, 3000, 9000, 20_000])
+def test_invariant_rows_are_the_same_bits_alone_and_in_any_batch(vocab_size):
+    """``invariant=True``: a row's token, logprob and logsumexp do not depend on the other rows,
+    in a batch of 40 (past the row count where the default chunk grows), with sampled and
+    penalised neighbours and a bitmask, and its logprob is ``raw[token] - logsumexp(raw)`` to the
+    bit, which the sampler's ``log_softmax`` (top tokens, prompt logprobs) reports. (One token
+    far above a long tail: a logsumexp near 0, whose last bits show the tail's summation order;
+    without ``invariant`` the rows of 9,000 and 20,000 tokens differ alone and in the batch.)"""
+    generator = torch.Generator().manual_seed(vocab_size)
+    num_rows = 40
+    raw = -12 + 2 * torch.randn((num_rows, vocab_size), generator=generator)
+    raw[:, vocab_size // 2] = 0.0
+    raw = raw.to(DEVICE)
+    noise = torch.empty((num_rows, vocab_size)).exponential_(generator=generator).to(DEVICE)
+    inv_temperature = (0.5 + torch.rand(num_rows, generator=generator)).to(DEVICE)
+    greedy = (torch.arange(num_rows) % 2 == 0).to(DEVICE)
+    bitmask = torch.full((num_rows, -(-vocab_size // 32)), -1, dtype=torch.int32, device=DEVICE)
+    batch_lse = logsumexp(raw, invariant=True)
+    # A greedy row of the batch alone takes the all-greedy kernel, unpenalised and unmasked.
+    tokens, logprobs = sample_tokens(raw, raw - 0.25, noise, inv_temperature, greedy, bitmask, invariant=True)
+    for row in (0, 1, 17, num_rows - 1):
+        one = slice(row, row + 1)
+        alone_lse = logsumexp(raw[one].clone(), invariant=True)
+        assert torch.equal(alone_lse, batch_lse[one])
+        args = () if greedy[row] else (noise[one], inv_temperature[one], greedy[one])
+        token, logprob = sample_tokens(raw[one].clone(), raw[one] - 0.25, *args, invariant=True)
+        assert torch.equal(token, tokens[one]) and torch.equal(logprob, logprobs[one])
+        assert torch.equal(logprob, raw[row, token] - alone_lse)
+    torch.testing.assert_close(batch_lse, torch.logsumexp(raw, dim=-1))
 
 
 def test_zero_noise_never_picks_a_banned_token():

@@ -47,18 +47,24 @@ Layouts: x ``[M, K]`` (any row stride, unit column stride); weight ``[N, K]`` ro
 bias ``[N]``; out ``[M, N]`` contiguous, x's dtype; the arrival counters ``[num_sms]`` int32, zero
 between calls (a split-in-grid launch has fewer tiles than SMs). Bound: memory at decode (``2 N K``
 bytes of bf16 weights, plus ``8 num_splits M N`` of partials), compute at prefill (``2 M N K`` FLOPs).
+
+Launched with programmatic dependent launch on Hopper (``pdl.py``): the programs are scheduled
+while the kernel before them (an RMSNorm, the attention, another GEMM) drains, and wait for it
+before their first load, the arrival counters' included; a decode step of an 8B model runs 128 of
+these launches a token.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from pagedllm.kernels.triton.gemm_tile import output_tile
+from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 
 
 @dataclass(frozen=True)
@@ -119,12 +125,27 @@ def tiles_for(k: int, device: torch.device, element_size: int = 2) -> MatmulTile
 WIDE_SM_SHARE = {64: 2, 128: 4}  # wide from cdiv(SMs, share) tiles
 
 
-def wide_tiles(tiles: MatmulTiles, device: torch.device, element_size: int = 2) -> MatmulTiles | None:
+# A wide program of a split layer runs its K ranges one after another, refilling the pipeline at
+# each: a fourth stage hides more of it (H200, 16,384 rows, raw
+# results/h200x2_2026-11-28_wide_split_stages.json: Qwen3-0.6B's o_proj, 2 splits, 173 us against
+# 207 with three, its down_proj, 3 splits, 253 against 299; equal at 2,048 rows). A layer of one
+# split is faster with three (Qwen3-0.6B's qkv at 16,384 rows: 261 against 287 us), and
+# Llama-3.1-8B's BLOCK_K of 128 leaves no room for a fourth.
+WIDE_SPLIT_STAGES = 4
+
+
+def wide_tiles(
+    tiles: MatmulTiles, device: torch.device, element_size: int = 2, num_splits: int = 1
+) -> MatmulTiles | None:
     """The output tiles for many rows, with ``tiles``' BLOCK_K (so the same sums): 128 x 128
-    outputs in two warp groups, each weight tile read from L2 feeding twice the rows. None where
-    the GPU's shared memory does not hold their pipeline (float32's long-K tiles, or long-K tiles
-    on a GPU with less than Hopper's 227 KiB)."""
+    outputs in two warp groups, each weight tile read from L2 feeding twice the rows; a stage
+    deeper for a layer of several K splits where it fits (``WIDE_SPLIT_STAGES``). None where the
+    GPU's shared memory does not hold their pipeline (float32's long-K tiles, or long-K tiles on
+    a GPU with less than Hopper's 227 KiB)."""
     wide = MatmulTiles(block_m=128, block_n=128, block_k=tiles.block_k, num_warps=8, num_stages=3)
+    deeper = replace(wide, num_stages=WIDE_SPLIT_STAGES)
+    if num_splits > 1 and _fits(deeper, device, element_size):
+        return deeper
     return wide if _fits(wide, device, element_size) else None
 
 
@@ -235,7 +256,9 @@ def _matmul_kernel(
     SPLIT_IN_GRID: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     PRECISION: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    wait_for_prior_kernel(USE_GDC)
     offs_m, offs_n, offs_k, mask_m, mask_n = output_tile(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
     x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
@@ -362,6 +385,7 @@ def batch_invariant_matmul(
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # ignored for 16-bit inputs
         num_warps=tiles.num_warps,
         num_stages=tiles.num_stages,
+        **pdl_options(x.device),
     )
     return out
 
@@ -386,12 +410,12 @@ class LayerGemm:
         """``sms``: the GPU's SM count (default: ``device``'s)."""
         tiles = tiles_for(k, device, element_size)
         sms = sms or num_sms(device)
-        wide = wide_tiles(tiles, device, element_size)
+        splits = num_k_splits(n, k, sms, tiles)
+        wide = wide_tiles(tiles, device, element_size, splits)
         wide_from_rows = 0
         if wide is not None:  # the fewest rows of whole tiles whose count fills the SMs' share
             wanted = triton.cdiv(sms, WIDE_SM_SHARE[tiles.block_k])
             wide_from_rows = triton.cdiv(wanted, triton.cdiv(n, wide.block_n)) * wide.block_m
-        splits = num_k_splits(n, k, sms, tiles)
         few_rows = tuple(
             few_rows_tiles(tiles, n, splits, blocks, sms, device, element_size)
             for blocks in range(1, FEW_ROW_BLOCKS + 1)

@@ -86,6 +86,7 @@ from pagedllm.kernels.triton.paged_tiles import (
     local_key_count,
     row_lse,
 )
+from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 
 
 # first_seq (how many decodes precede the prefills) changes every step: specialised, as Triton
@@ -152,7 +153,9 @@ def _paged_prefill_kernel(
     PACK_GQA: tl.constexpr,  # rows are (token, head of the KV group) pairs: see the module docstring
     CP_SIZE: tl.constexpr,  # context-parallel ranks (module docstring); 1: off
     PARTIAL: tl.constexpr,  # write each row's log-sum-exp to lse_ptr; 0 and -inf for no key
+    USE_GDC: tl.constexpr,
 ):
+    wait_for_prior_kernel(USE_GDC)
     m_block = tl.program_id(0)
     seq = first_seq + tl.program_id(2)
     if PACK_GQA:
@@ -423,5 +426,6 @@ def paged_prefill(
         num_warps=num_warps,
         num_stages=num_stages,
         enable_fp_fusion=enable_fp_fusion,
+        **pdl_options(query.device),
     )
     return out

@@ -26,7 +26,7 @@ Grid: ``_partials_kernel`` runs ``(num_rows, cdiv(vocab, CHUNK))`` programs; pro
 and ``CHUNK / 32`` words of the bitmask (when given), and writes four float32/int32 partials: its
 best score and where it is, the max of ``raw`` and the sum of ``exp(raw - max)``.
 ``_merge_kernel`` runs one program per row over that row's partials (at most a few hundred) and
-writes the token (int64) and its logprob (float32).
+writes the token (int64), its logprob and the row's logsumexp (float32).
 
 Layouts: ``raw``, ``x``, ``q``: ``[num_rows, vocab]`` float32, contiguous rows (any row stride);
 ``bitmask``: ``[num_rows, ceil(vocab / 32)]`` int32, bit ``t % 32`` of word ``t // 32`` for token ``t``.
@@ -103,6 +103,7 @@ def _merge_kernel(
     part_sum_ptr,
     token_ids_ptr,
     logprobs_ptr,
+    logsumexp_ptr,
     num_chunks,
     stride_raw,
     BLOCK_C: tl.constexpr,
@@ -125,12 +126,20 @@ def _merge_kernel(
     chosen = tl.load(raw_ptr + row * stride_raw + token)
     tl.store(token_ids_ptr + row, token.to(tl.int64))
     tl.store(logprobs_ptr + row, chosen - logsumexp)
+    tl.store(logsumexp_ptr + row, logsumexp)
 
 
 def _chunk_size(num_rows: int) -> int:
     # A few rows split into small chunks so the programs cover the GPU; a batch already does.
     # (warm_up compiles both sizes.)
     return 1024 if num_rows < 32 else 4096
+
+
+# ``invariant=True``: one chunk size for every batch, so a row's partials and their merge are the
+# same sums whatever the number of rows, and no FMA contraction, so the variants a batch's mix
+# of rows compiles (sampled or greedy, penalised or not, a bitmask or not) compute ``raw``'s
+# maximum and sum alike: a row's logsumexp is the same bits in every batch and in ``logsumexp``.
+INVARIANT_CHUNK = 1024
 
 
 def sample_tokens(
@@ -140,6 +149,7 @@ def sample_tokens(
     inv_temperature: torch.Tensor | None = None,
     greedy: torch.Tensor | None = None,
     bitmask: torch.Tensor | None = None,
+    invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's token and the logprob of it under ``raw`` (see the module docstring).
 
@@ -152,9 +162,32 @@ def sample_tokens(
         bitmask: [num_rows, ceil(vocab / 32)] int32 on the logits' device or in pinned host
             memory (read in place, over the bus), or None: the tokens each row may take (its other
             tokens read as -inf in ``raw`` and ``x``).
+        invariant: a row's results independent of the other rows (``INVARIANT_CHUNK``), its
+            logprob ``raw[token] - logsumexp(raw, invariant=True)`` to the bit.
     Returns:
         token ids [num_rows] int64 and their logprobs [num_rows] float32.
     """
+    token_ids, logprobs, _ = _launch(raw, x, q, inv_temperature, greedy, bitmask, invariant)
+    return token_ids, logprobs
+
+
+def logsumexp(raw: torch.Tensor, invariant: bool = False) -> torch.Tensor:
+    """Each row's logsumexp, [num_rows] float32, from the same two kernels as ``sample_tokens``
+    (a greedy pass whose tokens go unused): with ``invariant``, the bits ``sample_tokens``
+    subtracts from the chosen logit, so ``raw - logsumexp(raw)[:, None]`` are the logprobs it
+    reports."""
+    return _launch(raw, raw, None, None, None, None, invariant)[2]
+
+
+def _launch(
+    raw: torch.Tensor,
+    x: torch.Tensor,
+    q: torch.Tensor | None,
+    inv_temperature: torch.Tensor | None,
+    greedy: torch.Tensor | None,
+    bitmask: torch.Tensor | None,
+    invariant: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     num_rows, vocab_size = raw.shape
     assert raw.dtype == x.dtype == torch.float32 and raw.stride(1) == x.stride(1) == 1
     has_q = q is not None
@@ -166,7 +199,7 @@ def sample_tokens(
     if has_bitmask:
         assert bitmask.dtype == torch.int32 and bitmask.shape == (num_rows, triton.cdiv(vocab_size, 32))
         assert bitmask.stride(1) == 1
-    chunk = _chunk_size(num_rows)
+    chunk = INVARIANT_CHUNK if invariant else _chunk_size(num_rows)
     num_chunks = triton.cdiv(vocab_size, chunk)
     # One allocation each, so every pointer is 16-byte aligned whatever num_rows * num_chunks is:
     # slices of one buffer would be aligned or not by the batch's row count, and Triton compiles
@@ -197,9 +230,12 @@ def sample_tokens(
         X_IS_RAW=x is raw,
         HAS_Q=has_q,
         HAS_BITMASK=has_bitmask,
+        enable_fp_fusion=not invariant,
     )
     token_ids = torch.empty(num_rows, dtype=torch.int64, device=raw.device)
-    logprobs = torch.empty(num_rows, dtype=torch.float32, device=raw.device)
+    logprobs, row_logsumexp = (
+        torch.empty(num_rows, dtype=torch.float32, device=raw.device) for _ in range(2)
+    )
     _merge_kernel[(num_rows,)](
         raw,
         part_score,
@@ -208,18 +244,20 @@ def sample_tokens(
         part_sum,
         token_ids,
         logprobs,
+        row_logsumexp,
         num_chunks,
         raw.stride(0),
         BLOCK_C=triton.next_power_of_2(num_chunks),
+        enable_fp_fusion=not invariant,
     )
-    return token_ids, logprobs
+    return token_ids, logprobs, row_logsumexp
 
 
-def warm_up(vocab_size: int, device: torch.device) -> None:
+def warm_up(vocab_size: int, device: torch.device, invariant: bool = False) -> None:
     """Compile every variant a step can launch (chunk sizes, greedy or sampled, ``x`` the logits
     or not, with the grammar bitmask or without, and the bitmask's own pass) before the first
     request, so that none compiles inside a step (about a second each on a cold cache)."""
-    for num_rows in (1, 32):
+    for num_rows in (1,) if invariant else (1, 32):
         raw = torch.zeros((num_rows, vocab_size), dtype=torch.float32, device=device)
         noise = torch.ones_like(raw)
         inv_temperature = torch.ones(num_rows, device=device)
@@ -227,8 +265,8 @@ def warm_up(vocab_size: int, device: torch.device) -> None:
         bitmask = torch.full((num_rows, triton.cdiv(vocab_size, 32)), -1, device=device, dtype=torch.int32)
         for x in (raw, raw.clone()):
             for words in (None, bitmask):
-                sample_tokens(raw, x, bitmask=words)
-                sample_tokens(raw, x, noise, inv_temperature, greedy, bitmask=words)
+                sample_tokens(raw, x, bitmask=words, invariant=invariant)
+                sample_tokens(raw, x, noise, inv_temperature, greedy, bitmask=words, invariant=invariant)
         # Structured outputs' mask on its own, before a truncation (top-k/top-p/min-p).
         apply_token_bitmask(raw, bitmask)
 
