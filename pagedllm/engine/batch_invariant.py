@@ -47,10 +47,12 @@ def _refusal(config: EngineConfig) -> str | None:
     if quantized is not None:
         return f"{quantized} has no batch-invariant GEMM; load the model dense (quantization='none')"
     hf_config = model_config.hf_config
-    if any(getattr(hf_config, key, 0) for key in _MOE_KEYS):
+    on_cuda = config.device_config.device.type == "cuda"
+    if any(getattr(hf_config, key, 0) for key in _MOE_KEYS) and not on_cuda:
+        # On CUDA the fused MoE kernel has an invariant form (layers/batch_invariant_linear.py).
         return (
-            "mixture-of-experts models are not supported (the fused MoE kernel tiles the tokens "
-            "routed to each expert by their count)"
+            "mixture-of-experts models are supported on CUDA only (the CPU's experts multiply each "
+            "expert's tokens in a GEMM sized by their count)"
         )
     if config.parallel_config.tensor_parallel_size > 2:
         # Two ranks' partial sums add to the same bits whichever rank's comes first and whatever
@@ -60,7 +62,7 @@ def _refusal(config: EngineConfig) -> str | None:
             "tensor_parallel_size > 2 is not supported (the all-reduce's summation order is "
             "chosen by message size, which grows with the batch)"
         )
-    if config.device_config.device.type != "cuda":
+    if not on_cuda:
         return None  # the CPU's kernels reduce each row alone (tests/engine/test_batch_invariant.py)
     return _cuda_refusal(config)
 

@@ -1,5 +1,5 @@
-"""Dense linear layers and the LM head through the batch-invariant GEMM (``batch_invariant=True``
-on CUDA; docs/determinism.md).
+"""Dense linear layers and the LM head through the batch-invariant GEMM, and the experts of MoE
+layers through their invariant form (``batch_invariant=True`` on CUDA; docs/determinism.md).
 
 A ``LinearMethod`` like any other (the seam quantization and oneDNN's prepacking use): the worker
 attaches it to every dense layer after loading, choosing each layer's K split and tiles once, from
@@ -49,12 +49,20 @@ class BatchInvariantLMHeadMethod(BatchInvariantLinearMethod, EmbeddingMethod):
 
 def use_batch_invariant_gemms(model: nn.Module, device: torch.device) -> None:
     """Every dense linear layer and the LM head of ``model`` (loaded, on ``device``) through the
-    batch-invariant GEMM. ValueError naming a layer that has no invariant path."""
+    batch-invariant GEMM, every FusedMoE layer's experts through theirs. ValueError naming a layer
+    that has no invariant path."""
     for name, module in model.named_modules():
-        if isinstance(module, FusedMoE):
+        if not getattr(module, "has_batch_invariant_form", True):
             raise ValueError(
-                f"batch_invariant=True: the fused MoE layer {name} has no batch-invariant kernel"
+                f"batch_invariant=True: {name} ({type(module).__name__}) has no batch-invariant form"
             )
+        if isinstance(module, FusedMoE):
+            if module.quant_method is not None:
+                raise ValueError(
+                    f"batch_invariant=True: the experts of {name} are quantized "
+                    f"({type(module.quant_method).__name__}), which has no batch-invariant GEMM"
+                )
+            module.use_batch_invariant()
         if isinstance(module, LinearBase | VocabParallelEmbedding) and module.quant_method is not None:
             raise ValueError(
                 f"batch_invariant=True: {name} is quantized ({type(module.quant_method).__name__}), "

@@ -34,6 +34,9 @@ class GroupedTopkRouter(nn.Module):
     """The router's weights as checkpoints name them (``gate.weight``,
     ``gate.e_score_correction_bias``); logits in float32, as the reference keeps this layer."""
 
+    # Its float32 logits come from cuBLAS, whose kernel the batch's row count chooses.
+    has_batch_invariant_form = False
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
         num_experts = config.n_routed_experts

@@ -54,6 +54,9 @@ class GptOssExperts(FusedMoE):
     """FusedMoE with expert biases and gpt-oss's clamped SwiGLU, on the torch path everywhere (the
     Triton grouped GEMM has no bias or clamp epilogue yet)."""
 
+    # The torch path multiplies each expert's tokens in a GEMM sized by their count.
+    has_batch_invariant_form = False
+
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(
             config.num_local_experts,

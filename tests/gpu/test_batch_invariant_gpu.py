@@ -1,14 +1,16 @@
 """batch_invariant=True on the GPU, Qwen3-0.6B's and Llama-3.1-8B's configs with dummy bf16 weights
-(the 8B's layers run the GEMM's long-K tiles): 16 greedy requests give the same tokens and the
-same logprobs (every bit) alone, with 15 others and with 63 others; for both the same with
-prefix caching and chunked prefill on (other chunk boundaries, cached prefixes, and the GEMM's
-narrow output tiles where a whole prefill takes the wide ones); the same at TP=2;
-and the logprobs reported while generating equal those of a scoring pass over prompt + output, for
-256 requests. Without the mode, 2 of 16 such requests diverged (H200, 2026-11-27)."""
+(the 8B's layers run the GEMM's long-K tiles), and Qwen3-30B-A3B's mixture of experts in 6 of its
+layers: 16 greedy requests give the same tokens and the same logprobs (every bit) alone, with 15
+others and with 63 others; for the dense models the same with prefix caching and chunked prefill
+on (other chunk boundaries, cached prefixes, and the GEMM's narrow output tiles where a whole
+prefill takes the wide ones); the same at TP=2; and the logprobs reported while generating equal
+those of a scoring pass over prompt + output, for 256 requests. Without the mode, 2 of 16 such
+requests diverged (H200, 2026-11-27)."""
 
 from __future__ import annotations
 
 import gc
+import json
 import os
 import random
 
@@ -36,11 +38,15 @@ CACHED_CHUNKED = {
     "max_num_seqs": 64,
 }
 LLAMA = os.path.join(CONFIGS, "llama-3.1-8b")
+# Qwen3-30B-A3B's mixture of experts (128 experts, top 8) in 6 layers of its 48: whose experts a
+# token meets, and so their pair counts, change with every batch.
+MOE = "qwen3-30b-a3b, 6 layers"
 ENGINES = {
     "plain": (MODEL, {"max_num_seqs": 256}),
     "prefix-caching-chunked": (MODEL, CACHED_CHUNKED),
     "llama-3.1-8b": (LLAMA, {"max_num_seqs": 64}),
     "llama-3.1-8b-prefix-caching-chunked": (LLAMA, CACHED_CHUNKED),
+    "qwen3-30b-a3b-moe": (MOE, {"max_num_seqs": 256}),
 }
 # Engines whose results alone must equal each other's (the same model, other chunkings).
 SAME_MODEL = [("plain", "prefix-caching-chunked"), ("llama-3.1-8b", "llama-3.1-8b-prefix-caching-chunked")]
@@ -71,9 +77,20 @@ def _generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) 
     return results
 
 
+def _moe_config(directory) -> str:
+    with open(os.path.join(CONFIGS, "qwen3-30b-a3b", "config.json")) as file:
+        config = json.load(file)
+    config["num_hidden_layers"] = 6
+    with open(os.path.join(directory, "config.json"), "w") as file:
+        json.dump(config, file)
+    return str(directory)
+
+
 @pytest.fixture(scope="module", params=list(ENGINES))
-def engine(request):
+def engine(request, tmp_path_factory):
     model, options = ENGINES[request.param]
+    if model == MOE:
+        model = _moe_config(tmp_path_factory.mktemp("moe"))
     llm = LLM(
         model,
         device="cuda",

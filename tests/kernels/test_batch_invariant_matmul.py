@@ -225,3 +225,31 @@ def test_use_batch_invariant_gemms_routes_dense_layers_and_a_tied_head() -> None
     torch.testing.assert_close(got[2], expected[2], atol=1e-5, rtol=1e-5)
     assert torch.equal(model.qkv(x[:2]), got[0][:2])
 
+
+def test_use_batch_invariant_gemms_routes_experts_and_refuses_what_has_no_invariant_form(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import dataclasses
+
+    from torch import nn
+
+    from pagedllm.layers import custom_op
+    from pagedllm.layers.batch_invariant_linear import use_batch_invariant_gemms
+    from pagedllm.layers.fused_moe import FusedMoE
+    from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    # The experts' invariant form is their Triton kernel (here under the interpreter on the CPU).
+    platform = custom_op.platform_for(torch.device(DEVICE))
+    monkeypatch.setattr(custom_op, "platform_for", lambda device: dataclasses.replace(platform, triton=True))
+    model = nn.Module()
+    model.experts = FusedMoE(4, 2, 64, 32, True).to(DEVICE)
+    model.lm_head = VocabParallelEmbedding(150, 64).to(DEVICE)
+    use_batch_invariant_gemms(model, torch.device(DEVICE))
+    assert model.experts.forward_method == model.experts.forward_triton_invariant
+
+    class OwnExperts(FusedMoE):
+        has_batch_invariant_form = False
+
+    model.experts = OwnExperts(4, 2, 64, 32, True).to(DEVICE)
+    with pytest.raises(ValueError, match=r"batch_invariant=True: experts \(OwnExperts\) has no"):
+        use_batch_invariant_gemms(model, torch.device(DEVICE))

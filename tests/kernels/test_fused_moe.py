@@ -15,7 +15,13 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="the fused MoE kernel needs the triton package")
 
-from pagedllm.kernels.triton.fused_moe import MoeLaunch, default_launch, fused_moe, moe_align_block_size
+from pagedllm.kernels.triton.fused_moe import (
+    MoeLaunch,
+    default_launch,
+    fused_moe,
+    invariant_launch,
+    moe_align_block_size,
+)
 from pagedllm.layers.fused_moe import fused_experts_torch, select_experts
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -129,6 +135,22 @@ def test_align_block_size_sorts_and_pads_each_expert(num_tokens, num_experts, to
         )
         start += padded[expert]
     assert set(sorted_list[start:]) <= {num_pairs}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_batch_invariant_tokens_are_the_same_bits_alone_and_in_batches(dtype: torch.dtype) -> None:
+    """``batch_invariant=True``: a token's output does not depend on the batch, although its
+    experts' pair counts (which choose the default launch's tiles) grow with it: one launch
+    (``invariant_launch``), the slots added in slot order; and it agrees with the torch path."""
+    x, w13, w2, weights, ids = _inputs(300, 16, 4, 64, 48, dtype, seed=5)
+    batch = fused_moe(x, w13, w2, weights, ids, batch_invariant=True)
+    assert default_launch(300 * 4, 16, dtype) != invariant_launch(dtype)  # the default would move
+    for rows in (slice(0, 1), slice(7, 9), slice(100, 164)):
+        alone = fused_moe(x[rows], w13, w2, weights[rows], ids[rows], batch_invariant=True)
+        assert torch.equal(alone, batch[rows]), rows
+    expected = fused_experts_torch(x, w13, w2, weights, ids)
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(batch, expected, atol=atol, rtol=rtol)
 
 
 def test_default_launch_by_pairs_per_expert() -> None:

@@ -152,6 +152,19 @@ def default_launch(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeL
     return MoeLaunch(128, 128, 64 // scale, 16, 8, 3)
 
 
+def invariant_launch(dtype: torch.dtype) -> MoeLaunch:
+    """``batch_invariant=True``'s one launch for every batch. Each output element sums its K in
+    ``BLOCK_K`` tiles, in order, with no split, whichever tile of pairs it falls in; what could move
+    its bits with the batch is the tile choice of ``default_launch``: its BLOCK_K, and its row
+    count, since Triton runs tiles of 16 and 32 rows on the m16n8k16 MMA and tiles of 64 rows and
+    more on Hopper's wgmma, whose sums differ in the last bit (measured on the attention kernel's
+    tiles; docs/determinism.md). So one tile for every batch: 32 rows (a decode's experts get a few
+    pairs each; a prefill's tiles read each weight tile for 32 rows) and ``default_launch``'s
+    decode K tiles."""
+    scale = torch.finfo(dtype).bits // 16
+    return MoeLaunch(32, 64, 128 // scale, 16, 4, 3)
+
+
 def max_num_sorted(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Length of the sorted, padded pair list: each expert that gets pairs pads at most
     ``block_m - 1`` entries, and at most ``min(num_experts, num_pairs)`` experts get any."""
@@ -289,12 +302,15 @@ def fused_moe(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     launch: MoeLaunch | None = None,
+    batch_invariant: bool = False,
 ) -> torch.Tensor:
     """``sum_j topk_weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t))``, ``e = topk_ids[t, j]``.
 
     hidden_states: [num_tokens, H]; gate_up_proj: [E, 2 * I, H]; down_proj: [E, H, I];
     topk_weights: [num_tokens, top_k] float; topk_ids: [num_tokens, top_k] int.
-    Returns [num_tokens, H] in the dtype of hidden_states.
+    ``batch_invariant``: a token's output the same bits whatever else the batch holds
+    (``invariant_launch``, and its slots added in slot order). Returns [num_tokens, H] in the
+    dtype of hidden_states.
     """
     num_tokens, hidden_size = hidden_states.shape
     num_experts, two_i, _ = gate_up_proj.shape
@@ -307,7 +323,9 @@ def fused_moe(
     num_pairs = num_tokens * top_k
     if num_pairs == 0:
         return hidden_states.new_zeros(num_tokens, hidden_size)
-    launch = launch or default_launch(num_pairs, num_experts, hidden_states.dtype)
+    if launch is None:
+        dtype = hidden_states.dtype
+        launch = invariant_launch(dtype) if batch_invariant else default_launch(num_pairs, num_experts, dtype)
     sorted_token_ids, expert_ids, num_post_padded = moe_align_block_size(
         topk_ids, launch.block_m, num_experts
     )
@@ -338,7 +356,17 @@ def fused_moe(
         False,
         launch,
     )
-    return out.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    slots = out.view(num_tokens, top_k, hidden_size)
+    return _sum_in_slot_order(slots) if batch_invariant else slots.sum(dim=1)
+
+
+def _sum_in_slot_order(slots: torch.Tensor) -> torch.Tensor:
+    """[T, top_k, H] -> [T, H]: ``((s0 + s1) + s2) + ...`` in float32, rounded once, an order
+    that no reduction kernel's choice of threads for the batch's shape can change."""
+    total = slots[:, 0].float()
+    for j in range(1, slots.shape[1]):
+        total += slots[:, j]
+    return total.to(slots.dtype)
 
 
 def _launch_gemm(

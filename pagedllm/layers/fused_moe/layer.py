@@ -47,7 +47,13 @@ ExpertsForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tens
 
 class FusedMoE(CustomOp):
     """The experts of one mixture-of-experts block; ``forward_method`` is their computation,
-    chosen for the device (``CustomOp``): the Triton grouped GEMM on CUDA, else the torch path."""
+    chosen for the device (``CustomOp``): the Triton grouped GEMM on CUDA, else the torch path;
+    after ``use_batch_invariant``, the grouped GEMM's batch-invariant form."""
+
+    # Set by use_batch_invariant (batch_invariant=True), after loading.
+    batch_invariant = False
+    # Whether use_batch_invariant applies: a subclass with its own forward has no invariant form.
+    has_batch_invariant_form = True
 
     def __init__(
         self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool
@@ -88,7 +94,17 @@ class FusedMoE(CustomOp):
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
     def dispatch_forward(self, platform: Platform, dtype: torch.dtype) -> ExpertsForward:
+        if self.batch_invariant:
+            if not platform.triton:
+                raise ValueError("batch_invariant=True: the experts' invariant GEMM needs Triton on CUDA")
+            return self.forward_triton_invariant
         return self.forward_triton if platform.triton else self.forward_torch
+
+    def use_batch_invariant(self) -> None:
+        """Run the experts so that a token's output does not depend on its batch (on CUDA: one
+        launch configuration for every batch, the slots added in order; kernels/triton/fused_moe.py)."""
+        self.batch_invariant = True
+        self._bind(self.device, self.dtype)
 
     def forward_torch(
         self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -105,6 +121,16 @@ class FusedMoE(CustomOp):
         from pagedllm.kernels.triton.fused_moe import fused_moe
 
         return fused_moe(hidden_states, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+
+    def forward_triton_invariant(
+        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The Triton grouped GEMM, batch-invariant (``use_batch_invariant``)."""
+        from pagedllm.kernels.triton.fused_moe import fused_moe
+
+        return fused_moe(
+            hidden_states, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, batch_invariant=True
+        )
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: ExpertShardId | None = None
