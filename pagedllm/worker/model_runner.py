@@ -17,6 +17,7 @@ from pagedllm.attention import bind_kv_caches, set_forward_context
 from pagedllm.attention.backends.abstract import AttentionBackend, KVCache
 from pagedllm.config import EngineConfig
 from pagedllm.distributed import pipeline_stage_layers
+from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.lora.model_manager import LoRAModelManager
 from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.sampling_params import SamplingParams
@@ -278,7 +279,20 @@ class ModelRunner:
         for i in range(num_reqs):
             self.input_batch.remove_request(i, finished=True)
         self.sampler.warm_up(self.config.model_config.vocab_size, self.device)
+        self._warm_up_experts(num_tokens)
         torch.cuda.synchronize(self.device)
+
+    def _warm_up_experts(self, max_num_tokens: int) -> None:
+        """Compile the MoE layers' kernels for every step size now (once per expert shape: the
+        layers of a model share their compiled kernels)."""
+        assert self.model is not None
+        shapes = set()
+        for module in self.model.modules():
+            if isinstance(module, FusedMoE):
+                shape = (tuple(module.gate_up_proj.shape), module.gate_up_proj.dtype, module.top_k)
+                if shape not in shapes:
+                    shapes.add(shape)
+                    module.warm_up(max_num_tokens)
 
     def initialize_kv_cache(self, kv_caches: list[KVCache]) -> None:
         """Bind each attention layer to its cache (one per layer with a KV cache, in order)."""

@@ -153,6 +153,21 @@ def test_batch_invariant_tokens_are_the_same_bits_alone_and_in_batches(dtype: to
     torch.testing.assert_close(batch, expected, atol=atol, rtol=rtol)
 
 
+def test_warm_up_compiles_every_tier_a_step_can_reach(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``warm_up`` runs each launch ``default_launch`` can choose (16- to 128-row tiles, both GEMMs),
+    but none that needs more tokens than a step may hold."""
+    import pagedllm.kernels.triton.fused_moe as fused
+
+    launched: list[tuple[int, bool]] = []
+    monkeypatch.setattr(fused, "_launch_gemm", lambda *args: launched.append((args[-1].block_m, args[-2])))
+    _, w13, w2, _, _ = _inputs(1, 8, 2, 32, 16, torch.float32)
+    fused.warm_up(w13, w2, top_k=2, max_num_tokens=10_000)
+    assert sorted(set(launched)) == [(m, gated) for m in (16, 32, 64, 128) for gated in (False, True)]
+    launched.clear()
+    fused.warm_up(w13, w2, top_k=2, max_num_tokens=100)  # 8 experts x 49 pairs / 2 = 196 tokens
+    assert sorted({m for m, _ in launched}) == [16, 32]
+
+
 def test_default_launch_by_pairs_per_expert() -> None:
     # Decode (64 tokens, top-8 of 128: 4 pairs per expert) takes 16-row tiles, 256 tokens 32-row
     # ones; a prefill chunk of 8,192 tokens 128-row ones.

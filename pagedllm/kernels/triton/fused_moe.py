@@ -165,6 +165,30 @@ def invariant_launch(dtype: torch.dtype) -> MoeLaunch:
     return MoeLaunch(32, 64, 128 // scale, 16, 4, 3)
 
 
+# The fewest pairs per expert of each of default_launch's tiers.
+_TIER_PAIRS_PER_EXPERT = (1, 12, 49, 192)
+
+
+def warm_up(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, max_num_tokens: int) -> None:
+    """Compile every launch ``default_launch`` can choose for these weights in a step of at most
+    ``max_num_tokens`` tokens, before the first request: the profile run compiles the largest
+    step's tiles and the CUDA graphs' capture the decode tiles, but a prefill of a few hundred to
+    a few thousand tokens takes the tiles between, which would otherwise compile inside a step
+    (about half a second each on an H200, for each GEMM). Peak memory stays under the profile
+    run's, which ran ``max_num_tokens``."""
+    num_experts, _, hidden_size = gate_up_proj.shape
+    device, dtype = gate_up_proj.device, gate_up_proj.dtype
+    for pairs_per_expert in _TIER_PAIRS_PER_EXPERT:
+        num_tokens = triton.cdiv(pairs_per_expert * num_experts, top_k)
+        if num_tokens > max_num_tokens:
+            break
+        hidden_states = torch.zeros(num_tokens, hidden_size, device=device, dtype=dtype)
+        # Every token on experts 0..top_k-1 by turns: the launch depends on the pair count alone.
+        topk_ids = (torch.arange(num_tokens * top_k, device=device) % num_experts).view(num_tokens, top_k)
+        topk_weights = torch.full((num_tokens, top_k), 1.0 / top_k, device=device)
+        fused_moe(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids)
+
+
 def max_num_sorted(num_pairs: int, num_experts: int, block_m: int) -> int:
     """Length of the sorted, padded pair list: each expert that gets pairs pads at most
     ``block_m - 1`` entries, and at most ``min(num_experts, num_pairs)`` experts get any."""

@@ -100,6 +100,15 @@ class FusedMoE(CustomOp):
             return self.forward_triton_invariant
         return self.forward_triton if platform.triton else self.forward_torch
 
+    def warm_up(self, max_num_tokens: int) -> None:
+        """Compile the experts' kernels for every step of at most ``max_num_tokens`` tokens (the
+        Triton path's launches differ by the pairs each expert gets; the other paths compile
+        nothing)."""
+        if self.forward_method == self.forward_triton:
+            from pagedllm.kernels.triton.fused_moe import warm_up
+
+            warm_up(self.gate_up_proj, self.down_proj, self.top_k, max_num_tokens)
+
     def use_batch_invariant(self) -> None:
         """Run the experts so that a token's output does not depend on its batch (on CUDA: one
         launch configuration for every batch, the slots added in order; kernels/triton/fused_moe.py)."""
