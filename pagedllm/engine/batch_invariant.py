@@ -54,6 +54,11 @@ def _refusal(config: EngineConfig) -> str | None:
             "mixture-of-experts models are supported on CUDA only (the CPU's experts multiply each "
             "expert's tokens in a GEMM sized by their count)"
         )
+    if config.parallel_config.context_parallel_size > 1:
+        return (
+            "context_parallel_size > 1 is not supported (the ranks' partial attentions merge by "
+            "log-sum-exp, which the invariant attention kernels do not write)"
+        )
     if config.parallel_config.tensor_parallel_size > 2:
         # Two ranks' partial sums add to the same bits whichever rank's comes first and whatever
         # the algorithm (one correctly rounded addition); three or more add in an order that NCCL

@@ -112,6 +112,7 @@ def test_generated_logprobs_equal_the_scoring_pass(engine):
         ({"enable_lora": True}, "enable_lora"),
         ({"cpu_compile": True}, "cpu_compile"),
         ({"tensor_parallel_size": 4}, "tensor_parallel_size > 2"),
+        ({"context_parallel_size": 2}, "context_parallel_size > 1"),
     ],
 )
 def test_refuses_pieces_without_an_invariant_path(tiny_llama_dir: str, kwargs: dict, piece: str):
