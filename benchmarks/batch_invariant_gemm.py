@@ -38,15 +38,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from pagedllm.kernels.bench import graph_median_us
 from pagedllm.kernels.triton.batch_invariant_matmul import (
     TILES,
     LayerGemm,
     MatmulTiles,
     batch_invariant_matmul,
     num_k_splits,
-    num_sms,
     tiles_for,
 )
+from pagedllm.kernels.triton.split_k import num_sms
 
 # (model, layer): (N, K) of one rank's weight.
 LAYERS = {
@@ -78,26 +79,9 @@ SWEEP = [
 ]
 
 
-def _graph_us(fn, repeats: int = 5, calls: int = 50) -> float:
+def _graph_us(fn, calls: int = 50) -> float:
     """Device microseconds per call, replayed from a CUDA graph of ``calls`` calls."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):  # compile and settle allocations outside the capture
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+    return graph_median_us([fn] * calls)
 
 
 def measure(n: int, k: int, m: int, device: torch.device, tiles: MatmulTiles | None = None) -> dict:

@@ -499,6 +499,33 @@ def _median_ms(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(graph.replay, return_mode="median")
 
 
+def graph_median_us(calls: Sequence[Callable[[], object]], repeats: int = 20) -> float:
+    """Median device microseconds per call of ``calls`` run back to back, as a decode step runs its
+    launches: each called once on a side stream (compiles, allocations), then all captured in one
+    CUDA graph, whose replays are timed with events. Calls that read different tensors (a layer's
+    weight copies larger together than L2) time reads from HBM."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return 1000 * sorted(times)[repeats // 2] / len(calls)
+
+
 def _copy_ms(num_bytes: int) -> float:
     # Random bytes, not zeros (METHOD.md: zeros can time differently).
     src = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, device="cuda")

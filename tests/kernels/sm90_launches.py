@@ -5,6 +5,7 @@ runs, so only shapes, dtypes and strides matter here."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -249,17 +250,21 @@ def batch_invariant() -> None:
 
 def quant() -> None:
     """The quantized GEMMs in 16-bit: the skinny decode kernel (FP8 per channel and in 128 x 128
-    blocks, 4-bit in groups of 128 and one group per row), the W4A16 and FP8 block GEMMs, and the
-    activation quantization (called directly: its wrapper rounds CPU tensors with torch)."""
+    blocks, 4-bit in groups of 128 and one group per row; both products, over all of K and split),
+    the W4A16 dequantization and the FP8 block GEMM, and the activation quantization (called
+    directly: its wrapper rounds CPU tensors with torch)."""
     n, k, e4m3 = 256, 1024, torch.float8_e4m3fn
     fp8, packed = torch.empty(n, k, dtype=e4m3), torch.empty(n, k // 8, dtype=torch.int32)
     for dtype in (torch.bfloat16, torch.float16):
-        x = torch.empty(5, k, dtype=dtype)
-        skinny_gemm(x, fp8, torch.empty(n, 1), k)
-        skinny_gemm(x, fp8, torch.empty(n // 128, k // 128), 128, 128)
-        for group in (128, k):
-            groups = torch.empty(n, k // group, dtype=dtype)
-            skinny_gemm(x, packed, groups, group, zeros=groups)
+        for rows, product in itertools.product((1, 4, 5), ({"num_splits": 1}, {"num_splits": 2})):
+            x = torch.empty(rows, k, dtype=dtype)
+            for fma in (0, 1):
+                launch = product | {"fma": fma}
+                skinny_gemm(x, fp8, torch.empty(n, 1), k, launch=launch)
+                skinny_gemm(x, fp8, torch.empty(n // 128, k // 128), 128, 128, launch=launch)
+                for group in (128, k):
+                    groups = torch.empty(n, k // group, dtype=dtype)
+                    skinny_gemm(x, packed, groups, group, zeros=groups, launch=launch)
         w4a16_gemm(torch.empty(40, k, dtype=dtype), packed, groups, groups, k)
         fp8_block_gemm(torch.empty(40, k, dtype=dtype), fp8, torch.empty(n // 128, k // 128), (128, 128))
         for group, block in ((k, 1024), (128, 128)):

@@ -16,13 +16,12 @@ from pagedllm.kernels.triton.batch_invariant_matmul import (
     WIDE_SPLIT_STAGES,
     LayerGemm,
     MatmulTiles,
-    arrival_counters,
     batch_invariant_matmul,
     num_k_splits,
-    num_sms,
     tiles_for,
     wide_tiles,
 )
+from pagedllm.kernels.triton.split_k import arrival_counters, num_sms
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Triton's interpreter does bfloat16 arithmetic on the raw bit patterns (tests/kernels/

@@ -11,14 +11,17 @@ from pagedllm.kernels.triton.quant_gemm import (
     fp8_block_gemm,
     pack_w4a16,
     quantize_per_token_group,
-    w4a16_block_k,
+    w4a16_fits,
     w4a16_gemm,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 48, 64, 32), (5, 40, 128, 64), (19, 32, 96, 32)])
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group"),
+    [(1, 48, 64, 32), (5, 40, 128, 64), (19, 32, 96, 32), (3, 17, 1040, 8), (2, 33, 96, 96)],
+)
 def test_w4a16_gemm_matches_the_dequantized_matmul(m: int, n: int, k: int, group: int) -> None:
     generator = torch.Generator().manual_seed(m)
     q = torch.randint(0, 16, (n, k), generator=generator)
@@ -35,9 +38,9 @@ def test_w4a16_packing_puts_input_8i_plus_j_in_nibble_j_of_word_i() -> None:
     assert pack_w4a16(q).tolist() == [[int("F7654321", 16) - 2**32]]
 
 
-def test_w4a16_refuses_groups_without_a_common_tile() -> None:
-    assert w4a16_block_k(128, 256) == 128 and w4a16_block_k(32, 96) == 32
-    assert w4a16_block_k(8, 64) is None
+def test_w4a16_takes_groups_of_whole_words_only() -> None:
+    assert w4a16_fits(128, 256) and w4a16_fits(32, 96) and w4a16_fits(8, 64) and w4a16_fits(24, 96)
+    assert not w4a16_fits(4, 64) and not w4a16_fits(12, 96)
 
 
 def _block_quantize(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:

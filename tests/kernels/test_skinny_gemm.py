@@ -14,6 +14,18 @@ from pagedllm.kernels.triton.skinny_gemm import group_in_tile, skinny_gemm
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Small tiles, so that tiny shapes still cross several tiles of N and K (and their ragged edges).
 SMALL = {"block_n": 16, "block_k": 32, "num_stages": 1}
+# Both products (tensor-core DOT, register FMA), each over all of K and cut into up to three K
+# ranges summed by the last program to arrive.
+PRODUCTS = pytest.mark.parametrize(
+    "product",
+    [
+        {"fma": 0, "num_splits": 1},
+        {"fma": 1, "num_splits": 1},
+        {"fma": 0, "num_splits": 3},
+        {"fma": 1, "num_splits": 3},
+    ],
+    ids=["dot", "fma", "dot-split", "fma-split"],
+)
 
 
 def _fp8(n: int, k: int, scale_rows: int, group_k: int, generator: torch.Generator):
@@ -43,7 +55,8 @@ def _check(out: torch.Tensor, x: torch.Tensor, dense: torch.Tensor) -> None:
         ("block-2-per-tile", 3, 40, 160),
     ],
 )
-def test_fp8_weights_match_the_dequantized_matmul(scheme: str, m: int, n: int, k: int) -> None:
+@PRODUCTS
+def test_fp8_weights_match_the_dequantized_matmul(scheme: str, m: int, n: int, k: int, product: dict) -> None:
     generator = torch.Generator().manual_seed(m * n + k)
     # Blocks of 16 x 32 (ragged at N's and K's ends); per channel: one group over K; per tensor:
     # one scale for every row; blocks two to a K tile.
@@ -51,6 +64,7 @@ def test_fp8_weights_match_the_dequantized_matmul(scheme: str, m: int, n: int, k
     q, scale, dense = _fp8(n, k, scale_rows, group_k, generator)
     x = torch.randn(m, k, generator=generator)
     launch = SMALL | {"block_k": 64} if scheme == "block-2-per-tile" else SMALL  # a ragged last tile
+    launch = launch | product
     out = skinny_gemm(x.to(DEVICE), q.to(DEVICE), scale.to(DEVICE), group_k, scale_rows, launch=launch)
     assert out.shape == (m, n) and out.dtype == x.dtype
     _check(out, x, dense)
@@ -67,14 +81,15 @@ def test_fp8_weights_match_the_dequantized_matmul(scheme: str, m: int, n: int, k
         (2, 16, 72, 72),
     ],
 )
-def test_int4_weights_match_the_dequantized_matmul(m: int, n: int, k: int, group: int) -> None:
+@PRODUCTS
+def test_int4_weights_match_the_dequantized_matmul(m: int, n: int, k: int, group: int, product: dict) -> None:
     generator = torch.Generator().manual_seed(m * n + k)
     q = torch.randint(0, 16, (n, k), generator=generator)
     scales = torch.rand(n, k // group, generator=generator) * 0.1 + 0.01
     zeros = torch.randint(0, 16, (n, k // group), generator=generator).float()
     dense = (q - zeros.repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
     x = torch.randn(m, k, generator=generator)
-    launch = {"block_n": 16, "block_k": 64, "num_stages": 1}
+    launch = {"block_n": 16, "block_k": 64, "num_stages": 1} | product
     out = skinny_gemm(
         x.to(DEVICE),
         pack_w4a16(q).to(DEVICE),
@@ -90,3 +105,23 @@ def test_scale_groups_sit_whole_inside_a_k_tile() -> None:
     assert group_in_tile(128, 4096, 512) == (128, 512) and group_in_tile(128, 4096, 64) == (128, 128)
     assert group_in_tile(4096, 4096, 256) == (0, 256)  # one group over K: scaled once, at the end
     assert group_in_tile(96, 4096, 256) is None and group_in_tile(4, 64, 256) is None
+
+
+def test_split_launches_sum_in_one_order_and_leave_their_counters_at_zero() -> None:
+    """The split partials' sum has one order (the same bits on every call), and the last program of
+    each tile resets its counter, so the next launch (a CUDA graph's replay) starts from zero."""
+    from pagedllm.kernels.triton.split_k import arrival_counters
+
+    generator = torch.Generator().manual_seed(7)
+    n, k, group = 40, 256, 32
+    q = torch.randint(0, 16, (n, k), generator=generator)
+    scales = torch.rand(n, k // group, generator=generator) * 0.1 + 0.01
+    zeros = torch.randint(0, 16, (n, k // group), generator=generator).float()
+    x = torch.randn(3, k, generator=generator).to(DEVICE)
+    args = (x, pack_w4a16(q).to(DEVICE), scales.to(DEVICE), group)
+    launch = {"block_n": 16, "block_k": 32, "num_stages": 1, "fma": 1, "num_splits": 4}
+    first = skinny_gemm(*args, zeros=zeros.to(DEVICE), launch=launch)
+    assert torch.equal(skinny_gemm(*args, zeros=zeros.to(DEVICE), launch=launch), first)
+    assert not arrival_counters(x.device, 0).any()
+    dense = (q - zeros.repeat_interleave(group, 1)) * scales.repeat_interleave(group, 1)
+    _check(first, x.cpu(), dense)

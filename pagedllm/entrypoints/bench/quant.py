@@ -17,12 +17,14 @@ past it show the crossover). Each time is a median of ``triton.testing.do_bench`
 after warm-up, the L2 cache flushed between runs: an 8B layer's weights would otherwise partly
 hit it). Reported per row: ms, the weight bytes the path reads over its time (GB/s) and their
 fraction of the device's copy bandwidth (bytes read + written per second, as the W3 floor uses),
-and TFLOP/s. ``--sweep`` also times the skinny kernels' launch alternatives at one token.
+and TFLOP/s. ``--sweep`` also times the skinny kernels' launch alternatives from 1 to 16 tokens,
+each in a CUDA graph over weight copies that miss L2, as a decode step runs them.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 from collections.abc import Callable
@@ -42,7 +44,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-tokens", type=int, nargs="+", default=[1, 8, 64, 512, 4096])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument(
-        "--sweep", action="store_true", help="also time the skinny kernels' launch alternatives"
+        "--sweep",
+        action="store_true",
+        help="also time the skinny kernels' launch alternatives (1 to 16 tokens, CUDA graphs)",
     )
     parser.add_argument("--output-json", default=None)
 
@@ -123,32 +127,80 @@ def bench_shape(name: str, num_tokens: list[int], copy_bytes_per_s: float) -> li
     return rows
 
 
+# The skinny kernels' launch alternatives: (block_n, block_k, num_warps) per format and product
+# (fma 0: tensor cores, 1: registers), and the K splits tried with each.
+SWEEP_TILES = {
+    ("fp8", 0): ((32, 512, 4), (32, 128, 4), (64, 256, 4), (16, 512, 4)),
+    ("fp8", 1): ((8, 512, 4), (16, 512, 2), (16, 256, 1), (32, 256, 2), (8, 1024, 2), (4, 1024, 1)),
+    ("w4a16", 0): ((16, 256, 4), (32, 128, 4), (64, 128, 4)),
+    ("w4a16", 1): (
+        (8, 512, 4),
+        (16, 256, 1),
+        (16, 512, 2),
+        (32, 256, 2),
+        (16, 256, 2),
+        (8, 1024, 2),
+        (4, 1024, 1),
+    ),
+}
+SWEEP_SPLITS = {0: (1, 2, 4), 1: (1, 2)}
+SWEEP_ROWS = (1, 4, 8, 16)
+# Weight copies per timed graph: enough bytes that no launch finds its weight in L2.
+_COPY_BYTES = 240_000_000
+
+
 def sweep_skinny(name: str) -> list[dict[str, Any]]:
-    """The skinny kernels' launch alternatives at one token (FP8 per channel, W4A16 groups of 128)."""
-    from pagedllm.kernels.triton.skinny_gemm import skinny_gemm
+    """The skinny kernels' launch alternatives at ``SWEEP_ROWS`` rows (FP8 per channel, W4A16 groups
+    of 128), each timed in a CUDA graph over weight copies (``graph_median_us``); bf16's F.linear beside."""
+    from pagedllm.kernels.bench import graph_median_us
+    from pagedllm.kernels.triton.skinny_gemm import FMA_MAX_M, skinny_gemm
 
     k, n = SHAPES[name]
     gen = torch.Generator(device="cuda").manual_seed(k * n)
-    fp8_w = torch.randn(n, k, device="cuda", generator=gen).to(torch.float8_e4m3fn)
-    fp8_s = torch.rand(n, 1, device="cuda", generator=gen)
-    qweight = torch.randint(0, 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32, generator=gen)
-    scales = torch.rand(n, k // W4A16_GROUP, device="cuda", generator=gen).bfloat16()
-    x = torch.randn(1, k, device="cuda").bfloat16()
-    products = {
-        "fp8": (n * k, lambda launch: skinny_gemm(x, fp8_w, fp8_s, k, launch=launch)),
+    formats: dict[str, tuple[int, Callable[[], Any], Callable[..., Any]]] = {
+        "bf16": (
+            2 * n * k,
+            lambda: (0.02 * torch.randn(n, k, device="cuda", generator=gen)).bfloat16(),
+            lambda x, w, launch: F.linear(x, w),
+        ),
+        "fp8": (
+            n * k,
+            lambda: (
+                torch.randn(n, k, device="cuda", generator=gen).to(torch.float8_e4m3fn),
+                torch.rand(n, 1, device="cuda", generator=gen),
+            ),
+            lambda x, w, launch: skinny_gemm(x, w[0], w[1], k, launch=launch),
+        ),
         "w4a16": (
             n * k // 2,
-            lambda launch: skinny_gemm(x, qweight, scales, W4A16_GROUP, zeros=scales, launch=launch),
+            lambda: (
+                torch.randint(0, 2**31 - 1, (n, k // 8), device="cuda", dtype=torch.int32, generator=gen),
+                torch.rand(n, k // W4A16_GROUP, device="cuda", generator=gen).bfloat16(),
+            ),
+            lambda x, w, launch: skinny_gemm(x, w[0], w[1], W4A16_GROUP, zeros=w[1], launch=launch),
         ),
     }
     rows = []
-    for fmt, (weight_bytes, product) in products.items():
-        alternatives = itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5))
-        for block_n, block_k, warps, stages in alternatives:
-            launch = {"block_n": block_n, "block_k": block_k, "num_warps": warps, "num_stages": stages}
-            ms = _median_ms(lambda p=product, launch=launch: p(launch))
-            rows.append({"shape": name, "format": fmt, "launch": launch, "ms": ms,
-                         "weight_gb_s": weight_bytes / ms / 1e6})  # fmt: skip
+    for fmt, (weight_bytes, make, product) in formats.items():
+        copies = [make() for _ in range(max(2, -(-_COPY_BYTES // weight_bytes)))]
+        for m in SWEEP_ROWS:
+            x = torch.randn(m, k, device="cuda").bfloat16()
+            launches: list[dict[str, int] | None] = [None]  # bf16; the skinny kernels' default
+            if fmt != "bf16":
+                for fma in (0, 1) if m <= FMA_MAX_M else (0,):
+                    for (bn, bk, warps), splits in itertools.product(
+                        SWEEP_TILES[fmt, fma], SWEEP_SPLITS[fma]
+                    ):
+                        stages = 5 if not fma and k >= 8192 else 3
+                        launches.append({"block_n": bn, "block_k": bk, "num_warps": warps,
+                                         "num_stages": stages, "fma": fma, "num_splits": splits})  # fmt: skip
+            for launch in launches:
+                calls = [functools.partial(product, x, w, launch) for w in copies]
+                us = graph_median_us(calls)
+                rows.append({"shape": name, "format": fmt, "num_tokens": m, "launch": launch or "default",
+                             "us": us, "weight_gb_s": weight_bytes / us / 1e3})  # fmt: skip
+        del copies
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -190,10 +242,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     }
     if args.sweep:
         sweep = [row for name in args.shapes for row in sweep_skinny(name)]
-        for (shape, fmt), group in itertools.groupby(sweep, key=lambda r: (r["shape"], r["format"])):
-            best = min(group, key=lambda r: r["ms"])
-            print(f"skinny {fmt} at {shape}, 1 token: best {best['launch']} {best['ms']:.4f} ms "
-                  f"({best['weight_gb_s']:.0f} GB/s of weights)")  # fmt: skip
+        key = lambda r: (r["shape"], r["format"], r["num_tokens"])  # noqa: E731
+        for (shape, fmt, m), group in itertools.groupby(sorted(sweep, key=key), key=key):
+            group = list(group)
+            best = min(group, key=lambda r: r["us"])
+            default = next(r for r in group if r["launch"] == "default")
+            print(f"{fmt} at {shape}, {m} tokens: default {default['us']:.1f} us, best {best['us']:.1f} us "
+                  f"({best['weight_gb_s']:.0f} GB/s of weights) {best['launch']}")  # fmt: skip
         report["sweep"] = sweep
     if args.output_json:
         with open(args.output_json, "w") as f:

@@ -35,7 +35,7 @@ Two schedules compute those same sums; the host picks by M, which changes only w
   ``partial[s]`` of its tile to a float32 buffer ``[num_splits, M, N]``, then counts itself in
   on the tile's arrival counter; the program that arrives last (whichever split it is) adds the
   tile's partials in split order, adds the bias, casts and stores, and sets the counter back to 0
-  for the next call (a CUDA graph replays it too). The order of the sum is fixed; only who does
+  for the next call (a CUDA graph replays it too; split_k.py). The order of the sum is fixed; only who does
   it varies. One launch per layer: a separate reduce kernel cost a launch per projection, about
   10% of a batch-1 decode step of an 8B model (224 launches a step).
 * in program (many rows: the tiles fill the GPU already, and the partials would cost
@@ -44,8 +44,8 @@ Two schedules compute those same sums; the host picks by M, which changes only w
   in the same order.
 
 Layouts: x ``[M, K]`` (any row stride, unit column stride); weight ``[N, K]`` row-major (nn.Linear's);
-bias ``[N]``; out ``[M, N]`` contiguous, x's dtype; the arrival counters ``[num_sms]`` int32, zero
-between calls (a split-in-grid launch has fewer tiles than SMs). Bound: memory at decode (``2 N K``
+bias ``[N]``; out ``[M, N]`` contiguous, x's dtype; the arrival counters int32, one per tile, zero
+between calls. Bound: memory at decode (``2 N K``
 bytes of bf16 weights, plus ``8 num_splits M N`` of partials), compute at prefill (``2 M N K`` FLOPs).
 
 Launched with programmatic dependent launch on Hopper (``pdl.py``): the programs are scheduled
@@ -56,7 +56,6 @@ these launches a token.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -65,6 +64,7 @@ import triton.language as tl
 
 from pagedllm.kernels.triton.gemm_tile import output_tile
 from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
+from pagedllm.kernels.triton.split_k import arrival_counters, num_sms, sum_splits_in_order
 
 
 @dataclass(frozen=True)
@@ -271,24 +271,13 @@ def _matmul_kernel(
         acc = _split_range(operands, k_start, tl.minimum(k_start + k_per_split, K), K, CONFIG)
         mask = mask_m[:, None] & mask_n[None, :]
         partial_ptrs = partials_ptr + offs_m[:, None].to(tl.int64) * stride_pm + offs_n[None, :]
-        # int64: splits x M x N partials can pass 2**31 elements (a vocabulary-sized N).
-        tl.store(partial_ptrs + split.to(tl.int64) * stride_ps, acc, mask=mask)
-        # Every thread's stores before the release (acq_rel) of the count: the last to arrive
-        # acquires them all.
-        tl.debug_barrier()
         tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel")
-        if arrived == num_splits - 1:
-            # .cg: from L2, where the other SMs' partials are, never a stale L1 line.
-            acc = tl.load(partial_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-            for _ in range(1, num_splits):
-                partial_ptrs += stride_ps  # a 64-bit pointer: no int32 product to overflow
-                acc += tl.load(partial_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        last, acc = sum_splits_in_order(acc, partial_ptrs, stride_ps, mask, counters_ptr + tile, num_splits)
+        if last:
             if HAS_BIAS:
                 acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
             out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-            tl.atomic_xchg(counters_ptr + tile, 0)
     else:
         # The first split starts the sum (not 0 + partial[0], which would turn -0.0 into +0.0).
         acc = _split_range(operands, 0, tl.minimum(k_per_split, K), K, CONFIG)
@@ -299,28 +288,6 @@ def _matmul_kernel(
             acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         out_ptrs = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
-
-
-@functools.cache
-def num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-
-
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device, num_tiles: int) -> torch.Tensor:
-    """The split-in-grid launches' tile counters on ``device``, at least ``num_tiles`` of them:
-    zeroed once and left at zero by every launch. The engine's launches have fewer tiles than SMs,
-    so the first (made by the profile run, before any CUDA graph is captured) is the last made."""
-    counters = _counters.get(device)
-    if counters is None or counters.numel() < num_tiles:
-        capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        assert not capturing, "arrival counters made during a CUDA graph capture"
-        counters = _counters[device] = torch.zeros(
-            max(num_tiles, num_sms(device)), dtype=torch.int32, device=device
-        )
-    return counters
 
 
 def batch_invariant_matmul(

@@ -1,13 +1,15 @@
 """GEMMs over quantized weights: W4A16 (4-bit integer weights in groups, 16-bit activations) and
 FP8 block-scaled W8A8 (DeepSeek-V3's format), ``out = x W^T``.
 
-W4A16 (GPTQ/AWQ/compressed-tensors weights repacked at load into one layout)::
+W4A16 above the few-token kernel's rows (skinny_gemm.py) is dequantize-then-GEMM, as vLLM's AWQ
+path does from 256 tokens: one kernel writes the layer's weight in x's dtype, then cuBLAS
+multiplies. From 32 rows up the product's FLOPs, not the weight's bytes, bound the layer, and
+cuBLAS's 16-bit GEMM runs at the tensor cores' rate; the dequantization's extra traffic (2.5
+bytes per weight, read and written once) is a few percent of a prefill chunk's GEMM. Its kernel::
 
-    for each K tile (BLOCK_K inputs, inside one group):
-        q    = (qweight[n, k // 8] >> 4 (k % 8)) & 0xF            # [BLOCK_N, BLOCK_K] nibbles
-        w    = (q - zeros[n, k // G]) * scales[n, k // G]         # dequantized in registers
-        acc += x[m, k] @ w^T                                       # fp32 accumulator
-    out = acc
+    grid (cdiv(N, BLOCK_N), cdiv(K / 8, BLOCK_WORDS)); a program: BLOCK_N rows x BLOCK_WORDS words
+    q = (qweight[n, i] >> 4 j) & 0xF                                # input 8 i + j
+    w[n, 8 i + j] = (q - zeros[n, 8 i // G]) * scales[n, 8 i // G]  # float32, rounded once
 
 FP8 block-scaled (``x`` quantized per token group of ``block_k`` by the wrapper)::
 
@@ -15,22 +17,21 @@ FP8 block-scaled (``x`` quantized per token group of ``block_k`` by the wrapper)
         acc += (x_fp8 @ w_fp8^T) * x_scale[m, kb] * w_scale[n // block_n, kb]
 
 Grid: ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N))``; a program computes a BLOCK_M x BLOCK_N tile of
-``out`` over all of K. At batch 1 the weight read is the whole cost: each program streams
-BLOCK_N rows of packed weights once (N / BLOCK_N programs: 128 rows per program of a 4096-row
-weight fill 32 SMs; smaller BLOCK_N for more, per the launch table below).
+``out`` over all of K.
 
 Layouts: x [M, K] row-major (any row stride); W4A16 qweight int32 [N, K / 8] (nibble j of word i
 is input 8 i + j), scales and zeros [N, K / G] in x's dtype (zeros as values, 0..15 in the
-nibbles' offset); FP8 weight e4m3 [N, K], weight_scale float32 [cdiv(N, bn), cdiv(K, bk)].
+nibbles' offset; G a multiple of 8); FP8 weight e4m3 [N, K], weight_scale float32 [cdiv(N, bn),
+cdiv(K, bk)].
 
-Bound: memory at small M. W4A16 reads ``N K / 2`` bytes of weights plus ``4 N K / G`` of scales
-and zeros (bf16): 0.56 bytes per weight at G = 128; FP8 reads ``N K`` bytes. FLOPs ``2 M N K``.
-Not tuned on a device yet: ``BLOCK_*`` below are first choices that fit Hopper's shared memory.
+Bound: the dequantization reads ``N K / 2`` bytes of weights plus ``4 N K / G`` of scales and zeros
+and writes ``2 N K``; FP8 reads ``N K`` bytes. FLOPs ``2 M N K``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -44,41 +45,29 @@ _SCALE_FLOOR = tl.constexpr(1.1920928955078125e-07)
 
 
 @triton.jit
-def _w4a16_kernel(
-    x_ptr,
-    qweight_ptr,
-    scales_ptr,
-    zeros_ptr,
-    out_ptr,
-    M,
-    N,
-    K,
-    GROUP_SIZE,
-    stride_xm,
-    stride_qn,
-    stride_sn,
-    stride_om,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    offs_m, offs_n, offs_k, mask_m, mask_n = output_tile(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
-    shifts = (offs_k % 8) * 4  # [BLOCK_K]: each input's nibble in its word
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + offs_k
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=mask_m[:, None], other=0.0)
-        words = tl.load(
-            qweight_ptr + offs_n[:, None] * stride_qn + (k // 8)[None, :], mask=mask_n[:, None], other=0
-        )
-        q = (words >> shifts[None, :]) & 0xF  # [BLOCK_N, BLOCK_K]
-        group = k0 // GROUP_SIZE  # BLOCK_K divides GROUP_SIZE: one group per tile
-        scale = tl.load(scales_ptr + offs_n * stride_sn + group, mask=mask_n, other=0.0).to(tl.float32)
-        zero = tl.load(zeros_ptr + offs_n * stride_sn + group, mask=mask_n, other=0.0).to(tl.float32)
-        w = ((q.to(tl.float32) - zero[:, None]) * scale[:, None]).to(x.dtype)
-        acc += tl.dot(x, tl.trans(w))
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+def _w4a16_dequantize_kernel(
+    qweight_ptr, scales_ptr, zeros_ptr, out_ptr, N, WORDS, GROUP_SIZE, stride_qn, stride_sn, stride_on,
+    BLOCK_N: tl.constexpr, BLOCK_WORDS: tl.constexpr,
+):  # fmt: skip
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_i = tl.program_id(1) * BLOCK_WORDS + tl.arange(0, BLOCK_WORDS)
+    offs_j = tl.arange(0, 8)
+    rows = offs_n[:, None].to(tl.int64)
+    mask = (offs_n < N)[:, None] & (offs_i < WORDS)[None, :]
+    words = tl.load(qweight_ptr + rows * stride_qn + offs_i[None, :], mask=mask, other=0)
+    at = rows * stride_sn + (offs_i * 8 // GROUP_SIZE)[None, :]  # a word's 8 inputs share a group
+    scale = tl.load(scales_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    zero = tl.load(zeros_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    # 2**23 + q: the nibble in the low mantissa bits of 2**23, with no int -> float conversion
+    # (skinny_gemm.py); subtracting 2**23 + z leaves q - z exactly.
+    q = (((words[:, :, None] >> (offs_j * 4)[None, None, :]) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+    w = (q - (zero + 8388608.0)[:, :, None]) * scale[:, :, None]
+    k = offs_i[:, None] * 8 + offs_j[None, :]
+    tl.store(
+        out_ptr + rows[:, :, None] * stride_on + k[None, :, :],
+        w.to(out_ptr.dtype.element_ty),
+        mask=mask[:, :, None],
+    )
 
 
 def pack_w4a16(q: torch.Tensor) -> torch.Tensor:
@@ -90,36 +79,37 @@ def pack_w4a16(q: torch.Tensor) -> torch.Tensor:
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
-def w4a16_block_k(group_size: int, k: int) -> int | None:
-    """The K tile for a group size (a power of two from 16 to 128 that divides the group), or
-    None where the kernel cannot run (the caller falls back)."""
-    for block_k in (128, 64, 32, 16):
-        if group_size % block_k == 0 and k % block_k == 0:
-            return block_k
-    return None
+def w4a16_fits(group_size: int, k: int) -> bool:
+    """Whether the W4A16 kernels take these groups (each packed word's 8 inputs in one group)."""
+    return group_size % 8 == 0 and k % 8 == 0
+
+
+def dequantize_w4a16(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The [N, K] weight in ``dtype`` from its packed nibbles, scales and zeros (module doc)."""
+    n, words = qweight.shape
+    k = words * 8
+    assert w4a16_fits(group_size, k), f"group_size {group_size} and K {k}: groups of a multiple of 8"
+    assert qweight.dtype == torch.int32 and qweight.stride(1) == 1, f"qweight {qweight.dtype}"
+    assert scales.shape == zeros.shape == (n, k // group_size) and scales.stride() == zeros.stride()
+    assert scales.stride(1) == 1
+    out = torch.empty(n, k, dtype=dtype, device=qweight.device)
+    block_n, block_words = 16, 64
+    grid = (triton.cdiv(n, block_n), triton.cdiv(words, block_words))
+    _w4a16_dequantize_kernel[grid](
+        qweight, scales, zeros, out, n, words, group_size, qweight.stride(0), scales.stride(0), out.stride(0),
+        BLOCK_N=block_n, BLOCK_WORDS=block_words,
+    )  # fmt: skip
+    return out
 
 
 def w4a16_gemm(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """x [M, K] @ dequantized W [N, K]^T -> [M, N] in x's dtype (layouts in the module doc)."""
-    m, k = x.shape
-    n = qweight.shape[0]
-    block_k = w4a16_block_k(group_size, k)
-    assert block_k is not None, f"group_size {group_size} and K {k} need a common tile of 16..128"
-    assert qweight.dtype == torch.int32 and qweight.shape == (n, k // 8), f"qweight {tuple(qweight.shape)}"
-    assert scales.shape == zeros.shape == (n, k // group_size) and scales.stride() == zeros.stride()
-    assert x.stride(1) == 1 and qweight.stride(1) == 1 and scales.stride(1) == 1
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_m = 16 if m <= 16 else 64
-    block_n = 32 if m <= 16 else 64
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _w4a16_kernel[grid](
-        x, qweight, scales, zeros, out, m, n, k, group_size,
-        x.stride(0), qweight.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-    )  # fmt: skip
-    return out
+    assert x.shape[1] == qweight.shape[1] * 8, f"x {tuple(x.shape)} for packed {tuple(qweight.shape)}"
+    return F.linear(x, dequantize_w4a16(qweight, scales, zeros, group_size, x.dtype))
 
 
 @triton.jit

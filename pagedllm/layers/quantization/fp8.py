@@ -136,6 +136,7 @@ class Fp8LinearMethod(LinearMethod):
 
             self.skinny_gemm = skinny_gemm.skinny_gemm
             self.skinny_max_m = skinny_gemm.SKINNY_MAX_M
+            skinny_gemm.reserve(weight.device)
         if self.kernel is Fp8Kernel.SCALED_MM:
             from pagedllm.kernels.triton.quant_gemm import quantize_per_token_group
 

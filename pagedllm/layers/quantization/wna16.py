@@ -25,9 +25,10 @@ its scales and zeros are then kept whole on every rank and ``g_idx`` (sharded) p
 After loading, every format unpacks to one form, ``UnpackedWeight``: the integers ``q [N, K]``
 and per-group zero points and scales ``[N, K / g]``. From it a layer either runs the dequantized
 product (the weight dequantized once, exactly in float32, then held in the model dtype: the
-CPU's path and the oracle) or, on CUDA for 4-bit weights in groups the kernel tiles, repacks it
-for the Triton W4A16 GEMM (kernels/triton/quant_gemm.py; batches of at most 16 tokens take the
-weight-read-bound kernels/triton/skinny_gemm.py). GPTQ's ``desc_act`` groups are not
+CPU's path and the oracle) or, on CUDA for 4-bit weights in groups of a multiple of 8, repacks it
+for the Triton W4A16 kernels: batches of at most 16 tokens take the weight-read-bound
+kernels/triton/skinny_gemm.py, larger ones the weight dequantized by one launch for cuBLAS
+(kernels/triton/quant_gemm.py). GPTQ's ``desc_act`` groups are not
 contiguous in K: those layers run dequantized everywhere, with a notice.
 """
 
@@ -129,7 +130,7 @@ class IntWeightMethod(LinearMethod):
             layer.register_buffer("weight", unpacked.dequantize().to(layer.params_dtype), persistent=False)
             return
         from pagedllm.kernels.triton.quant_gemm import pack_w4a16, w4a16_gemm
-        from pagedllm.kernels.triton.skinny_gemm import SKINNY_MAX_M, group_in_tile, skinny_gemm
+        from pagedllm.kernels.triton.skinny_gemm import SKINNY_MAX_M, group_in_tile, reserve, skinny_gemm
 
         # The kernel's nibbles are unsigned: q and z shift together, so q - z is unchanged.
         shift = unpacked.offset
@@ -143,6 +144,7 @@ class IntWeightMethod(LinearMethod):
         if group_in_tile(unpacked.group_size, unpacked.q.shape[1], 16) is not None:
             self.skinny_gemm = functools.partial(skinny_gemm, group_k=unpacked.group_size)
             self.skinny_max_m = SKINNY_MAX_M
+            reserve(unpacked.q.device)
 
     def kernel_fits(self, unpacked: UnpackedWeight, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether the Triton W4A16 GEMM takes this weight (CUDA, 4 bits, groups it can tile)."""
@@ -151,9 +153,9 @@ class IntWeightMethod(LinearMethod):
         if device.type == "cpu":
             return False  # by design: the dequantized product is the CPU's path and the oracle
         if platform_for(device).triton and self.scheme.bits == 4 and dtype != torch.float32:
-            from pagedllm.kernels.triton.quant_gemm import w4a16_block_k
+            from pagedllm.kernels.triton.quant_gemm import w4a16_fits
 
-            if w4a16_block_k(unpacked.group_size, unpacked.q.shape[1]) is not None:
+            if w4a16_fits(unpacked.group_size, unpacked.q.shape[1]):
                 return True
         notify_fallback(f"{type(self).__name__} weights ({self.scheme.bits}-bit, these groups)", device)
         return False
