@@ -171,3 +171,17 @@ def test_fp8_decode_batches_take_the_weight_only_kernel(kernel, num_tokens, monk
     x, bias = torch.randn(num_tokens, K, generator=generator), torch.randn(N, generator=generator)
     expected = x @ dense.weight.t() + bias
     torch.testing.assert_close(fast.quant_method.apply(fast, x, bias), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_blocks_narrower_than_the_mma_run_dequantized_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU's FP8 MMA needs K tiles of at least 32: 128 x 128 blocks (DeepSeek-V3's) take the
+    Triton block GEMM, 16-wide ones the dequantized product (a weight on a stand-in device)."""
+    monkeypatch.setattr(fp8_module, "scaled_mm_supported", lambda device: True)
+    weight = torch.empty(256, 512, device="meta")
+    for width, expected in (
+        (128, Fp8Kernel.BLOCK_TRITON),
+        (32, Fp8Kernel.BLOCK_TRITON),
+        (16, Fp8Kernel.DEQUANTIZED),
+    ):
+        scheme = Fp8Scheme(WeightScheme.BLOCK, ActivationScheme.DYNAMIC_TOKEN, block=(width, width))
+        assert fp8_module.choose_kernel(scheme, weight, torch.bfloat16) is expected, width

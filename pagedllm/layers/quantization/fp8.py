@@ -213,7 +213,9 @@ def choose_kernel(scheme: Fp8Scheme, weight: torch.Tensor, dtype: torch.dtype) -
         return Fp8Kernel.DEQUANTIZED  # by design: the oracle
     fast = scaled_mm_supported(device) and dtype in (torch.bfloat16, torch.float16)
     if fast and scheme.weight is WeightScheme.BLOCK:
-        if scheme.block[1] in (16, 32, 64, 128) and weight.shape[1] % scheme.block[1] == 0:
+        from pagedllm.kernels.triton.quant_gemm import fp8_block_fits
+
+        if fp8_block_fits(scheme.block[1], weight.shape[1]):
             return Fp8Kernel.BLOCK_TRITON
     elif fast and scheme.activation is not ActivationScheme.NONE and dtype == torch.bfloat16:
         return Fp8Kernel.SCALED_MM  # rowwise scales: bf16 output only
