@@ -1,7 +1,7 @@
 """Perplexity of a shipped text under each weight format: how much a quantization costs.
 
     PYTHONPATH=. python benchmarks/perplexity.py [--model DIR] [--variants bf16,fp8,w4a16-g32,...]
-        [--work-dir D] [--output-json F]
+        [--checkpoint NAME=DIR ...] [--work-dir D] [--output-json F]
 
 Scores ``data/pride_and_prejudice_ch1.txt`` (Jane Austen, 1813, public domain) from its prompt
 log-probabilities (one prefill; ``SamplingParams(prompt_logprobs=0)``): perplexity is
@@ -18,7 +18,9 @@ dequantized by transformers), which is the baseline every variant is quantized f
                          inputs (llm-compressor's W4A16 scheme without GPTQ), pack-quantized
     w4a16-asym-g32, -g64 the same with zero points (llm-compressor's W4A16_ASYM)
 
-Quantized checkpoints are written by compressed-tensors itself (its quantize and compress code).
+Quantized checkpoints are written by compressed-tensors itself (its quantize and compress code);
+``--checkpoint`` scores one made elsewhere, such as ``gptq_w4a16.py``'s GPTQ checkpoints
+(llm-compressor, calibrated on text disjoint from this one).
 """
 
 from __future__ import annotations
@@ -158,15 +160,30 @@ def main() -> None:
     parser.add_argument(
         "--variants", default=",".join(VARIANTS), help=f"comma-separated, of {list(VARIANTS)}"
     )
+    parser.add_argument(
+        "--checkpoint",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="also score a quantized checkpoint made elsewhere (gptq_w4a16.py's), in bfloat16",
+    )
     parser.add_argument("--work-dir", default=os.path.join(tempfile.gettempdir(), "pagedllm-perplexity"))
     parser.add_argument("--output-json")
     args = parser.parse_args()
     work = Path(args.work_dir)
     dense = Path(args.model) if args.model else embedded_dense_checkpoint(work / "dense")
-    rows = []
-    for name in args.variants.split(","):
+    runs = []
+    for name in filter(None, args.variants.split(",")):
         dtype, quantization, scheme = VARIANTS[name]
         model_dir = dense if scheme is None else compressed_tensors_checkpoint(dense, work / name, *scheme)
+        runs.append((name, model_dir, dtype, quantization))
+    for spec in args.checkpoint:
+        name, _, directory = spec.partition("=")
+        if not directory:
+            parser.error(f"--checkpoint {spec!r}: expected NAME=DIR")
+        runs.append((name, Path(directory), "bfloat16", "auto"))
+    rows = []
+    for name, model_dir, dtype, quantization in runs:
         value, num_tokens = perplexity(model_dir, dtype, quantization)
         rows.append({"variant": name, "dtype": dtype, "perplexity": value, "tokens": num_tokens})
         print(f"{name}: perplexity {value:.4f} over {num_tokens} tokens", flush=True)

@@ -90,6 +90,20 @@ COMPRESSED_TENSORS_SCHEMES = {
         },
         "pack-quantized",
     ),
+    # llm-compressor's GPTQ default: columns quantized in activation order, groups kept in place.
+    "w4a16-asym-g32-actorder-static": (
+        {
+            "weights": {
+                "num_bits": 4,
+                "type": "int",
+                "strategy": "group",
+                "group_size": 32,
+                "symmetric": False,
+                "actorder": "static",
+            }
+        },
+        "pack-quantized",
+    ),
     "w4a16-asym-channel": (
         {"weights": {"num_bits": 4, "type": "int", "strategy": "channel", "symmetric": False}},
         "pack-quantized",
@@ -370,6 +384,20 @@ def test_two_ranks_give_the_greedy_tokens_of_one_on_a_quantized_checkpoint(tiny,
         finally:
             llm.llm_engine.shutdown()
     assert outputs[2] == outputs[1]
+
+
+@pytest.mark.parametrize("actorder", ["group", "weight"])
+def test_compressed_tensors_activation_orders_with_a_permutation_are_refused(actorder: str) -> None:
+    from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsConfig
+
+    fields, fmt = COMPRESSED_TENSORS_SCHEMES["w4a16-asym-g32-actorder-static"]
+    weights = fields["weights"] | {"actorder": actorder}
+    config = {"format": fmt, "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
+    message = (
+        rf"quantization_config.config_groups.group_0.weights.actorder must be null or 'static'.*'{actorder}'"
+    )
+    with pytest.raises(ValueError, match=message):
+        CompressedTensorsConfig.from_config(config)
 
 
 def test_a_bad_quantization_config_fails_the_engine_before_any_worker_starts(awq_dir) -> None:

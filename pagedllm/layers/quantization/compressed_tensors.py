@@ -89,11 +89,14 @@ def _int_scheme(
     require(bits in (4, 8), f"{field}.weights.num_bits", "4 or 8", bits)
     strategy = weights.get("strategy")
     require(strategy in ("group", "channel"), f"{field}.weights.strategy", "'group' or 'channel'", strategy)
+    # GPTQ's activation ordering: "static" (llm-compressor's default) quantizes the columns in
+    # activation order but keeps each in its own contiguous group, so nothing differs at inference;
+    # "group" and "weight" store a permutation (weight_g_idx), which this loader does not read.
     actorder = weights.get("actorder")
     require(
-        actorder in (None, False),
+        actorder in (None, False, "static"),
         f"{field}.weights.actorder",
-        "null (weight_g_idx is not supported)",
+        "null or 'static' ('group' and 'weight' store weight_g_idx, which is not supported)",
         actorder,
     )
     group_size = -1
