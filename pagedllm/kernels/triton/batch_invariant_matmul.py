@@ -35,8 +35,8 @@ Two schedules compute those same sums; the host picks by M, which changes only w
   ``partial[s]`` of its tile to a float32 buffer ``[num_splits, M, N]``, then counts itself in
   on the tile's arrival counter; the program that arrives last (whichever split it is) adds the
   tile's partials in split order, adds the bias, casts and stores, and sets the counter back to 0
-  for the next call (a CUDA graph replays it too; split_k.py). The order of the sum is fixed; only who does
-  it varies. One launch per layer: a separate reduce kernel cost a launch per projection, about
+  for the next call (a CUDA graph replays it too; split_k.py). The order of the sum is fixed;
+  only who does it varies. One launch per layer: a separate reduce kernel cost a launch per projection, about
   10% of a batch-1 decode step of an 8B model (224 launches a step).
 * in program (many rows: the tiles fill the GPU already, and the partials would cost
   ``8 * num_splits * M * N`` bytes of traffic): grid ``(cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), 1)``;
@@ -45,8 +45,8 @@ Two schedules compute those same sums; the host picks by M, which changes only w
 
 Layouts: x ``[M, K]`` (any row stride, unit column stride); weight ``[N, K]`` row-major (nn.Linear's);
 bias ``[N]``; out ``[M, N]`` contiguous, x's dtype; the arrival counters int32, one per tile, zero
-between calls. Bound: memory at decode (``2 N K``
-bytes of bf16 weights, plus ``8 num_splits M N`` of partials), compute at prefill (``2 M N K`` FLOPs).
+between calls. Bound: memory at decode (``2 N K`` bytes of bf16 weights, plus ``8 num_splits M N``
+of partials), compute at prefill (``2 M N K`` FLOPs).
 
 Launched with programmatic dependent launch on Hopper (``pdl.py``): the programs are scheduled
 while the kernel before them (an RMSNorm, the attention, another GEMM) drains, and wait for it

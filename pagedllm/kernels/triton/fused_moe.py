@@ -36,7 +36,7 @@ routing). At prefill sizes, compute: ``6 * num_pairs * H * I`` FLOPs, plus the p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -143,13 +143,18 @@ def default_launch(num_pairs: int, num_experts: int, dtype: torch.dtype) -> MoeL
     """
     scale = torch.finfo(dtype).bits // 16  # 1 for 16-bit, 2 for float32
     pairs_per_expert = num_pairs / num_experts
-    if pairs_per_expert < 12:
-        return MoeLaunch(16, 64, 128 // scale, 1, 4, 3)
-    if pairs_per_expert <= 48:
-        return MoeLaunch(32, 64, 128 // scale, 16, 4, 3)
-    if pairs_per_expert < 192:
-        return MoeLaunch(64, 128, 64 // scale, 16, 4, 3)
-    return MoeLaunch(128, 128, 64 // scale, 16, 8, 3)
+    launch = next(launch for fewest, launch in reversed(_TIERS) if pairs_per_expert >= fewest)
+    return replace(launch, block_k=launch.block_k // scale)
+
+
+# default_launch's tiers, smallest first: (the fewest pairs per expert that take it, its tiles in
+# 16 bits). warm_up compiles each.
+_TIERS = (
+    (0, MoeLaunch(16, 64, 128, 1, 4, 3)),
+    (12, MoeLaunch(32, 64, 128, 16, 4, 3)),
+    (49, MoeLaunch(64, 128, 64, 16, 4, 3)),
+    (192, MoeLaunch(128, 128, 64, 16, 8, 3)),
+)
 
 
 def invariant_launch(dtype: torch.dtype) -> MoeLaunch:
@@ -165,10 +170,6 @@ def invariant_launch(dtype: torch.dtype) -> MoeLaunch:
     return MoeLaunch(32, 64, 128 // scale, 16, 4, 3)
 
 
-# The fewest pairs per expert of each of default_launch's tiers.
-_TIER_PAIRS_PER_EXPERT = (1, 12, 49, 192)
-
-
 def warm_up(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, max_num_tokens: int) -> None:
     """Compile every launch ``default_launch`` can choose for these weights in a step of at most
     ``max_num_tokens`` tokens, before the first request: the profile run compiles the largest
@@ -178,8 +179,8 @@ def warm_up(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, max
     run's, which ran ``max_num_tokens``."""
     num_experts, _, hidden_size = gate_up_proj.shape
     device, dtype = gate_up_proj.device, gate_up_proj.dtype
-    for pairs_per_expert in _TIER_PAIRS_PER_EXPERT:
-        num_tokens = triton.cdiv(pairs_per_expert * num_experts, top_k)
+    for fewest, _ in _TIERS:
+        num_tokens = triton.cdiv(max(fewest, 1) * num_experts, top_k)
         if num_tokens > max_num_tokens:
             break
         hidden_states = torch.zeros(num_tokens, hidden_size, device=device, dtype=dtype)

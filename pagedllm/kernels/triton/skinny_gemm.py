@@ -114,12 +114,10 @@ def _fma_tile(
     q 16**j, so one LOP3 and one FADD make q 16**j exactly, and x is scaled by 16**-j instead (exact,
     once per input, not per weight); nibbles 5..7 the same from ``word >> 20``. Zero points and
     scales apply per word, not per weight: sum x (q - z) s = s (sum x q - z sum x)."""
-    offs_i = tl.arange(0, BLOCK_K // 8)
-    word = k0 // 8 + offs_i
-    in_k = word * 8 < K
-    at = scale_rows[:, None] * stride_sn + (word * 8 // tl.maximum(GROUP, 1))[None, :]
-    in_range = mask_n[:, None] & in_k[None, :]
     if INT4:
+        word = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        in_k = word * 8 < K
+        in_range = mask_n[:, None] & in_k[None, :]
         words = tl.load(w_rows[:, None] + word[None, :], mask=in_range, other=0)
         high = words >> 20  # nibbles 5, 6, 7 at bits 0, 4, 8
         x_sum = tl.zeros((x_rows.shape[0], BLOCK_K // 8), dtype=tl.float32)
@@ -136,7 +134,8 @@ def _fma_tile(
             else:
                 q = ((high & (0xF << (4 * (j - 5)))) | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC
                 acc += (xj * (1.0 / (16 ** (j - 5))))[:, None, :] * q[None, :, :]
-        if GROUP > 0:
+        if GROUP > 0:  # a word's 8 inputs share a group: one scale and zero per word
+            at = scale_rows[:, None] * stride_sn + (word * 8 // GROUP)[None, :]
             zero = tl.load(zero_ptr + at, mask=in_range, other=0.0).to(tl.float32)
             acc = (acc - x_sum[:, None, :] * zero[None, :, :]) * tl.load(
                 scale_ptr + at, mask=in_range, other=0.0
