@@ -113,12 +113,23 @@ class RMSNorm(CustomOp):
 
 
 class GemmaRMSNorm(RMSNorm):
-    """Gemma's ``(1 + weight) * x / sqrt(mean(x^2) + eps)``, as Hugging Face's GemmaRMSNorm: the
-    checkpoint stores the weight's offset from 1, and the product is taken in float32 before the
-    cast back (Llama's casts first). Torch path only: the fused kernel has Llama's order."""
+    """Gemma's ``(1 + weight) * x / sqrt(mean(x^2) + eps)``, as Hugging Face's GemmaRMSNorm (and
+    Qwen3NextRMSNorm): the checkpoint stores the weight's offset from 1, and the product is taken in
+    float32 before the cast back (Llama's casts first). The fused Triton kernel has this order too
+    (``gemma=True``); the CPU's C++ kernel has Llama's only, so there the torch path runs."""
 
     def dispatch_forward(self, platform: Platform, dtype: torch.dtype) -> RMSNormForward:
-        return self.forward_torch
+        return self.forward_triton if platform.triton else self.forward_torch
+
+    def forward_triton(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm's fused kernel, in Gemma's order."""
+        from pagedllm.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
+
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps, gemma=True)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps, gemma=True)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x_fp32 = x.float()

@@ -188,6 +188,11 @@ def layers() -> None:
         fused_add_rms_norm(x, x.clone(), torch.empty(576, dtype=dtype), 1e-6)
         heads = torch.empty(3, 16, HEAD_SIZE, dtype=dtype)  # Qwen3's per-head q/k norms
         rms_norm(heads, torch.empty(HEAD_SIZE, dtype=dtype), 1e-6)
+        # Gemma's order (GemmaRMSNorm: Gemma, Qwen3-Next): its norms without and with the residual
+        # add, and the heads'.
+        rms_norm(x, torch.empty(576, dtype=dtype), 1e-6, gemma=True)
+        fused_add_rms_norm(x, x.clone(), torch.empty(576, dtype=dtype), 1e-6, gemma=True)
+        rms_norm(heads, torch.empty(HEAD_SIZE, dtype=dtype), 1e-6, gemma=True)
         positions = torch.arange(3)
         rotary_embedding(
             positions,

@@ -1,5 +1,6 @@
-"""The fused Triton kernels (RMSNorm with and without the residual add, rotary, rotary fused into
-the KV cache write, SiLU-and-multiply) against their layers' torch paths.
+"""The fused Triton kernels (RMSNorm with and without the residual add, in Llama's and Gemma's
+orders, rotary, rotary fused into the KV cache write, SiLU-and-multiply) against their layers'
+torch paths.
 
 Runs on the CPU under TRITON_INTERPRET=1 (set by conftest.py when there is no GPU), else on CUDA.
 Outputs the kernels allocate are passed in poisoned with NaN, so an element left unwritten fails;
@@ -24,7 +25,7 @@ from pagedllm.kernels.triton.reshape_and_cache import reshape_and_cache
 from pagedllm.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from pagedllm.kernels.triton.rotary import rotary_embedding
 from pagedllm.layers.activation import SiluAndMul
-from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.layernorm import GemmaRMSNorm, RMSNorm
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -107,6 +108,82 @@ def test_rms_norm_over_heads_of_a_fused_qkv_view(head_size: int, dtype: torch.dt
     out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
     rms_norm(q, norm.weight, norm.eps, out=out)
     _assert_close(out, norm.forward_torch(q))
+
+
+# Gemma's order as Qwen3-Next and Gemma call it: [num_tokens, hidden_size] rows (a 2,048-wide
+# model's, and small ones), and [num_tokens, num_heads, head_size] heads of a fused QKV output.
+GEMMA_SHAPES = [(1, 2048), (33, 2048), (7, 64), (7, 4, 256), (3, 8, 64)]
+
+
+def _gemma_norm(hidden_size: int, dtype: torch.dtype, gen: torch.Generator) -> GemmaRMSNorm:
+    norm = GemmaRMSNorm(hidden_size, eps=1e-6).to(DEVICE, dtype)
+    norm.weight.copy_(0.2 * torch.randn(hidden_size, generator=gen))  # the scale's offset from 1
+    return norm
+
+
+def _gemma_input(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Rows as the model passes them: [num_tokens, hidden_size] whole, or the query heads of
+    Qwen3-Next's fused QKV output, each followed by its gate (rows strided within and across
+    tokens, as the q/k norms read them)."""
+    if len(shape) == 2:
+        return _randn(*shape, dtype=dtype, gen=gen)
+    num_tokens, num_heads, head_size = shape
+    qkv = _randn(num_tokens, (2 * num_heads + 2) * head_size, dtype=dtype, gen=gen)
+    q_gate = qkv[:, : 2 * num_heads * head_size].view(num_tokens, num_heads, 2 * head_size)
+    return q_gate[..., :head_size]
+
+
+def _assert_gemma_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """float32 within the usual tolerance; 16 bits within one ulp, and equal almost everywhere.
+
+    The kernel reduces the float32 sum of squares in another order than torch (and its rsqrt may
+    round differently), so the float32 rows differ in their last bits. Both round to 16 bits once,
+    after the product with ``1 + weight``: the results are equal except where the float32 values
+    straddle a rounding boundary, and there one ulp apart (bf16 on an H200: 3 in a million;
+    fp16 under the interpreter: 1 in 70,000). Casting before the product (Llama's order) would
+    move about 1 in 4: the share of unequal results is what tells the orders apart.
+    """
+    if out.dtype == torch.float32:
+        _assert_close(out, ref)
+        return
+    assert not out.isnan().any(), f"{int(out.isnan().sum())} elements unwritten (NaN)"
+    ulps = (out.view(torch.int16).int() - ref.view(torch.int16).int()).abs()
+    assert int(ulps.max()) <= 1, f"{int(ulps.max())} ulps apart"
+    assert int((ulps > 0).sum()) <= out.numel() // 100, f"{int((ulps > 0).sum())} of {out.numel()} differ"
+
+
+@pytest.mark.parametrize("has_residual", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", GEMMA_SHAPES)
+def test_gemma_rms_norm(shape: tuple[int, ...], dtype: torch.dtype, has_residual: bool) -> None:
+    gen = torch.Generator().manual_seed(sum(shape))
+    norm = _gemma_norm(shape[-1], dtype, gen)
+    x = _gemma_input(shape, dtype, gen)
+    if not has_residual:
+        x_before = x.clone()
+        out = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+        assert rms_norm(x, norm.weight, norm.eps, out=out, gemma=True) is out
+        _assert_gemma_close(out, norm.forward_torch(x_before))
+        assert torch.equal(x, x_before), "the input must be left unchanged"
+        return
+    residual = _gemma_input(shape, dtype, gen)
+    ref_out, ref_residual = norm.forward_torch(x, residual)
+    out, new_residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps, gemma=True)
+    assert out.data_ptr() == x.data_ptr() and new_residual.data_ptr() == residual.data_ptr()
+    assert torch.equal(new_residual, ref_residual)  # one rounding of the same two numbers
+    _assert_gemma_close(out, ref_out)
+
+
+def test_the_gemma_layer_runs_the_kernel_in_its_order() -> None:
+    """GemmaRMSNorm's Triton path passes its order on: Llama's would scale by weight, not 1 + weight."""
+    gen = torch.Generator().manual_seed(0)
+    norm = _gemma_norm(256, torch.float32, gen)
+    x, residual = _randn(5, 256, dtype=torch.float32, gen=gen), _randn(5, 256, dtype=torch.float32, gen=gen)
+    _assert_close(norm.forward_triton(x), norm.forward_torch(x))
+    ref_out, ref_residual = norm.forward_torch(x, residual)
+    out, new_residual = norm.forward_triton(x, residual)
+    _assert_close(out, ref_out)
+    assert torch.equal(new_residual, ref_residual)
 
 
 # (head_size, num_heads, num_kv_heads): GQA, MQA, a head count that is no power of two.

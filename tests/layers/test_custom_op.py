@@ -23,6 +23,7 @@ KERNELS = pytest.mark.skipif(not cpu_kernels_available(), reason="the CPU kernel
 def _layers() -> list[custom_op.CustomOp]:
     return [
         RMSNorm(64),
+        GemmaRMSNorm(64),
         SiluAndMul(),
         RotaryEmbedding(64, 128, ROPE, torch.get_default_dtype()),
         FusedMoE(4, 2, 64, 32, True),
@@ -51,7 +52,7 @@ def test_a_layer_built_in_bf16_is_bound_at_construction() -> None:
     finally:
         torch.set_default_dtype(previous)
     assert norm.forward_method == norm.forward_cpu
-    assert gemma.forward_method == gemma.forward_torch  # Llama's rounding order only
+    assert gemma.forward_method == gemma.forward_torch  # the C++ kernel has Llama's order only
 
 
 @KERNELS
@@ -91,7 +92,7 @@ def test_the_choice_is_made_when_bound_to_a_device_not_per_call(monkeypatch: pyt
     assert len(asked) == len(layers)
     for layer in layers:
         assert layer.forward_method == layer.forward_triton
-    norm, act, rotary, moe = layers
+    norm, gemma, act, rotary, moe = layers
 
     def ask_nothing(device: torch.device):
         raise AssertionError("a forward asked the platform")
@@ -102,6 +103,7 @@ def test_the_choice_is_made_when_bound_to_a_device_not_per_call(monkeypatch: pyt
         layer.forward_method = layer.forward_torch
     x = torch.randn(3, 64)
     norm(x)
+    gemma(x)
     act(x)
     rotary(torch.tensor([0, 1, 2]), torch.randn(3, 128), torch.randn(3, 64))
     moe(x, torch.randn(3, 4))

@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm as HFGemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from pagedllm.layers.activation import SiluAndMul
-from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.layernorm import GemmaRMSNorm, RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq, get_rope_parameters
@@ -67,6 +68,23 @@ def test_rms_norm_matches_hf_bit_for_bit(dtype: torch.dtype, shape: tuple[int, .
         # The reference path's in-place steps never reach its inputs.
         ours.forward_torch(x, residual)
     assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 7, 64), (3, 2048)])
+def test_gemma_rms_norm_matches_hf_bit_for_bit(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """The torch path, which the fused kernel's Gemma order is tested against (tests/kernels), is
+    HF's GemmaRMSNorm (Qwen3NextRMSNorm is the same code) to the bit."""
+    x, residual = torch.randn(*shape).to(dtype), torch.randn(*shape).to(dtype)
+    hidden = shape[-1]
+    ours, ref = GemmaRMSNorm(hidden, eps=1e-6).to(dtype), HFGemmaRMSNorm(hidden, eps=1e-6).to(dtype)
+    weight = (0.2 * torch.randn(hidden)).to(dtype)
+    ours.weight.data.copy_(weight)
+    ref.weight.data.copy_(weight)
+    with torch.no_grad():
+        assert torch.equal(ours.forward_torch(x), ref(x))
+        out, new_residual = ours.forward_torch(x, residual)
+        assert torch.equal(new_residual, x + residual) and torch.equal(out, ref(x + residual))
 
 
 @pytest.mark.parametrize("rope", [None, LINEAR_ROPE, LLAMA3_ROPE], ids=["default", "linear", "llama3"])
