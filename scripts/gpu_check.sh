@@ -9,7 +9,7 @@
 #       tp (tp-tests, tp-bench) cp
 #       determinism
 #       dp
-#       w7 k1-mla
+#       w6 w7 k1-mla
 #
 # Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too; k1-w1: the
 # sweep at W1's decode shape; k1-fp8: the Triton decode over an FP8 cache; k1-window:
@@ -18,7 +18,8 @@
 # includes the profiler), w3 (bench latency, profiled), hf (benchmarks/compare_hf.py: W1 through
 # transformers too), w4 (bench serve against pagedllm serve; w4-thread: the server with its engine on a
 # thread of its own process, --no-engine-process), w5 (bench throughput of the
-# Qwen3-30B-A3B mixture of experts, against its floor), w7 (bench throughput of DeepSeek-V2-Lite's
+# Qwen3-30B-A3B mixture of experts, against its floor), w6 (the hybrid linear-attention kernels'
+# tests, then bench throughput of the Qwen3-Next-style hybrid), w7 (bench throughput of DeepSeek-V2-Lite's
 # multi-head latent attention and shared experts, against its floor, KV bytes per token beside
 # Llama-3.1-8B's), k1-mla (bench mla: the MLA decode kernel against FlashInfer's MLA decode), moe (bench moe: the fused MoE kernel against
 # the per-expert torch reference; moe-sweep: every launch too), cuda (W1 on the cuda backend),
@@ -150,6 +151,12 @@ for stage in "${stages[@]}"; do
             --profile-steps 20
         ;;
     w5) run w5 python3 -m pagedllm bench throughput --workload W5 --output-json "$OUT/w5.json" --output-png "$OUT/w5.png" ;;
+    w6)  # the hybrid's kernels against their torch paths (fla installed from .whl-fla), then W6
+        run w6_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_linear_attention_gpu.py \
+            tests/kernels/test_gated_deltanet_paths.py tests/kernels/test_causal_conv1d.py \
+            tests/kernels/test_linear_attention_kernels.py -ra
+        run w6 python3 -m pagedllm bench throughput --workload W6 --output-json "$OUT/w6.json" --output-png "$OUT/w6.png"
+        ;;
     w7) run w7 python3 -m pagedllm bench throughput --workload W7 --output-json "$OUT/w7.json" --output-png "$OUT/w7.png" ;;
     k1-mla)  # MLA's target: >= 1.0x FlashInfer's MLA decode at every context (FlashInfer's time / ours)
         run k1_mla python3 -m pagedllm bench mla --output-json "$OUT/k1_mla.json"

@@ -18,7 +18,7 @@ def _load(folder: str, name: str) -> dict | list | None:
 def rows(folder: str) -> list[tuple[str, str, str]]:
     """(benchmark, figure, value) rows for whatever ran."""
     table: list[tuple[str, str, str]] = []
-    for name in ("w1", "w1_cuda", "w1_lora", "w1_fp8kv", "w2", "w2_fp8", "w5", "w7"):
+    for name in ("w1", "w1_cuda", "w1_lora", "w1_fp8kv", "w2", "w2_fp8", "w5", "w6", "w7"):
         r = _load(folder, name)
         if r:
             label = f"{r['workload']} {r['attention_backend']}" + _variant(name)

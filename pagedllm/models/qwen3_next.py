@@ -95,7 +95,7 @@ class Qwen3NextAttention(nn.Module):
         kv_size = self.num_kv_heads * d
         q_gate, k, v = self.qkv_proj(hidden_states).split([2 * self.num_heads * d, kv_size, kv_size], dim=-1)
         q, gate = q_gate.view(n, self.num_heads, 2 * d).split([d, d], dim=-1)
-        q = self.q_norm(q.contiguous()).view(n, self.num_heads * d)
+        q = self.q_norm(q).reshape(n, self.num_heads * d)  # the norm reads the strided view
         k = self.k_norm(k.reshape(n, self.num_kv_heads, d)).view(n, kv_size)
         if self.model_rotary is not None:
             q, k = self.model_rotary(positions, q, k)

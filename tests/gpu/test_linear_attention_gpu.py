@@ -1,7 +1,8 @@
 """Hybrid models on CUDA: the linear-attention decode kernels against the torch references at
 Qwen3-Next's and Qwen3.5's shapes, and Qwen3-Next / Nemotron-H end to end in float32 (Triton
 kernels, CUDA graphs for decode steps, whose padding rows write the scratch state row) against
-Hugging Face ``generate``."""
+Hugging Face ``generate``. (Gated DeltaNet's Triton step, flash-linear-attention's prefill included,
+against its torch step: tests/kernels/test_gated_deltanet_paths.py.)"""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from transformers import NemotronHConfig, Qwen3NextConfig
 from pagedllm import LLM, SamplingParams
 from pagedllm.kernels.triton.linear_attention import causal_conv1d_update, gated_delta_rule_update
 from pagedllm.layers.linear_attention import conv1d
-from pagedllm.layers.linear_attention.gated_delta_rule import recurrent_gated_delta_rule
+from pagedllm.layers.linear_attention.gated_delta_rule import gdn_gates, recurrent_gated_delta_rule
 
 pytestmark = pytest.mark.gpu
 
@@ -62,13 +63,15 @@ def test_decode_kernels_match_the_torch_references(dtype, batch, num_k_heads, nu
         k.view(batch, num_k_heads, d_k),
         v.view(batch, num_v_heads, d_v),
     )
-    g = -torch.rand(batch, num_v_heads, device=DEVICE)
-    beta = torch.rand(batch, num_v_heads, device=DEVICE)
+    group = num_v_heads // num_k_heads
+    b, a = torch.randn(batch, num_k_heads, 2 * group, device=DEVICE, dtype=dtype).split([group, group], -1)
+    A_log, dt_bias = torch.randn(num_v_heads, device=DEVICE), torch.randn(num_v_heads, device=DEVICE)
     ssm_state = torch.randn(num_rows, num_v_heads, d_k, d_v, device=DEVICE, dtype=dtype)
     start = torch.where(has_state[:, None, None, None], ssm_state[slots].float(), 0.0)
+    g, beta = gdn_gates(a.flatten(1), b.flatten(1), A_log, dt_bias)
     expected_o, expected_s = recurrent_gated_delta_rule(q, k, v, g, beta, start)
-    o = gated_delta_rule_update(q, k, v, g, beta, ssm_state, slots, has_state)
-    torch.testing.assert_close(o, expected_o, **TOLERANCES[dtype])
+    o = gated_delta_rule_update(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state)
+    torch.testing.assert_close(o.float(), expected_o, **TOLERANCES[dtype])
     torch.testing.assert_close(ssm_state[slots].float(), expected_s.to(dtype).float(), **TOLERANCES[dtype])
 
 
@@ -132,34 +135,3 @@ def test_greedy_on_cuda_matches_hf(case: str, enforce_eager: bool, make_hybrid_r
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == expected
-
-
-@pytest.mark.parametrize("group", [1, 2])
-def test_fla_varlen_prefill_matches_the_torch_chunked_rule(group: int) -> None:
-    """Gated DeltaNet's prefill through flash-linear-attention (when installed): three chunks,
-    one continuing its sequence's state, in one varlen call, against the torch chunked rule."""
-    pytest.importorskip("fla", reason="the fla extra (flash-linear-attention) is not installed")
-    from pagedllm.layers.linear_attention.gated_deltanet import GatedDeltaNet
-
-    torch.manual_seed(0)
-    with torch.device(DEVICE):
-        layer = GatedDeltaNet(128, 2, 2 * group, 64, 64, 4, 1e-6)
-    assert layer.prefill_method == layer._prefill_fla
-    num_rows = 6
-    layer.bind_state(
-        torch.zeros(num_rows, *layer.state_shape.conv_shape, device=DEVICE),
-        torch.randn(num_rows, *layer.state_shape.ssm_shape, device=DEVICE),
-    )
-    lengths, has_state = [37, 1, 130], [False, True, False]
-    slots = torch.tensor([4, 0, 2], device=DEVICE)
-    total = sum(lengths)
-    conv_out = torch.randn(total, layer.state_shape.conv_shape[0], device=DEVICE)
-    g = -torch.rand(total, layer.num_v_heads, device=DEVICE)
-    beta = torch.rand(total, layer.num_v_heads, device=DEVICE)
-    before = layer.ssm_state.clone()
-    out = layer._prefill_fla(conv_out, (g, beta), lengths, slots, has_state)
-    after = layer.ssm_state.clone()
-    layer.ssm_state.copy_(before)
-    expected = layer._prefill_torch(conv_out, (g, beta), lengths, slots, has_state)
-    torch.testing.assert_close(out, expected, atol=2e-3, rtol=2e-3)
-    torch.testing.assert_close(after, layer.ssm_state, atol=2e-3, rtol=2e-3)

@@ -5,12 +5,19 @@ scratch row (-1), grouped value heads, and d_k / d_v that are not powers of two.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from pagedllm.kernels.triton.linear_attention import causal_conv1d_update, gated_delta_rule_update
+from pagedllm.kernels.triton.linear_attention import (
+    causal_conv1d_update,
+    gated_delta_rule_update,
+    rms_norm_gated,
+)
 from pagedllm.layers.linear_attention import conv1d
-from pagedllm.layers.linear_attention.gated_delta_rule import recurrent_gated_delta_rule
+from pagedllm.layers.linear_attention.gated_delta_rule import gdn_gates, recurrent_gated_delta_rule
+from pagedllm.layers.linear_attention.gated_deltanet import RMSNormGated
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SLOTS = [3, 0, -1, 5]  # scattered rows, and the scratch row
@@ -41,26 +48,65 @@ def test_conv1d_update_matches_reference(dtype: torch.dtype, channels: int, kern
     torch.testing.assert_close(state[slots], expected_rows.to(dtype), **tol)
 
 
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def _gate_views(batch: int, num_k_heads: int, group: int, dtype: torch.dtype, gen: torch.Generator):
+    """b and a as Qwen3-Next's in_proj_ba output lays them out: [b (group) | a (group)] per key
+    head, so each is a strided [batch, num_k_heads, group] view."""
+    ba = (2 * torch.randn(batch, num_k_heads, 2 * group, generator=gen)).to(dtype).to(DEVICE)
+    return ba.split([group, group], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("num_k_heads", "num_v_heads", "d_k", "d_v"), [(2, 2, 16, 16), (2, 4, 24, 40), (1, 3, 8, 128)]
 )
-def test_gated_delta_rule_update_matches_reference(state_dtype, num_k_heads, num_v_heads, d_k, d_v) -> None:
+def test_gated_delta_rule_update_matches_reference(dtype, num_k_heads, num_v_heads, d_k, d_v) -> None:
     gen = torch.Generator().manual_seed(0)
     batch = len(SLOTS)
     # q, k, v as views of one conv output row per sequence, as the layer passes them.
-    conv_out = torch.randn(batch, 2 * num_k_heads * d_k + num_v_heads * d_v, generator=gen).to(DEVICE)
+    conv_out = (
+        torch.randn(batch, 2 * num_k_heads * d_k + num_v_heads * d_v, generator=gen).to(dtype).to(DEVICE)
+    )
     q, k, v = conv_out.split([num_k_heads * d_k, num_k_heads * d_k, num_v_heads * d_v], dim=-1)
     q, k = q.view(batch, num_k_heads, d_k), k.view(batch, num_k_heads, d_k)
     v = v.view(batch, num_v_heads, d_v)
-    g = -torch.rand(batch, num_v_heads, generator=gen).to(DEVICE)
-    beta = torch.rand(batch, num_v_heads, generator=gen).to(DEVICE)
-    state = _rows(7, num_v_heads, d_k, d_v, dtype=state_dtype)
+    b, a = _gate_views(batch, num_k_heads, num_v_heads // num_k_heads, dtype, gen)
+    A_log = torch.randn(num_v_heads, generator=gen).to(DEVICE)
+    dt_bias = torch.randn(num_v_heads, generator=gen).to(DEVICE)
+    state = _rows(7, num_v_heads, d_k, d_v, dtype=dtype)
     slots = torch.tensor(SLOTS, device=DEVICE)
     has_state = torch.tensor(HAS_STATE, device=DEVICE)
     start = torch.where(has_state[:, None, None, None], state[slots].float(), 0.0)
+    g, beta = gdn_gates(a.flatten(1), b.flatten(1), A_log, dt_bias)
     expected, expected_state = recurrent_gated_delta_rule(q, k, v, g, beta, start)
-    out = gated_delta_rule_update(q, k, v, g, beta, state, slots, has_state)
-    tol = dict(atol=1e-4, rtol=1e-4) if state_dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
-    torch.testing.assert_close(out, expected, **tol)
-    torch.testing.assert_close(state[slots].float(), expected_state.to(state_dtype).float(), **tol)
+    out = gated_delta_rule_update(q, k, v, a, b, A_log, dt_bias, state, slots, has_state)
+    assert out.dtype == dtype
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out.float(), expected, **tol)
+    torch.testing.assert_close(state[slots].float(), expected_state.to(dtype).float(), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("num_tokens", "num_k_heads", "group", "d_v"), [(5, 2, 2, 16), (3, 1, 3, 40), (1, 4, 1, 128)]
+)
+def test_rms_norm_gated_matches_reference(dtype, num_tokens, num_k_heads, group, d_v) -> None:
+    """The output norm against the layer's torch path, the gate read as a strided view of a
+    fused projection's output ([q | k | v | z] per key head, here with room for q, k, v)."""
+    gen = torch.Generator().manual_seed(0)
+    num_v_heads = num_k_heads * group
+    x = torch.randn(num_tokens, num_v_heads, d_v, generator=gen).to(dtype).to(DEVICE)
+    fused = torch.randn(num_tokens, num_k_heads, 3 * group * d_v, generator=gen).to(dtype).to(DEVICE)
+    gate = fused[..., 2 * group * d_v :].unflatten(-1, (group, d_v))
+    with torch.device(DEVICE):
+        norm = RMSNormGated(d_v, 1e-6).to(dtype)
+    norm.weight.copy_(torch.randn(d_v, generator=gen))
+    expected = norm.forward_torch(x, gate)
+    out = rms_norm_gated(x, gate, norm.weight, norm.eps)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    else:
+        # The torch path's roundings, in its order. Triton's interpreter truncates float32 to
+        # bfloat16 where a GPU rounds to nearest: up to one ulp for each of the three roundings
+        # there; on a GPU within one ulp (the sum of squares' order).
+        ulps = 3 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+        torch.testing.assert_close(out, expected, atol=0, rtol=ulps * 2**-7)

@@ -10,7 +10,9 @@ Grid ``(batch, cdiv(channels, BLOCK_C))``; a program owns ``BLOCK_C`` channels o
 Bytes per sequence ~ channels * (2 (kernel - 1) + 2) * element_size: memory bound.
 
 ``gated_delta_rule_update``: the gated delta rule's one-token step (Yang, Kautz and Hatamizadeh,
-ICLR 2025), q and k l2-normalised in the kernel, q scaled by d_k ** -0.5::
+ICLR 2025), q and k l2-normalised in the kernel, q scaled by d_k ** -0.5, the gates computed in it
+from the projections' raw outputs (``gdn_gates``: beta = sigmoid(b), g = -exp(A_log) softplus(a +
+dt_bias)), so the layer launches nothing between the conv and this kernel::
 
     S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q          S: [d_k, d_v] per value head
 
@@ -18,6 +20,9 @@ Grid ``(batch, num_v_heads, cdiv(d_v, BLOCK_V))``; a program owns a ``[D_K, BLOC
 head's state (float32 in registers, the whole d_k so that S^T k reduces in the program), reads it
 once and writes it once: bytes per sequence and head ~ 2 d_k d_v element_size, FLOPs ~ 6 d_k d_v.
 Memory bound: the state is read and written once per token, which is the floor.
+
+``rms_norm_gated``: the layer's output norm, each head's row normalised and gated by silu(z) in
+one pass (header at the function).
 
 Both take ``has_state`` [batch] per sequence: False for a sequence at its first token, whose row
 is read as zeros whatever it holds. Slots index rows of the state tensors (-1: the last row, the
@@ -108,8 +113,10 @@ def _gated_delta_rule_update_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
-    g_ptr,
-    beta_ptr,
+    a_ptr,
+    b_ptr,
+    a_log_ptr,
+    dt_bias_ptr,
     state_ptr,
     slots_ptr,
     has_state_ptr,
@@ -122,7 +129,10 @@ def _gated_delta_rule_update_kernel(
     stride_k_h,
     stride_v_b,
     stride_v_h,
-    stride_gb_b,
+    stride_a_b,
+    stride_a_h,
+    stride_b_b,
+    stride_b_h,
     stride_out_b,
     stride_out_h,
     stride_state_slot,
@@ -138,7 +148,22 @@ def _gated_delta_rule_update_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k, mask_v = offs_k < D_K, offs_v < D_V
+    # The state's address first: its load, the program's 2 d_k BLOCK_V bytes, is the one to start
+    # early; everything else is a few hundred bytes.
+    slot = tl.load(slots_ptr + b)
+    slot = tl.where(slot < 0, slot + num_rows, slot)
+    keep = tl.load(has_state_ptr + b) != 0
+    tile = (
+        state_ptr
+        + slot.to(tl.int64) * stride_state_slot
+        + h * stride_state_h
+        + offs_k[:, None] * stride_state_k
+        + offs_v[None, :]
+    )
+    mask = mask_k[:, None] & mask_v[None, :]
+    state = tl.load(tile, mask=mask, other=0.0)
     key_head = h // group  # each key head serves `group` consecutive value heads
+    j = h % group
     q = tl.load(q_ptr + b * stride_q_b + key_head * stride_q_h + offs_k, mask=mask_k, other=0.0).to(
         tl.float32
     )
@@ -148,55 +173,118 @@ def _gated_delta_rule_update_kernel(
     v = tl.load(v_ptr + b * stride_v_b + h * stride_v_h + offs_v, mask=mask_v, other=0.0).to(tl.float32)
     q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
     k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
-    g = tl.load(g_ptr + b * stride_gb_b + h).to(tl.float32)
-    beta = tl.load(beta_ptr + b * stride_gb_b + h).to(tl.float32)
-    slot = tl.load(slots_ptr + b)
-    slot = tl.where(slot < 0, slot + num_rows, slot)
-    keep = tl.load(has_state_ptr + b) != 0
-    tile = (
-        state_ptr
-        + slot * stride_state_slot
-        + h * stride_state_h
-        + offs_k[:, None] * stride_state_k
-        + offs_v[None, :]
-    )
-    mask = mask_k[:, None] & mask_v[None, :]
-    state = tl.where(keep, tl.load(tile, mask=mask, other=0.0).to(tl.float32), 0.0) * tl.exp(g)
+    # The gates from the projections' raw outputs, as gdn_gates: beta = sigmoid(b), rounded to the
+    # activations' dtype as the torch layer rounds it; g = -exp(A_log) softplus(a + dt_bias).
+    raw_b = tl.load(b_ptr + b * stride_b_b + key_head * stride_b_h + j)
+    beta = tl.sigmoid(raw_b.to(tl.float32)).to(raw_b.dtype).to(tl.float32)
+    x = tl.load(a_ptr + b * stride_a_b + key_head * stride_a_h + j).to(tl.float32)
+    x += tl.load(dt_bias_ptr + h).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus, threshold 20
+    g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
+    state = tl.where(keep, state.to(tl.float32), 0.0) * tl.exp(g)
     predicted = tl.sum(state * k[:, None], axis=0)  # S^T k: [BLOCK_V]
     state += k[:, None] * (beta * (v - predicted))[None, :]
     out = tl.sum(state * q[:, None], axis=0)
     tl.store(tile, state.to(state_ptr.dtype.element_ty), mask=mask)
-    tl.store(out_ptr + b * stride_out_b + h * stride_out_h + offs_v, out, mask=mask_v)
+    out_row = out_ptr + b * stride_out_b + h * stride_out_h
+    tl.store(out_row + offs_v, out.to(out_ptr.dtype.element_ty), mask=mask_v)
 
 
 def gated_delta_rule_update(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
     ssm_state: torch.Tensor,
     slots: torch.Tensor,
     has_state: torch.Tensor,
 ) -> torch.Tensor:
-    """q, k: [batch, num_k_heads, d_k]; v: [batch, num_v_heads, d_v] (last dimensions contiguous,
-    any other strides: views of the conv's output); g, beta: [batch, num_v_heads] float32;
-    ssm_state: [num_rows, num_v_heads, d_k, d_v] contiguous, updated in place; slots: [batch]
-    int64; has_state: [batch] bool. Returns o [batch, num_v_heads, d_v] float32."""
+    """q, k: [batch, num_k_heads, d_k]; v: [batch, num_v_heads, d_v]; a, b: [batch, num_k_heads,
+    group] (the decay's and the write strength's raw projections, value head ``kh * group + j`` at
+    ``[:, kh, j]``); last dimensions contiguous, any other strides (views of the projections' and the
+    conv's outputs). A_log, dt_bias: [num_v_heads]. ssm_state: [num_rows, num_v_heads, d_k, d_v]
+    contiguous, updated in place; slots: [batch] int64; has_state: [batch] bool. Returns o [batch,
+    num_v_heads, d_v] in v's dtype."""
     batch, num_k_heads, d_k = q.shape
     num_v_heads, d_v = v.shape[1:]
-    assert q.stride(2) == k.stride(2) == v.stride(2) == 1 and ssm_state.is_contiguous(), "unexpected layout"
-    assert ssm_state.shape[1:] == (num_v_heads, d_k, d_v), ssm_state.shape
-    g, beta = g.float().contiguous(), beta.float().contiguous()
-    out = torch.empty(batch, num_v_heads, d_v, dtype=torch.float32, device=q.device)
+    group = num_v_heads // num_k_heads
+    assert a.shape == b.shape == (batch, num_k_heads, group), (a.shape, b.shape)
+    assert q.stride(2) == k.stride(2) == v.stride(2) == a.stride(2) == b.stride(2) == 1, "unexpected layout"
+    assert ssm_state.is_contiguous() and ssm_state.shape[1:] == (num_v_heads, d_k, d_v), ssm_state.shape
+    out = torch.empty(batch, num_v_heads, d_v, dtype=v.dtype, device=q.device)
     block_k = triton.next_power_of_2(d_k)
-    block_v = min(triton.next_power_of_2(d_v), max(16, 8192 // block_k))
+    block_v = min(triton.next_power_of_2(d_v), max(16, DELTA_RULE_TILE // block_k))
     grid = (batch, num_v_heads, triton.cdiv(d_v, block_v))
     _gated_delta_rule_update_kernel[grid](
-        out, q, k, v, g, beta, ssm_state, slots, has_state,
-        ssm_state.shape[0], num_v_heads // num_k_heads, d_k**-0.5,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
+        out, q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state,
+        ssm_state.shape[0], group, d_k**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
-        D_K=d_k, D_V=d_v, BLOCK_K=block_k, BLOCK_V=block_v,
+        D_K=d_k, D_V=d_v, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=DELTA_RULE_WARPS,
+    )  # fmt: skip
+    return out
+
+
+# State elements a delta-rule program owns ([d_k, BLOCK_V]), and its warps.
+DELTA_RULE_TILE = 8192
+DELTA_RULE_WARPS = 4
+
+
+@triton.jit
+def _rms_norm_gated_kernel(
+    out_ptr,
+    x_ptr,
+    gate_ptr,
+    weight_ptr,
+    num_rows,
+    num_v_heads,
+    group,
+    eps,
+    stride_gate_t,
+    stride_gate_kh,
+    stride_gate_j,
+    D_V: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_V)
+    mask = (rows < num_rows)[:, None] & (cols < D_V)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * D_V + cols[None, :], mask=mask, other=0.0)
+    token, h = rows // num_v_heads, rows % num_v_heads
+    gate_row = token.to(tl.int64) * stride_gate_t + (h // group) * stride_gate_kh
+    gate_row += (h % group) * stride_gate_j
+    gate = tl.load(gate_ptr + gate_row[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    xf = x.to(tl.float32)
+    normed = xf * tl.rsqrt(tl.sum(xf * xf, axis=1) / D_V + eps)[:, None]
+    weight = tl.load(weight_ptr + cols, mask=cols < D_V, other=0.0).to(tl.float32)
+    # The torch layer's roundings: the normalised row to x's dtype, its product with the weight too.
+    scaled = (normed.to(x.dtype).to(tl.float32) * weight[None, :]).to(x.dtype).to(tl.float32)
+    out = scaled * gate * tl.sigmoid(gate)
+    tl.store(out_ptr + rows[:, None] * D_V + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated DeltaNet's output norm: RMSNorm over each head's d_v features, times the weight, times
+    silu(gate). x: [num_tokens, num_v_heads, d_v] contiguous; gate: [num_tokens, num_k_heads,
+    group, d_v] (head ``kh * group + j`` at ``[:, kh, j]``; any strides, the last contiguous: a view
+    of the projection's output); weight: [d_v]. Returns [num_tokens, num_v_heads * d_v] in x's dtype.
+
+    Grid ``(cdiv(num_tokens * num_v_heads, BLOCK_R),)``: a program normalises ``BLOCK_R`` head rows
+    (a row fits in registers). Bytes ~ 3 d_v element_size per row: memory bound."""
+    num_tokens, num_v_heads, d_v = x.shape
+    assert x.is_contiguous() and gate.stride(3) == 1, "unexpected layout"
+    out = torch.empty(num_tokens, num_v_heads * d_v, dtype=x.dtype, device=x.device)
+    num_rows = num_tokens * num_v_heads
+    block_v = triton.next_power_of_2(d_v)
+    block_r = max(1, 2048 // block_v)
+    _rms_norm_gated_kernel[(triton.cdiv(num_rows, block_r),)](
+        out, x, gate, weight, num_rows, num_v_heads, gate.shape[2], eps,
+        gate.stride(0), gate.stride(1), gate.stride(2),
+        D_V=d_v, BLOCK_V=block_v, BLOCK_R=block_r,
     )  # fmt: skip
     return out

@@ -24,6 +24,16 @@ from __future__ import annotations
 import torch
 
 
+def gdn_gates(
+    a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's per-token gates from its projections' raw outputs a, b [..., num_v_heads]:
+    the log-decay g = -exp(A_log) * softplus(a + dt_bias) in float32, and the write strength
+    beta = sigmoid(b) in b's dtype (as Hugging Face's Qwen3-Next computes them)."""
+    g = -A_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias)
+    return g, b.sigmoid()
+
+
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dimension (the normalisation of q and k)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)

@@ -22,7 +22,7 @@ a split by head; the conv weight, whose channels are [q | k | v], is split in ea
 
 from __future__ import annotations
 
-import itertools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,17 +31,20 @@ from transformers import PretrainedConfig
 
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear, divide, narrow_shard
 from pagedllm.layers.linear_attention.gated_delta_rule import (
     chunk_gated_delta_rule,
+    gdn_gates,
     recurrent_gated_delta_rule,
 )
-from pagedllm.layers.linear_attention.mixer import StatefulMixer
+from pagedllm.layers.linear_attention.mixer import PrefillPlan, StatefulMixer
 from pagedllm.layers.linear_attention.state import LayerStateShape
 from pagedllm.layers.utils import CheckpointTensor, copy_weight
+from pagedllm.platform import Platform
 
 
-class RMSNormGated(nn.Module):
+class RMSNormGated(CustomOp):
     """RMSNorm over each head's d_v features, then a SiLU gate: norm(x) * weight * silu(z)."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -50,9 +53,24 @@ class RMSNormGated(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """x, gate: [..., hidden_size] -> same shape and dtype as x."""
+        """x: [num_tokens, num_v_heads, d_v]; gate: [num_tokens, num_k_heads, group, d_v] (value
+        head ``kh * group + j`` at ``[:, kh, j]``, a view of the projection's output). Returns
+        [num_tokens, num_v_heads * d_v] in x's dtype."""
+        return self.forward_method(x, gate)
+
+    def dispatch_forward(self, platform: Platform, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
+        return self.forward_triton if platform.triton else self.forward_torch
+
+    def forward_torch(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        gate = gate.reshape(x.shape)
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return ((self.weight * normed.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
+        out = (self.weight * normed.to(x.dtype)) * F.silu(gate.float())
+        return out.to(x.dtype).flatten(1)
+
+    def forward_triton(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        from pagedllm.kernels.triton.linear_attention import rms_norm_gated
+
+        return rms_norm_gated(x.contiguous(), gate, self.weight, self.eps)
 
 
 class GatedDeltaNet(StatefulMixer):
@@ -98,6 +116,9 @@ class GatedDeltaNet(StatefulMixer):
             self.in_proj_ba = ColumnParallelLinear(hidden_size, 2 * num_v_heads, bias=False)
             self._project = self._project_fused
         conv_dim = 2 * self.key_dim + self.value_dim
+        self.conv_splits = (self.key_dim, self.key_dim, self.value_dim)
+        if not split_projections:
+            self.register_buffer("conv_input_cols", self._fused_conv_columns(), persistent=False)
         # Its weight only ([conv_dim, 1, kernel], this rank's channels): the conv runs in conv1d.py.
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False)
         self.conv1d.weight.requires_grad_(False)
@@ -111,6 +132,16 @@ class GatedDeltaNet(StatefulMixer):
         self.state_shape = LayerStateShape(
             (conv_dim, conv_kernel - 1), (self.num_v_heads, head_k_dim, head_v_dim)
         )
+
+    def _fused_conv_columns(self) -> torch.Tensor:
+        """Where each conv channel ([q | k | v], heads in order) lies in in_proj_qkvz's output,
+        whose columns are grouped by key head: [q (d_k) | k (d_k) | v (group d_v) | z (group d_v)]
+        per head."""
+        dk, per_v = self.head_k_dim, self.group * self.head_v_dim
+        head = torch.arange(self.num_k_heads, dtype=torch.int32)[:, None] * (2 * dk + 2 * per_v)
+        q = head + torch.arange(dk, dtype=torch.int32)
+        v = head + 2 * dk + torch.arange(per_v, dtype=torch.int32)
+        return torch.cat([q.flatten(), (q + dk).flatten(), v.flatten()])
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, split_projections: bool = False) -> GatedDeltaNet:
@@ -160,99 +191,105 @@ class GatedDeltaNet(StatefulMixer):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_tokens, hidden_size] -> same shape."""
-        num_tokens = hidden_states.shape[0]
         mixed, z, b, a = self._project(hidden_states)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        core = self.mix(mixed, (g, beta))  # [num_tokens, num_v_heads, dv]
-        out = self.norm(
-            core.to(hidden_states.dtype), z.reshape(num_tokens, self.num_v_heads, self.head_v_dim)
-        )
-        return self.out_proj(out.reshape(num_tokens, self.value_dim))
+        core = self.mix(mixed, (a, b))  # [num_tokens, num_v_heads, dv]
+        return self.out_proj(self.norm(core.to(hidden_states.dtype), z))
 
     def _project_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """x: [n, hidden] -> mixed [n, conv_dim] ([q | k | v]), z [n, value_dim], b, a [n, heads]."""
+        """x: [n, hidden] -> the conv's input (in_proj_qkvz's whole output, its channels where
+        ``conv_input_cols`` says), z [n, num_k_heads, group, dv], b and a [n, num_k_heads, group]:
+        views, no copies."""
         n, dk, dv, group = x.shape[0], self.head_k_dim, self.head_v_dim, self.group
-        # Outputs grouped by key head: [q (dk) | k (dk) | v (group * dv) | z (group * dv)] each.
-        q, k, v, z = (
-            self.in_proj_qkvz(x).view(n, self.num_k_heads, -1).split([dk, dk, group * dv, group * dv], -1)
-        )
-        b, a = self.in_proj_ba(x).view(n, self.num_k_heads, -1).split([group, group], -1)
-        mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], -1)
-        return mixed, z.reshape(n, -1), b.reshape(n, -1), a.reshape(n, -1)
+        qkvz = self.in_proj_qkvz(x)
+        z = qkvz.view(n, self.num_k_heads, -1)[..., 2 * dk + group * dv :].unflatten(-1, (group, dv))
+        b, a = self.in_proj_ba(x).view(n, self.num_k_heads, 2 * group).split([group, group], -1)
+        return qkvz, z, b, a
 
     def _project_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+        n, heads, group = x.shape[0], self.num_k_heads, self.group
+        z = self.in_proj_z(x).view(n, heads, group, self.head_v_dim)
+        b, a = (proj(x).view(n, heads, group) for proj in (self.in_proj_b, self.in_proj_a))
+        return self.in_proj_qkv(x), z, b, a
 
-    def _split_heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[n, conv_dim] -> q, k [n, num_k_heads, dk], v [n, num_v_heads, dv]."""
-        q, k, v = mixed.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        n = mixed.shape[0]
-        return (
-            q.reshape(n, self.num_k_heads, self.head_k_dim),
-            k.reshape(n, self.num_k_heads, self.head_k_dim),
-            v.reshape(n, self.num_v_heads, self.head_v_dim),
-        )
+    def _gates(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """a, b: [n, num_k_heads, group] -> g, beta [n, num_v_heads] (gdn_gates)."""
+        return gdn_gates(a.flatten(1), b.flatten(1), self.A_log, self.dt_bias)
 
     def _step(
-        self, conv_out: torch.Tensor, inputs: tuple[torch.Tensor, ...], state: torch.Tensor
+        self, parts: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v = self._split_heads(conv_out)
-        return recurrent_gated_delta_rule(q, k, v, *inputs, state)
+        q, k, v = self._split_heads(*parts)
+        return recurrent_gated_delta_rule(q, k, v, *self._gates(*inputs), state)
+
+    def _chunk(
+        self, parts: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], state: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v = self._split_heads(*parts)
+        return chunk_gated_delta_rule(q, k, v, *self._gates(*inputs), state)
 
     def _decode_triton(
         self, mixed: torch.Tensor, inputs: list[torch.Tensor], md: AttentionMetadata
     ) -> torch.Tensor:
-        """The conv and the rule's step as two fused kernels, each reading and writing the state
-        rows in place (kernels/triton/linear_attention.py)."""
-        from pagedllm.kernels.triton.linear_attention import causal_conv1d_update, gated_delta_rule_update
+        """The conv and the rule's step (its gates included) as two fused kernels, each reading
+        and writing the state rows in place: nothing else runs between the projections and the
+        output norm."""
+        from pagedllm.kernels.triton.causal_conv1d import causal_conv1d_update
+        from pagedllm.kernels.triton.linear_attention import gated_delta_rule_update
 
         n = md.num_decodes
         slots, has_state = md.state_slots[:n], md.seq_lens[:n] > 1
         conv_out = causal_conv1d_update(
-            mixed, self.conv1d.weight[:, 0], self.conv1d.bias, self.conv_state, slots, has_state
+            mixed, self.conv1d.weight[:, 0], self.conv1d.bias, self.conv_state, slots, has_state,
+            cols=self.conv_input_cols,
+        )  # fmt: skip
+        q, k, v = self._split_heads(*conv_out.split(self.conv_splits, dim=-1))
+        a, b = inputs
+        return gated_delta_rule_update(
+            q, k, v, a, b, self.A_log, self.dt_bias, self.ssm_state, slots, has_state
         )
-        q, k, v = self._split_heads(conv_out)
-        return gated_delta_rule_update(q, k, v, *inputs, self.ssm_state, slots, has_state)
 
     def _prefill_fla(
-        self,
-        conv_out: torch.Tensor,
-        inputs: tuple[torch.Tensor, ...],
-        lengths: list[int],
-        slots: torch.Tensor,
-        has_state: list[bool],
+        self, parts: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], plan: PrefillPlan
     ) -> torch.Tensor:
         """Every prefill chunk of the step in one varlen call of flash-linear-attention's chunked
-        gated delta rule (the WY/UT form on the GPU), from and into the chunks' state rows."""
+        gated delta rule (the WY/UT form on the GPU; its grouped value heads read each key head
+        in place), from and into the chunks' state rows."""
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
+        from fla.ops.utils.index import prepare_chunk_indices
 
-        g, beta = inputs
-        q, k, v = self._split_heads(conv_out)
-        if self.group > 1:  # each key head serves `group` value heads
-            q, k = q.repeat_interleave(self.group, dim=1), k.repeat_interleave(self.group, dim=1)
-        keep = torch.tensor(has_state, device=conv_out.device)[:, None, None, None]
-        initial = torch.where(keep, self.ssm_state[slots].float(), 0.0)
-        cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], device=conv_out.device)
+        g, beta = self._gates(*inputs)
+        q, k, v = self._split_heads(*parts)
+        initial = torch.where(plan.has_state_device[:, None, None, None], self.ssm_state[plan.slots], 0)
+        chunk_indices = plan.derive(
+            "fla_chunk_indices",
+            lambda: prepare_chunk_indices(plan.query_start_loc, 64, cu_seqlens_cpu=plan.query_start_loc_cpu),
+        )
         out, final = fla_chunk_gated_delta_rule(
-            q[None].contiguous(),
-            k[None].contiguous(),
-            v[None].contiguous(),
-            g[None].float(),
+            q[None],
+            k[None],
+            v[None],
+            g[None],
             beta[None].to(q.dtype),
             initial_state=initial,
             output_final_state=True,
             use_qk_l2norm_in_kernel=True,
-            cu_seqlens=cu_seqlens,
+            cu_seqlens=plan.query_start_loc,
+            cu_seqlens_cpu=plan.query_start_loc_cpu,
+            chunk_indices=chunk_indices,
         )
-        self.ssm_state[slots] = final.to(self.ssm_state.dtype)
-        return out[0].float()
+        self.ssm_state[plan.slots] = final.to(self.ssm_state.dtype)
+        return out[0]
 
-    def _chunk(
-        self, conv_out: torch.Tensor, inputs: tuple[torch.Tensor, ...], state: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, v = self._split_heads(conv_out)
-        return chunk_gated_delta_rule(q, k, v, *inputs, state)
+    def _split_heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[n, key_dim] twice and [n, value_dim] -> q, k [n, num_k_heads, dk], v [n, num_v_heads, dv]."""
+        n = q.shape[0]
+        return (
+            q.view(n, self.num_k_heads, self.head_k_dim),
+            k.view(n, self.num_k_heads, self.head_k_dim),
+            v.view(n, self.num_v_heads, self.head_v_dim),
+        )
 
 
 def check_head_split(num_k_heads: int, num_v_heads: int, tp_size: int) -> None:

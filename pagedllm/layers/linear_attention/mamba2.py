@@ -65,6 +65,7 @@ class Mamba2Mixer(StatefulMixer):
             conv_dim, conv_dim, config.conv_kernel, groups=conv_dim, bias=config.use_conv_bias
         )
         self.conv1d.requires_grad_(False)
+        self.conv_splits = (conv_dim,)
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
@@ -105,13 +106,13 @@ class Mamba2Mixer(StatefulMixer):
         return -torch.exp(self.A_log.float())
 
     def _step(
-        self, conv_out: torch.Tensor, inputs: tuple[torch.Tensor, ...], state: torch.Tensor
+        self, parts: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, B, C = self._split(conv_out)
+        x, B, C = self._split(*parts)
         return ssd_step(x, inputs[0], self._A(), B, C, self.D, state)
 
     def _chunk(
-        self, conv_out: torch.Tensor, inputs: tuple[torch.Tensor, ...], state: torch.Tensor | None
+        self, parts: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], state: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, B, C = self._split(conv_out)
+        x, B, C = self._split(*parts)
         return ssd_chunk_scan(x, inputs[0], self._A(), B, C, self.D, state, self.chunk_size)

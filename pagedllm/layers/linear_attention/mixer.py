@@ -2,25 +2,28 @@
 their state rows: a causal conv1d over its conv channels, then a recurrence over the conv's output.
 
 The step's sequences come as the attention metadata lays them out, decodes first. The decodes run
-as one batch (``_step``: one token each, from their states, without a host sync, so a CUDA graph
-can replay it); each prefill chunk runs on its own (``_chunk``) from its request's state, or from
-zeros when it starts at position 0 (the slot may still hold a previous owner's state). Both read
-and write ``conv_state`` / ``ssm_state`` (bound by worker/state_cache.py) at the rows the step's
-``attn_metadata.state_slots`` names (read from the forward context, attention/forward_context.py).
+as one batch (``forward_method``: one token each, from their states, without a host sync, so a
+CUDA graph can replay it); the prefill chunks as the step's ``PrefillPlan`` lays them out: the
+conv over all of them (``conv_prefill``), each from its request's window or from zeros when it
+starts at position 0 (the slot may still hold a previous owner's state), then the recurrence
+(``prefill_method``). Both read and write ``conv_state`` / ``ssm_state`` (bound by
+worker/state_cache.py) at the rows the step's ``attn_metadata.state_slots`` names (read from the
+forward context, attention/forward_context.py).
 
-The decode step is chosen once for the device (a ``CustomOp``: ``forward_method`` is the decode
-step here): the torch reference, which gathers the rows, steps and scatters them back, or, where
-Triton runs and the layer has them, its fused kernels, which update the rows in place. So is the
-prefill recurrence (``prefill_method``): the torch reference, a chunk at a time, or one varlen call
-of flash-linear-attention's chunked kernels over every chunk of the step (Gated DeltaNet on CUDA,
-with the ``fla`` package installed: ``pip install pagedllm[fla]``).
+Each implementation is chosen once for the device (a ``CustomOp``): the torch references, which
+gather the rows, compute and scatter them back, a sequence at a time for prefills; or, where
+Triton runs, the conv kernels (kernels/triton/causal_conv1d.py: one launch for the decodes, one
+for every prefill chunk of the step), the subclass's fused decode step where it has one, and a
+varlen prefill recurrence through flash-linear-attention where the subclass has one and the
+package is installed (Gated DeltaNet: ``pip install pagedllm[fla]``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -33,6 +36,62 @@ from pagedllm.layers.linear_attention.state import LayerStateShape
 from pagedllm.platform import Platform
 
 
+@dataclass
+class PrefillPlan:
+    """The prefill chunks of one step, as every stateful layer of the step reads them: built once
+    per step (``prefill_plan``), from the metadata's host copies and device tensors, with no host
+    sync. Token offsets count from the first prefill token."""
+
+    first_token: int
+    lengths: list[int]
+    has_state: list[bool]  # whether each chunk continues its sequence (else it starts from zeros)
+    slots: torch.Tensor  # [num_chunks] int64, the chunks' state rows
+    has_state_device: torch.Tensor  # [num_chunks] bool
+    query_start_loc: torch.Tensor  # [num_chunks + 1] int32, from 0
+    query_start_loc_cpu: torch.Tensor
+    max_query_len: int
+    # What an implementation derives from the plan once per step (flash-linear-attention's chunk
+    # indices), by name.
+    derived: dict[str, Any] = field(default_factory=dict)
+
+    def derive(self, name: str, make: Callable[[], Any]) -> Any:
+        if name not in self.derived:
+            self.derived[name] = make()
+        return self.derived[name]
+
+
+# The last step's plan and the metadata it was built from: the step's layers share it.
+_last_plan: tuple[tuple[Any, ...], PrefillPlan] | None = None
+
+
+def prefill_plan(md: AttentionMetadata) -> PrefillPlan:
+    """The step's prefill chunks (sequences ``num_decodes`` onwards of ``md``)."""
+    global _last_plan
+    # The metadata object and the tensors the plan reads: a caller that edits a field in place
+    # (a test stepping one object) gets a new plan.
+    key = (md, md.num_decodes, md.query_start_loc_cpu, md.seq_lens_cpu, md.state_slots)
+    if _last_plan is not None and all(a is b for a, b in zip(_last_plan[0], key)):
+        return _last_plan[1]
+    nd = md.num_decodes
+    starts = md.query_start_loc_cpu[nd:]
+    lengths_cpu = starts[1:] - starts[:-1]
+    lengths = lengths_cpu.tolist()
+    first = int(starts[0])
+    device_starts = md.query_start_loc[nd:]
+    plan = PrefillPlan(
+        first_token=first,
+        lengths=lengths,
+        has_state=(md.seq_lens_cpu[nd : md.num_seqs] > lengths_cpu).tolist(),  # tokens before the chunk
+        slots=md.state_slots[nd : md.num_seqs],
+        has_state_device=md.seq_lens[nd : md.num_seqs] > device_starts[1:] - device_starts[:-1],
+        query_start_loc=(device_starts - first).to(torch.int32),
+        query_start_loc_cpu=(starts - first).to(torch.int32),
+        max_query_len=max(lengths),
+    )
+    _last_plan = (key, plan)
+    return plan
+
+
 def fla_installed() -> bool:
     """Whether flash-linear-attention (the ``fla`` package) is installed (looked up, not imported)."""
     return importlib.util.find_spec("fla") is not None
@@ -40,13 +99,20 @@ def fla_installed() -> bool:
 
 class StatefulMixer(CustomOp):
     """A subclass sets ``conv1d`` (its weight [conv_dim, 1, kernel] and bias, used as parameters
-    only), ``state_shape``, and the recurrence: ``_step`` over a batch of single tokens, ``_chunk``
-    over one sequence's tokens. ``inputs`` are per-token tensors ([num_tokens, ...]) beside the
-    conv's output that the recurrence reads (decays, write strengths, time steps)."""
+    only), ``state_shape``, ``conv_splits`` (the conv channels' parts the recurrence reads, summing
+    to conv_dim), and the recurrence: ``_step`` over a batch of single tokens, ``_chunk`` over one
+    sequence's tokens. ``inputs`` are per-token tensors ([num_tokens, ...]) beside the conv's input
+    that the recurrence reads (gates, time steps).
+
+    ``conv_input_cols``: None when the layer's conv input holds the conv's channels in order; else
+    (Qwen3-Next's fused projection, whose outputs are grouped by head) an int32 buffer mapping each
+    conv channel to its column of the input, which the kernels read where it lies.
+    """
 
     conv1d: nn.Conv1d
     state_shape: LayerStateShape
-    # Whether the subclass has fused decode kernels (a method ``_decode_triton``, as
+    conv_splits: tuple[int, ...]
+    # Whether the subclass has a fused decode step (a method ``_decode_triton``, as
     # ``_decode_torch``), and a varlen prefill through flash-linear-attention (``_prefill_fla``, as
     # ``_prefill_torch``; used where Triton runs and fla is installed).
     has_triton_decode: ClassVar[bool] = False
@@ -57,9 +123,12 @@ class StatefulMixer(CustomOp):
         # This layer's rows of the state cache (bind_state): [slots + 1, ...] each.
         self.conv_state: torch.Tensor | None = None
         self.ssm_state: torch.Tensor | None = None
+        self.register_buffer("conv_input_cols", None, persistent=False)
 
     def dispatch_forward(self, platform: Platform, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
-        """The decode step for the device; sets the prefill recurrence (``prefill_method``) too."""
+        """The decode step for the device; sets the prefill's conv (``conv_prefill``) and
+        recurrence (``prefill_method``) too."""
+        self.conv_prefill = self._conv_prefill_triton if platform.triton else self._conv_prefill_torch
         fused_prefill = platform.triton and self.has_fla_prefill and fla_installed()
         self.prefill_method = self._prefill_fla if fused_prefill else self._prefill_torch
         return self._decode_triton if platform.triton and self.has_triton_decode else self._decode_torch
@@ -70,69 +139,75 @@ class StatefulMixer(CustomOp):
         self.conv_state, self.ssm_state = conv_state, ssm_state
 
     def _step(
-        self, conv_out: torch.Tensor, inputs: tuple[torch.Tensor, ...], state: torch.Tensor
+        self, parts: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """conv_out: [batch, conv_dim]; state: [batch, *ssm_shape] float32 (zeros where a sequence
-        starts). Returns (output [batch, ...] float32, new state)."""
+        """parts: the conv's output split by ``conv_splits``, [batch, split] each; state: [batch,
+        *ssm_shape] float32 (zeros where a sequence starts). Returns (output [batch, ...], new
+        state float32)."""
         raise NotImplementedError
 
     def _chunk(
-        self, conv_out: torch.Tensor, inputs: tuple[torch.Tensor, ...], state: torch.Tensor | None
+        self, parts: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], state: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's tokens; state None at its start. Returns (output, final state)."""
         raise NotImplementedError
 
     def mix(self, mixed: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """mixed: [num_tokens, conv_dim], the conv's input. Returns the recurrence's output for
-        every token, [num_tokens, ...] float32, in the batch's order."""
+        """mixed: [num_tokens, ...], the conv's input (its channels in order, or where
+        ``conv_input_cols`` says). Returns the recurrence's output for every token, [num_tokens,
+        ...], in the batch's order."""
         md = get_forward_context().attn_metadata
         assert self.conv_state is not None and self.ssm_state is not None, "bind_state() first"
         assert md.state_slots is not None, "a hybrid model's step needs state_slots"
-        weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
         outputs = []
         num_decodes = md.num_decodes
         if num_decodes:
             outputs.append(self.forward_method(mixed[:num_decodes], [x[:num_decodes] for x in inputs], md))
         if md.num_seqs > num_decodes:
-            query_start_loc, seq_lens = md.query_start_loc_cpu.tolist(), md.seq_lens_cpu.tolist()
-            lengths, has_state, conv_outs = [], [], []
-            for i in range(num_decodes, md.num_seqs):
-                start, end = query_start_loc[i], query_start_loc[i + 1]
-                slot = md.state_slots[i]
-                lengths.append(end - start)
-                has_state.append(seq_lens[i] > end - start)  # tokens before this chunk
-                conv_out, self.conv_state[slot] = causal_conv1d_prefill(
-                    mixed[start:end], weight, bias, self.conv_state[slot] if has_state[-1] else None
-                )
-                conv_outs.append(conv_out)
-            first = query_start_loc[num_decodes]
-            outputs.append(
-                self.prefill_method(
-                    torch.cat(conv_outs),
-                    tuple(x[first:] for x in inputs),
-                    lengths,
-                    md.state_slots[num_decodes:],
-                    has_state,
-                )
-            )
+            plan = prefill_plan(md)
+            first = plan.first_token
+            parts = self.conv_prefill(mixed[first:], plan)
+            outputs.append(self.prefill_method(parts, tuple(x[first:] for x in inputs), plan))
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
+    def _conv_input(self, mixed: torch.Tensor) -> torch.Tensor:
+        """The conv's channels in order (the torch paths' copy; the kernels read in place)."""
+        return mixed if self.conv_input_cols is None else mixed.index_select(1, self.conv_input_cols)
+
+    def _conv_prefill_torch(self, mixed: torch.Tensor, plan: PrefillPlan) -> tuple[torch.Tensor, ...]:
+        """The prefill chunks' conv, a sequence at a time; returns its output split by
+        ``conv_splits``."""
+        mixed = self._conv_input(mixed)
+        weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
+        conv_outs, start = [], 0
+        for slot, length, keep in zip(plan.slots, plan.lengths, plan.has_state):
+            conv_out, self.conv_state[slot] = causal_conv1d_prefill(
+                mixed[start : start + length], weight, bias, self.conv_state[slot] if keep else None
+            )
+            conv_outs.append(conv_out)
+            start += length
+        return torch.cat(conv_outs).split(self.conv_splits, dim=-1)
+
+    def _conv_prefill_triton(self, mixed: torch.Tensor, plan: PrefillPlan) -> tuple[torch.Tensor, ...]:
+        """Every prefill chunk's conv in one kernel, its parts written contiguous."""
+        from pagedllm.kernels.triton.causal_conv1d import causal_conv1d_varlen
+
+        return causal_conv1d_varlen(
+            mixed, self.conv1d.weight[:, 0], self.conv1d.bias, self.conv_state, plan.slots,
+            plan.has_state_device, plan.query_start_loc, plan.max_query_len, self.conv_splits,
+            cols=self.conv_input_cols,
+        )  # fmt: skip
+
     def _prefill_torch(
-        self,
-        conv_out: torch.Tensor,
-        inputs: tuple[torch.Tensor, ...],
-        lengths: list[int],
-        slots: torch.Tensor,
-        has_state: list[bool],
+        self, parts: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], plan: PrefillPlan
     ) -> torch.Tensor:
-        """The prefill chunks' recurrence, one sequence at a time. conv_out, inputs: the chunks'
-        tokens, [sum(lengths), ...]; slots: [num_chunks]; has_state: whether each chunk continues
-        its sequence (else it starts from zeros)."""
+        """The prefill chunks' recurrence, one sequence at a time. parts, inputs: the chunks'
+        tokens, [sum(lengths), ...] each."""
         outputs, start = [], 0
-        for slot, length, keep in zip(slots, lengths, has_state):
+        for slot, length, keep in zip(plan.slots, plan.lengths, plan.has_state):
             end = start + length
             out, self.ssm_state[slot] = self._chunk(
-                conv_out[start:end],
+                tuple(x[start:end] for x in parts),
                 tuple(x[start:end] for x in inputs),
                 self.ssm_state[slot] if keep else None,
             )
@@ -143,16 +218,20 @@ class StatefulMixer(CustomOp):
     def _decode_torch(
         self, mixed: torch.Tensor, inputs: list[torch.Tensor], md: AttentionMetadata
     ) -> torch.Tensor:
-        """mixed: [num_decodes, conv_dim]; inputs: [num_decodes, ...] each."""
+        """mixed: [num_decodes, ...]; inputs: [num_decodes, ...] each."""
         n = md.num_decodes
         slots = md.state_slots[:n]
         has_state = md.seq_lens[:n] > 1  # a one-token prompt starts from zeros
         conv_out, self.conv_state[slots] = causal_conv1d_update(
-            mixed, self.conv1d.weight[:, 0], self.conv1d.bias, self.conv_state[slots], has_state
+            self._conv_input(mixed),
+            self.conv1d.weight[:, 0],
+            self.conv1d.bias,
+            self.conv_state[slots],
+            has_state,
         )
         # A select, not a product: a fresh sequence's slot may hold anything.
         mask = has_state.view(n, *([1] * len(self.state_shape.ssm_shape)))
         state = torch.where(mask, self.ssm_state[slots].float(), 0.0)
-        out, new_state = self._step(conv_out, tuple(inputs), state)
+        out, new_state = self._step(conv_out.split(self.conv_splits, dim=-1), tuple(inputs), state)
         self.ssm_state[slots] = new_state.to(self.ssm_state.dtype)
         return out

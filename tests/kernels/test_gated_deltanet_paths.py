@@ -1,0 +1,94 @@
+"""Gated DeltaNet's Triton step against its torch step, on one layer: decodes and prefill chunks in
+one batch (fresh sequences whose rows hold NaN, continued ones, the scratch row), for Qwen3-Next's
+fused projections (the conv reads its channels through a column map) and Qwen3.5's split ones.
+The Triton path (the conv kernels, the fused delta-rule step with its gates, the gated norm) runs
+under Triton's interpreter without a GPU, with the torch chunked rule for the prefill recurrence;
+on CUDA with flash-linear-attention installed, with fla's varlen rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.attention.forward_context import set_forward_context
+from pagedllm.attention.metadata import AttentionMetadata
+from pagedllm.layers.linear_attention.gated_deltanet import GatedDeltaNet
+from pagedllm.layers.linear_attention.mixer import fla_installed
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# (new tokens, context after the step, state row): two decodes (one fresh), three prefill chunks
+# (a fresh one longer than the conv window, a continued one of one token, a continued one).
+BATCH = [(1, 9, 3), (1, 1, 0), (13, 13, 5), (1, 6, -1), (6, 20, 2)]
+NUM_ROWS = 7
+
+
+def _metadata() -> AttentionMetadata:
+    lengths = [n for n, _, _ in BATCH]
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([c for _, c, _ in BATCH], dtype=torch.int32)
+    return AttentionMetadata(
+        num_decodes=2,
+        num_prefills=3,
+        slot_mapping=torch.zeros(sum(lengths), dtype=torch.int64, device=DEVICE),
+        query_start_loc=starts.to(DEVICE),
+        seq_lens=seq_lens.to(DEVICE),
+        block_tables=torch.zeros(len(BATCH), 1, dtype=torch.int32, device=DEVICE),
+        max_query_len=max(lengths),
+        max_seq_len=int(seq_lens.max()),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+        state_slots=torch.tensor([s for _, _, s in BATCH], device=DEVICE),
+    )
+
+
+def _torch_paths(layer: GatedDeltaNet) -> None:
+    layer.forward_method = layer._decode_torch
+    layer.conv_prefill = layer._conv_prefill_torch
+    layer.prefill_method = layer._prefill_torch
+    layer.norm.forward_method = layer.norm.forward_torch
+
+
+def _triton_paths(layer: GatedDeltaNet) -> None:
+    layer.forward_method = layer._decode_triton
+    layer.conv_prefill = layer._conv_prefill_triton
+    layer.prefill_method = (
+        layer._prefill_fla if DEVICE == "cuda" and fla_installed() else layer._prefill_torch
+    )
+    layer.norm.forward_method = layer.norm.forward_triton
+
+
+@pytest.mark.parametrize("split_projections", [False, True])
+@pytest.mark.parametrize("num_v_heads", [2, 4])  # one or two value heads per key head
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_step_matches_torch_step(
+    split_projections: bool, num_v_heads: int, dtype: torch.dtype
+) -> None:
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        layer = GatedDeltaNet(64, 2, num_v_heads, 16, 8, 4, 1e-6, split_projections=split_projections)
+        for param in layer.parameters():
+            param.copy_(torch.randn_like(param) * 0.3)
+        layer = layer.to(dtype)
+        conv_state = torch.randn(NUM_ROWS, *layer.state_shape.conv_shape, dtype=dtype)
+        ssm_state = torch.randn(NUM_ROWS, *layer.state_shape.ssm_shape, dtype=dtype)
+        for fresh in (0, 5):  # the fresh sequences' rows: never read
+            conv_state[fresh], ssm_state[fresh] = float("nan"), float("nan")
+        hidden = torch.randn(sum(n for n, _, _ in BATCH), 64, dtype=dtype)
+    md = _metadata()
+    results = []
+    for choose in (_torch_paths, _triton_paths):
+        choose(layer)
+        layer.bind_state(conv_state.clone(), ssm_state.clone())
+        with set_forward_context(md):
+            out = layer(hidden)
+        results.append((out, layer.conv_state, layer.ssm_state))
+    (expected, conv_expected, ssm_expected), (out, conv_after, ssm_after) = results
+    assert not out.isnan().any()
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(out, expected, **tol)
+    rows = md.state_slots
+    torch.testing.assert_close(conv_after[rows], conv_expected[rows], **tol)
+    torch.testing.assert_close(ssm_after[rows], ssm_expected[rows], **tol)
+    # Rows no sequence of the step owns are untouched, bit for bit.
+    others = [r for r in range(NUM_ROWS) if r not in {s % NUM_ROWS for _, _, s in BATCH}]
+    torch.testing.assert_close(ssm_after[others], ssm_state[others], atol=0, rtol=0)
