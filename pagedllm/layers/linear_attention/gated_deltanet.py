@@ -204,8 +204,9 @@ class GatedDeltaNet(StatefulMixer):
         self, mixed: torch.Tensor, inputs: list[torch.Tensor], md: AttentionMetadata
     ) -> torch.Tensor:
         """The conv and the rule's step as two fused kernels, each reading and writing the state
-        rows in place (kernels/triton/linear_attention.py)."""
-        from pagedllm.kernels.triton.linear_attention import causal_conv1d_update, gated_delta_rule_update
+        rows in place (kernels/triton/causal_conv1d.py, linear_attention.py)."""
+        from pagedllm.kernels.triton.causal_conv1d import causal_conv1d_update
+        from pagedllm.kernels.triton.linear_attention import gated_delta_rule_update
 
         n = md.num_decodes
         slots, has_state = md.state_slots[:n], md.seq_lens[:n] > 1
