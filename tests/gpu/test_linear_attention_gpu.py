@@ -20,7 +20,8 @@ pytest.importorskip("triton")
 from transformers import NemotronHConfig, Qwen3NextConfig
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.kernels.triton.linear_attention import causal_conv1d_update, gated_delta_rule_update
+from pagedllm.kernels.triton.causal_conv1d import causal_conv1d_update
+from pagedllm.kernels.triton.linear_attention import gated_delta_rule_update
 from pagedllm.layers.linear_attention import conv1d
 from pagedllm.layers.linear_attention.gated_delta_rule import gdn_gates, recurrent_gated_delta_rule
 

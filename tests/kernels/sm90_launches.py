@@ -15,6 +15,7 @@ from pagedllm.attention.backends.triton_invariant_backend import invariant_launc
 from pagedllm.kernels.bench import DecodeInputs, DecodeShape
 from pagedllm.kernels.triton.activation import silu_and_mul
 from pagedllm.kernels.triton.batch_invariant_matmul import batch_invariant_matmul
+from pagedllm.kernels.triton.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from pagedllm.kernels.triton.fused_moe import fused_moe
 from pagedllm.kernels.triton.lora import lora_shrink_expand
 from pagedllm.kernels.triton.lora_sgmv import SegmentBuffer, lora_sgmv_shrink_expand, plan_segments
@@ -305,6 +306,27 @@ def mla() -> None:
                         print(f"out of resources: {launch}")
 
 
+def conv1d() -> None:
+    """The linear-attention layers' conv at a Qwen3-Next-like split (q and k of 2 heads x 128
+    channels, v of 4 x 128): the decode and the varlen prefill, through a column map into a wider
+    fused projection and without, with and without a bias, the prefill with long and short chunks
+    (its tallest and shortest token tiles)."""
+    splits = (256, 256, 512)
+    channels = sum(splits)
+    slots, has_state = torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.bool)
+    query_start_loc = torch.tensor([0, 10, 50], dtype=torch.int32)
+    for dtype in DTYPES:
+        weight, bias = torch.empty(channels, 4, dtype=dtype), torch.empty(channels, dtype=dtype)
+        conv_state = torch.empty(9, channels, 3, dtype=dtype)
+        projection = torch.empty(50, 2 * channels, dtype=dtype)
+        inputs = ((projection[:, :channels], None), (projection, torch.empty(channels, dtype=torch.int32)))
+        for (x, cols), b in itertools.product(inputs, (None, bias)):
+            causal_conv1d_update(x[:2], weight, b, conv_state, slots, has_state, cols=cols)
+            for max_query_len in (40, 4):
+                args = (conv_state, slots, has_state, query_start_loc, max_query_len, splits, cols)
+                causal_conv1d_varlen(x, weight, b, *args)
+
+
 LAUNCHES: list[Callable[[], None]] = [
     decode,
     mla,
@@ -316,4 +338,5 @@ LAUNCHES: list[Callable[[], None]] = [
     lora,
     batch_invariant,
     quant,
+    conv1d,
 ]

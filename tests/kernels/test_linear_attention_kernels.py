@@ -1,7 +1,8 @@
-"""The linear-attention decode kernels (kernels/triton/linear_attention.py) against the torch
-references (layers/linear_attention/), on the GPU or in Triton's interpreter: state rows read and
-written in place at scattered slots, fresh sequences reading zeros whatever their row holds, the
-scratch row (-1), grouped value heads, and d_k / d_v that are not powers of two."""
+"""The gated delta rule's decode kernel and the output norm (kernels/triton/linear_attention.py)
+against the torch references (layers/linear_attention/), on the GPU or in Triton's interpreter:
+state rows read and written in place at scattered slots, fresh sequences reading zeros whatever
+their row holds, the scratch row (-1), grouped value heads, gates read from strided views, and
+d_k / d_v that are not powers of two (the conv kernels' tests are in test_causal_conv1d.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,7 @@ import os
 import pytest
 import torch
 
-from pagedllm.kernels.triton.linear_attention import (
-    causal_conv1d_update,
-    gated_delta_rule_update,
-    rms_norm_gated,
-)
-from pagedllm.layers.linear_attention import conv1d
+from pagedllm.kernels.triton.linear_attention import gated_delta_rule_update, rms_norm_gated
 from pagedllm.layers.linear_attention.gated_delta_rule import gdn_gates, recurrent_gated_delta_rule
 from pagedllm.layers.linear_attention.gated_deltanet import RMSNormGated
 
@@ -28,24 +24,6 @@ def _rows(num_rows: int, *shape: int, dtype: torch.dtype) -> torch.Tensor:
     state = torch.randn(num_rows, *shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     state[0] = float("nan")  # the fresh sequence's row: must not be read
     return state.to(DEVICE)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("channels", "kernel", "bias"), [(48, 4, True), (300, 4, False), (20, 2, True)])
-def test_conv1d_update_matches_reference(dtype: torch.dtype, channels: int, kernel: int, bias: bool) -> None:
-    gen = torch.Generator().manual_seed(0)
-    batch = len(SLOTS)
-    x = torch.randn(batch, channels, generator=gen).to(dtype).to(DEVICE)
-    weight = torch.randn(channels, kernel, generator=gen).to(dtype).to(DEVICE)
-    b = torch.randn(channels, generator=gen).to(dtype).to(DEVICE) if bias else None
-    state = _rows(7, channels, kernel - 1, dtype=dtype)
-    slots = torch.tensor(SLOTS, device=DEVICE)
-    has_state = torch.tensor(HAS_STATE, device=DEVICE)
-    expected, expected_rows = conv1d.causal_conv1d_update(x, weight, b, state[slots], has_state)
-    out = causal_conv1d_update(x, weight, b, state, slots, has_state)
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(out, expected, **tol)
-    torch.testing.assert_close(state[slots], expected_rows.to(dtype), **tol)
 
 
 def _gate_views(batch: int, num_k_heads: int, group: int, dtype: torch.dtype, gen: torch.Generator):

@@ -55,5 +55,7 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
         "_w4a16_dequantize_kernel",
         "_fp8_block_kernel",
         "_fp8_quant_kernel",
+        "_conv1d_update_kernel",
+        "_conv1d_varlen_kernel",
     ):
         assert f"compiled {kernel} " in result.stdout, kernel

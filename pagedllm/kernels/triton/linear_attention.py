@@ -1,13 +1,6 @@
-"""Decode kernels of linear-attention layers: one token per sequence, state read and written in
-place at each sequence's row of the state cache (no gather, no scatter).
-
-``causal_conv1d_update``: the causal depthwise conv1d over a rolling window (SiLU after it)::
-
-    window = [conv_state[slot, c, :], x[b, c]]           kernel taps, oldest first
-    out[b, c] = silu(bias[c] + sum_j weight[c, j] window[j]);  conv_state[slot, c, :] = window[1:]
-
-Grid ``(batch, cdiv(channels, BLOCK_C))``; a program owns ``BLOCK_C`` channels of one sequence.
-Bytes per sequence ~ channels * (2 (kernel - 1) + 2) * element_size: memory bound.
+"""Gated DeltaNet's decode step and output norm. The step's kernel reads and writes each
+sequence's state in place at its row of the state cache (no gather, no scatter); the conv in
+front of it is in causal_conv1d.py.
 
 ``gated_delta_rule_update``: the gated delta rule's one-token step (Yang, Kautz and Hatamizadeh,
 ICLR 2025), q and k l2-normalised in the kernel, q scaled by d_k ** -0.5, the gates computed in it
@@ -24,9 +17,9 @@ Memory bound: the state is read and written once per token, which is the floor.
 ``rms_norm_gated``: the layer's output norm, each head's row normalised and gated by silu(z) in
 one pass (header at the function).
 
-Both take ``has_state`` [batch] per sequence: False for a sequence at its first token, whose row
-is read as zeros whatever it holds. Slots index rows of the state tensors (-1: the last row, the
-scratch row of a CUDA graph's padding).
+``has_state`` [batch]: False for a sequence at its first token, whose row is read as zeros
+whatever it holds. Slots index rows of the state tensor (-1: the last row, the scratch row of a
+CUDA graph's padding).
 """
 
 from __future__ import annotations
@@ -34,77 +27,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def _conv1d_update_kernel(
-    out_ptr,
-    x_ptr,
-    weight_ptr,
-    bias_ptr,
-    state_ptr,
-    slots_ptr,
-    has_state_ptr,
-    num_channels,
-    num_rows,
-    stride_x_b,
-    stride_out_b,
-    stride_state_slot,
-    stride_state_c,
-    KERNEL: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-):
-    b = tl.program_id(0)
-    channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = channels < num_channels
-    slot = tl.load(slots_ptr + b)
-    slot = tl.where(slot < 0, slot + num_rows, slot)
-    keep = tl.load(has_state_ptr + b) != 0
-    state_row = state_ptr + slot * stride_state_slot + channels * stride_state_c
-    x = tl.load(x_ptr + b * stride_x_b + channels, mask=mask, other=0.0).to(tl.float32)
-    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + channels, mask=mask, other=0.0).to(tl.float32)
-    # Taps 0 .. KERNEL - 2 from the window (zeros for a fresh sequence), the last from x; the
-    # window shifts left by one as it is read.
-    for j in tl.static_range(KERNEL - 1):
-        tap = tl.where(keep, tl.load(state_row + j, mask=mask, other=0.0).to(tl.float32), 0.0)
-        acc += tl.load(weight_ptr + channels * KERNEL + j, mask=mask, other=0.0).to(tl.float32) * tap
-        if j > 0:
-            tl.store(state_row + j - 1, tap.to(state_ptr.dtype.element_ty), mask=mask)
-    acc += tl.load(weight_ptr + channels * KERNEL + KERNEL - 1, mask=mask, other=0.0).to(tl.float32) * x
-    tl.store(state_row + KERNEL - 2, x.to(state_ptr.dtype.element_ty), mask=mask)
-    out = acc / (1.0 + tl.exp(-acc))  # silu
-    tl.store(out_ptr + b * stride_out_b + channels, out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def causal_conv1d_update(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    conv_state: torch.Tensor,
-    slots: torch.Tensor,
-    has_state: torch.Tensor,
-) -> torch.Tensor:
-    """x: [batch, channels] (rows contiguous); weight: [channels, kernel]; bias: [channels] or
-    None; conv_state: [num_rows, channels, kernel - 1] contiguous, updated in place; slots: [batch]
-    int64; has_state: [batch] bool. Returns silu(conv) [batch, channels] in x's dtype."""
-    batch, channels = x.shape
-    kernel = weight.shape[1]
-    assert kernel >= 2 and x.stride(1) == 1 and conv_state.is_contiguous(), "unexpected layout"
-    assert conv_state.shape[1:] == (channels, kernel - 1), conv_state.shape
-    weight = weight.contiguous()
-    out = torch.empty_like(x)
-    block_c = min(triton.next_power_of_2(channels), 256)
-    grid = (batch, triton.cdiv(channels, block_c))
-    _conv1d_update_kernel[grid](
-        out, x, weight, weight if bias is None else bias, conv_state, slots, has_state,
-        channels, conv_state.shape[0],
-        x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
-        KERNEL=kernel, BLOCK_C=block_c, HAS_BIAS=bias is not None,
-    )  # fmt: skip
-    return out
 
 
 @triton.jit

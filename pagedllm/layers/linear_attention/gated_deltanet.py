@@ -231,8 +231,8 @@ class GatedDeltaNet(StatefulMixer):
         self, mixed: torch.Tensor, inputs: list[torch.Tensor], md: AttentionMetadata
     ) -> torch.Tensor:
         """The conv and the rule's step (its gates included) as two fused kernels, each reading
-        and writing the state rows in place: nothing else runs between the projections and the
-        output norm."""
+        and writing the state rows in place (kernels/triton/causal_conv1d.py, linear_attention.py):
+        nothing else runs between the projections and the output norm."""
         from pagedllm.kernels.triton.causal_conv1d import causal_conv1d_update
         from pagedllm.kernels.triton.linear_attention import gated_delta_rule_update
 
