@@ -84,7 +84,9 @@ def test_triton_step_matches_torch_step(
         results.append((out, layer.conv_state, layer.ssm_state))
     (expected, conv_expected, ssm_expected), (out, conv_after, ssm_after) = results
     assert not out.isnan().any()
-    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    # flash-linear-attention multiplies float32 in TF32.
+    fp32 = 5e-3 if DEVICE == "cuda" and fla_installed() else 1e-4
+    tol = dict(atol=fp32, rtol=fp32) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
     torch.testing.assert_close(out, expected, **tol)
     rows = md.state_slots
     torch.testing.assert_close(conv_after[rows], conv_expected[rows], **tol)

@@ -75,6 +75,21 @@ def _weight(weight_ptr, channels, c_mask, j, KERNEL: tl.constexpr):
 
 
 @triton.jit
+def _columns(cols_ptr, first_channel, channels, mask, BLOCK_C: tl.constexpr, COLS: tl.constexpr):
+    """The input columns of a block of channels starting at ``first_channel``. COLS: 0, no map
+    (the channels themselves); 1, a gather through the map; 2, the map is consecutive over the
+    block and starts it at a multiple of 16 (``column_run`` in layers/linear_attention/mixer.py):
+    one load, then a contiguous range that loads and stores as 16-byte vectors."""
+    if COLS == 2:
+        first = tl.multiple_of(tl.load(cols_ptr + first_channel), 16)
+        return first + tl.arange(0, BLOCK_C)
+    elif COLS == 1:
+        return tl.load(cols_ptr + channels, mask=mask, other=0)
+    else:
+        return channels
+
+
+@triton.jit
 def _conv1d_update_kernel(
     out_ptr,
     x_ptr,
@@ -93,12 +108,13 @@ def _conv1d_update_kernel(
     KERNEL: tl.constexpr,
     BLOCK_C: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    HAS_COLS: tl.constexpr,
+    COLS: tl.constexpr,
 ):
     b = tl.program_id(0)
-    channels = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    first_channel = tl.program_id(1) * BLOCK_C
+    channels = first_channel + tl.arange(0, BLOCK_C)
     mask = channels < num_channels
-    columns = tl.load(cols_ptr + channels, mask=mask, other=0) if HAS_COLS else channels
+    columns = _columns(cols_ptr, first_channel, channels, mask, BLOCK_C, COLS)
     slot = tl.load(slots_ptr + b)
     slot = tl.where(slot < 0, slot + num_rows, slot)
     keep = tl.load(has_state_ptr + b) != 0
@@ -127,25 +143,30 @@ def causal_conv1d_update(
     slots: torch.Tensor,
     has_state: torch.Tensor,
     cols: torch.Tensor | None = None,
+    cols_run: int = 1,
 ) -> torch.Tensor:
     """x: [batch, X] (columns contiguous, any row stride); weight: [channels, kernel]; bias:
     [channels] or None; conv_state: [num_rows, channels, kernel - 1] contiguous, updated in place;
     slots: [batch] int64; has_state: [batch] bool; cols: [channels] int32, the column of x each
-    channel reads (None: X == channels, channel c reads column c). Returns silu(conv) [batch,
-    channels] in x's dtype."""
+    channel reads (None: X == channels, channel c reads column c); cols_run: the map's
+    ``column_run`` (host-known), which lets whole blocks load as vectors. Returns silu(conv)
+    [batch, channels] in x's dtype."""
     batch = x.shape[0]
     channels, kernel = weight.shape
     _check_inputs(x, channels, kernel, conv_state, cols)
     weight = weight.contiguous()
     out = torch.empty(batch, channels, dtype=x.dtype, device=x.device)
     block_c = min(triton.next_power_of_2(channels), 256)
+    if cols is not None and cols_run >= 128 and channels % 128 == 0:
+        block_c = 128  # whole runs of the map
     grid = (batch, triton.cdiv(channels, block_c))
     _conv1d_update_kernel[grid](
         out, x, weight, weight if bias is None else bias, conv_state, slots, has_state,
         slots if cols is None else cols,
         channels, conv_state.shape[0],
         x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
-        KERNEL=kernel, BLOCK_C=block_c, HAS_BIAS=bias is not None, HAS_COLS=cols is not None,
+        KERNEL=kernel, BLOCK_C=block_c, HAS_BIAS=bias is not None,
+        COLS=_cols_mode(cols, cols_run, block_c, (channels,)),
     )  # fmt: skip
     return out
 
@@ -176,7 +197,8 @@ def _conv1d_varlen_kernel(
     BLOCK_W: tl.constexpr,
     SEQ_BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    HAS_COLS: tl.constexpr,
+    COLS: tl.constexpr,
+    SPLIT_ALIGN: tl.constexpr,
 ):
     # The sequence: the last i with B_i = query_start_loc[i] // BLOCK_T + i <= this block (B_0 = 0).
     block = tl.program_id(0)
@@ -195,12 +217,19 @@ def _conv1d_varlen_kernel(
     c_block = tl.program_id(1)
     blocks0 = tl.cdiv(split1, BLOCK_C)
     blocks01 = blocks0 + tl.cdiv(split2 - split1, BLOCK_C)
-    split_first = tl.where(c_block < blocks0, 0, tl.where(c_block < blocks01, split1, split2))
-    split_end = tl.where(c_block < blocks0, split1, tl.where(c_block < blocks01, split2, num_channels))
+    # The splits' bounds are multiples of SPLIT_ALIGN (the wrapper checks): said so, the compiler
+    # can keep the tiles' loads and stores as 16-byte vectors.
+    split_first = tl.multiple_of(
+        tl.where(c_block < blocks0, 0, tl.where(c_block < blocks01, split1, split2)), SPLIT_ALIGN
+    )
+    split_end = tl.multiple_of(
+        tl.where(c_block < blocks0, split1, tl.where(c_block < blocks01, split2, num_channels)), SPLIT_ALIGN
+    )
     c_block -= tl.where(c_block < blocks0, 0, tl.where(c_block < blocks01, blocks0, blocks01))
-    channels = split_first + c_block * BLOCK_C + tl.arange(0, BLOCK_C)
+    first_channel = split_first + c_block * BLOCK_C
+    channels = first_channel + tl.arange(0, BLOCK_C)
     c_mask = channels < split_end
-    columns = tl.load(cols_ptr + channels, mask=c_mask, other=0) if HAS_COLS else channels
+    columns = _columns(cols_ptr, first_channel, channels, c_mask, BLOCK_C, COLS)
 
     slot = tl.load(slots_ptr + seq)
     slot = tl.where(slot < 0, slot + num_rows, slot)
@@ -261,6 +290,7 @@ def causal_conv1d_varlen(
     max_query_len: int,
     splits: tuple[int, ...],
     cols: torch.Tensor | None = None,
+    cols_run: int = 1,
 ) -> tuple[torch.Tensor, ...]:
     """Every prefill chunk of a step. x: [num_tokens, X] (columns contiguous, any row stride), the
     chunks of num_seqs sequences end to end; weight: [channels, kernel]; bias: [channels] or None;
@@ -268,8 +298,8 @@ def causal_conv1d_varlen(
     to the last kernel - 1 inputs of its window and chunk; slots: [num_seqs] int64 (negative:
     from the end); has_state: [num_seqs] bool, False where the sequence starts (its row is not
     read); query_start_loc: [num_seqs + 1] int32, from 0 to num_tokens; max_query_len: the longest
-    chunk (sizes the token tile); splits: one to three channel counts summing to channels; cols:
-    as ``causal_conv1d_update``'s. Returns silu(conv) as len(splits) contiguous tensors
+    chunk (sizes the token tile); splits: one to three channel counts summing to channels; cols,
+    cols_run: as ``causal_conv1d_update``'s. Returns silu(conv) as len(splits) contiguous tensors
     [num_tokens, splits[j]] in x's dtype (views of one allocation)."""
     num_tokens, num_seqs = x.shape[0], slots.shape[0]
     channels, kernel = weight.shape
@@ -296,7 +326,8 @@ def causal_conv1d_varlen(
         num_seqs, num_tokens, channels, split1, split2, conv_state.shape[0],
         x.stride(0), conv_state.stride(0), conv_state.stride(1),
         KERNEL=kernel, BLOCK_T=block_t, BLOCK_C=block_c, BLOCK_W=triton.next_power_of_2(kernel - 1),
-        SEQ_BLOCK=256, HAS_BIAS=bias is not None, HAS_COLS=cols is not None,
+        SEQ_BLOCK=256, HAS_BIAS=bias is not None, COLS=_cols_mode(cols, cols_run, block_c, ends),
+        SPLIT_ALIGN=16 if all(end % 16 == 0 for end in ends) else 1,
     )  # fmt: skip
     return outs
 
@@ -310,3 +341,14 @@ def _check_inputs(
         assert x.shape[1] == channels, (x.shape, channels)
     else:
         assert cols.shape == (channels,) and cols.dtype == torch.int32, (cols.shape, cols.dtype)
+
+
+def _cols_mode(
+    cols: torch.Tensor | None, cols_run: int, block_c: int, bounds: list[int] | tuple[int, ...]
+) -> int:
+    """_columns' COLS: 0 without a map; 2 where every channel block is one run of the map (blocks
+    start at multiples of block_c within splits whose bounds are multiples of it); else 1."""
+    if cols is None:
+        return 0
+    whole = cols_run >= block_c and block_c % 16 == 0 and all(bound % block_c == 0 for bound in bounds)
+    return 2 if whole else 1

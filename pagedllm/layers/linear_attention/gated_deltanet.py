@@ -38,7 +38,7 @@ from pagedllm.layers.linear_attention.gated_delta_rule import (
     gdn_gates,
     recurrent_gated_delta_rule,
 )
-from pagedllm.layers.linear_attention.mixer import PrefillPlan, StatefulMixer
+from pagedllm.layers.linear_attention.mixer import PrefillPlan, StatefulMixer, column_run
 from pagedllm.layers.linear_attention.state import LayerStateShape
 from pagedllm.layers.utils import CheckpointTensor, copy_weight
 from pagedllm.platform import Platform
@@ -118,7 +118,9 @@ class GatedDeltaNet(StatefulMixer):
         conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_splits = (self.key_dim, self.key_dim, self.value_dim)
         if not split_projections:
-            self.register_buffer("conv_input_cols", self._fused_conv_columns(), persistent=False)
+            cols = self._fused_conv_columns()
+            self.conv_cols_run = column_run(cols)
+            self.register_buffer("conv_input_cols", cols, persistent=False)
         # Its weight only ([conv_dim, 1, kernel], this rank's channels): the conv runs in conv1d.py.
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False)
         self.conv1d.weight.requires_grad_(False)
@@ -138,10 +140,11 @@ class GatedDeltaNet(StatefulMixer):
         whose columns are grouped by key head: [q (d_k) | k (d_k) | v (group d_v) | z (group d_v)]
         per head."""
         dk, per_v = self.head_k_dim, self.group * self.head_v_dim
-        head = torch.arange(self.num_k_heads, dtype=torch.int32)[:, None] * (2 * dk + 2 * per_v)
-        q = head + torch.arange(dk, dtype=torch.int32)
-        v = head + 2 * dk + torch.arange(per_v, dtype=torch.int32)
-        return torch.cat([q.flatten(), (q + dk).flatten(), v.flatten()])
+        on_host = dict(dtype=torch.int32, device="cpu")
+        head = torch.arange(self.num_k_heads, **on_host)[:, None] * (2 * dk + 2 * per_v)
+        q = head + torch.arange(dk, **on_host)
+        v = head + 2 * dk + torch.arange(per_v, **on_host)
+        return torch.cat([q.flatten(), (q + dk).flatten(), v.flatten()]).to(torch.get_default_device())
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, split_projections: bool = False) -> GatedDeltaNet:
@@ -240,7 +243,7 @@ class GatedDeltaNet(StatefulMixer):
         slots, has_state = md.state_slots[:n], md.seq_lens[:n] > 1
         conv_out = causal_conv1d_update(
             mixed, self.conv1d.weight[:, 0], self.conv1d.bias, self.conv_state, slots, has_state,
-            cols=self.conv_input_cols,
+            cols=self.conv_input_cols, cols_run=self.conv_cols_run,
         )  # fmt: skip
         q, k, v = self._split_heads(*conv_out.split(self.conv_splits, dim=-1))
         a, b = inputs

@@ -97,6 +97,22 @@ def fla_installed() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
+def column_run(cols: torch.Tensor, largest: int = 128) -> int:
+    """The largest power of two ``run`` from 16 up to ``largest`` such that the map ``cols`` (on
+    the host) is consecutive over every aligned block of ``run`` channels and starts each at a
+    multiple of 16; 1 if none. Computed once, where the map is built: the kernels take it to read
+    whole blocks as vectors."""
+    run = largest
+    while run >= 16:
+        if cols.numel() % run == 0:
+            blocks = cols.view(-1, run).long()
+            consecutive = bool((blocks - blocks[:, :1] == torch.arange(run)).all())
+            if consecutive and bool((blocks[:, 0] % 16 == 0).all()):
+                return run
+        run //= 2
+    return 1
+
+
 class StatefulMixer(CustomOp):
     """A subclass sets ``conv1d`` (its weight [conv_dim, 1, kernel] and bias, used as parameters
     only), ``state_shape``, ``conv_splits`` (the conv channels' parts the recurrence reads, summing
@@ -112,6 +128,7 @@ class StatefulMixer(CustomOp):
     conv1d: nn.Conv1d
     state_shape: LayerStateShape
     conv_splits: tuple[int, ...]
+    conv_cols_run: int = 1  # column_run(conv_input_cols)
     # Whether the subclass has a fused decode step (a method ``_decode_triton``, as
     # ``_decode_torch``), and a varlen prefill through flash-linear-attention (``_prefill_fla``, as
     # ``_prefill_torch``; used where Triton runs and fla is installed).
@@ -195,7 +212,7 @@ class StatefulMixer(CustomOp):
         return causal_conv1d_varlen(
             mixed, self.conv1d.weight[:, 0], self.conv1d.bias, self.conv_state, plan.slots,
             plan.has_state_device, plan.query_start_loc, plan.max_query_len, self.conv_splits,
-            cols=self.conv_input_cols,
+            cols=self.conv_input_cols, cols_run=self.conv_cols_run,
         )  # fmt: skip
 
     def _prefill_torch(
