@@ -159,3 +159,14 @@ def test_ssd_step_matches_transformers_selective_state_update() -> None:
     y, new_state = ssd_step(x, dt, A, B, C, D, state)
     torch.testing.assert_close(y, expected, atol=ATOL, rtol=1e-5)
     torch.testing.assert_close(new_state, expected_state, atol=ATOL, rtol=1e-5)
+
+
+def test_gated_deltanet_builds_on_the_meta_device() -> None:
+    """The GPU worker sizes a model by building it on the meta device before loading: the
+    layer's column map (and its run, computed on the host) must build there too."""
+    from pagedllm.layers.linear_attention.gated_deltanet import GatedDeltaNet
+
+    with torch.device("meta"):
+        layer = GatedDeltaNet(256, 2, 4, 128, 128, 4, 1e-6)
+    assert layer.conv_input_cols.device.type == "meta"
+    assert layer.conv_cols_run == 128  # Qwen3-Next's map: whole 128-column runs

@@ -118,9 +118,9 @@ class GatedDeltaNet(StatefulMixer):
         conv_dim = 2 * self.key_dim + self.value_dim
         self.conv_splits = (self.key_dim, self.key_dim, self.value_dim)
         if not split_projections:
-            cols = self._fused_conv_columns()
+            cols = self._fused_conv_columns()  # on the host
             self.conv_cols_run = column_run(cols)
-            self.register_buffer("conv_input_cols", cols, persistent=False)
+            self.register_buffer("conv_input_cols", cols.to(torch.get_default_device()), persistent=False)
         # Its weight only ([conv_dim, 1, kernel], this rank's channels): the conv runs in conv1d.py.
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False)
         self.conv1d.weight.requires_grad_(False)
@@ -144,7 +144,7 @@ class GatedDeltaNet(StatefulMixer):
         head = torch.arange(self.num_k_heads, **on_host)[:, None] * (2 * dk + 2 * per_v)
         q = head + torch.arange(dk, **on_host)
         v = head + 2 * dk + torch.arange(per_v, **on_host)
-        return torch.cat([q.flatten(), (q + dk).flatten(), v.flatten()]).to(torch.get_default_device())
+        return torch.cat([q.flatten(), (q + dk).flatten(), v.flatten()])
 
     @classmethod
     def from_config(cls, config: PretrainedConfig, split_projections: bool = False) -> GatedDeltaNet:

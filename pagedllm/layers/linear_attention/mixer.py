@@ -106,7 +106,7 @@ def column_run(cols: torch.Tensor, largest: int = 128) -> int:
     while run >= 16:
         if cols.numel() % run == 0:
             blocks = cols.view(-1, run).long()
-            consecutive = bool((blocks - blocks[:, :1] == torch.arange(run)).all())
+            consecutive = bool((blocks - blocks[:, :1] == torch.arange(run, device=cols.device)).all())
             if consecutive and bool((blocks[:, 0] % 16 == 0).all()):
                 return run
         run //= 2
