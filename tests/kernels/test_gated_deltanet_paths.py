@@ -84,15 +84,21 @@ def test_triton_step_matches_torch_step(
         results.append((out, layer.conv_state, layer.ssm_state))
     (expected, conv_expected, ssm_expected), (out, conv_after, ssm_after) = results
     assert not out.isnan().any()
-    # flash-linear-attention multiplies float32 in TF32.
-    fp32 = 5e-3 if DEVICE == "cuda" and fla_installed() else 1e-4
-    tol = dict(atol=fp32, rtol=fp32) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
+    tight = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=5e-2, rtol=5e-2)
     decodes = md.num_decodes  # apart, so that a failure names the path
-    torch.testing.assert_close(out[:decodes], expected[:decodes], **tol)
+    torch.testing.assert_close(out[:decodes], expected[:decodes], **tight)
+    # flash-linear-attention's chunked rule multiplies in TF32 for float32 (in bf16 for bfloat16)
+    # where the torch reference multiplies in float32: its errors scale with the outputs.
+    with_fla = DEVICE == "cuda" and fla_installed()
+    scale = expected.abs().max().item() * (1e-2 if dtype == torch.float32 else 5e-2)
+    tol = dict(atol=scale, rtol=0.0) if with_fla else tight
     torch.testing.assert_close(out[decodes:], expected[decodes:], **tol)
     rows = md.state_slots
-    torch.testing.assert_close(conv_after[rows], conv_expected[rows], **tol)
-    torch.testing.assert_close(ssm_after[rows], ssm_expected[rows], **tol)
+    torch.testing.assert_close(conv_after[rows], conv_expected[rows], **tight)
+    state_scale = ssm_expected[rows].abs().max().item() * (1e-2 if dtype == torch.float32 else 5e-2)
+    torch.testing.assert_close(
+        ssm_after[rows], ssm_expected[rows], **(dict(atol=state_scale, rtol=0.0) if with_fla else tight)
+    )
     # Rows no sequence of the step owns are untouched, bit for bit.
     others = [r for r in range(NUM_ROWS) if r not in {s % NUM_ROWS for _, _, s in BATCH}]
     torch.testing.assert_close(ssm_after[others], ssm_state[others], atol=0, rtol=0)

@@ -36,6 +36,7 @@ from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear, divi
 from pagedllm.layers.linear_attention.gated_delta_rule import (
     chunk_gated_delta_rule,
     gdn_gates,
+    l2_normalize,
     recurrent_gated_delta_rule,
 )
 from pagedllm.layers.linear_attention.mixer import PrefillPlan, StatefulMixer, column_run
@@ -262,6 +263,9 @@ class GatedDeltaNet(StatefulMixer):
 
         g, beta = self._gates(*inputs)
         q, k, v = self._split_heads(*parts)
+        # q and k normalised here, not by fla's in-kernel option: its l2norm kernel is autotuned per
+        # token count, which recompiled it at nearly every new prefill size (46 times in one W6 run).
+        q, k = (l2_normalize(x.float()).to(x.dtype) for x in (q, k))
         initial = torch.where(plan.has_state_device[:, None, None, None], self.ssm_state[plan.slots], 0)
         chunk_indices = plan.derive(
             "fla_chunk_indices",
@@ -275,7 +279,6 @@ class GatedDeltaNet(StatefulMixer):
             beta[None].to(q.dtype),
             initial_state=initial,
             output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
             cu_seqlens=plan.query_start_loc,
             cu_seqlens_cpu=plan.query_start_loc_cpu,
             chunk_indices=chunk_indices,
