@@ -11,7 +11,6 @@ import os
 import pytest
 import torch
 
-from pagedllm.kernels.triton import linear_attention
 from pagedllm.kernels.triton.linear_attention import gated_delta_rule_update, rms_norm_gated
 from pagedllm.layers.linear_attention.gated_delta_rule import gdn_gates, recurrent_gated_delta_rule
 from pagedllm.layers.linear_attention.gated_deltanet import RMSNormGated
@@ -38,11 +37,7 @@ def _gate_views(batch: int, num_k_heads: int, group: int, dtype: torch.dtype, ge
 @pytest.mark.parametrize(
     ("num_k_heads", "num_v_heads", "d_k", "d_v"), [(2, 2, 16, 16), (2, 4, 24, 40), (1, 3, 8, 128)]
 )
-@pytest.mark.parametrize("tiles", [1, 4])  # state tiles a program walks
-def test_gated_delta_rule_update_matches_reference(
-    dtype, num_k_heads, num_v_heads, d_k, d_v, tiles, monkeypatch
-) -> None:
-    monkeypatch.setattr(linear_attention, "DELTA_RULE_TILES", tiles)
+def test_gated_delta_rule_update_matches_reference(dtype, num_k_heads, num_v_heads, d_k, d_v) -> None:
     gen = torch.Generator().manual_seed(0)
     batch = len(SLOTS)
     # q, k, v as views of one conv output row per sequence, as the layer passes them.

@@ -24,8 +24,6 @@ CUDA graph's padding).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -66,50 +64,52 @@ def _gated_delta_rule_update_kernel(
     D_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
-    V_BLOCKS: tl.constexpr,
-    TILES: tl.constexpr,
-    STAGES: tl.constexpr,
 ):
     b = tl.program_id(0)
+    h = tl.program_id(1)
     offs_k = tl.arange(0, BLOCK_K)
-    mask_k = offs_k < D_K
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k, mask_v = offs_k < D_K, offs_v < D_V
+    # The state's address first: its load, the program's 2 d_k BLOCK_V bytes, is the one to start
+    # early; everything else is a few hundred bytes.
     slot = tl.load(slots_ptr + b)
     slot = tl.where(slot < 0, slot + num_rows, slot)
     keep = tl.load(has_state_ptr + b) != 0
-    state_rows = state_ptr + slot.to(tl.int64) * stride_state_slot + offs_k[:, None] * stride_state_k
-    # TILES consecutive (head, d_v block) tiles of the sequence's state, in a loop the compiler
-    # pipelines (STAGES): the next tile's load is in flight while this one computes.
-    for t in tl.range(0, TILES, num_stages=STAGES):
-        tile_index = tl.program_id(1) * TILES + t
-        h = tile_index // V_BLOCKS
-        offs_v = (tile_index % V_BLOCKS) * BLOCK_V + tl.arange(0, BLOCK_V)
-        mask_v = offs_v < D_V
-        tile = state_rows + h * stride_state_h + offs_v[None, :]
-        mask = mask_k[:, None] & mask_v[None, :]
-        state = tl.load(tile, mask=mask, other=0.0)
-        key_head = h // group  # each key head serves `group` consecutive value heads
-        j = h % group
-        q = tl.load(q_ptr + b * stride_q_b + key_head * stride_q_h + offs_k, mask=mask_k, other=0.0)
-        k = tl.load(k_ptr + b * stride_k_b + key_head * stride_k_h + offs_k, mask=mask_k, other=0.0)
-        v = tl.load(v_ptr + b * stride_v_b + h * stride_v_h + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-        q, k = q.to(tl.float32), k.to(tl.float32)
-        q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
-        k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
-        # The gates from the projections' raw outputs, as gdn_gates: beta = sigmoid(b), rounded to
-        # the activations' dtype as the torch layer rounds it; g = -exp(A_log) softplus(a + dt_bias).
-        raw_b = tl.load(b_ptr + b * stride_b_b + key_head * stride_b_h + j)
-        beta = tl.sigmoid(raw_b.to(tl.float32)).to(raw_b.dtype).to(tl.float32)
-        x = tl.load(a_ptr + b * stride_a_b + key_head * stride_a_h + j).to(tl.float32)
-        x += tl.load(dt_bias_ptr + h).to(tl.float32)
-        softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus, threshold 20
-        g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
-        state = tl.where(keep, state.to(tl.float32), 0.0) * tl.exp(g)
-        predicted = tl.sum(state * k[:, None], axis=0)  # S^T k: [BLOCK_V]
-        state += k[:, None] * (beta * (v - predicted))[None, :]
-        out = tl.sum(state * q[:, None], axis=0)
-        tl.store(tile, state.to(state_ptr.dtype.element_ty), mask=mask)
-        out_row = out_ptr + b * stride_out_b + h * stride_out_h
-        tl.store(out_row + offs_v, out.to(out_ptr.dtype.element_ty), mask=mask_v)
+    tile = (
+        state_ptr
+        + slot.to(tl.int64) * stride_state_slot
+        + h * stride_state_h
+        + offs_k[:, None] * stride_state_k
+        + offs_v[None, :]
+    )
+    mask = mask_k[:, None] & mask_v[None, :]
+    state = tl.load(tile, mask=mask, other=0.0)
+    key_head = h // group  # each key head serves `group` consecutive value heads
+    j = h % group
+    q = tl.load(q_ptr + b * stride_q_b + key_head * stride_q_h + offs_k, mask=mask_k, other=0.0).to(
+        tl.float32
+    )
+    k = tl.load(k_ptr + b * stride_k_b + key_head * stride_k_h + offs_k, mask=mask_k, other=0.0).to(
+        tl.float32
+    )
+    v = tl.load(v_ptr + b * stride_v_b + h * stride_v_h + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+    q = q / tl.sqrt(tl.sum(q * q) + 1e-6) * scale
+    k = k / tl.sqrt(tl.sum(k * k) + 1e-6)
+    # The gates from the projections' raw outputs, as gdn_gates: beta = sigmoid(b), rounded to the
+    # activations' dtype as the torch layer rounds it; g = -exp(A_log) softplus(a + dt_bias).
+    raw_b = tl.load(b_ptr + b * stride_b_b + key_head * stride_b_h + j)
+    beta = tl.sigmoid(raw_b.to(tl.float32)).to(raw_b.dtype).to(tl.float32)
+    x = tl.load(a_ptr + b * stride_a_b + key_head * stride_a_h + j).to(tl.float32)
+    x += tl.load(dt_bias_ptr + h).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # torch's softplus, threshold 20
+    g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
+    state = tl.where(keep, state.to(tl.float32), 0.0) * tl.exp(g)
+    predicted = tl.sum(state * k[:, None], axis=0)  # S^T k: [BLOCK_V]
+    state += k[:, None] * (beta * (v - predicted))[None, :]
+    out = tl.sum(state * q[:, None], axis=0)
+    tl.store(tile, state.to(state_ptr.dtype.element_ty), mask=mask)
+    out_row = out_ptr + b * stride_out_b + h * stride_out_h
+    tl.store(out_row + offs_v, out.to(out_ptr.dtype.element_ty), mask=mask_v)
 
 
 def gated_delta_rule_update(
@@ -139,26 +139,23 @@ def gated_delta_rule_update(
     out = torch.empty(batch, num_v_heads, d_v, dtype=v.dtype, device=q.device)
     block_k = triton.next_power_of_2(d_k)
     block_v = min(triton.next_power_of_2(d_v), max(16, DELTA_RULE_TILE // block_k))
-    v_blocks = triton.cdiv(d_v, block_v)
-    tiles = math.gcd(DELTA_RULE_TILES, num_v_heads * v_blocks)
-    grid = (batch, num_v_heads * v_blocks // tiles)
+    grid = (batch, num_v_heads, triton.cdiv(d_v, block_v))
     _gated_delta_rule_update_kernel[grid](
         out, q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state,
         ssm_state.shape[0], group, d_k**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
-        D_K=d_k, D_V=d_v, BLOCK_K=block_k, BLOCK_V=block_v, V_BLOCKS=v_blocks, TILES=tiles,
-        STAGES=DELTA_RULE_STAGES, num_warps=DELTA_RULE_WARPS,
+        D_K=d_k, D_V=d_v, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=DELTA_RULE_WARPS,
     )  # fmt: skip
     return out
 
 
-# The delta-rule step's launch: state elements in a tile ([d_k, BLOCK_V]), tiles a program walks,
-# the loop's pipeline stages, warps.
+# State elements a delta-rule program owns ([d_k, BLOCK_V]), and its warps: at W6's decode shape
+# (256 sequences, 32 heads of 128 x 128, bf16) on an H200, the fastest of tiles of 2,048 to 16,384
+# elements with 2 to 16 warps, and of programs walking 2 or 4 tiles in a pipelined loop (1 to 3
+# stages): 234 us for the 537 MB read and written, 2.29 TB/s.
 DELTA_RULE_TILE = 8192
-DELTA_RULE_TILES = 1
-DELTA_RULE_STAGES = 1
 DELTA_RULE_WARPS = 4
 
 
