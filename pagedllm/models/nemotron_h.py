@@ -153,11 +153,11 @@ class NemotronHForCausalLM(CausalLM):
     def state_shapes(
         config: PretrainedConfig, tp_size: int, layers: range | None = None
     ) -> list[LayerStateShape]:
-        """The Mamba-2 layers' states (among ``layers``), whole on every rank (their mixers are
-        replicated)."""
+        """The Mamba-2 layers' states (among ``layers``) on one of ``tp_size`` ranks (each keeps its
+        heads' and groups' part)."""
         kinds = config.layers_block_type
         return [
-            Mamba2Mixer.state_shape_of(config)
+            Mamba2Mixer.state_shape_of(config, tp_size)
             for i in (range(len(kinds)) if layers is None else layers)
             if kinds[i] == MAMBA
         ]

@@ -25,7 +25,8 @@ from pagedllm.core.scheduler import PreemptionMode
 from pagedllm.entrypoints.bench.workloads import WORKLOADS
 from pagedllm.layers.linear_attention.gated_deltanet import GatedDeltaNet
 from pagedllm.layers.linear_attention.state import LayerStateShape, StateCacheSpec
-from pagedllm.models.nemotron_h import NemotronHBlock
+from pagedllm.models import get_model_class
+from pagedllm.models.nemotron_h import NemotronHBlock, NemotronHForCausalLM
 from pagedllm.models.qwen3_next import Qwen3NextForCausalLM
 from pagedllm.worker.state_cache import kv_budget_after_state
 
@@ -179,6 +180,33 @@ def test_two_pipeline_stages_match_hf(family: str, request: pytest.FixtureReques
         ]
     finally:
         llm.llm_engine.shutdown()
+
+
+def state_shapes_of_rank(worker) -> list:
+    return list(worker.state_cache_spec.layer_shapes)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_two_tensor_parallel_ranks_match_hf(family: str, request: pytest.FixtureRequest) -> None:
+    """Each rank keeps its heads' part of every linear layer's state (Gated DeltaNet's key heads
+    and their value heads; Mamba-2's heads and groups of B and C): HF's greedy tokens."""
+    path, prompts, expected = request.getfixturevalue(family)
+    llm, outputs = _generate(path, prompts[:4], max_num_seqs=4, tensor_parallel_size=2)
+    try:
+        assert outputs == expected[:4]
+        hf_config = llm.llm_engine.config.model_config.hf_config
+        model_class = get_model_class(hf_config.architectures, hf_config.model_type)
+        half = model_class.state_shapes(hf_config, 2)
+        assert half != model_class.state_shapes(hf_config, 1)
+        assert llm.llm_engine.executor.collective_rpc(state_shapes_of_rank) == [half, half]
+    finally:
+        llm.llm_engine.shutdown()
+
+
+def test_mamba_group_counts_the_ranks_cannot_split_are_refused() -> None:
+    config = NemotronHConfig(**TINY_NEMOTRON_H)  # 2 groups
+    with pytest.raises(ValueError, match=r"n_groups \(2\) must be divisible by tensor_parallel_size \(4\)"):
+        NemotronHForCausalLM.state_shapes(config, 4)
 
 
 def test_nemotron_h_moe_layers_are_refused() -> None:

@@ -7,21 +7,28 @@ with dt = max(softplus(dt + dt_bias), time_step_min) and A = -exp(A_log); y * si
 per group of d_inner / n_groups; the output projection. The state per request is the conv window
 [conv_dim, kernel - 1] and h [heads, head_dim, d_state] (mixer.py runs the step's sequences).
 
-Its projections are replicated on every rank (each rank runs the whole mixer, so the residual
-stream stays replicated without an all-reduce): splitting x, B and C by head group is future work.
+Tensor parallelism splits the heads and the groups of B and C across ranks (as vLLM's
+MambaMixer2 does when the groups divide the ranks): each rank projects its heads' z, x and dt and
+its groups' B and C, convolves and scans them, keeps their state, and the output projection's
+all-reduce sums the ranks' parts. The checkpoint's fused in_proj and conv are split part by part
+(``_sharded_loader``).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from pagedllm.layers.linear import ReplicatedLinear
+from pagedllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear, divide, narrow_shard
 from pagedllm.layers.linear_attention.mixer import StatefulMixer
 from pagedllm.layers.linear_attention.ssd import ssd_chunk_scan, ssd_step
 from pagedllm.layers.linear_attention.state import LayerStateShape
+from pagedllm.layers.utils import CheckpointTensor, copy_weight
 
 
 class GroupedRMSNormGated(nn.Module):
@@ -47,19 +54,21 @@ class Mamba2Mixer(StatefulMixer):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
-        self.num_heads, self.head_dim = config.mamba_num_heads, config.mamba_head_dim
-        self.n_groups, self.state_size = config.n_groups, config.ssm_state_size
-        if self.num_heads % self.n_groups:
-            raise ValueError(
-                f"mamba_num_heads ({self.num_heads}) must be a multiple of n_groups ({self.n_groups})"
-            )
+        tp_size = get_tensor_model_parallel_world_size()
+        check_mamba_split(config, tp_size)
+        self.num_heads = divide(config.mamba_num_heads, tp_size)  # this rank's
+        self.n_groups = divide(config.n_groups, tp_size)
+        self.head_dim, self.state_size = config.mamba_head_dim, config.ssm_state_size
         self.chunk_size = config.chunk_size
         self.time_step_min = config.time_step_min
         self.d_inner = self.num_heads * self.head_dim
-        conv_dim = self.d_inner + 2 * self.n_groups * self.state_size
-        self.in_proj = ReplicatedLinear(
-            config.hidden_size, self.d_inner + conv_dim + self.num_heads, bias=config.use_bias
-        )
+        group_dim = self.n_groups * self.state_size
+        conv_dim = self.d_inner + 2 * group_dim
+        # The checkpoint's parts, this rank's size of each: in_proj's [z | x | B | C | dt] and the
+        # conv's [x | B | C].
+        in_proj_parts = (self.d_inner, self.d_inner, group_dim, group_dim, self.num_heads)
+        total = sum(in_proj_parts) * tp_size
+        self.in_proj = ColumnParallelLinear(config.hidden_size, total, bias=config.use_bias)
         # Its weight and bias only: the conv runs in conv1d.py.
         self.conv1d = nn.Conv1d(
             conv_dim, conv_dim, config.conv_kernel, groups=conv_dim, bias=config.use_conv_bias
@@ -69,20 +78,34 @@ class Mamba2Mixer(StatefulMixer):
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         self.D = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
+        # The norm's groups are whole on each rank: a rank's d_inner holds n_groups / tp of them.
         self.norm = GroupedRMSNormGated(
-            self.d_inner, self.d_inner // self.n_groups, config.layer_norm_epsilon
+            self.d_inner, config.mamba_num_heads * self.head_dim // config.n_groups, config.layer_norm_epsilon
         )
-        self.out_proj = ReplicatedLinear(self.d_inner, config.hidden_size, bias=config.use_bias)
-        self.state_shape = self.state_shape_of(config)
+        self.out_proj = RowParallelLinear(self.d_inner * tp_size, config.hidden_size, bias=config.use_bias)
+        for param, parts in (
+            (self.in_proj.weight, in_proj_parts),
+            (self.in_proj.bias, in_proj_parts),
+            (self.conv1d.weight, in_proj_parts[1:4]),
+            (self.conv1d.bias, in_proj_parts[1:4]),
+            (self.dt_bias, (self.num_heads,)),
+            (self.A_log, (self.num_heads,)),
+            (self.D, (self.num_heads,)),
+            (self.norm.weight, (self.d_inner,)),
+        ):
+            if param is not None:
+                param.weight_loader = _sharded_loader(parts)
+        self.state_shape = self.state_shape_of(config, tp_size)
 
     @staticmethod
-    def state_shape_of(config: PretrainedConfig) -> LayerStateShape:
-        """The state one request keeps in such a layer (the same on every rank)."""
-        d_inner = config.mamba_num_heads * config.mamba_head_dim
-        conv_dim = d_inner + 2 * config.n_groups * config.ssm_state_size
+    def state_shape_of(config: PretrainedConfig, tp_size: int) -> LayerStateShape:
+        """The state one request keeps in such a layer on one of ``tp_size`` ranks."""
+        check_mamba_split(config, tp_size)
+        heads, groups = config.mamba_num_heads // tp_size, config.n_groups // tp_size
+        d_inner = heads * config.mamba_head_dim
+        conv_dim = d_inner + 2 * groups * config.ssm_state_size
         return LayerStateShape(
-            (conv_dim, config.conv_kernel - 1),
-            (config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size),
+            (conv_dim, config.conv_kernel - 1), (heads, config.mamba_head_dim, config.ssm_state_size)
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -116,3 +139,27 @@ class Mamba2Mixer(StatefulMixer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, B, C = self._split(*parts)
         return ssd_chunk_scan(x, inputs[0], self._A(), B, C, self.D, state, self.chunk_size)
+
+
+def _sharded_loader(parts: tuple[int, ...]) -> Callable[..., None]:
+    """A loader for a checkpoint tensor made of ``parts`` along its first dimension (this rank's
+    size of each; the checkpoint's are ``tp_size`` times larger): this rank's slice of each part,
+    end to end. One part: a plain split by head."""
+
+    def load(param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None) -> None:
+        rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        offset = 0
+        for part, size in zip(loaded_weight.split([size * tp_size for size in parts], dim=0), parts):
+            copy_weight(param.data[offset : offset + size], narrow_shard(part, 0, rank, size, tp_size))
+            offset += size
+
+    return load
+
+
+def check_mamba_split(config: PretrainedConfig, tp_size: int) -> None:
+    """Refuse head and group counts the ranks cannot split (nor the heads their groups)."""
+    heads, groups = config.mamba_num_heads, config.n_groups
+    if heads % groups:
+        raise ValueError(f"mamba_num_heads ({heads}) must be a multiple of n_groups ({groups})")
+    if groups % tp_size:
+        raise ValueError(f"n_groups ({groups}) must be divisible by tensor_parallel_size ({tp_size})")
