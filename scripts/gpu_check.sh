@@ -9,7 +9,7 @@
 #       tp (tp-tests, tp-bench) cp
 #       determinism
 #       dp
-#       w6 w7 k1-mla
+#       w6 w6-long w7 k1-mla
 #
 # Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too; k1-w1: the
 # sweep at W1's decode shape; k1-fp8: the Triton decode over an FP8 cache; k1-window:
@@ -19,7 +19,8 @@
 # transformers too), w4 (bench serve against pagedllm serve; w4-thread: the server with its engine on a
 # thread of its own process, --no-engine-process), w5 (bench throughput of the
 # Qwen3-30B-A3B mixture of experts, against its floor), w6 (the hybrid linear-attention kernels'
-# tests, then bench throughput of the Qwen3-Next-style hybrid), w7 (bench throughput of DeepSeek-V2-Lite's
+# tests, then bench throughput of the Qwen3-Next-style hybrid; w6-long: 16 requests of 32,768 tokens,
+# the hybrid against its all-attention twin, the table gives the decode steps' ratio, target <= 0.5), w7 (bench throughput of DeepSeek-V2-Lite's
 # multi-head latent attention and shared experts, against its floor, KV bytes per token beside
 # Llama-3.1-8B's), k1-mla (bench mla: the MLA decode kernel against FlashInfer's MLA decode), moe (bench moe: the fused MoE kernel against
 # the per-expert torch reference; moe-sweep: every launch too), cuda (W1 on the cuda backend),
@@ -156,6 +157,13 @@ for stage in "${stages[@]}"; do
             tests/kernels/test_gated_deltanet_paths.py tests/kernels/test_causal_conv1d.py \
             tests/kernels/test_linear_attention_kernels.py -ra
         run w6 python3 -m pagedllm bench throughput --workload W6 --output-json "$OUT/w6.json" --output-png "$OUT/w6.png"
+        ;;
+    w6-long)  # W6's long-context bar: its decode step at 32,768 tokens at most 0.5x its all-attention twin's
+        for model in qwen3-next-2b qwen3-next-2b-attention; do
+            run "w6_long_$model" python3 -m pagedllm bench throughput --workload W6 --num-prompts 16 \
+                --input-len 32768 --output-len 64 --model "benchmarks/configs/$model" \
+                --output-json "$OUT/w6_long_$model.json"
+        done
         ;;
     w7) run w7 python3 -m pagedllm bench throughput --workload W7 --output-json "$OUT/w7.json" --output-png "$OUT/w7.png" ;;
     k1-mla)  # MLA's target: >= 1.0x FlashInfer's MLA decode at every context (FlashInfer's time / ours)

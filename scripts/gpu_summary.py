@@ -54,6 +54,7 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
                     cell = f"{profiled['device_ms_per_step']:.2f} / {profiled['wall_ms_per_step']:.2f}"
                     table.append((f"W3 {mode}{_variant(name)}", "profiled device / wall ms per token", cell))
     table += _quantized_rows(folder)
+    table += _long_context_rows(folder)
     table += _tensor_parallel_rows(folder)
     table += _spec_tensor_parallel_rows(folder)
     table += _context_parallel_rows(folder)
@@ -133,6 +134,16 @@ def _quantized_rows(folder: str) -> list[tuple[str, str, str]]:
             cell = f"{row['ms'] * 1e3:.1f} ({row['weight_gb_s']:.0f} GB/s, {row['copy_fraction']:.0%})"
             table.append((label, "us (weight GB/s, of copy)", cell))
     return table
+
+
+def _long_context_rows(folder: str) -> list[tuple[str, str, str]]:
+    """W6 at 32,768 tokens: the hybrid's median decode step over its all-attention twin's."""
+    hybrid, dense = _load(folder, "w6_long_qwen3-next-2b"), _load(folder, "w6_long_qwen3-next-2b-attention")
+    if not (hybrid and dense):
+        return []
+    steps = f"{hybrid['median_decode_step_ms']:.2f} / {dense['median_decode_step_ms']:.2f} ms"
+    ratio = hybrid["median_decode_step_ms"] / dense["median_decode_step_ms"]
+    return [("W6 32k decode step / all-attention", "ms (target <= 0.5x)", f"{steps} = {ratio:.2f}x")]
 
 
 def _tensor_parallel_rows(folder: str) -> list[tuple[str, str, str]]:

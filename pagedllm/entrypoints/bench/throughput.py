@@ -44,6 +44,16 @@ MOE_MODEL_TYPES = ("qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--workload", choices=["W1", "W2", "W5", "W6", "W7"], default="W1")
     parser.add_argument("--num-prompts", type=int, default=None, help="the workload's first N prompts")
+    parser.add_argument(
+        "--input-len",
+        type=int,
+        default=None,
+        help="every prompt this many tokens (the workload's token stream) instead of its lengths: a long "
+        "context's decode step (W6 at 32,768 against its all-attention twin)",
+    )
+    parser.add_argument(
+        "--output-len", type=int, default=None, help="output tokens per request instead of the workload's"
+    )
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--output-png", default=None)
     parser.add_argument("--profile-steps", type=int, default=0, help="torch-profile N decode steps")
@@ -60,6 +70,20 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         enable_chunked_prefill=True,
     )
     return parser
+
+
+def workload_for(args: argparse.Namespace) -> Workload:
+    """The workload ``--workload`` names, with ``--input-len`` / ``--output-len`` applied."""
+    workload = WORKLOADS[args.workload]
+    if args.input_len is not None:
+        if args.input_len < 1:
+            raise ValueError(f"--input-len must be at least 1, got {args.input_len}")
+        workload = dataclasses.replace(workload, input_len=(args.input_len, args.input_len))
+    if args.output_len is not None:
+        if args.output_len < 2:  # the decode phase needs a step after the first token
+            raise ValueError(f"--output-len must be at least 2, got {args.output_len}")
+        workload = dataclasses.replace(workload, output_len=args.output_len)
+    return workload
 
 
 def engine_args_for(workload: Workload, args: argparse.Namespace) -> EngineArgs:
@@ -226,17 +250,17 @@ def plot(result: dict[str, Any], path: str) -> bool:
 def main(args: argparse.Namespace) -> dict[str, Any]:
     if torch.cuda.device_count() == 0:  # NVML: the engine may fork its ranks after this
         raise SystemExit("pagedllm bench throughput needs a CUDA device")
-    workload = WORKLOADS[args.workload]
+    workload = workload_for(args)
     prompts = workload.prompts(args.num_prompts)
     engine = LLMEngine.from_engine_args(engine_args_for(workload, args))
     adapter_dir = tempfile.TemporaryDirectory(prefix="pagedllm-bench-lora-")
     loras = write_random_adapters(
         engine.config.model_config.hf_config, args.num_loras, args.lora_rank, adapter_dir.name
     )
-    # Warm-up: a small run of the same shape (chunked prompts beside decodes of every count up to
-    # 64) compiles the kernels' specialisations, touches the cache and fills the adapters' slots
+    # Warm-up: a small run of the same shape (up to 64 of the prompts, chunked beside decodes of
+    # every count up to 64) compiles the kernels' specialisations, touches the cache and fills the adapters' slots
     # before the timed run.
-    run(engine, workload.prompts(64), 16, lora_requests=loras)
+    run(engine, workload.prompts(min(64, len(prompts))), 16, lora_requests=loras)
     result = run(engine, prompts, workload.output_len, args.profile_steps, lora_requests=loras)
     adapter_dir.cleanup()
     result.update(

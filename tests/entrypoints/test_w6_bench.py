@@ -1,0 +1,71 @@
+"""W6's long-context comparison without a GPU: ``bench throughput``'s ``--input-len`` /
+``--output-len`` overrides, the all-attention twin of W6's config, and the summary row
+``scripts/gpu_check.sh w6-long`` prints."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
+from pagedllm.entrypoints.bench import throughput
+from pagedllm.entrypoints.bench.workloads import CONFIG_DIR
+from pagedllm.models import get_model_class
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return throughput.add_cli_args(argparse.ArgumentParser()).parse_args(["--workload", "W6", *argv])
+
+
+def test_input_and_output_len_override_the_workload() -> None:
+    workload = throughput.workload_for(_args("--input-len", "32768", "--output-len", "64"))
+    prompts = workload.prompts(16)
+    assert len(prompts) == 16 and {len(p) for p in prompts} == {32768}
+    assert workload.output_len == 64 and workload.max_model_len == 32768 + 64
+    default = throughput.workload_for(_args())
+    assert default.output_len == 256 and default.input_len == (100, 1024)
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--input-len", "0"), ("--output-len", "1")])
+def test_lengths_the_run_cannot_use_are_refused_by_name(flag: str, value: str) -> None:
+    with pytest.raises(ValueError, match=flag):
+        throughput.workload_for(_args(flag, value))
+
+
+def _meta_model(name: str):
+    config = AutoConfig.from_pretrained(os.path.join(CONFIG_DIR, name))
+    model_class = get_model_class(config.architectures, config.model_type)
+    with torch.device("meta"):
+        model = model_class(config, TorchAttentionBackend)
+    return config, model_class, sum(p.numel() for p in model.parameters())
+
+
+def test_the_all_attention_twin_is_w6_with_every_layer_attention() -> None:
+    config, model_class, params = _meta_model("qwen3-next-2b")
+    twin_config, _, twin_params = _meta_model("qwen3-next-2b-attention")
+    assert model_class.num_attention_layers(twin_config) == twin_config.num_hidden_layers == 24
+    assert model_class.state_shapes(twin_config, 1) == []
+    different = {k for k in config.to_dict() if config.to_dict()[k] != twin_config.to_dict().get(k)}
+    assert different - {"_name_or_path"} == {"layer_types"}
+    assert abs(twin_params / params - 1) < 0.05  # "a same-size dense model": 2.56B against 2.68B
+
+
+def test_summary_prints_the_decode_steps_ratio(tmp_path) -> None:
+    for name, step in (("qwen3-next-2b", 3.0), ("qwen3-next-2b-attention", 12.0)):
+        (tmp_path / f"w6_long_{name}.json").write_text(json.dumps({"median_decode_step_ms": step}))
+    spec = importlib.util.spec_from_file_location(
+        "gpu_summary", os.path.join(REPO, "scripts", "gpu_summary.py")
+    )
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    assert summary._long_context_rows(str(tmp_path)) == [
+        ("W6 32k decode step / all-attention", "ms (target <= 0.5x)", "3.00 / 12.00 ms = 0.25x")
+    ]
