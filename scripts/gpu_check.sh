@@ -19,7 +19,7 @@
 # transformers too), w4 (bench serve against pagedllm serve; w4-thread: the server with its engine on a
 # thread of its own process, --no-engine-process), w5 (bench throughput of the
 # Qwen3-30B-A3B mixture of experts, against its floor), w6 (the hybrid linear-attention kernels'
-# tests, then bench throughput of the Qwen3-Next-style hybrid; w6-long: 16 requests of 32,768 tokens,
+# tests, then bench throughput of the Qwen3-Next-style hybrid; w6-long: 16 requests decoding to 32,768 tokens,
 # the hybrid against its all-attention twin, the table gives the decode steps' ratio, target <= 0.5), w7 (bench throughput of DeepSeek-V2-Lite's
 # multi-head latent attention and shared experts, against its floor, KV bytes per token beside
 # Llama-3.1-8B's), k1-mla (bench mla: the MLA decode kernel against FlashInfer's MLA decode), moe (bench moe: the fused MoE kernel against
@@ -161,7 +161,7 @@ for stage in "${stages[@]}"; do
     w6-long)  # W6's long-context bar: its decode step at 32,768 tokens at most 0.5x its all-attention twin's
         for model in qwen3-next-2b qwen3-next-2b-attention; do
             run "w6_long_$model" python3 -m pagedllm bench throughput --workload W6 --num-prompts 16 \
-                --input-len 32768 --output-len 64 --model "benchmarks/configs/$model" \
+                --input-len 32704 --output-len 64 --model "benchmarks/configs/$model" \
                 --output-json "$OUT/w6_long_$model.json"
         done
         ;;
