@@ -258,8 +258,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         engine.config.model_config.hf_config, args.num_loras, args.lora_rank, adapter_dir.name
     )
     # Warm-up: a small run of the same shape (up to 64 of the prompts, chunked beside decodes of
-    # every count up to 64) compiles the kernels' specialisations, touches the cache and fills the adapters' slots
-    # before the timed run.
+    # every count up to 64) compiles the kernels' specialisations, touches the cache and fills the
+    # adapters' slots before the timed run.
     run(engine, workload.prompts(min(64, len(prompts))), 16, lora_requests=loras)
     result = run(engine, prompts, workload.output_len, args.profile_steps, lora_requests=loras)
     adapter_dir.cleanup()

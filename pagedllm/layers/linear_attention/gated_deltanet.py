@@ -12,8 +12,10 @@ The decodes of a step run the one-token rule as a batch, each prefill chunk the 
 from and into the request's state row (mixer.py).
 
 Qwen3-Next's checkpoints fuse the input projections as ``in_proj_qkvz`` and ``in_proj_ba``, their
-outputs grouped by key head; Qwen3.5's keep ``in_proj_qkv`` ([q | k | v], the conv's channel
-order), ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` (``split_projections``, chosen once).
+outputs grouped by key head, which the conv reads through a column map (``conv_input_cols``) and
+the gates and the norm as strided views: nothing is copied into order, no weight is permuted.
+Qwen3.5's keep ``in_proj_qkv`` ([q | k | v], the conv's channel order), ``in_proj_z``,
+``in_proj_b`` and ``in_proj_a`` (``split_projections``, chosen once).
 
 Tensor parallelism splits the key heads (and the value heads they serve) across ranks: the
 checkpoint's fused projections group their outputs by key head, so a contiguous split of them is
@@ -43,6 +45,10 @@ from pagedllm.layers.linear_attention.mixer import PrefillPlan, StatefulMixer, c
 from pagedllm.layers.linear_attention.state import LayerStateShape
 from pagedllm.layers.utils import CheckpointTensor, copy_weight
 from pagedllm.platform import Platform
+
+# Tokens per chunk of flash-linear-attention's chunked rule (its default), which its chunk indices
+# are built for.
+FLA_CHUNK_SIZE = 64
 
 
 class RMSNormGated(CustomOp):
@@ -269,7 +275,9 @@ class GatedDeltaNet(StatefulMixer):
         initial = torch.where(plan.has_state_device[:, None, None, None], self.ssm_state[plan.slots], 0)
         chunk_indices = plan.derive(
             "fla_chunk_indices",
-            lambda: prepare_chunk_indices(plan.query_start_loc, 64, cu_seqlens_cpu=plan.query_start_loc_cpu),
+            lambda: prepare_chunk_indices(
+                plan.query_start_loc, FLA_CHUNK_SIZE, cu_seqlens_cpu=plan.query_start_loc_cpu
+            ),
         )
         out, final = fla_chunk_gated_delta_rule(
             q[None],
@@ -282,6 +290,7 @@ class GatedDeltaNet(StatefulMixer):
             cu_seqlens=plan.query_start_loc,
             cu_seqlens_cpu=plan.query_start_loc_cpu,
             chunk_indices=chunk_indices,
+            chunk_size=FLA_CHUNK_SIZE,
         )
         self.ssm_state[plan.slots] = final.to(self.ssm_state.dtype)
         return out[0]
