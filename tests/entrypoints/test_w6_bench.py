@@ -1,6 +1,6 @@
-"""W6's long-context comparison without a GPU: ``bench throughput``'s ``--input-len`` /
-``--output-len`` overrides, the all-attention twin of W6's config, and the summary row
-``scripts/gpu_check.sh w6-long`` prints."""
+"""W6 without a GPU: its floor (hybrid_floor.py) against benchmarks/README.md's derivation, and the
+long-context comparison: ``bench throughput``'s ``--input-len`` / ``--output-len`` overrides, the
+all-attention twin of W6's config, and the summary row ``scripts/gpu_check.sh w6-long`` prints."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from transformers import AutoConfig
 
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.entrypoints.bench import throughput
+from pagedllm.entrypoints.bench.hybrid_floor import HybridShape, hybrid_floor
 from pagedllm.entrypoints.bench.workloads import CONFIG_DIR
 from pagedllm.models import get_model_class
 
@@ -69,3 +70,32 @@ def test_summary_prints_the_decode_steps_ratio(tmp_path) -> None:
     assert summary._long_context_rows(str(tmp_path)) == [
         ("W6 32k decode step / all-attention", "ms (target <= 0.5x)", "3.00 / 12.00 ms = 0.25x")
     ]
+
+
+def test_w6_floor_is_benchmarks_readme_derivation() -> None:
+    """The bench's floor for W6 against benchmarks/README.md's figures (H200: 4.25 TB/s copy,
+    811 TFLOP/s): 1.21 TB of decode weights, 0.55 TB of KV, 2.58 TB of state, 0.42 PFLOP."""
+    workload = throughput.WORKLOADS["W6"]
+    shape = HybridShape.from_config(AutoConfig.from_pretrained(workload.model))
+    # 24 sparse layers of 16 experts of gate, up and down (2,048 x 512).
+    assert shape.routed_expert_params == 24 * 16 * 3 * 2048 * 512
+    prompt_lens = [len(p) for p in workload.prompts()]
+    floor = hybrid_floor(shape, prompt_lens, workload.output_len, 256, 2, 4.25e12, 811e12)
+    assert floor["decode_weight_tb"] == pytest.approx(1.21, abs=0.005)
+    assert floor["kv_tb"] == pytest.approx(0.55, abs=0.005)
+    assert floor["state_tb"] == pytest.approx(2.58, abs=0.005)
+    assert floor["prefill_tflop"] == pytest.approx(420, abs=5)
+    assert floor["floor_s"] == pytest.approx(1.54, abs=0.01)
+
+
+def test_floor_without_experts_and_the_touched_experts() -> None:
+    """A Mamba-2 hybrid with no experts reads every dense weight each step; with experts, a batch
+    of one token touches k of E, a large batch all of them."""
+    shape = HybridShape.from_config(AutoConfig.from_pretrained(os.path.join(CONFIG_DIR, "nemotron-h-8b")))
+    assert shape.routed_expert_params == 0 and shape.touched_expert_fraction(256) == 0.0
+    assert shape.active_params_per_token == shape.dense_params - shape.lm_head_params
+    floor = hybrid_floor(shape, [1000] * 4, 5, 4, 2, 1e12, 1e15)
+    assert floor["decode_weight_tb"] == pytest.approx(4 * shape.dense_params * 2 / 1e12)
+    w6 = HybridShape.from_config(AutoConfig.from_pretrained(throughput.WORKLOADS["W6"].model))
+    assert w6.touched_expert_fraction(1) == pytest.approx(8 / 16)
+    assert w6.touched_expert_fraction(256) == pytest.approx(1.0)

@@ -5,10 +5,10 @@ dummy weights of the workload's architecture). Reports output and total tokens p
 the step timeline: each step's wall time and the tokens it computed, so that the prefill phase,
 the decode phase and the per-step overhead can be read apart. ``--profile-steps N`` also records N
 decode steps with the torch profiler and prints where host and device time go. For a mixture of
-experts (W5, W7) it also reports the run against its floor (``moe_floor.py``), and the KV cache
-bytes per token beside Llama-3.1-8B's. ``--num-loras K
---lora-rank R`` runs the requests with K random rank-R LoRA adapters, request i with adapter i mod K
-(``lora_adapters.py``).
+experts (W5, W7) and for a hybrid (W6) it also reports the run against its floor
+(``moe_floor.py``, ``hybrid_floor.py``); for the former, the KV cache bytes per token beside
+Llama-3.1-8B's. ``--num-loras K --lora-rank R`` runs the requests with K random rank-R LoRA
+adapters, request i with adapter i mod K (``lora_adapters.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.bench import write_json
 from pagedllm.entrypoints.bench.ceilings import copy_bandwidth, matmul_peak_flops
+from pagedllm.entrypoints.bench.hybrid_floor import HYBRID_MODEL_TYPES, HybridShape, hybrid_floor
 from pagedllm.entrypoints.bench.lora_adapters import write_random_adapters
 from pagedllm.entrypoints.bench.moe_floor import MoeShape, kv_bytes_per_token, moe_floor
 from pagedllm.entrypoints.bench.workloads import CONFIG_DIR, WORKLOADS, Workload
@@ -196,10 +197,18 @@ def profile_steps_of(engine: LLMEngine, num_steps: int) -> dict[str, Any]:
     }
 
 
-def _moe_floor(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict[str, Any]:
+def _floor(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict[str, Any] | None:
+    """The run's floor where one is derived for its model (a mixture of experts, a hybrid)."""
     config = engine.config
-    return moe_floor(
-        MoeShape.from_config(config.model_config.hf_config),
+    hf_config = config.model_config.hf_config
+    if hf_config.model_type in MOE_MODEL_TYPES:
+        floor, shape = moe_floor, MoeShape.from_config(hf_config)
+    elif hf_config.model_type in HYBRID_MODEL_TYPES:
+        floor, shape = hybrid_floor, HybridShape.from_config(hf_config)
+    else:
+        return None
+    return floor(
+        shape,
         [len(p) for p in prompts],
         output_len,
         config.scheduler_config.max_num_seqs,
@@ -275,15 +284,19 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         batch_invariant=engine.config.batch_invariant,
         num_gpu_blocks=engine.num_gpu_blocks,
     )
-    if engine.config.model_config.hf_config.model_type in MOE_MODEL_TYPES:
-        result["floor"] = _moe_floor(engine, prompts, workload.output_len)
-        result["fraction_of_floor"] = result["floor"]["floor_s"] / result["elapsed_s"]
-        result["kv_bytes_per_token"] = _kv_bytes_beside_llama(engine)
+    floor = _floor(engine, prompts, workload.output_len)
+    if floor is not None:
+        result["floor"] = floor
+        result["fraction_of_floor"] = floor["floor_s"] / result["elapsed_s"]
+        state = f", state {floor['state_s']:.2f} s" if "state_s" in floor else ""
         print(
-            f"{workload.name} floor {result['floor']['floor_s']:.2f} s (decode weights "
-            f"{result['floor']['decode_weight_s']:.2f} s, KV {result['floor']['kv_s']:.2f} s, prefill "
-            f"{result['floor']['prefill_s']:.2f} s): the run is at {result['fraction_of_floor']:.0%} of it"
+            f"{workload.name} floor {floor['floor_s']:.2f} s (decode weights "
+            f"{floor['decode_weight_s']:.2f} s, KV {floor['kv_s']:.2f} s{state}, prefill "
+            f"{floor['prefill_s']:.2f} s): the run is at "
+            f"{result['fraction_of_floor']:.0%} of it"
         )
+    if engine.config.model_config.hf_config.model_type in MOE_MODEL_TYPES:
+        result["kv_bytes_per_token"] = _kv_bytes_beside_llama(engine)
         kv = result["kv_bytes_per_token"]
         print(f"KV cache per token: {kv['model']:,} B, Llama-3.1-8B's {kv['llama-3.1-8b']:,} B")
     for phase, profiled in result["profiles"].items():
