@@ -24,6 +24,7 @@ from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.core.scheduler import PreemptionMode
 from pagedllm.entrypoints.bench.workloads import WORKLOADS
 from pagedllm.layers.linear_attention.gated_deltanet import GatedDeltaNet
+from pagedllm.layers.linear_attention.mamba2 import Mamba2Mixer
 from pagedllm.layers.linear_attention.state import LayerStateShape, StateCacheSpec
 from pagedllm.models import get_model_class
 from pagedllm.models.nemotron_h import NemotronHBlock, NemotronHForCausalLM
@@ -303,3 +304,16 @@ def test_state_cache_comes_out_of_the_kv_budget() -> None:
     assert kv_budget_after_state(10**6, spec) == 10**6 - 5 * spec.slot_bytes  # 4 slots + scratch
     with pytest.raises(ValueError, match="lower max_num_seqs or give the cache more memory"):
         kv_budget_after_state(spec.slot_bytes, spec)
+
+
+def test_mamba_projection_loader_splits_parts_and_keeps_a_per_tensor_scale_whole() -> None:
+    """One rank of one: the in_proj's parts load in place; a quantized projection's per-tensor
+    scale (one value, not one per row) loads whole rather than split by part."""
+    mixer = Mamba2Mixer(NemotronHConfig(**TINY_NEMOTRON_H))
+    weight = mixer.in_proj.weight
+    checkpoint = torch.randn(weight.shape)
+    weight.weight_loader(weight, checkpoint)
+    assert torch.equal(weight.data, checkpoint)
+    scale = torch.nn.Parameter(torch.empty(1), requires_grad=False)
+    weight.weight_loader(scale, torch.tensor([0.5]))
+    assert scale.item() == 0.5

@@ -148,6 +148,11 @@ def _sharded_loader(parts: tuple[int, ...]) -> Callable[..., None]:
 
     def load(param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None) -> None:
         rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        if loaded_weight.shape[0] != sum(parts) * tp_size:
+            # Not one entry per output row: a quantized projection's per-tensor scale (the same on
+            # every rank) loads whole; anything else must then match the parameter's shape.
+            copy_weight(param.data, loaded_weight)
+            return
         offset = 0
         for part, size in zip(loaded_weight.split([size * tp_size for size in parts], dim=0), parts):
             copy_weight(param.data[offset : offset + size], narrow_shard(part, 0, rank, size, tp_size))
