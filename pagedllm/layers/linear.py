@@ -46,6 +46,36 @@ def narrow_shard(
     return loaded_weight.narrow(dim, shard_rank * shard_size, shard_size)
 
 
+def load_sharded_parts(
+    param: nn.Parameter,
+    loaded_weight: CheckpointTensor,
+    parts: tuple[int, ...],
+    rank: int,
+    tp_size: int,
+) -> None:
+    """Load a checkpoint tensor made of ``parts`` along its output dimension, each split across the
+    ranks (a hybrid's fused projection, [q | k | v] or [z | x | B | C | dt]): this rank's slice of
+    every part, end to end. ``parts``: this rank's output features of each (the checkpoint's are
+    ``tp_size`` times as many).
+
+    A quantized weight's other tensors load through the same loader, by their layout: a tensor
+    packed or blocked along the output features splits by whole entries (every part must hold
+    whole ones); a per-tensor scale, or one that does not vary along the outputs, loads whole."""
+    layout = layout_of(param)
+    if layout.per_projection:
+        load_per_projection(param, loaded_weight, 0)
+        return
+    if layout.output_dim is None:
+        copy_weight(param.data, loaded_weight)
+        return
+    dim = layout.output_dim
+    local = [entries(size, layout.output_per_entry, "a sharded part") for size in parts]
+    offset = 0
+    for part, size in zip(loaded_weight.split([size * tp_size for size in local], dim=dim), local):
+        copy_weight(param.data.narrow(dim, offset, size), narrow_shard(part, dim, rank, size, tp_size))
+        offset += size
+
+
 def load_per_projection(param: nn.Parameter, loaded_weight: CheckpointTensor, index: int) -> None:
     """Copy a per-tensor value (a scale of one projection, any shape of that many values) into
     entry ``index`` of a parameter holding one per projection (``ParamLayout.per_projection``)."""

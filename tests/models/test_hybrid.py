@@ -26,6 +26,7 @@ from pagedllm.entrypoints.bench.workloads import WORKLOADS
 from pagedllm.layers.linear_attention.gated_deltanet import GatedDeltaNet
 from pagedllm.layers.linear_attention.mamba2 import Mamba2Mixer
 from pagedllm.layers.linear_attention.state import LayerStateShape, StateCacheSpec
+from pagedllm.layers.quantization.params import PER_PROJECTION, set_layout
 from pagedllm.models import get_model_class
 from pagedllm.models.nemotron_h import NemotronHBlock, NemotronHForCausalLM
 from pagedllm.models.qwen3_next import Qwen3NextForCausalLM
@@ -314,6 +315,7 @@ def test_mamba_projection_loader_splits_parts_and_keeps_a_per_tensor_scale_whole
     checkpoint = torch.randn(weight.shape)
     weight.weight_loader(weight, checkpoint)
     assert torch.equal(weight.data, checkpoint)
-    scale = torch.nn.Parameter(torch.empty(1), requires_grad=False)
-    weight.weight_loader(scale, torch.tensor([0.5]))
+    # As FP8's per-tensor scheme makes it (layers/quantization/fp8.py): one value per projection.
+    scale = set_layout(torch.nn.Parameter(torch.empty(1), requires_grad=False), PER_PROJECTION)
+    weight.weight_loader(scale, torch.tensor(0.5))
     assert scale.item() == 0.5

@@ -34,7 +34,7 @@ from transformers import PretrainedConfig
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from pagedllm.layers.custom_op import CustomOp
-from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear, divide, narrow_shard
+from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear, divide, load_sharded_parts
 from pagedllm.layers.linear_attention.gated_delta_rule import (
     chunk_gated_delta_rule,
     gdn_gates,
@@ -43,7 +43,7 @@ from pagedllm.layers.linear_attention.gated_delta_rule import (
 )
 from pagedllm.layers.linear_attention.mixer import PrefillPlan, StatefulMixer, column_run
 from pagedllm.layers.linear_attention.state import LayerStateShape
-from pagedllm.layers.utils import CheckpointTensor, copy_weight
+from pagedllm.layers.utils import CheckpointTensor
 from pagedllm.platform import Platform
 
 # Tokens per chunk of flash-linear-attention's chunked rule (its default), which its chunk indices
@@ -182,20 +182,15 @@ class GatedDeltaNet(StatefulMixer):
         self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None
     ) -> None:
         """A checkpoint tensor whose rows are [q | k | v] (the conv weight, [2 * key + value, 1,
-        kernel]; Qwen3.5's in_proj_qkv): this rank's heads of q, of k, of v."""
+        kernel]; Qwen3.5's in_proj_qkv and its scales): this rank's heads of q, of k, of v."""
         rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        key, value = self.key_dim, self.value_dim
-        parts = loaded_weight.split([key * tp_size, key * tp_size, value * tp_size], dim=0)
-        offset = 0
-        for part, size in zip(parts, (key, key, value)):
-            copy_weight(param.data[offset : offset + size], narrow_shard(part, 0, rank, size, tp_size))
-            offset += size
+        load_sharded_parts(param, loaded_weight, (self.key_dim, self.key_dim, self.value_dim), rank, tp_size)
 
     def _head_weight_loader(
         self, param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None
     ) -> None:
         rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        copy_weight(param.data, narrow_shard(loaded_weight, 0, rank, self.num_v_heads, tp_size))
+        load_sharded_parts(param, loaded_weight, (self.num_v_heads,), rank, tp_size)
 
     # --- forward ----------------------------------------------------------------------------
 

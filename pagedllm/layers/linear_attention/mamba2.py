@@ -24,11 +24,11 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear, divide, narrow_shard
+from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear, divide, load_sharded_parts
 from pagedllm.layers.linear_attention.mixer import StatefulMixer
 from pagedllm.layers.linear_attention.ssd import ssd_chunk_scan, ssd_step
 from pagedllm.layers.linear_attention.state import LayerStateShape
-from pagedllm.layers.utils import CheckpointTensor, copy_weight
+from pagedllm.layers.utils import CheckpointTensor
 
 
 class GroupedRMSNormGated(nn.Module):
@@ -143,20 +143,11 @@ class Mamba2Mixer(StatefulMixer):
 
 def _sharded_loader(parts: tuple[int, ...]) -> Callable[..., None]:
     """A loader for a checkpoint tensor made of ``parts`` along its first dimension (this rank's
-    size of each; the checkpoint's are ``tp_size`` times larger): this rank's slice of each part,
-    end to end. One part: a plain split by head."""
+    size of each): ``load_sharded_parts``. One part: a plain split by head."""
 
     def load(param: nn.Parameter, loaded_weight: CheckpointTensor, shard_id: int | str | None = None) -> None:
         rank, tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-        if loaded_weight.shape[0] != sum(parts) * tp_size:
-            # Not one entry per output row: a quantized projection's per-tensor scale (the same on
-            # every rank) loads whole; anything else must then match the parameter's shape.
-            copy_weight(param.data, loaded_weight)
-            return
-        offset = 0
-        for part, size in zip(loaded_weight.split([size * tp_size for size in parts], dim=0), parts):
-            copy_weight(param.data[offset : offset + size], narrow_shard(part, 0, rank, size, tp_size))
-            offset += size
+        load_sharded_parts(param, loaded_weight, parts, rank, tp_size)
 
     return load
 
