@@ -17,6 +17,7 @@ from pagedllm.kernels.triton.activation import silu_and_mul
 from pagedllm.kernels.triton.batch_invariant_matmul import batch_invariant_matmul
 from pagedllm.kernels.triton.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from pagedllm.kernels.triton.fused_moe import fused_moe
+from pagedllm.kernels.triton.linear_attention import gated_delta_rule_update, rms_norm_gated
 from pagedllm.kernels.triton.lora import lora_shrink_expand
 from pagedllm.kernels.triton.lora_sgmv import SegmentBuffer, lora_sgmv_shrink_expand, plan_segments
 from pagedllm.kernels.triton.mla_decode import MLALaunch, mla_decode
@@ -319,12 +320,35 @@ def conv1d() -> None:
         weight, bias = torch.empty(channels, 4, dtype=dtype), torch.empty(channels, dtype=dtype)
         conv_state = torch.empty(9, channels, 3, dtype=dtype)
         projection = torch.empty(50, 2 * channels, dtype=dtype)
-        inputs = ((projection[:, :channels], None), (projection, torch.empty(channels, dtype=torch.int32)))
-        for (x, cols), b in itertools.product(inputs, (None, bias)):
-            causal_conv1d_update(x[:2], weight, b, conv_state, slots, has_state, cols=cols)
+        cols = torch.empty(channels, dtype=torch.int32)
+        # No map; a gathered map; a map of whole 128-column runs (Qwen3-Next's, read as vectors).
+        inputs = ((projection[:, :channels], None, 1), (projection, cols, 1), (projection, cols, 128))
+        for (x, cols, run), b in itertools.product(inputs, (None, bias)):
+            causal_conv1d_update(x[:2], weight, b, conv_state, slots, has_state, cols=cols, cols_run=run)
             for max_query_len in (40, 4):
-                args = (conv_state, slots, has_state, query_start_loc, max_query_len, splits, cols)
+                args = (conv_state, slots, has_state, query_start_loc, max_query_len, splits, cols, run)
                 causal_conv1d_varlen(x, weight, b, *args)
+
+
+def gated_deltanet() -> None:
+    """Gated DeltaNet's decode step (its gates read from strided views of a fused projection, as
+    Qwen3-Next's) and its gated output norm, at W6's head shape."""
+    batch, num_k_heads, group, d = 4, 2, 2, 128
+    num_v_heads = num_k_heads * group
+    for dtype in DTYPES:
+        conv_out = torch.empty(batch, (2 * num_k_heads + num_v_heads) * d, dtype=dtype)
+        q, k, v = conv_out.split([num_k_heads * d, num_k_heads * d, num_v_heads * d], dim=-1)
+        q, k, v = q.view(batch, num_k_heads, d), k.view(batch, num_k_heads, d), v.view(batch, num_v_heads, d)
+        b, a = torch.empty(batch, num_k_heads, 2 * group, dtype=dtype).split([group, group], -1)
+        heads = torch.empty(num_v_heads)
+        state = torch.empty(9, num_v_heads, d, d, dtype=dtype)
+        slots, has_state = torch.zeros(batch, dtype=torch.int64), torch.zeros(batch, dtype=torch.bool)
+        gated_delta_rule_update(q, k, v, a, b, heads, heads, state, slots, has_state)
+        fused = torch.empty(batch, num_k_heads, 3 * group * d, dtype=dtype)
+        gate = fused[..., 2 * group * d :].unflatten(-1, (group, d))
+        rms_norm_gated(
+            torch.empty(batch, num_v_heads, d, dtype=dtype), gate, torch.empty(d, dtype=dtype), 1e-6
+        )
 
 
 LAUNCHES: list[Callable[[], None]] = [
@@ -339,4 +363,5 @@ LAUNCHES: list[Callable[[], None]] = [
     batch_invariant,
     quant,
     conv1d,
+    gated_deltanet,
 ]

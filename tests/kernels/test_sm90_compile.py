@@ -57,5 +57,7 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
         "_fp8_quant_kernel",
         "_conv1d_update_kernel",
         "_conv1d_varlen_kernel",
+        "_gated_delta_rule_update_kernel",
+        "_rms_norm_gated_kernel",
     ):
         assert f"compiled {kernel} " in result.stdout, kernel
