@@ -1,6 +1,7 @@
 """The physical floor of an offline run of a hybrid model (W6: Gated DeltaNet or Mamba-2 layers
 beside a few attention layers, benchmarks/README.md), as ``moe_floor.py``'s for a mixture of
-experts, counted on the model built on the meta device rather than from the config's fields:
+experts (``offline_floor``), counted on the model built on the meta device rather than from the
+config's fields:
 
 * Decode weights: each step reads every parameter but the embedding, the routed experts only as
   far as the batch touches them (uniform routing: a batch of ``B`` tokens touches a fraction
@@ -26,6 +27,7 @@ import torch
 from transformers import PretrainedConfig
 
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
+from pagedllm.entrypoints.bench.moe_floor import offline_floor
 from pagedllm.models import get_model_class
 
 # Model types whose floor this module knows (the model class names its state and attention layers).
@@ -103,36 +105,24 @@ def hybrid_floor(
     peak_flops: float,
 ) -> dict[str, Any]:
     """The floor of a run (seconds, and its parts). bandwidth: bytes/s; peak_flops: FLOP/s."""
-    num_requests, decode_steps = len(prompt_lens), output_len - 1
-    weight_bytes = state_bytes = 0.0
-    for wave in range(math.ceil(num_requests / max_num_seqs)):
-        batch = min(max_num_seqs, num_requests - wave * max_num_seqs)
+
+    def step_bytes(batch: int) -> dict[str, float]:
         params = shape.dense_params + shape.routed_expert_params * shape.touched_expert_fraction(batch)
-        weight_bytes += decode_steps * params * element_size
-        state_bytes += decode_steps * batch * 2 * shape.state_elements * element_size
-    # Context of a request's j-th decode step (j = 1 .. output_len - 1): p + j tokens.
-    context_tokens = sum(decode_steps * p + decode_steps * (decode_steps + 1) // 2 for p in prompt_lens)
-    kv_bytes = context_tokens * shape.kv_elements_per_token * element_size
-    attention_flops = sum(
-        shape.num_attention_layers * shape.attention_flops_per_pair * p * (p + 1) // 2 for p in prompt_lens
+        return {
+            "decode_weight": params * element_size,
+            "state": batch * 2 * shape.state_elements * element_size,  # read and written
+        }
+
+    floor = offline_floor(
+        prompt_lens,
+        output_len,
+        max_num_seqs,
+        bandwidth,
+        peak_flops,
+        step_bytes,
+        shape.kv_elements_per_token * element_size,
+        shape.num_attention_layers * shape.attention_flops_per_pair,
+        shape.active_params_per_token,
+        shape.vocab_size * shape.hidden_size,
     )
-    prefill_flops = (
-        2 * shape.active_params_per_token * sum(prompt_lens)
-        + attention_flops
-        + 2 * num_requests * shape.vocab_size * shape.hidden_size
-    )
-    parts = {
-        "decode_weight_s": weight_bytes / bandwidth,
-        "kv_s": kv_bytes / bandwidth,
-        "state_s": state_bytes / bandwidth,
-        "prefill_s": prefill_flops / peak_flops,
-    }
-    return {
-        "floor_s": sum(parts.values()),
-        **parts,
-        "decode_weight_tb": weight_bytes / 1e12,
-        "kv_tb": kv_bytes / 1e12,
-        "state_tb": state_bytes / 1e12,
-        "prefill_tflop": prefill_flops / 1e12,
-        "shape": asdict(shape),
-    }
+    return {**floor, "shape": asdict(shape)}

@@ -21,6 +21,7 @@ Bytes go at the measured copy bandwidth (bytes read + written per second), as th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -147,6 +148,48 @@ class MoeShape:
         return self.num_layers * self.attention.kv_elements * element_size
 
 
+def offline_floor(
+    prompt_lens: list[int],
+    output_len: int,
+    max_num_seqs: int,
+    bandwidth: float,
+    peak_flops: float,
+    step_bytes: Callable[[int], dict[str, float]],
+    kv_bytes_per_token: int,
+    attention_flops_per_pair: int,
+    prefill_params_per_token: float,
+    lm_head_params: int,
+) -> dict[str, Any]:
+    """The floor of an offline run (seconds, and its parts), whatever the model: its requests
+    decode in waves of ``max_num_seqs``, each of ``output_len - 1`` steps. ``step_bytes(batch)``:
+    what one decode step of ``batch`` sequences reads and writes besides the KV, by name
+    ("decode_weight", "state"); ``kv_bytes_per_token``: the cache a context token keeps;
+    ``attention_flops_per_pair``: over every attention layer, per (query, key) pair of a causal
+    prefill; ``prefill_params_per_token``: the parameters a prompt token multiplies (no embedding,
+    no LM head), the LM head's once per request. bandwidth: bytes/s; peak_flops: FLOP/s."""
+    num_requests, decode_steps = len(prompt_lens), output_len - 1
+    totals: dict[str, float] = {}
+    for wave in range(math.ceil(num_requests / max_num_seqs)):
+        batch = min(max_num_seqs, num_requests - wave * max_num_seqs)
+        for name, num_bytes in step_bytes(batch).items():
+            totals[name] = totals.get(name, 0.0) + decode_steps * num_bytes
+    # Context of a request's j-th decode step (j = 1 .. output_len - 1): p + j tokens.
+    context_tokens = sum(decode_steps * p + decode_steps * (decode_steps + 1) // 2 for p in prompt_lens)
+    totals["kv"] = context_tokens * kv_bytes_per_token
+    attention_flops = sum(attention_flops_per_pair * p * (p + 1) // 2 for p in prompt_lens)
+    prefill_flops = (
+        2 * prefill_params_per_token * sum(prompt_lens) + attention_flops + 2 * num_requests * lm_head_params
+    )
+    parts = {f"{name}_s": num_bytes / bandwidth for name, num_bytes in totals.items()}
+    parts["prefill_s"] = prefill_flops / peak_flops
+    return {
+        "floor_s": sum(parts.values()),
+        **parts,
+        **{f"{name}_tb": num_bytes / 1e12 for name, num_bytes in totals.items()},
+        "prefill_tflop": prefill_flops / 1e12,
+    }
+
+
 def moe_floor(
     shape: MoeShape,
     prompt_lens: list[int],
@@ -157,33 +200,20 @@ def moe_floor(
     peak_flops: float,
 ) -> dict[str, Any]:
     """The floor of a run (seconds, and its parts). bandwidth: bytes/s; peak_flops: FLOP/s."""
-    num_requests, decode_steps = len(prompt_lens), output_len - 1
-    weight_bytes = 0.0
-    for wave in range(math.ceil(num_requests / max_num_seqs)):
-        batch = min(max_num_seqs, num_requests - wave * max_num_seqs)
-        weight_bytes += decode_steps * shape.decode_step_params(batch) * element_size
-    # Context of a request's j-th decode step (j = 1 .. output_len - 1): p + j tokens.
-    context_tokens = sum(decode_steps * p + decode_steps * (decode_steps + 1) // 2 for p in prompt_lens)
-    kv_bytes = context_tokens * shape.kv_bytes_per_token(element_size)
-    attention_flops = sum(
-        shape.num_layers * shape.attention.flops_per_pair * p * (p + 1) // 2 for p in prompt_lens
+    floor = offline_floor(
+        prompt_lens,
+        output_len,
+        max_num_seqs,
+        bandwidth,
+        peak_flops,
+        lambda batch: {"decode_weight": shape.decode_step_params(batch) * element_size},
+        shape.kv_bytes_per_token(element_size),
+        shape.num_layers * shape.attention.flops_per_pair,
+        shape.active_params_per_token,
+        shape.vocab_size * shape.hidden_size,
     )
-    prefill_flops = (
-        2 * shape.active_params_per_token * sum(prompt_lens)
-        + attention_flops
-        + 2 * num_requests * shape.vocab_size * shape.hidden_size
-    )
-    parts = {
-        "decode_weight_s": weight_bytes / bandwidth,
-        "kv_s": kv_bytes / bandwidth,
-        "prefill_s": prefill_flops / peak_flops,
-    }
     return {
-        "floor_s": sum(parts.values()),
-        **parts,
-        "decode_weight_tb": weight_bytes / 1e12,
-        "kv_tb": kv_bytes / 1e12,
-        "prefill_tflop": prefill_flops / 1e12,
-        "experts_per_layer_at_max_batch": shape.expected_experts(min(max_num_seqs, num_requests)),
+        **floor,
+        "experts_per_layer_at_max_batch": shape.expected_experts(min(max_num_seqs, len(prompt_lens))),
         "shape": asdict(shape),
     }
