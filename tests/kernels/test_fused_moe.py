@@ -80,8 +80,15 @@ def test_kernel_matches_torch_path(shape: tuple, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize(
     "launch",
-    [MoeLaunch(16, 32, 32, 1, 4, 2), MoeLaunch(32, 16, 64, 2, 4, 2), MoeLaunch(64, 64, 16, 8, 4, 2)],
-    ids=lambda launch: f"m{launch.block_m}-n{launch.block_n}-k{launch.block_k}-g{launch.group_m}",
+    [
+        MoeLaunch(16, 32, 32, 1, 4, 2),
+        MoeLaunch(32, 16, 64, 2, 4, 2),
+        MoeLaunch(64, 64, 16, 8, 4, 2),
+        MoeLaunch(32, 64, 32, 2, 4, 2, gate_up_block_n=16),  # the gated GEMM's own column tiles
+    ],
+    ids=lambda launch: (
+        f"m{launch.block_m}-n{launch.block_n}-k{launch.block_k}-g{launch.group_m}-gu{launch.gate_up_block_n}"
+    ),
 )
 def test_kernel_matches_torch_path_at_other_tiles(launch: MoeLaunch) -> None:
     x, w13, w2, weights, ids = _inputs(45, 8, 2, 80, 48, torch.float32, seed=1)

@@ -2,7 +2,8 @@
 against the torch references (layers/linear_attention/), on the GPU or in Triton's interpreter:
 state rows read and written in place at scattered slots, fresh sequences reading zeros whatever
 their row holds, the scratch row (-1), grouped value heads, gates read from strided views, and
-d_k / d_v that are not powers of two (the conv kernels' tests are in test_causal_conv1d.py)."""
+d_k / d_v that are not powers of two, and the prefill's in-place l2 normalisation (the conv
+kernels' tests are in test_causal_conv1d.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,12 @@ import os
 import pytest
 import torch
 
-from pagedllm.kernels.triton.linear_attention import gated_delta_rule_update, rms_norm_gated
-from pagedllm.layers.linear_attention.gated_delta_rule import gdn_gates, recurrent_gated_delta_rule
+from pagedllm.kernels.triton.linear_attention import gated_delta_rule_update, l2_normalize_, rms_norm_gated
+from pagedllm.layers.linear_attention.gated_delta_rule import (
+    gdn_gates,
+    l2_normalize,
+    recurrent_gated_delta_rule,
+)
 from pagedllm.layers.linear_attention.gated_deltanet import RMSNormGated
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -88,3 +93,23 @@ def test_rms_norm_gated_matches_reference(dtype, num_tokens, num_k_heads, group,
         # there; on a GPU within one ulp (the sum of squares' order).
         ulps = 3 if os.environ.get("TRITON_INTERPRET") == "1" else 1
         torch.testing.assert_close(out, expected, atol=0, rtol=ulps * 2**-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1, 128), (37, 3, 128), (5, 2, 40), (130, 16, 24)])
+def test_l2_normalize_in_place_matches_reference(dtype, shape) -> None:
+    """Rows of any count and width (a partial last block, a width no power of two), written back
+    into the tensor: the torch reference in float32, rounded once."""
+    gen = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(*shape, generator=gen)).to(dtype).to(DEVICE)
+    x[0, 0] = 0.0  # a zero row stays zero (eps), never NaN
+    expected = l2_normalize(x.float()).to(dtype)
+    out = l2_normalize_(x)
+    assert out.data_ptr() == x.data_ptr()
+    assert not torch.isnan(x).any()
+    if dtype == torch.float32:
+        torch.testing.assert_close(x, expected, atol=1e-6, rtol=1e-6)
+    else:
+        # One rounding: within one ulp (two under the interpreter, which truncates).
+        ulps = 2 if os.environ.get("TRITON_INTERPRET") == "1" else 1
+        torch.testing.assert_close(x, expected, atol=0, rtol=ulps * 2**-7)

@@ -17,6 +17,9 @@ Memory bound: the state is read and written once per token, which is the floor.
 ``rms_norm_gated``: the layer's output norm, each head's row normalised and gated by silu(z) in
 one pass (header at the function).
 
+``l2_normalize_``: the prefill's q and k normalised per head in place before the chunked rule
+(header at the function).
+
 ``has_state`` [batch]: False for a sequence at its first token, whose row is read as zeros
 whatever it holds. Slots index rows of the state tensor (-1: the last row, the scratch row of a
 CUDA graph's padding).
@@ -213,3 +216,34 @@ def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
         D_V=d_v, BLOCK_V=block_v, BLOCK_R=block_r,
     )  # fmt: skip
     return out
+
+
+@triton.jit
+def _l2_normalize_kernel(x_ptr, num_rows, eps, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (rows < num_rows)[:, None] & (cols < D)[None, :]
+    ptrs = x_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    normed = x * tl.rsqrt(tl.sum(x * x, axis=1) + eps)[:, None]
+    tl.store(ptrs, normed.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def l2_normalize_(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dimension, in float32, written back into x (as
+    ``gated_delta_rule.l2_normalize`` of x in float32, rounded to x's dtype). x: [..., d]
+    contiguous. Returns x.
+
+    Grid ``(cdiv(rows, BLOCK_R),)``: a program normalises ``BLOCK_R`` rows of d (a row fits in
+    registers). Bytes 2 d element_size per row, one read and one write: memory bound, where the
+    torch expression makes about eight passes (its float32 copy, square, sum, rsqrt, product,
+    rounding). On an H200, 16,384 tokens of 16 heads of 128 in bf16: 34 us."""
+    assert x.is_contiguous(), "unexpected layout"
+    d = x.shape[-1]
+    num_rows = x.numel() // d
+    block_d = triton.next_power_of_2(d)
+    block_r = max(1, 2048 // block_d)
+    _l2_normalize_kernel[(triton.cdiv(num_rows, block_r),)](
+        x, num_rows, eps, D=d, BLOCK_D=block_d, BLOCK_R=block_r
+    )
+    return x

@@ -38,7 +38,6 @@ from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear, divi
 from pagedllm.layers.linear_attention.gated_delta_rule import (
     chunk_gated_delta_rule,
     gdn_gates,
-    l2_normalize,
     recurrent_gated_delta_rule,
 )
 from pagedllm.layers.linear_attention.mixer import PrefillPlan, StatefulMixer, column_run
@@ -262,11 +261,14 @@ class GatedDeltaNet(StatefulMixer):
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk_gated_delta_rule
         from fla.ops.utils.index import prepare_chunk_indices
 
+        from pagedllm.kernels.triton.linear_attention import l2_normalize_
+
         g, beta = self._gates(*inputs)
         q, k, v = self._split_heads(*parts)
-        # q and k normalised here, not by fla's in-kernel option: its l2norm kernel is autotuned per
-        # token count, which recompiled it at nearly every new prefill size (46 times in one W6 run).
-        q, k = (l2_normalize(x.float()).to(x.dtype) for x in (q, k))
+        # q and k normalised here, in place (the conv wrote them for this call alone), not by fla's
+        # in-kernel option: its l2norm kernel is autotuned per token count, which recompiled it at
+        # nearly every new prefill size (46 times in one W6 run).
+        q, k = l2_normalize_(q), l2_normalize_(k)
         initial = torch.where(plan.has_state_device[:, None, None, None], self.ssm_state[plan.slots], 0)
         chunk_indices = plan.derive(
             "fla_chunk_indices",
