@@ -100,7 +100,8 @@ class Qwen3NextAttention(nn.Module):
         if self.model_rotary is not None:
             q, k = self.model_rotary(positions, q, k)
         out = self.attn(q, k, v, positions=positions)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(n, self.num_heads * d)))
+        # The gate read where it lies (a strided view): reshaping it first would copy it.
+        return self.o_proj((out.view(n, self.num_heads, d) * torch.sigmoid(gate)).view(n, -1))
 
 
 class Qwen3NextSparseMoeBlock(SparseMoeBlock):
