@@ -10,7 +10,7 @@ a CUDA graph write::
     request   7         12        3                     (running or swapped)
     slot      0         2         1         [3: free]   [4: scratch]
     per layer conv_state[slot]  [conv_dim, kernel - 1]
-              ssm_state[slot]   [num_heads, head_k_dim, head_v_dim]
+              ssm_state[slot]   [num_heads, head_v_dim, head_k_dim] (V-first)
 
 A slot is never cleared: a request whose step starts at position 0 reads no state (its kernels
 take zeros), so a slot freed while a step in flight still writes it can go at once to the next

@@ -67,10 +67,11 @@ def test_decode_kernels_match_the_torch_references(dtype, batch, num_k_heads, nu
     group = num_v_heads // num_k_heads
     b, a = torch.randn(batch, num_k_heads, 2 * group, device=DEVICE, dtype=dtype).split([group, group], -1)
     A_log, dt_bias = torch.randn(num_v_heads, device=DEVICE), torch.randn(num_v_heads, device=DEVICE)
-    ssm_state = torch.randn(num_rows, num_v_heads, d_k, d_v, device=DEVICE, dtype=dtype)
+    ssm_state = torch.randn(num_rows, num_v_heads, d_v, d_k, device=DEVICE, dtype=dtype)  # V-first
     start = torch.where(has_state[:, None, None, None], ssm_state[slots].float(), 0.0)
     g, beta = gdn_gates(a.flatten(1), b.flatten(1), A_log, dt_bias)
-    expected_o, expected_s = recurrent_gated_delta_rule(q, k, v, g, beta, start)
+    expected_o, expected_s = recurrent_gated_delta_rule(q, k, v, g, beta, start.transpose(-1, -2))
+    expected_s = expected_s.transpose(-1, -2)
     o = gated_delta_rule_update(q, k, v, a, b, A_log, dt_bias, ssm_state, slots, has_state)
     torch.testing.assert_close(o.float(), expected_o, **TOLERANCES[dtype])
     torch.testing.assert_close(ssm_state[slots].float(), expected_s.to(dtype).float(), **TOLERANCES[dtype])

@@ -17,7 +17,7 @@ from pagedllm.kernels.triton.activation import silu_and_mul
 from pagedllm.kernels.triton.batch_invariant_matmul import batch_invariant_matmul
 from pagedllm.kernels.triton.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from pagedllm.kernels.triton.fused_moe import fused_moe
-from pagedllm.kernels.triton.linear_attention import gated_delta_rule_update, rms_norm_gated
+from pagedllm.kernels.triton.linear_attention import gated_delta_rule_update, l2_normalize_, rms_norm_gated
 from pagedllm.kernels.triton.lora import lora_shrink_expand
 from pagedllm.kernels.triton.lora_sgmv import SegmentBuffer, lora_sgmv_shrink_expand, plan_segments
 from pagedllm.kernels.triton.mla_decode import MLALaunch, mla_decode
@@ -332,7 +332,7 @@ def conv1d() -> None:
 
 def gated_deltanet() -> None:
     """Gated DeltaNet's decode step (its gates read from strided views of a fused projection, as
-    Qwen3-Next's) and its gated output norm, at W6's head shape."""
+    Qwen3-Next's), its gated output norm and the prefill's l2 normalisation, at W6's head shape."""
     batch, num_k_heads, group, d = 4, 2, 2, 128
     num_v_heads = num_k_heads * group
     for dtype in DTYPES:
@@ -344,6 +344,7 @@ def gated_deltanet() -> None:
         state = torch.empty(9, num_v_heads, d, d, dtype=dtype)
         slots, has_state = torch.zeros(batch, dtype=torch.int64), torch.zeros(batch, dtype=torch.bool)
         gated_delta_rule_update(q, k, v, a, b, heads, heads, state, slots, has_state)
+        l2_normalize_(torch.empty(batch, num_k_heads, d, dtype=dtype))
         fused = torch.empty(batch, num_k_heads, 3 * group * d, dtype=dtype)
         gate = fused[..., 2 * group * d :].unflatten(-1, (group, d))
         rms_norm_gated(

@@ -55,12 +55,14 @@ def test_gated_delta_rule_update_matches_reference(dtype, num_k_heads, num_v_hea
     b, a = _gate_views(batch, num_k_heads, num_v_heads // num_k_heads, dtype, gen)
     A_log = torch.randn(num_v_heads, generator=gen).to(DEVICE)
     dt_bias = torch.randn(num_v_heads, generator=gen).to(DEVICE)
-    state = _rows(7, num_v_heads, d_k, d_v, dtype=dtype)
+    state = _rows(7, num_v_heads, d_v, d_k, dtype=dtype)  # V-first: [d_v, d_k] per head
     slots = torch.tensor(SLOTS, device=DEVICE)
     has_state = torch.tensor(HAS_STATE, device=DEVICE)
     start = torch.where(has_state[:, None, None, None], state[slots].float(), 0.0)
     g, beta = gdn_gates(a.flatten(1), b.flatten(1), A_log, dt_bias)
-    expected, expected_state = recurrent_gated_delta_rule(q, k, v, g, beta, start)
+    # The reference holds S as [d_k, d_v].
+    expected, expected_state = recurrent_gated_delta_rule(q, k, v, g, beta, start.transpose(-1, -2))
+    expected_state = expected_state.transpose(-1, -2)
     out = gated_delta_rule_update(q, k, v, a, b, A_log, dt_bias, state, slots, has_state)
     assert out.dtype == dtype
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)

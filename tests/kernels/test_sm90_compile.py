@@ -59,5 +59,6 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
         "_conv1d_varlen_kernel",
         "_gated_delta_rule_update_kernel",
         "_rms_norm_gated_kernel",
+        "_l2_normalize_kernel",
     ):
         assert f"compiled {kernel} " in result.stdout, kernel

@@ -137,8 +137,11 @@ class GatedDeltaNet(StatefulMixer):
             param.weight_loader = self._head_weight_loader
         self.norm = RMSNormGated(head_v_dim, eps)
         self.out_proj = RowParallelLinear(total_value, hidden_size, bias=False)
+        # The recurrent state V-first, [d_v, d_k] per head: the decode kernel's rows are then
+        # contiguous runs of d_k (kernels/triton/linear_attention.py), and fla's chunked rule reads
+        # and writes that layout (``state_v_first``).
         self.state_shape = LayerStateShape(
-            (conv_dim, conv_kernel - 1), (self.num_v_heads, head_k_dim, head_v_dim)
+            (conv_dim, conv_kernel - 1), (self.num_v_heads, head_v_dim, head_k_dim)
         )
 
     def _fused_conv_columns(self) -> torch.Tensor:
@@ -173,7 +176,7 @@ class GatedDeltaNet(StatefulMixer):
         num_v_heads = config.linear_num_value_heads // tp_size
         dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
         conv_dim = 2 * num_k_heads * dk + num_v_heads * dv
-        return LayerStateShape((conv_dim, config.linear_conv_kernel_dim - 1), (num_v_heads, dk, dv))
+        return LayerStateShape((conv_dim, config.linear_conv_kernel_dim - 1), (num_v_heads, dv, dk))
 
     # --- loading ----------------------------------------------------------------------------
 
@@ -223,13 +226,17 @@ class GatedDeltaNet(StatefulMixer):
         self, parts: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], state: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v = self._split_heads(*parts)
-        return recurrent_gated_delta_rule(q, k, v, *self._gates(*inputs), state)
+        # The references hold S as [d_k, d_v] (the paper's orientation); the cache holds it V-first.
+        out, state = recurrent_gated_delta_rule(q, k, v, *self._gates(*inputs), state.transpose(-1, -2))
+        return out, state.transpose(-1, -2)
 
     def _chunk(
         self, parts: tuple[torch.Tensor, ...], inputs: tuple[torch.Tensor, ...], state: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v = self._split_heads(*parts)
-        return chunk_gated_delta_rule(q, k, v, *self._gates(*inputs), state)
+        initial = None if state is None else state.transpose(-1, -2)
+        out, state = chunk_gated_delta_rule(q, k, v, *self._gates(*inputs), initial)
+        return out, state.transpose(-1, -2)
 
     def _decode_triton(
         self, mixed: torch.Tensor, inputs: list[torch.Tensor], md: AttentionMetadata
@@ -284,6 +291,7 @@ class GatedDeltaNet(StatefulMixer):
             beta[None].to(q.dtype),
             initial_state=initial,
             output_final_state=True,
+            state_v_first=True,
             cu_seqlens=plan.query_start_loc,
             cu_seqlens_cpu=plan.query_start_loc_cpu,
             chunk_indices=chunk_indices,

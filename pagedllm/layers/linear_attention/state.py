@@ -5,7 +5,7 @@ the worker allocates one tensor of each per layer, with a row per state slot plu
 last (core/state_cache.py says who owns which row)::
 
     conv_state  [num_slots + 1, conv_dim, kernel - 1]        the last kernel - 1 conv inputs
-    ssm_state   [num_slots + 1, *ssm_shape]                  Gated DeltaNet: [heads, d_k, d_v]
+    ssm_state   [num_slots + 1, *ssm_shape]                  Gated DeltaNet: [heads, d_v, d_k]
 
 Their size does not depend on the context length: a decoding request reads and writes exactly
 this much per layer and step, however long it runs.
