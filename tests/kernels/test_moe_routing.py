@@ -1,0 +1,142 @@
+"""The router's softmax and top-k in one kernel (``moe_routing.topk_softmax``) against
+``select_experts``: ids by the documented rule (ties to the lowest expert), weights to a few float32
+ulps, over expert counts, top-k, token counts and logit dtypes; batch invariance; the refusals.
+
+Runs on the CPU under TRITON_INTERPRET=1 (set by conftest.py when there is no GPU), else on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the MoE kernels need the triton package")
+
+from pagedllm.kernels.triton.moe_routing import MAX_EXPERTS, topk_softmax
+from pagedllm.layers.fused_moe import select_experts
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+if not INTERPRET and not torch.cuda.is_available():
+    pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
+DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+ROUTER_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+EXPERT_COUNTS = [2, 8, 16, 60, 64, 128, 256]
+TOKEN_COUNTS = [1, 5, 64, 300]
+
+
+def _logits(num_tokens: int, num_experts: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (2 * torch.randn(num_tokens, num_experts, generator=gen)).to(dtype).to(DEVICE)
+
+
+def _check_router(logits: torch.Tensor, top_k: int, renormalize: bool) -> None:
+    """topk_softmax against select_experts on the same logits.
+
+    ids: the documented rule exactly (descending logit, ties to the lowest index: a stable sort);
+    select_experts' probabilities at those ids equal its own top-k values, bit for bit (so the ids
+    are a top-k of its softmax); and its ids wherever its order is unique (torch.topk orders ties
+    as it likes). Weights: float32 softmax to a few ulps."""
+    weights, ids = topk_softmax(logits, top_k, renormalize)
+    ref_weights, ref_ids = select_experts(logits, top_k, renormalize)
+    assert ids.dtype == ref_ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert ids.shape == weights.shape == (logits.shape[0], top_k)
+    ranked = torch.sort(logits.float(), dim=-1, descending=True, stable=True).indices[:, :top_k]
+    assert torch.equal(ids, ranked)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    assert torch.equal(probs.gather(1, ids), probs.gather(1, ref_ids))
+    next_best = torch.sort(probs, dim=-1, descending=True).values[:, top_k : top_k + 1]
+    chosen = probs.gather(1, ref_ids)
+    unique = (chosen[:, :-1] > chosen[:, 1:]).all(dim=-1)
+    if next_best.shape[1]:
+        unique &= chosen[:, -1] > next_best[:, 0]
+    assert torch.equal(ids[unique], ref_ids[unique])
+    torch.testing.assert_close(weights, ref_weights, rtol=2e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype", ROUTER_DTYPES, ids=str)
+@pytest.mark.parametrize("num_experts", EXPERT_COUNTS)
+def test_topk_softmax_matches_select_experts_for_every_top_k(num_experts: int, dtype: torch.dtype) -> None:
+    """Every top_k from 1 to min(E, 10), renormalised and not, at 1 and 5 tokens (one program,
+    mostly past the end)."""
+    for num_tokens in TOKEN_COUNTS[:2]:
+        logits = _logits(num_tokens, num_experts, dtype, seed=num_tokens)
+        for top_k in range(1, min(num_experts, 10) + 1):
+            for renormalize in (False, True):
+                _check_router(logits, top_k, renormalize)
+
+
+@pytest.mark.parametrize("dtype", ROUTER_DTYPES, ids=str)
+@pytest.mark.parametrize("num_experts", EXPERT_COUNTS)
+def test_topk_softmax_matches_select_experts_over_many_programs(num_experts: int, dtype: torch.dtype) -> None:
+    """64 and 300 tokens: several programs (16 or 8 tokens each), the last one at 300 partly past
+    the end; the smallest, a middle and the largest top_k (every one is above)."""
+    for num_tokens in TOKEN_COUNTS[2:]:
+        logits = _logits(num_tokens, num_experts, dtype, seed=num_tokens)
+        for top_k in sorted({1, min(num_experts, 8), min(num_experts, 10)}):
+            _check_router(logits, top_k, renormalize=top_k % 2 == 0)
+
+
+@pytest.mark.parametrize("num_experts,top_k", [(512, 10), (1000, 8), (MAX_EXPERTS, 4)])
+def test_topk_softmax_holds_wide_expert_rows(num_experts: int, top_k: int) -> None:
+    # Odd widths mask the row's padding; the widest is one token a program.
+    _check_router(_logits(19, num_experts, torch.bfloat16, seed=num_experts), top_k, renormalize=True)
+
+
+def test_ties_go_to_the_lowest_expert() -> None:
+    neg_inf = float("-inf")
+    logits = torch.tensor(
+        [
+            [1.0, 3.0, 3.0, 2.0, 3.0, 0.0, 2.0, 2.0],  # a three-way tie, then a tie across the cut
+            [0.5] * 8,  # all equal
+            [neg_inf, 0.0, neg_inf, 1.0, neg_inf, neg_inf, neg_inf, neg_inf],  # past the finite ones
+            [4.0, 4.0, 4.0, 4.0, 4.0, 4.0, 4.0, 5.0],
+        ],
+        device=DEVICE,
+    )
+    weights, ids = topk_softmax(logits, 5, renormalize=False)
+    assert ids.tolist() == [[1, 2, 4, 3, 6], [0, 1, 2, 3, 4], [3, 1, 0, 2, 4], [7, 0, 1, 2, 3]]
+    probs = torch.softmax(logits, dim=-1)
+    assert torch.equal(probs.gather(1, ids), torch.topk(probs, 5).values)
+    torch.testing.assert_close(weights, probs.gather(1, ids), rtol=2e-6, atol=0)
+    assert torch.equal(weights[2, 2:], torch.zeros(3, device=DEVICE))
+    for dtype in (torch.bfloat16, torch.float16):  # the same rule on 16-bit logits
+        assert topk_softmax(logits.to(dtype), 5, renormalize=True)[1].tolist() == ids.tolist()
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's NaNs
+def test_nan_logits_still_route_to_experts_that_exist() -> None:
+    """A broken row must not send the grouped GEMMs past the experts: distinct, in-range ids."""
+    logits = torch.randn(3, 6, device=DEVICE)
+    logits[1] = float("nan")
+    logits[2, 4] = float("nan")
+    _, ids = topk_softmax(logits, 4, renormalize=True)
+    for row in ids.tolist():
+        assert len(set(row)) == 4 and all(0 <= e < 6 for e in row)
+
+
+def test_topk_softmax_is_batch_invariant() -> None:
+    """A token's weights are the same bits alone as among 300 (the tiles depend on E alone)."""
+    logits = _logits(300, 60, torch.float32, seed=7)
+    weights, ids = topk_softmax(logits, 8, renormalize=True)
+    for rows in (slice(0, 1), slice(7, 9), slice(100, 164), slice(299, 300)):
+        alone = topk_softmax(logits[rows], 8, renormalize=True)
+        assert torch.equal(alone[0], weights[rows]) and torch.equal(alone[1], ids[rows]), rows
+
+
+def test_topk_softmax_reads_strided_logits_and_no_tokens() -> None:
+    wide = _logits(37, 40, torch.float32, seed=8)
+    logits = wide[:, 3:35]  # row stride 40
+    weights, ids = topk_softmax(logits, 6, renormalize=False)
+    contiguous = topk_softmax(logits.contiguous(), 6, renormalize=False)
+    assert torch.equal(weights, contiguous[0]) and torch.equal(ids, contiguous[1])
+    empty = topk_softmax(logits[:0], 6, renormalize=True)
+    assert empty[0].shape == empty[1].shape == (0, 6)
+
+
+def test_topk_softmax_refuses_what_it_cannot_route() -> None:
+    with pytest.raises(ValueError, match=rf"at most {MAX_EXPERTS} experts, got {MAX_EXPERTS + 1}"):
+        topk_softmax(torch.zeros(1, MAX_EXPERTS + 1, device=DEVICE), 2, True)
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, num_experts=4\], got 5"):
+        topk_softmax(torch.zeros(1, 4, device=DEVICE), 5, True)
