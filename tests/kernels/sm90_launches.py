@@ -16,7 +16,7 @@ from pagedllm.kernels.bench import DecodeInputs, DecodeShape
 from pagedllm.kernels.triton.activation import silu_and_mul
 from pagedllm.kernels.triton.batch_invariant_matmul import batch_invariant_matmul
 from pagedllm.kernels.triton.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from pagedllm.kernels.triton.fused_moe import fused_moe
+from pagedllm.kernels.triton.fused_moe import fused_moe, moe_sum
 from pagedllm.kernels.triton.linear_attention import gated_delta_rule_update, rms_norm_gated
 from pagedllm.kernels.triton.lora import lora_shrink_expand
 from pagedllm.kernels.triton.lora_sgmv import SegmentBuffer, lora_sgmv_shrink_expand, plan_segments
@@ -187,6 +187,10 @@ def moe() -> None:
         for num_experts, k in ((16, 8), (128, 8), (512, 10), (MAX_EXPERTS, 1)):
             for renormalize in (True, False):
                 topk_softmax(torch.empty(5, num_experts, dtype=dtype), k, renormalize)
+        # The combine at W6's width (1,024-column blocks), with and without a shared expert.
+        slots = torch.empty(3, top_k, 2048, dtype=dtype)
+        moe_sum(slots)
+        moe_sum(slots, torch.empty(3, 2048, dtype=dtype), torch.empty(3, 1, dtype=dtype))
 
 
 def layers() -> None:

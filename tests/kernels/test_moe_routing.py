@@ -1,6 +1,6 @@
-"""The router's softmax and top-k in one kernel (``moe_routing.topk_softmax``) against
-``select_experts``: ids by the documented rule (ties to the lowest expert), weights to a few float32
-ulps, over expert counts, top-k, token counts and logit dtypes; batch invariance; the refusals.
+"""The MoE glue kernels: the router's softmax and top-k (``moe_routing.topk_softmax``) against
+``select_experts``, and the combine (``fused_moe.moe_sum``: the slots in slot order, plus a gated
+shared expert) against a float64 reference; both batch-invariant.
 
 Runs on the CPU under TRITON_INTERPRET=1 (set by conftest.py when there is no GPU), else on CUDA.
 """
@@ -14,13 +14,21 @@ import torch
 
 pytest.importorskip("triton", reason="the MoE kernels need the triton package")
 
+from pagedllm.kernels.triton.fused_moe import fused_moe, moe_sum
 from pagedllm.kernels.triton.moe_routing import MAX_EXPERTS, topk_softmax
-from pagedllm.layers.fused_moe import select_experts
+from pagedllm.layers.fused_moe import fused_experts_torch, select_experts
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
     pytest.skip("needs CUDA or TRITON_INTERPRET=1", allow_module_level=True)
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
+# Triton's interpreter stores bfloat16 by truncating (a GPU rounds to nearest): bfloat16 outputs
+# are compared on the GPU only. Reading bfloat16 (the router's logits) is exact everywhere.
+BF16_OUTPUT = pytest.param(
+    torch.bfloat16,
+    marks=pytest.mark.skipif(INTERPRET, reason="Triton's interpreter truncates bfloat16 stores"),
+)
+
 ROUTER_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 EXPERT_COUNTS = [2, 8, 16, 60, 64, 128, 256]
 TOKEN_COUNTS = [1, 5, 64, 300]
@@ -140,3 +148,94 @@ def test_topk_softmax_refuses_what_it_cannot_route() -> None:
         topk_softmax(torch.zeros(1, MAX_EXPERTS + 1, device=DEVICE), 2, True)
     with pytest.raises(ValueError, match=r"top_k must be in \[1, num_experts=4\], got 5"):
         topk_softmax(torch.zeros(1, 4, device=DEVICE), 5, True)
+
+
+# --- moe_sum ------------------------------------------------------------------------------------
+
+# (num_tokens, top_k, hidden_size): one slot; a width no multiple of the 1024-column block;
+# W6's top-8 and width over a few tokens.
+SUM_SHAPES = [(1, 1, 8), (37, 3, 100), (5, 8, 2048), (64, 2, 1500)]
+SUM_TOLERANCES = {torch.float32: (1e-6, 1e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}
+
+
+def _combine_inputs(num_tokens: int, top_k: int, hidden: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.randn(num_tokens, top_k, hidden, generator=gen)
+    shared = torch.randn(num_tokens, hidden, generator=gen)
+    gate = 3 * torch.randn(num_tokens, 1, generator=gen)
+    return [t.to(dtype).to(DEVICE) for t in (slots, shared, gate)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16_OUTPUT], ids=str)
+@pytest.mark.parametrize("shape", SUM_SHAPES, ids=lambda s: "t{}-k{}-h{}".format(*s))
+def test_moe_sum_matches_float64(shape: tuple, dtype: torch.dtype) -> None:
+    slots, shared, gate = _combine_inputs(*shape, dtype)
+    routed = slots.double().sum(dim=1)
+    atol, rtol = SUM_TOLERANCES[dtype]
+    out = moe_sum(slots)
+    assert out.dtype == dtype and out.shape == (shape[0], shape[2])
+    torch.testing.assert_close(out.double(), routed, atol=atol, rtol=rtol)
+    with_shared = moe_sum(slots, shared, gate)
+    expected = routed + torch.sigmoid(gate.double()) * shared.double()
+    torch.testing.assert_close(with_shared.double(), expected, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_moe_sum_adds_the_slots_in_slot_order(dtype: torch.dtype) -> None:
+    """``((s0 + s1) + s2) + ...`` in float32, rounded once: the bits of that loop in torch."""
+    slots, _, _ = _combine_inputs(45, 8, 300, dtype, seed=1)
+    total = slots[:, 0].to(torch.float32, copy=True)
+    for j in range(1, slots.shape[1]):
+        total += slots[:, j]
+    assert torch.equal(moe_sum(slots), total.to(dtype))
+
+
+def test_moe_sum_is_batch_invariant() -> None:
+    slots, shared, gate = _combine_inputs(300, 8, 200, torch.float16, seed=2)
+    batch = moe_sum(slots, shared, gate)
+    for rows in (slice(0, 1), slice(7, 9), slice(100, 164), slice(299, 300)):
+        assert torch.equal(moe_sum(slots[rows], shared[rows], gate[rows]), batch[rows]), rows
+
+
+def test_moe_sum_reads_strided_inputs() -> None:
+    """Slots of a wider pair buffer, a shared output with padded rows, the gate a column of two."""
+    slots, shared, gate = _combine_inputs(9, 4, 96, torch.float32, seed=3)
+    wide_slots = torch.randn(9, 5, 96, device=DEVICE)
+    wide_slots[:, :4] = slots
+    wide_shared = torch.randn(9, 128, device=DEVICE)
+    wide_shared[:, :96] = shared
+    gates = torch.cat([torch.randn_like(gate), gate], dim=1)
+    out = moe_sum(wide_slots[:, :4], wide_shared[:, :96], gates[:, 1:])
+    assert torch.equal(out, moe_sum(slots, shared, gate))
+
+
+def test_moe_sum_needs_both_shared_tensors() -> None:
+    slots, shared, _ = _combine_inputs(2, 2, 8, torch.float32)
+    with pytest.raises(ValueError, match="both its output and its gate"):
+        moe_sum(slots, shared)
+    assert moe_sum(slots[:0], shared[:0], shared[:0, :1]).shape == (0, 8)
+
+
+# --- the experts with a shared expert -----------------------------------------------------------
+
+
+def _experts_inputs(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(num_experts, hidden, intermediate, generator=gen) / intermediate**0.5
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    shared = torch.randn(num_tokens, hidden, generator=gen)
+    gate = torch.randn(num_tokens, 1, generator=gen)
+    return [t.to(DEVICE) for t in (x, w13, w2, logits, shared, gate)]
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_fused_moe_adds_a_gated_shared_expert(batch_invariant: bool) -> None:
+    x, w13, w2, logits, shared, gate = _experts_inputs(40, 16, 8, 64, 32, seed=4)
+    weights, ids = select_experts(logits, 8, renormalize=True)
+    out = fused_moe(
+        x, w13, w2, weights, ids, batch_invariant=batch_invariant, shared=shared, shared_gate=gate
+    )
+    expected = fused_experts_torch(x, w13, w2, weights, ids) + torch.sigmoid(gate) * shared
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
