@@ -1,12 +1,14 @@
 """The MoE glue kernels: the router's softmax and top-k (``moe_routing.topk_softmax``) against
 ``select_experts``, and the combine (``fused_moe.moe_sum``: the slots in slot order, plus a gated
-shared expert) against a float64 reference; both batch-invariant.
+shared expert) against a float64 reference; both batch-invariant; the experts' layer with a shared
+expert on its Triton path against its torch path.
 
 Runs on the CPU under TRITON_INTERPRET=1 (set by conftest.py when there is no GPU), else on CUDA.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -16,7 +18,7 @@ pytest.importorskip("triton", reason="the MoE kernels need the triton package")
 
 from pagedllm.kernels.triton.fused_moe import fused_moe, moe_sum
 from pagedllm.kernels.triton.moe_routing import MAX_EXPERTS, topk_softmax
-from pagedllm.layers.fused_moe import fused_experts_torch, select_experts
+from pagedllm.layers.fused_moe import FusedMoE, fused_experts_torch, select_experts
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
@@ -239,3 +241,29 @@ def test_fused_moe_adds_a_gated_shared_expert(batch_invariant: bool) -> None:
     )
     expected = fused_experts_torch(x, w13, w2, weights, ids) + torch.sigmoid(gate) * shared
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_the_experts_triton_path_routes_and_adds_the_shared_expert_as_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FusedMoE bound to a Triton platform (the kernels interpreted on the CPU) takes the routing
+    kernel and fuses the shared term; bound to this device's, the torch path adds it as Hugging
+    Face does: ``routed + sigmoid(gate) * shared``, to the bit."""
+    from pagedllm.layers import custom_op
+
+    x, w13, w2, logits, shared, gate = _experts_inputs(33, 16, 8, 64, 32, seed=5)
+    reference = FusedMoE(16, 8, 64, 32, renormalize=True).to(DEVICE)
+    platform = custom_op.platform_for(torch.device(DEVICE))
+    monkeypatch.setattr(custom_op, "platform_for", lambda device: dataclasses.replace(platform, triton=True))
+    layer = FusedMoE(16, 8, 64, 32, renormalize=True).to(DEVICE)
+    assert layer.route == layer.route_triton and layer.forward_method == layer.forward_triton
+    for experts in (reference, layer):
+        experts.gate_up_proj.data.copy_(w13)
+        experts.down_proj.data.copy_(w2)
+    if not INTERPRET:  # on CUDA the reference binds to the Triton path too: point it at torch's
+        reference.route, reference.forward_method = reference.route_torch, reference.forward_torch
+    expected = reference(x, logits, shared, gate)
+    routed = fused_experts_torch(x, w13, w2, *select_experts(logits, 8, renormalize=True))
+    assert torch.equal(expected, routed + torch.sigmoid(gate) * shared)
+    torch.testing.assert_close(layer(x, logits, shared, gate), expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(layer(x, logits), routed, atol=2e-5, rtol=2e-5)
