@@ -3,7 +3,8 @@
 shared expert) against a float64 reference; both batch-invariant; the experts' layer with a shared
 expert on its Triton path against its torch path.
 
-Runs on the CPU under TRITON_INTERPRET=1 (set by conftest.py when there is no GPU), else on CUDA.
+Runs on the CPU under TRITON_INTERPRET=1 (set by conftest.py when there is no GPU), else on CUDA;
+tests/gpu/test_moe_routing_gpu.py adds bfloat16 outputs and W6's shapes on the device.
 """
 
 from __future__ import annotations
