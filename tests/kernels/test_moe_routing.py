@@ -33,6 +33,9 @@ BF16_OUTPUT = pytest.param(
 )
 
 ROUTER_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+# The weights' relative tolerance: a few float32 ulps under the interpreter (numpy's exp); on CUDA
+# Triton's float32 exp is ex2.approx of x * log2(e), within ~1e-6 for logits a dozen apart.
+WEIGHT_RTOL = 2e-6 if INTERPRET else 1e-5
 EXPERT_COUNTS = [2, 8, 16, 60, 64, 128, 256]
 TOKEN_COUNTS = [1, 5, 64, 300]
 
@@ -63,7 +66,7 @@ def _check_router(logits: torch.Tensor, top_k: int, renormalize: bool) -> None:
     if next_best.shape[1]:
         unique &= chosen[:, -1] > next_best[:, 0]
     assert torch.equal(ids[unique], ref_ids[unique])
-    torch.testing.assert_close(weights, ref_weights, rtol=2e-6, atol=1e-9)
+    torch.testing.assert_close(weights, ref_weights, rtol=WEIGHT_RTOL, atol=1e-9)
 
 
 @pytest.mark.parametrize("dtype", ROUTER_DTYPES, ids=str)
@@ -110,7 +113,7 @@ def test_ties_go_to_the_lowest_expert() -> None:
     assert ids.tolist() == [[1, 2, 4, 3, 6], [0, 1, 2, 3, 4], [3, 1, 0, 2, 4], [7, 0, 1, 2, 3]]
     probs = torch.softmax(logits, dim=-1)
     assert torch.equal(probs.gather(1, ids), torch.topk(probs, 5).values)
-    torch.testing.assert_close(weights, probs.gather(1, ids), rtol=2e-6, atol=0)
+    torch.testing.assert_close(weights, probs.gather(1, ids), rtol=WEIGHT_RTOL, atol=0)
     assert torch.equal(weights[2, 2:], torch.zeros(3, device=DEVICE))
     for dtype in (torch.bfloat16, torch.float16):  # the same rule on 16-bit logits
         assert topk_softmax(logits.to(dtype), 5, renormalize=True)[1].tolist() == ids.tolist()
