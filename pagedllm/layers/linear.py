@@ -300,12 +300,19 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks; the partial outputs are summed by an all-reduce.
 
     The bias is whole on every rank and added once, by rank 0, before the reduction.
+
+    ``reduce_results=False``: the layer returns this rank's partial sum and its caller reduces it,
+    folded into a reduction it makes anyway (a shared expert's output joins the routed experts'
+    before the MoE block's one all-reduce, layers/fused_moe/layer.py).
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = True) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = True, reduce_results: bool = True
+    ) -> None:
         tp_size = get_tensor_model_parallel_world_size()
         super().__init__(divide(input_size, tp_size), output_size, bias)
         self.input_size_total = input_size
+        self.reduce_results = reduce_results
         if bias:
             self.bias.weight_loader = default_weight_loader
 
@@ -326,4 +333,5 @@ class RowParallelLinear(LinearBase):
         if self.tp_size == 1:
             return self._matmul(x, self.bias)
         bias = self.bias if self.tp_rank == 0 else None
-        return tensor_model_parallel_all_reduce(self._matmul(x, bias))
+        partial = self._matmul(x, bias)
+        return tensor_model_parallel_all_reduce(partial) if self.reduce_results else partial

@@ -99,7 +99,8 @@ class RowParallelLinearWithLoRA(LinearWithLoRA):
         shrunk = self.batch.shrink(x, self.lora_a, 1)
         y = base._matmul(x, base.bias if base.tp_rank == 0 else None)
         self.batch.expand(y, shrunk, self.lora_b, self.slice_starts)
-        return y if base.tp_size == 1 else tensor_model_parallel_all_reduce(y)
+        # A base built with reduce_results=False leaves the reduction to its caller.
+        return tensor_model_parallel_all_reduce(y) if base.tp_size > 1 and base.reduce_results else y
 
 
 def slice_starts(base: LinearBase) -> tuple[int, int]:

@@ -26,7 +26,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pagedllm.layers.fused_moe import FusedMoE
-from pagedllm.layers.fused_moe.layer import ExpertsForward
+from pagedllm.layers.fused_moe.layer import ExpertsForward, add_shared_expert
 from pagedllm.layers.fused_moe.torch_moe import fused_experts_torch
 from pagedllm.layers.linear import ReplicatedLinear, narrow_shard
 from pagedllm.layers.quantization.mxfp4 import MXFP4_BYTES_PER_BLOCK, dequantize_mxfp4
@@ -74,14 +74,20 @@ class GptOssExperts(FusedMoE):
         self.gate_up_proj_bias.weight_loader = self._gate_up_bias_loader
 
     def dispatch_forward(self, platform: Platform, dtype: torch.dtype) -> ExpertsForward:
+        self.route = self.dispatch_route(platform)  # FusedMoE's router: softmax, top-k, renormalised
         return self.forward_torch
 
     def forward_torch(
-        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         # Under tensor parallelism the partial outputs are summed: the down bias joins one of them.
         down_bias = self.down_proj_bias if self.tp_rank == 0 else None
-        return fused_experts_torch(
+        routed = fused_experts_torch(
             hidden_states,
             self.gate_up_proj,
             self.down_proj,
@@ -91,6 +97,7 @@ class GptOssExperts(FusedMoE):
             w2_bias=down_bias,
             activation=self._clamped_swiglu,
         )
+        return add_shared_expert(routed, shared, shared_gate)
 
     def _clamped_swiglu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         gate = gate.clamp(max=self.limit)

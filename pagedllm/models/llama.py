@@ -108,8 +108,16 @@ _GATED_ACTIVATIONS: dict[str, type[nn.Module]] = {"silu": SiluAndMul, "gelu_pyto
 
 
 class LlamaMLP(nn.Module):
+    """SwiGLU (or another gated activation): ``down(act(gate(x)) * up(x))``. ``reduce_results``:
+    as RowParallelLinear's, for a caller that folds the down projection's partial sums into its
+    own all-reduce (Qwen3-Next's shared expert)."""
+
     def __init__(
-        self, config: PretrainedConfig, hidden_act: str | None = None, intermediate_size: int | None = None
+        self,
+        config: PretrainedConfig,
+        hidden_act: str | None = None,
+        intermediate_size: int | None = None,
+        reduce_results: bool = True,
     ) -> None:
         super().__init__()
         hidden_act = hidden_act or config.hidden_act
@@ -120,7 +128,9 @@ class LlamaMLP(nn.Module):
             )
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, config.hidden_size, bias=bias, reduce_results=reduce_results
+        )
         self.act_fn = _GATED_ACTIVATIONS[hidden_act]()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

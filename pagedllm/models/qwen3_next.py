@@ -105,7 +105,13 @@ class Qwen3NextAttention(nn.Module):
 
 
 class Qwen3NextSparseMoeBlock(SparseMoeBlock):
-    """The routed experts plus a shared expert that every token takes, scaled by a sigmoid gate."""
+    """The routed experts plus a shared expert that every token takes, scaled by a sigmoid gate.
+
+    The experts add the shared term themselves (``FusedMoE.forward``: on CUDA in the kernel that
+    adds the routed slots). Under tensor parallelism the shared expert's down projection leaves
+    its partial sum unreduced: ``sigmoid(gate) * shared`` is linear in it (the gate is replicated),
+    so it joins the routed partial sum before the experts' one all-reduce, saving the shared
+    expert's own."""
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(
@@ -116,14 +122,20 @@ class Qwen3NextSparseMoeBlock(SparseMoeBlock):
             renormalize=getattr(config, "norm_topk_prob", True),  # Qwen3.5-MoE always renormalises
             hidden_act=config.hidden_act,
         )
-        self.shared_expert = LlamaMLP(config, intermediate_size=config.shared_expert_intermediate_size)
+        self.shared_expert = LlamaMLP(
+            config, intermediate_size=config.shared_expert_intermediate_size, reduce_results=False
+        )
         self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, bias=False)
         self.shared_expert_gate.quantizable = False
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_tokens, hidden_size] -> same shape."""
-        shared = torch.sigmoid(self.shared_expert_gate(hidden_states)) * self.shared_expert(hidden_states)
-        return super().forward(hidden_states) + shared
+        return self.experts(
+            hidden_states,
+            self.gate(hidden_states),
+            shared=self.shared_expert(hidden_states),
+            shared_gate=self.shared_expert_gate(hidden_states),
+        )
 
 
 class Qwen3NextDecoderLayer(nn.Module):

@@ -16,11 +16,12 @@ from pagedllm.kernels.bench import DecodeInputs, DecodeShape
 from pagedllm.kernels.triton.activation import silu_and_mul
 from pagedllm.kernels.triton.batch_invariant_matmul import batch_invariant_matmul
 from pagedllm.kernels.triton.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
-from pagedllm.kernels.triton.fused_moe import fused_moe
+from pagedllm.kernels.triton.fused_moe import fused_moe, moe_sum
 from pagedllm.kernels.triton.linear_attention import gated_delta_rule_update, l2_normalize_, rms_norm_gated
 from pagedllm.kernels.triton.lora import lora_shrink_expand
 from pagedllm.kernels.triton.lora_sgmv import SegmentBuffer, lora_sgmv_shrink_expand, plan_segments
 from pagedllm.kernels.triton.mla_decode import MLALaunch, mla_decode
+from pagedllm.kernels.triton.moe_routing import MAX_EXPERTS, topk_softmax
 from pagedllm.kernels.triton.paged_decode import paged_decode
 from pagedllm.kernels.triton.paged_prefill import paged_prefill
 from pagedllm.kernels.triton.quant_gemm import _fp8_quant_kernel, fp8_block_gemm, w4a16_gemm
@@ -181,6 +182,15 @@ def moe() -> None:
             x = torch.empty(num_tokens, hidden, dtype=dtype)
             ids = torch.randint(0, experts, (num_tokens, top_k))
             fused_moe(x, w13, w2, torch.rand(num_tokens, top_k), ids)
+        # The router: W6's 16 experts, Qwen3-MoE's 128, Qwen3-Next-80B's 512 (16, 16, 4 tokens
+        # a program), the widest row (one token, 16 warps); top-1 (one-wide slot tiles) to top-10.
+        for num_experts, k in ((16, 8), (128, 8), (512, 10), (MAX_EXPERTS, 1)):
+            for renormalize in (True, False):
+                topk_softmax(torch.empty(5, num_experts, dtype=dtype), k, renormalize)
+        # The combine at W6's width (1,024-column blocks), with and without a shared expert.
+        slots = torch.empty(3, top_k, 2048, dtype=dtype)
+        moe_sum(slots)
+        moe_sum(slots, torch.empty(3, 2048, dtype=dtype), torch.empty(3, 1, dtype=dtype))
 
 
 def layers() -> None:

@@ -70,6 +70,7 @@ def test_the_cpu_rotary_takes_its_kernel_in_every_dtype() -> None:
 def test_layers_without_a_kernel_here_take_the_torch_path() -> None:
     for layer in (SiluAndMul(), FusedMoE(4, 2, 64, 32, True)):
         assert layer.forward_method == layer.forward_torch
+    assert layer.route == layer.route_torch  # the experts' router is chosen with them
 
 
 def test_the_meta_device_takes_the_torch_path() -> None:
@@ -93,6 +94,7 @@ def test_the_choice_is_made_when_bound_to_a_device_not_per_call(monkeypatch: pyt
     for layer in layers:
         assert layer.forward_method == layer.forward_triton
     norm, gemma, act, rotary, moe = layers
+    assert moe.route == moe.route_triton
 
     def ask_nothing(device: torch.device):
         raise AssertionError("a forward asked the platform")
@@ -101,6 +103,7 @@ def test_the_choice_is_made_when_bound_to_a_device_not_per_call(monkeypatch: pyt
     # The layers now run what they chose: point them at their torch paths (no GPU here) and step.
     for layer in layers:
         layer.forward_method = layer.forward_torch
+    moe.route = moe.route_torch
     x = torch.randn(3, 64)
     norm(x)
     gemma(x)

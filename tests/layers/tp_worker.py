@@ -17,6 +17,7 @@ from pagedllm.distributed import (
     get_tensor_model_parallel_rank,
     init_distributed_environment,
     tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
 )
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.fused_moe import FusedMoE, fused_experts_torch, select_experts
@@ -95,6 +96,46 @@ def check_fused_moe(x: torch.Tensor) -> None:
     torch.testing.assert_close(stacked(x, logits), expected)
 
 
+def check_row_parallel_without_reduce(x: torch.Tensor) -> None:
+    """``reduce_results=False``: this rank's partial sum (its input columns, the bias on rank 0
+    alone), which its caller's all-reduce turns into the whole product."""
+    w_down, b_down = torch.randn(HIDDEN, INTERMEDIATE), torch.randn(HIDDEN)
+    h = torch.randn(x.shape[0], INTERMEDIATE)
+    down = RowParallelLinear(INTERMEDIATE, HIDDEN, bias=True, reduce_results=False)
+    down.weight.weight_loader(down.weight, w_down)
+    down.bias.weight_loader(down.bias, b_down)
+    rank = get_tensor_model_parallel_rank()
+    columns = slice(6 * rank, 6 * rank + 6)
+    partial = down(h[:, columns])
+    torch.testing.assert_close(
+        partial, F.linear(h[:, columns], w_down[:, columns], b_down if rank == 0 else None)
+    )
+    torch.testing.assert_close(tensor_model_parallel_all_reduce(partial), F.linear(h, w_down, b_down))
+
+
+def check_fused_moe_with_a_shared_expert(x: torch.Tensor) -> None:
+    """Qwen3-Next's block: the shared expert's down projection leaves its partial sum unreduced
+    (``reduce_results=False``), and the experts fold ``sigmoid(gate) * partial`` into their own
+    partial sum before their one all-reduce: the whole layer's output."""
+    num_experts, top_k = 4, 2
+    w13 = torch.randn(num_experts, 2 * INTERMEDIATE, HIDDEN)
+    w2 = torch.randn(num_experts, HIDDEN, INTERMEDIATE)
+    w_down, b_down = torch.randn(HIDDEN, INTERMEDIATE), torch.randn(HIDDEN)
+    h = torch.randn(x.shape[0], INTERMEDIATE)  # the shared expert's activations, whole
+    logits, gate = torch.randn(x.shape[0], num_experts), torch.randn(x.shape[0], 1)
+    routed = fused_experts_torch(x, w13, w2, *select_experts(logits, top_k, renormalize=True))
+    expected = routed + torch.sigmoid(gate) * F.linear(h, w_down, b_down)
+    down = RowParallelLinear(INTERMEDIATE, HIDDEN, bias=True, reduce_results=False)
+    down.weight.weight_loader(down.weight, w_down)
+    down.bias.weight_loader(down.bias, b_down)
+    rank = get_tensor_model_parallel_rank()
+    partial = down(h[:, 6 * rank : 6 * rank + 6])
+    layer = FusedMoE(num_experts, top_k, HIDDEN, INTERMEDIATE, renormalize=True)
+    layer.gate_up_proj.weight_loader(layer.gate_up_proj, w13)
+    layer.down_proj.weight_loader(layer.down_proj, w2)
+    torch.testing.assert_close(layer(x, logits, shared=partial, shared_gate=gate), expected)
+
+
 def check_fp8_fused_moe(x: torch.Tensor) -> None:
     """Block-scaled FP8 experts (3 x 3 blocks: 6 intermediate rows per rank, ragged at the hidden
     edge), per-expert weights and scales sharded by FusedMoE's loader: the partial outputs,
@@ -148,8 +189,10 @@ def main(rank: int, world_size: int, init_file: str) -> None:
     try:
         check_qkv_with_replicated_kv_head(x)
         check_mlp(x)
+        check_row_parallel_without_reduce(x)
         check_vocab_embedding_and_logits(x)
         check_fused_moe(x)
+        check_fused_moe_with_a_shared_expert(x)
         check_fp8_fused_moe(x)
         check_all_gather()
     finally:

@@ -281,6 +281,38 @@ def test_head_counts_the_ranks_cannot_split_are_refused(tp_size: int) -> None:
         GatedDeltaNet.state_shape_of(config, tp_size)
 
 
+def test_qwen3_next_moe_block_adds_its_shared_expert_as_hugging_face_does() -> None:
+    """The experts add the shared term now (fused on CUDA); on the CPU it is still HF's
+    ``routed + sigmoid(gate(x)) * shared(x)`` in the model dtype, to the bit, and the block is
+    HF's block."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock as HfBlock
+
+    from pagedllm.models.qwen3_next import Qwen3NextSparseMoeBlock
+
+    config = Qwen3NextConfig(**TINY_QWEN3_NEXT)
+    gen = torch.Generator().manual_seed(0)
+    block = Qwen3NextSparseMoeBlock(config)
+    for param in block.parameters():
+        param.data.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
+    x = torch.randn(13, config.hidden_size, generator=gen)
+    hf = HfBlock(config).eval()
+    i = config.shared_expert_intermediate_size
+    with torch.no_grad():
+        hf.gate.weight.copy_(block.gate.weight)
+        hf.experts.gate_up_proj.copy_(block.experts.gate_up_proj)
+        hf.experts.down_proj.copy_(block.experts.down_proj)
+        hf.shared_expert.gate_proj.weight.copy_(block.shared_expert.gate_up_proj.weight[:i])
+        hf.shared_expert.up_proj.weight.copy_(block.shared_expert.gate_up_proj.weight[i:])
+        hf.shared_expert.down_proj.weight.copy_(block.shared_expert.down_proj.weight)
+        hf.shared_expert_gate.weight.copy_(block.shared_expert_gate.weight)
+        torch.testing.assert_close(block(x), hf(x[None])[0], atol=1e-6, rtol=1e-5)
+        block.to(torch.bfloat16)
+        x = x.to(torch.bfloat16)
+        gate = torch.sigmoid(block.shared_expert_gate(x))
+        before = block.experts(x, block.gate(x)) + gate * block.shared_expert(x)
+        assert torch.equal(block(x), before)
+
+
 def test_state_per_request_is_constant_in_the_context_length() -> None:
     """What a request keeps per linear layer is its conv window and one d_k x d_v state per head,
     whatever max_model_len: (2 x 2 x 8 + 4 x 8) conv channels x 3, and 4 x 8 x 8."""

@@ -12,8 +12,16 @@ block sums the partial outputs. HF checkpoints store one tensor per expert and p
 the weight loader stacks; GGUF files stack each projection over the experts, transformers'
 modules stack both; the loader takes all three (see ``weight_loader``).
 
-On CUDA the experts run the Triton grouped GEMM (``pagedllm.kernels.triton.fused_moe``); elsewhere
-the torch path, which is its reference.
+On CUDA the experts run the Triton grouped GEMM (``pagedllm.kernels.triton.fused_moe``) and the
+router its softmax-top-k kernel (``kernels/triton/moe_routing.py``); elsewhere the torch path and
+``select_experts``, which are their reference.
+
+A shared expert scaled by a sigmoid gate (Qwen3-Next's) may join the routed sum in ``forward``:
+its output and its gate's logits go in, and the Triton path adds them in the kernel that adds the
+slots (``moe_sum``) instead of three more passes over the output. Under tensor parallelism the
+shared expert's output may be this rank's partial sum (its row-parallel down projection built
+with ``reduce_results=False``): the term is linear in it and the gate is the same on every rank,
+so the block's one all-reduce sums both.
 """
 
 from __future__ import annotations
@@ -41,14 +49,18 @@ from pagedllm.platform import Platform
 ExpertShardId = tuple[int | None, int | None]
 
 
-# The experts' computation: (hidden_states, topk_weights, topk_ids) -> [num_tokens, hidden_size].
-ExpertsForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# The experts' computation: (hidden_states, topk_weights, topk_ids, shared, shared_gate) ->
+# [num_tokens, hidden_size]; the shared expert's output and gate logits are optional (None).
+ExpertsForward = Callable[..., torch.Tensor]
+# The router: router_logits [num_tokens, num_experts] -> (topk_weights float32, topk_ids int64).
+Router = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class FusedMoE(CustomOp):
     """The experts of one mixture-of-experts block; ``forward_method`` is their computation,
     chosen for the device (``CustomOp``): the Triton grouped GEMM on CUDA, else the torch path;
-    after ``use_batch_invariant``, the grouped GEMM's batch-invariant form."""
+    after ``use_batch_invariant``, the grouped GEMM's batch-invariant form. ``route``, the router,
+    is chosen with it: the Triton kernel on CUDA, else ``select_experts``."""
 
     # Set by use_batch_invariant (batch_invariant=True), after loading.
     batch_invariant = False
@@ -79,21 +91,55 @@ class FusedMoE(CustomOp):
         self.quant_method = None
         self.activation_qdq: Callable[[torch.Tensor], torch.Tensor] | None = None
 
-    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """hidden_states: [num_tokens, hidden_size]; router_logits: [num_tokens, num_experts]
-        -> [num_tokens, hidden_size], reduced over the tensor-parallel ranks."""
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
-        return self.forward_routed(hidden_states, topk_weights, topk_ids)
+        -> [num_tokens, hidden_size], reduced over the tensor-parallel ranks.
+
+        shared, shared_gate: a shared expert's output [num_tokens, hidden_size] (this rank's
+        partial sum under tensor parallelism, or the whole output at one rank) and its gate's
+        logits [num_tokens, 1], or both None: ``sigmoid(shared_gate) * shared`` joins the routed
+        sum before the all-reduce."""
+        topk_weights, topk_ids = self.route(router_logits)
+        return self.forward_routed(hidden_states, topk_weights, topk_ids, shared, shared_gate)
 
     def forward_routed(
-        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The experts under a routing chosen by the caller (a grouped router,
-        ``router.select_experts_grouped``). topk_weights, topk_ids: [num_tokens, top_k]."""
-        out = self.forward_method(hidden_states, topk_weights, topk_ids)
+        ``router.select_experts_grouped``). topk_weights, topk_ids: [num_tokens, top_k]; shared,
+        shared_gate: as ``forward``'s."""
+        out = self.forward_method(hidden_states, topk_weights, topk_ids, shared, shared_gate)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
+    def route_torch(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference router (any device)."""
+        return select_experts(router_logits, self.top_k, self.renormalize)
+
+    def route_triton(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Softmax and top-k in one kernel: ``select_experts``'s result, ties to the lowest
+        expert (it is a function of each token's row alone, so batch-invariant as well)."""
+        from pagedllm.kernels.triton.moe_routing import topk_softmax
+
+        return topk_softmax(router_logits, self.top_k, self.renormalize)
+
+    def dispatch_route(self, platform: Platform) -> Router:
+        """The router to run on ``platform``; ``dispatch_forward`` sets it as ``route`` when it
+        chooses the experts' forward (at construction and on every move or cast, CustomOp)."""
+        return self.route_triton if platform.triton else self.route_torch
+
     def dispatch_forward(self, platform: Platform, dtype: torch.dtype) -> ExpertsForward:
+        self.route = self.dispatch_route(platform)
         if self.batch_invariant:
             if not platform.triton:
                 raise ValueError("batch_invariant=True: the experts' invariant GEMM needs Triton on CUDA")
@@ -116,29 +162,61 @@ class FusedMoE(CustomOp):
         self._bind(self.device, self.dtype)
 
     def forward_torch(
-        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The reference path (any device)."""
-        return fused_experts_torch(
+        routed = fused_experts_torch(
             hidden_states, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, self.activation_qdq
         )
+        return add_shared_expert(routed, shared, shared_gate)
 
     def forward_triton(
-        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The Triton grouped GEMM over every expert at once."""
+        """The Triton grouped GEMM over every expert at once, the shared expert added with the
+        slots."""
         from pagedllm.kernels.triton.fused_moe import fused_moe
 
-        return fused_moe(hidden_states, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
+        return fused_moe(
+            hidden_states,
+            self.gate_up_proj,
+            self.down_proj,
+            topk_weights,
+            topk_ids,
+            shared=shared,
+            shared_gate=shared_gate,
+        )
 
     def forward_triton_invariant(
-        self, hidden_states: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        shared: torch.Tensor | None = None,
+        shared_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The Triton grouped GEMM, batch-invariant (``use_batch_invariant``)."""
         from pagedllm.kernels.triton.fused_moe import fused_moe
 
         return fused_moe(
-            hidden_states, self.gate_up_proj, self.down_proj, topk_weights, topk_ids, batch_invariant=True
+            hidden_states,
+            self.gate_up_proj,
+            self.down_proj,
+            topk_weights,
+            topk_ids,
+            batch_invariant=True,
+            shared=shared,
+            shared_gate=shared_gate,
         )
 
     def weight_loader(
@@ -193,3 +271,14 @@ class FusedMoE(CustomOp):
             size = param.shape[1 + dim] // 2
             shard = narrow_shard(loaded_weight, dim, self.tp_rank, size, self.tp_size)
             copy_weight(param.data[expert_id].narrow(dim, projection * size, size), shard)
+
+
+def add_shared_expert(
+    routed: torch.Tensor, shared: torch.Tensor | None, shared_gate: torch.Tensor | None
+) -> torch.Tensor:
+    """The torch path's combine: ``routed + sigmoid(shared_gate) * shared`` in the model dtype, each
+    op rounded as Hugging Face's Qwen2-MoE / Qwen3-Next blocks round them (the sigmoid, the
+    product, then the sum); ``routed`` itself without a shared expert."""
+    if shared is None:
+        return routed
+    return routed + torch.sigmoid(shared_gate) * shared
