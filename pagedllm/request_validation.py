@@ -47,12 +47,6 @@ def validate_request(
     params.bad_words_token_ids = _bad_words_token_ids(params, tokenizer, vocab_size)
     _compile_structured_outputs(params, structured_output_manager)
     _check_num_seqs(params, config.scheduler_config.max_num_seqs, vocab_size, num_eos_token_ids)
-    if config.model_config.has_recurrent_state and params.best_of > 1:
-        # Siblings would fork a recurrent state mid-flight (core/state_cache.py keeps one per request).
-        raise ValueError(
-            f"n and best_of must be 1 (and beam search off) on a model with linear-attention layers, "
-            f"whose recurrent state is not forked; got best_of={params.best_of}"
-        )
     _check_lengths(params, len(token_ids), config, num_gpu_blocks)
     return token_ids
 

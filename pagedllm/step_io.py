@@ -82,6 +82,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Then, for a model with recurrent state: (source slot, destination slot) rows of every
+    # linear-attention layer's state to copy, a fork's from its parent (core/state_cache.py).
+    state_slots_to_copy: list[tuple[int, int]] = field(default_factory=list)
     # Behind a sliding window: req_id -> tokens whose blocks left the table (their count changed,
     # or the request is sent in full). The attention kernels see a token at position p (past
     # them) at cache position p - this; rotary embeddings still see p.

@@ -36,7 +36,8 @@ least ``sliding_window`` past the sink blocks' last slot, so the sink blocks' ta
 
 Hybrid models (linear-attention layers beside attention ones) also own a recurrent-state slot
 per request (``num_state_slots``, core/state_cache.py): taken at admission with the blocks, held
-while swapped, given back with them. Prefix reuse is off for them: a cached block carries the
+while swapped, given back with them; a fork takes its own, filled with its parent's state before
+the next step (``take_state_copies``). Prefix reuse is off for them: a cached block carries the
 attention layers' K/V but not the state after its tokens.
 
 The scheduler asks questions (``can_allocate``, ``try_append_slot``, ``can_swap_in``) and gives
@@ -129,6 +130,9 @@ class KVCacheManager:
         # Copies-on-write given this step, not yet done by the workers: req_id -> (table index,
         # the shared block, the private copy), so that preempting the request can take one back.
         self._copies: dict[int, tuple[int, PhysicalTokenBlock, PhysicalTokenBlock]] = {}
+        # Forks' state rows to copy from their parents, not yet handed to a step: (parent's slot,
+        # child's slot).
+        self._state_copies: list[tuple[int, int]] = []
         # Prefix-cache lookups and hits, in tokens, since start.
         self.num_cache_queried_tokens = 0
         self.num_cache_hit_tokens = 0
@@ -325,9 +329,18 @@ class KVCacheManager:
         return shared.block_number, private.block_number
 
     def fork(self, parent: Request, child: Request) -> None:
-        """The child shares every block of the parent."""
+        """The child shares every block of the parent. With recurrent state it takes a slot of its
+        own, which the workers fill with a copy of the parent's before the next step's forward
+        pass (``take_state_copies``): forks happen between steps, once the step in flight has
+        been waited for, so the copy is the state after every token both share, and neither has
+        computed another."""
         if self.state_pool is not None:
-            raise ValueError("a request of a model with recurrent state cannot be forked (n, best_of, beams)")
+            if not self.state_pool.can_allocate():
+                # The scheduler seats a group's forks when it admits the group, and the pool has
+                # a slot per seat (max_num_seqs): running out is a bug, not a full cache.
+                raise RuntimeError(f"no state slot left to fork request {parent.req_id} into")
+            parent_slot = self.state_pool.slot_of(parent.req_id)
+            self._state_copies.append((parent_slot, self.state_pool.allocate(child.req_id)))
         table = self._tables[parent.req_id]
         self._set_table(child.req_id, table.copy())
         self._num_cached_blocks[child.req_id] = self._num_cached_blocks[parent.req_id]
@@ -447,6 +460,11 @@ class KVCacheManager:
         """The request's physical block numbers. The list itself, not a copy: read it, and only
         until the request's blocks next change."""
         return self._block_ids[request.req_id]
+
+    def take_state_copies(self) -> list[tuple[int, int]]:
+        """The forks' state copies since the last call, for the next step to make first."""
+        copies, self._state_copies = self._state_copies, []
+        return copies
 
     def get_state_slot(self, request: Request) -> int:
         """The request's recurrent-state slot; -1 for a model without one."""

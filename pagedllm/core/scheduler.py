@@ -193,6 +193,7 @@ class Scheduler:
         queues.finished_req_ids = set()
         self.last_preemptions = {}
         self.kv_cache_manager.start_step()
+        out.state_slots_to_copy = self.kv_cache_manager.take_state_copies()
         budget = StepBudget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
         budget.num_seqs = sum(group.max_running_seqs for group in {r.group for r in queues.running})
         scheduled: list[Request] = []

@@ -12,6 +12,9 @@ a CUDA graph write::
     per layer conv_state[slot]  [conv_dim, kernel - 1]
               ssm_state[slot]   [num_heads, head_v_dim, head_k_dim] (V-first)
 
+A fork (``n``, ``best_of``, beams) takes a slot of its own, filled by the workers with a copy of
+its parent's rows before the next forward pass (``KVCacheManager.fork``).
+
 A slot is never cleared: a request whose step starts at position 0 reads no state (its kernels
 take zeros), so a slot freed while a step in flight still writes it can go at once to the next
 request, whose first write follows that step on the device's stream. A swapped-out request keeps

@@ -503,6 +503,7 @@ def _has_cache_ops(scheduler_output: SchedulerOutput) -> bool:
         scheduler_output.blocks_to_swap_in
         or scheduler_output.blocks_to_swap_out
         or scheduler_output.blocks_to_copy
+        or scheduler_output.state_slots_to_copy
     )
 
 

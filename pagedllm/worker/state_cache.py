@@ -13,6 +13,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.layers.linear_attention.state import StateCacheSpec, allocate_state_cache
 from pagedllm.models import get_model_class
+from pagedllm.worker.input_buffers import to_device
 
 
 def hybrid_model_class(config: EngineConfig) -> type | None:
@@ -48,6 +49,17 @@ class StateCache:
     def __init__(self, spec: StateCacheSpec, device: torch.device) -> None:
         self.spec = spec
         self.layers = allocate_state_cache(spec, device)
+
+    def copy_slots(self, src_to_dst: list[tuple[int, int]]) -> None:
+        """Copy whole rows, every layer's conv window and recurrent state: a fork's from its
+        parent, before the step's forward pass. On the compute stream, after the step that last
+        wrote the source rows."""
+        device = self.layers[0][0].device
+        src = to_device([s for s, _ in src_to_dst], device, torch.long)
+        dst = to_device([d for _, d in src_to_dst], device, torch.long)
+        for tensors in self.layers:
+            for tensor in tensors:
+                tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     def bind(self, model: torch.nn.Module) -> None:
         layers = list(model.linear_attention_layers())

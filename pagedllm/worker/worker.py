@@ -231,6 +231,9 @@ class Worker:
             scheduler_output.blocks_to_copy,
         )
         self.cache_engine.run_cache_ops(*block_moves)
+        if scheduler_output.state_slots_to_copy:
+            assert self.state_cache is not None, "state copies for a model without recurrent state"
+            self.state_cache.copy_slots(scheduler_output.state_slots_to_copy)
         if self.model_runner.drafter is not None:
             self.model_runner.drafter.run_cache_ops(*block_moves)
         return self.model_runner.execute_model(scheduler_output)

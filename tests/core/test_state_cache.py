@@ -1,6 +1,7 @@
 """The recurrent-state slots of hybrid models, as the KV cache manager hands them out: one per
 admitted request, admission waits when none is free, freed with the blocks, kept while swapped,
-and prefix caching off (a cached block holds no state)."""
+a fork's own slot filled with a copy of its parent's state, and prefix caching off (a cached
+block holds no state)."""
 
 from __future__ import annotations
 
@@ -79,9 +80,20 @@ def test_prefix_caching_is_turned_off_with_a_logged_reason(caplog) -> None:
     assert second.num_computed_tokens == 0  # nothing reused: its state must be computed
 
 
-def test_forking_a_request_with_state_is_refused() -> None:
-    kv = KVCacheManager(BLOCK_SIZE, 16, 0, num_state_slots=2)
-    parent = make_request(3)
+def test_a_fork_takes_a_slot_of_its_own_and_a_copy_of_its_parents_state() -> None:
+    kv = KVCacheManager(BLOCK_SIZE, 16, 0, num_state_slots=3)
+    parent, child, grandchild = make_request(6), make_request(6), make_request(6)
     kv.allocate(parent)
-    with pytest.raises(ValueError, match="cannot be forked"):
-        kv.fork(parent, make_request(3))
+    kv.fork(parent, child)
+    kv.fork(child, grandchild)
+    slots = [kv.get_state_slot(r) for r in (parent, child, grandchild)]
+    assert len(set(slots)) == 3
+    assert kv.get_blocks(child) == kv.get_blocks(parent)  # the blocks are shared, the state is not
+    # Handed to the next step once, in fork order: the child's copy is made before the grandchild's.
+    assert kv.take_state_copies() == [(slots[0], slots[1]), (slots[1], slots[2])]
+    assert kv.take_state_copies() == []
+    kv.free(child)
+    assert kv.state_pool.get_num_free_slots() == 1
+    kv.fork(parent, make_request(6))  # takes the slot the child gave back
+    with pytest.raises(RuntimeError, match="no state slot left"):
+        kv.fork(parent, make_request(6))

@@ -2,7 +2,8 @@
 Qwen3.5 (dense and MoE) and Nemotron-H (Mamba-2 + attention + MLP layers), against Hugging
 Face ``generate`` in float32 on the CPU: prompts several prefill chunks long, ragged batches with a
 one-token prompt, fewer state slots than requests (slots reused), preemption by recompute (a tiny
-KV cache), prefix caching asked for (disabled with a logged reason), and the refusals."""
+KV cache), forks (sampled siblings, beam search, swapped groups) each continuing its parent's
+state, prefix caching asked for (disabled with a logged reason), and the refusals."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 from transformers import (
     AutoConfig,
+    AutoModelForCausalLM,
     NemotronHConfig,
     Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
@@ -31,6 +33,7 @@ from pagedllm.models import get_model_class
 from pagedllm.models.nemotron_h import NemotronHBlock, NemotronHForCausalLM
 from pagedllm.models.qwen3_next import Qwen3NextForCausalLM
 from pagedllm.worker.state_cache import kv_budget_after_state
+from tests.engine.test_sampling_features import hf_beam_search
 
 MAX_TOKENS = 10
 # A ragged batch, then two prompts for the preemption test.
@@ -261,11 +264,73 @@ def test_prefix_caching_is_disabled_with_a_logged_reason(qwen3_next, caplog) -> 
     assert outputs[1] == expected[3]
 
 
-def test_forking_requests_are_refused_before_queueing(qwen3_next) -> None:
+def _assert_logprobs_match_hf(path: str, prompts: list[list[int]], outputs: list) -> None:
+    """Every sequence's sampled tokens scored by HF's model over the whole text (teacher forcing):
+    a fork that started from any state but its parent's after the prompt would score otherwise."""
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, outputs):
+        for completion in output.outputs:
+            full = prompt + list(completion.token_ids)
+            with torch.no_grad():
+                reference = torch.log_softmax(hf_model(torch.tensor([full])).logits[0].float(), dim=-1)
+            assert len(completion.logprobs) == len(completion.token_ids)
+            for step, (token, entry) in enumerate(zip(completion.token_ids, completion.logprobs)):
+                assert abs(entry[token].logprob - reference[len(prompt) - 1 + step, token].item()) < 1e-4
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_sampled_siblings_each_continue_the_prompts_state(
+    family: str, request: pytest.FixtureRequest
+) -> None:
+    """n = 3 siblings forked after a prompt of several prefill chunks (a ragged pair): each takes
+    a slot holding a copy of its parent's state (conv window and recurrent state), and HF scores
+    each one's tokens as the engine did."""
+    path, prompts, _ = request.getfixturevalue(family)
+    chunked = dict(enable_chunked_prefill=True, max_num_batched_tokens=32, max_num_seqs=8)
+    llm = LLM(path, device="cpu", dtype="float32", **chunked)
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=MAX_TOKENS, logprobs=0, ignore_eos=True)
+    pair = [prompts[0], prompts[2]]
+    outputs = llm.generate(prompt_token_ids=pair, sampling_params=params, use_tqdm=False)
+    for output in outputs:
+        assert len({tuple(c.token_ids) for c in output.outputs}) == 3  # three different paths
+    _assert_logprobs_match_hf(path, pair, outputs)
+    _assert_state_slots_free(llm)
+
+
+def test_beam_search_equals_hf(qwen3_next) -> None:
+    """Beams fork and end every step: each fork copies its beam's state before either goes on."""
     path, prompts, _ = qwen3_next
-    llm = LLM(path, device="cpu", dtype="float32", max_num_seqs=4)
-    with pytest.raises(ValueError, match="n and best_of must be 1"):
-        llm.generate(prompt_token_ids=prompts[:1], sampling_params=SamplingParams(n=2, max_tokens=2))
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eos = hf_model.config.eos_token_id
+    llm = LLM(path, device="cpu", dtype="float32", block_size=4)
+    params = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0.0, max_tokens=MAX_TOKENS)
+    outputs = llm.generate(prompt_token_ids=prompts[:3], sampling_params=params, use_tqdm=False)
+    for prompt, output in zip(prompts[:3], outputs):
+        expected = hf_beam_search(hf_model, prompt, 3, 2, MAX_TOKENS, 1.0, False, eos)
+        assert [c.token_ids for c in output.outputs] == expected
+    _assert_state_slots_free(llm)
+
+
+def test_forked_siblings_survive_preemption_by_swap(qwen3_next) -> None:
+    """Forked groups are preempted by swap: their KV blocks go to the CPU and back while their
+    state stays in its slots; every sibling still scores as HF scores it."""
+    path, prompts, _ = qwen3_next
+    llm = LLM(
+        path,
+        device="cpu",
+        dtype="float32",
+        block_size=4,
+        num_kv_blocks=24,
+        max_model_len=64,
+        swap_space=0.01,
+        max_num_seqs=4,
+    )
+    params = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=24, logprobs=0, ignore_eos=True)
+    pair = [prompts[4], prompts[5]]  # 30 and 31 tokens: two groups of two outgrow 24 blocks
+    outputs = llm.generate(prompt_token_ids=pair, sampling_params=params, use_tqdm=False)
+    assert llm.llm_engine.engine_core.scheduler.num_preemptions[PreemptionMode.SWAP] >= 1
+    _assert_logprobs_match_hf(path, pair, outputs)
+    _assert_state_slots_free(llm)
 
 
 def test_speculative_decoding_is_refused(qwen3_next) -> None:
