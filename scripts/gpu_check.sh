@@ -9,7 +9,7 @@
 #       tp (tp-tests, tp-bench) cp
 #       determinism
 #       dp
-#       w6 w6-long w7 k1-mla
+#       w6 w6-long w6-prefix w7 k1-mla
 #
 # Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too; k1-w1: the
 # sweep at W1's decode shape; k1-fp8: the Triton decode over an FP8 cache; k1-window:
@@ -20,7 +20,9 @@
 # thread of its own process, --no-engine-process), w5 (bench throughput of the
 # Qwen3-30B-A3B mixture of experts, against its floor), w6 (the hybrid linear-attention kernels'
 # tests, then bench throughput of the Qwen3-Next-style hybrid; w6-long: 16 requests decoding to 32,768 tokens,
-# the hybrid against its all-attention twin, the table gives the decode steps' ratio, target <= 0.5), w7 (bench throughput of DeepSeek-V2-Lite's
+# the hybrid against its all-attention twin, the table gives the decode steps' ratio, target <= 0.5;
+# w6-prefix: what prefix caching, off for the hybrid, is worth: W6's requests after a shared
+# 2,048-token prefix on the hybrid, and on its all-attention twin with and without prefix caching), w7 (bench throughput of DeepSeek-V2-Lite's
 # multi-head latent attention and shared experts, against its floor, KV bytes per token beside
 # Llama-3.1-8B's), k1-mla (bench mla: the MLA decode kernel against FlashInfer's MLA decode), moe (bench moe: the fused MoE kernel against
 # the per-expert torch reference; moe-sweep: every launch too), cuda (W1 on the cuda backend),
@@ -163,6 +165,15 @@ for stage in "${stages[@]}"; do
             run "w6_long_$model" python3 -m pagedllm bench throughput --workload W6 --num-prompts 16 \
                 --input-len 32704 --output-len 64 --model "benchmarks/configs/$model" \
                 --output-json "$OUT/w6_long_$model.json"
+        done
+        ;;
+    w6-prefix)  # the cost of the hybrid's prefix caching being off: the twin with and without it beside
+        run w6_prefix_hybrid python3 -m pagedllm bench throughput --workload W6 --prefix-len 2048 \
+            --enable-prefix-caching --output-json "$OUT/w6_prefix_hybrid.json"
+        for caching in enable no-enable; do
+            run "w6_prefix_twin_$caching" python3 -m pagedllm bench throughput --workload W6 --prefix-len 2048 \
+                --model benchmarks/configs/qwen3-next-2b-attention "--$caching-prefix-caching" \
+                --output-json "$OUT/w6_prefix_twin_$caching.json"
         done
         ;;
     w7) run w7 python3 -m pagedllm bench throughput --workload W7 --output-json "$OUT/w7.json" --output-png "$OUT/w7.png" ;;

@@ -55,6 +55,7 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
                     table.append((f"W3 {mode}{_variant(name)}", "profiled device / wall ms per token", cell))
     table += _quantized_rows(folder)
     table += _long_context_rows(folder)
+    table += _prefix_rows(folder)
     table += _tensor_parallel_rows(folder)
     table += _spec_tensor_parallel_rows(folder)
     table += _context_parallel_rows(folder)
@@ -144,6 +145,26 @@ def _long_context_rows(folder: str) -> list[tuple[str, str, str]]:
     steps = f"{hybrid['median_decode_step_ms']:.2f} / {dense['median_decode_step_ms']:.2f} ms"
     ratio = hybrid["median_decode_step_ms"] / dense["median_decode_step_ms"]
     return [("W6 32k decode step / all-attention", "ms (target <= 0.5x)", f"{steps} = {ratio:.2f}x")]
+
+
+def _prefix_rows(folder: str) -> list[tuple[str, str, str]]:
+    """W6's requests after a shared 2,048-token prefix: the prefill time of the hybrid (prefix
+    caching off) and of its all-attention twin with and without it."""
+    runs = {
+        "hybrid, caching off": _load(folder, "w6_prefix_hybrid"),
+        "twin, caching on": _load(folder, "w6_prefix_twin_enable"),
+        "twin, caching off": _load(folder, "w6_prefix_twin_no-enable"),
+    }
+    table = [
+        (f"W6 shared prefix: {name}", "prefill s (elapsed s)", f"{r['prefill_s']:.2f} ({r['elapsed_s']:.2f})")
+        for name, r in runs.items()
+        if r
+    ]
+    on, off = runs["twin, caching on"], runs["twin, caching off"]
+    if on and off:
+        saved = 1 - on["prefill_s"] / off["prefill_s"]
+        table.append(("W6 shared prefix: caching's saving", "of the twin's prefill", f"{saved:.0%}"))
+    return table
 
 
 def _tensor_parallel_rows(folder: str) -> list[tuple[str, str, str]]:

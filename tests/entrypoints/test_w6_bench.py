@@ -35,7 +35,17 @@ def test_input_and_output_len_override_the_workload() -> None:
     assert default.output_len == 256 and default.input_len == (100, 1024)
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--input-len", "0"), ("--output-len", "1")])
+def test_prefix_len_gives_every_prompt_the_same_start() -> None:
+    workload = throughput.workload_for(_args("--prefix-len", "300"))
+    prompts, plain = workload.prompts(4), throughput.workload_for(_args()).prompts(4)
+    assert all(p[:300] == prompts[0][:300] for p in prompts)
+    assert [p[300:] for p in prompts] == plain  # each prompt's own tokens unchanged
+    assert workload.max_model_len == 300 + 1024 + 256
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--input-len", "0"), ("--output-len", "1"), ("--prefix-len", "-1")]
+)
 def test_lengths_the_run_cannot_use_are_refused_by_name(flag: str, value: str) -> None:
     with pytest.raises(ValueError, match=flag):
         throughput.workload_for(_args(flag, value))
@@ -69,6 +79,24 @@ def test_summary_prints_the_decode_steps_ratio(tmp_path) -> None:
     spec.loader.exec_module(summary)
     assert summary._long_context_rows(str(tmp_path)) == [
         ("W6 32k decode step / all-attention", "ms (target <= 0.5x)", "3.00 / 12.00 ms = 0.25x")
+    ]
+
+
+def test_summary_prints_the_shared_prefix_rows(tmp_path) -> None:
+    runs = {"hybrid": (6.0, 9.0), "twin_enable": (2.0, 5.0), "twin_no-enable": (8.0, 11.0)}
+    for name, (prefill, elapsed) in runs.items():
+        result = {"prefill_s": prefill, "elapsed_s": elapsed}
+        (tmp_path / f"w6_prefix_{name}.json").write_text(json.dumps(result))
+    spec = importlib.util.spec_from_file_location(
+        "gpu_summary", os.path.join(REPO, "scripts", "gpu_summary.py")
+    )
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    assert summary._prefix_rows(str(tmp_path)) == [
+        ("W6 shared prefix: hybrid, caching off", "prefill s (elapsed s)", "6.00 (9.00)"),
+        ("W6 shared prefix: twin, caching on", "prefill s (elapsed s)", "2.00 (5.00)"),
+        ("W6 shared prefix: twin, caching off", "prefill s (elapsed s)", "8.00 (11.00)"),
+        ("W6 shared prefix: caching's saving", "of the twin's prefill", "75%"),
     ]
 
 

@@ -55,6 +55,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--output-len", type=int, default=None, help="output tokens per request instead of the workload's"
     )
+    parser.add_argument(
+        "--prefix-len",
+        type=int,
+        default=0,
+        help="tokens every prompt starts with (a shared system prompt) before its own: what prefix "
+        "caching reuses (W6 against its all-attention twin, whose blocks can be reused)",
+    )
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--output-png", default=None)
     parser.add_argument("--profile-steps", type=int, default=0, help="torch-profile N decode steps")
@@ -84,7 +91,9 @@ def workload_for(args: argparse.Namespace) -> Workload:
         if args.output_len < 2:  # the decode phase needs a step after the first token
             raise ValueError(f"--output-len must be at least 2, got {args.output_len}")
         workload = dataclasses.replace(workload, output_len=args.output_len)
-    return workload
+    if args.prefix_len < 0:
+        raise ValueError(f"--prefix-len must be at least 0, got {args.prefix_len}")
+    return dataclasses.replace(workload, prefix_len=args.prefix_len)
 
 
 def engine_args_for(workload: Workload, args: argparse.Namespace) -> EngineArgs:
@@ -283,6 +292,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         enforce_eager=engine.config.enforce_eager,
         batch_invariant=engine.config.batch_invariant,
         num_gpu_blocks=engine.num_gpu_blocks,
+        prefix_len=workload.prefix_len,
+        # As the cache manager runs it: a hybrid model turns it off (docs/hybrid_models.md).
+        enable_prefix_caching=engine.engine_core.scheduler.kv_cache_manager.enable_prefix_caching,
     )
     floor = _floor(engine, prompts, workload.output_len)
     if floor is not None:

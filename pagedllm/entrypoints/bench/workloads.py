@@ -17,20 +17,26 @@ class Workload:
     num_prompts: int
     input_len: tuple[int, int]  # uniform [lo, hi]
     output_len: int
+    # Tokens every prompt starts with (a shared system prompt) before its own: what prefix caching
+    # can reuse.
+    prefix_len: int = 0
 
     def prompts(self, num_prompts: int | None = None) -> list[list[int]]:
         """``random.seed(0); [[randint(0, 10000) for _ in range(randint(LO, HI))] for _ in range(N)]``,
-        cut to the first ``num_prompts``."""
+        cut to the first ``num_prompts``, each after the shared prefix (``prefix_len`` tokens of
+        ``random.seed(1)``'s stream)."""
         rng = random.Random(0)  # the same stream as random.seed(0)
         lo, hi = self.input_len
         prompts = [
             [rng.randint(0, 10000) for _ in range(rng.randint(lo, hi))] for _ in range(self.num_prompts)
         ]
-        return prompts[: num_prompts or self.num_prompts]
+        prefix_rng = random.Random(1)
+        prefix = [prefix_rng.randint(0, 10000) for _ in range(self.prefix_len)]
+        return [prefix + prompt for prompt in prompts[: num_prompts or self.num_prompts]]
 
     @property
     def max_model_len(self) -> int:
-        return self.input_len[1] + self.output_len
+        return self.prefix_len + self.input_len[1] + self.output_len
 
 
 def _config(name: str) -> str:
