@@ -170,3 +170,33 @@ def test_gated_deltanet_builds_on_the_meta_device() -> None:
         layer = GatedDeltaNet(256, 2, 4, 128, 128, 4, 1e-6)
     assert layer.conv_input_cols.device.type == "meta"
     assert layer.conv_cols_run == 128  # Qwen3-Next's map: whole 128-column runs
+
+
+@pytest.mark.parametrize(
+    ("versions", "usable"),
+    [
+        ({"fla-core": "0.6.0"}, True),
+        ({"flash-linear-attention": "0.7.1"}, True),
+        ({"flash-linear-attention": "0.4.1"}, False),  # would read the V-first state transposed
+        ({}, False),  # an fla package no distribution claims
+    ],
+)
+def test_fla_is_used_only_at_a_version_that_takes_the_v_first_state(monkeypatch, caplog, versions, usable):
+    import importlib.metadata
+    import importlib.util
+
+    from pagedllm.layers.linear_attention import mixer
+
+    def version(name: str) -> str:
+        if name not in versions:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return versions[name]
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "fla" else None)
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    mixer.fla_installed.cache_clear()
+    try:
+        assert mixer.fla_installed() is usable
+        assert ("older than 0.6" in caplog.text) is not usable
+    finally:
+        mixer.fla_installed.cache_clear()

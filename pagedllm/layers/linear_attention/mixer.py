@@ -20,12 +20,17 @@ package is installed (Gated DeltaNet: ``pip install pagedllm[fla]``).
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib.metadata
 import importlib.util
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+from packaging.version import Version
 from torch import nn
 
 from pagedllm.attention.forward_context import get_forward_context
@@ -34,6 +39,8 @@ from pagedllm.layers.custom_op import CustomOp
 from pagedllm.layers.linear_attention.conv1d import causal_conv1d_prefill, causal_conv1d_update
 from pagedllm.layers.linear_attention.state import LayerStateShape
 from pagedllm.platform import Platform
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,9 +99,33 @@ def prefill_plan(md: AttentionMetadata) -> PrefillPlan:
     return plan
 
 
+# The oldest flash-linear-attention whose varlen chunked rule this code calls correctly: 0.6 takes
+# the V-first state (``state_v_first``); an older one would take the keyword in its **kwargs and
+# read the state transposed.
+FLA_MIN_VERSION = "0.6"
+
+
+@functools.cache
 def fla_installed() -> bool:
-    """Whether flash-linear-attention (the ``fla`` package) is installed (looked up, not imported)."""
-    return importlib.util.find_spec("fla") is not None
+    """Whether flash-linear-attention (the ``fla`` package) is installed, at ``FLA_MIN_VERSION`` or
+    later (looked up, not imported). An older one is passed over, with a warning, for the torch
+    prefill."""
+    if importlib.util.find_spec("fla") is None:
+        return False
+    found = None
+    for distribution in ("fla-core", "flash-linear-attention"):  # 0.6 splits the kernels out
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            found = importlib.metadata.version(distribution)
+            break
+    if found is None or Version(found) < Version(FLA_MIN_VERSION):
+        logger.warning(
+            "flash-linear-attention %s is older than %s: the hybrid models' prefill runs the torch "
+            "path (pip install 'pagedllm[fla]')",
+            found or "(version unknown)",
+            FLA_MIN_VERSION,
+        )
+        return False
+    return True
 
 
 def column_run(cols: torch.Tensor, largest: int = 128) -> int:
