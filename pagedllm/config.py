@@ -39,6 +39,9 @@ QUANTIZATIONS = ("auto", "gguf", "none", "fp8", "compressed-tensors", "awq", "gp
 # vLLM's kv_cache_dtype values: "auto" stores K/V in the model dtype; "fp8" (= "fp8_e4m3") stores
 # float8_e4m3fn with a per-tensor scale per layer (docs/quantization.md).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# vLLM's CacheConfig.mamba_cache_dtype / mamba_ssm_cache_dtype: what a hybrid model's per-request
+# state may be stored in. Its kernels load it to float32 and round it back when they store it.
+MAMBA_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @functools.cache
@@ -189,6 +192,11 @@ class CacheConfig:
     enable_prefix_caching: bool = False
     # vLLM's CacheConfig.cache_dtype (EngineArgs.kv_cache_dtype): one of KV_CACHE_DTYPES.
     cache_dtype: str = "auto"
+    # vLLM's mamba_cache_dtype and mamba_ssm_cache_dtype: a hybrid model's conv windows and
+    # recurrent states, one of MAMBA_CACHE_DTYPES ("auto": the model dtype; the recurrent state's
+    # "auto": mamba_cache_dtype's).
+    mamba_cache_dtype: str = "auto"
+    mamba_ssm_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.cache_dtype == "fp8_e5m2":
@@ -198,6 +206,9 @@ class CacheConfig:
             )
         dtype = self.cache_dtype
         _require(dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"one of {KV_CACHE_DTYPES}", dtype)
+        for field in ("mamba_cache_dtype", "mamba_ssm_cache_dtype"):
+            value = getattr(self, field)
+            _require(value in MAMBA_CACHE_DTYPES, field, f"one of {MAMBA_CACHE_DTYPES}", value)
         bs = self.block_size
         _require(bs in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size", "a power of 2 in [1, 256]", bs)
         u = self.gpu_memory_utilization

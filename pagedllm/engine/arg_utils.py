@@ -166,6 +166,20 @@ class EngineArgs:
             "attention)"
         },
     )
+    mamba_cache_dtype: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "a hybrid model's conv windows and, unless mamba_ssm_cache_dtype says otherwise, "
+            "recurrent states: auto (the model dtype), float32, bfloat16 or float16"
+        },
+    )
+    mamba_ssm_cache_dtype: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "a hybrid model's recurrent states (Gated DeltaNet, Mamba-2): auto "
+            "(mamba_cache_dtype's), float32, bfloat16 or float16"
+        },
+    )
     enable_chunked_prefill: bool = dataclasses.field(
         default=False, metadata={"help": "split long prompts over steps, within max_num_batched_tokens"}
     )
@@ -300,6 +314,8 @@ class EngineArgs:
                 num_kv_blocks=self.num_kv_blocks,
                 enable_prefix_caching=self.enable_prefix_caching,
                 cache_dtype=self.kv_cache_dtype,
+                mamba_cache_dtype=self.mamba_cache_dtype,
+                mamba_ssm_cache_dtype=self.mamba_ssm_cache_dtype,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

@@ -31,7 +31,15 @@ def state_cache_spec(config: EngineConfig, layers: range | None = None) -> State
         return None
     hf_config = config.model_config.hf_config
     shapes = model_class.state_shapes(hf_config, config.parallel_config.tensor_parallel_size, layers)
-    return StateCacheSpec(tuple(shapes), config.model_config.dtype, config.scheduler_config.max_num_seqs)
+    cache = config.cache_config
+    conv_dtype = _state_dtype(cache.mamba_cache_dtype, config.model_config.dtype)
+    ssm_dtype = _state_dtype(cache.mamba_ssm_cache_dtype, conv_dtype)
+    return StateCacheSpec(tuple(shapes), conv_dtype, ssm_dtype, config.scheduler_config.max_num_seqs)
+
+
+def _state_dtype(name: str, auto: torch.dtype) -> torch.dtype:
+    """A MAMBA_CACHE_DTYPES name as a torch dtype, ``auto`` for "auto"."""
+    return auto if name == "auto" else getattr(torch, name)
 
 
 def num_kv_cache_layers(config: EngineConfig, layers: range | None = None) -> int:

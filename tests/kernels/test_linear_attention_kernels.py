@@ -38,11 +38,17 @@ def _gate_views(batch: int, num_k_heads: int, group: int, dtype: torch.dtype, ge
     return ba.split([group, group], dim=-1)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# (activations, state): the state in the model's dtype, or float32 (mamba_ssm_cache_dtype).
+@pytest.mark.parametrize(
+    ("dtype", "state_dtype"),
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)],
+)
 @pytest.mark.parametrize(
     ("num_k_heads", "num_v_heads", "d_k", "d_v"), [(2, 2, 16, 16), (2, 4, 24, 40), (1, 3, 8, 128)]
 )
-def test_gated_delta_rule_update_matches_reference(dtype, num_k_heads, num_v_heads, d_k, d_v) -> None:
+def test_gated_delta_rule_update_matches_reference(
+    dtype, state_dtype, num_k_heads, num_v_heads, d_k, d_v
+) -> None:
     gen = torch.Generator().manual_seed(0)
     batch = len(SLOTS)
     # q, k, v as views of one conv output row per sequence, as the layer passes them.
@@ -55,7 +61,7 @@ def test_gated_delta_rule_update_matches_reference(dtype, num_k_heads, num_v_hea
     b, a = _gate_views(batch, num_k_heads, num_v_heads // num_k_heads, dtype, gen)
     A_log = torch.randn(num_v_heads, generator=gen).to(DEVICE)
     dt_bias = torch.randn(num_v_heads, generator=gen).to(DEVICE)
-    state = _rows(7, num_v_heads, d_v, d_k, dtype=dtype)  # V-first: [d_v, d_k] per head
+    state = _rows(7, num_v_heads, d_v, d_k, dtype=state_dtype)  # V-first: [d_v, d_k] per head
     slots = torch.tensor(SLOTS, device=DEVICE)
     has_state = torch.tensor(HAS_STATE, device=DEVICE)
     start = torch.where(has_state[:, None, None, None], state[slots].float(), 0.0)
@@ -67,7 +73,8 @@ def test_gated_delta_rule_update_matches_reference(dtype, num_k_heads, num_v_hea
     assert out.dtype == dtype
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(out.float(), expected, **tol)
-    torch.testing.assert_close(state[slots].float(), expected_state.to(dtype).float(), **tol)
+    assert state.dtype == state_dtype
+    torch.testing.assert_close(state[slots].float(), expected_state.to(state_dtype).float(), **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -392,13 +392,18 @@ def test_w6_config_is_a_hybrid_with_constant_state_per_request() -> None:
     state per request."""
     config = AutoConfig.from_pretrained(WORKLOADS["W6"].model)
     assert Qwen3NextForCausalLM.num_attention_layers(config) == 6
-    spec = StateCacheSpec(tuple(Qwen3NextForCausalLM.state_shapes(config, 1)), torch.bfloat16, 256)
+    shapes = tuple(Qwen3NextForCausalLM.state_shapes(config, 1))
+    spec = StateCacheSpec(shapes, torch.bfloat16, torch.bfloat16, 256)
     assert len(spec.layer_shapes) == 18 and spec.slot_bytes == 18 * (8192 * 3 + 32 * 128 * 128) * 2
 
 
 def test_state_cache_comes_out_of_the_kv_budget() -> None:
-    spec = StateCacheSpec((LayerStateShape((48, 3), (4, 8, 8)),) * 3, torch.float32, num_slots=4)
+    spec = StateCacheSpec(
+        (LayerStateShape((48, 3), (4, 8, 8)),) * 3, torch.float32, torch.float32, num_slots=4
+    )
     assert spec.slot_bytes == 3 * (48 * 3 + 4 * 8 * 8) * 4
+    mixed = StateCacheSpec(spec.layer_shapes, torch.bfloat16, torch.float32, num_slots=4)
+    assert mixed.slot_bytes == 3 * (48 * 3 * 2 + 4 * 8 * 8 * 4)
     assert kv_budget_after_state(10**6, spec) == 10**6 - 5 * spec.slot_bytes  # 4 slots + scratch
     with pytest.raises(ValueError, match="lower max_num_seqs or give the cache more memory"):
         kv_budget_after_state(spec.slot_bytes, spec)
@@ -416,3 +421,37 @@ def test_mamba_projection_loader_splits_parts_and_keeps_a_per_tensor_scale_whole
     scale = set_layout(torch.nn.Parameter(torch.empty(1), requires_grad=False), PER_PROJECTION)
     weight.weight_loader(scale, torch.tensor(0.5))
     assert scale.item() == 0.5
+
+
+_BF16_WINDOWS_F32_STATES = {"mamba_cache_dtype": "bfloat16", "mamba_ssm_cache_dtype": "float32"}
+
+
+@pytest.mark.parametrize(
+    ("family", "args", "conv_dtype", "ssm_dtype"),
+    [
+        ("qwen3_next", {}, torch.float32, torch.float32),  # auto: the model's
+        ("qwen3_next", {"mamba_ssm_cache_dtype": "bfloat16"}, torch.float32, torch.bfloat16),
+        ("qwen3_next", {"mamba_cache_dtype": "bfloat16"}, torch.bfloat16, torch.bfloat16),  # both
+        ("qwen3_next", _BF16_WINDOWS_F32_STATES, torch.bfloat16, torch.float32),
+        ("nemotron_h", _BF16_WINDOWS_F32_STATES, torch.bfloat16, torch.float32),
+    ],
+)
+def test_state_cache_dtypes_as_vllm_names_them(
+    family: str, args: dict, conv_dtype, ssm_dtype, request: pytest.FixtureRequest
+) -> None:
+    """vLLM's mamba_cache_dtype and mamba_ssm_cache_dtype: the tensors bound into the layers are
+    allocated in them, and the model still continues HF's greedy tokens (a tiny model: bfloat16
+    windows and states round, so only the first tokens are compared)."""
+    path, prompts, expected = request.getfixturevalue(family)
+    llm, outputs = _generate(path, prompts[:4], max_num_seqs=4, **args)
+    for conv_state, ssm_state in llm.llm_engine.executor.worker.state_cache.layers:
+        assert (conv_state.dtype, ssm_state.dtype) == (conv_dtype, ssm_dtype)
+    exact = conv_dtype == ssm_dtype == torch.float32
+    for output, reference in zip(outputs, expected[:4]):
+        assert output == reference if exact else output[:2] == reference[:2]
+
+
+@pytest.mark.parametrize("field", ["mamba_cache_dtype", "mamba_ssm_cache_dtype"])
+def test_state_dtypes_the_kernels_cannot_hold_are_refused(qwen3_next, field: str) -> None:
+    with pytest.raises(ValueError, match=f"{field} must be one of"):
+        LLM(qwen3_next[0], device="cpu", **{field: "fp8"})

@@ -270,13 +270,14 @@ class StatefulMixer(CustomOp):
         n = md.num_decodes
         slots = md.state_slots[:n]
         has_state = md.seq_lens[:n] > 1  # a one-token prompt starts from zeros
-        conv_out, self.conv_state[slots] = causal_conv1d_update(
+        conv_out, windows = causal_conv1d_update(
             self._conv_input(mixed),
             self.conv1d.weight[:, 0],
             self.conv1d.bias,
             self.conv_state[slots],
             has_state,
         )
+        self.conv_state[slots] = windows.to(self.conv_state.dtype)
         # A select, not a product: a fresh sequence's slot may hold anything.
         mask = has_state.view(n, *([1] * len(self.state_shape.ssm_shape)))
         state = torch.where(mask, self.ssm_state[slots].float(), 0.0)

@@ -33,17 +33,19 @@ class LayerStateShape:
 
 @dataclass(frozen=True)
 class StateCacheSpec:
-    """Every linear-attention layer's state shape (model order), their dtype, and the slots."""
+    """Every linear-attention layer's state shape (model order), the dtypes of the conv windows and
+    of the recurrent states, and the slots."""
 
     layer_shapes: tuple[LayerStateShape, ...]
-    dtype: torch.dtype
+    conv_dtype: torch.dtype
+    ssm_dtype: torch.dtype
     num_slots: int
 
     @property
     def slot_bytes(self) -> int:
         """Bytes one request's state takes over all layers."""
-        element_size = torch.tensor([], dtype=self.dtype).element_size()
-        return sum(shape.num_elements for shape in self.layer_shapes) * element_size
+        conv = sum(math.prod(shape.conv_shape) for shape in self.layer_shapes) * self.conv_dtype.itemsize
+        return conv + sum(math.prod(shape.ssm_shape) for shape in self.layer_shapes) * self.ssm_dtype.itemsize
 
     @property
     def total_bytes(self) -> int:
@@ -59,8 +61,8 @@ def allocate_state_cache(
     rows = spec.num_slots + 1
     return [
         (
-            torch.zeros(rows, *shape.conv_shape, dtype=spec.dtype, device=device),
-            torch.zeros(rows, *shape.ssm_shape, dtype=spec.dtype, device=device),
+            torch.zeros(rows, *shape.conv_shape, dtype=spec.conv_dtype, device=device),
+            torch.zeros(rows, *shape.ssm_shape, dtype=spec.ssm_dtype, device=device),
         )
         for shape in spec.layer_shapes
     ]
