@@ -61,10 +61,14 @@ class FanOut:
         the (token, logprob) continuations it keeps. A beam kept twice is forked (the forks
         share its blocks), one kept by none is freed. Returns the live beams, in order."""
         live = []
+        # The beams no continuation extends end first: their blocks and state slots go back before
+        # the forks below take theirs (a model with recurrent state has a slot per seat, no more).
+        dropped = [beam for beam in beams if not extensions.get(beam.req_id)]
+        if dropped:
+            self.finish_requests(dropped, RequestStatus.FINISHED_ABORTED)
         for beam in beams:
             chosen = extensions.get(beam.req_id, [])
             if not chosen:
-                self.finish_requests((beam,), RequestStatus.FINISHED_ABORTED)
                 continue
             # Forks first: each copies the beam before the beam takes its own token.
             forks = [self._fork(beam) for _ in chosen[1:]]

@@ -302,7 +302,9 @@ def test_beam_search_equals_hf(qwen3_next) -> None:
     path, prompts, _ = qwen3_next
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     eos = hf_model.config.eos_token_id
-    llm = LLM(path, device="cpu", dtype="float32", block_size=4)
+    # As many seats (and state slots) as one request's beams: a step that ends one beam and forks
+    # another must free the first before the fork takes its slot.
+    llm = LLM(path, device="cpu", dtype="float32", block_size=4, max_num_seqs=3)
     params = SamplingParams(n=2, best_of=3, use_beam_search=True, temperature=0.0, max_tokens=MAX_TOKENS)
     outputs = llm.generate(prompt_token_ids=prompts[:3], sampling_params=params, use_tqdm=False)
     for prompt, output in zip(prompts[:3], outputs):
@@ -313,7 +315,7 @@ def test_beam_search_equals_hf(qwen3_next) -> None:
 
 def test_forked_siblings_survive_preemption_by_swap(qwen3_next) -> None:
     """Forked groups are preempted by swap: their KV blocks go to the CPU and back while their
-    state stays in its slots; every sibling still scores as HF scores it."""
+    state stays in its slots; every sampled sibling still scores as HF scores it."""
     path, prompts, _ = qwen3_next
     llm = LLM(
         path,
