@@ -462,9 +462,15 @@ class KVCacheManager:
         return self._block_ids[request.req_id]
 
     def take_state_copies(self) -> list[tuple[int, int]]:
-        """The forks' state copies since the last call, for the next step to make first."""
+        """The forks' state copies since the last call, for the next step to make first, as one
+        gather and one scatter: a fork of a fork copies from the first parent (a copy cannot read
+        another's destination), and a destination written twice (a fork's slot freed and taken
+        again) keeps its last source."""
         copies, self._state_copies = self._state_copies, []
-        return copies
+        origin: dict[int, int] = {}
+        for src, dst in copies:
+            origin[dst] = origin.get(src, src)
+        return [(src, dst) for dst, src in origin.items()]
 
     def get_state_slot(self, request: Request) -> int:
         """The request's recurrent-state slot; -1 for a model without one."""

@@ -89,11 +89,25 @@ def test_a_fork_takes_a_slot_of_its_own_and_a_copy_of_its_parents_state() -> Non
     slots = [kv.get_state_slot(r) for r in (parent, child, grandchild)]
     assert len(set(slots)) == 3
     assert kv.get_blocks(child) == kv.get_blocks(parent)  # the blocks are shared, the state is not
-    # Handed to the next step once, in fork order: the child's copy is made before the grandchild's.
-    assert kv.take_state_copies() == [(slots[0], slots[1]), (slots[1], slots[2])]
+    # Handed to the next step once, as one gather: the grandchild copies the parent's rows, which
+    # the child's slot holds only after the copies.
+    assert kv.take_state_copies() == [(slots[0], slots[1]), (slots[0], slots[2])]
     assert kv.take_state_copies() == []
     kv.free(child)
     assert kv.state_pool.get_num_free_slots() == 1
     kv.fork(parent, make_request(6))  # takes the slot the child gave back
     with pytest.raises(RuntimeError, match="no state slot left"):
         kv.fork(parent, make_request(6))
+
+
+def test_a_slot_freed_and_forked_into_again_keeps_its_last_source() -> None:
+    kv = KVCacheManager(BLOCK_SIZE, 16, 0, num_state_slots=3)
+    first, second = make_request(6), make_request(6)
+    for request in (first, second):
+        kv.allocate(request)
+    child = make_request(6)
+    kv.fork(first, child)
+    slot = kv.get_state_slot(child)
+    kv.free(child)  # aborted before the next step
+    kv.fork(second, make_request(6))  # takes the same slot
+    assert kv.take_state_copies() == [(kv.get_state_slot(second), slot)]
