@@ -407,6 +407,12 @@ def kv_cache_torch_dtype(cache_dtype: str, model_dtype: torch.dtype) -> torch.dt
     return model_dtype if cache_dtype == "auto" else torch.float8_e4m3fn
 
 
+def state_cache_torch_dtype(name: str, auto: torch.dtype) -> torch.dtype:
+    """The dtype a hybrid model's conv windows or recurrent states are stored in: ``auto`` for
+    "auto", else the named one (one of MAMBA_CACHE_DTYPES)."""
+    return auto if name == "auto" else _dtypes()[name]
+
+
 def derive_max_model_len(hf_config: PretrainedConfig) -> int | None:
     """The longest context the model's config allows, or None when it names none."""
     for key in _MAX_LEN_KEYS:

@@ -114,13 +114,19 @@ class CacheEngine:
         _copy_blocks(self.gpu_cache, self.cpu_cache, blocks_to_swap_out)
         _copy_blocks(self.cpu_cache, self.gpu_cache, blocks_to_swap_in)
         if blocks_to_copy:
-            src = to_device([s for s, _ in blocks_to_copy], self.device, torch.long)
-            dst = to_device([d for _, d in blocks_to_copy], self.device, torch.long)
-            for layer in self.gpu_cache:
-                for tensor in layer:
-                    # As bytes: one copy for every cache dtype (float8 lacks index_copy_ kernels).
-                    data = tensor.view(torch.uint8)
-                    data.index_copy_(0, dst, data.index_select(0, src))
+            copy_rows([tensor for layer in self.gpu_cache for tensor in layer], blocks_to_copy, self.device)
+
+
+def copy_rows(tensors: list[torch.Tensor], src_to_dst: list[tuple[int, int]], device: torch.device) -> None:
+    """Row ``src`` of every tensor (its first dimension) copied to row ``dst``, for each pair, as
+    one gather and one scatter per tensor (so a pair cannot read another's destination): KV
+    blocks on copy-on-write, a fork's state rows. As bytes: one copy for every dtype (float8
+    lacks index_copy_ kernels)."""
+    src = to_device([s for s, _ in src_to_dst], device, torch.long)
+    dst = to_device([d for _, d in src_to_dst], device, torch.long)
+    for tensor in tensors:
+        data = tensor.view(torch.uint8)
+        data.index_copy_(0, dst, data.index_select(0, src))
 
 
 def _copy_blocks(

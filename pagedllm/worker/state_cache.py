@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.config import EngineConfig
+from pagedllm.config import EngineConfig, state_cache_torch_dtype
 from pagedllm.layers.linear_attention.state import StateCacheSpec, allocate_state_cache
 from pagedllm.models import get_model_class
-from pagedllm.worker.input_buffers import to_device
+from pagedllm.worker.cache_engine import copy_rows
 
 
 def hybrid_model_class(config: EngineConfig) -> type | None:
@@ -32,14 +32,9 @@ def state_cache_spec(config: EngineConfig, layers: range | None = None) -> State
     hf_config = config.model_config.hf_config
     shapes = model_class.state_shapes(hf_config, config.parallel_config.tensor_parallel_size, layers)
     cache = config.cache_config
-    conv_dtype = _state_dtype(cache.mamba_cache_dtype, config.model_config.dtype)
-    ssm_dtype = _state_dtype(cache.mamba_ssm_cache_dtype, conv_dtype)
+    conv_dtype = state_cache_torch_dtype(cache.mamba_cache_dtype, config.model_config.dtype)
+    ssm_dtype = state_cache_torch_dtype(cache.mamba_ssm_cache_dtype, conv_dtype)
     return StateCacheSpec(tuple(shapes), conv_dtype, ssm_dtype, config.scheduler_config.max_num_seqs)
-
-
-def _state_dtype(name: str, auto: torch.dtype) -> torch.dtype:
-    """A MAMBA_CACHE_DTYPES name as a torch dtype, ``auto`` for "auto"."""
-    return auto if name == "auto" else getattr(torch, name)
 
 
 def num_kv_cache_layers(config: EngineConfig, layers: range | None = None) -> int:
@@ -62,12 +57,7 @@ class StateCache:
         """Copy whole rows, every layer's conv window and recurrent state: a fork's from its
         parent, before the step's forward pass. On the compute stream, after the step that last
         wrote the source rows."""
-        device = self.layers[0][0].device
-        src = to_device([s for s, _ in src_to_dst], device, torch.long)
-        dst = to_device([d for _, d in src_to_dst], device, torch.long)
-        for tensors in self.layers:
-            for tensor in tensors:
-                tensor.index_copy_(0, dst, tensor.index_select(0, src))
+        copy_rows([t for tensors in self.layers for t in tensors], src_to_dst, self.layers[0][0].device)
 
     def bind(self, model: torch.nn.Module) -> None:
         layers = list(model.linear_attention_layers())
