@@ -25,9 +25,12 @@ def hybrid_model_class(config: EngineConfig) -> type | None:
 
 def state_cache_spec(config: EngineConfig, layers: range | None = None) -> StateCacheSpec | None:
     """This rank's state cache: one slot per request the scheduler may keep (max_num_seqs), for
-    the linear-attention layers among ``layers`` (its pipeline stage's; all when None)."""
+    the linear-attention layers among ``layers`` (its pipeline stage's; all when None). None for a
+    model with no such layer, even of a hybrid family (a config whose ``layer_types`` are all
+    attention): it runs as a plain transformer, prefix caching included. A pipeline stage without
+    one still gets a spec (of no layers): the scheduler's slots serve every stage."""
     model_class = hybrid_model_class(config)
-    if model_class is None:
+    if model_class is None or not config.model_config.has_recurrent_state:
         return None
     hf_config = config.model_config.hf_config
     shapes = model_class.state_shapes(hf_config, config.parallel_config.tensor_parallel_size, layers)

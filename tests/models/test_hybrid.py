@@ -33,6 +33,7 @@ from pagedllm.models import get_model_class
 from pagedllm.models.nemotron_h import NemotronHBlock, NemotronHForCausalLM
 from pagedllm.models.qwen3_next import Qwen3NextForCausalLM
 from pagedllm.worker.state_cache import kv_budget_after_state
+from tests.conftest import hf_greedy
 from tests.engine.test_sampling_features import hf_beam_search
 
 MAX_TOKENS = 10
@@ -262,6 +263,22 @@ def test_prefix_caching_is_disabled_with_a_logged_reason(qwen3_next, caplog) -> 
     assert "prefix caching disabled" in caplog.text
     assert not llm.llm_engine.engine_core.scheduler.kv_cache_manager.enable_prefix_caching
     assert outputs[1] == expected[3]
+
+
+def test_an_all_attention_config_of_a_hybrid_family_keeps_prefix_caching(make_hybrid_reference) -> None:
+    """Qwen3-Next's architecture with every layer full attention (``benchmarks/configs/``'s
+    all-attention twin of W6): no recurrent state, so nothing disables prefix caching, and the
+    second prompt reads the first's cached blocks."""
+    config = Qwen3NextConfig(**{**TINY_QWEN3_NEXT, "layer_types": ["full_attention"] * 4})
+    path, prompts, _ = make_hybrid_reference(config, (100, 20), MAX_TOKENS)
+    shared = [prompts[0], prompts[0][:96] + prompts[1]]  # 6 blocks of 16 in common
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    expected = hf_greedy(hf_model, shared, MAX_TOKENS, "cpu")
+    llm, outputs = _generate(path, shared, max_num_seqs=1, enable_prefix_caching=True)
+    kv_cache_manager = llm.llm_engine.engine_core.scheduler.kv_cache_manager
+    assert kv_cache_manager.enable_prefix_caching and kv_cache_manager.state_pool is None
+    assert kv_cache_manager.get_prefix_cache_hit_rate() > 0
+    assert outputs == expected
 
 
 def _assert_logprobs_match_hf(path: str, prompts: list[list[int]], outputs: list) -> None:
