@@ -111,7 +111,12 @@ class Qwen3NextSparseMoeBlock(SparseMoeBlock):
     adds the routed slots). Under tensor parallelism the shared expert's down projection leaves
     its partial sum unreduced: ``sigmoid(gate) * shared`` is linear in it (the gate is replicated),
     so it joins the routed partial sum before the experts' one all-reduce, saving the shared
-    expert's own."""
+    expert's own.
+
+    Where the experts run the grouped GEMM, the shared expert becomes experts of it after loading
+    (``FusedMoE.absorb_shared_expert``) and its gate a last row of the router's weight: one GEMM
+    routes and gates, and the shared expert's GEMMs and activation are the experts' own.
+    ``shared_expert`` and ``shared_expert_gate`` are then None."""
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(
@@ -128,8 +133,26 @@ class Qwen3NextSparseMoeBlock(SparseMoeBlock):
         self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, bias=False)
         self.shared_expert_gate.quantizable = False
 
+    def process_weights_after_loading(self) -> None:
+        """Absorb the shared expert into the experts where they can run it (the model loader calls
+        this once the weights are loaded)."""
+        shared = self.shared_expert
+        if shared.gate_up_proj.quant_method is not None or shared.down_proj.quant_method is not None:
+            return
+        if not self.experts.can_absorb_shared_expert(shared.down_proj.weight.shape[1]):
+            return
+        self.experts.absorb_shared_expert(
+            shared.gate_up_proj.weight, shared.down_proj.weight, gate_in_logits=True
+        )
+        router = torch.cat([self.gate.weight, self.shared_expert_gate.weight])
+        self.gate.weight = nn.Parameter(router, requires_grad=False)
+        self.gate.output_sizes = [router.shape[0]]
+        self.shared_expert = self.shared_expert_gate = None
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_tokens, hidden_size] -> same shape."""
+        if self.shared_expert is None:  # absorbed: the router's logits carry its gate
+            return self.experts(hidden_states, self.gate(hidden_states))
         return self.experts(
             hidden_states,
             self.gate(hidden_states),

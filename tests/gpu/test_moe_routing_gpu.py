@@ -138,3 +138,42 @@ def test_experts_with_a_shared_expert_replay_in_a_cuda_graph() -> None:
         with torch.no_grad():
             expected = layer(*inputs)
         torch.testing.assert_close(graph_out, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_the_shared_expert_absorbed_as_an_expert_matches_it_apart(num_tokens: int) -> None:
+    """W6's shared expert (width 512, one expert more) absorbed into the experts, its gate the
+    router's last column, against the same layer adding it apart (its own GEMMs, then the fused
+    combine), both bf16 against the float32 torch path: no further from it than the apart path,
+    give or take; and it captures and replays in a CUDA graph."""
+    layer = _layer(seed=30)
+    x = _randn(num_tokens, HIDDEN, seed=31)
+    logits = _randn(num_tokens, NUM_EXPERTS, seed=32, scale=2.0)
+    gate = _randn(num_tokens, 1, seed=33, scale=3.0)
+    shared_gate_up = _randn(2 * INTERMEDIATE, HIDDEN, seed=34, scale=HIDDEN**-0.5)
+    shared_down = _randn(HIDDEN, INTERMEDIATE, seed=35, scale=INTERMEDIATE**-0.5)
+    with torch.no_grad():
+        g, u = (x @ shared_gate_up.T).chunk(2, dim=-1)
+        shared = (torch.nn.functional.silu(g) * u) @ shared_down.T
+        apart = layer(x, logits, shared, gate).float()
+        routing = layer.route(logits)
+        g32, u32 = (x.float() @ shared_gate_up.float().T).chunk(2, dim=-1)
+        shared32 = (torch.nn.functional.silu(g32) * u32) @ shared_down.float().T
+        exact = layer.float().forward_torch(x.float(), *routing, shared32, gate.float())
+        layer.to(torch.bfloat16)
+        assert layer.can_absorb_shared_expert(INTERMEDIATE)
+        layer.absorb_shared_expert(shared_gate_up, shared_down, gate_in_logits=True)
+        router_logits = torch.cat([logits, gate], dim=1)
+        absorbed = layer(x, router_logits).float()
+    scale = exact.abs().max().item()
+    torch.testing.assert_close(absorbed, exact, atol=2e-2 * scale, rtol=2e-2)
+    assert (absorbed - exact).abs().mean() <= 1.25 * (apart - exact).abs().mean() + 1e-6
+
+    graph = torch.cuda.CUDAGraph()
+    static_x, static_logits = x.clone(), router_logits.clone()
+    with torch.cuda.graph(graph), torch.no_grad():
+        graph_out = layer(static_x, static_logits)
+    static_x.copy_(_randn(num_tokens, HIDDEN, seed=36))
+    graph.replay()
+    with torch.no_grad():
+        torch.testing.assert_close(graph_out, layer(static_x, static_logits), atol=0, rtol=0)

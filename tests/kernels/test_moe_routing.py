@@ -20,6 +20,7 @@ pytest.importorskip("triton", reason="the MoE kernels need the triton package")
 from pagedllm.kernels.triton.fused_moe import fused_moe, moe_sum
 from pagedllm.kernels.triton.moe_routing import MAX_EXPERTS, topk_softmax
 from pagedllm.layers.fused_moe import FusedMoE, fused_experts_torch, select_experts
+from pagedllm.layers.fused_moe.router import append_shared_slots
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if not INTERPRET and not torch.cuda.is_available():
@@ -149,11 +150,39 @@ def test_topk_softmax_reads_strided_logits_and_no_tokens() -> None:
     assert empty[0].shape == empty[1].shape == (0, 6)
 
 
+@pytest.mark.parametrize("shared_gate", [False, True])
+@pytest.mark.parametrize("num_experts,top_k,num_shared", [(16, 8, 1), (4, 2, 3), (60, 4, 2), (512, 10, 1)])
+def test_topk_softmax_appends_the_shared_slots(
+    num_experts: int, top_k: int, num_shared: int, shared_gate: bool
+) -> None:
+    """Absorbed shared experts: the routed slots as without them (the gate column, when there is
+    one, is no expert), then ids E.. weighted 1 or by the sigmoid of the last column, outside the
+    renormalisation: append_shared_slots's result."""
+    logits = _logits(37, num_experts + int(shared_gate), torch.bfloat16, seed=num_experts)
+    routed_logits = logits[:, :num_experts]
+    gate = logits[:, num_experts:] if shared_gate else None
+    weights, ids = topk_softmax(logits, top_k, True, num_shared, shared_gate)
+    assert weights.shape == ids.shape == (37, top_k + num_shared)
+    routed = topk_softmax(routed_logits, top_k, True)
+    assert torch.equal(ids[:, :top_k], routed[1])
+    torch.testing.assert_close(weights[:, :top_k], routed[0], rtol=WEIGHT_RTOL, atol=1e-9)
+    ref_weights, ref_ids = append_shared_slots(*routed, num_experts, num_shared, gate)
+    assert torch.equal(ids, ref_ids)
+    assert ids[:, top_k:].tolist() == [list(range(num_experts, num_experts + num_shared))] * 37
+    torch.testing.assert_close(weights, ref_weights, rtol=WEIGHT_RTOL, atol=1e-9)
+    if not shared_gate:
+        assert torch.equal(weights[:, top_k:], torch.ones(37, num_shared, device=DEVICE))
+
+
 def test_topk_softmax_refuses_what_it_cannot_route() -> None:
     with pytest.raises(ValueError, match=rf"at most {MAX_EXPERTS} experts, got {MAX_EXPERTS + 1}"):
         topk_softmax(torch.zeros(1, MAX_EXPERTS + 1, device=DEVICE), 2, True)
     with pytest.raises(ValueError, match=r"top_k must be in \[1, num_experts=4\], got 5"):
         topk_softmax(torch.zeros(1, 4, device=DEVICE), 5, True)
+    with pytest.raises(ValueError, match=r"top_k must be in \[1, num_experts=3\], got 4"):
+        topk_softmax(torch.zeros(1, 4, device=DEVICE), 4, True, num_shared=1, shared_gate=True)
+    with pytest.raises(ValueError, match="shared_gate needs a shared expert"):
+        topk_softmax(torch.zeros(1, 4, device=DEVICE), 2, True, shared_gate=True)
 
 
 # --- moe_sum ------------------------------------------------------------------------------------
@@ -271,3 +300,94 @@ def test_the_experts_triton_path_routes_and_adds_the_shared_expert_as_the_torch_
     assert torch.equal(expected, routed + torch.sigmoid(gate) * shared)
     torch.testing.assert_close(layer(x, logits, shared, gate), expected, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(layer(x, logits), routed, atol=2e-5, rtol=2e-5)
+
+
+def _triton_experts(monkeypatch: pytest.MonkeyPatch, *args, **kwargs) -> FusedMoE:
+    """A FusedMoE bound to a Triton platform (its kernels interpreted on the CPU)."""
+    from pagedllm.layers import custom_op
+
+    platform = custom_op.platform_for(torch.device(DEVICE))
+    with monkeypatch.context() as patch:
+        patch.setattr(custom_op, "platform_for", lambda device: dataclasses.replace(platform, triton=True))
+        layer = FusedMoE(*args, **kwargs).to(DEVICE)
+    assert layer.forward_method == layer.forward_triton
+    return layer
+
+
+@pytest.mark.parametrize("num_shared,gated", [(1, True), (2, True), (2, False)])
+def test_a_shared_expert_absorbed_as_experts_computes_what_it_did_apart(
+    monkeypatch: pytest.MonkeyPatch, num_shared: int, gated: bool
+) -> None:
+    """A shared SwiGLU expert of num_shared x the experts' width, cut into num_shared experts that
+    every token takes: the layer's output equals the routed sum plus the shared expert computed
+    apart (times sigmoid(gate), whose logit is then the router's last column), on the Triton path
+    and on the torch path of the same absorbed weights."""
+    e, k, hidden, i = 16, 4, 64, 32
+    x, w13, w2, logits, _, gate = _experts_inputs(29, e, k, hidden, i, seed=9)
+    gen = torch.Generator().manual_seed(10)
+    shared_gate_up = (torch.randn(2 * num_shared * i, hidden, generator=gen) / hidden**0.5).to(DEVICE)
+    shared_down = (torch.randn(hidden, num_shared * i, generator=gen) / (num_shared * i) ** 0.5).to(DEVICE)
+    g, u = (x @ shared_gate_up.T).chunk(2, dim=-1)
+    shared = (torch.nn.functional.silu(g) * u) @ shared_down.T
+    routed = fused_experts_torch(x, w13, w2, *select_experts(logits, k, renormalize=True))
+    expected = routed + (torch.sigmoid(gate) * shared if gated else shared)
+
+    layer = _triton_experts(monkeypatch, e, k, hidden, i, renormalize=True)
+    layer.gate_up_proj.data.copy_(w13)
+    layer.down_proj.data.copy_(w2)
+    assert layer.can_absorb_shared_expert(num_shared * i) and not layer.can_absorb_shared_expert(i + 8)
+    layer.absorb_shared_expert(shared_gate_up, shared_down, gate_in_logits=gated)
+    assert layer.gate_up_proj.shape == (e + num_shared, 2 * i, hidden)
+    assert layer.down_proj.shape == (e + num_shared, hidden, i)
+    router_logits = torch.cat([logits, gate], dim=1) if gated else logits
+    torch.testing.assert_close(layer(x, router_logits), expected, atol=3e-5, rtol=3e-5)
+    layer.route, layer.forward_method = layer.route_torch, layer.forward_torch
+    torch.testing.assert_close(layer(x, router_logits), expected, atol=3e-5, rtol=3e-5)
+
+
+def test_absorbing_refuses_a_shared_expert_of_another_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    layer = _triton_experts(monkeypatch, 4, 2, 16, 8, renormalize=True)
+    with pytest.raises(ValueError, match=r"width 12 .* cannot run as experts of width 8"):
+        layer.absorb_shared_expert(
+            torch.zeros(24, 16, device=DEVICE), torch.zeros(16, 12, device=DEVICE), True
+        )
+
+
+def test_qwen3_next_block_absorbs_its_shared_expert_where_the_grouped_gemm_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Qwen3-Next's sparse block after loading: on a Triton platform its shared expert (width 48,
+    three experts of 16) and its gate join the experts and the router (one GEMM of E + 1 rows),
+    the block's output unchanged; on the CPU's torch path it stays apart (Hugging Face's rounding)."""
+    from transformers import Qwen3NextConfig
+
+    from pagedllm.layers import custom_op
+    from pagedllm.models.qwen3_next import Qwen3NextSparseMoeBlock
+
+    config = Qwen3NextConfig(
+        hidden_size=64, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+        shared_expert_intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(23, 64, generator=gen).to(DEVICE)
+
+    def block() -> Qwen3NextSparseMoeBlock:
+        module = Qwen3NextSparseMoeBlock(config).to(DEVICE)
+        params = torch.Generator().manual_seed(12)
+        for param in module.parameters():
+            param.data.copy_(torch.randn(param.shape, generator=params) / 8)
+        return module
+
+    apart = block()
+    apart.process_weights_after_loading()  # the CPU's torch path: nothing absorbed
+    assert apart.shared_expert is not None and apart.experts.num_shared_slots == 0
+    platform = custom_op.platform_for(torch.device(DEVICE))
+    monkeypatch.setattr(custom_op, "platform_for", lambda device: dataclasses.replace(platform, triton=True))
+    absorbed = block()
+    with torch.no_grad():
+        expected = absorbed(x)
+        absorbed.process_weights_after_loading()
+        assert absorbed.shared_expert is None and absorbed.shared_expert_gate is None
+        assert absorbed.experts.num_shared_slots == 3 and absorbed.gate.weight.shape == (9, 64)
+        torch.testing.assert_close(absorbed(x), expected, atol=3e-5, rtol=3e-5)
+        torch.testing.assert_close(apart(x), expected, atol=3e-5, rtol=3e-5)

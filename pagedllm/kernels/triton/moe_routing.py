@@ -29,11 +29,18 @@ Grid: ``(cdiv(num_tokens, BLOCK_T),)``; a program routes ``BLOCK_T`` tokens, its
 then ``top_k`` rounds of a row max over the keys. ``BLOCK_T`` and the warps depend on ``E``
 alone, so a token's result is the same bits whatever batch it is in.
 
-Layouts: router_logits ``[num_tokens, E]``, any strides; topk_weights ``[num_tokens, top_k]``
-float32 and topk_ids ``[num_tokens, top_k]`` int64 (select_experts' dtypes), contiguous.
+Shared experts absorbed as experts (``num_shared`` > 0; ``layers/fused_moe/layer.py``): every
+token also takes experts ``E .. E + num_shared - 1``, in slots ``top_k ..``, after the routed slots
+and outside their renormalisation, each weighted 1, or ``sigmoid(x[E])`` with ``shared_gate``,
+where the logits' last column is the shared expert's gate (Qwen3-Next's, its router and gate
+one GEMM).
+
+Layouts: router_logits ``[num_tokens, E (+ 1 with shared_gate)]``, any strides; topk_weights
+``[num_tokens, top_k + num_shared]`` float32 and topk_ids likewise int64 (select_experts'
+dtypes), contiguous.
 
 Bound: latency (a few rounds of reductions over a row). Bytes ``num_tokens * (E * element_size +
-12 * top_k)``: 256 tokens of 16 experts at top-8 read 8 KiB and write 24 KiB.
+12 * (top_k + num_shared))``: 256 tokens of 16 experts at top-8 read 8 KiB and write 24 KiB.
 """
 
 from __future__ import annotations
@@ -64,6 +71,8 @@ def _topk_softmax_kernel(
     stride_logits_e,
     TOP_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    NUM_SHARED: tl.constexpr,
+    SHARED_GATE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -109,21 +118,41 @@ def _topk_softmax_kernel(
     if RENORMALIZE:
         # The slots past TOP_K hold 0 and add nothing.
         topk_weights = topk_weights / tl.sum(topk_weights, 1)[:, None]
+    if NUM_SHARED:
+        shared_weight = tl.full([BLOCK_T], 1.0, tl.float32)
+        if SHARED_GATE:
+            gate = tl.load(logits_ptr + rows.to(tl.int64) * stride_logits_t + num_experts * stride_logits_e,
+                           mask=row_mask, other=0.0).to(tl.float32)  # fmt: skip
+            shared_weight = 1.0 / (1.0 + tl.exp(-gate))
+        is_shared = (slots >= TOP_K) & (slots < TOP_K + NUM_SHARED)
+        topk_weights = tl.where(is_shared[None, :], shared_weight[:, None], topk_weights)
+        topk_ids = tl.where(is_shared[None, :], num_experts + slots[None, :] - TOP_K, topk_ids)
 
-    out_offsets = rows.to(tl.int64)[:, None] * TOP_K + slots[None, :]
-    out_mask = row_mask[:, None] & (slots[None, :] < TOP_K)
+    out_offsets = rows.to(tl.int64)[:, None] * (TOP_K + NUM_SHARED) + slots[None, :]
+    out_mask = row_mask[:, None] & (slots[None, :] < TOP_K + NUM_SHARED)
     tl.store(weights_ptr + out_offsets, topk_weights, mask=out_mask)
     tl.store(ids_ptr + out_offsets, topk_ids.to(tl.int64), mask=out_mask)
 
 
 def topk_softmax(
-    router_logits: torch.Tensor, top_k: int, renormalize: bool
+    router_logits: torch.Tensor,
+    top_k: int,
+    renormalize: bool,
+    num_shared: int = 0,
+    shared_gate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits: [num_tokens, num_experts] (any float dtype) -> (topk_weights [num_tokens,
     top_k] float32, topk_ids [num_tokens, top_k] int64), each row's experts in descending
     probability, ties to the lowest index (see the module doc). ``select_experts``'s result, in one
-    kernel. ValueError for more than ``MAX_EXPERTS`` experts or a top_k outside [1, num_experts]."""
+    kernel. ValueError for more than ``MAX_EXPERTS`` experts or a top_k outside [1, num_experts].
+
+    num_shared: absorbed shared experts, appended as slots ``top_k ..`` with ids ``num_experts ..``
+    (``router.append_shared_slots``'s result); their weight is 1, or with ``shared_gate`` the
+    sigmoid of the logits' last column, which is then not an expert."""
     num_tokens, num_experts = router_logits.shape
+    num_experts -= int(shared_gate)
+    if shared_gate and not num_shared:
+        raise ValueError("shared_gate needs a shared expert (num_shared >= 1)")
     if num_experts > MAX_EXPERTS:
         raise ValueError(
             f"topk_softmax holds a token's expert row in registers: at most {MAX_EXPERTS} experts, "
@@ -132,8 +161,8 @@ def topk_softmax(
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
     device = router_logits.device
-    topk_weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=device)
-    topk_ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=device)
+    topk_weights = torch.empty(num_tokens, top_k + num_shared, dtype=torch.float32, device=device)
+    topk_ids = torch.empty(num_tokens, top_k + num_shared, dtype=torch.int64, device=device)
     if num_tokens == 0:
         return topk_weights, topk_ids
     block_t, block_e, num_warps = _tiles(num_experts)
@@ -147,9 +176,11 @@ def topk_softmax(
         router_logits.stride(1),
         TOP_K=top_k,
         RENORMALIZE=renormalize,
+        NUM_SHARED=num_shared,
+        SHARED_GATE=shared_gate,
         BLOCK_T=block_t,
         BLOCK_E=block_e,
-        BLOCK_K=triton.next_power_of_2(top_k),
+        BLOCK_K=triton.next_power_of_2(top_k + num_shared),
         num_warps=num_warps,
         **pdl_options(device),
     )

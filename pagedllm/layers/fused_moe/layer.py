@@ -16,7 +16,16 @@ On CUDA the experts run the Triton grouped GEMM (``pagedllm.kernels.triton.fused
 router its softmax-top-k kernel (``kernels/triton/moe_routing.py``); elsewhere the torch path and
 ``select_experts``, which are their reference.
 
-A shared expert scaled by a sigmoid gate (Qwen3-Next's) may join the routed sum in ``forward``:
+Where the grouped GEMM runs, a shared SwiGLU expert can instead become experts of the layer
+(``absorb_shared_expert``, as SGLang's shared-experts fusion does): its width cut into ``s``
+pieces of the experts' width, appended as experts ``E .. E + s - 1`` that every token takes in
+slots ``top_k ..`` (weight 1, or its sigmoid gate's value, the gate then a last column of the
+router's logits). Its two GEMMs, its activation and its gate's GEMM leave the step: four kernels
+fewer per layer, which at decode sizes each cost a launch's few microseconds for a few MB of
+weights. The split is exact: SwiGLU is column-wise in the intermediate features and the down
+projection sums over them.
+
+Otherwise a shared expert scaled by a sigmoid gate (Qwen3-Next's) may join the routed sum in ``forward``:
 its output and its gate's logits go in, and the Triton path adds them in the kernel that adds the
 slots (``moe_sum``) instead of three more passes over the output. Under tensor parallelism the
 shared expert's output may be this rank's partial sum (its row-parallel down projection built
@@ -37,7 +46,7 @@ from pagedllm.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from pagedllm.layers.custom_op import CustomOp
-from pagedllm.layers.fused_moe.router import select_experts
+from pagedllm.layers.fused_moe.router import append_shared_slots, select_experts
 from pagedllm.layers.fused_moe.torch_moe import fused_experts_torch
 from pagedllm.layers.linear import divide, narrow_shard
 from pagedllm.layers.quantization.params import layout_of
@@ -66,6 +75,10 @@ class FusedMoE(CustomOp):
     batch_invariant = False
     # Whether use_batch_invariant applies: a subclass with its own forward has no invariant form.
     has_batch_invariant_form = True
+    # Shared experts absorbed as experts num_experts .. (absorb_shared_expert); with
+    # shared_gate_in_logits, the router's logits end with their gate's column.
+    num_shared_slots = 0
+    shared_gate_in_logits = False
 
     def __init__(
         self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool
@@ -98,7 +111,8 @@ class FusedMoE(CustomOp):
         shared: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """hidden_states: [num_tokens, hidden_size]; router_logits: [num_tokens, num_experts]
+        """hidden_states: [num_tokens, hidden_size]; router_logits: [num_tokens, num_experts] (a
+        last column more: the absorbed shared expert's gate, ``shared_gate_in_logits``)
         -> [num_tokens, hidden_size], reduced over the tensor-parallel ranks.
 
         shared, shared_gate: a shared expert's output [num_tokens, hidden_size] (this rank's
@@ -117,21 +131,65 @@ class FusedMoE(CustomOp):
         shared_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The experts under a routing chosen by the caller (a grouped router,
-        ``router.select_experts_grouped``). topk_weights, topk_ids: [num_tokens, top_k]; shared,
-        shared_gate: as ``forward``'s."""
+        ``router.select_experts_grouped``). topk_weights, topk_ids: [num_tokens, top_k] (with the
+        absorbed shared experts' slots, ``router.append_shared_slots``); shared, shared_gate: as
+        ``forward``'s."""
         out = self.forward_method(hidden_states, topk_weights, topk_ids, shared, shared_gate)
         return tensor_model_parallel_all_reduce(out) if self.tp_size > 1 else out
 
     def route_torch(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The reference router (any device)."""
-        return select_experts(router_logits, self.top_k, self.renormalize)
+        """The reference router (any device); the absorbed shared experts' slots appended."""
+        if not self.num_shared_slots:
+            return select_experts(router_logits, self.top_k, self.renormalize)
+        e = self.num_experts
+        gate = router_logits[:, e:] if self.shared_gate_in_logits else None
+        topk_weights, topk_ids = select_experts(router_logits[:, :e], self.top_k, self.renormalize)
+        return append_shared_slots(topk_weights, topk_ids, e, self.num_shared_slots, gate)
 
     def route_triton(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Softmax and top-k in one kernel: ``select_experts``'s result, ties to the lowest
-        expert (it is a function of each token's row alone, so batch-invariant as well)."""
+        """Softmax and top-k in one kernel, the shared slots included: ``route_torch``'s result,
+        ties to the lowest expert (it is a function of each token's row alone, so batch-invariant
+        as well)."""
         from pagedllm.kernels.triton.moe_routing import topk_softmax
 
-        return topk_softmax(router_logits, self.top_k, self.renormalize)
+        return topk_softmax(
+            router_logits, self.top_k, self.renormalize, self.num_shared_slots, self.shared_gate_in_logits
+        )
+
+    def can_absorb_shared_expert(self, intermediate_size_per_rank: int) -> bool:
+        """Whether a shared SwiGLU expert of that width (this rank's) should run as experts of this
+        layer: where the grouped GEMM runs (the torch path keeps Hugging Face's separate combine and
+        its rounding), with unquantized experts, its width a multiple of theirs."""
+        return (
+            self.forward_method in (self.forward_triton, self.forward_triton_invariant)
+            and self.quant_method is None
+            and intermediate_size_per_rank % self.intermediate_size_per_rank == 0
+        )
+
+    def absorb_shared_expert(self, gate_up: torch.Tensor, down: torch.Tensor, gate_in_logits: bool) -> None:
+        """Append a shared expert's weights as ``s = width / intermediate_size`` experts that every
+        token takes (``num_shared_slots``), after loading. gate_up: [2 * width, hidden] (this
+        rank's gate rows, then its up rows: ``MergedColumnParallelLinear``'s); down: [hidden, width]
+        (``RowParallelLinear``'s, whose partial sum under tensor parallelism then joins the
+        experts' in their one all-reduce). gate_in_logits: the router's logits will carry the
+        shared expert's sigmoid gate as a last column (else its weight is 1)."""
+        i = self.intermediate_size_per_rank
+        width, hidden = gate_up.shape[0] // 2, gate_up.shape[1]
+        if width % i or down.shape != (hidden, width):
+            raise ValueError(
+                f"a shared expert of width {width} (down {tuple(down.shape)}) cannot run as experts "
+                f"of width {i} and hidden size {hidden}"
+            )
+        s = width // i
+        gate, up = gate_up.view(2, s, i, hidden).unbind(0)  # piece j: rows [j * i, (j + 1) * i)
+        pieces_gate_up = torch.cat([gate, up], dim=1)  # [s, 2 * i, hidden]
+        pieces_down = down.view(hidden, s, i).permute(1, 0, 2)  # [s, hidden, i]
+        for name, pieces in (("gate_up_proj", pieces_gate_up), ("down_proj", pieces_down)):
+            old = getattr(self, name)
+            param = nn.Parameter(torch.cat([old.data, pieces.to(old.dtype)]), requires_grad=False)
+            param.weight_loader, param.is_down = old.weight_loader, old.is_down
+            setattr(self, name, param)
+        self.num_shared_slots, self.shared_gate_in_logits = s, gate_in_logits
 
     def dispatch_route(self, platform: Platform) -> Router:
         """The router to run on ``platform``; ``dispatch_forward`` sets it as ``route`` when it
@@ -153,7 +211,7 @@ class FusedMoE(CustomOp):
         if self.forward_method == self.forward_triton:
             from pagedllm.kernels.triton.fused_moe import warm_up
 
-            warm_up(self.gate_up_proj, self.down_proj, self.top_k, max_num_tokens)
+            warm_up(self.gate_up_proj, self.down_proj, self.top_k + self.num_shared_slots, max_num_tokens)
 
     def use_batch_invariant(self) -> None:
         """Run the experts so that a token's output does not depend on its batch (on CUDA: one

@@ -23,6 +23,29 @@ def select_experts(
     return topk_weights, topk_ids
 
 
+def append_shared_slots(
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    num_experts: int,
+    num_shared: int,
+    shared_gate_logits: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A routing with ``num_shared`` absorbed shared experts (ids ``num_experts ..``, after the
+    routed ones) appended to every token as slots ``top_k ..``: [num_tokens, top_k] each ->
+    [num_tokens, top_k + num_shared]. Their weight is 1, or ``sigmoid(shared_gate_logits)``
+    ([num_tokens, 1], the shared expert's gate) in float32."""
+    num_tokens = topk_ids.shape[0]
+    ids = torch.arange(num_experts, num_experts + num_shared, device=topk_ids.device)
+    if shared_gate_logits is None:
+        weights = topk_weights.new_ones(num_tokens, num_shared)
+    else:
+        weights = torch.sigmoid(shared_gate_logits.float()).expand(num_tokens, num_shared)
+    return (
+        torch.cat([topk_weights, weights.to(topk_weights.dtype)], dim=1),
+        torch.cat([topk_ids, ids.expand(num_tokens, num_shared).to(topk_ids.dtype)], dim=1),
+    )
+
+
 def select_experts_grouped(
     router_logits: torch.Tensor,
     top_k: int,
