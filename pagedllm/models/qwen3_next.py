@@ -114,8 +114,9 @@ class Qwen3NextSparseMoeBlock(SparseMoeBlock):
     expert's own.
 
     Where the experts run the grouped GEMM, the shared expert becomes experts of it after loading
-    (``FusedMoE.absorb_shared_expert``) and its gate a last row of the router's weight: one GEMM
-    routes and gates, and the shared expert's GEMMs and activation are the experts' own.
+    (``FusedMoE.absorb_shared_expert``) and its gate a row of the router's weight after the
+    experts' (then zero rows): one GEMM routes and gates, and the shared expert's GEMMs and
+    activation are the experts' own.
     ``shared_expert`` and ``shared_expert_gate`` are then None."""
 
     def __init__(self, config: PretrainedConfig) -> None:
@@ -144,7 +145,11 @@ class Qwen3NextSparseMoeBlock(SparseMoeBlock):
         self.experts.absorb_shared_expert(
             shared.gate_up_proj.weight, shared.down_proj.weight, gate_in_logits=True
         )
-        router = torch.cat([self.gate.weight, self.shared_expert_gate.weight])
+        # Rows padded to a multiple of 16: cuBLAS ran E + 1 of them (17 at W6's config, on an
+        # H200) as a split-K CUTLASS GEMM and two reductions, three kernels for 70 KB of weights.
+        router = self.gate.weight
+        padding = router.new_zeros(-(router.shape[0] + 1) % 16, router.shape[1])
+        router = torch.cat([router, self.shared_expert_gate.weight, padding])
         self.gate.weight = nn.Parameter(router, requires_grad=False)
         self.gate.output_sizes = [router.shape[0]]
         self.shared_expert = self.shared_expert_gate = None

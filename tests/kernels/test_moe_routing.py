@@ -357,7 +357,8 @@ def test_qwen3_next_block_absorbs_its_shared_expert_where_the_grouped_gemm_runs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Qwen3-Next's sparse block after loading: on a Triton platform its shared expert (width 48,
-    three experts of 16) and its gate join the experts and the router (one GEMM of E + 1 rows),
+    three experts of 16) and its gate join the experts and the router (one GEMM of E + 1 rows,
+    padded to 16),
     the block's output unchanged; on the CPU's torch path it stays apart (Hugging Face's rounding)."""
     from transformers import Qwen3NextConfig
 
@@ -388,6 +389,6 @@ def test_qwen3_next_block_absorbs_its_shared_expert_where_the_grouped_gemm_runs(
         expected = absorbed(x)
         absorbed.process_weights_after_loading()
         assert absorbed.shared_expert is None and absorbed.shared_expert_gate is None
-        assert absorbed.experts.num_shared_slots == 3 and absorbed.gate.weight.shape == (9, 64)
+        assert absorbed.experts.num_shared_slots == 3 and absorbed.gate.weight.shape == (16, 64)
         torch.testing.assert_close(absorbed(x), expected, atol=3e-5, rtol=3e-5)
         torch.testing.assert_close(apart(x), expected, atol=3e-5, rtol=3e-5)

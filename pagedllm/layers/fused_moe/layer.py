@@ -111,8 +111,9 @@ class FusedMoE(CustomOp):
         shared: torch.Tensor | None = None,
         shared_gate: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """hidden_states: [num_tokens, hidden_size]; router_logits: [num_tokens, num_experts] (a
-        last column more: the absorbed shared expert's gate, ``shared_gate_in_logits``)
+        """hidden_states: [num_tokens, hidden_size]; router_logits: [num_tokens, num_experts]
+        (with ``shared_gate_in_logits``, then the absorbed shared expert's gate, then any columns
+        the router's GEMM pads with)
         -> [num_tokens, hidden_size], reduced over the tensor-parallel ranks.
 
         shared, shared_gate: a shared expert's output [num_tokens, hidden_size] (this rank's
@@ -142,7 +143,7 @@ class FusedMoE(CustomOp):
         if not self.num_shared_slots:
             return select_experts(router_logits, self.top_k, self.renormalize)
         e = self.num_experts
-        gate = router_logits[:, e:] if self.shared_gate_in_logits else None
+        gate = router_logits[:, e : e + 1] if self.shared_gate_in_logits else None
         topk_weights, topk_ids = select_experts(router_logits[:, :e], self.top_k, self.renormalize)
         return append_shared_slots(topk_weights, topk_ids, e, self.num_shared_slots, gate)
 
@@ -152,8 +153,9 @@ class FusedMoE(CustomOp):
         as well)."""
         from pagedllm.kernels.triton.moe_routing import topk_softmax
 
+        logits = router_logits[:, : self.num_experts + self.shared_gate_in_logits]  # a view
         return topk_softmax(
-            router_logits, self.top_k, self.renormalize, self.num_shared_slots, self.shared_gate_in_logits
+            logits, self.top_k, self.renormalize, self.num_shared_slots, self.shared_gate_in_logits
         )
 
     def can_absorb_shared_expert(self, intermediate_size_per_rank: int) -> bool:
@@ -172,7 +174,7 @@ class FusedMoE(CustomOp):
         rank's gate rows, then its up rows: ``MergedColumnParallelLinear``'s); down: [hidden, width]
         (``RowParallelLinear``'s, whose partial sum under tensor parallelism then joins the
         experts' in their one all-reduce). gate_in_logits: the router's logits will carry the
-        shared expert's sigmoid gate as a last column (else its weight is 1)."""
+        shared expert's sigmoid gate in column ``num_experts`` (else its weight is 1)."""
         i = self.intermediate_size_per_rank
         width, hidden = gate_up.shape[0] // 2, gate_up.shape[1]
         if width % i or down.shape != (hidden, width):
