@@ -276,6 +276,7 @@ class GatedDeltaNet(StatefulMixer):
         from fla.ops.utils.index import prepare_chunk_indices
 
         from pagedllm.kernels.triton.linear_attention import l2_normalize_
+        from pagedllm.kernels.triton.state_rows import gather_state_rows, scatter_state_rows
 
         g, beta = self._gates(*inputs)
         q, k, v = self._split_heads(*parts)
@@ -283,7 +284,10 @@ class GatedDeltaNet(StatefulMixer):
         # in-kernel option: its l2norm kernel is autotuned per token count, which recompiled it at
         # nearly every new prefill size (46 times in one W6 run).
         q, k = l2_normalize_(q), l2_normalize_(k)
-        initial = torch.where(plan.has_state_device[:, None, None, None], self.ssm_state[plan.slots], 0)
+        # The chunks' rows as fla reads its initial states: [chunks, heads, d_v, d_k] contiguous
+        # (V-first), in the cache's dtype (it converts to float32 as it loads); zeros for a chunk
+        # that starts its sequence, in one pass.
+        initial = gather_state_rows(self.ssm_state, plan.slots, plan.has_state_device)
         chunk_indices = plan.derive(
             "fla_chunk_indices",
             lambda: prepare_chunk_indices(
@@ -304,7 +308,9 @@ class GatedDeltaNet(StatefulMixer):
             chunk_indices=chunk_indices,
             chunk_size=FLA_CHUNK_SIZE,
         )
-        self.ssm_state[plan.slots] = final.to(self.ssm_state.dtype)
+        # fla's final states are float32 [chunks, heads, d_v, d_k]: rounded to the cache's dtype
+        # as they are stored into the chunks' rows.
+        scatter_state_rows(self.ssm_state, plan.slots, final)
         return out[0]
 
     def _split_heads(
