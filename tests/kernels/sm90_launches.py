@@ -29,6 +29,7 @@ from pagedllm.kernels.triton.reshape_and_cache import reshape_and_cache
 from pagedllm.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from pagedllm.kernels.triton.rotary import rotary_embedding
 from pagedllm.kernels.triton.sampling import warm_up
+from pagedllm.kernels.triton.sigmoid_gate import sigmoid_gate
 from pagedllm.kernels.triton.skinny_gemm import skinny_gemm
 from pagedllm.kernels.triton.state_rows import gather_state_rows, scatter_state_rows
 
@@ -215,6 +216,9 @@ def layers() -> None:
             HEAD_SIZE,
         )
         silu_and_mul(torch.empty(3, 2 * 1536, dtype=dtype))
+        # Gated attention's output gate at Qwen3-Next's 16 heads of 256, the gate a strided view.
+        q_gate = torch.empty(3, 16, 2 * 256, dtype=dtype)
+        sigmoid_gate(torch.empty(3, 16, 256, dtype=dtype), q_gate[..., 256:])
     warm_up(49152, CPU)  # the sampler's variants and the grammar bitmask
     warm_up(49152, CPU, invariant=True)  # batch_invariant=True's: one chunk size, no FMA contraction
 

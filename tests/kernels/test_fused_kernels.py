@@ -1,6 +1,6 @@
 """The fused Triton kernels (RMSNorm with and without the residual add, in Llama's and Gemma's
-orders, rotary, rotary fused into the KV cache write, SiLU-and-multiply) against their layers'
-torch paths.
+orders, rotary, rotary fused into the KV cache write, SiLU-and-multiply, gated attention's sigmoid
+output gate) against their layers' torch paths.
 
 Runs on the CPU under TRITON_INTERPRET=1 (set by conftest.py when there is no GPU), else on CUDA.
 Outputs the kernels allocate are passed in poisoned with NaN, so an element left unwritten fails;
@@ -24,7 +24,8 @@ from pagedllm.kernels.triton.activation import silu_and_mul
 from pagedllm.kernels.triton.reshape_and_cache import reshape_and_cache
 from pagedllm.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from pagedllm.kernels.triton.rotary import rotary_embedding
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.kernels.triton.sigmoid_gate import sigmoid_gate
+from pagedllm.layers.activation import SigmoidGate, SiluAndMul
 from pagedllm.layers.layernorm import GemmaRMSNorm, RMSNorm
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 
@@ -273,6 +274,41 @@ def test_silu_and_mul(d: int, num_tokens: int, dtype: torch.dtype) -> None:
     out = torch.full((num_tokens, d), float("nan"), dtype=dtype, device=DEVICE)
     assert silu_and_mul(x, out=out) is out
     _assert_close(out, SiluAndMul().forward_torch(x))
+
+
+# (num_heads, head_size): Qwen3-Next's 16 heads of 256, a head count and a head size that are no
+# powers of two.
+GATE_SHAPES = [(16, 256), (3, 80), (5, 64)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("num_heads, head_size", GATE_SHAPES)
+def test_sigmoid_gate_reads_strided_views(
+    num_heads: int, head_size: int, num_tokens: int, dtype: torch.dtype
+) -> None:
+    """Gated attention's output gate against the layer's torch path: the gate a strided view of
+    the q projection's output ([q | gate] per head, with k and v past it), the attention output a
+    view of a wider buffer too."""
+    gen = torch.Generator().manual_seed(num_heads * head_size + num_tokens)
+    q_gate = _randn(num_tokens, num_heads * 2 * head_size + 64, dtype=dtype, gen=gen)
+    gate = q_gate[:, : num_heads * 2 * head_size].view(num_tokens, num_heads, 2 * head_size)[..., head_size:]
+    wide = _randn(num_tokens, num_heads * head_size + 8, dtype=dtype, gen=gen)
+    x = wide[:, : num_heads * head_size].view(num_tokens, num_heads, head_size)
+    expected = SigmoidGate().forward_torch(x, gate)
+
+    out = sigmoid_gate(x, gate)
+
+    assert out.shape == (num_tokens, num_heads * head_size) and out.is_contiguous()
+    if dtype == torch.float32:
+        _assert_close(out, expected)
+    else:
+        # The sigmoid rounded to the dtype, then the product, as the torch path rounds: one ulp
+        # where the exponentials' last float32 bits round the sigmoid the other way (a subnormal's
+        # ulp is eps * tiny).
+        assert not out.isnan().any()
+        finfo = torch.finfo(dtype)
+        torch.testing.assert_close(out, expected, atol=finfo.eps * finfo.tiny, rtol=finfo.eps)
 
 
 def test_empty_batches_launch_nothing() -> None:
