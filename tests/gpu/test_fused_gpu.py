@@ -1,9 +1,10 @@
 """The fused Triton kernels on CUDA, reached the way the model reaches them: through the layers.
 
-On a CUDA tensor ``RMSNorm``, ``RotaryEmbedding``, ``SiluAndMul`` and ``SigmoidGate`` dispatch to
-their Triton kernels; each is compared with the layer's torch path on the same device, in float32,
-float16 and bfloat16, at the CPU tests' shapes and at model sizes (Llama-3.1-8B's hidden 4096 and
-MLP 14336, an 8192-token prefill). Then the contracts the model relies on: the residual variant and rotary write
+On a CUDA tensor ``RMSNorm``, ``RotaryEmbedding`` (whole heads and part of each), ``SiluAndMul`` and
+``SigmoidGate`` dispatch to their Triton kernels; each is compared with the layer's torch path on
+the same device, in float32, float16 and bfloat16, at the CPU tests' shapes and at model sizes
+(Llama-3.1-8B's hidden 4096 and MLP 14336, an 8192-token prefill; Qwen3-Next's attention at a
+16,384-token step). Then the contracts the model relies on: the residual variant and rotary write
 in place, the layers capture in a CUDA graph, and a Qwen3 model (per-head norms on strided views,
 residual stream across layers) still matches Hugging Face.
 """
@@ -112,6 +113,31 @@ def test_rotary_in_place(
     # two): within an ulp of the torch path, not always equal to it.
     _assert_close(out_q, ref_q)
     _assert_close(out_k, ref_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 33, 16384])
+def test_partial_rotary_in_place(num_tokens: int, dtype: torch.dtype) -> None:
+    """Qwen3-Next's rotation of the first 64 of each 256-wide head (16 q heads, 2 kv heads), in
+    place through the layer's dispatch: within an ulp of the torch path, the rest of each head and
+    v untouched."""
+    torch.manual_seed(num_tokens)
+    params = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
+    rope = RotaryEmbedding(256, 32768, params, dtype).to(DEVICE)
+    qkv = torch.randn(num_tokens, 20 * 256, device=DEVICE, dtype=dtype)
+    before = qkv.clone()
+    q, k, _ = qkv.split([16 * 256, 2 * 256, 2 * 256], dim=-1)
+    positions = torch.randint(0, 32768, (num_tokens,), device=DEVICE)
+    ref_q, ref_k = rope.forward_torch(positions, q.clone(), k.clone())
+    out_q, out_k = rope(positions, q, k)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    _assert_close(out_q, ref_q)
+    _assert_close(out_k, ref_k)
+    rotated = torch.zeros(20, 256, dtype=torch.bool, device=DEVICE)
+    rotated[:18, :64] = True  # q's and k's heads; v's are past them
+    assert torch.equal(
+        qkv.view(num_tokens, 20, 256)[:, ~rotated], before.view(num_tokens, 20, 256)[:, ~rotated]
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

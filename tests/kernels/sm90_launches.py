@@ -215,6 +215,15 @@ def layers() -> None:
             torch.empty(64, HEAD_SIZE, dtype=dtype),
             HEAD_SIZE,
         )
+        # A partial rotation: Qwen3-Next's first 64 of 256 dimensions of 16 q and 2 kv heads.
+        rotary_embedding(
+            positions,
+            torch.empty(3, 16 * 256, dtype=dtype),
+            torch.empty(3, 2 * 256, dtype=dtype),
+            torch.empty(64, 64, dtype=dtype),
+            256,
+            64,
+        )
         silu_and_mul(torch.empty(3, 2 * 1536, dtype=dtype))
         # Gated attention's output gate at Qwen3-Next's 16 heads of 256, the gate a strided view.
         q_gate = torch.empty(3, 16, 2 * 256, dtype=dtype)
