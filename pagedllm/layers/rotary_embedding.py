@@ -195,9 +195,10 @@ class RotaryEmbedding(CustomOp):
     ``partial_rotary_factor`` (in ``rope_parameters``; Phi-3/Phi-4-mini, GLM-4-MoE) rotates only
     each head's first ``rotary_dim = int(head_size * factor)`` dimensions, neox style among
     themselves, and passes the rest through; the frequencies are those of a ``rotary_dim`` head, as
-    Hugging Face computes them. Only the torch path rotates part of a head (``is_partial``): the
-    fused kernels rotate whole heads, so a model gives a partial rotation to no backend and
-    rotates before attention instead.
+    Hugging Face computes them. The torch path and the Triton kernel rotate part of a head
+    (``is_partial``), the C++ kernel and the kernels that fuse the rotation into a backend's cache
+    write whole heads only: a model gives a partial rotation to no backend and rotates before
+    attention instead.
 
     ``unbounded`` is for positions past ``max_position`` (attention sinks let generation run on
     with the relative distances still within it): cos and sin are then computed for each step's
@@ -263,10 +264,10 @@ class RotaryEmbedding(CustomOp):
         return self.forward_method(positions, query, key)
 
     def dispatch_forward(self, platform: Platform, dtype: torch.dtype) -> RotaryForward:
-        if self.is_partial:
-            return self.forward_torch
         if platform.triton:
             return self.forward_triton
+        if self.is_partial:
+            return self.forward_torch
         if platform.cpu_kernels and cpu_kernels_available():
             return self.forward_cpu
         return self.forward_torch
@@ -316,11 +317,12 @@ class RotaryEmbedding(CustomOp):
     def forward_triton(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One kernel for query and key, in place."""
+        """One kernel for query and key, in place (a partial rotation too: the rest of each head
+        is neither read nor written, where the torch path copies whole heads to join the parts)."""
         from pagedllm.kernels.triton.rotary import rotary_embedding
 
         table, index = self.cos_sin_rows(positions)
-        rotary_embedding(index, query, key, table, self.head_size)
+        rotary_embedding(index, query, key, table, self.head_size, self.rotary_dim)
         return query, key
 
 

@@ -223,7 +223,7 @@ class LlamaAttention(nn.Module):
                 if self.rotary_emb is None
                 else self.rotary_emb.rotate_query(positions.clamp(max=self.max_sink_distance), q)
             )
-        if self.model_rotary is not None:  # (the torch path: returns new tensors)
+        if self.model_rotary is not None:  # in place (the Triton kernel) or new tensors (torch)
             q, k = self.model_rotary(positions, q, k)
         # The backend rotates q and k to their positions (or fuses the rotation into its cache write).
         return self.o_proj(self.attn(q, k, v, sink_query=sink_q, positions=positions))

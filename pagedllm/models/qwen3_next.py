@@ -29,6 +29,7 @@ from transformers import PretrainedConfig
 
 from pagedllm.attention import Attention
 from pagedllm.attention.backends.abstract import AttentionBackend
+from pagedllm.layers.activation import SigmoidGate
 from pagedllm.layers.layernorm import GemmaRMSNorm
 from pagedllm.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from pagedllm.layers.linear_attention.gated_deltanet import GatedDeltaNet
@@ -76,6 +77,7 @@ class Qwen3NextAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
+        self.output_gate = SigmoidGate()
         self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         # A partial rotation is applied here (the backends' fused kernels rotate whole heads).
@@ -101,7 +103,7 @@ class Qwen3NextAttention(nn.Module):
             q, k = self.model_rotary(positions, q, k)
         out = self.attn(q, k, v, positions=positions)
         # The gate read where it lies (a strided view): reshaping it first would copy it.
-        return self.o_proj((out.view(n, self.num_heads, d) * torch.sigmoid(gate)).view(n, -1))
+        return self.o_proj(self.output_gate(out.view(n, self.num_heads, d), gate))
 
 
 class Qwen3NextSparseMoeBlock(SparseMoeBlock):

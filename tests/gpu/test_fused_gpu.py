@@ -1,9 +1,10 @@
 """The fused Triton kernels on CUDA, reached the way the model reaches them: through the layers.
 
-On a CUDA tensor ``RMSNorm``, ``RotaryEmbedding`` and ``SiluAndMul`` dispatch to their Triton
-kernels; each is compared with the layer's torch path on the same device, in float32, float16 and
-bfloat16, at the CPU tests' shapes and at model sizes (Llama-3.1-8B's hidden 4096 and MLP 14336, an
-8192-token prefill). Then the contracts the model relies on: the residual variant and rotary write
+On a CUDA tensor ``RMSNorm``, ``RotaryEmbedding`` (whole heads and part of each), ``SiluAndMul`` and
+``SigmoidGate`` dispatch to their Triton kernels; each is compared with the layer's torch path on
+the same device, in float32, float16 and bfloat16, at the CPU tests' shapes and at model sizes
+(Llama-3.1-8B's hidden 4096 and MLP 14336, an 8192-token prefill; Qwen3-Next's attention at a
+16,384-token step). Then the contracts the model relies on: the residual variant and rotary write
 in place, the layers capture in a CUDA graph, and a Qwen3 model (per-head norms on strided views,
 residual stream across layers) still matches Hugging Face.
 """
@@ -25,7 +26,7 @@ pytest.importorskip("triton", reason="the fused kernels need the triton package"
 from transformers import MixtralConfig, Qwen3Config, Qwen3MoeConfig
 
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.activation import SigmoidGate, SiluAndMul
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 from pagedllm.model_loader import get_model
@@ -115,12 +116,54 @@ def test_rotary_in_place(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 33, 16384])
+def test_partial_rotary_in_place(num_tokens: int, dtype: torch.dtype) -> None:
+    """Qwen3-Next's rotation of the first 64 of each 256-wide head (16 q heads, 2 kv heads), in
+    place through the layer's dispatch: within an ulp of the torch path, the rest of each head and
+    v untouched."""
+    torch.manual_seed(num_tokens)
+    params = {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25}
+    rope = RotaryEmbedding(256, 32768, params, dtype).to(DEVICE)
+    qkv = torch.randn(num_tokens, 20 * 256, device=DEVICE, dtype=dtype)
+    before = qkv.clone()
+    q, k, _ = qkv.split([16 * 256, 2 * 256, 2 * 256], dim=-1)
+    positions = torch.randint(0, 32768, (num_tokens,), device=DEVICE)
+    ref_q, ref_k = rope.forward_torch(positions, q.clone(), k.clone())
+    out_q, out_k = rope(positions, q, k)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    _assert_close(out_q, ref_q)
+    _assert_close(out_k, ref_k)
+    rotated = torch.zeros(20, 256, dtype=torch.bool, device=DEVICE)
+    rotated[:18, :64] = True  # q's and k's heads; v's are past them
+    assert torch.equal(
+        qkv.view(num_tokens, 20, 256)[:, ~rotated], before.view(num_tokens, 20, 256)[:, ~rotated]
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_tokens, d", [(n, d) for d in (64, 576, 4096, 14336) for n in (1, 33, 2048)])
 def test_silu_and_mul(num_tokens: int, d: int, dtype: torch.dtype) -> None:
     torch.manual_seed(num_tokens + d)
     x = torch.randn(num_tokens, 2 * d, device=DEVICE, dtype=dtype)
     act = SiluAndMul().to(DEVICE)
     _assert_close(act(x), act.forward_torch(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 33, 16384])
+def test_sigmoid_gate_within_an_ulp(num_tokens: int, dtype: torch.dtype) -> None:
+    """Qwen3-Next's output gate (16 heads of 256, the gate a view of the q projection's output)
+    through the layer's dispatch: Hugging Face's roundings but for the exponential's last float32
+    bit, so at most one ulp apart, and nearly always equal."""
+    torch.manual_seed(num_tokens)
+    q_gate = torch.randn(num_tokens, 16, 2 * 256, device=DEVICE, dtype=dtype)
+    x, gate = torch.randn(num_tokens, 16, 256, device=DEVICE, dtype=dtype), q_gate[..., 256:]
+    layer = SigmoidGate().to(DEVICE)
+    out, expected = layer(x, gate), layer.forward_torch(x, gate)
+    finfo = torch.finfo(dtype)
+    torch.testing.assert_close(out, expected, atol=finfo.eps * finfo.tiny, rtol=finfo.eps)
+    if dtype != torch.float32:
+        assert (out != expected).float().mean() < 1e-2
 
 
 def test_layers_replay_in_a_cuda_graph() -> None:

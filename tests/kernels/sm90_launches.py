@@ -29,7 +29,9 @@ from pagedllm.kernels.triton.reshape_and_cache import reshape_and_cache
 from pagedllm.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from pagedllm.kernels.triton.rotary import rotary_embedding
 from pagedllm.kernels.triton.sampling import warm_up
+from pagedllm.kernels.triton.sigmoid_gate import sigmoid_gate
 from pagedllm.kernels.triton.skinny_gemm import skinny_gemm
+from pagedllm.kernels.triton.state_rows import gather_state_rows, scatter_state_rows
 
 CPU = torch.device("cpu")
 DTYPES = (torch.bfloat16, torch.float32)
@@ -213,7 +215,19 @@ def layers() -> None:
             torch.empty(64, HEAD_SIZE, dtype=dtype),
             HEAD_SIZE,
         )
+        # A partial rotation: Qwen3-Next's first 64 of 256 dimensions of 16 q and 2 kv heads.
+        rotary_embedding(
+            positions,
+            torch.empty(3, 16 * 256, dtype=dtype),
+            torch.empty(3, 2 * 256, dtype=dtype),
+            torch.empty(64, 64, dtype=dtype),
+            256,
+            64,
+        )
         silu_and_mul(torch.empty(3, 2 * 1536, dtype=dtype))
+        # Gated attention's output gate at Qwen3-Next's 16 heads of 256, the gate a strided view.
+        q_gate = torch.empty(3, 16, 2 * 256, dtype=dtype)
+        sigmoid_gate(torch.empty(3, 16, 256, dtype=dtype), q_gate[..., 256:])
     warm_up(49152, CPU)  # the sampler's variants and the grammar bitmask
     warm_up(49152, CPU, invariant=True)  # batch_invariant=True's: one chunk size, no FMA contraction
 
@@ -342,7 +356,8 @@ def conv1d() -> None:
 
 def gated_deltanet() -> None:
     """Gated DeltaNet's decode step (its gates read from strided views of a fused projection, as
-    Qwen3-Next's), its gated output norm and the prefill's l2 normalisation, at W6's head shape."""
+    Qwen3-Next's), its gated output norm, the prefill's l2 normalisation and its state rows'
+    gather and scatter, at W6's head shape."""
     batch, num_k_heads, group, d = 4, 2, 2, 128
     num_v_heads = num_k_heads * group
     for dtype in DTYPES:
@@ -360,6 +375,9 @@ def gated_deltanet() -> None:
         rms_norm_gated(
             torch.empty(batch, num_v_heads, d, dtype=dtype), gate, torch.empty(d, dtype=dtype), 1e-6
         )
+        # The fla prefill's state rows: gathered in the cache's dtype, its float32 states stored.
+        rows = gather_state_rows(state, slots, has_state)
+        scatter_state_rows(state, slots, rows.float())
 
 
 LAUNCHES: list[Callable[[], None]] = [

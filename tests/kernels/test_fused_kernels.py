@@ -1,6 +1,6 @@
 """The fused Triton kernels (RMSNorm with and without the residual add, in Llama's and Gemma's
-orders, rotary, rotary fused into the KV cache write, SiLU-and-multiply) against their layers'
-torch paths.
+orders, rotary of whole heads and of a part of each, rotary fused into the KV cache write,
+SiLU-and-multiply, gated attention's sigmoid output gate) against their layers' torch paths.
 
 Runs on the CPU under TRITON_INTERPRET=1 (set by conftest.py when there is no GPU), else on CUDA.
 Outputs the kernels allocate are passed in poisoned with NaN, so an element left unwritten fails;
@@ -24,7 +24,8 @@ from pagedllm.kernels.triton.activation import silu_and_mul
 from pagedllm.kernels.triton.reshape_and_cache import reshape_and_cache
 from pagedllm.kernels.triton.rms_norm import fused_add_rms_norm, rms_norm
 from pagedllm.kernels.triton.rotary import rotary_embedding
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.kernels.triton.sigmoid_gate import sigmoid_gate
+from pagedllm.layers.activation import SigmoidGate, SiluAndMul
 from pagedllm.layers.layernorm import GemmaRMSNorm, RMSNorm
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
 
@@ -220,6 +221,44 @@ def test_rotary_in_place_on_qkv_views(
         assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
 
 
+# (head_size, rotary_dim, num_heads, num_kv_heads): Qwen3-Next's quarter of 256 (16 q heads, 2 kv),
+# Phi-3's three quarters of 64 (half 24: no power of two), 40 of 80 (half 20), 10 of 96.
+PARTIAL_ROTARY_SHAPES = [(256, 64, 16, 2), (64, 48, 8, 2), (80, 40, 3, 1), (96, 10, 4, 4)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("head_size, rotary_dim, num_heads, num_kv_heads", PARTIAL_ROTARY_SHAPES)
+def test_partial_rotary_in_place_on_qkv_views(
+    head_size: int, rotary_dim: int, num_heads: int, num_kv_heads: int, num_tokens: int, dtype: torch.dtype
+) -> None:
+    """The first rotary_dim dimensions of each head rotated in place through the layer's Triton
+    path, as its torch path rotates them; the rest of each head, and v, untouched."""
+    gen = torch.Generator().manual_seed(head_size * num_tokens + rotary_dim)
+    params = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": rotary_dim / head_size}
+    rope = RotaryEmbedding(head_size, 4096, params, dtype).to(DEVICE)
+    assert rope.rotary_dim == rotary_dim and rope.is_partial
+    q_size, kv_size = num_heads * head_size, num_kv_heads * head_size
+    qkv = _randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, gen=gen)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    before = qkv.clone()
+    positions = torch.randint(1, 4096, (2 * num_tokens,), generator=gen).to(DEVICE)[::2]
+    ref_q, ref_k = rope.forward_torch(positions, q.clone(), k.clone())
+
+    out_q, out_k = rope.forward_triton(positions, q, k)
+
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    q_before, k_before, v_before = before.split([q_size, kv_size, kv_size], dim=-1)
+    assert torch.equal(v, v_before)
+    for out, ref, original in ((q, ref_q, q_before), (k, ref_k, k_before)):
+        passed = (x.reshape(num_tokens, -1, head_size)[..., rotary_dim:] for x in (out, original))
+        assert torch.equal(*passed)
+        if dtype == torch.float32:
+            _assert_close(out, ref)
+        else:  # the same roundings in the same order (see test_rotary_in_place_on_qkv_views)
+            assert torch.equal(out, ref)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_size, num_heads, num_kv_heads", ROTARY_SHAPES[:3] + ROTARY_SHAPES[4:])
 def test_rotary_fused_into_the_cache_write(
@@ -273,6 +312,41 @@ def test_silu_and_mul(d: int, num_tokens: int, dtype: torch.dtype) -> None:
     out = torch.full((num_tokens, d), float("nan"), dtype=dtype, device=DEVICE)
     assert silu_and_mul(x, out=out) is out
     _assert_close(out, SiluAndMul().forward_torch(x))
+
+
+# (num_heads, head_size): Qwen3-Next's 16 heads of 256, a head count and a head size that are no
+# powers of two.
+GATE_SHAPES = [(16, 256), (3, 80), (5, 64)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", NUM_TOKENS)
+@pytest.mark.parametrize("num_heads, head_size", GATE_SHAPES)
+def test_sigmoid_gate_reads_strided_views(
+    num_heads: int, head_size: int, num_tokens: int, dtype: torch.dtype
+) -> None:
+    """Gated attention's output gate against the layer's torch path: the gate a strided view of
+    the q projection's output ([q | gate] per head, with k and v past it), the attention output a
+    view of a wider buffer too."""
+    gen = torch.Generator().manual_seed(num_heads * head_size + num_tokens)
+    q_gate = _randn(num_tokens, num_heads * 2 * head_size + 64, dtype=dtype, gen=gen)
+    gate = q_gate[:, : num_heads * 2 * head_size].view(num_tokens, num_heads, 2 * head_size)[..., head_size:]
+    wide = _randn(num_tokens, num_heads * head_size + 8, dtype=dtype, gen=gen)
+    x = wide[:, : num_heads * head_size].view(num_tokens, num_heads, head_size)
+    expected = SigmoidGate().forward_torch(x, gate)
+
+    out = sigmoid_gate(x, gate)
+
+    assert out.shape == (num_tokens, num_heads * head_size) and out.is_contiguous()
+    if dtype == torch.float32:
+        _assert_close(out, expected)
+    else:
+        # The sigmoid rounded to the dtype, then the product, as the torch path rounds: one ulp
+        # where the exponentials' last float32 bits round the sigmoid the other way (a subnormal's
+        # ulp is eps * tiny).
+        assert not out.isnan().any()
+        finfo = torch.finfo(dtype)
+        torch.testing.assert_close(out, expected, atol=finfo.eps * finfo.tiny, rtol=finfo.eps)
 
 
 def test_empty_batches_launch_nothing() -> None:

@@ -2,8 +2,9 @@
 against the torch references (layers/linear_attention/), on the GPU or in Triton's interpreter:
 state rows read and written in place at scattered slots, fresh sequences reading zeros whatever
 their row holds, the scratch row (-1), grouped value heads, gates read from strided views, and
-d_k / d_v that are not powers of two, and the prefill's in-place l2 normalisation (the conv
-kernels' tests are in test_causal_conv1d.py)."""
+d_k / d_v that are not powers of two; the output norm writing a step's parts into their rows of
+one output; the prefill's in-place l2 normalisation (the conv kernels' tests are in
+test_causal_conv1d.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pagedllm.layers.linear_attention.gated_delta_rule import (
     recurrent_gated_delta_rule,
 )
 from pagedllm.layers.linear_attention.gated_deltanet import RMSNormGated
+from pagedllm.layers.linear_attention.mixer import norm_into
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SLOTS = [3, 0, -1, 5]  # scattered rows, and the scratch row
@@ -102,6 +104,35 @@ def test_rms_norm_gated_matches_reference(dtype, num_tokens, num_k_heads, group,
         # there; on a GPU within one ulp (the sum of squares' order).
         ulps = 3 if os.environ.get("TRITON_INTERPRET") == "1" else 1
         torch.testing.assert_close(out, expected, atol=0, rtol=ulps * 2**-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "part_lengths", [(9,), (3, 6), (1, 13)]
+)  # one kind of sequence; decodes and prefills
+@pytest.mark.parametrize("kernel", [False, True])
+def test_norm_writes_each_part_into_its_rows(dtype, part_lengths, kernel) -> None:
+    """The recurrence's parts (a step's decodes, its prefill chunks) normed into their rows of one
+    output (``norm_into``), by the kernel and by the torch path: each part's rows as one norm over
+    the whole batch gives them, bit for bit (rows are independent), and nothing written outside
+    the output's rows."""
+    gen = torch.Generator().manual_seed(0)
+    num_tokens, num_k_heads, group, d_v = sum(part_lengths), 2, 2, 24
+    num_v_heads = num_k_heads * group
+    fused = torch.randn(num_tokens, num_k_heads, 3 * group * d_v, generator=gen).to(dtype).to(DEVICE)
+    gate = fused[..., 2 * group * d_v :].unflatten(-1, (group, d_v))
+    x = torch.randn(num_tokens, num_v_heads, d_v, generator=gen).to(dtype).to(DEVICE)
+    with torch.device(DEVICE):
+        norm = RMSNormGated(d_v, 1e-6).to(dtype)
+    norm.weight.copy_(torch.randn(d_v, generator=gen))
+    norm.forward_method = norm.forward_triton if kernel else norm.forward_torch
+    whole = norm(x, gate)
+    # The output as rows 1..num_tokens of a larger buffer: the rows around it must stay NaN.
+    buffer = torch.full((num_tokens + 2, num_v_heads * d_v), float("nan"), dtype=dtype, device=DEVICE)
+    out = buffer[1 : num_tokens + 1]
+    assert norm_into(norm, list(x.split(part_lengths)), gate, out) is out
+    assert torch.equal(out, whole)
+    assert buffer[0].isnan().all() and buffer[-1].isnan().all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

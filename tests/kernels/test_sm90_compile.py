@@ -45,6 +45,7 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
         "_rms_norm_kernel",
         "_rotary_kernel",
         "_silu_and_mul_kernel",
+        "_sigmoid_gate_kernel",
         "_partials_kernel",
         "_merge_kernel",
         "_apply_bitmask_kernel",
@@ -62,5 +63,7 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
         "_gated_delta_rule_update_kernel",
         "_rms_norm_gated_kernel",
         "_l2_normalize_kernel",
+        "_gather_state_rows_kernel",
+        "_scatter_state_rows_kernel",
     ):
         assert f"compiled {kernel} " in result.stdout, kernel

@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.kernels.cpu.build import available as cpu_kernels_available
 from pagedllm.layers import custom_op
-from pagedllm.layers.activation import SiluAndMul
+from pagedllm.layers.activation import SigmoidGate, SiluAndMul
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.layers.layernorm import GemmaRMSNorm, RMSNorm
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
@@ -25,6 +25,7 @@ def _layers() -> list[custom_op.CustomOp]:
         RMSNorm(64),
         GemmaRMSNorm(64),
         SiluAndMul(),
+        SigmoidGate(),
         RotaryEmbedding(64, 128, ROPE, torch.get_default_dtype()),
         FusedMoE(4, 2, 64, 32, True),
     ]
@@ -68,7 +69,7 @@ def test_the_cpu_rotary_takes_its_kernel_in_every_dtype() -> None:
 
 
 def test_layers_without_a_kernel_here_take_the_torch_path() -> None:
-    for layer in (SiluAndMul(), FusedMoE(4, 2, 64, 32, True)):
+    for layer in (SiluAndMul(), SigmoidGate(), FusedMoE(4, 2, 64, 32, True)):
         assert layer.forward_method == layer.forward_torch
     assert layer.route == layer.route_torch  # the experts' router is chosen with them
 
@@ -93,7 +94,7 @@ def test_the_choice_is_made_when_bound_to_a_device_not_per_call(monkeypatch: pyt
     assert len(asked) == len(layers)
     for layer in layers:
         assert layer.forward_method == layer.forward_triton
-    norm, gemma, act, rotary, moe = layers
+    norm, gemma, act, gate, rotary, moe = layers
     assert moe.route == moe.route_triton
 
     def ask_nothing(device: torch.device):
@@ -108,8 +109,22 @@ def test_the_choice_is_made_when_bound_to_a_device_not_per_call(monkeypatch: pyt
     norm(x)
     gemma(x)
     act(x)
+    gate(x.view(3, 2, 32), x.view(3, 2, 32))
     rotary(torch.tensor([0, 1, 2]), torch.randn(3, 128), torch.randn(3, 64))
     moe(x, torch.randn(3, 4))
+
+
+def test_a_partial_rotary_takes_the_triton_kernel_where_triton_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Part of each head rotated (Qwen3-Next's quarter of 256): the Triton kernel rotates it in
+    place; without Triton, the torch path (the C++ kernel rotates whole heads only)."""
+    partial = {**ROPE, "partial_rotary_factor": 0.25}
+    rotary = RotaryEmbedding(256, 128, partial, torch.get_default_dtype())
+    assert rotary.rotary_dim == 64 and rotary.forward_method == rotary.forward_torch
+    monkeypatch.setattr(
+        custom_op, "platform_for", lambda device: dataclasses.replace(platform_for(device), triton=True)
+    )
+    rotary = RotaryEmbedding(256, 128, partial, torch.get_default_dtype())
+    assert rotary.forward_method == rotary.forward_triton
 
 
 def test_a_move_rebinds_every_layer_of_a_model(monkeypatch: pytest.MonkeyPatch) -> None:

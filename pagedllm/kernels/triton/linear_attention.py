@@ -203,17 +203,24 @@ def _rms_norm_gated_kernel(
     tl.store(out_ptr + rows[:, None] * D_V + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_gated(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_gated(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Gated DeltaNet's output norm: RMSNorm over each head's d_v features, times the weight, times
     silu(gate). x: [num_tokens, num_v_heads, d_v] contiguous; gate: [num_tokens, num_k_heads,
     group, d_v] (head ``kh * group + j`` at ``[:, kh, j]``; any strides, the last contiguous: a view
-    of the projection's output); weight: [d_v]. Returns [num_tokens, num_v_heads * d_v] in x's dtype.
+    of the projection's output); weight: [d_v]. Returns [num_tokens, num_v_heads * d_v] in x's
+    dtype: ``out`` when given (contiguous, e.g. a slice of rows of a larger output, so that the
+    decodes' and the prefill chunks' outputs are written into one buffer without a copy).
 
     Grid ``(cdiv(num_tokens * num_v_heads, BLOCK_R),)``: a program normalises ``BLOCK_R`` head rows
     (a row fits in registers). Bytes ~ 3 d_v element_size per row: memory bound."""
     num_tokens, num_v_heads, d_v = x.shape
     assert x.is_contiguous() and gate.stride(3) == 1, "unexpected layout"
-    out = torch.empty(num_tokens, num_v_heads * d_v, dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty(num_tokens, num_v_heads * d_v, dtype=x.dtype, device=x.device)
+    assert out.shape == (num_tokens, num_v_heads * d_v) and out.dtype == x.dtype, (out.shape, out.dtype)
+    assert out.is_contiguous(), "unexpected layout"
     num_rows = num_tokens * num_v_heads
     block_v = triton.next_power_of_2(d_v)
     block_r = max(1, 2048 // block_v)

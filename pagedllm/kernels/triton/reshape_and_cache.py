@@ -92,7 +92,8 @@ def _reshape_and_cache_kernel(
         cos_sin_row = cos_sin_ptr + tl.load(cos_sin_index_ptr + token).to(tl.int64) * stride_cos_sin
         cos = tl.load(cos_sin_row + offs_half, mask=half_mask, other=0.0).to(tl.float32)
         sin = tl.load(cos_sin_row + HEAD_SIZE // 2 + offs_half, mask=half_mask, other=0.0).to(tl.float32)
-        rotate_heads(query_ptr + token * stride_q_tok, cos, sin, NUM_HEADS, HEAD_SIZE, HALF_DIM, BLOCK_H_Q)
+        query_row = query_ptr + token * stride_q_tok
+        rotate_heads(query_row, cos, sin, NUM_HEADS, HEAD_SIZE, HEAD_SIZE, HALF_DIM, BLOCK_H_Q)
     if slot < 0:
         return
     block = slot // BLOCK_SIZE

@@ -40,7 +40,7 @@ from pagedllm.layers.linear_attention.gated_delta_rule import (
     gdn_gates,
     recurrent_gated_delta_rule,
 )
-from pagedllm.layers.linear_attention.mixer import PrefillPlan, StatefulMixer, column_run
+from pagedllm.layers.linear_attention.mixer import PrefillPlan, StatefulMixer, column_run, norm_into
 from pagedllm.layers.linear_attention.state import LayerStateShape
 from pagedllm.layers.utils import CheckpointTensor
 from pagedllm.platform import Platform
@@ -58,25 +58,31 @@ class RMSNormGated(CustomOp):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x: [num_tokens, num_v_heads, d_v]; gate: [num_tokens, num_k_heads, group, d_v] (value
         head ``kh * group + j`` at ``[:, kh, j]``, a view of the projection's output). Returns
-        [num_tokens, num_v_heads * d_v] in x's dtype."""
-        return self.forward_method(x, gate)
+        [num_tokens, num_v_heads * d_v] in x's dtype, written into ``out`` when given (contiguous
+        rows: a slice of rows of the layer's output, ``norm_into``)."""
+        return self.forward_method(x, gate, out)
 
     def dispatch_forward(self, platform: Platform, dtype: torch.dtype) -> Callable[..., torch.Tensor]:
         return self.forward_triton if platform.triton else self.forward_torch
 
-    def forward_torch(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward_torch(
+        self, x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         gate = gate.reshape(x.shape)
         normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (self.weight * normed.to(x.dtype)) * F.silu(gate.float())
-        return out.to(x.dtype).flatten(1)
+        gated = ((self.weight * normed.to(x.dtype)) * F.silu(gate.float())).flatten(1)
+        # copy_ rounds to out's dtype as .to() would.
+        return gated.to(x.dtype) if out is None else out.copy_(gated)
 
-    def forward_triton(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    def forward_triton(
+        self, x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         from pagedllm.kernels.triton.linear_attention import rms_norm_gated
 
-        return rms_norm_gated(x.contiguous(), gate, self.weight, self.eps)
+        return rms_norm_gated(x.contiguous(), gate, self.weight, self.eps, out=out)
 
 
 class GatedDeltaNet(StatefulMixer):
@@ -199,8 +205,9 @@ class GatedDeltaNet(StatefulMixer):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_tokens, hidden_size] -> same shape."""
         mixed, z, b, a = self._project(hidden_states)
-        core = self.mix(mixed, (a, b))  # [num_tokens, num_v_heads, dv]
-        return self.out_proj(self.norm(core.to(hidden_states.dtype), z))
+        out = hidden_states.new_empty(hidden_states.shape[0], self.value_dim)
+        # The recurrence's parts ([tokens, num_v_heads, dv] each) normed into one output.
+        return self.out_proj(norm_into(self.norm, self.mix(mixed, (a, b)), z, out))
 
     def _project_fused(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x: [n, hidden] -> the conv's input (in_proj_qkvz's whole output, its channels where
@@ -269,6 +276,7 @@ class GatedDeltaNet(StatefulMixer):
         from fla.ops.utils.index import prepare_chunk_indices
 
         from pagedllm.kernels.triton.linear_attention import l2_normalize_
+        from pagedllm.kernels.triton.state_rows import gather_state_rows, scatter_state_rows
 
         g, beta = self._gates(*inputs)
         q, k, v = self._split_heads(*parts)
@@ -276,7 +284,10 @@ class GatedDeltaNet(StatefulMixer):
         # in-kernel option: its l2norm kernel is autotuned per token count, which recompiled it at
         # nearly every new prefill size (46 times in one W6 run).
         q, k = l2_normalize_(q), l2_normalize_(k)
-        initial = torch.where(plan.has_state_device[:, None, None, None], self.ssm_state[plan.slots], 0)
+        # The chunks' rows as fla reads its initial states: [chunks, heads, d_v, d_k] contiguous
+        # (V-first), in the cache's dtype (it converts to float32 as it loads); zeros for a chunk
+        # that starts its sequence, in one pass.
+        initial = gather_state_rows(self.ssm_state, plan.slots, plan.has_state_device)
         chunk_indices = plan.derive(
             "fla_chunk_indices",
             lambda: prepare_chunk_indices(
@@ -297,7 +308,9 @@ class GatedDeltaNet(StatefulMixer):
             chunk_indices=chunk_indices,
             chunk_size=FLA_CHUNK_SIZE,
         )
-        self.ssm_state[plan.slots] = final.to(self.ssm_state.dtype)
+        # fla's final states are float32 [chunks, heads, d_v, d_k]: rounded to the cache's dtype
+        # as they are stored into the chunks' rows.
+        scatter_state_rows(self.ssm_state, plan.slots, final)
         return out[0]
 
     def _split_heads(

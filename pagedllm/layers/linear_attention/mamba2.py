@@ -25,7 +25,7 @@ from transformers import PretrainedConfig
 
 from pagedllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear, divide, load_sharded_parts
-from pagedllm.layers.linear_attention.mixer import StatefulMixer
+from pagedllm.layers.linear_attention.mixer import StatefulMixer, norm_into
 from pagedllm.layers.linear_attention.ssd import ssd_chunk_scan, ssd_step
 from pagedllm.layers.linear_attention.state import LayerStateShape
 from pagedllm.layers.utils import CheckpointTensor
@@ -39,12 +39,15 @@ class GroupedRMSNormGated(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.group_size, self.eps = group_size, eps
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """x, gate: [num_tokens, hidden_size] -> same shape, x's dtype."""
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x: [num_tokens, heads, head_dim] (heads * head_dim = hidden_size); gate: [num_tokens,
+        hidden_size]. Returns [num_tokens, hidden_size] in x's dtype, written into ``out`` when
+        given (``norm_into``)."""
+        x = x.flatten(1)
         gated = x.float() * F.silu(gate.float())
         groups = gated.view(*gated.shape[:-1], -1, self.group_size)
         normed = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.view_as(gated).to(x.dtype)
+        return torch.mul(self.weight, normed.view_as(gated).to(x.dtype), out=out)
 
 
 class Mamba2Mixer(StatefulMixer):
@@ -114,9 +117,9 @@ class Mamba2Mixer(StatefulMixer):
             [self.d_inner, self.d_inner + 2 * self.n_groups * self.state_size, self.num_heads], dim=-1
         )
         dt = F.softplus(dt.float() + self.dt_bias).clamp(min=self.time_step_min)
-        y = self.mix(xbc, (dt,))  # [num_tokens, heads, head_dim]
-        y = self.norm(y.reshape(-1, self.d_inner).to(hidden_states.dtype), z)
-        return self.out_proj(y)
+        out = hidden_states.new_empty(hidden_states.shape[0], self.d_inner)
+        # The recurrence's parts ([tokens, heads, head_dim] each) normed into one output.
+        return self.out_proj(norm_into(self.norm, self.mix(xbc, (dt,)), z, out))
 
     def _split(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[n, conv_dim] -> x [n, heads, head_dim], B and C [n, n_groups, d_state]."""

@@ -128,6 +128,20 @@ def fla_installed() -> bool:
     return True
 
 
+def norm_into(
+    norm: Callable[..., torch.Tensor], parts: list[torch.Tensor], gate: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """``mix``'s parts through a layer's output norm, ``norm(x, gate, out=)``, each part (cast to
+    out's dtype) with its tokens' rows of ``gate`` into its rows of ``out`` ([num_tokens, ...]).
+    Returns out."""
+    start = 0
+    for part in parts:
+        end = start + part.shape[0]
+        norm(part.to(out.dtype), gate[start:end], out=out[start:end])
+        start = end
+    return out
+
+
 def column_run(cols: torch.Tensor, largest: int = 128) -> int:
     """The largest power of two ``run`` from 16 up to ``largest`` such that the map ``cols`` (on
     the host) is consecutive over every aligned block of ``run`` channels and starts each at a
@@ -200,10 +214,13 @@ class StatefulMixer(CustomOp):
         """One sequence's tokens; state None at its start. Returns (output, final state)."""
         raise NotImplementedError
 
-    def mix(self, mixed: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    def mix(self, mixed: torch.Tensor, inputs: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """mixed: [num_tokens, ...], the conv's input (its channels in order, or where
-        ``conv_input_cols`` says). Returns the recurrence's output for every token, [num_tokens,
-        ...], in the batch's order."""
+        ``conv_input_cols`` says). Returns the recurrence's output in parts, in the batch's order:
+        the decodes' and the prefill chunks' ([tokens, ...] each; one part when the step has only
+        one kind). The caller's output norm writes each part into its rows of one buffer
+        (``norm_into``): concatenated here, they would cost a pass over the whole output (a
+        16,384-token step of 32 heads of 128 in bf16: 134 MB read and written again per layer)."""
         md = get_forward_context().attn_metadata
         assert self.conv_state is not None and self.ssm_state is not None, "bind_state() first"
         assert md.state_slots is not None, "a hybrid model's step needs state_slots"
@@ -216,7 +233,7 @@ class StatefulMixer(CustomOp):
             first = plan.first_token
             parts = self.conv_prefill(mixed[first:], plan)
             outputs.append(self.prefill_method(parts, tuple(x[first:] for x in inputs), plan))
-        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+        return outputs
 
     def _conv_input(self, mixed: torch.Tensor) -> torch.Tensor:
         """The conv's channels in order (the torch paths' copy; the kernels read in place)."""
