@@ -154,14 +154,16 @@ def test_silu_and_mul(num_tokens: int, d: int, dtype: torch.dtype) -> None:
 def test_sigmoid_gate_within_an_ulp(num_tokens: int, dtype: torch.dtype) -> None:
     """Qwen3-Next's output gate (16 heads of 256, the gate a view of the q projection's output)
     through the layer's dispatch: Hugging Face's roundings but for the exponential's last float32
-    bit, so at most one ulp apart, and nearly always equal."""
+    bits, so in 16 bits at most one ulp apart and nearly always equal; in float32, where nothing
+    rounds that error away, a few ulps (2.8 at most, measured on an H200)."""
     torch.manual_seed(num_tokens)
     q_gate = torch.randn(num_tokens, 16, 2 * 256, device=DEVICE, dtype=dtype)
     x, gate = torch.randn(num_tokens, 16, 256, device=DEVICE, dtype=dtype), q_gate[..., 256:]
     layer = SigmoidGate().to(DEVICE)
     out, expected = layer(x, gate), layer.forward_torch(x, gate)
     finfo = torch.finfo(dtype)
-    torch.testing.assert_close(out, expected, atol=finfo.eps * finfo.tiny, rtol=finfo.eps)
+    ulps = 4 if dtype == torch.float32 else 1
+    torch.testing.assert_close(out, expected, atol=finfo.eps * finfo.tiny, rtol=ulps * finfo.eps)
     if dtype != torch.float32:
         assert (out != expected).float().mean() < 1e-2
 

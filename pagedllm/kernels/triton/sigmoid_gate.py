@@ -12,7 +12,9 @@ the whole [tokens, heads, head_size] tensor. The division is correctly rounded (
 torch's; the exponential is Triton's (``ex2.approx`` on the GPU) where torch's CUDA sigmoid calls
 ``expf``: their float32 sigmoids can differ in the last place, which changes the rounded
 sigmoid by one ulp for about 1 element in 60,000 in bf16 (1 in 8,000 in fp16) per place of
-difference; the product then differs by at most one ulp there. Elsewhere bit for bit.
+difference; the product then differs by at most one ulp there. Elsewhere bit for bit. In float32
+nothing rounds the exponential's error away: on an H200 2-3% of the elements differed, by at most
+2.8 ulps.
 
 Grid: ``(num_tokens, cdiv(num_heads, BLOCK_H))``. Each program gates a ``[BLOCK_H, BLOCK_D]``
 tile: ``BLOCK_H`` heads of one token (``BLOCK_D`` is head_size rounded up to a power of two, the
