@@ -5,6 +5,7 @@ all-attention twin of W6's config, and the summary row ``scripts/gpu_check.sh w6
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -127,3 +128,21 @@ def test_floor_without_experts_and_the_touched_experts() -> None:
     w6 = HybridShape.from_config(AutoConfig.from_pretrained(throughput.WORKLOADS["W6"].model))
     assert w6.touched_expert_fraction(1) == pytest.approx(8 / 16)
     assert w6.touched_expert_fraction(256) == pytest.approx(1.0)
+
+
+def test_a_cached_prefix_counts_once_in_the_floor() -> None:
+    """With prefix caching on, every request but the first skips the shared prefix's products and
+    the causal pairs among its tokens: the floor's prefill loses exactly those FLOPs; its decode
+    (weights, KV, state) is unchanged."""
+    workload = dataclasses.replace(throughput.WORKLOADS["W6"], prefix_len=2048)
+    shape = HybridShape.from_config(AutoConfig.from_pretrained(workload.model))
+    prompt_lens = [len(p) for p in workload.prompts()]
+    n, c = len(prompt_lens), 2048
+    args = (shape, prompt_lens, workload.output_len, 256, 2, 4.25e12, 811e12)
+    full, cached = hybrid_floor(*args), hybrid_floor(*args, cached_prefix_len=c)
+    pairs_per_layer = shape.attention_flops_per_pair * shape.num_attention_layers
+    skipped = (n - 1) * (2 * shape.active_params_per_token * c + pairs_per_layer * c * (c + 1) // 2)
+    assert full["prefill_tflop"] - cached["prefill_tflop"] == pytest.approx(skipped / 1e12, rel=1e-9)
+    assert cached["prefill_tflop"] < 0.3 * full["prefill_tflop"]
+    for part in ("decode_weight_tb", "kv_tb", "state_tb"):
+        assert cached[part] == full[part]

@@ -103,8 +103,10 @@ def hybrid_floor(
     element_size: int,
     bandwidth: float,
     peak_flops: float,
+    cached_prefix_len: int = 0,
 ) -> dict[str, Any]:
-    """The floor of a run (seconds, and its parts). bandwidth: bytes/s; peak_flops: FLOP/s."""
+    """The floor of a run (seconds, and its parts). bandwidth: bytes/s; peak_flops: FLOP/s;
+    cached_prefix_len: as ``offline_floor``'s."""
 
     def step_bytes(batch: int) -> dict[str, float]:
         params = shape.dense_params + shape.routed_expert_params * shape.touched_expert_fraction(batch)
@@ -124,5 +126,6 @@ def hybrid_floor(
         shape.num_attention_layers * shape.attention_flops_per_pair,
         shape.active_params_per_token,
         shape.vocab_size * shape.hidden_size,
+        cached_prefix_len,
     )
     return {**floor, "shape": asdict(shape)}

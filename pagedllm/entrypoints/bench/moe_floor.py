@@ -159,6 +159,7 @@ def offline_floor(
     attention_flops_per_pair: int,
     prefill_params_per_token: float,
     lm_head_params: int,
+    cached_prefix_len: int = 0,
 ) -> dict[str, Any]:
     """The floor of an offline run (seconds, and its parts), whatever the model: its requests
     decode in waves of ``max_num_seqs``, each of ``output_len - 1`` steps. ``step_bytes(batch)``:
@@ -166,7 +167,10 @@ def offline_floor(
     ("decode_weight", "state"); ``kv_bytes_per_token``: the cache a context token keeps;
     ``attention_flops_per_pair``: over every attention layer, per (query, key) pair of a causal
     prefill; ``prefill_params_per_token``: the parameters a prompt token multiplies (no embedding,
-    no LM head), the LM head's once per request. bandwidth: bytes/s; peak_flops: FLOP/s."""
+    no LM head), the LM head's once per request; ``cached_prefix_len``: the tokens every prompt
+    starts with that prefix caching computes once, for the first request (the others' prefills
+    skip their products; their keys are still attended to, and read at decode). bandwidth:
+    bytes/s; peak_flops: FLOP/s."""
     num_requests, decode_steps = len(prompt_lens), output_len - 1
     totals: dict[str, float] = {}
     for wave in range(math.ceil(num_requests / max_num_seqs)):
@@ -177,8 +181,16 @@ def offline_floor(
     context_tokens = sum(decode_steps * p + decode_steps * (decode_steps + 1) // 2 for p in prompt_lens)
     totals["kv"] = context_tokens * kv_bytes_per_token
     attention_flops = sum(attention_flops_per_pair * p * (p + 1) // 2 for p in prompt_lens)
+    computed_tokens = sum(prompt_lens)
+    if cached_prefix_len:
+        # Every request but the first finds the prefix cached: neither its tokens' products nor
+        # their causal pairs among themselves are computed again.
+        computed_tokens -= (num_requests - 1) * cached_prefix_len
+        attention_flops -= (
+            (num_requests - 1) * attention_flops_per_pair * cached_prefix_len * (cached_prefix_len + 1) // 2
+        )
     prefill_flops = (
-        2 * prefill_params_per_token * sum(prompt_lens) + attention_flops + 2 * num_requests * lm_head_params
+        2 * prefill_params_per_token * computed_tokens + attention_flops + 2 * num_requests * lm_head_params
     )
     parts = {f"{name}_s": num_bytes / bandwidth for name, num_bytes in totals.items()}
     parts["prefill_s"] = prefill_flops / peak_flops
@@ -198,8 +210,10 @@ def moe_floor(
     element_size: int,
     bandwidth: float,
     peak_flops: float,
+    cached_prefix_len: int = 0,
 ) -> dict[str, Any]:
-    """The floor of a run (seconds, and its parts). bandwidth: bytes/s; peak_flops: FLOP/s."""
+    """The floor of a run (seconds, and its parts). bandwidth: bytes/s; peak_flops: FLOP/s;
+    cached_prefix_len: as ``offline_floor``'s."""
     floor = offline_floor(
         prompt_lens,
         output_len,
@@ -211,6 +225,7 @@ def moe_floor(
         shape.num_layers * shape.attention.flops_per_pair,
         shape.active_params_per_token,
         shape.vocab_size * shape.hidden_size,
+        cached_prefix_len,
     )
     return {
         **floor,

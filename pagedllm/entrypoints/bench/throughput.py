@@ -206,8 +206,11 @@ def profile_steps_of(engine: LLMEngine, num_steps: int) -> dict[str, Any]:
     }
 
 
-def _floor(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict[str, Any] | None:
-    """The run's floor where one is derived for its model (a mixture of experts, a hybrid)."""
+def _floor(
+    engine: LLMEngine, prompts: list[list[int]], output_len: int, prefix_len: int
+) -> dict[str, Any] | None:
+    """The run's floor where one is derived for its model (a mixture of experts, a hybrid). With
+    prefix caching on, the shared ``prefix_len`` tokens' whole blocks count as computed once."""
     config = engine.config
     hf_config = config.model_config.hf_config
     if hf_config.model_type in MOE_MODEL_TYPES:
@@ -224,7 +227,16 @@ def _floor(engine: LLMEngine, prompts: list[list[int]], output_len: int) -> dict
         config.model_config.dtype.itemsize,
         copy_bandwidth(),
         matmul_peak_flops(),
+        _cached_prefix_len(engine, prefix_len),
     )
+
+
+def _cached_prefix_len(engine: LLMEngine, prefix_len: int) -> int:
+    """The shared prefix's tokens a cache hit can skip: its whole blocks, with prefix caching on."""
+    if not engine.engine_core.scheduler.kv_cache_manager.enable_prefix_caching:
+        return 0
+    block_size = engine.config.cache_config.block_size
+    return prefix_len // block_size * block_size
 
 
 def _kv_bytes_beside_llama(engine: LLMEngine) -> dict[str, int]:
@@ -296,15 +308,17 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         # As the cache manager runs it: a hybrid model turns it off (docs/hybrid_models.md).
         enable_prefix_caching=engine.engine_core.scheduler.kv_cache_manager.enable_prefix_caching,
     )
-    floor = _floor(engine, prompts, workload.output_len)
+    floor = _floor(engine, prompts, workload.output_len, workload.prefix_len)
     if floor is not None:
-        result["floor"] = floor
+        cached = _cached_prefix_len(engine, workload.prefix_len)
+        result["floor"] = {**floor, "cached_prefix_len": cached}
         result["fraction_of_floor"] = floor["floor_s"] / result["elapsed_s"]
         state = f", state {floor['state_s']:.2f} s" if "state_s" in floor else ""
+        once = f", the {cached}-token prefix computed once" if cached else ""
         print(
             f"{workload.name} floor {floor['floor_s']:.2f} s (decode weights "
             f"{floor['decode_weight_s']:.2f} s, KV {floor['kv_s']:.2f} s{state}, prefill "
-            f"{floor['prefill_s']:.2f} s): the run is at "
+            f"{floor['prefill_s']:.2f} s{once}): the run is at "
             f"{result['fraction_of_floor']:.0%} of it"
         )
     if engine.config.model_config.hf_config.model_type in MOE_MODEL_TYPES:
