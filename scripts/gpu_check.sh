@@ -154,12 +154,13 @@ for stage in "${stages[@]}"; do
             --profile-steps 20
         ;;
     w5) run w5 python3 -m pagedllm bench throughput --workload W5 --output-json "$OUT/w5.json" --output-png "$OUT/w5.png" ;;
-    w6)  # the hybrid's kernels (its MoE router and combine, its attention's gate and partial
-        # rotary too) against their torch paths, then W6
+    w6)  # the hybrids' kernels (the MoE router and combine, the attention's gate and partial
+        # rotary, Mamba-2's decode step too) against their torch paths, then W6
         run w6_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_linear_attention_gpu.py \
             tests/gpu/test_moe_routing_gpu.py tests/kernels/test_gated_deltanet_paths.py \
             tests/kernels/test_causal_conv1d.py tests/kernels/test_linear_attention_kernels.py \
-            tests/kernels/test_state_rows.py tests/gpu/test_fused_gpu.py -k "not hugging_face" -ra
+            tests/kernels/test_state_rows.py tests/kernels/test_ssd_kernels.py tests/gpu/test_fused_gpu.py \
+            -k "not hugging_face" -ra
         run w6 python3 -m pagedllm bench throughput --workload W6 --output-json "$OUT/w6.json" --output-png "$OUT/w6.png"
         ;;
     w6-long)  # W6's long-context bar: its decode step at 32,768 tokens at most 0.5x its all-attention twin's

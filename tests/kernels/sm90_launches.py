@@ -31,6 +31,7 @@ from pagedllm.kernels.triton.rotary import rotary_embedding
 from pagedllm.kernels.triton.sampling import warm_up
 from pagedllm.kernels.triton.sigmoid_gate import sigmoid_gate
 from pagedllm.kernels.triton.skinny_gemm import skinny_gemm
+from pagedllm.kernels.triton.ssd import ssd_state_update
 from pagedllm.kernels.triton.state_rows import gather_state_rows, scatter_state_rows
 
 CPU = torch.device("cpu")
@@ -189,6 +190,10 @@ def moe() -> None:
         for num_experts, k in ((16, 8), (128, 8), (512, 10), (MAX_EXPERTS, 1)):
             for renormalize in (True, False):
                 topk_softmax(torch.empty(5, num_experts, dtype=dtype), k, renormalize)
+        # An absorbed shared expert: W6's, gated by the router's 17th column (its rows padded to
+        # 32); and two ungated.
+        topk_softmax(torch.empty(5, 32, dtype=dtype)[:, :17], 8, True, num_shared=1, shared_gate=True)
+        topk_softmax(torch.empty(5, 64, dtype=dtype), 6, False, num_shared=2)
         # The combine at W6's width (1,024-column blocks), with and without a shared expert.
         slots = torch.empty(3, top_k, 2048, dtype=dtype)
         moe_sum(slots)
@@ -380,6 +385,25 @@ def gated_deltanet() -> None:
         scatter_state_rows(state, slots, rows.float())
 
 
+def mamba2() -> None:
+    """Mamba-2's decode step at Nemotron-H-8B's head shape (head_dim 64, d_state 128, 8 groups;
+    x, B and C views of the conv's output), the state in the model's dtype and in float32."""
+    batch, num_heads, n_groups, head_dim, d_state = 4, 16, 8, 64, 128
+    slots, has_state = torch.zeros(batch, dtype=torch.int64), torch.zeros(batch, dtype=torch.bool)
+    for dtype, state_dtype in (
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+        (torch.float32,) * 2,
+    ):
+        conv_out = torch.empty(batch, num_heads * head_dim + 2 * n_groups * d_state, dtype=dtype)
+        x, B, C = conv_out.split([num_heads * head_dim, n_groups * d_state, n_groups * d_state], dim=-1)
+        x = x.view(batch, num_heads, head_dim)
+        B, C = B.view(batch, n_groups, d_state), C.view(batch, n_groups, d_state)
+        state = torch.empty(9, num_heads, head_dim, d_state, dtype=state_dtype)
+        heads = torch.empty(num_heads)
+        ssd_state_update(x, B, C, torch.empty(batch, num_heads), heads, heads, state, slots, has_state)
+
+
 LAUNCHES: list[Callable[[], None]] = [
     decode,
     mla,
@@ -393,4 +417,5 @@ LAUNCHES: list[Callable[[], None]] = [
     quant,
     conv1d,
     gated_deltanet,
+    mamba2,
 ]

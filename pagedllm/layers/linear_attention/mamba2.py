@@ -5,7 +5,10 @@ Per token: one input projection to [z (d_inner) | x B C (d_inner + 2 n_groups d_
 (heads)]; a causal depthwise conv1d with bias and SiLU over x B C; the SSD recurrence (ssd.py)
 with dt = max(softplus(dt + dt_bias), time_step_min) and A = -exp(A_log); y * silu(z), RMS-normed
 per group of d_inner / n_groups; the output projection. The state per request is the conv window
-[conv_dim, kernel - 1] and h [heads, head_dim, d_state] (mixer.py runs the step's sequences).
+[conv_dim, kernel - 1] and h [heads, head_dim, d_state] (mixer.py runs the step's sequences). On
+CUDA a decode step is two Triton kernels updating the rows in place (the conv's and the SSD's,
+kernels/triton/ssd.py); the prefill's conv is the varlen kernel, its recurrence the torch chunk
+scan.
 
 Tensor parallelism splits the heads and the groups of B and C across ranks (as vLLM's
 MambaMixer2 does when the groups divide the ranks): each rank projects its heads' z, x and dt and
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear, divide, load_sharded_parts
 from pagedllm.layers.linear_attention.mixer import StatefulMixer, norm_into
@@ -54,6 +58,8 @@ class Mamba2Mixer(StatefulMixer):
     """Args: from the config: ``hidden_size``, ``mamba_num_heads``, ``mamba_head_dim``,
     ``n_groups``, ``ssm_state_size``, ``conv_kernel``, ``use_conv_bias``, ``use_bias``,
     ``chunk_size``, ``time_step_min``, ``layer_norm_epsilon``."""
+
+    has_triton_decode = True
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -142,6 +148,22 @@ class Mamba2Mixer(StatefulMixer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, B, C = self._split(*parts)
         return ssd_chunk_scan(x, inputs[0], self._A(), B, C, self.D, state, self.chunk_size)
+
+    def _decode_triton(
+        self, mixed: torch.Tensor, inputs: list[torch.Tensor], md: AttentionMetadata
+    ) -> torch.Tensor:
+        """The conv and the SSD step as two kernels, each reading and writing the state rows in
+        place (kernels/triton/causal_conv1d.py, ssd.py); x, B and C are views of the conv's output."""
+        from pagedllm.kernels.triton.causal_conv1d import causal_conv1d_update
+        from pagedllm.kernels.triton.ssd import ssd_state_update
+
+        n = md.num_decodes
+        slots, has_state = md.state_slots[:n], md.seq_lens[:n] > 1
+        conv_out = causal_conv1d_update(
+            mixed, self.conv1d.weight[:, 0], self.conv1d.bias, self.conv_state, slots, has_state
+        )
+        x, B, C = self._split(conv_out)
+        return ssd_state_update(x, B, C, inputs[0], self.A_log, self.D, self.ssm_state, slots, has_state)
 
 
 def _sharded_loader(parts: tuple[int, ...]) -> Callable[..., None]:
