@@ -29,23 +29,29 @@ BATCH = [(1, 9, 3), (1, 1, 0), (13, 13, 5), (1, 6, -1), (6, 20, 2)]
 NUM_ROWS = 7
 
 
-def _metadata() -> AttentionMetadata:
-    lengths = [n for n, _, _ in BATCH]
+def step_metadata(batch: list[tuple[int, int, int]], num_decodes: int) -> AttentionMetadata:
+    """A stateful layer's step: (new tokens, context after the step, state row) per sequence, the
+    ``num_decodes`` decodes first (the KV fields unused)."""
+    lengths = [n for n, _, _ in batch]
     starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    seq_lens = torch.tensor([c for _, c, _ in BATCH], dtype=torch.int32)
+    seq_lens = torch.tensor([c for _, c, _ in batch], dtype=torch.int32)
     return AttentionMetadata(
-        num_decodes=2,
-        num_prefills=3,
+        num_decodes=num_decodes,
+        num_prefills=len(batch) - num_decodes,
         slot_mapping=torch.zeros(sum(lengths), dtype=torch.int64, device=DEVICE),
         query_start_loc=starts.to(DEVICE),
         seq_lens=seq_lens.to(DEVICE),
-        block_tables=torch.zeros(len(BATCH), 1, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.zeros(len(batch), 1, dtype=torch.int32, device=DEVICE),
         max_query_len=max(lengths),
         max_seq_len=int(seq_lens.max()),
         query_start_loc_cpu=starts,
         seq_lens_cpu=seq_lens,
-        state_slots=torch.tensor([s for _, _, s in BATCH], device=DEVICE),
+        state_slots=torch.tensor([s for _, _, s in batch], device=DEVICE),
     )
+
+
+def _metadata() -> AttentionMetadata:
+    return step_metadata(BATCH, num_decodes=2)
 
 
 def _torch_paths(layer: GatedDeltaNet) -> None:

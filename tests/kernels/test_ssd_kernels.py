@@ -15,10 +15,10 @@ import torch
 from transformers import NemotronHConfig
 
 from pagedllm.attention.forward_context import set_forward_context
-from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.kernels.triton.ssd import ssd_state_update
 from pagedllm.layers.linear_attention.mamba2 import Mamba2Mixer
 from pagedllm.layers.linear_attention.ssd import ssd_step
+from tests.kernels.test_gated_deltanet_paths import step_metadata
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SLOTS = [3, 0, -1, 5]  # scattered rows, and the scratch row
@@ -75,26 +75,6 @@ def test_ssd_state_update_with_no_sequences() -> None:
     assert out.shape == (0, 2, 4) and torch.equal(state, torch.zeros_like(state))
 
 
-def _metadata(batch: list[tuple[int, int, int]], num_decodes: int) -> AttentionMetadata:
-    """(new tokens, context after the step, state row) per sequence, the decodes first."""
-    lengths = [n for n, _, _ in batch]
-    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    seq_lens = torch.tensor([c for _, c, _ in batch], dtype=torch.int32)
-    return AttentionMetadata(
-        num_decodes=num_decodes,
-        num_prefills=len(batch) - num_decodes,
-        slot_mapping=torch.zeros(sum(lengths), dtype=torch.int64, device=DEVICE),
-        query_start_loc=starts.to(DEVICE),
-        seq_lens=seq_lens.to(DEVICE),
-        block_tables=torch.zeros(len(batch), 1, dtype=torch.int32, device=DEVICE),
-        max_query_len=max(lengths),
-        max_seq_len=int(seq_lens.max()),
-        query_start_loc_cpu=starts,
-        seq_lens_cpu=seq_lens,
-        state_slots=torch.tensor([s for _, _, s in batch], device=DEVICE),
-    )
-
-
 def test_the_mamba2_layer_decodes_on_the_kernels_as_on_its_torch_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -125,7 +105,7 @@ def test_the_mamba2_layer_decodes_on_the_kernels_as_on_its_torch_path(
     conv_state[0] = ssm_state[0] = float("nan")  # the fresh sequence's row
     for layer in (on_kernels, on_torch):
         layer.bind_state(conv_state.clone().to(DEVICE), ssm_state.clone().to(DEVICE))
-    md = _metadata([(1, 5, 2), (1, 1, 0), (1, 9, -1), (7, 7, 4)], num_decodes=3)
+    md = step_metadata([(1, 5, 2), (1, 1, 0), (1, 9, -1), (7, 7, 4)], num_decodes=3)
     hidden = torch.randn(10, 48, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     with set_forward_context(md), torch.no_grad():
         out, expected = on_kernels(hidden), on_torch(hidden)

@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.triton.state_rows import cache_row
+
 
 @triton.jit
 def _gated_delta_rule_update_kernel(
@@ -82,16 +84,9 @@ def _gated_delta_rule_update_kernel(
     mask_k, mask_v = offs_k < D_K, offs_v < D_V
     # The state's address first: its load, the program's 2 BLOCK_V d_k bytes, is the one to start
     # early; everything else is a few hundred bytes.
-    slot = tl.load(slots_ptr + b)
-    slot = tl.where(slot < 0, slot + num_rows, slot)
+    row = state_ptr + cache_row(slots_ptr, b, num_rows, stride_state_slot)
     keep = tl.load(has_state_ptr + b) != 0
-    tile = (
-        state_ptr
-        + slot.to(tl.int64) * stride_state_slot
-        + h * stride_state_h
-        + offs_v[:, None] * stride_state_v
-        + offs_k[None, :]
-    )
+    tile = row + h * stride_state_h + offs_v[:, None] * stride_state_v + offs_k[None, :]
     mask = mask_v[:, None] & mask_k[None, :]
     state = tl.load(tile, mask=mask, other=0.0)
     key_head = h // group  # each key head serves `group` consecutive value heads

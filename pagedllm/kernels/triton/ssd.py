@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.triton.state_rows import cache_row
+
 # State elements a program owns ([BLOCK_P, d_state]) and its warps: the delta rule's tile
 # (linear_attention.py), measured there (32 rows of 128 on one warp), whose rows are also whole runs
 # of the state's last dimension; not yet swept at Mamba-2's shapes.
@@ -73,16 +75,9 @@ def _ssd_update_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     mask_p, mask_n = offs_p < D_P, offs_n < D_N
     # The state's load first: it is the program's bytes; the rest is a few hundred.
-    slot = tl.load(slots_ptr + b)
-    slot = tl.where(slot < 0, slot + num_rows, slot)
+    row = state_ptr + cache_row(slots_ptr, b, num_rows, stride_state_slot)
     keep = tl.load(has_state_ptr + b) != 0
-    tile = (
-        state_ptr
-        + slot.to(tl.int64) * stride_state_slot
-        + h * stride_state_h
-        + offs_p[:, None] * stride_state_p
-        + offs_n[None, :]
-    )
+    tile = row + h * stride_state_h + offs_p[:, None] * stride_state_p + offs_n[None, :]
     mask = mask_p[:, None] & mask_n[None, :]
     state = tl.load(tile, mask=mask, other=0.0)
     g = h // heads_per_group

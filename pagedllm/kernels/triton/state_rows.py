@@ -32,8 +32,10 @@ BLOCK = 4096
 
 
 @triton.jit
-def _cache_row(slots_ptr, seq, num_rows, stride_row):
-    """The offset of sequence ``seq``'s row in the cache (its slot; a negative one from the end)."""
+def cache_row(slots_ptr, seq, num_rows, stride_row):
+    """The offset of sequence ``seq``'s row in the cache (its slot; a negative one from the end,
+    -1 the scratch row of a CUDA graph's padding). The decode kernels' too (linear_attention.py,
+    ssd.py)."""
     slot = tl.load(slots_ptr + seq).to(tl.int64)
     return tl.where(slot < 0, slot + num_rows, slot) * stride_row
 
@@ -55,7 +57,7 @@ def _gather_state_rows_kernel(
     mask = offs < row_size
     # A fresh sequence's row is masked off whole: zeros, whatever the row holds.
     read = offs < tl.where(tl.load(has_state_ptr + seq) != 0, row_size, 0)
-    row = state_ptr + _cache_row(slots_ptr, seq, num_rows, stride_state)
+    row = state_ptr + cache_row(slots_ptr, seq, num_rows, stride_state)
     values = tl.load(row + offs, mask=read, other=0.0)
     tl.store(out_ptr + seq * stride_out + offs, values, mask=mask)
 
@@ -75,7 +77,7 @@ def _scatter_state_rows_kernel(
     offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < row_size
     values = tl.load(rows_ptr + seq * stride_rows + offs, mask=mask)
-    row = state_ptr + _cache_row(slots_ptr, seq, num_rows, stride_state)
+    row = state_ptr + cache_row(slots_ptr, seq, num_rows, stride_state)
     tl.store(row + offs, values.to(state_ptr.dtype.element_ty), mask=mask)
 
 
