@@ -207,10 +207,10 @@ def profile_steps_of(engine: LLMEngine, num_steps: int) -> dict[str, Any]:
 
 
 def _floor(
-    engine: LLMEngine, prompts: list[list[int]], output_len: int, prefix_len: int
+    engine: LLMEngine, prompts: list[list[int]], output_len: int, cached_prefix_len: int
 ) -> dict[str, Any] | None:
-    """The run's floor where one is derived for its model (a mixture of experts, a hybrid). With
-    prefix caching on, the shared ``prefix_len`` tokens' whole blocks count as computed once."""
+    """The run's floor where one is derived for its model (a mixture of experts, a hybrid), the
+    ``cached_prefix_len`` tokens every prompt starts with counted as computed once."""
     config = engine.config
     hf_config = config.model_config.hf_config
     if hf_config.model_type in MOE_MODEL_TYPES:
@@ -227,7 +227,7 @@ def _floor(
         config.model_config.dtype.itemsize,
         copy_bandwidth(),
         matmul_peak_flops(),
-        _cached_prefix_len(engine, prefix_len),
+        cached_prefix_len,
     )
 
 
@@ -308,9 +308,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         # As the cache manager runs it: a hybrid model turns it off (docs/hybrid_models.md).
         enable_prefix_caching=engine.engine_core.scheduler.kv_cache_manager.enable_prefix_caching,
     )
-    floor = _floor(engine, prompts, workload.output_len, workload.prefix_len)
+    cached = _cached_prefix_len(engine, workload.prefix_len)
+    floor = _floor(engine, prompts, workload.output_len, cached)
     if floor is not None:
-        cached = _cached_prefix_len(engine, workload.prefix_len)
         result["floor"] = {**floor, "cached_prefix_len": cached}
         result["fraction_of_floor"] = floor["floor_s"] / result["elapsed_s"]
         state = f", state {floor['state_s']:.2f} s" if "state_s" in floor else ""

@@ -40,7 +40,13 @@ from pagedllm.layers.linear_attention.gated_delta_rule import (
     gdn_gates,
     recurrent_gated_delta_rule,
 )
-from pagedllm.layers.linear_attention.mixer import PrefillPlan, StatefulMixer, column_run, norm_into
+from pagedllm.layers.linear_attention.mixer import (
+    PrefillPlan,
+    StatefulMixer,
+    column_run,
+    decode_rows,
+    norm_into,
+)
 from pagedllm.layers.linear_attention.state import LayerStateShape
 from pagedllm.layers.utils import CheckpointTensor
 from pagedllm.platform import Platform
@@ -254,8 +260,7 @@ class GatedDeltaNet(StatefulMixer):
         from pagedllm.kernels.triton.causal_conv1d import causal_conv1d_update
         from pagedllm.kernels.triton.linear_attention import gated_delta_rule_update
 
-        n = md.num_decodes
-        slots, has_state = md.state_slots[:n], md.seq_lens[:n] > 1
+        slots, has_state = decode_rows(md)
         conv_out = causal_conv1d_update(
             mixed, self.conv1d.weight[:, 0], self.conv1d.bias, self.conv_state, slots, has_state,
             cols=self.conv_input_cols, cols_run=self.conv_cols_run,

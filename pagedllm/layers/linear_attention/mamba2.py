@@ -29,7 +29,7 @@ from transformers import PretrainedConfig
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear, divide, load_sharded_parts
-from pagedllm.layers.linear_attention.mixer import StatefulMixer, norm_into
+from pagedllm.layers.linear_attention.mixer import StatefulMixer, decode_rows, norm_into
 from pagedllm.layers.linear_attention.ssd import ssd_chunk_scan, ssd_step
 from pagedllm.layers.linear_attention.state import LayerStateShape
 from pagedllm.layers.utils import CheckpointTensor
@@ -157,8 +157,7 @@ class Mamba2Mixer(StatefulMixer):
         from pagedllm.kernels.triton.causal_conv1d import causal_conv1d_update
         from pagedllm.kernels.triton.ssd import ssd_state_update
 
-        n = md.num_decodes
-        slots, has_state = md.state_slots[:n], md.seq_lens[:n] > 1
+        slots, has_state = decode_rows(md)
         conv_out = causal_conv1d_update(
             mixed, self.conv1d.weight[:, 0], self.conv1d.bias, self.conv_state, slots, has_state
         )

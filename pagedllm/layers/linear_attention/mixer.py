@@ -67,25 +67,49 @@ class PrefillPlan:
         return self.derived[name]
 
 
-# The last step's plan and the metadata it was built from: the step's layers share it.
-_last_plan: tuple[tuple[Any, ...], PrefillPlan] | None = None
+# What a step's stateful layers share, by name: (the metadata object and the tensors it was derived
+# from, the value).
+_per_step: dict[str, tuple[tuple[Any, ...], Any]] = {}
+
+
+def _once_per_step(name: str, md: AttentionMetadata, fields: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    """``make()`` once per step for all of its stateful layers: again only for another metadata
+    object, or one whose ``fields`` (the tensors the value reads) were replaced in place (a test
+    stepping one object)."""
+    key = (md, *fields)
+    cached = _per_step.get(name)
+    if cached is not None and all(a is b for a, b in zip(cached[0], key)):
+        return cached[1]
+    value = make()
+    _per_step[name] = (key, value)
+    return value
+
+
+def decode_rows(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's decodes' state rows [num_decodes] and whether each continues its sequence (a
+    one-token prompt starts from zeros): one comparison per step, not one per layer (under a CUDA
+    graph, the first layer's kernel computes it for every layer's)."""
+    n = md.num_decodes
+    return _once_per_step(
+        "decode_rows", md, (md.num_decodes, md.seq_lens, md.state_slots),
+        lambda: (md.state_slots[:n], md.seq_lens[:n] > 1),
+    )  # fmt: skip
 
 
 def prefill_plan(md: AttentionMetadata) -> PrefillPlan:
     """The step's prefill chunks (sequences ``num_decodes`` onwards of ``md``)."""
-    global _last_plan
-    # The metadata object and the tensors the plan reads: a caller that edits a field in place
-    # (a test stepping one object) gets a new plan.
-    key = (md, md.num_decodes, md.query_start_loc_cpu, md.seq_lens_cpu, md.state_slots)
-    if _last_plan is not None and all(a is b for a, b in zip(_last_plan[0], key)):
-        return _last_plan[1]
+    fields = (md.num_decodes, md.query_start_loc_cpu, md.seq_lens_cpu, md.state_slots)
+    return _once_per_step("prefill_plan", md, fields, lambda: _make_prefill_plan(md))
+
+
+def _make_prefill_plan(md: AttentionMetadata) -> PrefillPlan:
     nd = md.num_decodes
     starts = md.query_start_loc_cpu[nd:]
     lengths_cpu = starts[1:] - starts[:-1]
     lengths = lengths_cpu.tolist()
     first = int(starts[0])
     device_starts = md.query_start_loc[nd:]
-    plan = PrefillPlan(
+    return PrefillPlan(
         first_token=first,
         lengths=lengths,
         has_state=(md.seq_lens_cpu[nd : md.num_seqs] > lengths_cpu).tolist(),  # tokens before the chunk
@@ -95,8 +119,6 @@ def prefill_plan(md: AttentionMetadata) -> PrefillPlan:
         query_start_loc_cpu=(starts - first).to(torch.int32),
         max_query_len=max(lengths),
     )
-    _last_plan = (key, plan)
-    return plan
 
 
 # The oldest flash-linear-attention whose varlen chunked rule this code calls correctly: 0.6 takes
@@ -285,8 +307,7 @@ class StatefulMixer(CustomOp):
     ) -> torch.Tensor:
         """mixed: [num_decodes, ...]; inputs: [num_decodes, ...] each."""
         n = md.num_decodes
-        slots = md.state_slots[:n]
-        has_state = md.seq_lens[:n] > 1  # a one-token prompt starts from zeros
+        slots, has_state = decode_rows(md)
         conv_out, windows = causal_conv1d_update(
             self._conv_input(mixed),
             self.conv1d.weight[:, 0],
