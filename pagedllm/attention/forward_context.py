@@ -14,17 +14,22 @@ So neither travels through the model files: a family's decoder reads as the pape
 feature of the step (a new metadata field) touches the runner and the layer that reads it, not
 every forward in between.
 
-A CUDA graph captures the forward under the context of its static metadata (views of the input
-buffers the runner fills before each replay); a replay runs no Python, so no context is read then.
+A context is one forward pass: what the pass derives from its metadata once for all of its layers
+(a hybrid's decode state rows, its prefill plan) is memoised on it (``ForwardContext.once``) and
+dies with it. A CUDA graph captures the forward under a context of its static metadata (views of
+the input buffers the runner fills before each replay), its own, not its warm-up runs': a value
+derived outside the capture would be a constant of every replay. A replay runs no Python, so no
+context is read then.
 A torch.compile'd forward reads no context in its graph: its attention op reads it when it runs
 (attention/layer.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.attention.metadata import AttentionMetadata
 
@@ -35,6 +40,14 @@ class ForwardContext:
 
     # The step's flattened batch: slots, block tables, sequence offsets and lengths.
     attn_metadata: AttentionMetadata
+    # What the pass's layers derived from attn_metadata for each other, by name.
+    derived: dict[str, Any] = field(default_factory=dict)
+
+    def once(self, name: str, make: Callable[[], Any]) -> Any:
+        """``make()`` the first time a layer of this pass asks for ``name``; its value after."""
+        if name not in self.derived:
+            self.derived[name] = make()
+        return self.derived[name]
 
 
 _forward_context: ForwardContext | None = None
@@ -42,7 +55,7 @@ _forward_context: ForwardContext | None = None
 
 @contextmanager
 def set_forward_context(attn_metadata: AttentionMetadata) -> Iterator[None]:
-    """The context of the forward pass(es) run inside the block; the enclosing one after it."""
+    """The context of the forward pass run inside the block; the enclosing one after it."""
     global _forward_context
     previous = _forward_context
     _forward_context = ForwardContext(attn_metadata)

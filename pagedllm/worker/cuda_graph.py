@@ -108,14 +108,17 @@ class CudaGraphRunner:
         for batch_size in reversed(self.capture_sizes):
             input_ids = self.buffers.device_view("input_ids", batch_size)
             positions = self.buffers.device_view("positions", batch_size)
-            with set_forward_context(self.metadata(batch_size)):
-                # Warm-up runs compile Triton kernels and settle allocations outside the capture.
-                for _ in range(2):
+            metadata = self.metadata(batch_size)
+            # Warm-up runs compile Triton kernels and settle allocations outside the capture.
+            # Each pass its own context: what the capture's layers derive from the metadata must
+            # be computed inside it (forward_context.py).
+            for _ in range(2):
+                with set_forward_context(metadata):
                     self.model(input_ids, positions)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._outputs[batch_size] = self.model(input_ids, positions)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with set_forward_context(metadata), torch.cuda.graph(graph, pool=pool):
+                self._outputs[batch_size] = self.model(input_ids, positions)
             self._graphs[batch_size] = graph
         torch.cuda.synchronize()
         logger.info(

@@ -260,7 +260,7 @@ class GatedDeltaNet(StatefulMixer):
         from pagedllm.kernels.triton.causal_conv1d import causal_conv1d_update
         from pagedllm.kernels.triton.linear_attention import gated_delta_rule_update
 
-        slots, has_state = decode_rows(md)
+        slots, has_state = decode_rows()
         conv_out = causal_conv1d_update(
             mixed, self.conv1d.weight[:, 0], self.conv1d.bias, self.conv_state, slots, has_state,
             cols=self.conv_input_cols, cols_run=self.conv_cols_run,

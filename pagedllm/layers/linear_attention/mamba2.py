@@ -157,7 +157,7 @@ class Mamba2Mixer(StatefulMixer):
         from pagedllm.kernels.triton.causal_conv1d import causal_conv1d_update
         from pagedllm.kernels.triton.ssd import ssd_state_update
 
-        slots, has_state = decode_rows(md)
+        slots, has_state = decode_rows()
         conv_out = causal_conv1d_update(
             mixed, self.conv1d.weight[:, 0], self.conv1d.bias, self.conv_state, slots, has_state
         )

@@ -67,39 +67,20 @@ class PrefillPlan:
         return self.derived[name]
 
 
-# What a step's stateful layers share, by name: (the metadata object and the tensors it was derived
-# from, the value).
-_per_step: dict[str, tuple[tuple[Any, ...], Any]] = {}
-
-
-def _once_per_step(name: str, md: AttentionMetadata, fields: tuple[Any, ...], make: Callable[[], Any]) -> Any:
-    """``make()`` once per step for all of its stateful layers: again only for another metadata
-    object, or one whose ``fields`` (the tensors the value reads) were replaced in place (a test
-    stepping one object)."""
-    key = (md, *fields)
-    cached = _per_step.get(name)
-    if cached is not None and all(a is b for a, b in zip(cached[0], key)):
-        return cached[1]
-    value = make()
-    _per_step[name] = (key, value)
-    return value
-
-
-def decode_rows(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step's decodes' state rows [num_decodes] and whether each continues its sequence (a
-    one-token prompt starts from zeros): one comparison per step, not one per layer (under a CUDA
-    graph, the first layer's kernel computes it for every layer's)."""
+def decode_rows() -> tuple[torch.Tensor, torch.Tensor]:
+    """The running pass's decodes' state rows [num_decodes] and whether each continues its sequence
+    (a one-token prompt starts from zeros): one comparison per forward pass, not one per layer
+    (under a CUDA graph, the first layer's kernel computes it for every layer's)."""
+    context = get_forward_context()
+    md = context.attn_metadata
     n = md.num_decodes
-    return _once_per_step(
-        "decode_rows", md, (md.num_decodes, md.seq_lens, md.state_slots),
-        lambda: (md.state_slots[:n], md.seq_lens[:n] > 1),
-    )  # fmt: skip
+    return context.once("decode_rows", lambda: (md.state_slots[:n], md.seq_lens[:n] > 1))
 
 
-def prefill_plan(md: AttentionMetadata) -> PrefillPlan:
-    """The step's prefill chunks (sequences ``num_decodes`` onwards of ``md``)."""
-    fields = (md.num_decodes, md.query_start_loc_cpu, md.seq_lens_cpu, md.state_slots)
-    return _once_per_step("prefill_plan", md, fields, lambda: _make_prefill_plan(md))
+def prefill_plan() -> PrefillPlan:
+    """The running pass's prefill chunks (its sequences ``num_decodes`` onwards), once per pass."""
+    context = get_forward_context()
+    return context.once("prefill_plan", lambda: _make_prefill_plan(context.attn_metadata))
 
 
 def _make_prefill_plan(md: AttentionMetadata) -> PrefillPlan:
@@ -251,7 +232,7 @@ class StatefulMixer(CustomOp):
         if num_decodes:
             outputs.append(self.forward_method(mixed[:num_decodes], [x[:num_decodes] for x in inputs], md))
         if md.num_seqs > num_decodes:
-            plan = prefill_plan(md)
+            plan = prefill_plan()
             first = plan.first_token
             parts = self.conv_prefill(mixed[first:], plan)
             outputs.append(self.prefill_method(parts, tuple(x[first:] for x in inputs), plan))
@@ -307,7 +288,7 @@ class StatefulMixer(CustomOp):
     ) -> torch.Tensor:
         """mixed: [num_decodes, ...]; inputs: [num_decodes, ...] each."""
         n = md.num_decodes
-        slots, has_state = decode_rows(md)
+        slots, has_state = decode_rows()
         conv_out, windows = causal_conv1d_update(
             self._conv_input(mixed),
             self.conv1d.weight[:, 0],
