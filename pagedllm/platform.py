@@ -52,6 +52,11 @@ class Platform:
         """Programmatic dependent launch (Hopper, compute capability 9.0, and later)."""
         return self.device_capability is not None and self.device_capability[0] >= 9
 
+    @property
+    def supports_tma(self) -> bool:
+        """The Tensor Memory Accelerator, tiles copied by descriptor (Hopper and later)."""
+        return self.device_capability is not None and self.device_capability[0] >= 9
+
 
 @functools.cache
 def platform_for(device: torch.device) -> Platform:

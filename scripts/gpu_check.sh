@@ -61,6 +61,8 @@ if [ -d .whl ]; then
     python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic prometheus-client aiohttp 2>&1 | tail -1
     # Structured outputs (llguidance, an abi3 wheel).
     python3 -m pip install -q --no-index --find-links .whl 'llguidance>=1.9.1' 2>&1 | tail -1
+    # pytest-xdist, where its wheels travel too: the w6 stage's tests on several workers.
+    ls .whl/pytest_xdist-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --find-links .whl pytest-xdist 2>&1 | tail -1
 fi
 # flash-linear-attention (the hybrids' varlen prefill on CUDA), pure-Python wheels in the ignored .whl-fla/.
 if [ -d .whl-fla ]; then
@@ -154,10 +156,15 @@ for stage in "${stages[@]}"; do
             --profile-steps 20
         ;;
     w5) run w5 python3 -m pagedllm bench throughput --workload W5 --output-json "$OUT/w5.json" --output-png "$OUT/w5.png" ;;
-    w6)  # the hybrids' kernels (the MoE router and combine, the attention's gate and partial
+    w6)  # the hybrids' kernels (the fused MoE, its router and combine, the attention's gate and partial
         # rotary, Mamba-2's decode step too) against their torch paths, then W6
-        run w6_tests python3 -m pytest -q -p no:cacheprovider tests/gpu/test_linear_attention_gpu.py \
-            tests/gpu/test_moe_routing_gpu.py tests/kernels/test_gated_deltanet_paths.py \
+        # With pytest-xdist, on 8 workers, a file to a worker: the end-to-end tests, which each take
+        # 30% of the GPU's memory, stay one at a time (the stage takes about 4 minutes, not 8).
+        parallel=()
+        python3 -c "import xdist" 2>/dev/null && parallel=(-n 8 --dist loadfile)
+        run w6_tests python3 -m pytest -q -p no:cacheprovider "${parallel[@]}" tests/gpu/test_linear_attention_gpu.py \
+            tests/gpu/test_moe_routing_gpu.py tests/gpu/test_fused_moe_gpu.py tests/kernels/test_fused_moe.py \
+            tests/kernels/test_gated_deltanet_paths.py \
             tests/kernels/test_causal_conv1d.py tests/kernels/test_linear_attention_kernels.py \
             tests/kernels/test_state_rows.py tests/kernels/test_ssd_kernels.py tests/gpu/test_fused_gpu.py \
             -k "not hugging_face" -ra

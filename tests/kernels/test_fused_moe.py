@@ -96,6 +96,38 @@ def test_kernel_matches_torch_path_at_other_tiles(launch: MoeLaunch) -> None:
     torch.testing.assert_close(out, fused_experts_torch(x, w13, w2, weights, ids), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("shape", [(3, 8, 2, 48, 40), (130, 8, 8, 64, 32), (45, 8, 2, 80, 48)], ids=str)
+def test_weights_loaded_by_tma_descriptor_match_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, shape: tuple
+) -> None:
+    """The TMA weight loads (Hopper's path, taken here under the interpreter too): a box past an
+    expert's N columns or past K reads neighbouring rows or zeros, which no stored column uses."""
+    import pagedllm.kernels.triton.fused_moe as fused
+
+    taken = []
+    monkeypatch.setattr(fused, "weights_by_tma", lambda weights: taken.append(weights.shape) or True)
+    x, w13, w2, weights, ids = _inputs(*shape, torch.float16)
+    for launch in (None, MoeLaunch(16, 32, 32, 1, 4, 2, gate_up_block_n=16, down_num_warps=2)):
+        taken.clear()
+        out = fused_moe(x, w13, w2, weights, ids, launch)
+        assert taken == [w13.shape, w2.shape]
+        torch.testing.assert_close(out, fused_experts_torch(x, w13, w2, weights, ids), atol=2e-3, rtol=2e-2)
+
+
+def test_weights_by_tma_only_where_the_copy_engine_can_address_them() -> None:
+    import pagedllm.kernels.triton.fused_moe as fused
+
+    w = torch.zeros(4, 64, 128, dtype=torch.bfloat16)
+    assert not fused.weights_by_tma(w)  # no TMA on the CPU (nor before Hopper)
+    if DEVICE.type == "cuda" and torch.cuda.get_device_capability()[0] >= 9:
+        w = w.to(DEVICE)
+        assert fused.weights_by_tma(w)
+        assert not fused.weights_by_tma(w.float())  # 16-bit only
+        # rows 200 bytes apart: not 16-byte aligned
+        assert not fused.weights_by_tma(torch.zeros(4, 64, 100, dtype=torch.bfloat16, device=DEVICE))
+        assert not fused.weights_by_tma(w[:, :32])  # experts' matrices not one [E * rows, K]
+
+
 def test_kernel_with_every_token_on_the_same_experts() -> None:
     # One expert's run spans many tiles; the other experts get nothing.
     x, w13, w2, weights, _ = _inputs(70, 16, 2, 64, 32, torch.float32, seed=2)

@@ -64,6 +64,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
+
 
 @triton.jit
 def _silu(acc):
@@ -111,7 +113,9 @@ def _conv1d_update_kernel(
     BLOCK_C: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     COLS: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    wait_for_prior_kernel(USE_GDC)
     b = tl.program_id(0)
     first_channel = tl.program_id(1) * BLOCK_C
     channels = first_channel + tl.arange(0, BLOCK_C)
@@ -169,6 +173,7 @@ def causal_conv1d_update(
         x.stride(0), out.stride(0), conv_state.stride(0), conv_state.stride(1),
         KERNEL=kernel, BLOCK_C=block_c, HAS_BIAS=bias is not None,
         COLS=_cols_mode(cols, cols_run, block_c, (channels,)),
+        **pdl_options(x.device),
     )  # fmt: skip
     return out
 

@@ -27,6 +27,10 @@ one pass (header at the function).
 ``l2_normalize_``: the prefill's q and k normalised per head in place before the chunked rule
 (header at the function).
 
+The step's kernel and the norm after it are launched with programmatic dependent launch where
+the device has it (pdl.py), as are the conv's update and Mamba-2's step: a decode step of W6 is
+some 300 kernels.
+
 ``has_state`` [batch]: False for a sequence at its first token, whose row is read as zeros
 whatever it holds. Slots index rows of the state tensor (-1: the last row, the scratch row of a
 CUDA graph's padding).
@@ -38,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 from pagedllm.kernels.triton.state_rows import cache_row
 
 
@@ -76,7 +81,9 @@ def _gated_delta_rule_update_kernel(
     D_V: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    wait_for_prior_kernel(USE_GDC)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_k = tl.arange(0, BLOCK_K)
@@ -152,6 +159,7 @@ def gated_delta_rule_update(
         a.stride(0), a.stride(1), b.stride(0), b.stride(1),
         out.stride(0), out.stride(1), ssm_state.stride(0), ssm_state.stride(1), ssm_state.stride(2),
         D_K=d_k, D_V=d_v, BLOCK_K=block_k, BLOCK_V=block_v, num_warps=DELTA_RULE_WARPS,
+        **pdl_options(q.device),
     )  # fmt: skip
     return out
 
@@ -180,7 +188,9 @@ def _rms_norm_gated_kernel(
     D_V: tl.constexpr,
     BLOCK_V: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    wait_for_prior_kernel(USE_GDC)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_V)
     mask = (rows < num_rows)[:, None] & (cols < D_V)[None, :]
@@ -223,6 +233,7 @@ def rms_norm_gated(
         out, x, gate, weight, num_rows, num_v_heads, gate.shape[2], eps,
         gate.stride(0), gate.stride(1), gate.stride(2),
         D_V=d_v, BLOCK_V=block_v, BLOCK_R=block_r,
+        **pdl_options(x.device),
     )  # fmt: skip
     return out
 

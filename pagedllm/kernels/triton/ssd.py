@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 from pagedllm.kernels.triton.state_rows import cache_row
 
 # State elements a program owns ([BLOCK_P, d_state]) and its warps: the delta rule's tile
@@ -68,7 +69,9 @@ def _ssd_update_kernel(
     D_N: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_GDC: tl.constexpr,
 ):
+    wait_for_prior_kernel(USE_GDC)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_p = tl.program_id(2) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -128,5 +131,6 @@ def ssd_state_update(
         dt.stride(0), dt.stride(1), out.stride(0), out.stride(1),
         state.stride(0), state.stride(1), state.stride(2),
         D_P=head_dim, D_N=d_state, BLOCK_P=block_p, BLOCK_N=block_n, num_warps=SSD_WARPS,
+        **pdl_options(x.device),
     )  # fmt: skip
     return out
