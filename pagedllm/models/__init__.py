@@ -11,6 +11,7 @@ from pagedllm.models.gemma import GemmaForCausalLM
 from pagedllm.models.glm4_moe import Glm4MoeForCausalLM
 from pagedllm.models.gpt2 import GPT2LMHeadModel
 from pagedllm.models.gpt_oss import GptOssForCausalLM
+from pagedllm.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.nemotron_h import NemotronHForCausalLM
@@ -42,6 +43,7 @@ _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # DeepSeek-V3, R1, Kimi-K2
     "NemotronHForCausalLM": NemotronHForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,  # IBM Granite 4.0-H
 }
 
 # Bare decoders (transformers' *Model, no LM head): checkpoints of embedding models such as
@@ -81,6 +83,7 @@ _MODEL_TYPE_ARCHITECTURES = {
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
+    "granitemoehybrid": "GraniteMoeHybridForCausalLM",
 }
 
 
@@ -111,6 +114,7 @@ __all__ = [
     "GemmaForCausalLM",
     "Glm4MoeForCausalLM",
     "GptOssForCausalLM",
+    "GraniteMoeHybridForCausalLM",
     "LlamaForCausalLM",
     "MixtralForCausalLM",
     "NemotronHForCausalLM",

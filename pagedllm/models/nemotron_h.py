@@ -12,7 +12,6 @@ Only the attention layers have a KV cache (bound to them in order, attention/for
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import ClassVar
 
 import torch
@@ -23,12 +22,12 @@ from pagedllm.attention import Attention
 from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from pagedllm.layers.linear_attention.mamba2 import Mamba2Mixer
-from pagedllm.layers.linear_attention.state import LayerStateShape
+from pagedllm.layers.linear_attention.mamba2 import Mamba2Mixer, Mamba2Spec
 from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
-from pagedllm.models.utils import CausalLM, DecoderModel, make_stage_layers, pre_norm
+from pagedllm.models.mamba2_hybrid import ATTENTION, MAMBA, Mamba2HybridForCausalLM
+from pagedllm.models.utils import DecoderModel, make_stage_layers, pre_norm
 
-MAMBA, ATTENTION, MLP = "linear_attention", "full_attention", "mlp"
+MLP = "mlp"
 # Checkpoint name prefixes -> ours (the "model." decoder's names, DecoderModel's).
 _CHECKPOINT_PREFIXES = (
     ("backbone.embeddings.", "model.embed_tokens."),
@@ -86,7 +85,7 @@ class NemotronHBlock(nn.Module):
         if self.block_type == MAMBA:
             if config.mamba_hidden_act != "silu":
                 raise ValueError(f"mamba_hidden_act must be 'silu', got {config.mamba_hidden_act!r}")
-            self.mixer = Mamba2Mixer(config)
+            self.mixer = Mamba2Mixer(Mamba2Spec.from_nemotron_h(config))
         elif self.block_type == ATTENTION:
             self.mixer = NemotronHAttention(config, attn_backend)
         elif self.block_type == MLP:
@@ -120,9 +119,10 @@ class NemotronHModel(DecoderModel):
         self.norm = RMSNorm(config.hidden_size, config.layer_norm_epsilon)
 
 
-class NemotronHForCausalLM(CausalLM):
+class NemotronHForCausalLM(Mamba2HybridForCausalLM):
     rotary: ClassVar[bool] = False
-    supports_pipeline_parallel: ClassVar[bool] = True
+    mixer_name: ClassVar[str] = "mixer"
+    mamba2_spec = staticmethod(Mamba2Spec.from_nemotron_h)
     packed_modules_mapping: ClassVar[dict[str, tuple[tuple[str, int | str], ...]]] = {
         "qkv_proj": (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")),
     }
@@ -140,27 +140,3 @@ class NemotronHForCausalLM(CausalLM):
                 ckpt_name = prefix + ckpt_name.removeprefix(ckpt_prefix)
                 break
         return super()._param_name(ckpt_name)
-
-    # --- the hybrid model's interface (worker/state_cache.py) -----------------------------------
-
-    @staticmethod
-    def num_attention_layers(config: PretrainedConfig, layers: range | None = None) -> int:
-        """Layers with a paged KV cache (among ``layers``, a pipeline stage's; all when None)."""
-        kinds = config.layers_block_type
-        return sum(kinds[i] == ATTENTION for i in (range(len(kinds)) if layers is None else layers))
-
-    @staticmethod
-    def state_shapes(
-        config: PretrainedConfig, tp_size: int, layers: range | None = None
-    ) -> list[LayerStateShape]:
-        """The Mamba-2 layers' states (among ``layers``) on one of ``tp_size`` ranks (each keeps its
-        heads' and groups' part)."""
-        kinds = config.layers_block_type
-        return [
-            Mamba2Mixer.state_shape_of(config, tp_size)
-            for i in (range(len(kinds)) if layers is None else layers)
-            if kinds[i] == MAMBA
-        ]
-
-    def linear_attention_layers(self) -> Iterator[Mamba2Mixer]:
-        return (layer.mixer for layer in self.model.stage_layers if layer.block_type == MAMBA)

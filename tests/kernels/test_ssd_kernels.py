@@ -16,7 +16,7 @@ from transformers import NemotronHConfig
 
 from pagedllm.attention.forward_context import set_forward_context
 from pagedllm.kernels.triton.ssd import ssd_state_update
-from pagedllm.layers.linear_attention.mamba2 import Mamba2Mixer
+from pagedllm.layers.linear_attention.mamba2 import Mamba2Mixer, Mamba2Spec
 from pagedllm.layers.linear_attention.ssd import ssd_step
 from tests.kernels.test_gated_deltanet_paths import step_metadata
 
@@ -90,7 +90,7 @@ def test_the_mamba2_layer_decodes_on_the_kernels_as_on_its_torch_path(
     platform = custom_op.platform_for(torch.device(DEVICE))
     with monkeypatch.context() as patch:
         patch.setattr(custom_op, "platform_for", lambda device: dataclasses.replace(platform, triton=True))
-        on_kernels = Mamba2Mixer(config).to(DEVICE)
+        on_kernels = Mamba2Mixer(Mamba2Spec.from_nemotron_h(config)).to(DEVICE)
     assert on_kernels.forward_method == on_kernels._decode_triton
     on_torch = copy.deepcopy(on_kernels)
     on_torch.forward_method, on_torch.conv_prefill = on_torch._decode_torch, on_torch._conv_prefill_torch

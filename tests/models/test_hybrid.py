@@ -26,7 +26,7 @@ from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.core.scheduler import PreemptionMode
 from pagedllm.entrypoints.bench.workloads import WORKLOADS
 from pagedllm.layers.linear_attention.gated_deltanet import GatedDeltaNet
-from pagedllm.layers.linear_attention.mamba2 import Mamba2Mixer
+from pagedllm.layers.linear_attention.mamba2 import Mamba2Mixer, Mamba2Spec
 from pagedllm.layers.linear_attention.state import LayerStateShape, StateCacheSpec
 from pagedllm.layers.quantization.params import PER_PROJECTION, set_layout
 from pagedllm.models import get_model_class
@@ -192,6 +192,14 @@ def state_shapes_of_rank(worker) -> list:
     return list(worker.state_cache_spec.layer_shapes)
 
 
+def assert_each_of_two_ranks_keeps_its_part_of_the_state(llm: LLM) -> None:
+    hf_config = llm.llm_engine.config.model_config.hf_config
+    model_class = get_model_class(hf_config.architectures, hf_config.model_type)
+    half = model_class.state_shapes(hf_config, 2)
+    assert half != model_class.state_shapes(hf_config, 1)
+    assert llm.llm_engine.executor.collective_rpc(state_shapes_of_rank) == [half, half]
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
 def test_two_tensor_parallel_ranks_match_hf(family: str, request: pytest.FixtureRequest) -> None:
     """Each rank keeps its heads' part of every linear layer's state (Gated DeltaNet's key heads
@@ -200,11 +208,7 @@ def test_two_tensor_parallel_ranks_match_hf(family: str, request: pytest.Fixture
     llm, outputs = _generate(path, prompts[:4], max_num_seqs=4, tensor_parallel_size=2)
     try:
         assert outputs == expected[:4]
-        hf_config = llm.llm_engine.config.model_config.hf_config
-        model_class = get_model_class(hf_config.architectures, hf_config.model_type)
-        half = model_class.state_shapes(hf_config, 2)
-        assert half != model_class.state_shapes(hf_config, 1)
-        assert llm.llm_engine.executor.collective_rpc(state_shapes_of_rank) == [half, half]
+        assert_each_of_two_ranks_keeps_its_part_of_the_state(llm)
     finally:
         llm.llm_engine.shutdown()
 
@@ -281,7 +285,7 @@ def test_an_all_attention_config_of_a_hybrid_family_keeps_prefix_caching(make_hy
     assert outputs == expected
 
 
-def _assert_logprobs_match_hf(path: str, prompts: list[list[int]], outputs: list) -> None:
+def assert_logprobs_match_hf(path: str, prompts: list[list[int]], outputs: list) -> None:
     """Every sequence's sampled tokens scored by HF's model over the whole text (teacher forcing):
     a fork that started from any state but its parent's after the prompt would score otherwise."""
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -310,7 +314,7 @@ def test_sampled_siblings_each_continue_the_prompts_state(
     outputs = llm.generate(prompt_token_ids=pair, sampling_params=params, use_tqdm=False)
     for output in outputs:
         assert len({tuple(c.token_ids) for c in output.outputs}) == 3  # three different paths
-    _assert_logprobs_match_hf(path, pair, outputs)
+    assert_logprobs_match_hf(path, pair, outputs)
     _assert_state_slots_free(llm)
 
 
@@ -348,7 +352,7 @@ def test_forked_siblings_survive_preemption_by_swap(qwen3_next) -> None:
     pair = [prompts[4], prompts[5]]  # 30 and 31 tokens: two groups of two outgrow 24 blocks
     outputs = llm.generate(prompt_token_ids=pair, sampling_params=params, use_tqdm=False)
     assert llm.llm_engine.engine_core.scheduler.num_preemptions[PreemptionMode.SWAP] >= 1
-    _assert_logprobs_match_hf(path, pair, outputs)
+    assert_logprobs_match_hf(path, pair, outputs)
     _assert_state_slots_free(llm)
 
 
@@ -431,7 +435,7 @@ def test_state_cache_comes_out_of_the_kv_budget() -> None:
 def test_mamba_projection_loader_splits_parts_and_keeps_a_per_tensor_scale_whole() -> None:
     """One rank of one: the in_proj's parts load in place; a quantized projection's per-tensor
     scale (one value, not one per row) loads whole rather than split by part."""
-    mixer = Mamba2Mixer(NemotronHConfig(**TINY_NEMOTRON_H))
+    mixer = Mamba2Mixer(Mamba2Spec.from_nemotron_h(NemotronHConfig(**TINY_NEMOTRON_H)))
     weight = mixer.in_proj.weight
     checkpoint = torch.randn(weight.shape)
     weight.weight_loader(weight, checkpoint)

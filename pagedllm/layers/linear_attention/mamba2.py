@@ -1,10 +1,11 @@
-"""The Mamba-2 mixer (Dao and Gu, ICML 2024) of Mamba-2 hybrids (Nemotron-H), over a flattened
-batch of requests each with its own state.
+"""The Mamba-2 mixer (Dao and Gu, ICML 2024) of Mamba-2 hybrids (Nemotron-H, Granite 4.0-H), over
+a flattened batch of requests each with its own state.
 
 Per token: one input projection to [z (d_inner) | x B C (d_inner + 2 n_groups d_state) | dt
-(heads)]; a causal depthwise conv1d with bias and SiLU over x B C; the SSD recurrence (ssd.py)
-with dt = max(softplus(dt + dt_bias), time_step_min) and A = -exp(A_log); y * silu(z), RMS-normed
-per group of d_inner / n_groups; the output projection. The state per request is the conv window
+(heads)]; a causal depthwise conv1d with SiLU over x B C; the SSD recurrence (ssd.py) with dt =
+softplus(dt + dt_bias) clamped to the time-step limits and A = -exp(A_log); y * silu(z),
+RMS-normed per group of d_inner / n_groups; the output projection. The families' configs name
+the sizes differently (``Mamba2Spec``). The state per request is the conv window
 [conv_dim, kernel - 1] and h [heads, head_dim, d_state] (mixer.py runs the step's sequences). On
 CUDA a decode step is two Triton kernels updating the rows in place (the conv's and the SSD's,
 kernels/triton/ssd.py); the prefill's conv is the varlen kernel, its recurrence the torch chunk
@@ -20,6 +21,7 @@ all-reduce sums the ranks' parts. The checkpoint's fused in_proj and conv are sp
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -54,22 +56,60 @@ class GroupedRMSNormGated(nn.Module):
         return torch.mul(self.weight, normed.view_as(gated).to(x.dtype), out=out)
 
 
+@dataclass(frozen=True)
+class Mamba2Spec:
+    """A Mamba-2 layer's sizes and switches, whichever names its family's config gives them
+    (``heads_field`` and ``groups_field``: the config's names of the counts, for the refusals)."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    n_groups: int
+    state_size: int
+    conv_kernel: int
+    conv_bias: bool
+    proj_bias: bool
+    chunk_size: int
+    time_step_limit: tuple[float, float]
+    norm_eps: float
+    heads_field: str
+    groups_field: str
+
+    @classmethod
+    def from_nemotron_h(cls, config: PretrainedConfig) -> Mamba2Spec:
+        return cls(
+            config.hidden_size, config.mamba_num_heads, config.mamba_head_dim, config.n_groups,
+            config.ssm_state_size, config.conv_kernel, config.use_conv_bias, config.use_bias,
+            config.chunk_size, (config.time_step_min, float("inf")), config.layer_norm_epsilon,
+            "mamba_num_heads", "n_groups",
+        )  # fmt: skip
+
+    @classmethod
+    def from_granite(cls, config: PretrainedConfig) -> Mamba2Spec:
+        """Granite 4.0-H (GraniteMoeHybrid), Bamba."""
+        low, high = config.time_step_limit
+        return cls(
+            config.hidden_size, config.mamba_n_heads, config.mamba_d_head, config.mamba_n_groups,
+            config.mamba_d_state, config.mamba_d_conv, config.mamba_conv_bias, config.mamba_proj_bias,
+            config.mamba_chunk_size, (float(low), float(high)), config.rms_norm_eps,
+            "mamba_n_heads", "mamba_n_groups",
+        )  # fmt: skip
+
+
 class Mamba2Mixer(StatefulMixer):
-    """Args: from the config: ``hidden_size``, ``mamba_num_heads``, ``mamba_head_dim``,
-    ``n_groups``, ``ssm_state_size``, ``conv_kernel``, ``use_conv_bias``, ``use_bias``,
-    ``chunk_size``, ``time_step_min``, ``layer_norm_epsilon``."""
+    """A Mamba-2 layer of ``spec``'s sizes, this rank's heads and groups of it."""
 
     has_triton_decode = True
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, spec: Mamba2Spec) -> None:
         super().__init__()
         tp_size = get_tensor_model_parallel_world_size()
-        check_mamba_split(config, tp_size)
-        self.num_heads = divide(config.mamba_num_heads, tp_size)  # this rank's
-        self.n_groups = divide(config.n_groups, tp_size)
-        self.head_dim, self.state_size = config.mamba_head_dim, config.ssm_state_size
-        self.chunk_size = config.chunk_size
-        self.time_step_min = config.time_step_min
+        check_mamba_split(spec, tp_size)
+        self.num_heads = divide(spec.num_heads, tp_size)  # this rank's
+        self.n_groups = divide(spec.n_groups, tp_size)
+        self.head_dim, self.state_size = spec.head_dim, spec.state_size
+        self.chunk_size = spec.chunk_size
+        self.time_step_limit = spec.time_step_limit
         self.d_inner = self.num_heads * self.head_dim
         group_dim = self.n_groups * self.state_size
         conv_dim = self.d_inner + 2 * group_dim
@@ -77,11 +117,9 @@ class Mamba2Mixer(StatefulMixer):
         # conv's [x | B | C].
         in_proj_parts = (self.d_inner, self.d_inner, group_dim, group_dim, self.num_heads)
         total = sum(in_proj_parts) * tp_size
-        self.in_proj = ColumnParallelLinear(config.hidden_size, total, bias=config.use_bias)
+        self.in_proj = ColumnParallelLinear(spec.hidden_size, total, bias=spec.proj_bias)
         # Its weight and bias only: the conv runs in conv1d.py.
-        self.conv1d = nn.Conv1d(
-            conv_dim, conv_dim, config.conv_kernel, groups=conv_dim, bias=config.use_conv_bias
-        )
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, spec.conv_kernel, groups=conv_dim, bias=spec.conv_bias)
         self.conv1d.requires_grad_(False)
         self.conv_splits = (conv_dim,)
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
@@ -89,9 +127,9 @@ class Mamba2Mixer(StatefulMixer):
         self.D = nn.Parameter(torch.empty(self.num_heads), requires_grad=False)
         # The norm's groups are whole on each rank: a rank's d_inner holds n_groups / tp of them.
         self.norm = GroupedRMSNormGated(
-            self.d_inner, config.mamba_num_heads * self.head_dim // config.n_groups, config.layer_norm_epsilon
+            self.d_inner, spec.num_heads * self.head_dim // spec.n_groups, spec.norm_eps
         )
-        self.out_proj = RowParallelLinear(self.d_inner * tp_size, config.hidden_size, bias=config.use_bias)
+        self.out_proj = RowParallelLinear(self.d_inner * tp_size, spec.hidden_size, bias=spec.proj_bias)
         for param, parts in (
             (self.in_proj.weight, in_proj_parts),
             (self.in_proj.bias, in_proj_parts),
@@ -104,25 +142,22 @@ class Mamba2Mixer(StatefulMixer):
         ):
             if param is not None:
                 param.weight_loader = _sharded_loader(parts)
-        self.state_shape = self.state_shape_of(config, tp_size)
+        self.state_shape = self.state_shape_of(spec, tp_size)
 
     @staticmethod
-    def state_shape_of(config: PretrainedConfig, tp_size: int) -> LayerStateShape:
+    def state_shape_of(spec: Mamba2Spec, tp_size: int) -> LayerStateShape:
         """The state one request keeps in such a layer on one of ``tp_size`` ranks."""
-        check_mamba_split(config, tp_size)
-        heads, groups = config.mamba_num_heads // tp_size, config.n_groups // tp_size
-        d_inner = heads * config.mamba_head_dim
-        conv_dim = d_inner + 2 * groups * config.ssm_state_size
-        return LayerStateShape(
-            (conv_dim, config.conv_kernel - 1), (heads, config.mamba_head_dim, config.ssm_state_size)
-        )
+        check_mamba_split(spec, tp_size)
+        heads, groups = spec.num_heads // tp_size, spec.n_groups // tp_size
+        conv_dim = heads * spec.head_dim + 2 * groups * spec.state_size
+        return LayerStateShape((conv_dim, spec.conv_kernel - 1), (heads, spec.head_dim, spec.state_size))
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states: [num_tokens, hidden_size] -> same shape."""
         z, xbc, dt = self.in_proj(hidden_states).split(
             [self.d_inner, self.d_inner + 2 * self.n_groups * self.state_size, self.num_heads], dim=-1
         )
-        dt = F.softplus(dt.float() + self.dt_bias).clamp(min=self.time_step_min)
+        dt = F.softplus(dt.float() + self.dt_bias).clamp(*self.time_step_limit)
         out = hidden_states.new_empty(hidden_states.shape[0], self.d_inner)
         # The recurrence's parts ([tokens, heads, head_dim] each) normed into one output.
         return self.out_proj(norm_into(self.norm, self.mix(xbc, (dt,)), z, out))
@@ -176,10 +211,12 @@ def _sharded_loader(parts: tuple[int, ...]) -> Callable[..., None]:
     return load
 
 
-def check_mamba_split(config: PretrainedConfig, tp_size: int) -> None:
+def check_mamba_split(spec: Mamba2Spec, tp_size: int) -> None:
     """Refuse head and group counts the ranks cannot split (nor the heads their groups)."""
-    heads, groups = config.mamba_num_heads, config.n_groups
+    heads, groups = spec.num_heads, spec.n_groups
     if heads % groups:
-        raise ValueError(f"mamba_num_heads ({heads}) must be a multiple of n_groups ({groups})")
+        raise ValueError(f"{spec.heads_field} ({heads}) must be a multiple of {spec.groups_field} ({groups})")
     if groups % tp_size:
-        raise ValueError(f"n_groups ({groups}) must be divisible by tensor_parallel_size ({tp_size})")
+        raise ValueError(
+            f"{spec.groups_field} ({groups}) must be divisible by tensor_parallel_size ({tp_size})"
+        )
