@@ -11,7 +11,7 @@ from pagedllm.models.gemma import GemmaForCausalLM
 from pagedllm.models.glm4_moe import Glm4MoeForCausalLM
 from pagedllm.models.gpt2 import GPT2LMHeadModel
 from pagedllm.models.gpt_oss import GptOssForCausalLM
-from pagedllm.models.granitemoehybrid import GraniteMoeHybridForCausalLM
+from pagedllm.models.granitemoehybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM
 from pagedllm.models.llama import LlamaForCausalLM
 from pagedllm.models.mixtral import MixtralForCausalLM
 from pagedllm.models.nemotron_h import NemotronHForCausalLM
@@ -44,6 +44,7 @@ _MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # DeepSeek-V3, R1, Kimi-K2
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,  # IBM Granite 4.0-H
+    "BambaForCausalLM": BambaForCausalLM,
 }
 
 # Bare decoders (transformers' *Model, no LM head): checkpoints of embedding models such as
@@ -84,6 +85,7 @@ _MODEL_TYPE_ARCHITECTURES = {
     "kimi_k2": "DeepseekV3ForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
+    "bamba": "BambaForCausalLM",
 }
 
 
@@ -106,6 +108,7 @@ def get_supported_architectures() -> list[str]:
 
 
 __all__ = [
+    "BambaForCausalLM",
     "BloomForCausalLM",
     "DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM",

@@ -1,5 +1,5 @@
-"""IBM Granite 4.0-H (``GraniteMoeHybridForCausalLM``): a Mamba-2 hybrid, as Hugging Face
-transformers computes it.
+"""IBM Granite 4.0-H (``GraniteMoeHybridForCausalLM``) and its forerunner Bamba
+(``BambaForCausalLM``): Mamba-2 hybrids, as Hugging Face transformers computes them.
 
 Every layer is two pre-norm residual blocks: a mixer that ``layer_types`` names, Mamba-2
 (``linear_attention``, layers/linear_attention/mamba2.py, its state in the state cache beside
@@ -15,6 +15,10 @@ times ``residual_multiplier`` before its residual add, attention scores times
 Checkpoints store each MoE's experts stacked (``block_sparse_moe.input_linear`` [E, 2I, H], gate
 rows then up rows; ``output_linear`` [E, H, I]; ``router.layer``), and the shared MLP's gate and
 up projections as one ``input_linear``.
+
+Bamba is the dense case with every scaling 1 and rotary attention (on part of each head,
+``partial_rotary_factor``): its ``feed_forward`` MLP (gate, up, down), ``pre_ff_layernorm`` and
+``final_layernorm`` load as the shared MLP, the post-mixer norm and the final norm.
 """
 
 from __future__ import annotations
@@ -100,12 +104,12 @@ class GraniteMoeHybridLayer(nn.Module):
         if self.block_type == MAMBA:
             self.mamba = Mamba2Mixer(Mamba2Spec.from_granite(config))
         elif self.block_type == ATTENTION:
-            rope = config.position_embedding_type == "rope"
+            rope = getattr(config, "position_embedding_type", "rope") == "rope"  # Bamba's: always
             options = AttentionOptions(
                 qkv_bias=config.attention_bias,
                 o_bias=config.attention_bias,
                 qk_norm=False,
-                scale=config.attention_multiplier,
+                scale=getattr(config, "attention_multiplier", None),  # None: head_dim ** -0.5
             )
             self.self_attn = LlamaAttention(
                 config, rotary_embedding(config) if rope else None, attn_backend, options=options
@@ -114,11 +118,14 @@ class GraniteMoeHybridLayer(nn.Module):
             raise ValueError(
                 f"layer_types[{layer_index}] is {self.block_type!r}; supported: {[MAMBA, ATTENTION]}"
             )
-        self.block_sparse_moe = GraniteMoeBlock(config) if config.num_local_experts > 0 else None
-        self.shared_mlp = GraniteSharedMLP(config.hidden_size, config.shared_intermediate_size)
+        experts = getattr(config, "num_local_experts", 0) > 0
+        self.block_sparse_moe = GraniteMoeBlock(config) if experts else None
+        # Bamba's MLP is intermediate_size wide (Granite's intermediate_size is an expert's).
+        width = getattr(config, "shared_intermediate_size", None) or config.intermediate_size
+        self.shared_mlp = GraniteSharedMLP(config.hidden_size, width)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.residual_multiplier = config.residual_multiplier
+        self.residual_multiplier = getattr(config, "residual_multiplier", 1.0)
 
     def forward(
         self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None
@@ -143,7 +150,7 @@ class GraniteMoeHybridModel(DecoderModel):
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.embed_scale = config.embedding_multiplier
+        self.embed_scale = getattr(config, "embedding_multiplier", None)
         self.layers = make_stage_layers(
             config.num_hidden_layers, lambda i: GraniteMoeHybridLayer(config, i, attn_backend)
         )
@@ -163,7 +170,7 @@ class GraniteMoeHybridForCausalLM(Mamba2HybridForCausalLM):
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         super().__init__()
         _check_activation(config)
-        self.logits_scaling = config.logits_scaling
+        self.logits_scaling = getattr(config, "logits_scaling", 1.0)
         self.model = GraniteMoeHybridModel(config, attn_backend)
         self.init_lm_head(config, self.model.embed_tokens)
 
@@ -174,4 +181,24 @@ class GraniteMoeHybridForCausalLM(Mamba2HybridForCausalLM):
         for ckpt_part, part in _RENAMES:
             if ckpt_part in ckpt_name:
                 return ckpt_name.replace(ckpt_part, part), None
+        return super()._param_name(ckpt_name)
+
+
+# Bamba's checkpoint names -> Granite's (then ours, as above).
+_BAMBA_RENAMES = (
+    (".feed_forward.gate_proj.", ".shared_mlp.gate_up_proj.", 0),
+    (".feed_forward.up_proj.", ".shared_mlp.gate_up_proj.", 1),
+    (".feed_forward.down_proj.", ".shared_mlp.down_proj.", None),
+    (".pre_ff_layernorm.", ".post_attention_layernorm.", None),
+    ("model.final_layernorm.", "model.norm.", None),
+)
+
+
+class BambaForCausalLM(GraniteMoeHybridForCausalLM):
+    rotary: ClassVar[bool] = True
+
+    def _param_name(self, ckpt_name: str) -> tuple[str, int | str | None]:
+        for ckpt_part, part, shard_id in _BAMBA_RENAMES:
+            if ckpt_part in ckpt_name:
+                return ckpt_name.replace(ckpt_part, part), shard_id
         return super()._param_name(ckpt_name)

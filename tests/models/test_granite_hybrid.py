@@ -1,6 +1,6 @@
 """IBM Granite 4.0-H (GraniteMoeHybrid: Mamba-2 and attention layers, routed experts plus a
-shared MLP, Granite's embedding, residual, attention and logits scalings) against Hugging Face
-``generate`` in float32 on the CPU: a ragged batch over chunked prefills, with and without rotary
+shared MLP, Granite's embedding, residual, attention and logits scalings) and Bamba against
+Hugging Face ``generate`` in float32 on the CPU: a ragged batch over chunked prefills, with and without rotary
 positions and experts, under two tensor-parallel ranks, and the refusals."""
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from collections.abc import Callable
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig
+from transformers import AutoModelForCausalLM, BambaConfig, GraniteMoeHybridConfig
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.models import get_model_class
-from pagedllm.models.granitemoehybrid import GraniteMoeHybridForCausalLM
+from pagedllm.models.granitemoehybrid import BambaForCausalLM, GraniteMoeHybridForCausalLM
 from tests.models.test_hybrid import (
     assert_each_of_two_ranks_keeps_its_part_of_the_state,
     assert_logprobs_match_hf,
@@ -48,10 +48,22 @@ TINY_GRANITE = dict(
     attention_multiplier=0.3,
     logits_scaling=0.5,
 )
+# Bamba: Granite 4.0-H's forerunner, its own names (``feed_forward``, ``pre_ff_layernorm``,
+# ``final_layernorm``), rotary on half of each head, no scalings.
+TINY_BAMBA = {
+    key: value
+    for key, value in TINY_GRANITE.items()
+    if key.startswith("mamba_")
+    or key in ("vocab_size", "hidden_size", "num_hidden_layers")
+    or key in ("num_attention_heads", "num_key_value_heads", "max_position_embeddings")
+}
 CASES = {
-    "moe-nope": {},
-    # Rotary attention, no experts (the shared MLP alone: Bamba's and the dense Granite-4.0-H's).
-    "dense-rope": {"position_embedding_type": "rope", "num_local_experts": 0},
+    "moe-nope": lambda: GraniteMoeHybridConfig(**TINY_GRANITE),
+    # Rotary attention, no experts (the shared MLP alone: the dense Granite-4.0-H's).
+    "dense-rope": lambda: GraniteMoeHybridConfig(
+        **{**TINY_GRANITE, "position_embedding_type": "rope", "num_local_experts": 0}
+    ),
+    "bamba": lambda: BambaConfig(**TINY_BAMBA, attn_layer_indices=[1], intermediate_size=96),
 }
 
 
@@ -73,16 +85,24 @@ def _tokens(outputs: list) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-@pytest.fixture(scope="module", params=list(CASES))
-def granite(request: pytest.FixtureRequest, make_hybrid_reference: Callable):
-    config = GraniteMoeHybridConfig(**{**TINY_GRANITE, **CASES[request.param]})
-    assert config.layer_types == [
-        "linear_attention",
-        "full_attention",
-        "linear_attention",
-        "linear_attention",
-    ]
-    return make_hybrid_reference(config, PROMPT_LENS, MAX_TOKENS)
+@pytest.fixture(scope="module")
+def reference(make_hybrid_reference: Callable) -> Callable[[str], tuple]:
+    """reference(case) -> (model directory, prompts, HF's greedy tokens), made once per case."""
+    made: dict[str, tuple] = {}
+
+    def make(case: str) -> tuple:
+        if case not in made:
+            config = CASES[case]()
+            assert config.layer_types == ["linear_attention", "full_attention"] + ["linear_attention"] * 2
+            made[case] = make_hybrid_reference(config, PROMPT_LENS, MAX_TOKENS)
+        return made[case]
+
+    return make
+
+
+@pytest.fixture(params=list(CASES))
+def granite(request: pytest.FixtureRequest, reference: Callable) -> tuple:
+    return reference(request.param)
 
 
 def test_greedy_matches_hf_over_chunked_prefills_and_a_ragged_batch(granite) -> None:
@@ -96,6 +116,7 @@ def test_greedy_matches_hf_over_chunked_prefills_and_a_ragged_batch(granite) -> 
     assert pool is not None and pool.get_num_free_slots() == pool.num_slots
 
 
+@pytest.mark.slow  # two engine processes a case; Nemotron-H's always-run test splits the same mixer
 def test_two_tensor_parallel_ranks_match_hf(granite) -> None:
     """Each rank keeps its Mamba-2 heads' and groups' part of the state, its experts' slice of
     every expert's width and its KV heads: HF's greedy tokens."""
@@ -108,14 +129,15 @@ def test_two_tensor_parallel_ranks_match_hf(granite) -> None:
         llm.llm_engine.shutdown()
 
 
-def test_transformers_in_memory_names_load_too(granite, tmp_path) -> None:
+def test_transformers_in_memory_names_load_too(reference: Callable, tmp_path) -> None:
     """A checkpoint written from the HF module's own state dict (``experts.gate_up_proj``,
-    ``router.weight``), not through save_pretrained's conversion: the same tokens."""
-    path, prompts, expected = granite
+    ``router.weight``), not through save_pretrained's conversion: the same tokens. (Only the
+    experts' names differ: the MoE case.)"""
+    path, prompts, expected = reference("moe-nope")
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     state = {name: tensor.contiguous() for name, tensor in hf_model.state_dict().items()}
-    if hf_model.config.num_local_experts:
-        assert any(".experts.gate_up_proj" in name for name in state)
+    assert any(".experts.gate_up_proj" in name for name in state)
+    assert any(".router.weight" in name for name in state)
     for name in ("config.json", "generation_config.json"):
         shutil.copy(f"{path}/{name}", tmp_path / name)
     save_file(state, tmp_path / "model.safetensors")
@@ -126,6 +148,7 @@ def test_transformers_in_memory_names_load_too(granite, tmp_path) -> None:
 def test_the_architecture_and_its_model_type_resolve() -> None:
     assert get_model_class(["GraniteMoeHybridForCausalLM"]) is GraniteMoeHybridForCausalLM
     assert get_model_class([], "granitemoehybrid") is GraniteMoeHybridForCausalLM
+    assert get_model_class(["BambaForCausalLM"]) is get_model_class([], "bamba") is BambaForCausalLM
 
 
 def test_state_shapes_follow_granite_s_field_names() -> None:

@@ -51,7 +51,6 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 from pagedllm.platform import platform_for
@@ -540,6 +539,9 @@ def _launch_gemm(
     strides = b.stride()
     weights_tma = weights_by_tma(b)
     if weights_tma:
+        # Imported here: only this path needs host-side descriptors, which older Triton lacks.
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
         b = TensorDescriptor.from_tensor(b.view(-1, b.shape[2]), [block_n, launch.block_k])
     _moe_gemm_kernel[grid](
         a, b, c, topk_weights, sorted_token_ids, expert_ids, num_post_padded,
