@@ -71,6 +71,7 @@ def test_two_context_ranks_give_hf_greedy_tokens(
         llm.llm_engine.shutdown()
 
 
+@pytest.mark.slow
 def test_context_ranks_with_tensor_parallel_ranks_and_preemption(
     make_tiny_model_once, random_prompts, assert_every_block_free
 ):
@@ -116,6 +117,7 @@ def test_context_ranks_with_tensor_parallel_ranks_and_preemption(
             tight.llm_engine.shutdown()
 
 
+@pytest.mark.slow
 def test_each_rank_caches_its_stripe_of_the_context(make_tiny_model_once):
     """A 30-token prompt at CP=2: each rank writes 15 slots, positions of its own parity, and the
     two ranks' caches together hold exactly the single rank's K (bit for bit in float32)."""

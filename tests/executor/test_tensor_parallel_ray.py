@@ -195,6 +195,7 @@ def test_an_eagle3_head_sharded_over_the_nodes_drafts_as_one_rank(
         two.llm_engine.shutdown()
 
 
+@pytest.mark.slow
 def test_one_pipeline_stage_per_node_gives_the_tokens_of_one_rank(
     two_node_cluster, make_tiny_model_once, random_prompts, assert_every_block_free
 ):

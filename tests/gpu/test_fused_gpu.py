@@ -28,7 +28,9 @@ from transformers import MixtralConfig, Qwen3Config, Qwen3MoeConfig
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.layers.activation import SigmoidGate, SiluAndMul
 from pagedllm.layers.layernorm import RMSNorm
+from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.rotary_embedding import RotaryEmbedding
+from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from pagedllm.model_loader import get_model
 
 pytestmark = pytest.mark.gpu
@@ -166,6 +168,25 @@ def test_sigmoid_gate_within_an_ulp(num_tokens: int, dtype: torch.dtype) -> None
     torch.testing.assert_close(out, expected, atol=finfo.eps * finfo.tiny, rtol=ulps * finfo.eps)
     if dtype != torch.float32:
         assert (out != expected).float().mean() < 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_logits_are_written_in_float32_by_the_matmul(dtype: torch.dtype) -> None:
+    """On one CUDA rank in 16 bits the LM head's product writes float32 (``forward_cuda``): as
+    close to the float32 product as the widened model-dtype logits, or closer, at W6's vocabulary."""
+    torch.manual_seed(0)
+    vocab, hidden_size = 151_936, 2048
+    head = VocabParallelEmbedding(vocab, hidden_size).to(DEVICE, dtype)
+    head.weight.data.normal_()
+    processor = LogitsProcessor(vocab).to(DEVICE, dtype)
+    assert processor.forward_method == processor.forward_cuda
+    hidden = torch.randn(256, hidden_size, device=DEVICE, dtype=dtype) / hidden_size**0.5
+    exact = hidden.float() @ head.weight.float().T
+    logits = processor(head, hidden)
+    assert logits.dtype == torch.float32 and logits.shape == (256, vocab)
+    widened = processor.forward_torch(head, hidden)
+    assert (logits - exact).abs().max() <= (widened - exact).abs().max()
+    torch.testing.assert_close(logits, exact, atol=1e-2, rtol=1e-2)
 
 
 def test_layers_replay_in_a_cuda_graph() -> None:

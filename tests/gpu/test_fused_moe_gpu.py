@@ -18,7 +18,8 @@ if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 pytest.importorskip("triton", reason="the fused MoE kernel needs the triton package")
 
 from pagedllm.entrypoints.bench import moe as bench_moe
-from pagedllm.kernels.triton.fused_moe import _launch_gemm, default_launch, fused_moe, moe_align_block_size
+from pagedllm.kernels.triton.fused_moe import _launch_gemm, default_launch, fused_moe
+from pagedllm.kernels.triton.moe_align import moe_align_block_size
 from pagedllm.layers.fused_moe import FusedMoE, fused_experts_torch, select_experts
 
 pytestmark = pytest.mark.gpu

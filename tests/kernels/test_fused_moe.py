@@ -15,13 +15,14 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton", reason="the fused MoE kernel needs the triton package")
 
+from pagedllm.kernels.triton import moe_align
 from pagedllm.kernels.triton.fused_moe import (
     MoeLaunch,
     default_launch,
     fused_moe,
     invariant_launch,
-    moe_align_block_size,
 )
+from pagedllm.kernels.triton.moe_align import moe_align_block_size
 from pagedllm.layers.fused_moe import fused_experts_torch, select_experts
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -142,15 +143,35 @@ def test_torch_path_matches_the_per_token_definition() -> None:
     torch.testing.assert_close(fused_experts_torch(x, w13, w2, weights, ids), expected, atol=1e-5, rtol=1e-5)
 
 
-# Past 1,024 pairs the count and place kernels run several programs; (3, 300, 2, 32) has more
-# experts than pairs; (700, 4, 2, 128) one expert's run long enough that padding fills span programs.
+class _LaunchSpy:
+    """Stands in for a kernel: notes each launch's name, then launches it."""
+
+    def __init__(self, name: str, kernel, launched: list[str]) -> None:
+        self.name, self.kernel, self.launched = name, kernel, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
+
+
+# Past 1,024 pairs the count and place kernels run several programs, and the one-program kernel
+# loops; (3, 300, 2, 32) has more experts than pairs; (700, 4, 2, 128) one expert's run long enough
+# that padding fills span programs. Each case runs both launch shapes (the pair count chooses).
+@pytest.mark.parametrize("one_program", [True, False], ids=["one-program", "three-kernels"])
 @pytest.mark.parametrize(
     "num_tokens,num_experts,top_k,block_m",
     [(1, 4, 1, 16), (37, 8, 2, 16), (50, 64, 8, 32), (3, 300, 2, 32), (300, 128, 8, 16), (700, 4, 2, 128)],
 )
-def test_align_block_size_sorts_and_pads_each_expert(num_tokens, num_experts, top_k, block_m) -> None:
+def test_align_block_size_sorts_and_pads_each_expert(
+    num_tokens, num_experts, top_k, block_m, one_program, monkeypatch
+) -> None:
+    monkeypatch.setattr(moe_align, "ONE_PROGRAM_PAIRS", 1 << 30 if one_program else 0)
+    launched: list[str] = []
+    for name in ("_moe_align_one_program_kernel", "_moe_count_kernel"):
+        monkeypatch.setattr(moe_align, name, _LaunchSpy(name, getattr(moe_align, name), launched))
     _, _, _, _, ids = _inputs(num_tokens, num_experts, top_k, 16, 16, torch.float32, seed=num_tokens)
     sorted_ids, expert_ids, num_post_padded = moe_align_block_size(ids, block_m, num_experts)
+    assert launched == ["_moe_align_one_program_kernel" if one_program else "_moe_count_kernel"]
     num_pairs = num_tokens * top_k
     flat = ids.flatten().tolist()
     counts = [flat.count(e) for e in range(num_experts)]

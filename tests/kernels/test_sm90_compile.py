@@ -40,6 +40,7 @@ def test_every_kernel_launch_compiles_for_sm90() -> None:
         "_moe_count_kernel",
         "_moe_offsets_kernel",
         "_moe_place_kernel",
+        "_moe_align_one_program_kernel",
         "_moe_sum_kernel",
         "_topk_softmax_kernel",
         "_rms_norm_kernel",

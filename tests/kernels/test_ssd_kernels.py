@@ -12,7 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from transformers import NemotronHConfig
+from transformers import GraniteMoeHybridConfig, NemotronHConfig
 
 from pagedllm.attention.forward_context import set_forward_context
 from pagedllm.kernels.triton.ssd import ssd_state_update
@@ -75,22 +75,38 @@ def test_ssd_state_update_with_no_sequences() -> None:
     assert out.shape == (0, 2, 4) and torch.equal(state, torch.zeros_like(state))
 
 
+# Both families' field names: Nemotron-H's, and Granite 4.0-H's (Bamba's) with its conv bias, its
+# time-step limits and chunks of 16.
+SPECS = {
+    "nemotron-h": lambda: Mamba2Spec.from_nemotron_h(
+        NemotronHConfig(
+            hidden_size=48, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=24,
+            conv_kernel=4, chunk_size=8, num_hidden_layers=1,
+        )
+    ),
+    "granite-4.0-h": lambda: Mamba2Spec.from_granite(
+        GraniteMoeHybridConfig(
+            hidden_size=48, mamba_n_heads=6, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16,
+            mamba_chunk_size=16, num_hidden_layers=1, layer_types=["mamba"],
+        )
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(SPECS))
 def test_the_mamba2_layer_decodes_on_the_kernels_as_on_its_torch_path(
-    monkeypatch: pytest.MonkeyPatch,
+    family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Mamba2Mixer bound to a Triton platform chooses the fused decode step (the conv's and the
     SSD's kernels); in a step of three decodes (one fresh, one on the scratch row) and a prefill
     chunk, it computes what its torch path does: output, conv windows and states."""
     from pagedllm.layers import custom_op
 
-    config = NemotronHConfig(
-        hidden_size=48, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=24,
-        conv_kernel=4, chunk_size=8, num_hidden_layers=1,
-    )  # fmt: skip
+    spec = SPECS[family]()
     platform = custom_op.platform_for(torch.device(DEVICE))
     with monkeypatch.context() as patch:
         patch.setattr(custom_op, "platform_for", lambda device: dataclasses.replace(platform, triton=True))
-        on_kernels = Mamba2Mixer(Mamba2Spec.from_nemotron_h(config)).to(DEVICE)
+        on_kernels = Mamba2Mixer(spec).to(DEVICE)
     assert on_kernels.forward_method == on_kernels._decode_triton
     on_torch = copy.deepcopy(on_kernels)
     on_torch.forward_method, on_torch.conv_prefill = on_torch._decode_torch, on_torch._conv_prefill_torch
@@ -106,7 +122,7 @@ def test_the_mamba2_layer_decodes_on_the_kernels_as_on_its_torch_path(
     for layer in (on_kernels, on_torch):
         layer.bind_state(conv_state.clone().to(DEVICE), ssm_state.clone().to(DEVICE))
     md = step_metadata([(1, 5, 2), (1, 1, 0), (1, 9, -1), (7, 7, 4)], num_decodes=3)
-    hidden = torch.randn(10, 48, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    hidden = torch.randn(10, spec.hidden_size, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     with set_forward_context(md), torch.no_grad():
         out, expected = on_kernels(hidden), on_torch(hidden)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq, get_rope_parameters
 from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from pagedllm.platform import platform_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -272,6 +274,20 @@ def test_logits_are_float32_over_the_vocabulary() -> None:
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, (hidden @ table.T).float())
     assert torch.equal(embedding(torch.tensor([3, 0, 9])), table[[3, 0, 9]])
+
+
+def test_logits_widen_inside_the_matmul_only_on_one_cuda_rank_in_16_bits() -> None:
+    """Where cuBLAS can write float32 from its accumulators (one CUDA rank, a 16-bit model), the
+    logits skip the copy that widens them; elsewhere (the CPU, float32, a sharded vocabulary) the
+    reference path runs. The CUDA path's values are checked on the GPU (tests/gpu/test_fused_gpu.py)."""
+    processor = LogitsProcessor(10)
+    cpu = platform_for(torch.device("cpu"))
+    cuda = dataclasses.replace(cpu, device_type="cuda", device_capability=(9, 0))
+    assert processor.forward_method == processor.forward_torch
+    assert processor.dispatch_forward(cuda, torch.bfloat16) == processor.forward_cuda
+    assert processor.dispatch_forward(cuda, torch.float16) == processor.forward_cuda
+    assert processor.dispatch_forward(cuda, torch.float32) == processor.forward_torch
+    assert processor.dispatch_forward(cpu, torch.bfloat16) == processor.forward_torch
 
 
 @pytest.mark.slow

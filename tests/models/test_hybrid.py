@@ -318,6 +318,7 @@ def test_sampled_siblings_each_continue_the_prompts_state(
     _assert_state_slots_free(llm)
 
 
+@pytest.mark.slow
 def test_beam_search_equals_hf(qwen3_next) -> None:
     """Beams fork and end every step: each fork copies its beam's state before either goes on."""
     path, prompts, _ = qwen3_next

@@ -33,6 +33,7 @@ def test_prefill_groups_bound_the_padded_batch(
     assert [(g.start, g.stop) for g in cut] == groups
 
 
+@pytest.mark.slow
 def test_greedy_equals_hf_with_prefills_in_small_batches(
     monkeypatch: pytest.MonkeyPatch, greedy_reference: Callable
 ) -> None:

@@ -106,7 +106,8 @@ def _sweep(
 ) -> dict[str, Any]:
     """Every launch of the size's space: the whole fused MoE, and each GEMM on its own (they may
     want different tiles: K is the hidden size in the first, the expert width in the second)."""
-    from pagedllm.kernels.triton.fused_moe import _launch_gemm, fused_moe, moe_align_block_size
+    from pagedllm.kernels.triton.fused_moe import _launch_gemm, fused_moe
+    from pagedllm.kernels.triton.moe_align import moe_align_block_size
 
     num_tokens, top_k = ids.shape
     e, two_i, _ = w13.shape

@@ -3,16 +3,11 @@
 Algorithm (the sorted, block-aligned formulation of vLLM's ``fused_moe`` and MegaBlocks, Gale et
 al. 2022), for ``num_pairs = num_tokens * top_k`` routed pairs:
 
-1. ``moe_align_block_size`` (on the device, no host sync: three small kernels -- a histogram, the
-   runs' offsets, a placement by atomic cursors): group the pairs by expert
-   and pad each expert's run to a multiple of ``BLOCK_M``, so that every ``BLOCK_M`` tile of the
-   sorted list belongs to one expert. Padding entries hold ``num_pairs`` (masked everywhere).
-   The buffers have a fixed size given ``num_pairs`` -- ``num_pairs + min(E, num_pairs) *
-   (BLOCK_M - 1)`` rounded up to a tile -- so a decode step captures in a CUDA graph::
-
-       topk_ids (flat)    2 0 2 1 0 2            (E = 3, BLOCK_M = 4)
-       sorted_token_ids   1 4 . . | 3 . . . | 0 2 5 .      (. = padding; order within a run free)
-       expert_ids         0       | 1       | 2
+1. ``moe_align_block_size`` (``moe_align.py``, on the device, no host sync): group the pairs by
+   expert and pad each expert's run to a multiple of ``BLOCK_M``, so that every ``BLOCK_M`` tile
+   of the sorted list belongs to one expert. Padding entries hold ``num_pairs`` (masked
+   everywhere). The buffers have a fixed size given ``num_pairs``, so a decode step captures in a
+   CUDA graph.
 
 2. GEMM 1 (``GATED``): for each tile, ``act = silu(x @ gate_e^T) * (x @ up_e^T)``, with the gate
    and up columns of the tile in two accumulators over the same x tile, written to
@@ -52,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.triton.moe_align import moe_align_block_size
 from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 from pagedllm.platform import platform_for
 
@@ -226,136 +222,6 @@ def warm_up(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, max
         topk_ids = (torch.arange(num_tokens * top_k, device=device) % num_experts).view(num_tokens, top_k)
         topk_weights = torch.full((num_tokens, top_k), 1.0 / top_k, device=device)
         fused_moe(hidden_states, gate_up_proj, down_proj, topk_weights, topk_ids)
-
-
-def max_num_sorted(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Length of the sorted, padded pair list: each expert that gets pairs pads at most
-    ``block_m - 1`` entries, and at most ``min(num_experts, num_pairs)`` experts get any."""
-    padded = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return triton.cdiv(padded, block_m) * block_m
-
-
-@triton.jit(do_not_specialize=["num_pairs", "num_sorted"])
-def _moe_count_kernel(
-    topk_ids_ptr,
-    counts_ptr,
-    sorted_token_ids_ptr,
-    num_pairs,
-    num_experts,
-    num_sorted,
-    NUM_BINS: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Program p: add the expert histogram of pairs ``[p * BLOCK, (p + 1) * BLOCK)`` to ``counts``
-    (one atomic per expert), and fill its share of the sorted list with the padding value."""
-    pid = tl.program_id(0)
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
-    # Pairs past the end go to bin num_experts, which is dropped.
-    ids = tl.load(topk_ids_ptr + offs, mask=offs < num_pairs, other=num_experts).to(tl.int32)
-    bins = tl.arange(0, NUM_BINS)
-    tl.atomic_add(counts_ptr + bins, tl.histogram(ids, NUM_BINS).to(tl.int32), mask=bins < num_experts)
-    for start in range(pid * BLOCK, num_sorted, tl.num_programs(0) * BLOCK):
-        fill = start + tl.arange(0, BLOCK)
-        tl.store(
-            sorted_token_ids_ptr + fill, tl.full([BLOCK], 0, tl.int32) + num_pairs, mask=fill < num_sorted
-        )
-
-
-@triton.jit(do_not_specialize=["num_tiles"])
-def _moe_offsets_kernel(
-    counts_ptr,
-    cursor_ptr,
-    expert_ids_ptr,
-    num_post_padded_ptr,
-    num_experts,
-    num_tiles,
-    BLOCK_M: tl.constexpr,
-    NUM_BINS: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-):
-    """One program: each expert's run padded to a multiple of BLOCK_M, the runs' starts (the
-    cursors the placement advances), the end of the last run, and each tile's expert."""
-    bins = tl.arange(0, NUM_BINS)
-    counts = tl.load(counts_ptr + bins, mask=bins < num_experts, other=0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    tl.store(cursor_ptr + bins, ends - padded, mask=bins < num_experts)
-    tl.store(num_post_padded_ptr, tl.sum(padded, axis=0))
-    for start in range(0, num_tiles, BLOCK_T):
-        tiles = start + tl.arange(0, BLOCK_T)
-        # The tile's expert: how many runs end at or before its first row (tiles past the last
-        # run get num_experts - 1, and the GEMMs skip them before reading it).
-        ended = tl.sum(
-            ((ends[None, :] <= tiles[:, None] * BLOCK_M) & (bins[None, :] < num_experts)).to(tl.int32), 1
-        )
-        tl.store(expert_ids_ptr + tiles, tl.minimum(ended, num_experts - 1), mask=tiles < num_tiles)
-
-
-@triton.jit(do_not_specialize=["num_pairs"])
-def _moe_place_kernel(topk_ids_ptr, cursor_ptr, sorted_token_ids_ptr, num_pairs, BLOCK: tl.constexpr):
-    """Program p: each pair of its chunk takes the next free slot of its expert's run."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < num_pairs
-    ids = tl.load(topk_ids_ptr + offs, mask=mask, other=0)
-    slots = tl.atomic_add(cursor_ptr + ids, tl.full([BLOCK], 1, tl.int32), mask=mask)
-    tl.store(sorted_token_ids_ptr + slots, offs, mask=mask)
-
-
-# Pairs per program of the count and place kernels.
-_ALIGN_BLOCK = 1024
-
-
-def moe_align_block_size(
-    topk_ids: torch.Tensor, block_m: int, num_experts: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group the routed pairs by expert, each expert's run padded to a multiple of ``block_m``.
-
-    topk_ids: [num_tokens, top_k]. Returns ``sorted_token_ids`` [num_sorted] int32 (flattened pair
-    indices, ``num_pairs`` for padding), ``expert_ids`` [num_sorted // block_m] int32 (the expert
-    of each tile) and ``num_tokens_post_padded`` [1] int32 (where the tiles in use end), all on the
-    device of topk_ids, computed without a host sync: a histogram (one atomic per expert and
-    program), one program for the runs' offsets, and a placement by atomic cursors.
-
-    The order of pairs within an expert's run is whichever order the atomics took. Nothing depends
-    on it: each row of a GEMM tile is computed alone and written to its pair's own row, so the
-    MoE's output is the same, bit for bit, for every order.
-    """
-    flat_ids = topk_ids.flatten()
-    num_pairs = flat_ids.numel()
-    num_sorted = max_num_sorted(num_pairs, num_experts, block_m)
-    device = flat_ids.device
-    sorted_token_ids = torch.empty(num_sorted, dtype=torch.int32, device=device)
-    expert_ids = torch.empty(num_sorted // block_m, dtype=torch.int32, device=device)
-    num_post_padded = torch.empty(1, dtype=torch.int32, device=device)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=device)
-    cursor = torch.empty(num_experts, dtype=torch.int32, device=device)
-    num_bins = triton.next_power_of_2(num_experts + 1)  # one bin more, for the masked pairs
-    grid = (triton.cdiv(num_pairs, _ALIGN_BLOCK),)
-    _moe_count_kernel[grid](
-        flat_ids,
-        counts,
-        sorted_token_ids,
-        num_pairs,
-        num_experts,
-        num_sorted,
-        NUM_BINS=num_bins,
-        BLOCK=_ALIGN_BLOCK,
-    )
-    _moe_offsets_kernel[(1,)](
-        counts,
-        cursor,
-        expert_ids,
-        num_post_padded,
-        num_experts,
-        expert_ids.numel(),
-        BLOCK_M=block_m,
-        NUM_BINS=num_bins,
-        # A [BLOCK_T, NUM_BINS] comparison of 8K elements per iteration.
-        BLOCK_T=max(16, 8192 // num_bins),
-        num_warps=8,
-    )
-    _moe_place_kernel[grid](flat_ids, cursor, sorted_token_ids, num_pairs, BLOCK=_ALIGN_BLOCK)
-    return sorted_token_ids, expert_ids, num_post_padded
 
 
 def fused_moe(
