@@ -5,6 +5,8 @@ positions and experts, under two tensor-parallel ranks, and the refusals."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import shutil
 from collections.abc import Callable
 
@@ -127,6 +129,58 @@ def test_two_tensor_parallel_ranks_match_hf(granite) -> None:
         assert_each_of_two_ranks_keeps_its_part_of_the_state(llm)
     finally:
         llm.llm_engine.shutdown()
+
+
+# The CPU configs widened to heads of 64, the Triton attention's smallest.
+WIDE_GRANITE = {
+    **TINY_GRANITE,
+    "hidden_size": 256,
+    "mamba_n_heads": 16,
+    "mamba_d_head": 32,
+    "mamba_d_state": 32,
+}
+WIDE_CASES = {
+    "moe-nope": lambda: GraniteMoeHybridConfig(**WIDE_GRANITE),
+    "bamba": lambda: BambaConfig(
+        **{key: WIDE_GRANITE[key] for key in TINY_BAMBA}, attn_layer_indices=[1], intermediate_size=96
+    ),
+}
+
+
+@pytest.mark.slow  # every kernel interpreted: about 12 s a case
+@pytest.mark.parametrize("case", list(WIDE_CASES))
+def test_the_triton_path_gives_hf_tokens_under_the_interpreter(
+    case: str, make_hybrid_reference: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a GPU runs -- Triton attention, norms, experts, the Mamba-2 conv and decode step -- on
+    the CPU under Triton's interpreter, the layers bound as on a Triton platform: HF's greedy
+    tokens over chunked prefills."""
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("runs the Triton kernels under Triton's interpreter, on the CPU")
+    from pagedllm.layers import custom_op
+
+    path, prompts, expected = make_hybrid_reference(WIDE_CASES[case](), (40, 1, 23), 8)
+    platform = custom_op.platform_for(torch.device("cpu"))
+    monkeypatch.setattr(custom_op, "platform_for", lambda device: dataclasses.replace(platform, triton=True))
+    llm = LLM(
+        path,
+        device="cpu",
+        dtype="float32",
+        attention_backend="triton",
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=32,
+        max_num_seqs=3,
+    )
+    # Bound to the kernels, not to their torch references.
+    assert llm.llm_engine.executor.collective_rpc(_mixer_forwards) == [{"_decode_triton"}]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)) == expected
+
+
+def _mixer_forwards(worker) -> set[str]:
+    model = worker.model_runner.model
+    return {mixer.forward_method.__name__ for mixer in model.linear_attention_layers()}
 
 
 def test_transformers_in_memory_names_load_too(reference: Callable, tmp_path) -> None:
