@@ -35,6 +35,16 @@ class CustomOp(nn.Module):
     forward_method: Callable[..., Any]
     forward_only_dispatches = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A subclass's own forward would be bypassed: the instance's forward is the chosen method.
+        own = vars(cls)
+        if cls.forward_only_dispatches and "forward" in own and "forward_only_dispatches" not in own:
+            raise TypeError(
+                f"{cls.__name__} overrides forward, which its base binds to the chosen forward "
+                "(forward_only_dispatches): set forward_only_dispatches = False on it"
+            )
+
     def __init__(self) -> None:
         super().__init__()
         # Where the layer's tensors are created: the default device and dtype (a parameter-free

@@ -30,7 +30,8 @@ class LogitsProcessor(CustomOp):
     With the vocabulary sharded, the ranks gather model-dtype logits, half the bytes.
     """
 
-    forward_only_dispatches = True
+    # ``forward`` stays a method calling the chosen path (no ``forward_only_dispatches``):
+    # subclasses wrap it (Gemma 2's soft cap, models/gemma.py).
 
     def __init__(self, vocab_size: int) -> None:
         super().__init__()

@@ -142,3 +142,22 @@ def test_a_move_rebinds_every_layer_of_a_model(monkeypatch: pytest.MonkeyPatch) 
     model.to(torch.bfloat16)
     assert bound == [(torch.device("cpu"), torch.bfloat16)] * len(model)
     assert all(layer.dtype == torch.bfloat16 for layer in model)
+
+
+def test_a_subclass_overriding_a_bound_forward_is_refused_when_defined() -> None:
+    """A layer whose instances take the chosen method as their forward (``forward_only_dispatches``)
+    would skip a subclass's own forward: such a subclass is refused when its class is made."""
+    with pytest.raises(TypeError, match=r"Wrapped overrides forward.*set forward_only_dispatches = False"):
+
+        class Wrapped(RMSNorm):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return 2 * super().forward(x)
+
+    class Declared(RMSNorm):
+        forward_only_dispatches = False
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * super().forward(x)
+
+    x = torch.randn(3, 8)
+    torch.testing.assert_close(Declared(8, eps=1e-6)(x), 2 * RMSNorm(8, eps=1e-6)(x))

@@ -23,6 +23,7 @@ from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from pagedllm.layers.logits_processor import LogitsProcessor
 from pagedllm.layers.rotary_embedding import RotaryEmbedding, compute_inv_freq, get_rope_parameters
 from pagedllm.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from pagedllm.models.gemma import SoftCappedLogitsProcessor
 from pagedllm.platform import platform_for
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -274,6 +275,17 @@ def test_logits_are_float32_over_the_vocabulary() -> None:
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, (hidden @ table.T).float())
     assert torch.equal(embedding(torch.tensor([3, 0, 9])), table[[3, 0, 9]])
+
+
+def test_a_subclass_s_forward_still_runs_around_the_chosen_path() -> None:
+    """Gemma 2's soft cap is a LogitsProcessor subclass whose forward wraps the processor's: the
+    forward chosen for the device must not replace it."""
+    table = torch.randn(10, 8) * 4
+    embedding = VocabParallelEmbedding(10, 8)
+    embedding.weight.weight_loader(embedding.weight, table)
+    hidden = torch.randn(3, 8)
+    capped = SoftCappedLogitsProcessor(10, cap=2.0)(embedding, hidden)
+    torch.testing.assert_close(capped, torch.tanh(hidden @ table.T / 2.0) * 2.0)
 
 
 def test_logits_widen_inside_the_matmul_only_on_one_cuda_rank_in_16_bits() -> None:
