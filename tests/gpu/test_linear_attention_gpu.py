@@ -1,11 +1,12 @@
 """Hybrid models on CUDA: the linear-attention decode kernels against the torch references at
-Qwen3-Next's and Qwen3.5's shapes, and Qwen3-Next / Nemotron-H end to end in float32 (Triton
-kernels, CUDA graphs for decode steps, whose padding rows write the scratch state row) against
-Hugging Face ``generate``. (Gated DeltaNet's Triton step, flash-linear-attention's prefill included,
-against its torch step: tests/kernels/test_gated_deltanet_paths.py.)"""
+Qwen3-Next's and Qwen3.5's shapes, and Qwen3-Next, Nemotron-H, Granite 4.0-H and Bamba end to end
+in float32 (Triton kernels, CUDA graphs for decode steps, whose padding rows write the scratch
+state row) against Hugging Face ``generate``. (Gated DeltaNet's Triton step, flash-linear-attention's
+prefill included, against its torch step: tests/kernels/test_gated_deltanet_paths.py.)"""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from pagedllm.kernels.triton.causal_conv1d import causal_conv1d_update
 from pagedllm.kernels.triton.linear_attention import gated_delta_rule_update
 from pagedllm.layers.linear_attention import conv1d
 from pagedllm.layers.linear_attention.gated_delta_rule import gdn_gates, recurrent_gated_delta_rule
+from tests.models.test_granite_hybrid import WIDE_CASES
 
 pytestmark = pytest.mark.gpu
 
@@ -111,18 +113,25 @@ NEMOTRON_H = dict(
     chunk_size=32,
     max_position_embeddings=1024,
 )
-CASES = {"qwen3-next": (Qwen3NextConfig, QWEN3_NEXT), "nemotron-h": (NemotronHConfig, NEMOTRON_H)}
+CASES = {
+    "qwen3-next": lambda: Qwen3NextConfig(**QWEN3_NEXT),
+    "nemotron-h": lambda: NemotronHConfig(**NEMOTRON_H),
+    # Granite 4.0-H with experts and NoPE attention, and Bamba: the CPU tests' configs widened to
+    # heads of 64, the Triton attention's smallest.
+    "granite-4.0-h": WIDE_CASES["moe-nope"],
+    "bamba": WIDE_CASES["bamba"],
+}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_greedy_on_cuda_matches_hf(case: str, enforce_eager: bool, make_hybrid_reference: Callable) -> None:
-    config_class, overrides = CASES[case]
-    # With flash-linear-attention installed, transformers' Qwen3-Next calls its kernels, which run
-    # on CUDA only: the reference then runs there too.
-    device = "cuda" if importlib.util.find_spec("fla") is not None else "cpu"
+    # HF's reference runs on the CPU, in exact float32 (on CUDA, cuDNN may take TF32 for the
+    # Mamba-2 layers' convolutions); but with flash-linear-attention installed, transformers'
+    # Qwen3-Next calls its kernels, which run on CUDA only.
+    on_cuda = case == "qwen3-next" and importlib.util.find_spec("fla") is not None
     path, prompts, expected = make_hybrid_reference(
-        config_class(**overrides), (300, 1, 77, 513, 20), 16, device
+        CASES[case](), (300, 1, 77, 513, 20), 16, "cuda" if on_cuda else "cpu"
     )
     llm = LLM(
         path,
@@ -136,4 +145,10 @@ def test_greedy_on_cuda_matches_hf(case: str, enforce_eager: bool, make_hybrid_r
     )
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == expected
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    # The engine's memory is given back before the verdict: a failing case (whose traceback would
+    # keep it) must not leave the next one without memory.
+    del llm, outputs
+    gc.collect()
+    torch.cuda.empty_cache()
+    assert tokens == expected

@@ -131,13 +131,15 @@ def test_two_tensor_parallel_ranks_match_hf(granite) -> None:
         llm.llm_engine.shutdown()
 
 
-# The CPU configs widened to heads of 64, the Triton attention's smallest.
+# The CPU configs widened to heads of 64, the Triton attention's smallest (and to the GPU test's
+# longest prompt, tests/gpu/test_linear_attention_gpu.py).
 WIDE_GRANITE = {
     **TINY_GRANITE,
     "hidden_size": 256,
     "mamba_n_heads": 16,
     "mamba_d_head": 32,
     "mamba_d_state": 32,
+    "max_position_embeddings": 1024,
 }
 WIDE_CASES = {
     "moe-nope": lambda: GraniteMoeHybridConfig(**WIDE_GRANITE),
