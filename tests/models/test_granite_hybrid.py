@@ -162,22 +162,13 @@ def test_the_triton_path_gives_hf_tokens_under_the_interpreter(
         pytest.skip("runs the Triton kernels under Triton's interpreter, on the CPU")
     from pagedllm.layers import custom_op
 
-    path, prompts, expected = make_hybrid_reference(WIDE_CASES[case](), (40, 1, 23), 8)
+    path, prompts, expected = make_hybrid_reference(WIDE_CASES[case](), (40, 1, 23), MAX_TOKENS)
     platform = custom_op.platform_for(torch.device("cpu"))
     monkeypatch.setattr(custom_op, "platform_for", lambda device: dataclasses.replace(platform, triton=True))
-    llm = LLM(
-        path,
-        device="cpu",
-        dtype="float32",
-        attention_backend="triton",
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=32,
-        max_num_seqs=3,
-    )
+    llm, outputs = _generate(path, prompts, attention_backend="triton")
     # Bound to the kernels, not to their torch references.
     assert llm.llm_engine.executor.collective_rpc(_mixer_forwards) == [{"_decode_triton"}]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-    assert _tokens(llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)) == expected
+    assert _tokens(outputs) == expected
 
 
 def _mixer_forwards(worker) -> set[str]:
