@@ -63,6 +63,11 @@ if [ -d .whl ]; then
     python3 -m pip install -q --no-index --find-links .whl 'llguidance>=1.9.1' 2>&1 | tail -1
     # pytest-xdist, where its wheels travel too: the w6 stage's tests on several workers.
     ls .whl/pytest_xdist-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --find-links .whl pytest-xdist 2>&1 | tail -1
+    # A newer transformers, where its wheels travel: the HF references of the GPU tests' Mamba-2
+    # hybrids (Granite 4.0-H, Bamba) over prompts of hundreds of tokens differ between the
+    # image's 5.17 and 5.24, which the CPU tests (and pagedllm on the CPU and GPU) agree with.
+    ls .whl/transformers-*.whl >/dev/null 2>&1 &&
+        python3 -m pip install -q --no-index --no-deps --upgrade --find-links .whl transformers tokenizers 2>&1 | tail -1
 fi
 # flash-linear-attention (the hybrids' varlen prefill on CUDA), pure-Python wheels in the ignored .whl-fla/.
 if [ -d .whl-fla ]; then
