@@ -128,6 +128,10 @@ class CudaGraphRunner:
             time.perf_counter() - start,
         )
 
+    def output(self, batch_size: int) -> torch.Tensor:
+        """The hidden states the graph of ``batch_size`` rows writes: [batch_size, hidden]."""
+        return self._outputs[batch_size]
+
     def replay(self, num_seqs: int) -> torch.Tensor:
         """Run the captured step for the num_seqs decodes already in the buffers, padded by the
         caller to ``padded_size(num_seqs)`` rows. Returns their hidden states: [num_seqs, hidden]."""

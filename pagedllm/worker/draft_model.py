@@ -46,6 +46,7 @@ wrong or stale draft costs acceptance, never correctness.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -56,11 +57,13 @@ from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.attention.metadata import AttentionMetadata
 from pagedllm.config import EngineConfig
 from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
+from pagedllm.worker.cuda_graph import CudaGraphRunner
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import to_device
 from pagedllm.worker.proposal_graphs import (
     ProposalGraphs,
     ProposalInputs,
+    StepPassGraphs,
     eager_steps,
     proposal_inputs,
     run_steps,
@@ -91,6 +94,26 @@ def unpadded_inputs(model_input: ModelInput) -> tuple[torch.Tensor, torch.Tensor
         seq_lens_cpu=metadata.seq_lens_cpu[:n],
     )
     return input_ids[:n], positions[:n], metadata
+
+
+@dataclass
+class NewestPositions:
+    """Where each proposing request's newest token sits: ``host`` ([num_reqs] int64), plus, for
+    requests whose step verified drafts, the drafts it accepted (``accepted``: [num_reqs] int64
+    on the device, 0 for the others; None when every position is on the host). A verification's
+    counts reach the host one step later: the drafter adds them on the device and does not wait
+    for them (worker/spec_decode.py)."""
+
+    host: np.ndarray
+    accepted: torch.Tensor | None = None
+    _device: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def on_device(self, device: torch.device) -> torch.Tensor:
+        """[num_reqs] int64 on ``device`` (made once: the drafter reads it more than once)."""
+        if self._device is None:
+            newest = to_device(self.host, device, torch.int64)
+            self._device = newest if self.accepted is None else newest + self.accepted
+        return self._device
 
 
 class DraftModelRunner:
@@ -134,6 +157,10 @@ class DraftModelRunner:
         self.first_scratch_block = 0  # the cache's real blocks come first (initialize_cache)
         # The proposal loop's CUDA graphs (capture_graphs, with the target's); None: eager.
         self.graphs: ProposalGraphs | None = None
+        # The pass over a step's tokens, replayed when the target's step replayed a graph (on
+        # the target graphs' buffers: ``target_graphs``); None: eager.
+        self.pass_graphs: StepPassGraphs | None = None
+        self.target_graphs: CudaGraphRunner | None = None
 
     @property
     def block_bytes(self) -> int:
@@ -177,22 +204,35 @@ class DraftModelRunner:
 
     def prefill(self, model_input: ModelInput, hidden_states: torch.Tensor) -> None:
         """The draft's forward over the step's scheduled tokens, writing its K/V into the slots
-        the target's went to (the target's ``hidden_states`` are not needed)."""
+        the target's went to (the target's ``hidden_states`` are not needed): on the target
+        graph's inputs when it replayed one."""
         assert self.model is not None and self.cache_engine is not None
+        if model_input.graph_num_seqs is not None and self.pass_graphs is not None:
+            self.pass_graphs.replay(model_input.graph_num_seqs)
+            return
         input_ids, positions, metadata = unpadded_inputs(model_input)
         with set_forward_context(metadata):
             self.model(input_ids, positions)
 
-    def propose(self, rows: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+    def _step_pass(self, batch_size: int) -> tuple[torch.Tensor, ...]:
+        """``StepPass``: the draft over the target graphs' input buffers."""
+        assert self.model is not None and self.target_graphs is not None
+        buffers = self.target_graphs.buffers
+        input_ids, positions = (buffers.device_view(name, batch_size) for name in ("input_ids", "positions"))
+        return (self.model(input_ids, positions),)
+
+    def propose(self, rows: np.ndarray, newest: NewestPositions) -> tuple[np.ndarray, torch.Tensor]:
         """After the target's samples are recorded: ``k`` greedy drafts for the requests in batch
-        ``rows``, continuing each one's newest token (``last_token_ids``, on the device). Returns
-        the rows proposed for and their drafts, [num_rows, k] int64 on the device."""
+        ``rows``, continuing each one's newest token (``last_token_ids``, on the device) at its
+        position ``newest``. Returns the rows proposed for and their drafts, [num_rows, k] int64
+        on the device."""
         assert self.model is not None and self.cache_engine is not None
-        rows = rows[: self.max_num_proposals]
-        if not len(rows):
+        num_reqs = min(len(rows), self.max_num_proposals)
+        rows = rows[:num_reqs]
+        if not num_reqs:
             return rows, self.no_proposals()
         tokens = self.batch.last_token_ids.index_select(0, to_device(rows, self.device))
-        inputs = self._proposal_inputs(rows, self.num_speculative_tokens)
+        inputs = self._proposal_inputs(rows, newest, self.num_speculative_tokens)
         return rows, self._run_proposals(tokens, None, inputs)
 
     def no_proposals(self) -> torch.Tensor:
@@ -215,12 +255,17 @@ class DraftModelRunner:
         """The hidden input a proposal step carries (size 0: none)."""
         return 0, self.model_config.dtype
 
-    def capture_graphs(self, capture_sizes: list[int]) -> None:
+    def capture_graphs(self, capture_sizes: list[int], target_graphs: CudaGraphRunner) -> None:
         """Capture the proposal loop per number of proposing requests (worker/proposal_graphs.py),
-        over the bound cache; more requests than the largest size propose eagerly."""
+        over the bound cache (more requests than the largest size propose eagerly), and the pass
+        over a step's tokens per size of the target's decode graphs."""
         if self.num_proposal_steps:
             self.graphs = self.proposal_graphs(capture_sizes)
             self.graphs.capture()
+        self.target_graphs = target_graphs
+        sizes = target_graphs.capture_sizes
+        self.pass_graphs = StepPassGraphs(self._step_pass, target_graphs.metadata, sizes)
+        self.pass_graphs.capture()
 
     def proposal_graphs(self, capture_sizes: list[int]) -> ProposalGraphs:
         """The proposal loop's static buffers for up to ``max(capture_sizes)`` requests, before any
@@ -244,35 +289,34 @@ class DraftModelRunner:
         if graphs is not None and tokens.shape[0] <= graphs.max_batch_size:
             return graphs.run(tokens, hidden, inputs)
         drafts = torch.empty((tokens.shape[0], inputs.num_steps), dtype=torch.int64, device=self.device)
-        run_steps(self._step, tokens, hidden, eager_steps(inputs, self.device), drafts)
+        run_steps(self._step, tokens, hidden, eager_steps(inputs), drafts)
         return drafts
 
-    def _proposal_inputs(self, rows: np.ndarray, num_steps: int) -> ProposalInputs:
-        """The loop's inputs for the requests in batch ``rows``, from their newest tokens'
-        positions P, through their scratch tables."""
-        newest = self.batch.num_tokens[rows] - 1
-        table = self._scratch_table(rows, newest)
-        return proposal_inputs(table, newest, num_steps, self.block_size, self.max_model_len)
+    def _proposal_inputs(self, rows: np.ndarray, newest: NewestPositions, num_steps: int) -> ProposalInputs:
+        """The loop's inputs for the requests in batch ``rows`` (the first of ``newest``'s), from
+        their newest tokens' positions P, through their scratch tables."""
+        positions = newest.on_device(self.device)[: len(rows)]
+        table = self._scratch_table(rows, positions)
+        return proposal_inputs(table, positions, num_steps, self.block_size, self.max_model_len)
 
-    def _scratch_table(self, rows: np.ndarray, newest: np.ndarray) -> np.ndarray:
-        """[num_reqs, width] int32 block tables for the proposal steps: the requests' own up to the
-        block holding P, their scratch blocks from there on (that block's contents copied into
-        the first)."""
+    def _scratch_table(self, rows: np.ndarray, newest: torch.Tensor) -> torch.Tensor:
+        """[num_reqs, width] int32 block tables (device) for the proposal steps: the requests' own
+        up to the block holding P, their scratch blocks from there on (that block's contents
+        copied into the first). Built on the device: P may not have reached the host."""
         num_reqs, per_request = len(rows), self.scratch_per_request
         width = self.batch.block_table.shape[1]
-        table = np.zeros((num_reqs, width + per_request), dtype=np.int32)
-        table[:, :width] = self.batch.block_table[rows]
-        first_block = newest // self.block_size
-        scratch = self.first_scratch_block + np.arange(num_reqs * per_request, dtype=np.int32).reshape(
-            num_reqs, per_request
-        )
-        src = table[np.arange(num_reqs), first_block]
-        columns = first_block[:, None] + np.arange(per_request)
-        table[np.arange(num_reqs)[:, None], columns] = scratch
-        src_index = to_device(src.astype(np.int64), self.device)
-        dst_index = to_device(scratch[:, 0].astype(np.int64), self.device)
+        host = np.zeros((num_reqs, width + per_request), dtype=np.int32)
+        host[:, :width] = self.batch.block_table[rows]
+        table = to_device(host, self.device).long()
+        first_block = (newest // self.block_size)[:, None]
+        scratch = self.first_scratch_block + torch.arange(
+            num_reqs * per_request, dtype=torch.int64, device=self.device
+        ).view(num_reqs, per_request)
+        src_index = table.gather(1, first_block)[:, 0]
+        table.scatter_(1, first_block + torch.arange(per_request, device=self.device), scratch)
+        dst_index = scratch[:, 0]
         assert self.cache_engine is not None
         for layer in self.cache_engine.gpu_cache:
             for tensor in {id(t): t for t in layer}.values():  # once when K is V (MLA)
                 tensor.index_copy_(0, dst_index, tensor.index_select(0, src_index))
-        return table
+        return table.to(torch.int32)

@@ -21,8 +21,11 @@ token at p + 1, and predicts the token at p + 2::
 
 so the first draft costs no extra head step (vLLM's EAGLE proposer does the same). The k - 1 head
 steps are the draft model's proposal loop with the head's step, replayed from a CUDA graph where
-graphs are on (worker/proposal_graphs.py). Positions past P - 1 of a verified row hold rejected
-drafts: their head K/V is garbage that the next step rewrites, as the target's.
+graphs are on (worker/proposal_graphs.py), as is the pass when the target's step replayed one
+(``StepPassGraphs``: its next tokens in ``pass_ids``). P may include the drafts the step's
+verification accepted, which stay on the device: the pass picks its rows at P - 1 by a device
+index. Positions past P - 1 of a verified row hold rejected drafts: their head K/V is garbage that
+the next step rewrites, as the target's.
 
 **The target's hidden states.** EAGLE reads the target's last hidden state (after its final norm):
 what the forward pass returns. EAGLE-3 reads the residual stream entering three of its layers
@@ -48,7 +51,8 @@ from pagedllm.attention import set_forward_context
 from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.config import EngineConfig
 from pagedllm.models.llama_eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM, eagle3_aux_layer_ids
-from pagedllm.worker.draft_model import DraftModelRunner, unpadded_inputs
+from pagedllm.worker.cuda_graph import CudaGraphRunner
+from pagedllm.worker.draft_model import DraftModelRunner, NewestPositions, unpadded_inputs
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import to_device
 from pagedllm.worker.step_inputs import ModelInput
@@ -142,36 +146,62 @@ class EagleProposer(DraftModelRunner):
         the tokens this step samples (``propose``)."""
         self._pending = (model_input, hidden_states)
 
-    def propose(self, rows: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+    def propose(self, rows: np.ndarray, newest: NewestPositions) -> tuple[np.ndarray, torch.Tensor]:
         """After the target's samples are recorded: the head's pass over the step's tokens, then
-        ``k - 1`` head steps, for the requests in batch ``rows`` (those that gained tokens).
-        Returns the rows proposed for and their drafts, [num_rows, k] int64 on the device."""
+        ``k - 1`` head steps, for the requests in batch ``rows`` (those that gained tokens), whose
+        newest tokens sit at ``newest``. Returns the rows proposed for and their drafts,
+        [num_rows, k] int64 on the device."""
         assert self.model is not None and self.cache_engine is not None and self._pending is not None
         model_input, target_hidden = self._pending
         self._pending = None
         input_ids, positions, metadata = unpadded_inputs(model_input)
         num_tokens = input_ids.shape[0]
-        next_ids, last_index = self._next_tokens(model_input, input_ids, rows)
-        hidden = self.aux.buffer[:num_tokens] if self.aux is not None else target_hidden[:num_tokens]
-        hidden = self.model.combine_hidden_states(hidden)
+        next_ids, last_index = self._next_tokens(model_input, input_ids, rows, newest)
         # Even when no request proposes (a step of prompt chunks only): the head's K/V of every
         # scheduled token is written here, and later steps read it.
-        with set_forward_context(metadata):
-            out, hidden = self.model(self.embed(next_ids), positions, hidden)
+        if model_input.graph_num_seqs is not None and self.pass_graphs is not None:
+            self.pass_ids[:num_tokens].copy_(next_ids)
+            out, hidden = self.pass_graphs.replay(num_tokens)
+        else:
+            with set_forward_context(metadata):
+                out, hidden = self._head_pass(next_ids, positions, target_hidden)
         if not len(rows):
             return rows, self.no_proposals()
-        index = to_device(last_index, self.device)
-        tokens = self._greedy(out.index_select(0, index))
-        hidden = hidden.index_select(0, index)
+        tokens = self._greedy(out.index_select(0, last_index))
+        hidden = hidden.index_select(0, last_index)
         # Proposals beyond the scratch blocks' requests are dropped (their head K/V is written).
         num_reqs = min(len(rows), self.max_num_proposals)
         rows, tokens, hidden = rows[:num_reqs], tokens[:num_reqs], hidden[:num_reqs]
         drafts = torch.empty((num_reqs, self.num_speculative_tokens), dtype=torch.int64, device=self.device)
         drafts[:, 0] = tokens
         if self.num_proposal_steps:
-            inputs = self._proposal_inputs(rows, self.num_proposal_steps)
+            inputs = self._proposal_inputs(rows, newest, self.num_proposal_steps)
             drafts[:, 1:] = self._run_proposals(tokens, hidden, inputs)
         return rows, drafts
+
+    def _head_pass(
+        self, next_ids: torch.Tensor, positions: torch.Tensor, target_hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over a step's tokens: each token's next beside the target's hidden state
+        (EAGLE-3: its captured layers, in ``aux``; EAGLE: ``target_hidden``)."""
+        assert self.model is not None and self.embed is not None
+        num_tokens = next_ids.shape[0]
+        hidden = self.aux.buffer[:num_tokens] if self.aux is not None else target_hidden[:num_tokens]
+        # Read the captured layers before embedding: a head that shares the target's embeddings
+        # runs the hook that captures layer 0 (``AuxHiddenStates``), which would overwrite them.
+        hidden = self.model.combine_hidden_states(hidden)
+        return self.model(self.embed(next_ids), positions, hidden)
+
+    def _step_pass(self, batch_size: int) -> tuple[torch.Tensor, ...]:
+        """``StepPass``: the head over ``pass_ids`` and the target graphs' positions and output."""
+        assert self.target_graphs is not None
+        positions = self.target_graphs.buffers.device_view("positions", batch_size)
+        return self._head_pass(self.pass_ids[:batch_size], positions, self.target_graphs.output(batch_size))
+
+    def capture_graphs(self, capture_sizes: list[int], target_graphs: CudaGraphRunner) -> None:
+        # The next token of each row of the pass (``_next_tokens``), at a fixed address.
+        self.pass_ids = torch.zeros(target_graphs.max_batch_size, dtype=torch.int64, device=self.device)
+        super().capture_graphs(capture_sizes, target_graphs)
 
     def _step(
         self, tokens: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor | None
@@ -198,14 +228,16 @@ class EagleProposer(DraftModelRunner):
         return self.model.draft_token_ids(logits) if self.is_eagle3 else logits.argmax(dim=-1)
 
     def _next_tokens(
-        self, model_input: ModelInput, input_ids: torch.Tensor, rows: np.ndarray
-    ) -> tuple[torch.Tensor, np.ndarray]:
+        self, model_input: ModelInput, input_ids: torch.Tensor, rows: np.ndarray, newest: NewestPositions
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The token after each scheduled one ([num_tokens], device), and for each of ``rows`` the
-        index of its position P - 1 (the newest token P's predecessor) in the step.
+        index of its position P - 1 (the newest token P's predecessor) in the step ([len(rows)],
+        device: P may be a verification's, still on the device).
 
         Within a request the next token is the next input (prompt tokens, or the drafts being
-        verified); after its last scheduled token it is the next prompt token (a chunk mid-
-        prompt: on the host) or, at P - 1 of a request that gained tokens, its newest token.
+        verified: at P - 1 and before, the accepted ones); after its last scheduled token it is
+        the next prompt token (a chunk mid-prompt: on the host) or, at P - 1 of a request that
+        gained tokens, its newest token.
         """
         step_rows, query_start_loc = model_input.req_rows, model_input.req_query_start_loc
         assert step_rows is not None and query_start_loc is not None
@@ -228,10 +260,10 @@ class EagleProposer(DraftModelRunner):
         step_index = np.full(self.batch.max_num_rows, -1, dtype=np.int64)
         step_index[step_rows] = np.arange(num_reqs)
         i = step_index[rows]
-        newest = self.batch.num_tokens[rows] - 1
-        last_index = ends[i] - 1 - (after_last[i] - newest)
+        # P - 1 is the last scheduled position, less the drafts a verification rejected.
+        last_index = newest.on_device(self.device) + to_device(ends[i] - 1 - after_last[i], self.device)
         newest_ids = self.batch.last_token_ids.index_select(0, to_device(rows, self.device))
-        next_ids.index_copy_(0, to_device(last_index, self.device), newest_ids)
+        next_ids.index_copy_(0, last_index, newest_ids)
         return next_ids, last_index
 
 

@@ -326,24 +326,26 @@ class InputBatch:
             ones = torch.ones_like(tokens, dtype=self.output_counts.dtype)
             self.output_counts.index_put_((index, tokens), ones, accumulate=True)
 
-    def record_verified(self, rows: np.ndarray, token_ids: list[list[int]]) -> None:
-        """After a verification of drafts (speculative decoding): each request's emitted tokens
-        (its accepted drafts and the token after them, on the host: the verification waited for
-        them) extend its row; the last becomes its next decode input and all count for penalties.
-        (The output history constraints read is not extended: requests whose constraints read it,
-        bad words and grammars, get no drafts.)
+    def record_verified_on_device(
+        self, rows: np.ndarray, output_token_ids: torch.Tensor, num_accepted: torch.Tensor
+    ) -> None:
+        """After a verification of drafts (speculative decoding), its device side: each request's
+        last emitted token (the one after its accepted drafts) becomes its next decode input, and
+        every emitted token counts for penalties, without waiting for the counts. (The output
+        history constraints read is not extended: requests whose constraints read it, bad words
+        and grammars, get no drafts.) ``count_verified`` follows on the host.
 
-        rows: [num_reqs] the requests' rows; token_ids: each one's emitted tokens, in order.
+        rows: [num_reqs] the requests' rows; output_token_ids: [num_reqs, K + 1] (device) the
+        accepted drafts, then the token after them, then -1; num_accepted: [num_reqs] (device).
         """
-        counts = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
+        index = to_device(rows, self.device)
+        self.last_token_ids.index_copy_(0, index, output_token_ids.gather(1, num_accepted[:, None])[:, 0])
+        if self.output_counts is not None and self.has_penalty[rows].any():
+            emitted = (output_token_ids >= 0).to(self.output_counts.dtype)  # -1 past the emitted
+            index = index[:, None].expand_as(output_token_ids)
+            self.output_counts.index_put_((index, output_token_ids.clamp(min=0)), emitted, accumulate=True)
+
+    def count_verified(self, rows: np.ndarray, counts: np.ndarray) -> None:
+        """A verification's host side: each request's row grows by its ``counts`` emitted tokens."""
         self.num_output_tokens[rows] += counts
         self.num_tokens[rows] += counts
-        index = to_device(rows, self.device)
-        self.last_token_ids.index_copy_(
-            0, index, to_device([t[-1] for t in token_ids], self.device, torch.int64)
-        )
-        if self.output_counts is not None and self.has_penalty[rows].any():
-            flat = to_device([t for tokens in token_ids for t in tokens], self.device, torch.int64)
-            flat_rows = to_device(np.repeat(rows, counts), self.device)
-            ones = torch.ones(len(flat), dtype=self.output_counts.dtype, device=self.device)
-            self.output_counts.index_put_((flat_rows, flat), ones, accumulate=True)

@@ -89,3 +89,22 @@ def to_device(
     if device.type == "cpu":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(
+    tensors: list[torch.Tensor], first_fill: int | None = None
+) -> tuple[list[torch.Tensor], torch.cuda.Event | None]:
+    """Device tensors on their way to the host without a host sync: one non-blocking copy each
+    into pinned memory, then an event that the reader waits on (None on the CPU, where the
+    tensors are returned as they are). ``first_fill``: the first host tensor holds this value
+    until its copy lands (filled before the copy is queued)."""
+    if not tensors or tensors[0].device.type != "cuda":
+        return tensors, None
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    if first_fill is not None:
+        host[0].fill_(first_fill)
+    for copy, tensor in zip(host, tensors):
+        copy.copy_(tensor, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event

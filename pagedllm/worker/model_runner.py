@@ -24,13 +24,14 @@ from pagedllm.sampling_params import SamplingParams
 from pagedllm.step_io import ModelRunnerOutput, NewRequestData, PromptLogprobsOutput, SchedulerOutput
 from pagedllm.worker.cpu_compile import CompiledDecode
 from pagedllm.worker.cuda_graph import CudaGraphRunner, default_capture_sizes, graph_capture_sizes
+from pagedllm.worker.draft_model import NewestPositions
 from pagedllm.worker.eagle import make_drafter
 from pagedllm.worker.grammar_ranks import grammar_constraint
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.input_buffers import InputBuffers, to_device
+from pagedllm.worker.input_buffers import InputBuffers, to_device, to_host
 from pagedllm.worker.pipeline import PipelineStage, WholeModel
 from pagedllm.worker.request_logits import RequestLogitsProcessors
-from pagedllm.worker.spec_decode import DeviceDrafts, DraftVerifier, VerifiedSamples
+from pagedllm.worker.spec_decode import DeviceDrafts, DraftVerifier, PendingVerification
 from pagedllm.worker.step_inputs import ModelInput, StepPlan, max_num_step_seqs, plan_step, stage_model_input
 
 
@@ -43,12 +44,11 @@ class StepOutput:
         sampled: SamplerOutput | None,
         top_rows: list[int],
         prompt_logprobs: list[tuple[int, int, list[int], torch.Tensor, tuple]],
-        device: torch.device,
         num_top_tokens: list[int] | None = None,
-        verified: VerifiedSamples | None = None,
+        verified: PendingVerification | None = None,
     ) -> None:
         self._model_input = model_input
-        # Tokens emitted by a verification of drafts, on the host already; rows after the others.
+        # Tokens emitted by a verification of drafts (rows after the others), once on the host.
         self._verified = verified
         self._top_rows = top_rows
         # Per top row, how many top tokens its request asked for.
@@ -66,30 +66,16 @@ class StepOutput:
         tensors = [sampled.token_ids, sampled.logprobs]
         if top_rows:
             tensors += [sampled.ranks, sampled.top_token_ids, sampled.top_logprobs]
-        if device.type == "cuda":
-            # One D2H copy per tensor into pinned memory, then an event: the host waits only when
-            # it reads the samples, one step later with asynchronous scheduling. The samples'
-            # buffer holds -1 until its copy lands, which the grammar thread waits on.
-            self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-            self._host[0].numpy().fill(-1)
-            for host, tensor in zip(self._host, tensors):
-                host.copy_(tensor, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-        else:
-            self._host = tensors
+        # The host waits only when it reads the samples, one step later with asynchronous
+        # scheduling. The samples' buffer holds -1 until its copy lands, which the grammar thread
+        # waits on.
+        self._host, self._event = to_host(tensors, first_fill=-1)
 
     def carry_proposals(self, req_ids: list[int], drafts: torch.Tensor) -> None:
         """drafts: [len(req_ids), k] int64 (device), the drafter's proposals: copied to the host
         without waiting (the scheduler learns from them which requests have drafts)."""
         self._proposal_req_ids = req_ids
-        if drafts.device.type != "cuda":
-            self._proposals = drafts
-            return
-        self._proposals = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
-        self._proposals.copy_(drafts, non_blocking=True)
-        self._proposals_event = torch.cuda.Event()
-        self._proposals_event.record()
+        (self._proposals,), self._proposals_event = to_host([drafts])
 
     def samples_on_host(self) -> torch.Tensor:
         """The sampled ids' host buffer [num sample rows] int64, without waiting: on CUDA it holds
@@ -125,7 +111,7 @@ class StepOutput:
                 [values[:k] for values in top_values.tolist()],
             )
         if self._verified is not None:
-            self._verified.append_to(output)
+            self._verified.result().append_to(output)
         if self._proposals is not None:
             if self._proposals_event is not None:
                 self._proposals_event.synchronize()
@@ -312,14 +298,17 @@ class ModelRunner:
             self.lora_manager.prepare_capture()
         self.graph_runner = CudaGraphRunner(self.model, self.buffers, self.capture_sizes, self.max_model_len)
         self.graph_runner.capture()
-        if self.drafter is not None:  # its proposal loop, per number of proposing requests
-            self.drafter.capture_graphs(default_capture_sizes(self.config.scheduler_config.max_num_seqs))
+        if self.drafter is not None:  # its proposal loop and its pass over the step's tokens
+            sizes = default_capture_sizes(self.config.scheduler_config.max_num_seqs)
+            self.drafter.capture_graphs(sizes, self.graph_runner)
 
     # --- the step ---------------------------------------------------------------------------
 
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the step's diffs to the persistent batch (first, on a pipeline stage before the
         last, the samples of earlier steps that this one needs: worker/pipeline.py)."""
+        if self.verifier is not None:  # the last verification's counts, before any row changes
+            self.verifier.settle()
         for samples in self.stage.samples_before(scheduler_output):
             self._record_received_samples(samples.req_ids, samples.sample_index, samples.tokens)
         dropped = scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids
@@ -365,7 +354,7 @@ class ModelRunner:
         assert self.model is not None, "load_model() first"
         self.update_states(scheduler_output)
         if not scheduler_output.total_num_scheduled_tokens:
-            return StepOutput(None, None, [], [], self.device)
+            return StepOutput(None, None, [], [])
         model_input = self.prepare_inputs(scheduler_output)
         verify_drafts = None
         if model_input.verify is not None:
@@ -379,8 +368,9 @@ class ModelRunner:
             drafter.prefill(model_input, hidden_states)
         if model_input.logits_indices.numel() == 0:
             if drafter is not None:  # nothing to propose, but an EAGLE head's K/V to write
-                drafter.propose(model_input.sampling_req_rows)
-            return StepOutput(model_input, None, [], [], self.device)
+                rows = model_input.sampling_req_rows
+                drafter.propose(rows, NewestPositions(self.input_batch.num_tokens[rows] - 1))
+            return StepOutput(model_input, None, [], [])
         logits = self.model.compute_logits(hidden_states[model_input.logits_indices])
         num_sample_rows = len(model_input.sample_rows)
         batch = self.input_batch
@@ -406,16 +396,23 @@ class ModelRunner:
             )
         prompt_logprobs = self._score_prompts(logits[num_scored_rows:], model_input)
         num_top_tokens = batch.num_top_tokens[model_input.sample_rows[top_rows]].tolist() if top_rows else []
-        step = StepOutput(
-            model_input, sampled, top_rows, prompt_logprobs, self.device, num_top_tokens, verified
-        )
+        step = StepOutput(model_input, sampled, top_rows, prompt_logprobs, num_top_tokens, verified)
         if num_sample_rows:
             self.logits_processors.after_launch(step)
         if drafter is not None:
             rows = model_input.sampling_req_rows
-            if model_input.verify is not None:
-                rows = np.concatenate([rows, model_input.verify.rows])
-            rows, drafts = drafter.propose(rows)
+            newest = NewestPositions(batch.num_tokens[rows] - 1)
+            if verified is not None:
+                # The verified requests' newest tokens: after the drafts they accepted, which the
+                # drafter adds on the device (their counts reach the host a step later).
+                verify_rows = model_input.verify.rows
+                no_drafts = torch.zeros(len(rows), dtype=torch.int64, device=self.device)
+                newest = NewestPositions(
+                    np.concatenate([newest.host, batch.num_tokens[verify_rows]]),
+                    torch.cat([no_drafts, verified.num_accepted]),
+                )
+                rows = np.concatenate([rows, verify_rows])
+            rows, drafts = drafter.propose(rows, newest)
             assert self.device_drafts is not None
             self.device_drafts.record(rows, drafts)
             step.carry_proposals([batch.req_ids[row] for row in rows.tolist()], drafts)
@@ -429,7 +426,7 @@ class ModelRunner:
             req_ids = [self.input_batch.req_ids[row] for row in model_input.sampling_req_rows]
             num_rows = len(model_input.sample_rows)
             self.stage.defer_samples(num_rows, req_ids, np.asarray(model_input.first_sample_index))
-        return StepOutput(model_input, None, [], [], self.device)
+        return StepOutput(model_input, None, [], [])
 
     def _record_received_samples(
         self, req_ids: list[int], sample_index: np.ndarray, tokens: torch.Tensor

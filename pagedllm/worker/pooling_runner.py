@@ -16,6 +16,7 @@ import torch
 
 from pagedllm.layers.pooler import get_pooler
 from pagedllm.step_io import ModelRunnerOutput, SchedulerOutput
+from pagedllm.worker.input_buffers import to_host
 from pagedllm.worker.model_runner import ModelRunner, StepOutput
 from pagedllm.worker.step_inputs import StepPlan, stage_model_input
 
@@ -23,18 +24,12 @@ from pagedllm.worker.step_inputs import StepPlan, stage_model_input
 class PooledStepOutput(StepOutput):
     """A step's pooled vectors, possibly still on their way to the host."""
 
-    def __init__(self, req_ids: list[int], pooled: torch.Tensor | None, device: torch.device) -> None:
-        super().__init__(None, None, [], [], device)
+    def __init__(self, req_ids: list[int], pooled: torch.Tensor | None) -> None:
+        super().__init__(None, None, [], [])
         self._req_ids = req_ids
         self._pooled = pooled  # [num_pooled, hidden_size] float32
-        if pooled is not None and device.type == "cuda":
-            # One D2H copy into pinned memory and an event, as for samples: the host waits only
-            # when it reads them.
-            host = torch.empty(pooled.shape, dtype=pooled.dtype, pin_memory=True)
-            host.copy_(pooled, non_blocking=True)
-            self._pooled = host
-            self._event = torch.cuda.Event()
-            self._event.record()
+        if pooled is not None:  # as for samples: the host waits only when it reads them
+            (self._pooled,), self._event = to_host([pooled])
 
     def get(self) -> ModelRunnerOutput:
         if self._event is not None:
@@ -64,7 +59,7 @@ class PoolingModelRunner(ModelRunner):
         self._forget_states(scheduler_output)
         num_tokens = scheduler_output.total_num_scheduled_tokens
         if not num_tokens:
-            return PooledStepOutput([], None, self.device)
+            return PooledStepOutput([], None)
         plan = self.plan_inputs(scheduler_output)
         model_input = stage_model_input(plan, self.input_batch, self.buffers, self.block_size, self.has_state)
         return self._pool(plan, self.run_model(model_input, num_tokens))
@@ -96,4 +91,4 @@ class PoolingModelRunner(ModelRunner):
             else:
                 self._states[req_id] = state
         # The stack copies each vector out of the hidden states (a captured graph's buffer).
-        return PooledStepOutput(pooled_ids, torch.stack(pooled) if pooled else None, self.device)
+        return PooledStepOutput(pooled_ids, torch.stack(pooled) if pooled else None)

@@ -3,10 +3,11 @@
 A draft model proposes k tokens by k one-token steps, an EAGLE head by k - 1 after its pass over
 the step's tokens (worker/draft_model.py, worker/eagle.py): each step a forward pass of a few
 kernels per layer, an LM head and an argmax over a handful of rows, where launching the kernels
-one by one costs more than running them. Every input of the loop is known before its first step
-runs (each request's positions P, P + 1, ..., their slots through the scratch block table, their
-context lengths) except the tokens, which each step's argmax hands to the next on the device. So
-the whole loop is captured as ONE graph per batch size, reading static buffers::
+one by one costs more than running them. Every input of the loop is computed before its first
+step runs, on the device, from each request's newest position P (which may include a verification's
+accepted drafts the host has not seen yet): the positions P, P + 1, ..., their slots through the
+scratch block table, their context lengths; the tokens each step's argmax hands to the next on the
+device. So the whole loop is captured as ONE graph per batch size, reading static buffers::
 
     tokens        [N]         the first step's input tokens (then each step's argmax, in the graph)
     hidden        [N, H]      an EAGLE head's first hidden input (a draft model has none: H = 0)
@@ -20,7 +21,9 @@ A loop over B requests copies its inputs into the first B rows, pads the rest an
 graph of the smallest captured size >= B. As in the decode graphs (worker/cuda_graph.py), attention
 is bounded by max_model_len: the launch grids are fixed at capture, the lengths read on the device.
 Without a capture (the CPU, or more requests than the largest graph), the same loop runs eagerly
-on per-step metadata built from the host arrays.
+on per-step metadata whose lengths are read to the host.
+
+``StepPassGraphs`` (below) captures the drafter's other pass, over a step's scheduled tokens.
 """
 
 from __future__ import annotations
@@ -30,16 +33,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
-import numpy as np
 import torch
 
 from pagedllm.attention import set_forward_context
 from pagedllm.attention.metadata import AttentionMetadata
-from pagedllm.worker.input_buffers import to_device
-from pagedllm.worker.step_inputs import compute_slot_mapping
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MaybeTensor = torch.Tensor | None
 # step(tokens [B], positions [B], hidden [B, H] or None) -> (argmax tokens [B], next hidden or None),
@@ -49,12 +51,14 @@ ProposalStep = Callable[[torch.Tensor, torch.Tensor, MaybeTensor], tuple[torch.T
 
 @dataclass
 class ProposalInputs:
-    """A proposal loop's inputs on the host: ``S`` one-token steps of ``B`` requests."""
+    """A proposal loop's inputs, ``S`` one-token steps of ``B`` requests, on the drafter's device:
+    computed there from each request's newest position, which may still be on its way from the
+    verification that produced it (nothing here waits for the host)."""
 
-    positions: np.ndarray  # [S, B] int64
-    slot_mapping: np.ndarray  # [S, B] int64
-    seq_lens: np.ndarray  # [S, B] int32
-    block_tables: np.ndarray  # [B, W] int32
+    positions: torch.Tensor  # [S, B] int64
+    slot_mapping: torch.Tensor  # [S, B] int64
+    seq_lens: torch.Tensor  # [S, B] int32
+    block_tables: torch.Tensor  # [B, W] int32
 
     @property
     def num_steps(self) -> int:
@@ -62,16 +66,38 @@ class ProposalInputs:
 
 
 def proposal_inputs(
-    block_tables: np.ndarray, newest: np.ndarray, num_steps: int, block_size: int, max_model_len: int
+    block_tables: torch.Tensor, newest: torch.Tensor, num_steps: int, block_size: int, max_model_len: int
 ) -> ProposalInputs:
-    """block_tables: [B, W] the requests' scratch tables; newest: [B] the position P of each one's
-    newest token. Step s of request b is at P + s (clamped below max_model_len: the scheduler
-    cuts drafts past it anyway), writes its slot through the table and reads P + s + 1 tokens."""
-    positions = np.minimum(newest + np.arange(num_steps)[:, None], max_model_len - 1)
-    slot_mapping = compute_slot_mapping(
-        np.tile(block_tables, (num_steps, 1)), positions.reshape(-1), block_size
-    ).reshape(positions.shape)
-    return ProposalInputs(positions, slot_mapping, (positions + 1).astype(np.int32), block_tables)
+    """block_tables: [B, W] int32 the requests' scratch tables; newest: [B] int64 the position P of
+    each one's newest token (same device). Step s of request b is at P + s (clamped below
+    max_model_len: the scheduler cuts drafts past it anyway), writes its slot through the table
+    and reads P + s + 1 tokens."""
+    steps = torch.arange(num_steps, device=newest.device)[:, None]
+    positions = (newest[None, :] + steps).clamp(max=max_model_len - 1)
+    blocks = block_tables.long().gather(1, (positions // block_size).t()).t().contiguous()
+    slot_mapping = blocks * block_size + positions % block_size
+    return ProposalInputs(positions, slot_mapping, (positions + 1).to(torch.int32), block_tables)
+
+
+def capture_per_size(
+    run: Callable[[int], T], capture_sizes: list[int]
+) -> tuple[dict[int, torch.cuda.CUDAGraph], dict[int, T]]:
+    """One graph of ``run(batch_size)`` per size, largest first (the smaller ones reuse its pool
+    memory), each after two runs outside the capture (Triton's compiles, settled allocations).
+    Returns the graphs and what each captured run returned (its outputs' static tensors)."""
+    pool = torch.cuda.graph_pool_handle()
+    graphs: dict[int, torch.cuda.CUDAGraph] = {}
+    outputs: dict[int, T] = {}
+    for batch_size in reversed(capture_sizes):
+        for _ in range(2):
+            run(batch_size)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[batch_size] = run(batch_size)
+        graphs[batch_size] = graph
+    torch.cuda.synchronize()
+    return graphs, outputs
 
 
 def run_steps(
@@ -88,28 +114,31 @@ def run_steps(
         drafts[:, s] = tokens
 
 
-def eager_steps(inputs: ProposalInputs, device: torch.device) -> list[tuple[torch.Tensor, AttentionMetadata]]:
-    """Each step's positions (device) and metadata: one query token per request, exact lengths."""
+def eager_steps(inputs: ProposalInputs) -> list[tuple[torch.Tensor, AttentionMetadata]]:
+    """Each step's positions and metadata: one query token per request, exact lengths (read on the
+    host: free on the CPU, a wait on a GPU running without the loop's graphs)."""
     num_reqs = inputs.positions.shape[1]
-    query_start_loc = np.arange(num_reqs + 1, dtype=np.int32)
-    device_query_start_loc = to_device(query_start_loc, device)
-    block_tables = to_device(inputs.block_tables, device)
+    device = inputs.positions.device
+    query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32)
+    device_query_start_loc = query_start_loc.to(device)
+    host_seq_lens = inputs.seq_lens.cpu()
     steps = []
-    for positions, slot_mapping, seq_lens in zip(inputs.positions, inputs.slot_mapping, inputs.seq_lens):
+    for s in range(inputs.num_steps):
+        seq_lens = host_seq_lens[s]
         metadata = AttentionMetadata(
             num_decodes=num_reqs,
             num_prefills=0,
-            slot_mapping=to_device(slot_mapping, device),
+            slot_mapping=inputs.slot_mapping[s],
             query_start_loc=device_query_start_loc,
-            seq_lens=to_device(seq_lens, device),
-            block_tables=block_tables,
+            seq_lens=inputs.seq_lens[s],
+            block_tables=inputs.block_tables,
             max_query_len=1,
             max_seq_len=int(seq_lens.max()),
-            query_start_loc_cpu=torch.from_numpy(query_start_loc),
-            seq_lens_cpu=torch.from_numpy(seq_lens),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
             min_decode_seq_len=int(seq_lens.min()),
         )
-        steps.append((to_device(positions, device), metadata))
+        steps.append((inputs.positions[s], metadata))
     return steps
 
 
@@ -193,16 +222,7 @@ class ProposalGraphs:
         start = time.perf_counter()
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
-        pool = torch.cuda.graph_pool_handle()
-        for batch_size in reversed(self.capture_sizes):
-            for _ in range(2):  # compile the Triton kernels and settle allocations outside the capture
-                self._run(batch_size)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self._run(batch_size)
-            self._graphs[batch_size] = graph
-        torch.cuda.synchronize()
+        self._graphs = capture_per_size(self._run, self.capture_sizes)[0]
         logger.info(
             "captured %d CUDA graphs of %d proposal steps (up to %d requests) in %.1f s",
             len(self._graphs),
@@ -226,11 +246,11 @@ class ProposalGraphs:
             (self.slot_mapping, inputs.slot_mapping, -1),
             (self.seq_lens, inputs.seq_lens, 1),
         )
-        for buffer, array, pad_value in padded:
-            buffer[:, :num_reqs].copy_(to_device(array, self.device))
+        for buffer, values, pad_value in padded:
+            buffer[:, :num_reqs].copy_(values)
             buffer[:, num_reqs:batch_size].fill_(pad_value)
         width = inputs.block_tables.shape[1]
-        self.block_tables[:num_reqs, :width].copy_(to_device(inputs.block_tables, self.device))
+        self.block_tables[:num_reqs, :width].copy_(inputs.block_tables)
         self.block_tables[num_reqs:batch_size].zero_()
         graph = self._graphs.get(batch_size)
         if graph is not None:
@@ -238,3 +258,60 @@ class ProposalGraphs:
         else:
             self._run(batch_size)
         return self.drafts[:num_reqs]
+
+
+# pass(batch_size) -> outputs: the drafter's pass over a step's tokens, on the target's decode
+# graph buffers' first batch_size rows, under the forward context set by the caller.
+StepPass = Callable[[int], tuple[torch.Tensor, ...]]
+
+
+class StepPassGraphs:
+    """The drafter's pass over a step's scheduled tokens, replayed from a CUDA graph when the
+    target's step replayed one (a step of decodes and verifications): one graph per capture size
+    of the target's (``CudaGraphRunner``), reading the same static input buffers and attention
+    metadata the target's graph read, and the target's hidden states where it left them.
+
+    The pass is a layer or a small model over a few rows: launched kernel by kernel, its host
+    time (tens of launches, each through the layers' Python) exceeded its device time, and it
+    sits on the step's critical path. A step with prefill chunks runs the pass eagerly.
+
+    Args:
+        step_pass: the pass, over the first ``batch_size`` rows of its static inputs.
+        metadata: the target graphs' attention metadata per batch size (views of their buffers).
+        capture_sizes: the target graphs' sizes.
+    """
+
+    def __init__(
+        self,
+        step_pass: StepPass,
+        metadata: Callable[[int], AttentionMetadata],
+        capture_sizes: list[int],
+    ) -> None:
+        self.step_pass = step_pass
+        self.metadata = metadata
+        self.capture_sizes = sorted(capture_sizes)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def _run(self, batch_size: int) -> tuple[torch.Tensor, ...]:
+        # A context per pass: what layers derive from the metadata is computed in each one.
+        with set_forward_context(self.metadata(batch_size)):
+            return self.step_pass(batch_size)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Over the target graphs' dummy rows (slot -1 writes nothing), largest size first."""
+        start = time.perf_counter()
+        self._graphs, self._outputs = capture_per_size(self._run, self.capture_sizes)
+        logger.info(
+            "captured %d CUDA graphs of the drafter's pass over a step's tokens in %.1f s",
+            len(self._graphs),
+            time.perf_counter() - start,
+        )
+
+    def replay(self, num_tokens: int) -> tuple[torch.Tensor, ...]:
+        """The pass over the first ``num_tokens`` rows (its inputs already in the buffers): its
+        outputs' first ``num_tokens`` rows."""
+        batch_size = self.capture_sizes[bisect.bisect_left(self.capture_sizes, num_tokens)]
+        self._graphs[batch_size].replay()
+        return tuple(t[:num_tokens] for t in self._outputs[batch_size])

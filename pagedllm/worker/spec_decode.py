@@ -10,11 +10,13 @@ before j as outputs, min_tokens bans counting them too, temperature, top-k, top-
 ``sampler.sampling_distribution``), and the rejection sampler (``sample/rejection_sampler.py``)
 accepts a prefix of the drafts and draws one token more.
 
-The emitted tokens are copied to the host before the drafter runs: the persistent batch needs
-their number to know each row's length, and the drafter its requests' newest positions. That is
-the step's one wait, in the middle of the step, where the host has nothing else to do for it: the
-drafter's work is then queued behind it and the host returns, so that with asynchronous
-scheduling the next step is scheduled and its inputs prepared while the device drafts.
+Nothing waits for the verification inside its step (``PendingVerification``): the rejection
+sampler's outputs update the persistent batch on the device (each request's next input and its
+penalty counts) and start for the host, the drafter adds the accepted counts to its requests'
+newest positions on the device (worker/draft_model.py: ``NewestPositions``), and the host side
+(the rows' lengths, the step's samples) is applied once, by the next step's start or the engine
+reading the output, whichever comes first. With asynchronous scheduling the next step is thus
+scheduled and prepared while the device runs this step's forward, verification and drafter.
 
 A drafter's proposals (draft model, EAGLE head) stay on the device (``DeviceDrafts``): the
 scheduler schedules placeholders for them (``DRAFT_PLACEHOLDER``), and the step that verifies
@@ -37,7 +39,7 @@ from pagedllm.sample.rejection_sampler import rejection_sample
 from pagedllm.sample.sampler import sampling_distribution
 from pagedllm.step_io import DRAFT_PLACEHOLDER, ModelRunnerOutput
 from pagedllm.worker.input_batch import InputBatch
-from pagedllm.worker.input_buffers import to_device
+from pagedllm.worker.input_buffers import to_device, to_host
 from pagedllm.worker.step_inputs import VerifyRows
 
 
@@ -74,6 +76,8 @@ class DraftVerifier:
         self.synthetic_acceptance_rate = synthetic_acceptance_rate
         # Per batch row, the drafts its latest verification rejected.
         self.num_rejected = np.zeros(input_batch.max_num_rows, dtype=np.int64)
+        # The latest verification, until its counts are applied on the host.
+        self._pending: PendingVerification | None = None
 
     def take_back_rejected(self, req_ids: set[int]) -> None:
         """The scheduler counted these requests' drafts of the step before as accepted (it had
@@ -82,9 +86,12 @@ class DraftVerifier:
         rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         batch.num_computed_tokens[rows] -= self.num_rejected[rows]
 
-    def __call__(self, logits: torch.Tensor, verify: VerifyRows, drafts: torch.Tensor) -> VerifiedSamples:
+    def __call__(self, logits: torch.Tensor, verify: VerifyRows, drafts: torch.Tensor) -> PendingVerification:
         """logits: [sum(k + 1), vocab] float32, the verify rows' (edited in place); drafts:
-        [num_verify_reqs, max k] int64 on the device, -1 past a request's drafts."""
+        [num_verify_reqs, max k] int64 on the device, -1 past a request's drafts. Launches the
+        verification and the persistent batch's device-side update, and returns without waiting:
+        the host side follows when the next step starts or the samples are read (``settle``)."""
+        self.settle()
         batch = self.batch
         num_drafts = verify.num_drafts
         num_rows = num_drafts + 1
@@ -116,19 +123,35 @@ class DraftVerifier:
             uniform,
             self.synthetic_acceptance_rate,
         )
+        batch.record_verified_on_device(verify.rows, sample.output_token_ids, sample.num_accepted)
         chosen = logprobs[sample.row_index, sample.output_token_ids.clamp(min=0)]
-        # The host waits here (see the module docstring).
-        num_accepted = sample.num_accepted.tolist()
-        emitted = [tokens[: n + 1] for tokens, n in zip(sample.output_token_ids.tolist(), num_accepted)]
-        batch.record_verified(verify.rows, emitted)
-        self.num_rejected[verify.rows] = verify.num_drafts - np.asarray(num_accepted, dtype=np.int64)
+        tensors = [sample.num_accepted, sample.output_token_ids, chosen]
+        if batch.wants_logprobs[verify.rows].any():
+            tensors += self._top_tokens(verify, logprobs, sample.row_index, chosen)
+        self._pending = PendingVerification(self, verify, tensors)
+        return self._pending
+
+    def settle(self) -> None:
+        """Bring the latest verification's counts to the host (waiting for them if need be) and
+        apply them to the persistent batch; a no-op when there is none or it was applied."""
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def _apply(self, verify: VerifyRows, host: list[torch.Tensor]) -> VerifiedSamples:
+        """The host side of a verification, once its tensors are on the host."""
+        num_accepted, output_token_ids, chosen = (t.tolist() for t in host[:3])
+        emitted = [tokens[: n + 1] for tokens, n in zip(output_token_ids, num_accepted)]
+        counts = np.asarray(num_accepted, dtype=np.int64) + 1
+        self.batch.count_verified(verify.rows, counts)
+        self.num_rejected[verify.rows] = verify.num_drafts + 1 - counts
         out = VerifiedSamples(num_accepted_tokens=dict(zip(verify.req_ids, num_accepted)))
-        for req_id, tokens, values in zip(verify.req_ids, emitted, chosen.tolist()):
+        for req_id, tokens, values in zip(verify.req_ids, emitted, chosen):
             out.req_ids += [req_id] * len(tokens)
             out.token_ids += tokens
             out.logprobs += values[: len(tokens)]
-        if batch.wants_logprobs[verify.rows].any():
-            self._top_tokens(out, verify, logprobs, sample.row_index, emitted, chosen)
+        if len(host) > 3:
+            self._top_tokens_of(out, verify, emitted, *(t.tolist() for t in host[3:]))
         return out
 
     def _draft_counts(self, verify: VerifyRows, drafts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -163,21 +186,27 @@ class DraftVerifier:
         return uniform
 
     def _top_tokens(
-        self,
-        out: VerifiedSamples,
-        verify: VerifyRows,
-        logprobs: torch.Tensor,
-        row_index: torch.Tensor,
-        emitted: list[list[int]],
-        chosen: torch.Tensor,
-    ) -> None:
-        """Rank and top tokens of each emitted token whose request asked for logprobs."""
-        batch = self.batch
-        k = int(batch.num_top_tokens[verify.rows].max()) or 1
+        self, verify: VerifyRows, logprobs: torch.Tensor, row_index: torch.Tensor, chosen: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """[num_reqs, K + 1] ranks and [num_reqs, K + 1, k] top ids and logprobs of every output
+        position (on the device; the host keeps those of the emitted tokens)."""
+        k = int(self.batch.num_top_tokens[verify.rows].max()) or 1
         scored = logprobs[row_index]  # [num_reqs, K + 1, vocab]
         top_logprobs, top_ids = scored.topk(k, dim=-1)
         ranks = (scored > chosen[..., None]).sum(dim=-1) + 1
-        top_logprobs, top_ids, ranks = top_logprobs.tolist(), top_ids.tolist(), ranks.tolist()
+        return [ranks, top_ids, top_logprobs]
+
+    def _top_tokens_of(
+        self,
+        out: VerifiedSamples,
+        verify: VerifyRows,
+        emitted: list[list[int]],
+        ranks: list,
+        top_ids: list,
+        top_logprobs: list,
+    ) -> None:
+        """Rank and top tokens of each emitted token whose request asked for logprobs."""
+        batch = self.batch
         out_row = 0
         for i, (row, tokens) in enumerate(zip(verify.rows.tolist(), emitted)):
             num_top = int(batch.num_top_tokens[row])
@@ -189,6 +218,27 @@ class DraftVerifier:
                         top_logprobs[i][j][:num_top],
                     )
                 out_row += 1
+
+
+class PendingVerification:
+    """A verification launched on the device: its tensors on their way to the host (one
+    non-blocking copy each, then an event), applied to the persistent batch and turned into the
+    step's samples by ``result()``, once, by whichever asks first: the next step's start (which
+    needs the rows' lengths) or the engine reading the step's output."""
+
+    def __init__(self, verifier: DraftVerifier, verify: VerifyRows, tensors: list[torch.Tensor]) -> None:
+        self._verifier = verifier
+        self._verify = verify
+        self._result: VerifiedSamples | None = None
+        self.num_accepted = tensors[0]  # [num_verify_reqs] int64, on the device
+        self._host, self._event = to_host(tensors)
+
+    def result(self) -> VerifiedSamples:
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._result = self._verifier._apply(self._verify, self._host)
+        return self._result
 
 
 class DeviceDrafts:

@@ -183,10 +183,13 @@ def record_proposals(llm):
     calls = []
     propose = drafter.propose
 
-    def recording(rows):
+    def recording(rows, newest):
         req_ids = drafter.batch.req_ids
-        lengths = {req_ids[r]: int(drafter.batch.num_tokens[r]) for r in rows.tolist()}
-        proposed, drafts = propose(rows)
+        # The context a proposal continues: up to its newest token, whose position may include a
+        # verification's accepted drafts not yet counted on the host.
+        positions = newest.on_device(drafter.device).tolist()
+        lengths = {req_ids[r]: p + 1 for r, p in zip(rows.tolist(), positions)}
+        proposed, drafts = propose(rows, newest)
         calls.append(
             {req_ids[r]: (lengths[req_ids[r]], ids) for r, ids in zip(proposed.tolist(), drafts.tolist())}
         )

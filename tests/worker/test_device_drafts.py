@@ -67,3 +67,47 @@ def test_the_rejections_of_the_step_before_are_taken_back_from_optimistic_counts
     verifier.take_back_rejected(out.optimistic_req_ids)
     assert batch.num_computed_tokens[batch.row_of[7]] == 11
     assert batch.num_computed_tokens[batch.row_of[8]] == 12
+
+
+def _verification(batch: InputBatch, params: SamplingParams) -> tuple[DraftVerifier, object, torch.Tensor]:
+    """Requests 7 (row of 10 tokens, 3 drafts 4 5 6) and 8 (10 tokens, 2 drafts 4 5), greedy
+    over a vocabulary of 50: the target's argmax is 4, 5, 9, 9 for request 7 (accepts 2, then
+    emits 9) and 9, 9, 9 for request 8 (accepts none, emits 9)."""
+    for req_id in (7, 8):
+        prompt = list(range(10))
+        batch.add_request(NewRequestData(req_id, None, prompt, [], params, [0, 1, 2, 3], 10, 1, [], 0))
+    rows = np.array([batch.row_of[7], batch.row_of[8]])
+    verify = verify_rows([7, 8], rows, np.array([3, 2]), {7: [4, 5, 6], 8: [4, 5]}, np.array([0, 4, 7]))
+    logits = torch.zeros(7, 50)
+    logits[torch.arange(7), torch.tensor([4, 5, 9, 9, 9, 9, 9])] = 5.0
+    verifier = DraftVerifier(batch)
+    return verifier, verifier(logits, verify, torch.tensor([[4, 5, 6], [4, 5, -1]])), rows
+
+
+def test_a_verification_updates_the_device_at_once_and_the_host_once_when_settled():
+    batch = InputBatch(4, 8, 50, CPU)
+    verifier, pending, rows = _verification(batch, SamplingParams(temperature=0.0))
+    # The device side is done: next inputs 9 and 9, the accepted counts for the drafter.
+    assert batch.last_token_ids[rows].tolist() == [9, 9]
+    assert pending.num_accepted.tolist() == [2, 0]
+    # The host side waits for the next step (or the output): the rows' lengths are unchanged.
+    assert batch.num_tokens[rows].tolist() == [10, 10]
+    verifier.settle()
+    assert batch.num_tokens[rows].tolist() == [13, 11]  # 2 drafts + 9; 9
+    assert verifier.num_rejected[rows].tolist() == [1, 2]
+    # Once only, whoever asks: the step's output after the next step's start.
+    samples = pending.result()
+    verifier.settle()
+    assert batch.num_tokens[rows].tolist() == [13, 11]
+    assert samples.req_ids == [7, 7, 7, 8] and samples.token_ids == [4, 5, 9, 9]
+    assert samples.num_accepted_tokens == {7: 2, 8: 0}
+
+
+def test_emitted_tokens_count_for_penalties_on_the_device_and_rejected_ones_do_not():
+    batch = InputBatch(4, 8, 50, CPU)
+    rows = _verification(batch, SamplingParams(temperature=0.0, frequency_penalty=0.5))[2]
+    assert batch.output_counts is not None
+    counts = batch.output_counts[rows]
+    # Request 7 emitted 4, 5 and 9 (its draft 6 rejected); request 8 emitted 9 alone.
+    assert counts[0].nonzero().flatten().tolist() == [4, 5, 9] and counts[0].sum() == 3
+    assert counts[1].nonzero().flatten().tolist() == [9] and counts[1].sum() == 1

@@ -6,13 +6,16 @@ inputs, worked out by hand."""
 
 from __future__ import annotations
 
-import numpy as np
+import contextlib
+from types import SimpleNamespace
+
 import torch
 
 from pagedllm.attention.forward_context import get_forward_context
 from pagedllm.worker.proposal_graphs import (
     ProposalGraphs,
     ProposalInputs,
+    StepPassGraphs,
     eager_steps,
     proposal_inputs,
     run_steps,
@@ -45,12 +48,12 @@ def recording_step(seen: list[dict]):
 def inputs() -> ProposalInputs:
     """Two requests, two steps: positions 5, 6 and 9, 10 through tables [3, 7, 0] and [4, 9, 2]
     (block size 4: slots 3 * 4 + 1 = 13, 14 and 9 * 4 + 1 = 37, 38)."""
-    positions = np.array([[5, 9], [6, 10]])
+    positions = torch.tensor([[5, 9], [6, 10]])
     return ProposalInputs(
         positions=positions,
-        slot_mapping=np.array([[13, 37], [14, 38]]),
-        seq_lens=(positions + 1).astype(np.int32),
-        block_tables=np.array([[3, 7, 0], [4, 9, 2]], dtype=np.int32),
+        slot_mapping=torch.tensor([[13, 37], [14, 38]]),
+        seq_lens=(positions + 1).to(torch.int32),
+        block_tables=torch.tensor([[3, 7, 0], [4, 9, 2]], dtype=torch.int32),
     )
 
 
@@ -58,13 +61,13 @@ def test_proposal_inputs_walk_each_request_from_its_newest_position():
     # Block size 4. Request 0: P = 6, table [3, 8 (scratch), 9 (scratch)]: positions 6, 7, 8 in
     # slots 8 * 4 + 2, 8 * 4 + 3, 9 * 4 + 0. Request 1: P = 61 near max_model_len 63: positions 61,
     # 62, then 62 again (clamped), through its table's column 15.
-    tables = np.zeros((2, 17), dtype=np.int32)
-    tables[0, :3] = [3, 8, 9]
+    tables = torch.zeros((2, 17), dtype=torch.int32)
+    tables[0, :3] = torch.tensor([3, 8, 9])
     tables[1, 15] = 20
-    inputs = proposal_inputs(tables, np.array([6, 61]), 3, 4, 63)
+    inputs = proposal_inputs(tables, torch.tensor([6, 61]), 3, 4, 63)
     assert inputs.positions.tolist() == [[6, 61], [7, 62], [8, 62]]
     assert inputs.slot_mapping.tolist() == [[34, 81], [35, 82], [36, 82]]
-    assert inputs.seq_lens.tolist() == [[7, 62], [8, 63], [9, 63]] and inputs.seq_lens.dtype == np.int32
+    assert inputs.seq_lens.tolist() == [[7, 62], [8, 63], [9, 63]] and inputs.seq_lens.dtype == torch.int32
     assert inputs.num_steps == 3 and inputs.block_tables is tables
 
 
@@ -72,7 +75,7 @@ def test_the_static_loop_sees_the_eager_inputs_and_pads_with_rows_that_write_not
     tokens, hidden = torch.tensor([100, 200]), torch.tensor([[0.5, 0.0], [1.5, 0.0]])
     eager_seen: list[dict] = []
     eager = torch.empty((2, 2), dtype=torch.int64)
-    run_steps(recording_step(eager_seen), tokens, hidden, eager_steps(inputs(), CPU), eager)
+    run_steps(recording_step(eager_seen), tokens, hidden, eager_steps(inputs()), eager)
     # Step 0 reads the first tokens at 5 and 9; step 1 their sums at 6 and 10.
     assert eager.tolist() == [[105, 111], [209, 219]]
 
@@ -95,13 +98,54 @@ def test_a_smaller_loop_after_a_larger_one_leaves_no_stale_inputs_in_its_rows():
     graphs = ProposalGraphs(recording_step(seen), 2, [1, 4], (0, torch.float32), 3, MAX_MODEL_LEN, CPU)
     graphs.run(torch.tensor([100, 200]), None, inputs())
     one = ProposalInputs(
-        positions=np.array([[2], [3]]),
-        slot_mapping=np.array([[22], [23]]),
-        seq_lens=np.array([[3], [4]], dtype=np.int32),
-        block_tables=np.array([[5, 0, 0]], dtype=np.int32),
+        positions=torch.tensor([[2], [3]]),
+        slot_mapping=torch.tensor([[22], [23]]),
+        seq_lens=torch.tensor([[3], [4]], dtype=torch.int32),
+        block_tables=torch.tensor([[5, 0, 0]], dtype=torch.int32),
     )
     seen.clear()
     assert graphs.run(torch.tensor([7]), None, one).tolist() == [[9, 12]]
     # Size 1 replays the graph of one row: the earlier second request is not in it.
     assert [s["slots"] for s in seen] == [[22], [23]] and seen[0]["tables"] == [[5, 0, 0]]
     assert seen[0]["hidden"] is None
+
+
+class RecordingGraph:
+    """Stands in for torch.cuda.CUDAGraph: counts its replays."""
+
+    def __init__(self) -> None:
+        self.replays = 0
+
+    def replay(self) -> None:
+        self.replays += 1
+
+
+def test_the_pass_over_a_steps_tokens_is_captured_per_target_size_and_replayed_at_the_next_one(
+    monkeypatch,
+):
+    capturing = [False]
+
+    @contextlib.contextmanager
+    def graph(_graph, pool=None):
+        capturing[0] = True
+        yield
+        capturing[0] = False
+
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", RecordingGraph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    seen = []
+
+    def step_pass(batch_size):
+        # Each run under the target graphs' metadata of its own size, in a fresh context.
+        seen.append((batch_size, get_forward_context().attn_metadata.num_decodes, capturing[0]))
+        return torch.arange(batch_size) + 100 * batch_size, torch.zeros(batch_size, 2)
+
+    graphs = StepPassGraphs(step_pass, lambda b: SimpleNamespace(num_decodes=b), [1, 2, 4])
+    graphs.capture()
+    # Largest first; two warm-up runs and the capture each.
+    assert seen == [(b, b, c) for b in (4, 2, 1) for c in (False, False, True)]
+    ids, hidden = graphs.replay(3)  # three tokens replay size 4's graph, its first three rows
+    assert ids.tolist() == [400, 401, 402] and hidden.shape == (3, 2)
+    assert [graphs._graphs[b].replays for b in (1, 2, 4)] == [0, 0, 1]
