@@ -232,8 +232,7 @@ class DraftModelRunner:
         if not num_reqs:
             return rows, self.no_proposals()
         tokens = self.batch.last_token_ids.index_select(0, to_device(rows, self.device))
-        inputs = self._proposal_inputs(rows, newest, self.num_speculative_tokens)
-        return rows, self._run_proposals(tokens, None, inputs)
+        return rows, self._run_proposals(tokens, None, rows, newest)
 
     def no_proposals(self) -> torch.Tensor:
         return torch.empty((0, self.num_speculative_tokens), dtype=torch.int64, device=self.device)
@@ -272,42 +271,41 @@ class DraftModelRunner:
         capture (without one, the loop runs on them eagerly)."""
         return ProposalGraphs(
             self._step,
+            self._prepare_proposals,
             self.num_proposal_steps,
             capture_sizes,
             self.proposal_hidden,
-            self.batch.block_table.shape[1] + self.scratch_per_request,
+            self.batch.block_table.shape[1],
             self.max_model_len,
             self.device,
         )
 
     def _run_proposals(
-        self, tokens: torch.Tensor, hidden: torch.Tensor | None, inputs: ProposalInputs
+        self, tokens: torch.Tensor, hidden: torch.Tensor | None, rows: np.ndarray, newest: NewestPositions
     ) -> torch.Tensor:
-        """The proposal loop from ``tokens`` [B] (and ``hidden`` [B, H]): [B, S] drafts (device),
-        replayed from a graph where one was captured for B requests."""
+        """The proposal loop from ``tokens`` [B] (and ``hidden`` [B, H]) of the requests in batch
+        ``rows`` (the first of ``newest``'s): [B, S] drafts (device), replayed with its
+        preparation from a graph where one was captured for B requests."""
+        positions = newest.on_device(self.device)[: len(rows)]
+        block_tables = to_device(self.batch.block_table[rows], self.device)
         graphs = self.graphs
         if graphs is not None and tokens.shape[0] <= graphs.max_batch_size:
-            return graphs.run(tokens, hidden, inputs)
+            return graphs.run(tokens, hidden, block_tables, positions)
+        inputs = self._prepare_proposals(block_tables, positions, None)
         drafts = torch.empty((tokens.shape[0], inputs.num_steps), dtype=torch.int64, device=self.device)
         run_steps(self._step, tokens, hidden, eager_steps(inputs), drafts)
         return drafts
 
-    def _proposal_inputs(self, rows: np.ndarray, newest: NewestPositions, num_steps: int) -> ProposalInputs:
-        """The loop's inputs for the requests in batch ``rows`` (the first of ``newest``'s), from
-        their newest tokens' positions P, through their scratch tables."""
-        positions = newest.on_device(self.device)[: len(rows)]
-        table = self._scratch_table(rows, positions)
-        return proposal_inputs(table, positions, num_steps, self.block_size, self.max_model_len)
-
-    def _scratch_table(self, rows: np.ndarray, newest: torch.Tensor) -> torch.Tensor:
-        """[num_reqs, width] int32 block tables (device) for the proposal steps: the requests' own
-        up to the block holding P, their scratch blocks from there on (that block's contents
-        copied into the first). Built on the device: P may not have reached the host."""
-        num_reqs, per_request = len(rows), self.scratch_per_request
-        width = self.batch.block_table.shape[1]
-        host = np.zeros((num_reqs, width + per_request), dtype=np.int32)
-        host[:, :width] = self.batch.block_table[rows]
-        table = to_device(host, self.device).long()
+    def _prepare_proposals(
+        self, block_tables: torch.Tensor, newest: torch.Tensor, valid: torch.Tensor | None
+    ) -> ProposalInputs:
+        """``ProposalPrepare``: the loop's inputs for requests of ``block_tables`` ([B, W] int32,
+        their own) from their newest tokens' positions P ([B] int64), through scratch tables:
+        each request's own up to the block holding P, its scratch blocks from there on, that
+        block's contents copied into the first. All on the device: P may not have reached the
+        host, and under a graph this is part of the replay."""
+        num_reqs, per_request = block_tables.shape[0], self.scratch_per_request
+        table = torch.nn.functional.pad(block_tables.long(), (0, per_request))
         first_block = (newest // self.block_size)[:, None]
         scratch = self.first_scratch_block + torch.arange(
             num_reqs * per_request, dtype=torch.int64, device=self.device
@@ -319,4 +317,7 @@ class DraftModelRunner:
         for layer in self.cache_engine.gpu_cache:
             for tensor in {id(t): t for t in layer}.values():  # once when K is V (MLA)
                 tensor.index_copy_(0, dst_index, tensor.index_select(0, src_index))
-        return table.to(torch.int32)
+        steps = self.num_proposal_steps
+        return proposal_inputs(
+            table.to(torch.int32), newest, steps, self.block_size, self.max_model_len, valid
+        )

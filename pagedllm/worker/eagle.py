@@ -175,8 +175,7 @@ class EagleProposer(DraftModelRunner):
         drafts = torch.empty((num_reqs, self.num_speculative_tokens), dtype=torch.int64, device=self.device)
         drafts[:, 0] = tokens
         if self.num_proposal_steps:
-            inputs = self._proposal_inputs(rows, newest, self.num_proposal_steps)
-            drafts[:, 1:] = self._run_proposals(tokens, hidden, inputs)
+            drafts[:, 1:] = self._run_proposals(tokens, hidden, rows, newest)
         return rows, drafts
 
     def _head_pass(

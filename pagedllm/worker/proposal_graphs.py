@@ -3,25 +3,26 @@
 A draft model proposes k tokens by k one-token steps, an EAGLE head by k - 1 after its pass over
 the step's tokens (worker/draft_model.py, worker/eagle.py): each step a forward pass of a few
 kernels per layer, an LM head and an argmax over a handful of rows, where launching the kernels
-one by one costs more than running them. Every input of the loop is computed before its first
-step runs, on the device, from each request's newest position P (which may include a verification's
-accepted drafts the host has not seen yet): the positions P, P + 1, ..., their slots through the
-scratch block table, their context lengths; the tokens each step's argmax hands to the next on the
-device. So the whole loop is captured as ONE graph per batch size, reading static buffers::
+one by one costs more than running them. Every input of the loop follows from each request's
+block table and newest position P (which may include a verification's accepted drafts the host
+has not seen yet): the drafter's ``prepare`` builds its scratch tables (copying the block holding
+P into them) and the positions P, P + 1, ..., their slots and context lengths, on the device; the
+tokens each step's argmax hands to the next on the device. So the whole loop, its preparation
+included, is captured as ONE graph per batch size, reading static buffers::
 
     tokens        [N]         the first step's input tokens (then each step's argmax, in the graph)
     hidden        [N, H]      an EAGLE head's first hidden input (a draft model has none: H = 0)
-    positions     [S, N]      int64, step s's positions
-    slot_mapping  [S, N]      int64, -1 on padding rows (nothing written)
-    seq_lens      [S, N]      int32, 1 on padding rows
-    block_tables  [N, W]      int32, the requests' scratch tables
+    newest        [N]         int64, each request's P (0 on padding rows)
+    block_tables  [N, W]      int32, the requests' own tables (0 on padding rows)
+    valid         [N]         bool, False on padding rows: slot -1 (nothing written), length 1
     drafts        [N, S]      int64, the output: step s's argmax in column s
 
 A loop over B requests copies its inputs into the first B rows, pads the rest and replays the
-graph of the smallest captured size >= B. As in the decode graphs (worker/cuda_graph.py), attention
-is bounded by max_model_len: the launch grids are fixed at capture, the lengths read on the device.
-Without a capture (the CPU, or more requests than the largest graph), the same loop runs eagerly
-on per-step metadata whose lengths are read to the host.
+graph of the smallest captured size >= B: a few copies of host work, where preparing the inputs
+eagerly took tens of launches. As in the decode graphs (worker/cuda_graph.py), attention is
+bounded by max_model_len: the launch grids are fixed at capture, the lengths read on the device.
+Without a capture (the CPU, or more requests than the largest graph), the same preparation and
+loop run eagerly, on per-step metadata whose lengths are read to the host.
 
 ``StepPassGraphs`` (below) captures the drafter's other pass, over a step's scheduled tokens.
 """
@@ -66,17 +67,27 @@ class ProposalInputs:
 
 
 def proposal_inputs(
-    block_tables: torch.Tensor, newest: torch.Tensor, num_steps: int, block_size: int, max_model_len: int
+    block_tables: torch.Tensor,
+    newest: torch.Tensor,
+    num_steps: int,
+    block_size: int,
+    max_model_len: int,
+    valid: torch.Tensor | None = None,
 ) -> ProposalInputs:
     """block_tables: [B, W] int32 the requests' scratch tables; newest: [B] int64 the position P of
     each one's newest token (same device). Step s of request b is at P + s (clamped below
     max_model_len: the scheduler cuts drafts past it anyway), writes its slot through the table
-    and reads P + s + 1 tokens."""
+    and reads P + s + 1 tokens. ``valid`` ([B] bool): rows past the requests (a graph's padding)
+    write nothing (slot -1) and read one token."""
     steps = torch.arange(num_steps, device=newest.device)[:, None]
     positions = (newest[None, :] + steps).clamp(max=max_model_len - 1)
     blocks = block_tables.long().gather(1, (positions // block_size).t()).t().contiguous()
     slot_mapping = blocks * block_size + positions % block_size
-    return ProposalInputs(positions, slot_mapping, (positions + 1).to(torch.int32), block_tables)
+    seq_lens = (positions + 1).to(torch.int32)
+    if valid is not None:
+        slot_mapping = slot_mapping.masked_fill(~valid, -1)
+        seq_lens = seq_lens.masked_fill(~valid, 1)
+    return ProposalInputs(positions, slot_mapping, seq_lens, block_tables)
 
 
 def capture_per_size(
@@ -142,21 +153,32 @@ def eager_steps(inputs: ProposalInputs) -> list[tuple[torch.Tensor, AttentionMet
     return steps
 
 
+# prepare(block_tables [B, W] int32, newest [B] int64, valid [B] bool or None) -> the loop's inputs:
+# the drafter's scratch tables (and the copies into them) and the steps' positions, slots, lengths.
+ProposalPrepare = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], ProposalInputs]
+
+
 class ProposalGraphs:
     """The static buffers of a proposal loop, and its graphs once ``capture`` ran (CUDA only).
 
+    The graph holds the loop's preparation too (``prepare``: the scratch tables, the copies of
+    the blocks holding P into them, the steps' positions, slots and lengths), so that a replay
+    costs the host a few copies into the buffers, not the tens of launches of the preparation.
+
     Args:
         step: the drafter's one-token step.
+        prepare: the loop's inputs from the requests' block tables and newest positions.
         num_steps: S, steps per loop.
         capture_sizes: the batch sizes (requests) to capture.
-        hidden_size: H of the hidden input the step carries (0: none) and its dtype.
-        table_width: W, columns of the scratch block tables.
+        hidden: H of the hidden input the step carries (0: none) and its dtype.
+        table_width: W, columns of the requests' block tables.
         max_model_len: attention's bound in the captured launches.
     """
 
     def __init__(
         self,
         step: ProposalStep,
+        prepare: ProposalPrepare,
         num_steps: int,
         capture_sizes: list[int],
         hidden: tuple[int, torch.dtype],
@@ -165,6 +187,7 @@ class ProposalGraphs:
         device: torch.device,
     ) -> None:
         self.step = step
+        self.prepare = prepare
         self.capture_sizes = sorted(capture_sizes)
         self.max_model_len = max_model_len
         self.device = device
@@ -175,10 +198,9 @@ class ProposalGraphs:
 
         self.tokens = zeros(n)
         self.hidden = zeros(n, hidden_size, dtype=hidden[1]) if hidden_size else None
-        self.positions = zeros(num_steps, n)
-        self.slot_mapping = zeros(num_steps, n)
-        self.seq_lens = zeros(num_steps, n, dtype=torch.int32)
+        self.newest = zeros(n)
         self.block_tables = zeros(n, table_width, dtype=torch.int32)
+        self.valid = zeros(n, dtype=torch.bool)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.drafts = zeros(n, num_steps)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -187,77 +209,81 @@ class ProposalGraphs:
     def max_batch_size(self) -> int:
         return self.capture_sizes[-1]
 
-    def _steps(self, batch_size: int) -> list[tuple[torch.Tensor, AttentionMetadata]]:
-        """What every replay reads: views of the buffers' first ``batch_size`` rows, lengths up to
+    def _steps(self, inputs: ProposalInputs) -> list[tuple[torch.Tensor, AttentionMetadata]]:
+        """What every replay reads: the prepared inputs of the buffers' first rows, lengths up to
         max_model_len (``seq_lens_cpu`` that bound: a replay serves every length below it)."""
+        batch_size = inputs.positions.shape[1]
         bound = torch.full((batch_size,), self.max_model_len, dtype=torch.int32)
         return [
             (
-                self.positions[s, :batch_size],
+                inputs.positions[s],
                 AttentionMetadata(
                     num_decodes=batch_size,
                     num_prefills=0,
-                    slot_mapping=self.slot_mapping[s, :batch_size],
+                    slot_mapping=inputs.slot_mapping[s],
                     query_start_loc=self.query_start_loc[: batch_size + 1],
-                    seq_lens=self.seq_lens[s, :batch_size],
-                    block_tables=self.block_tables[:batch_size],
+                    seq_lens=inputs.seq_lens[s],
+                    block_tables=inputs.block_tables,
                     max_query_len=1,
                     max_seq_len=self.max_model_len,
                     query_start_loc_cpu=torch.arange(batch_size + 1, dtype=torch.int32),
                     seq_lens_cpu=bound,
                 ),
             )
-            for s in range(self.positions.shape[0])
+            for s in range(inputs.num_steps)
         ]
 
     def _run(self, batch_size: int) -> None:
-        hidden = None if self.hidden is None else self.hidden[:batch_size]
-        drafts = self.drafts[:batch_size]
-        run_steps(self.step, self.tokens[:batch_size], hidden, self._steps(batch_size), drafts)
+        rows = slice(0, batch_size)
+        inputs = self.prepare(self.block_tables[rows], self.newest[rows], self.valid[rows])
+        hidden = None if self.hidden is None else self.hidden[rows]
+        run_steps(self.step, self.tokens[rows], hidden, self._steps(inputs), self.drafts[rows])
 
     @torch.inference_mode()
     def capture(self) -> None:
         """One graph per capture size, largest first (the smaller ones reuse its pool memory), over
-        dummy rows: slot -1 writes nothing, length 1 reads block 0 only."""
+        padding rows only: slot -1 writes nothing, length 1 reads block 0 only."""
         start = time.perf_counter()
-        self.slot_mapping.fill_(-1)
-        self.seq_lens.fill_(1)
+        self.valid.fill_(False)
         self._graphs = capture_per_size(self._run, self.capture_sizes)[0]
         logger.info(
             "captured %d CUDA graphs of %d proposal steps (up to %d requests) in %.1f s",
             len(self._graphs),
-            self.positions.shape[0],
+            self.drafts.shape[1],
             self.max_batch_size,
             time.perf_counter() - start,
         )
 
-    def run(self, tokens: torch.Tensor, hidden: torch.Tensor | None, inputs: ProposalInputs) -> torch.Tensor:
-        """tokens: [B] and hidden: [B, H] (device), B <= ``max_batch_size``. Copies them and the
-        inputs into the buffers, padded to the captured size, and replays (or, before a capture,
-        runs the loop on the buffers). Returns the drafts: [B, S], a view of the output buffer."""
+    def run(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor | None,
+        block_tables: torch.Tensor,
+        newest: torch.Tensor,
+    ) -> torch.Tensor:
+        """tokens: [B] and hidden: [B, H], the requests' block tables [B, W] int32 and newest
+        positions [B] int64 (device), B <= ``max_batch_size``. Copies them into the buffers,
+        padded to the captured size, and replays (or, before a capture, runs the loop on the
+        buffers). Returns the drafts: [B, S], a view of the output buffer."""
         num_reqs = tokens.shape[0]
         batch_size = self.capture_sizes[bisect.bisect_left(self.capture_sizes, num_reqs)]
-        self.tokens[:num_reqs].copy_(tokens)
+        real, padding = slice(0, num_reqs), slice(num_reqs, batch_size)
+        self.tokens[real].copy_(tokens)
         if self.hidden is not None:
             assert hidden is not None
-            self.hidden[:num_reqs].copy_(hidden)
-        padded = (
-            (self.positions, inputs.positions, 0),
-            (self.slot_mapping, inputs.slot_mapping, -1),
-            (self.seq_lens, inputs.seq_lens, 1),
-        )
-        for buffer, values, pad_value in padded:
-            buffer[:, :num_reqs].copy_(values)
-            buffer[:, num_reqs:batch_size].fill_(pad_value)
-        width = inputs.block_tables.shape[1]
-        self.block_tables[:num_reqs, :width].copy_(inputs.block_tables)
-        self.block_tables[num_reqs:batch_size].zero_()
+            self.hidden[real].copy_(hidden)
+        self.newest[real].copy_(newest)
+        self.newest[padding].zero_()
+        self.block_tables[real, : block_tables.shape[1]].copy_(block_tables)
+        self.block_tables[padding].zero_()
+        self.valid[real].fill_(True)
+        self.valid[padding].fill_(False)
         graph = self._graphs.get(batch_size)
         if graph is not None:
             graph.replay()
         else:
             self._run(batch_size)
-        return self.drafts[:num_reqs]
+        return self.drafts[real]
 
 
 # pass(batch_size) -> outputs: the drafter's pass over a step's tokens, on the target's decode

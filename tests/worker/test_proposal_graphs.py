@@ -14,7 +14,6 @@ import torch
 from pagedllm.attention.forward_context import get_forward_context
 from pagedllm.worker.proposal_graphs import (
     ProposalGraphs,
-    ProposalInputs,
     StepPassGraphs,
     eager_steps,
     proposal_inputs,
@@ -45,16 +44,15 @@ def recording_step(seen: list[dict]):
     return step
 
 
-def inputs() -> ProposalInputs:
-    """Two requests, two steps: positions 5, 6 and 9, 10 through tables [3, 7, 0] and [4, 9, 2]
-    (block size 4: slots 3 * 4 + 1 = 13, 14 and 9 * 4 + 1 = 37, 38)."""
-    positions = torch.tensor([[5, 9], [6, 10]])
-    return ProposalInputs(
-        positions=positions,
-        slot_mapping=torch.tensor([[13, 37], [14, 38]]),
-        seq_lens=(positions + 1).to(torch.int32),
-        block_tables=torch.tensor([[3, 7, 0], [4, 9, 2]], dtype=torch.int32),
-    )
+# Two requests at newest positions 5 and 9 with block tables [3, 7, 0] and [4, 9, 2], block size
+# 4, two steps: positions 5, 6 (block 7: slots 29, 30) and 9, 10 (block 2: slots 9, 10).
+TABLES = torch.tensor([[3, 7, 0], [4, 9, 2]], dtype=torch.int32)
+NEWEST = torch.tensor([5, 9])
+
+
+def prepare(block_tables, newest, valid):
+    """The loop's inputs without scratch tables (the drafters' add them: tests/engine)."""
+    return proposal_inputs(block_tables, newest, 2, 4, MAX_MODEL_LEN, valid)
 
 
 def test_proposal_inputs_walk_each_request_from_its_newest_position():
@@ -69,42 +67,46 @@ def test_proposal_inputs_walk_each_request_from_its_newest_position():
     assert inputs.slot_mapping.tolist() == [[34, 81], [35, 82], [36, 82]]
     assert inputs.seq_lens.tolist() == [[7, 62], [8, 63], [9, 63]] and inputs.seq_lens.dtype == torch.int32
     assert inputs.num_steps == 3 and inputs.block_tables is tables
+    # A padding row (a graph's) writes nothing and reads one token.
+    padded = proposal_inputs(tables, torch.tensor([6, 61]), 3, 4, 63, torch.tensor([True, False]))
+    assert padded.slot_mapping.tolist() == [[34, -1], [35, -1], [36, -1]]
+    assert padded.seq_lens.tolist() == [[7, 1], [8, 1], [9, 1]]
 
 
 def test_the_static_loop_sees_the_eager_inputs_and_pads_with_rows_that_write_nothing():
     tokens, hidden = torch.tensor([100, 200]), torch.tensor([[0.5, 0.0], [1.5, 0.0]])
     eager_seen: list[dict] = []
     eager = torch.empty((2, 2), dtype=torch.int64)
-    run_steps(recording_step(eager_seen), tokens, hidden, eager_steps(inputs()), eager)
+    run_steps(recording_step(eager_seen), tokens, hidden, eager_steps(prepare(TABLES, NEWEST, None)), eager)
     # Step 0 reads the first tokens at 5 and 9; step 1 their sums at 6 and 10.
     assert eager.tolist() == [[105, 111], [209, 219]]
+    assert [s["slots"] for s in eager_seen] == [[29, 9], [30, 10]]
 
     static_seen: list[dict] = []
-    graphs = ProposalGraphs(recording_step(static_seen), 2, [1, 4], (2, torch.float32), 3, MAX_MODEL_LEN, CPU)
-    drafts = graphs.run(tokens, hidden, inputs())  # no capture on the CPU: the loop on the buffers
+    step = recording_step(static_seen)
+    graphs = ProposalGraphs(step, prepare, 2, [1, 4], (2, torch.float32), 3, MAX_MODEL_LEN, CPU)
+    drafts = graphs.run(tokens, hidden, TABLES, NEWEST)  # no capture on the CPU: the loop on the buffers
     assert drafts.tolist() == eager.tolist()
     assert [s["num_decodes"] for s in static_seen] == [4, 4]  # two requests padded to size 4
     for eager_step, static_step in zip(eager_seen, static_seen):
         for name in ("positions", "slots", "seq_lens", "tables", "hidden"):
             assert static_step[name][:2] == eager_step[name], name
-        # Padding rows: position 0, slot -1 (no write), length 1, block 0.
-        assert static_step["positions"][2:] == [0, 0] and static_step["slots"][2:] == [-1, -1]
-        assert static_step["seq_lens"][2:] == [1, 1] and static_step["tables"][2:] == [[0, 0, 0]] * 2
+        # Padding rows: slot -1 (no write), length 1, block 0.
+        assert static_step["slots"][2:] == [-1, -1] and static_step["seq_lens"][2:] == [1, 1]
+        assert static_step["tables"][2:] == [[0, 0, 0]] * 2
     assert static_seen[1]["hidden"][:2] == [1.5, 2.5]
 
 
 def test_a_smaller_loop_after_a_larger_one_leaves_no_stale_inputs_in_its_rows():
     seen: list[dict] = []
-    graphs = ProposalGraphs(recording_step(seen), 2, [1, 4], (0, torch.float32), 3, MAX_MODEL_LEN, CPU)
-    graphs.run(torch.tensor([100, 200]), None, inputs())
-    one = ProposalInputs(
-        positions=torch.tensor([[2], [3]]),
-        slot_mapping=torch.tensor([[22], [23]]),
-        seq_lens=torch.tensor([[3], [4]], dtype=torch.int32),
-        block_tables=torch.tensor([[5, 0, 0]], dtype=torch.int32),
+    graphs = ProposalGraphs(
+        recording_step(seen), prepare, 2, [1, 4], (0, torch.float32), 3, MAX_MODEL_LEN, CPU
     )
+    graphs.run(torch.tensor([100, 200]), None, TABLES, NEWEST)
     seen.clear()
-    assert graphs.run(torch.tensor([7]), None, one).tolist() == [[9, 12]]
+    # One request at P = 2 in block 5: slots 22, 23.
+    one = graphs.run(torch.tensor([7]), None, torch.tensor([[5, 0, 0]], dtype=torch.int32), torch.tensor([2]))
+    assert one.tolist() == [[9, 12]]
     # Size 1 replays the graph of one row: the earlier second request is not in it.
     assert [s["slots"] for s in seen] == [[22], [23]] and seen[0]["tables"] == [[5, 0, 0]]
     assert seen[0]["hidden"] is None
