@@ -41,13 +41,19 @@ def target(make_tiny_model):
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False])
-@pytest.mark.parametrize("method, draft_vocab", [("eagle3", 96), ("eagle", None)])
+@pytest.mark.parametrize(
+    "method, draft_vocab, aux",
+    # The full-vocabulary head shares the target's embeddings and reads layer 0's input, whose
+    # capture hook the head's own embedding runs too.
+    [("eagle3", 96, None), ("eagle3", None, [0, 2, 3]), ("eagle", None, None)],
+)
 def test_eagle_drafts_equal_the_reference_and_greedy_equals_hf_on_the_gpu(
-    target, tmp_path, enforce_eager, method, draft_vocab
+    target, tmp_path, enforce_eager, method, draft_vocab, aux
 ):
     hf_model, model_config = target
+    extra = {} if aux is None else {"eagle_aux_hidden_state_layer_ids": aux}
     path, tensors, config = write_head(
-        tmp_path / "head", model_config.hf_config, method, draft_vocab, **HEAD_ON_GPU
+        tmp_path / "head", model_config.hf_config, method, draft_vocab, **HEAD_ON_GPU, **extra
     )
     prompts = prompts_for(model_config.vocab_size, 12, seed=0)
     llm = LLM(
@@ -59,15 +65,22 @@ def test_eagle_drafts_equal_the_reference_and_greedy_equals_hf_on_the_gpu(
         speculative_config={"method": method, "model": path, "num_speculative_tokens": 3},
     )
     calls = record_proposals(llm)
+    drafter = llm.llm_engine.executor.worker.model_runner.drafter
+    replays = []
+    if not enforce_eager:  # the head's pass over decode/verify steps replays its graph
+        replay = drafter.pass_graphs.replay
+        drafter.pass_graphs.replay = lambda num_tokens: replays.append(num_tokens) or replay(num_tokens)
     outputs = llm.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(hf_model, prompts, GREEDY.max_tokens)
+    assert enforce_eager or replays
     contexts = {o.request_id: prompts[i] + o.outputs[0].token_ids for i, o in enumerate(outputs)}
     hf_cpu = hf_model.cpu()
     matches = total = 0
     for step in calls[:8]:
         for req_id, (length, drafts) in step.items():
             context = contexts[str(req_id)][:length]
-            matches += drafts == reference_drafts(hf_cpu, method, tensors, config, context, 3, [2, 2, 1])
+            reference = reference_drafts(hf_cpu, method, tensors, config, context, 3, aux or [2, 2, 1])
+            matches += drafts == reference
             total += 1
     # TF32-free float32 on the GPU against the CPU: a near-tie may flip one argmax, no more.
     assert total > 0 and matches >= total - 1
