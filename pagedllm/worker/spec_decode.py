@@ -34,8 +34,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pagedllm.layers.custom_op import platform_for
 from pagedllm.sample.logits_processors import apply_allowed_token_ids, apply_logit_bias
-from pagedllm.sample.rejection_sampler import rejection_sample
+from pagedllm.sample.rejection_sampler import RejectionSample, rejection_sample
 from pagedllm.sample.sampler import sampling_distribution
 from pagedllm.step_io import DRAFT_PLACEHOLDER, ModelRunnerOutput
 from pagedllm.worker.input_batch import InputBatch
@@ -74,6 +75,13 @@ class DraftVerifier:
     def __init__(self, input_batch: InputBatch, synthetic_acceptance_rate: float | None = None) -> None:
         self.batch = input_batch
         self.synthetic_acceptance_rate = synthetic_acceptance_rate
+        # Verifications whose requests are all greedy: one launch with Triton (a prefix match),
+        # else the rejection sampler's torch form.
+        self._greedy_verify = None
+        if platform_for(input_batch.device).triton:
+            from pagedllm.kernels.triton.greedy_verify import greedy_verify
+
+            self._greedy_verify = greedy_verify
         # Per batch row, the drafts its latest verification rejected.
         self.num_rejected = np.zeros(input_batch.max_num_rows, dtype=np.int64)
         # The latest verification, until its counts are applied on the host.
@@ -114,15 +122,20 @@ class DraftVerifier:
             assert metadata.greedy is not None
             greedy = metadata.greedy[to_device(first, device)]
             uniform = self._uniforms(verify, device)
-        sample = rejection_sample(
-            drafts,
-            to_device(num_drafts, device),
-            argmax,
-            probs,
-            greedy,
-            uniform,
-            self.synthetic_acceptance_rate,
-        )
+        if probs is None and self._greedy_verify is not None:
+            sample = RejectionSample(
+                *self._greedy_verify(drafts, num_drafts, argmax, self.synthetic_acceptance_rate)
+            )
+        else:
+            sample = rejection_sample(
+                drafts,
+                to_device(num_drafts, device),
+                argmax,
+                probs,
+                greedy,
+                uniform,
+                self.synthetic_acceptance_rate,
+            )
         batch.record_verified_on_device(verify.rows, sample.output_token_ids, sample.num_accepted)
         chosen = logprobs[sample.row_index, sample.output_token_ids.clamp(min=0)]
         tensors = [sample.num_accepted, sample.output_token_ids, chosen]

@@ -17,6 +17,7 @@ from pagedllm.kernels.triton.activation import silu_and_mul
 from pagedllm.kernels.triton.batch_invariant_matmul import batch_invariant_matmul
 from pagedllm.kernels.triton.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from pagedllm.kernels.triton.fused_moe import fused_moe, moe_sum
+from pagedllm.kernels.triton.greedy_verify import greedy_verify
 from pagedllm.kernels.triton.linear_attention import gated_delta_rule_update, l2_normalize_, rms_norm_gated
 from pagedllm.kernels.triton.lora import lora_shrink_expand
 from pagedllm.kernels.triton.lora_sgmv import SegmentBuffer, lora_sgmv_shrink_expand, plan_segments
@@ -235,6 +236,10 @@ def layers() -> None:
         sigmoid_gate(torch.empty(3, 16, 256, dtype=dtype), q_gate[..., 256:])
     warm_up(49152, CPU)  # the sampler's variants and the grammar bitmask
     warm_up(49152, CPU, invariant=True)  # batch_invariant=True's: one chunk size, no FMA contraction
+    # Speculative decoding's greedy verification: by the target's argmax and synthetic.
+    drafts, argmax = torch.zeros(2, 3, dtype=torch.int64), torch.zeros(6, dtype=torch.int64)
+    for rate in (None, 0.7):
+        greedy_verify(drafts, np.array([3, 1]), argmax, rate)
 
 
 def lora() -> None:

@@ -5,11 +5,17 @@ counts. Expected values are worked out by hand in the comments."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import numpy as np
+import pytest
 import torch
 
+from pagedllm.layers import custom_op
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step_io import DRAFT_PLACEHOLDER, NewRequestData, SchedulerOutput
+from pagedllm.worker import spec_decode
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.spec_decode import DeviceDrafts, DraftVerifier
 from pagedllm.worker.step_inputs import verify_rows
@@ -69,6 +75,19 @@ def test_the_rejections_of_the_step_before_are_taken_back_from_optimistic_counts
     assert batch.num_computed_tokens[batch.row_of[8]] == 12
 
 
+@pytest.fixture(params=["torch", "triton"])
+def verifier_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The rejection sampler's torch form, or (greedy verifications) the Triton kernel, which runs
+    here under Triton's interpreter: the verifier chooses it when the platform has Triton."""
+    if request.param == "triton":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+            pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+        with_triton = dataclasses.replace(custom_op.platform_for(CPU), triton=True)
+        monkeypatch.setattr(spec_decode, "platform_for", lambda device: with_triton)
+    return request.param
+
+
 def _verification(batch: InputBatch, params: SamplingParams) -> tuple[DraftVerifier, object, torch.Tensor]:
     """Requests 7 (row of 10 tokens, 3 drafts 4 5 6) and 8 (10 tokens, 2 drafts 4 5), greedy
     over a vocabulary of 50: the target's argmax is 4, 5, 9, 9 for request 7 (accepts 2, then
@@ -84,9 +103,10 @@ def _verification(batch: InputBatch, params: SamplingParams) -> tuple[DraftVerif
     return verifier, verifier(logits, verify, torch.tensor([[4, 5, 6], [4, 5, -1]])), rows
 
 
-def test_a_verification_updates_the_device_at_once_and_the_host_once_when_settled():
+def test_a_verification_updates_the_device_at_once_and_the_host_once_when_settled(verifier_kind):
     batch = InputBatch(4, 8, 50, CPU)
     verifier, pending, rows = _verification(batch, SamplingParams(temperature=0.0))
+    assert (verifier._greedy_verify is not None) == (verifier_kind == "triton")
     # The device side is done: next inputs 9 and 9, the accepted counts for the drafter.
     assert batch.last_token_ids[rows].tolist() == [9, 9]
     assert pending.num_accepted.tolist() == [2, 0]
@@ -103,7 +123,7 @@ def test_a_verification_updates_the_device_at_once_and_the_host_once_when_settle
     assert samples.num_accepted_tokens == {7: 2, 8: 0}
 
 
-def test_emitted_tokens_count_for_penalties_on_the_device_and_rejected_ones_do_not():
+def test_emitted_tokens_count_for_penalties_on_the_device_and_rejected_ones_do_not(verifier_kind):
     batch = InputBatch(4, 8, 50, CPU)
     rows = _verification(batch, SamplingParams(temperature=0.0, frequency_penalty=0.5))[2]
     assert batch.output_counts is not None
