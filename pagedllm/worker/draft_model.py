@@ -99,10 +99,10 @@ def unpadded_inputs(model_input: ModelInput) -> tuple[torch.Tensor, torch.Tensor
 @dataclass
 class NewestPositions:
     """Where each proposing request's newest token sits: ``host`` ([num_reqs] int64), plus, for
-    requests whose step verified drafts, the drafts it accepted (``accepted``: [num_reqs] int64
-    on the device, 0 for the others; None when every position is on the host). A verification's
-    counts reach the host one step later: the drafter adds them on the device and does not wait
-    for them (worker/spec_decode.py)."""
+    the last ``len(accepted)`` requests (those whose step verified drafts), the drafts each
+    accepted (``accepted``: int64 on the device; None when every position is on the host). A
+    verification's counts reach the host one step later: the drafter adds them on the device and
+    does not wait for them (worker/spec_decode.py)."""
 
     host: np.ndarray
     accepted: torch.Tensor | None = None
@@ -111,8 +111,10 @@ class NewestPositions:
     def on_device(self, device: torch.device) -> torch.Tensor:
         """[num_reqs] int64 on ``device`` (made once: the drafter reads it more than once)."""
         if self._device is None:
-            newest = to_device(self.host, device, torch.int64)
-            self._device = newest if self.accepted is None else newest + self.accepted
+            # A copy of ``host`` (astype copies): on the CPU the tensor would share its memory.
+            self._device = to_device(self.host.astype(np.int64), device)
+            if self.accepted is not None and len(self.accepted):
+                self._device[len(self.host) - len(self.accepted) :] += self.accepted
         return self._device
 
 

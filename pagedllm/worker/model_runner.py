@@ -403,13 +403,12 @@ class ModelRunner:
             rows = model_input.sampling_req_rows
             newest = NewestPositions(batch.num_tokens[rows] - 1)
             if verified is not None:
-                # The verified requests' newest tokens: after the drafts they accepted, which the
-                # drafter adds on the device (their counts reach the host a step later).
+                # The verified requests' newest tokens, after the others': past the drafts they
+                # accepted, which the drafter adds on the device (their counts reach the host a
+                # step later).
                 verify_rows = model_input.verify.rows
-                no_drafts = torch.zeros(len(rows), dtype=torch.int64, device=self.device)
                 newest = NewestPositions(
-                    np.concatenate([newest.host, batch.num_tokens[verify_rows]]),
-                    torch.cat([no_drafts, verified.num_accepted]),
+                    np.concatenate([newest.host, batch.num_tokens[verify_rows]]), verified.num_accepted
                 )
                 rows = np.concatenate([rows, verify_rows])
             rows, drafts = drafter.propose(rows, newest)
