@@ -18,7 +18,7 @@ from pagedllm.cpu_info import cpu_has_bf16
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.parallel_config import ParallelConfig, ranks_field
 from pagedllm.pooling_params import PoolerConfig
-from pagedllm.spec_config import SpeculativeConfig
+from pagedllm.spec_config import MODEL_METHODS, SpeculativeConfig
 
 # torch is imported where a function needs it: the CLI's parsers read this module (EngineArgs'
 # defaults), and `pagedllm --help` should not wait seconds for torch.
@@ -298,6 +298,14 @@ class EngineConfig:
     batch_invariant: bool = False
 
     @property
+    def drafts_on_worker(self) -> bool:
+        """Whether the worker drafts, on the device after each step's samples (a draft model, an
+        EAGLE head, or with asynchronous scheduling the n-gram lookup: worker/ngram_drafter.py),
+        rather than the scheduler on the host (n-gram without it: the newest tokens are there)."""
+        spec = self.speculative_config
+        return spec is not None and (spec.method in MODEL_METHODS or self.async_scheduling)
+
+    @property
     def scheduler_block_size(self) -> int:
         """Tokens per block as the scheduler counts them: with context parallelism a block id names
         one ``block_size`` block on each of the ranks, which hold every P-th of its tokens."""
@@ -314,15 +322,6 @@ class EngineConfig:
         if self.cache_config.cache_dtype != "auto":
             self._check_fp8_kv_cache()
         if self.speculative_config is not None:
-            # An n-gram draft is looked up in the newest tokens, which the host sees only once the
-            # step that sampled them is applied; a drafter's proposals stay on the device.
-            _require(
-                not (self.async_scheduling and self.speculative_config.method == "ngram"),
-                "async_scheduling",
-                "False with speculative_config method 'ngram' (its drafts are looked up on the host "
-                "in the previous step's tokens; draft_model, eagle and eagle3 run asynchronously)",
-                self.async_scheduling,
-            )
             if self.model_config.has_recurrent_state:
                 raise ValueError(
                     "speculative_config is not supported on models with linear-attention layers: their "

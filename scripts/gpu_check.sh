@@ -4,7 +4,7 @@
 #
 #   scripts/gpu_check.sh                 tests, K1, K1 windowed, W1, W3 (the short set)
 #   scripts/gpu_check.sh tests k1 k1-sweep k1-w1 k1-fp8 k1-window w1 w1-profile w2 w3 hf w4 w4-thread w5 moe moe-sweep cuda
-#       lora w1-lora w3-lora w1-fp8kv w3-fp8 w3-w4a16 w2-fp8 quant w3-spec w3-eagle w3-eagle-tp
+#       lora w1-lora w3-lora w1-fp8kv w3-fp8 w3-w4a16 w2-fp8 quant w3-spec w3-eagle w3-eagle-tp w1-spec spec-editing
 #       sanitize so sampler
 #       tp (tp-tests, tp-bench) cp
 #       determinism
@@ -33,7 +33,10 @@
 # Llama-3.1-8B's layer shapes, decode to prefill, and the skinny kernels' launch sweep), w3-spec (W3
 # with n-gram drafts at a synthetic acceptance rate), w3-eagle (W3 with an EAGLE-3 head at synthetic
 # acceptance 1.0 and 0.7), w3-eagle-tp (two GPUs: W3 at TP=2 with the EAGLE-3 head and with n-gram
-# drafts, both at synthetic acceptance 1.0, and without speculation), tp (two GPUs: the tensor-parallel GPU tests,
+# drafts, both at synthetic acceptance 1.0, and without speculation), w1-spec (W1's prompts at
+# batch 64 and 256 with n-gram drafts at synthetic acceptance 0.5 and without; the table gives the
+# ratios, target >= 0.95x at 64), spec-editing (the embedded GGUF, float32, n-gram on the editing
+# workload against no speculation, target >= 1.6x, identical greedy text), tp (two GPUs: the tensor-parallel GPU tests,
 # then all-reduce latency (benchmarks/all_reduce.py: NCCL against the one-shot kernel), W2 and W3
 # at tensor_parallel_size 1 and 2, W2 at pipeline_parallel_size 2, W3 at TP=2 with NCCL alone;
 # the table gives TP=2 and PP=2 over TP=1), so
@@ -241,6 +244,23 @@ for stage in "${stages[@]}"; do
         run w3_tp2_eagle python3 -m pagedllm bench latency --skip-eager --tensor-parallel-size 2 \
             --speculative-config '{"method": "eagle3", "model": "benchmarks/configs/llama-3.1-8b-eagle3", "num_speculative_tokens": 3}' \
             --synthetic-acceptance-rate 1.0 --output-json "$OUT/w3_tp2_eagle.json"
+        ;;
+    w1-spec)  # W1's prompts at batch 64 and 256 (SPEC_BATCHES), n-gram k=3 at synthetic acceptance 0.5 beside none
+        for batch in ${SPEC_BATCHES:-64 256}; do
+            run "w1_b$batch" python3 -m pagedllm bench throughput --workload W1 --max-num-seqs "$batch" \
+                --output-json "$OUT/w1_b$batch.json"
+            run "w1_spec_b$batch" python3 -m pagedllm bench throughput --workload W1 --max-num-seqs "$batch" \
+                --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' \
+                --synthetic-acceptance-rate "${SPEC_ACCEPTANCE:-0.5}" --output-json "$OUT/w1_spec_b$batch.json"
+        done
+        ;;
+    spec-editing)  # real weights: the embedded GGUF's n-gram speedup on the editing workload, float32 (target >= 1.6x)
+        # The GPU image lacks the embedded model's package: its GGUF file travels as .models/ (ignored).
+        gguf=()
+        [ -f .models/SmolLM2-135M-Instruct.Q4_1.gguf ] && gguf=(--model .models/SmolLM2-135M-Instruct.Q4_1.gguf)
+        ls .whl/gguf-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --find-links .whl gguf 2>&1 | tail -1
+        run spec_editing python3 benchmarks/spec_decode_editing.py --device cuda --dtype float32 --max-tokens 192 \
+            "${gguf[@]}" --output-json "$OUT/spec_editing.json"
         ;;
     moe-sweep) run moe python3 -m pagedllm bench moe --sweep --output-json "$OUT/moe.json" ;;
     hf) run hf python3 benchmarks/compare_hf.py --output-json "$OUT/hf.json" ;;

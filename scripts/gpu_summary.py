@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 
 def _load(folder: str, name: str) -> dict | list | None:
@@ -57,6 +58,7 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
     table += _long_context_rows(folder)
     table += _prefix_rows(folder)
     table += _tensor_parallel_rows(folder)
+    table += _spec_rows(folder)
     table += _spec_tensor_parallel_rows(folder)
     table += _context_parallel_rows(folder)
     table += _determinism_rows(folder)
@@ -206,6 +208,39 @@ def _tensor_parallel_rows(folder: str) -> list[tuple[str, str, str]]:
                 f"({row['nccl_us'] / row['one_shot_us']:.2f}x)",
             )
         )
+    return table
+
+
+def _spec_rows(folder: str) -> list[tuple[str, str, str]]:
+    """Speculation against no speculation in the same call: W3 with the EAGLE-3 head (targets <= 0.33x
+    at synthetic acceptance 1.0, <= 0.55x at 0.7); the n-gram verify step of k + 1 = 4 tokens (every
+    draft accepted, so a step emits 4) over W3's decode step (target <= 1.1x); W1's prompts at batch
+    B with n-gram drafts at synthetic acceptance 0.5 (target >= 0.95x at 64); and real weights on
+    the editing workload (target >= 1.6x, identical greedy text)."""
+    table = []
+    w3 = _load(folder, "w3")
+    plain = w3["cuda_graphs"]["tpot_ms"] if w3 else None
+    for name in ("w3_eagle_1.0", "w3_eagle_0.7"):
+        r = _load(folder, name)
+        if r and plain:
+            ratio = r["cuda_graphs"]["tpot_ms"] / plain
+            table.append((f"W3 {name[3:]} / W3", "ms/token (synthetic)", f"{ratio:.3f}x"))
+    r = _load(folder, "w3_spec")
+    if r and plain and r.get("synthetic_acceptance_rate") == 1.0:
+        step = 4 * r["cuda_graphs"]["tpot_ms"]
+        table.append(("W3 ngram verify step / decode step", "ms (synthetic 1.0)", f"{step / plain:.2f}x"))
+    for path in sorted(Path(folder).glob("w1_spec_b*.json")):
+        batch = path.stem.removeprefix("w1_spec_b")
+        spec, base = _load(folder, path.stem), _load(folder, f"w1_b{batch}")
+        if spec and base:
+            ratio = spec["output_tok_s"] / base["output_tok_s"]
+            figure = f"output tok/s, synthetic {spec['synthetic_acceptance_rate']}"
+            cell = f"{ratio:.2f}x ({spec['output_tok_s']:.0f})"
+            table.append((f"W1 batch {batch} ngram / none", figure, cell))
+    r = _load(folder, "spec_editing")
+    if r:
+        cell = f"{r['speedup']:.2f}x, identical {r['identical']}"
+        table.append((f"editing ngram / none ({r['dtype']})", "output tok/s, real weights", cell))
     return table
 
 

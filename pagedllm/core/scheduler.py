@@ -86,6 +86,8 @@ class Scheduler:
             and, with sinks, a request's length is not bounded by max_model_len.
         speculative_config: draft tokens for decoding requests, verified by the same step
             (core/spec_decode.py); None: one token per decoding request and step.
+        spec_drafts_on_worker: whether the worker drafts (``EngineConfig.drafts_on_worker``; None:
+            for the methods with a model only).
         max_loras: most distinct LoRA adapters running at once (None: no LoRA).
         num_state_slots: recurrent-state slots of a hybrid model (0: none; core/state_cache.py).
         pipeline_parallel_size: P > 1 stages: a request whose sample is in flight sits out, and a
@@ -102,6 +104,7 @@ class Scheduler:
         sliding_window: int | None = None,
         num_sink_tokens: int = 0,
         speculative_config: SpeculativeConfig | None = None,
+        spec_drafts_on_worker: bool | None = None,
         max_loras: int | None = None,
         num_state_slots: int = 0,
         pipeline_parallel_size: int = 1,
@@ -122,7 +125,9 @@ class Scheduler:
         )
         self.max_context_len = None if num_sink_tokens else scheduler_config.max_model_len
         self.spec_decoding = (
-            None if speculative_config is None else SpecDecoding(speculative_config, self.max_context_len)
+            None
+            if speculative_config is None
+            else SpecDecoding(speculative_config, self.max_context_len, spec_drafts_on_worker)
         )
         self._req_ids = itertools.count()
         # Which requests may run while the suspects of failed steps are tested.

@@ -176,12 +176,17 @@ class SpecDecoding:
         max_context_len: the most tokens a request may hold (None with attention sinks).
     """
 
-    def __init__(self, config: SpeculativeConfig, max_context_len: int | None) -> None:
+    def __init__(
+        self, config: SpeculativeConfig, max_context_len: int | None, drafts_on_worker: bool | None = None
+    ) -> None:
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
         self.max_context_len = max_context_len
-        # A draft model's or an EAGLE head's drafts come from the worker; n-gram ones from here.
-        self.drafter: Drafter = WorkerProposals() if config.method in MODEL_METHODS else NgramProposer(config)
+        # A draft model's or an EAGLE head's drafts come from the worker, and n-gram ones too with
+        # asynchronous scheduling (EngineConfig.drafts_on_worker); else n-gram ones from here.
+        if drafts_on_worker is None:
+            drafts_on_worker = config.method in MODEL_METHODS
+        self.drafter: Drafter = WorkerProposals() if drafts_on_worker else NgramProposer(config)
         # Engine-wide, since start: drafts verified, drafts accepted, and per draft position i the
         # drafts accepted there (position i is accepted only when every one before it was).
         self.num_drafts = 0

@@ -55,6 +55,7 @@ from pagedllm.worker.cuda_graph import CudaGraphRunner
 from pagedllm.worker.draft_model import DraftModelRunner, NewestPositions, unpadded_inputs
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import to_device
+from pagedllm.worker.ngram_drafter import NgramDrafter
 from pagedllm.worker.step_inputs import ModelInput
 
 
@@ -268,12 +269,15 @@ class EagleProposer(DraftModelRunner):
 
 def make_drafter(
     config: EngineConfig, attn_backend: type[AttentionBackend], input_batch: InputBatch, max_num_tokens: int
-) -> DraftModelRunner | None:
-    """The worker's drafter for ``speculative_config.method``: a draft model, an EAGLE head, or
-    None (n-gram drafts come from the scheduler; no speculation)."""
+) -> DraftModelRunner | NgramDrafter | None:
+    """The worker's drafter for ``speculative_config.method``: a draft model, an EAGLE head, the
+    n-gram lookup on the device (with asynchronous scheduling), or None (n-gram drafts from the
+    scheduler; no speculation)."""
     spec_config = config.speculative_config
-    if spec_config is None or spec_config.method == "ngram":
+    if spec_config is None or not config.drafts_on_worker:
         return None
+    if spec_config.method == "ngram":
+        return NgramDrafter(config, input_batch)
     if spec_config.method == "draft_model":
         return DraftModelRunner(config, attn_backend, input_batch)
     return EagleProposer(config, attn_backend, input_batch, max_num_tokens)

@@ -122,7 +122,7 @@ class Worker:
             self.model_runner.has_state = True
         if self.device.type == "cpu" and onednn_available(self.config.model_config.dtype):
             prepack_dense_weights(self.model_runner.model)
-            if self.model_runner.drafter is not None:
+            if self.model_runner.drafter is not None and self.model_runner.drafter.model is not None:
                 prepack_dense_weights(self.model_runner.drafter.model)
         if self.config.batch_invariant and self.device.type == "cuda":
             from pagedllm.layers.batch_invariant_linear import use_batch_invariant_gemms

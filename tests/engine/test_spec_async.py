@@ -123,6 +123,22 @@ def run_both(
     return results[0], results[1], llms
 
 
+def cut_requests(plain: list[list[int]]) -> tuple[list[SamplingParams], list[list[int]]]:
+    """Six greedy requests' params, given each one's plain greedy tokens (20 of them): max_tokens
+    cuts (inside a verified run too), a stop token id and logprobs; and the tokens each must give."""
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[plain[2][9]]),
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
+    ]
+    expected = [tokens[: p.max_tokens] for tokens, p in zip(plain, params)]
+    expected[2] = plain[2][: plain[2].index(plain[2][9]) + 1]
+    return params, expected
+
+
 def completions(outputs) -> list[list[tuple]]:
     return [[(c.token_ids, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outputs]
 
@@ -137,18 +153,9 @@ def test_greedy_output_and_acceptance_are_the_synchronous_runs_and_hfs(
     hf_model, model_config = target
     prompts = mixed_prompts(6, model_config.vocab_size, seed=5)
     plain = [hf_greedy_tokens(hf_model, prompt, 20) for prompt in prompts]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[plain[2][9]]),
-        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2),
-        SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
-        SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True),
-    ]
+    params, expected = cut_requests(plain)
     sync_out, async_out, llms = run_both(model_config, drafters[drafter], prompts, params, block_size=4)
     assert completions(async_out) == completions(sync_out)
-    expected = [tokens[: p.max_tokens] for tokens, p in zip(plain, params)]
-    expected[2] = plain[2][: plain[2].index(plain[2][9]) + 1]
     assert token_ids(async_out) == expected
     for got, want in zip(async_out[3].outputs[0].logprobs, sync_out[3].outputs[0].logprobs):
         assert got.keys() == want.keys()
@@ -303,15 +310,40 @@ def test_stop_strings_end_requests_beside_speculating_ones(tiny_llama_with_token
     assert summaries[1][1][0] == first[1].outputs[0].text
 
 
-def test_ngram_with_async_scheduling_is_refused_naming_the_field(target):
-    _, model_config = target
-    ngram = {"method": "ngram", "num_speculative_tokens": 3}
-    with pytest.raises(ValueError, match=r"async_scheduling.*ngram"):
-        make_llm(model_config, async_scheduling=True, speculative_config=ngram)
+def test_ngram_drafts_on_the_device_change_no_output(target, hf_greedy_tokens):
+    """N-gram drafts looked up by the worker (asynchronous scheduling): a ragged batch of
+    repetitive and random prompts with max_tokens cuts, a stop token and logprobs, through a cache
+    too small for it (preemption), prefix caching and chunked prefill, run twice (the second run
+    hits the first one's blocks): HF's greedy tokens, the synchronous host lookup's completions and
+    logprobs, drafts accepted and rejected, every block free."""
+    hf_model, model_config = target
+    shared = mixed_prompts(1, model_config.vocab_size, seed=3)[0][:12]
+    prompts = [shared + p for p in mixed_prompts(6, model_config.vocab_size, seed=5)]
+    plain = [hf_greedy_tokens(hf_model, prompt, 20) for prompt in prompts]
+    params, expected = cut_requests(plain)
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    outputs = []
+    for async_scheduling in (False, True):
+        llm = make_llm(model_config, **TIGHT, async_scheduling=async_scheduling, speculative_config=ngram)
+        log = StepLog(llm)
+        for _ in range(2):
+            out = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+            assert token_ids(out) == expected
+        assert_all_blocks_free(llm)
+        outputs.append(out)
+    log.assert_ran_ahead()
+    assert completions(outputs[1]) == completions(outputs[0])
+    for got, want in zip(outputs[1][3].outputs[0].logprobs, outputs[0][3].outputs[0].logprobs):
+        assert got.keys() == want.keys()
+        for token in got:
+            assert got[token].logprob == pytest.approx(want[token].logprob, abs=1e-5)
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_preemptions_recompute > 0 and stats.prefix_cache_hit_rate > 0
+    assert 0 < stats.spec_decoding.num_accepted_tokens < stats.spec_decoding.num_draft_tokens
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["draft_model", "eagle3"])
+@pytest.mark.parametrize("name", ["draft_model", "eagle3", "ngram"])
 def test_two_tensor_parallel_ranks_run_ahead_as_one(
     make_tiny_model_for_module, tmp_path_factory, hf_greedy_tokens, name
 ):

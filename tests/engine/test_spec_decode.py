@@ -26,10 +26,11 @@ from transformers import (
 )
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.core.spec_decode import SpecDecodingStats
+from pagedllm.core.spec_decode import NgramProposer, SpecDecodingStats, WorkerProposals
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.metrics import EngineCollector, StatsLogger
 from pagedllm.spec_config import SpeculativeConfig
+from pagedllm.worker.ngram_drafter import NgramDrafter
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
@@ -379,10 +380,18 @@ def test_bad_speculative_configs_are_refused_before_loading(config, field):
         LLM("/nonexistent/model", device="cpu", speculative_config=config)
 
 
-def test_speculation_turns_async_scheduling_off_and_refuses_it_explicitly(tiny_llama):
+def test_ngram_drafts_come_from_the_host_unless_scheduling_runs_ahead(tiny_llama):
+    """Synchronous scheduling (the CPU's default): the scheduler looks drafts up in the tokens it
+    has. Asynchronous: the worker does, on the device (the host lacks the newest tokens)."""
     _, model_config = tiny_llama
-    with pytest.raises(ValueError, match="async_scheduling"):
-        make_llm(model_config, speculative_config=NGRAM, async_scheduling=True)
+    for async_scheduling, host_side in ((False, NgramProposer), (True, WorkerProposals)):
+        llm = make_llm(model_config, speculative_config=NGRAM, async_scheduling=async_scheduling)
+        engine = llm.llm_engine
+        assert engine.config.drafts_on_worker is async_scheduling
+        assert type(engine.scheduler.spec_decoding.drafter) is host_side
+        drafter = engine.executor.worker.model_runner.drafter
+        assert (drafter is None) is not async_scheduling
+        assert async_scheduling is isinstance(drafter, NgramDrafter)
 
 
 # --- sampling: the target's exact distribution ------------------------------------------------

@@ -80,14 +80,25 @@ def replayed_verify_steps(steps: list[tuple[int, int | None]]) -> list[int]:
 
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 @pytest.mark.parametrize("model", list(MODELS))
-def test_ngram_verify_steps_replay_decode_graphs_and_change_no_output(make_tiny_model, backend, model):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["host-lookup", "device-lookup"])
+def test_ngram_verify_steps_replay_decode_graphs_and_change_no_output(
+    make_tiny_model, backend, model, async_scheduling
+):
+    """Synchronous scheduling looks drafts up on the host (the default); asynchronous, on the
+    device (worker/ngram_drafter.py)."""
     config_class, overrides = MODELS[model]
     hf_model, model_config = make_tiny_model(config_class, **overrides)
     prompts = mixed_prompts(6, model_config.vocab_size, seed=5)
     plain = make_llm(model_config.model, attention_backend=backend)
     expected = generate(plain, prompts)
     del plain
-    llm = make_llm(model_config.model, attention_backend=backend, speculative_config=NGRAM)
+    llm = make_llm(
+        model_config.model,
+        attention_backend=backend,
+        speculative_config=NGRAM,
+        async_scheduling=async_scheduling,
+    )
+    assert llm.llm_engine.config.drafts_on_worker is async_scheduling
     steps = record_steps(llm)
     assert generate(llm, prompts) == expected
     if model == "llama":

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import tempfile
 import time
 from typing import Any
@@ -22,7 +21,7 @@ import torch
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.bench import write_json
+from pagedllm.entrypoints.bench import add_synthetic_acceptance_arg, with_synthetic_acceptance, write_json
 from pagedllm.entrypoints.bench.ceilings import copy_bandwidth
 from pagedllm.entrypoints.bench.lora_adapters import write_random_adapters
 from pagedllm.entrypoints.bench.throughput import profile_steps_of
@@ -38,14 +37,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--profile-steps", type=int, default=0, help="torch-profile N decode steps per mode")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--output-png", default=None)
-    parser.add_argument(
-        "--synthetic-acceptance-rate",
-        type=float,
-        default=None,
-        help="benchmark only, with --speculative-config: draft every step and accept each drafted token "
-        "with this probability whatever the model says, to measure drafting and verifying on dummy "
-        "weights (every figure is labelled synthetic; the outputs are not the model's)",
-    )
+    add_synthetic_acceptance_arg(parser)
     parser.add_argument(
         "--lora-rank", type=int, default=0, help="run the request with one random LoRA adapter of this rank"
     )
@@ -112,17 +104,6 @@ def measure(
     torch.cuda.empty_cache()
     ttft, tpot = runs[len(runs) // 2]
     return {"ttft_ms": 1e3 * ttft, "tpot_ms": 1e3 * tpot, "weight_bytes": weight_bytes, "profile": profiled}
-
-
-def with_synthetic_acceptance(engine_args: EngineArgs, rate: float | None) -> EngineArgs:
-    """The engine arguments with ``rate`` in their speculative config (benchmarks only)."""
-    if rate is None:
-        return engine_args
-    config = engine_args.speculative_config
-    if config is None:
-        raise SystemExit("--synthetic-acceptance-rate needs --speculative-config")
-    config = dict(json.loads(config) if isinstance(config, str) else config)
-    return dataclasses.replace(engine_args, speculative_config={**config, "synthetic_acceptance_rate": rate})
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

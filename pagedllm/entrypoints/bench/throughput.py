@@ -25,7 +25,7 @@ from transformers import AutoConfig
 
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.bench import write_json
+from pagedllm.entrypoints.bench import add_synthetic_acceptance_arg, with_synthetic_acceptance, write_json
 from pagedllm.entrypoints.bench.ceilings import copy_bandwidth, matmul_peak_flops
 from pagedllm.entrypoints.bench.hybrid_floor import HYBRID_MODEL_TYPES, HybridShape, hybrid_floor
 from pagedllm.entrypoints.bench.lora_adapters import write_random_adapters
@@ -70,6 +70,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--num-loras", type=int, default=0, help="random LoRA adapters spread over the requests (0: none)"
     )
     parser.add_argument("--lora-rank", type=int, default=16, help="rank of the random LoRA adapters")
+    add_synthetic_acceptance_arg(parser)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(
         load_format="dummy",
@@ -97,7 +98,7 @@ def workload_for(args: argparse.Namespace) -> Workload:
 
 
 def engine_args_for(workload: Workload, args: argparse.Namespace) -> EngineArgs:
-    engine_args = EngineArgs.from_cli_args(args)
+    engine_args = with_synthetic_acceptance(EngineArgs.from_cli_args(args), args.synthetic_acceptance_rate)
     engine_args = dataclasses.replace(
         engine_args,
         model=engine_args.model or workload.model,
@@ -282,7 +283,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("pagedllm bench throughput needs a CUDA device")
     workload = workload_for(args)
     prompts = workload.prompts(args.num_prompts)
-    engine = LLMEngine.from_engine_args(engine_args_for(workload, args))
+    engine_args = engine_args_for(workload, args)
+    engine = LLMEngine.from_engine_args(engine_args)
     adapter_dir = tempfile.TemporaryDirectory(prefix="pagedllm-bench-lora-")
     loras = write_random_adapters(
         engine.config.model_config.hf_config, args.num_loras, args.lora_rank, adapter_dir.name
@@ -303,11 +305,18 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         pipeline_parallel_size=engine.config.parallel_config.pipeline_parallel_size,
         enforce_eager=engine.config.enforce_eager,
         batch_invariant=engine.config.batch_invariant,
+        max_num_seqs=engine.config.scheduler_config.max_num_seqs,
+        speculative_config=engine_args.speculative_config,
+        synthetic_acceptance_rate=args.synthetic_acceptance_rate,
         num_gpu_blocks=engine.num_gpu_blocks,
         prefix_len=workload.prefix_len,
         # As the cache manager runs it: a hybrid model turns it off (docs/hybrid_models.md).
         enable_prefix_caching=engine.engine_core.scheduler.kv_cache_manager.enable_prefix_caching,
     )
+    spec = engine.get_stats().spec_decoding
+    if spec is not None:  # since start: the warm-up's verifications too
+        result["acceptance_rate"] = spec.acceptance_rate
+        result["mean_acceptance_length"] = spec.mean_acceptance_length
     cached = _cached_prefix_len(engine, workload.prefix_len)
     floor = _floor(engine, prompts, workload.output_len, cached)
     if floor is not None:
@@ -333,6 +342,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         )
     engine.shutdown()
     loras_note = f" with {args.num_loras} rank-{args.lora_rank} LoRAs" if args.num_loras else ""
+    if args.synthetic_acceptance_rate is not None:
+        loras_note += (
+            f" with drafts [SYNTHETIC: accepted at rate {args.synthetic_acceptance_rate}, not the model's]"
+        )
     pp = result["pipeline_parallel_size"]
     print(
         f"{workload.name}{loras_note} at TP={result['tensor_parallel_size']}{f' PP={pp}' if pp > 1 else ''}: "
