@@ -32,7 +32,14 @@ from pagedllm.worker.input_buffers import InputBuffers, to_device, to_host
 from pagedllm.worker.pipeline import PipelineStage, WholeModel
 from pagedllm.worker.request_logits import RequestLogitsProcessors
 from pagedllm.worker.spec_decode import DeviceDrafts, DraftVerifier, PendingVerification
-from pagedllm.worker.step_inputs import ModelInput, StepPlan, max_num_step_seqs, plan_step, stage_model_input
+from pagedllm.worker.step_inputs import (
+    ModelInput,
+    StepPlan,
+    max_num_step_seqs,
+    plan_step,
+    stage_model_input,
+    take_back_on_device,
+)
 
 
 class StepOutput:
@@ -204,6 +211,18 @@ class ModelRunner:
             if spec_config is None
             else DeviceDrafts(self.input_batch.max_num_rows, spec_config.num_speculative_tokens, self.device)
         )
+        # With asynchronous scheduling a step of decodes is planned over the optimistic counts and
+        # moved back by the step in flight's rejections on the device (``take_back_on_device``),
+        # instead of waiting for them: where its inputs are read from the device only (a CUDA
+        # graph's buffers; on the CPU the host's copies are the same tensors), and the plain slot
+        # mapping holds (no context parallelism).
+        self.takes_back_on_device = (
+            self.verifier is not None
+            and parallel_config.context_parallel_size == 1
+            and (self.use_cuda_graphs or self.device.type == "cpu")
+        )
+        # The requests whose take-back waits for the step in flight's counts (None: none waits).
+        self._deferred_take_back: set[int] | None = None
         # With enable_lora: the model's projections wrapped, and the adapters' slots.
         self.lora_manager: LoRAModelManager | None = None
         # Whether the model keeps a recurrent state per request (hybrid models): the step then
@@ -307,17 +326,67 @@ class ModelRunner:
     def update_states(self, scheduler_output: SchedulerOutput) -> None:
         """Apply the step's diffs to the persistent batch (first, on a pipeline stage before the
         last, the samples of earlier steps that this one needs: worker/pipeline.py)."""
-        if self.verifier is not None:  # the last verification's counts, before any row changes
-            self.verifier.settle()
+        deferred = self._defers_take_back(scheduler_output)
+        if self.verifier is not None and not deferred:
+            self.verifier.settle()  # the last verification's counts, before any row changes
         for samples in self.stage.samples_before(scheduler_output):
             self._record_received_samples(samples.req_ids, samples.sample_index, samples.tokens)
         dropped = scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids
         if dropped:
             self.logits_processors.drop(dropped)
         self.input_batch.apply_scheduler_output(scheduler_output)
-        if scheduler_output.optimistic_req_ids:
+        if deferred:
+            self._deferred_take_back = scheduler_output.optimistic_req_ids
+        elif scheduler_output.optimistic_req_ids:
             assert self.verifier is not None, "drafts counted by a runner without speculative_config"
             self.verifier.take_back_rejected(scheduler_output.optimistic_req_ids)
+
+    def _defers_take_back(self, scheduler_output: SchedulerOutput) -> bool:
+        """Whether the step's optimistic counts are moved back on the device: a step of decodes
+        and verifications only (a graph's size at most, on a GPU) over rows that keep their
+        requests (no row is reused before the pending counts are applied to it) and drop no
+        blocks behind a window."""
+        verifier = self.verifier
+        if not (self.takes_back_on_device and scheduler_output.optimistic_req_ids):
+            return False
+        assert verifier is not None
+        if not verifier.pending or scheduler_output.scheduled_new_reqs or scheduler_output.num_dropped_tokens:
+            return False
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        decodes = (n == 1 + len(drafts.get(req_id, ())) for req_id, n in num_scheduled.items())
+        if not num_scheduled or not all(decodes):
+            return False
+        row_of = self.input_batch.row_of
+        rows = np.fromiter((row_of[r] for r in num_scheduled), dtype=np.int64, count=len(num_scheduled))
+        if self.input_batch.num_dropped_tokens[rows].any():
+            return False
+        graphs = self.graph_runner
+        if self.device.type == "cpu":
+            return True
+        return graphs is not None and scheduler_output.total_num_scheduled_tokens <= graphs.max_batch_size
+
+    def _take_back(self, model_input: ModelInput) -> None:
+        """The deferred take-back: the staged inputs moved back on the device by the pending
+        verification's rejections (``take_back_on_device``)."""
+        optimistic = self._deferred_take_back
+        assert optimistic is not None and self.verifier is not None and model_input.req_rows is not None
+        # On a GPU the step must replay a graph, which reads the device buffers alone.
+        assert model_input.graph_num_seqs is not None or self.device.type == "cpu"
+        batch = self.input_batch
+        req_ids = [batch.req_ids[row] for row in model_input.req_rows.tolist()]
+        rejected = self.verifier.pending_rejections(req_ids, optimistic)
+        take_back_on_device(model_input, rejected, self.block_size)
+
+    def _settle_deferred(self) -> None:
+        """Once the step is launched: the pending counts applied on the host, and the optimistic
+        computed counts moved back there too, before anything on the host reads them."""
+        if self._deferred_take_back is None:
+            return
+        assert self.verifier is not None
+        self.verifier.settle()
+        self.verifier.take_back_rejected(self._deferred_take_back)
+        self._deferred_take_back = None
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInput:
         """The step's flattened batch, decodes first, in the input buffers (worker/step_inputs.py)."""
@@ -356,11 +425,14 @@ class ModelRunner:
         if not scheduler_output.total_num_scheduled_tokens:
             return StepOutput(None, None, [], [])
         model_input = self.prepare_inputs(scheduler_output)
+        if self._deferred_take_back is not None:
+            self._take_back(model_input)
         verify_drafts = None
         if model_input.verify is not None:
             assert self.device_drafts is not None, "drafts sent to a runner without speculative_config"
             verify_drafts = self.device_drafts.resolve(model_input.verify, model_input.input_ids)
         hidden_states = self.run_model(model_input, scheduler_output.total_num_scheduled_tokens)
+        self._settle_deferred()
         if hidden_states is None:  # a pipeline stage before the last, which samples
             return self._follow_samples(model_input)
         drafter = self.drafter if self.drafter is not None and self.drafter.ready else None

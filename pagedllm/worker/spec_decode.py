@@ -144,6 +144,25 @@ class DraftVerifier:
         self._pending = PendingVerification(self, verify, tensors)
         return self._pending
 
+    @property
+    def pending(self) -> bool:
+        """Whether the latest verification's counts have yet to be applied on the host."""
+        return self._pending is not None
+
+    def pending_rejections(self, req_ids: list[int], optimistic: set[int]) -> torch.Tensor:
+        """[len(req_ids)] int64 on the device, without waiting: for each request the scheduler
+        counted optimistically (``optimistic``), the drafts the pending verification rejected;
+        0 for the others (``take_back_rejected``'s amounts, before the counts reach the host)."""
+        assert self._pending is not None, "no verification pending"
+        verify, accepted = self._pending.verify, self._pending.num_accepted
+        device = accepted.device
+        slot = {req_id: j for j, req_id in enumerate(verify.req_ids)}
+        none = len(verify.req_ids)  # a zero appended after the verified requests' counts
+        index = [slot.get(r, none) if r in optimistic else none for r in req_ids]
+        rejected = to_device(verify.num_drafts, device) - accepted
+        rejected = torch.cat([rejected, rejected.new_zeros(1)])
+        return rejected.index_select(0, to_device(np.asarray(index, dtype=np.int64), device))
+
     def settle(self) -> None:
         """Bring the latest verification's counts to the host (waiting for them if need be) and
         apply them to the persistent batch; a no-op when there is none or it was applied."""
@@ -241,7 +260,7 @@ class PendingVerification:
 
     def __init__(self, verifier: DraftVerifier, verify: VerifyRows, tensors: list[torch.Tensor]) -> None:
         self._verifier = verifier
-        self._verify = verify
+        self.verify = verify
         self._result: VerifiedSamples | None = None
         self.num_accepted = tensors[0]  # [num_verify_reqs] int64, on the device
         self._host, self._event = to_host(tensors)
@@ -250,7 +269,7 @@ class PendingVerification:
         if self._result is None:
             if self._event is not None:
                 self._event.synchronize()
-            self._result = self._verifier._apply(self._verify, self._host)
+            self._result = self._verifier._apply(self.verify, self._host)
         return self._result
 
 

@@ -463,6 +463,33 @@ def plan_step(
     )
 
 
+def take_back_on_device(model_input: ModelInput, rejected: torch.Tensor, block_size: int) -> None:
+    """A step planned over optimistic counts (asynchronous speculation: the drafts of the step
+    in flight counted as accepted) moved back by what that step rejected, on the device, without
+    waiting for its counts: each request's tokens by ``rejected`` ([num_reqs] int64, step order)
+    positions, as do their sequences' lengths, and their slots are looked up again in the
+    sequences' block table rows. For a step of decodes (expanded verifications included: every
+    token a sequence of its own), without context parallelism or windows dropping blocks
+    (``compute_slot_mapping``'s plain case). On the CPU the host's copies of the lengths are the
+    same tensors, and their bounds are updated too."""
+    offsets = model_input.req_query_start_loc
+    assert offsets is not None
+    num_tokens = int(offsets[-1])
+    md = model_input.attn_metadata
+    assert md.num_prefills == 0 and len(md.seq_lens_cpu) == num_tokens, "decodes only"
+    device = rejected.device
+    token_req = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+    per_token = rejected.index_select(0, to_device(token_req, device))
+    positions = model_input.positions[:num_tokens]
+    positions -= per_token
+    md.seq_lens[:num_tokens] -= per_token.to(md.seq_lens.dtype)
+    blocks = md.block_tables[:num_tokens].gather(1, (positions // block_size)[:, None].to(torch.int64))
+    md.slot_mapping[:num_tokens] = blocks[:, 0].to(torch.int64) * block_size + positions % block_size
+    if device.type == "cpu":
+        md.max_seq_len = int(md.seq_lens_cpu.max())
+        md.min_decode_seq_len = int(md.seq_lens_cpu.min())
+
+
 def stage_block_tables(
     batch: InputBatch, buffers: InputBuffers, rows: np.ndarray, width: int, pad_to: int
 ) -> torch.Tensor:

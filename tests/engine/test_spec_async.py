@@ -79,11 +79,21 @@ class StepLog:
             return execute(scheduler_output)
 
         engine.executor.execute_model = record
+        # Steps whose optimistic counts the worker moved back on the device, unwaited.
+        self.taken_back_on_device = 0
+        take_back = runner._take_back
+
+        def counting(model_input):
+            self.taken_back_on_device += 1
+            return take_back(model_input)
+
+        runner._take_back = counting
 
     def assert_ran_ahead(self) -> None:
         assert self.core.max_in_flight == 1
         assert self.launched_over_flight > 0, "no step was launched while another was in flight"
         assert self.optimistic > 0, "no step was scheduled over drafts in flight"
+        assert self.taken_back_on_device > 0, "no step's rejections were taken back on the device"
 
 
 def counters(llm: LLM) -> tuple:
