@@ -54,7 +54,7 @@ def ngram_drafts(
     suffix = torch.where(back >= 0, token_ids[reqs, back.clamp(min=0)], -1)
     # equal[r, j, e]: token e - j equals suffix[r, j] (False where e - j < 0).
     equal = torch.zeros((num_reqs, max_n, length), dtype=torch.bool, device=device)
-    for j in range(max_n):
+    for j in range(min(max_n, length)):  # a shift past the table's length matches nothing
         equal[:, j, j:] = token_ids[:, : length - j] == suffix[:, j : j + 1]
     # A match's length: the run of equal tokens from j = 0; ends at or past the newest excluded.
     match_len = equal.to(torch.int32).cumprod(dim=1).sum(dim=1)

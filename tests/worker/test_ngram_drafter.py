@@ -72,3 +72,12 @@ def test_int32_tables_and_a_single_token():
     drafts = ngram_drafts(table, torch.tensor([0, 2]), 3, 1, 2)
     assert drafts.dtype == torch.int32
     assert drafts.tolist() == [[7, 7, 7], [2, 1, 2]]
+
+
+def test_tables_shorter_than_the_longest_lookup():
+    # A request of two tokens right after its prompt: fewer positions than prompt_lookup_max.
+    table = torch.tensor([[4, 4], [3, 9]])
+    drafts = ngram_drafts(table, torch.tensor([1, 1]), 3, 1, 5)
+    assert (
+        drafts.tolist() == [reference([4, 4], 3, 1, 5), reference([3, 9], 3, 1, 5)] == [[4, 4, 4], [9, 9, 9]]
+    )
