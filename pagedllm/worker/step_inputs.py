@@ -465,10 +465,10 @@ def plan_step(
 
 def take_back_on_device(model_input: ModelInput, rejected: torch.Tensor, block_size: int) -> None:
     """A step planned over optimistic counts (asynchronous speculation: the drafts of the step
-    in flight counted as accepted) moved back by what that step rejected, on the device, without
-    waiting for its counts: each request's tokens by ``rejected`` ([num_reqs] int64, step order)
-    positions, as do their sequences' lengths, and their slots are looked up again in the
-    sequences' block table rows. For a step of decodes (expanded verifications included: every
+    in flight counted as accepted), moved back by what that step rejected, on the device and
+    without waiting for its counts: each request's positions, and its sequences' lengths, move
+    back by its count in ``rejected`` ([num_reqs] int64, in step order), and the slots are looked
+    up again in the sequences' block table rows. For a step of decodes (expanded verifications included: every
     token a sequence of its own), without context parallelism or windows dropping blocks
     (``compute_slot_mapping``'s plain case). On the CPU the host's copies of the lengths are the
     same tensors, and their bounds are updated too."""
