@@ -23,8 +23,8 @@ repeat the newest token. Any draft is lossless (a point-mass draft: the rejectio
 what the target would have produced); a poor one costs the verification a few rows.
 
 Costs per step: [R, prompt_lookup_max, L] int comparisons for R proposing requests whose longest
-holds L tokens (the max over the batch, from the host's positions): a few MB at most, about twenty
-small launches.
+holds L tokens: on a GPU one Triton launch (kernels/triton/ngram_lookup.py), elsewhere the torch
+form, about twenty small launches over the rows' tokens up to L (bounded on the host).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig
+from pagedllm.platform import platform_for
 from pagedllm.worker.draft_model import NewestPositions, unpadded_inputs
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import to_device
@@ -99,6 +100,13 @@ class NgramDrafter:
         )
         # Per row, the host tokens last copied in (compared by identity: a new array is new tokens).
         self._copied: list[np.ndarray | None] = [None] * input_batch.max_num_rows
+        # The lookup: one Triton launch where Triton runs (kernels/triton/ngram_lookup.py), else
+        # the torch form over the proposing rows' tokens.
+        self._lookup_kernel = None
+        if platform_for(self.device).triton:
+            from pagedllm.kernels.triton.ngram_lookup import ngram_lookup
+
+            self._lookup_kernel = ngram_lookup
 
     def load_model(self, target: object) -> None:
         pass
@@ -143,9 +151,11 @@ class NgramDrafter:
         index = to_device(rows, self.device)
         position = newest.on_device(self.device)
         self.token_ids[index, position] = self.batch.last_token_ids.index_select(0, index).to(torch.int32)
+        k, min_n, max_n = self.num_speculative_tokens, self.min_n, self.max_n
+        if self._lookup_kernel is not None:
+            return rows, self._lookup_kernel(self.token_ids, index, position, k, min_n, max_n).to(torch.int64)
         # The longest row's tokens, bounded on the host (a verification's count adds at most k).
-        slack = 0 if newest.accepted is None else self.num_speculative_tokens
+        slack = 0 if newest.accepted is None else k
         length = min(int(newest.host.max()) + 1 + slack, self.max_len)
         tokens = self.token_ids.index_select(0, index)[:, :length]
-        drafts = ngram_drafts(tokens, position, self.num_speculative_tokens, self.min_n, self.max_n)
-        return rows, drafts.to(torch.int64)
+        return rows, ngram_drafts(tokens, position, k, min_n, max_n).to(torch.int64)

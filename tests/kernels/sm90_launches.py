@@ -23,6 +23,7 @@ from pagedllm.kernels.triton.lora import lora_shrink_expand
 from pagedllm.kernels.triton.lora_sgmv import SegmentBuffer, lora_sgmv_shrink_expand, plan_segments
 from pagedllm.kernels.triton.mla_decode import MLALaunch, mla_decode
 from pagedllm.kernels.triton.moe_routing import MAX_EXPERTS, topk_softmax
+from pagedllm.kernels.triton.ngram_lookup import ngram_lookup
 from pagedllm.kernels.triton.paged_decode import paged_decode
 from pagedllm.kernels.triton.paged_prefill import paged_prefill
 from pagedllm.kernels.triton.quant_gemm import _fp8_quant_kernel, fp8_block_gemm, w4a16_gemm
@@ -240,6 +241,10 @@ def layers() -> None:
     drafts, argmax = torch.zeros(2, 3, dtype=torch.int64), torch.zeros(6, dtype=torch.int64)
     for rate in (None, 0.7):
         greedy_verify(drafts, np.array([3, 1]), argmax, rate)
+    # And its n-gram lookup on the device (k = 3 with lookups of 2-4, and k = 5 with 1-5).
+    table, rows, newest = torch.zeros(4, 64, dtype=torch.int32), torch.arange(2), torch.tensor([5, 60])
+    for k, min_n, max_n in ((3, 2, 4), (5, 1, 5)):
+        ngram_lookup(table, rows, newest, k, min_n, max_n)
 
 
 def lora() -> None:
