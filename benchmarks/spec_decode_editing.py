@@ -29,6 +29,7 @@ from typing import Any
 from pagedllm import LLM, SamplingParams
 
 DATA = Path(__file__).parent / "data" / "spec_decode_editing.jsonl"
+ASYNC = {"default": None, "host": False, "device": True}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 
 
@@ -47,6 +48,8 @@ def run(
         max_num_seqs=args.max_num_seqs,
         threads=args.threads,
         speculative_config=speculative_config,
+        # The speculative run's lookup: on the host (synchronous, the default) or on the device.
+        async_scheduling=None if speculative_config is None else ASYNC[args.lookup],
     )
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     llm.chat(conversations[:1], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)  # warm-up
@@ -71,13 +74,22 @@ def run(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a GGUF file or HF directory (default: the embedded model)")
+    parser.add_argument(
+        "--model", default=None, help="a GGUF file or HF directory (default: the embedded model)"
+    )
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--max-num-seqs", type=int, default=1)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: the physical cores)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (the GGUF dequantized to --dtype)")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument(
+        "--lookup",
+        choices=list(ASYNC),
+        default="default",
+        help="where the n-gram drafts are looked up: the host (synchronous scheduling, ngram's "
+        "default) or the device (asynchronous scheduling, worker/ngram_drafter.py)",
+    )
     parser.add_argument("--speculative-config", default=json.dumps(NGRAM))
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
@@ -101,6 +113,7 @@ def main() -> None:
         summary = {
             "device": args.device,
             "dtype": args.dtype,
+            "lookup": args.lookup,
             "speedup": speedup,
             "identical": identical,
             "differing_prompts": differing,

@@ -36,7 +36,8 @@
 # drafts, both at synthetic acceptance 1.0, and without speculation), w1-spec (W1's prompts at
 # batch 64 and 256 with n-gram drafts at synthetic acceptance 0.5 and without; the table gives the
 # ratios, target >= 0.95x at 64), spec-editing (the embedded GGUF, float32, n-gram on the editing
-# workload against no speculation, target >= 1.6x, identical greedy text), tp (two GPUs: the tensor-parallel GPU tests,
+# workload against no speculation, looked up on the host and on the device, target >= 1.6x,
+# identical greedy text), tp (two GPUs: the tensor-parallel GPU tests,
 # then all-reduce latency (benchmarks/all_reduce.py: NCCL against the one-shot kernel), W2 and W3
 # at tensor_parallel_size 1 and 2, W2 at pipeline_parallel_size 2, W3 at TP=2 with NCCL alone;
 # the table gives TP=2 and PP=2 over TP=1), so
@@ -259,8 +260,10 @@ for stage in "${stages[@]}"; do
         gguf=()
         [ -f .models/SmolLM2-135M-Instruct.Q4_1.gguf ] && gguf=(--model .models/SmolLM2-135M-Instruct.Q4_1.gguf)
         ls .whl/gguf-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --find-links .whl gguf 2>&1 | tail -1
-        run spec_editing python3 benchmarks/spec_decode_editing.py --device cuda --dtype float32 --max-tokens 192 \
-            "${gguf[@]}" --output-json "$OUT/spec_editing.json"
+        for lookup in host device; do
+            run "spec_editing_$lookup" python3 benchmarks/spec_decode_editing.py --device cuda --dtype float32 \
+                --max-tokens 192 --lookup "$lookup" "${gguf[@]}" --output-json "$OUT/spec_editing_$lookup.json"
+        done
         ;;
     moe-sweep) run moe python3 -m pagedllm bench moe --sweep --output-json "$OUT/moe.json" ;;
     hf) run hf python3 benchmarks/compare_hf.py --output-json "$OUT/hf.json" ;;

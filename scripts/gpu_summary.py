@@ -237,10 +237,11 @@ def _spec_rows(folder: str) -> list[tuple[str, str, str]]:
             figure = f"output tok/s, synthetic {spec['synthetic_acceptance_rate']}"
             cell = f"{ratio:.2f}x ({spec['output_tok_s']:.0f})"
             table.append((f"W1 batch {batch} ngram / none", figure, cell))
-    r = _load(folder, "spec_editing")
-    if r:
+    for path in sorted(Path(folder).glob("spec_editing*.json")):
+        r = _load(folder, path.stem)
         cell = f"{r['speedup']:.2f}x, identical {r['identical']}"
-        table.append((f"editing ngram / none ({r['dtype']})", "output tok/s, real weights", cell))
+        lookup = r.get("lookup", "default")
+        table.append((f"editing ngram / none ({r['dtype']}, {lookup})", "output tok/s, real weights", cell))
     return table
 
 

@@ -46,7 +46,7 @@ def test_summary_gives_speculation_over_none_in_the_same_call(tmp_path) -> None:
         "w3_spec": {"cuda_graphs": {"tpot_ms": 1.1}, "synthetic_acceptance_rate": 1.0},
         "w1_b64": {"output_tok_s": 20000.0},
         "w1_spec_b64": {"output_tok_s": 10000.0, "synthetic_acceptance_rate": 0.5},
-        "spec_editing": {"speedup": 1.7, "identical": True, "dtype": "float32"},
+        "spec_editing_device": {"speedup": 1.7, "identical": True, "dtype": "float32", "lookup": "device"},
     }
     for name, report in files.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(report))
@@ -59,5 +59,5 @@ def test_summary_gives_speculation_over_none_in_the_same_call(tmp_path) -> None:
         ("W3 eagle_1.0 / W3", "ms/token (synthetic)", "0.300x"),
         ("W3 ngram verify step / decode step", "ms (synthetic 1.0)", "1.10x"),
         ("W1 batch 64 ngram / none", "output tok/s, synthetic 0.5", "0.50x (10000)"),
-        ("editing ngram / none (float32)", "output tok/s, real weights", "1.70x, identical True"),
+        ("editing ngram / none (float32, device)", "output tok/s, real weights", "1.70x, identical True"),
     ]
