@@ -86,8 +86,8 @@ class Scheduler:
             and, with sinks, a request's length is not bounded by max_model_len.
         speculative_config: draft tokens for decoding requests, verified by the same step
             (core/spec_decode.py); None: one token per decoding request and step.
-        spec_drafts_on_worker: whether the worker drafts (``EngineConfig.drafts_on_worker``; None:
-            for the methods with a model only).
+        ngram_on_worker: n-gram drafts looked up by the worker on the device (asynchronous
+            scheduling: ``EngineConfig.drafts_on_worker``) rather than by the scheduler.
         max_loras: most distinct LoRA adapters running at once (None: no LoRA).
         num_state_slots: recurrent-state slots of a hybrid model (0: none; core/state_cache.py).
         pipeline_parallel_size: P > 1 stages: a request whose sample is in flight sits out, and a
@@ -104,7 +104,7 @@ class Scheduler:
         sliding_window: int | None = None,
         num_sink_tokens: int = 0,
         speculative_config: SpeculativeConfig | None = None,
-        spec_drafts_on_worker: bool | None = None,
+        ngram_on_worker: bool = False,
         max_loras: int | None = None,
         num_state_slots: int = 0,
         pipeline_parallel_size: int = 1,
@@ -127,7 +127,7 @@ class Scheduler:
         self.spec_decoding = (
             None
             if speculative_config is None
-            else SpecDecoding(speculative_config, self.max_context_len, spec_drafts_on_worker)
+            else SpecDecoding(speculative_config, self.max_context_len, ngram_on_worker)
         )
         self._req_ids = itertools.count()
         # Which requests may run while the suspects of failed steps are tested.

@@ -177,16 +177,16 @@ class SpecDecoding:
     """
 
     def __init__(
-        self, config: SpeculativeConfig, max_context_len: int | None, drafts_on_worker: bool | None = None
+        self, config: SpeculativeConfig, max_context_len: int | None, ngram_on_worker: bool = False
     ) -> None:
         self.config = config
         self.num_speculative_tokens = config.num_speculative_tokens
         self.max_context_len = max_context_len
         # A draft model's or an EAGLE head's drafts come from the worker, and n-gram ones too with
-        # asynchronous scheduling (EngineConfig.drafts_on_worker); else n-gram ones from here.
-        if drafts_on_worker is None:
-            drafts_on_worker = config.method in MODEL_METHODS
-        self.drafter: Drafter = WorkerProposals() if drafts_on_worker else NgramProposer(config)
+        # asynchronous scheduling (``ngram_on_worker``: EngineConfig.drafts_on_worker); else n-gram
+        # ones from here.
+        on_worker = ngram_on_worker or config.method in MODEL_METHODS
+        self.drafter: Drafter = WorkerProposals() if on_worker else NgramProposer(config)
         # Engine-wide, since start: drafts verified, drafts accepted, and per draft position i the
         # drafts accepted there (position i is accepted only when every one before it was).
         self.num_drafts = 0

@@ -138,7 +138,7 @@ class EngineCore:
             sliding_window=self.executor.get_kv_cache_spec().sliding_window,
             num_sink_tokens=config.model_config.attention_sinks,
             speculative_config=config.speculative_config,
-            spec_drafts_on_worker=config.drafts_on_worker,
+            ngram_on_worker=config.drafts_on_worker,
             max_loras=config.lora_config.max_loras if config.lora_config else None,
             num_state_slots=self.executor.get_kv_cache_spec().num_state_slots,
             pipeline_parallel_size=config.parallel_config.pipeline_parallel_size,

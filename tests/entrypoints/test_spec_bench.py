@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 
 import pytest
+from test_w6_bench import load_gpu_summary
 
 from pagedllm.entrypoints.bench import throughput
 
@@ -50,11 +50,7 @@ def test_summary_gives_speculation_over_none_in_the_same_call(tmp_path) -> None:
     }
     for name, report in files.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(report))
-    spec = importlib.util.spec_from_file_location(
-        "gpu_summary", os.path.join(REPO, "scripts", "gpu_summary.py")
-    )
-    summary = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summary)
+    summary = load_gpu_summary()
     assert summary._spec_rows(str(tmp_path)) == [
         ("W3 eagle_1.0 / W3", "ms/token (synthetic)", "0.300x"),
         ("W3 ngram verify step / decode step", "ms (synthetic 1.0)", "1.10x"),

@@ -70,14 +70,20 @@ def test_the_all_attention_twin_is_w6_with_every_layer_attention() -> None:
     assert abs(twin_params / params - 1) < 0.05  # "a same-size dense model": 2.56B against 2.68B
 
 
-def test_summary_prints_the_decode_steps_ratio(tmp_path) -> None:
-    for name, step in (("qwen3-next-2b", 3.0), ("qwen3-next-2b-attention", 12.0)):
-        (tmp_path / f"w6_long_{name}.json").write_text(json.dumps({"median_decode_step_ms": step}))
+def load_gpu_summary():
+    """scripts/gpu_summary.py as a module (a script, not in a package)."""
     spec = importlib.util.spec_from_file_location(
         "gpu_summary", os.path.join(REPO, "scripts", "gpu_summary.py")
     )
     summary = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(summary)
+    return summary
+
+
+def test_summary_prints_the_decode_steps_ratio(tmp_path) -> None:
+    for name, step in (("qwen3-next-2b", 3.0), ("qwen3-next-2b-attention", 12.0)):
+        (tmp_path / f"w6_long_{name}.json").write_text(json.dumps({"median_decode_step_ms": step}))
+    summary = load_gpu_summary()
     assert summary._long_context_rows(str(tmp_path)) == [
         ("W6 32k decode step / all-attention", "ms (target <= 0.5x)", "3.00 / 12.00 ms = 0.25x")
     ]
@@ -88,11 +94,7 @@ def test_summary_prints_the_shared_prefix_rows(tmp_path) -> None:
     for name, (prefill, elapsed) in runs.items():
         result = {"prefill_s": prefill, "elapsed_s": elapsed}
         (tmp_path / f"w6_prefix_{name}.json").write_text(json.dumps(result))
-    spec = importlib.util.spec_from_file_location(
-        "gpu_summary", os.path.join(REPO, "scripts", "gpu_summary.py")
-    )
-    summary = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summary)
+    summary = load_gpu_summary()
     assert summary._prefix_rows(str(tmp_path)) == [
         ("W6 shared prefix: hybrid, caching off", "prefill s (elapsed s)", "6.00 (9.00)"),
         ("W6 shared prefix: twin, caching on", "prefill s (elapsed s)", "2.00 (5.00)"),

@@ -341,14 +341,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             f"{profiled['wall_ms_per_step']:.2f} ms of wall time per step"
         )
     engine.shutdown()
-    loras_note = f" with {args.num_loras} rank-{args.lora_rank} LoRAs" if args.num_loras else ""
+    variant = f" with {args.num_loras} rank-{args.lora_rank} LoRAs" if args.num_loras else ""
     if args.synthetic_acceptance_rate is not None:
-        loras_note += (
+        variant += (
             f" with drafts [SYNTHETIC: accepted at rate {args.synthetic_acceptance_rate}, not the model's]"
         )
     pp = result["pipeline_parallel_size"]
     print(
-        f"{workload.name}{loras_note} at TP={result['tensor_parallel_size']}{f' PP={pp}' if pp > 1 else ''}: "
+        f"{workload.name}{variant} at TP={result['tensor_parallel_size']}{f' PP={pp}' if pp > 1 else ''}: "
         f"{result['num_requests']} requests in {result['elapsed_s']:.2f} s: "
         f"{result['output_tok_s']:.0f} output tok/s, {result['total_tok_s']:.0f} total tok/s "
         f"(prefill {result['prefill_s']:.2f} s, decode {result['decode_s']:.2f} s over "
