@@ -207,9 +207,9 @@ class EngineArgs:
     async_scheduling: bool | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "schedule each step while the previous one runs on the device (default: on with CUDA "
-            "unless speculative_config's method is ngram, off on the CPU; on with ngram, the worker "
-            "looks drafts up on the device)"
+            "help": "schedule each step while the previous one runs on the device (default: on with CUDA, "
+            "off on the CPU; with speculative_config's ngram, on: the worker looks drafts up on the "
+            "device, off: the scheduler on the host)"
         },
     )
     speculative_config: dict | str | None = dataclasses.field(
@@ -333,12 +333,9 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             compile_cpu_decode=self.cpu_compile and device.type == "cpu" and world_size == 1,
-            # N-gram drafts default to the host's lookup, synchronously: its steps measured no
-            # slower, and with rejections faster, than the device lookup's (docs/spec_decode.md).
-            async_scheduling=device.type == "cuda"
-            and (speculative_config is None or speculative_config.method != "ngram")
-            if self.async_scheduling is None
-            else self.async_scheduling,
+            async_scheduling=(
+                device.type == "cuda" if self.async_scheduling is None else self.async_scheduling
+            ),
             speculative_config=speculative_config,
             draft_model_config=draft_config,
             lora_config=self._lora_config(),

@@ -366,6 +366,7 @@ def test_acceptance_is_counted_per_request_and_engine_wide(tiny_llama, caplog):
             "speculative_config.prompt_lookup_max",
         ),
         ({"method": "ngram", "prompt_lookup_min": 0}, "speculative_config.prompt_lookup_min"),
+        ({"method": "ngram", "disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
         ({"method": "ngram", "speculative_tokens": 3}, "unknown keys ['speculative_tokens']"),
         ({"num_speculative_tokens": 3}, "speculative_config.method is required"),
         ({"method": "draft_model"}, "speculative_config.model"),
@@ -392,6 +393,21 @@ def test_ngram_drafts_come_from_the_host_unless_scheduling_runs_ahead(tiny_llama
         drafter = engine.executor.worker.model_runner.drafter
         assert (drafter is None) is not async_scheduling
         assert async_scheduling is isinstance(drafter, NgramDrafter)
+
+
+def test_on_cuda_ngram_drafts_are_looked_up_on_the_device_by_default(tiny_llama, monkeypatch):
+    """Asynchronous scheduling is CUDA's default with n-gram drafts too (the worker's lookup);
+    the CPU's stays synchronous (the scheduler's)."""
+    from pagedllm.engine import arg_utils
+
+    _, model_config = tiny_llama
+    args = EngineArgs(model=model_config.model, speculative_config=NGRAM)
+    cpu = args.create_engine_config()
+    assert not cpu.async_scheduling and not cpu.drafts_on_worker
+    monkeypatch.setattr(arg_utils, "resolve_device", lambda *_: torch.device("cuda"))
+    cuda = args.create_engine_config()
+    assert cuda.async_scheduling and cuda.drafts_on_worker
+    assert not dataclasses.replace(args, async_scheduling=False).create_engine_config().drafts_on_worker
 
 
 # --- sampling: the target's exact distribution ------------------------------------------------

@@ -84,7 +84,7 @@ def replayed_verify_steps(steps: list[tuple[int, int | None]]) -> list[int]:
 def test_ngram_verify_steps_replay_decode_graphs_and_change_no_output(
     make_tiny_model, backend, model, async_scheduling
 ):
-    """Synchronous scheduling looks drafts up on the host (the default); asynchronous, on the
+    """Synchronous scheduling looks drafts up on the host; asynchronous (CUDA's default), on the
     device (worker/ngram_drafter.py)."""
     config_class, overrides = MODELS[model]
     hf_model, model_config = make_tiny_model(config_class, **overrides)

@@ -317,6 +317,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     if spec is not None:  # since start: the warm-up's verifications too
         result["acceptance_rate"] = spec.acceptance_rate
         result["mean_acceptance_length"] = spec.mean_acceptance_length
+        # Requests' verifications (a request's drafts in one step), beside num_steps.
+        result["num_verifications"] = spec.num_drafts
     cached = _cached_prefix_len(engine, workload.prefix_len)
     floor = _floor(engine, prompts, workload.output_len, cached)
     if floor is not None:
