@@ -8,11 +8,13 @@ from typing import Any
 
 from pagedllm.config_checks import is_int, require
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # The methods whose drafts come from a model the worker loads from ``model``.
-MODEL_METHODS = ("draft_model", "eagle", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3", "mtp")
+# The methods whose ``model`` defaults to the target's checkpoint (which holds the drafter).
+_TARGET_CHECKPOINT_METHODS = ("mtp",)
 # Methods vLLM names that pagedllm does not run yet: refused by name rather than as unknown.
-_SPECULATIVE_METHODS_NOT_YET = ("medusa", "mlp_speculator", "mtp")
+_SPECULATIVE_METHODS_NOT_YET = ("medusa", "mlp_speculator")
 # Drafted tokens per request and step, at most: each is one more query row to verify and one more
 # [vocab] row of target probabilities; past ~8 an n-gram draft is almost never accepted whole.
 MAX_NUM_SPECULATIVE_TOKENS = 16
@@ -40,7 +42,9 @@ class SpeculativeConfig:
     ``model`` is an EAGLE head (worker/eagle.py) drafting from the target's hidden states. The
     model's config (``EngineConfig.draft_model_config``) is read by ``EngineArgs`` once the
     target's is known. ``model`` "ngram" or "[ngram]" is vLLM's
-    older spelling of the n-gram method. ``disable_by_batch_size``: no drafts in a
+    older spelling of the n-gram method. ``method="mtp"``: the multi-token-prediction layer the target's
+    own checkpoint stores (DeepSeek-V3, GLM-4.5; models/mtp.py) drafts like an EAGLE head;
+    ``model`` defaults to the target's. ``disable_by_batch_size``: no drafts in a
     step with at least this many running requests (verification then costs more than it saves).
     ``synthetic_acceptance_rate`` is for benchmarks only: each drafted token is accepted with this
     probability whatever the model says, so outputs are NOT the model's (``pagedllm bench latency``
@@ -97,9 +101,10 @@ class SpeculativeConfig:
             rate,
         )
         require(
-            (method in MODEL_METHODS) == (self.model is not None),
+            (method in MODEL_METHODS) == (self.model is not None) or method in _TARGET_CHECKPOINT_METHODS,
             "speculative_config.model",
-            f"a model path with a method in {MODEL_METHODS} (and only then)",
+            f"a model path with a method in {MODEL_METHODS} (and only then; optional with "
+            f"{_TARGET_CHECKPOINT_METHODS}: the target's)",
             self.model,
         )
 

@@ -31,7 +31,7 @@ from pagedllm.config import (
 )
 from pagedllm.cpu_info import physical_cpu_cores
 from pagedllm.engine.batch_invariant import check_batch_invariant
-from pagedllm.engine.eagle_config import check_eagle_head
+from pagedllm.engine.eagle_config import check_eagle_head, mtp_head_config
 from pagedllm.lora.config import LoRAConfig
 from pagedllm.pooling_params import load_pooler_config
 from pagedllm.spec_config import SpeculativeConfig
@@ -509,9 +509,11 @@ def load_hf_config(model_path: str, gguf_file: str | None) -> PretrainedConfig:
 def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelConfig:
     """The draft model's (or EAGLE head's) config, from its config file only: refused before any
     weight is read when the engine could not run it beside the target."""
-    assert spec.model is not None
     try:
-        model_path, gguf_file = resolve_model_path(spec.model)
+        # An MTP layer lives in the target's own checkpoint unless given.
+        model_path, gguf_file = resolve_model_path(spec.model or target.model)
+        if gguf_file is not None and spec.method == "mtp":
+            raise ValueError("method 'mtp' reads a safetensors checkpoint's layers, not a GGUF file's")
         hf_config = load_hf_config(model_path, gguf_file)
         if spec.method == "draft_model":
             check_architecture(hf_config)
@@ -519,6 +521,8 @@ def draft_model_config(spec: SpeculativeConfig, target: ModelConfig) -> ModelCon
         raise ValueError(f"speculative_config.model: {error}") from error
     if spec.method == "draft_model":
         _check_draft_model(spec, hf_config, target)
+    elif spec.method == "mtp":
+        hf_config = mtp_head_config(spec, hf_config, target)
     else:
         check_eagle_head(spec, hf_config, target)
     from pagedllm.models.utils import kv_cache_window

@@ -1,8 +1,10 @@
-"""An EAGLE head's checks (speculative_config method "eagle" / "eagle3"), on its config.json
-alone: everything the worker could not run is refused before a weight is read."""
+"""An EAGLE head's checks (speculative_config method "eagle" / "eagle3"), and a multi-token-
+prediction layer's ("mtp"), on the config.json alone: everything the worker could not run is
+refused before a weight is read."""
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING
 
 from pagedllm.config import ModelConfig
@@ -49,3 +51,38 @@ def check_eagle_head(spec: SpeculativeConfig, hf_config: PretrainedConfig, targe
             )
     own_len = getattr(hf_config, "max_position_embeddings", None) or 0
     hf_config.max_position_embeddings = max(own_len, target.max_model_len)
+
+
+def mtp_head_config(
+    spec: SpeculativeConfig, hf_config: PretrainedConfig, target: ModelConfig
+) -> PretrainedConfig:
+    """The config the MTP head is built from (models/mtp.py): the checkpoint's, its layer count
+    one (the draft's KV cache holds one layer) and the layer's checkpoint number kept aside."""
+    from pagedllm.models import get_model_class
+    from pagedllm.models.glm4_moe import SkipsMtpLayers
+
+    field = f"speculative_config method 'mtp' (model {spec.model or target.model!r})"
+    num_mtp_layers = getattr(hf_config, "num_nextn_predict_layers", None) or 0
+    if num_mtp_layers < 1:
+        raise ValueError(
+            f"{field}: the config has no multi-token-prediction layer (num_nextn_predict_layers 0)"
+        )
+    architectures = list(getattr(hf_config, "architectures", None) or [])
+    model_class = get_model_class(architectures, getattr(hf_config, "model_type", None))
+    if not issubclass(model_class, SkipsMtpLayers):
+        raise ValueError(
+            f"{field}: {model_class.__name__}'s multi-token-prediction layers are not supported "
+            "(DeepSeek-V3's and GLM-4-MoE's are)"
+        )
+    for key in ("hidden_size", "vocab_size"):
+        ours, targets = getattr(hf_config, key), getattr(target.hf_config, key)
+        if ours != targets:
+            raise ValueError(
+                f"{field} has {key} {ours}, the target's is {targets}: the layer drafts from the "
+                "target's hidden states"
+            )
+    config = copy.deepcopy(hf_config)
+    config.mtp_layer_index = hf_config.num_hidden_layers
+    config.num_hidden_layers = 1
+    config.max_position_embeddings = max(config.max_position_embeddings, target.max_model_len)
+    return config

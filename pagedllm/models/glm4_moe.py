@@ -8,7 +8,8 @@ then a mixture of experts with shared experts, as Hugging Face transformers comp
   of width ``moe_intermediate_size``, plus a shared SwiGLU MLP of width ``n_shared_experts *
   moe_intermediate_size`` that every token takes.
 * The multi-token-prediction layers a checkpoint may carry past ``num_hidden_layers``
-  (``num_nextn_predict_layers``) are not loaded, as transformers skips them (``SkipsMtpLayers``).
+  (``num_nextn_predict_layers``) are not part of the model, as in transformers
+  (``SkipsMtpLayers``); speculative decoding's ``"mtp"`` method drafts with them (models/mtp.py).
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ class SharedExpertsMoeBlock(nn.Module):
 
 class SkipsMtpLayers:
     """Skips, with a notice, the multi-token-prediction layers a checkpoint stores past the
-    decoder's (index >= ``num_hidden_layers``): vLLM loads them only as speculative decoding's
-    ``"mtp"`` method, which pagedllm does not have."""
+    decoder's (index >= ``num_hidden_layers``): they load only as speculative decoding's ``"mtp"``
+    method's drafter (models/mtp.py), as in vLLM."""
 
     _mtp_notice_given = False
 
@@ -101,7 +102,11 @@ class SkipsMtpLayers:
         match = _LAYER_INDEX.match(ckpt_name)
         if match and int(match[1]) >= len(self.model.layers):
             if not self._mtp_notice_given:
-                logger.info("skipping the multi-token-prediction layer(s) from %s on", ckpt_name)
+                logger.info(
+                    "skipping the multi-token-prediction layer(s) from %s on (speculative_config "
+                    "method 'mtp' drafts with them)",
+                    ckpt_name,
+                )
                 self._mtp_notice_given = True
             return True
         return super()._is_skipped(ckpt_name)

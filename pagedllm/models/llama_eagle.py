@@ -69,6 +69,9 @@ class EagleHead(CausalLM):
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
+        self._init_embeddings(config)
+
+    def _init_embeddings(self, config: PretrainedConfig) -> None:
         # Dropped by the worker, which then embeds with the target's, when the checkpoint has none.
         self.embed_tokens: VocabParallelEmbedding | None = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size

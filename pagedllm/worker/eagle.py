@@ -51,6 +51,7 @@ from pagedllm.attention import set_forward_context
 from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.config import EngineConfig
 from pagedllm.models.llama_eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM, eagle3_aux_layer_ids
+from pagedllm.models.mtp import mtp_head_class
 from pagedllm.worker.cuda_graph import CudaGraphRunner
 from pagedllm.worker.draft_model import DraftModelRunner, NewestPositions, unpadded_inputs
 from pagedllm.worker.input_batch import InputBatch
@@ -118,7 +119,8 @@ class EagleProposer(DraftModelRunner):
                 "compiled step does not run the hooks that hand the head the target's hidden states)"
             )
         assert config.speculative_config is not None
-        self.is_eagle3 = config.speculative_config.method == "eagle3"
+        self.method = config.speculative_config.method
+        self.is_eagle3 = self.method == "eagle3"
         self.num_target_layers = config.model_config.num_layers
         self.max_num_tokens = max_num_tokens
         self.aux: AuxHiddenStates | None = None
@@ -131,12 +133,14 @@ class EagleProposer(DraftModelRunner):
     def load_model(self, target: nn.Module) -> None:
         from pagedllm.model_loader import get_model
 
-        head_class = Eagle3LlamaForCausalLM if self.is_eagle3 else EagleLlamaForCausalLM
+        head_classes = {"eagle3": Eagle3LlamaForCausalLM, "eagle": EagleLlamaForCausalLM}
+        head_class = mtp_head_class(type(target)) if self.method == "mtp" else head_classes[self.method]
         head = get_model(self.model_config, self.load_format, self.device, self.attn_backend, head_class)
         if not head.loaded_embeddings:
             head.embed_tokens = None  # the checkpoint shares the target's
         self.embed = head.embed_tokens if head.embed_tokens is not None else target.model.embed_tokens
-        self.compute_logits = head.compute_logits if self.is_eagle3 else target.compute_logits
+        own_head = self.is_eagle3 or getattr(head, "loaded_lm_head", False)
+        self.compute_logits = head.compute_logits if own_head else target.compute_logits
         if self.is_eagle3:
             layer_ids = eagle3_aux_layer_ids(self.model_config.hf_config, self.num_target_layers)
             self.aux = AuxHiddenStates(target, layer_ids, self.max_num_tokens, self.model_config.hidden_size)
