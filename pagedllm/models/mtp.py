@@ -58,8 +58,6 @@ class MultiTokenPredictor(EagleHead):
     ``make_layer`` builds the block as the target's layer ``mtp_layer_index`` would be, and its
     ``_param_name`` names the block's checkpoint tensors."""
 
-    target_class: type[LlamaForCausalLM]
-
     def __init__(self, config: PretrainedConfig, attn_backend: type[AttentionBackend]) -> None:
         # Not super().__init__: the target class follows in the MRO, and its __init__ builds the
         # whole model.
@@ -93,9 +91,6 @@ class MultiTokenPredictor(EagleHead):
         """(shared_head.norm(x + residual), x + residual)."""
         return self.norm(x, residual)
 
-    def draft_token_ids(self, logits: torch.Tensor) -> torch.Tensor:
-        return logits.argmax(dim=-1)
-
     def _checkpoint_tensors(
         self, weights: Iterable[tuple[str, torch.Tensor]]
     ) -> Iterator[tuple[str, str, int | str | None, torch.Tensor]]:
@@ -106,15 +101,9 @@ class MultiTokenPredictor(EagleHead):
             if not ckpt_name.startswith(prefix) or "rotary_emb.inv_freq" in ckpt_name:
                 continue
             local = ckpt_name.removeprefix(prefix)
-            head = next(
-                (
-                    ours + local[len(theirs) :]
-                    for theirs, ours in _HEAD_NAMES.items()
-                    if local.startswith(theirs)
-                ),
-                None,
-            )
-            if head is not None:
+            theirs = next((name for name in _HEAD_NAMES if local.startswith(name)), None)
+            if theirs is not None:
+                head = _HEAD_NAMES[theirs] + local[len(theirs) :]
                 self.loaded_embeddings |= head.startswith("embed_tokens.")
                 self.loaded_lm_head |= head.startswith("lm_head.")
                 yield ckpt_name, head, None, tensor
@@ -136,5 +125,5 @@ def mtp_head_class(target_class: type[LlamaForCausalLM]) -> type[MultiTokenPredi
         f"{target_class.__name__}MTP",
         (MultiTokenPredictor, target_class),
         # EagleHead's (Llama's) packing would pack MLA's q_proj into a qkv_proj.
-        {"target_class": target_class, "packed_modules_mapping": target_class.packed_modules_mapping},
+        {"packed_modules_mapping": target_class.packed_modules_mapping},
     )

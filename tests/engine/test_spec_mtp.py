@@ -27,47 +27,13 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Rotar
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbedding
 
 from pagedllm import LLM
+from tests.models.test_families import CASES, MLA_CASES
 
-# DeepSeek-V3 in small: MLA with q_lora, noaux_tc routing over 8 experts in 4 groups, one dense
-# layer first (the MTP layer, past it, has experts, as V3's does).
-MLA_V3 = {
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "kv_lora_rank": 32,
-    "q_lora_rank": 24,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 8,
-    "head_dim": 8,  # V3's rotary takes head_dim as its width: qk_rope_head_dim
-    "v_head_dim": 24,
-    "moe_intermediate_size": 32,
-    "num_experts_per_tok": 2,
-    "first_k_dense_replace": 1,
-    "n_routed_experts": 8,
-    "n_shared_experts": 1,
-    "n_group": 4,
-    "topk_group": 2,
-    "norm_topk_prob": True,
-    "routed_scaling_factor": 2.5,
-    "num_nextn_predict_layers": 1,
-}
-# GLM-4.5 in small: grouped attention with biases and q/k norms, half the head rotated.
-GLM4_MOE = {
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 64,
-    "first_k_dense_replace": 1,
-    "moe_intermediate_size": 32,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "n_group": 4,
-    "topk_group": 2,
-    "n_shared_experts": 1,
-    "routed_scaling_factor": 2.5,
-    "partial_rotary_factor": 0.5,
-    "attention_bias": True,
-    "use_qk_norm": True,
-    "num_nextn_predict_layers": 1,
-}
+# DeepSeek-V3 in small (MLA with q_lora, noaux_tc routing over 8 experts in 4 groups) and GLM-4.5
+# (grouped attention with biases and q/k norms, half the head rotated), both with a dense layer
+# first: the MTP layer, past it, has experts, as theirs do.
+MLA_V3 = {**MLA_CASES["deepseekv3-noaux-tc"][1], "num_nextn_predict_layers": 1}
+GLM4_MOE = {**CASES["glm4moe-grouped"][1], "num_nextn_predict_layers": 1}
 # family: (config class, overrides, HF's rotary embedding)
 FAMILIES = {
     "deepseek_v3": (DeepseekV3Config, MLA_V3, DeepseekV3RotaryEmbedding),
@@ -77,15 +43,15 @@ NUM_LAYERS = 2  # the target's; the checkpoint's layer 2 is the MTP layer
 SPEC = {"method": "mtp", "num_speculative_tokens": 3}
 
 
-@pytest.fixture(scope="module", params=list(FAMILIES))
+# GLM-4-MoE's cases run with the slow ones (the suite's time): DeepSeek-V3's cover the fast set.
+@pytest.fixture(scope="module", params=["deepseek_v3", pytest.param("glm4_moe", marks=pytest.mark.slow)])
 def target_with_mtp(request, make_tiny_model_for_module):
     """(HF target, its directory, HF's MTP block, the head's tensors, HF's rotary class): a model
     of NUM_LAYERS + 1 layers saved, then its config cut to NUM_LAYERS, the head's tensors written
     beside."""
     config_class, overrides, rotary_class = FAMILIES[request.param]
-    hf_twin, model_config = make_tiny_model_for_module(
-        config_class, **overrides, num_hidden_layers=NUM_LAYERS + 1
-    )
+    overrides = {**overrides, "num_hidden_layers": NUM_LAYERS + 1}
+    hf_twin, model_config = make_tiny_model_for_module(config_class, **overrides)
     directory = model_config.model
     with open(f"{directory}/config.json") as f:
         config = json.load(f)
