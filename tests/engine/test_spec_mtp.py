@@ -43,19 +43,15 @@ NUM_LAYERS = 2  # the target's; the checkpoint's layer 2 is the MTP layer
 SPEC = {"method": "mtp", "num_speculative_tokens": 3}
 
 
-# GLM-4-MoE's cases run with the slow ones (the suite's time): DeepSeek-V3's cover the fast set.
-@pytest.fixture(scope="module", params=["deepseek_v3", pytest.param("glm4_moe", marks=pytest.mark.slow)])
-def target_with_mtp(request, make_tiny_model_for_module):
-    """(HF target, its directory, HF's MTP block, the head's tensors, HF's rotary class): a model
-    of NUM_LAYERS + 1 layers saved, then its config cut to NUM_LAYERS, the head's tensors written
-    beside."""
-    config_class, overrides, rotary_class = FAMILIES[request.param]
-    overrides = {**overrides, "num_hidden_layers": NUM_LAYERS + 1}
-    hf_twin, model_config = make_tiny_model_for_module(config_class, **overrides)
+def write_target_with_mtp(make_model, config_class, overrides: dict, num_layers: int = NUM_LAYERS):
+    """(HF target, its directory, HF's MTP block, the head's tensors): a model of num_layers + 1
+    layers saved (``make_model``: a make_tiny_model fixture), then its config cut to num_layers,
+    the head's tensors written beside its last layer's."""
+    hf_twin, model_config = make_model(config_class, **{**overrides, "num_hidden_layers": num_layers + 1})
     directory = model_config.model
     with open(f"{directory}/config.json") as f:
         config = json.load(f)
-    config["num_hidden_layers"] = NUM_LAYERS
+    config["num_hidden_layers"] = num_layers
     with open(f"{directory}/config.json", "w") as f:
         json.dump(config, f)
     hidden, vocab = hf_twin.config.hidden_size, hf_twin.config.vocab_size
@@ -67,11 +63,19 @@ def target_with_mtp(request, make_tiny_model_for_module):
         "shared_head.norm.weight": 1.0 + 0.1 * torch.randn(hidden, generator=g),
         "shared_head.head.weight": torch.randn(vocab, hidden, generator=g),
     }
-    save_file({f"model.layers.{NUM_LAYERS}.{k}": v for k, v in head.items()}, f"{directory}/mtp.safetensors")
+    save_file({f"model.layers.{num_layers}.{k}": v for k, v in head.items()}, f"{directory}/mtp.safetensors")
     hf_target = AutoModelForCausalLM.from_pretrained(
         directory, dtype=torch.float32, attn_implementation="eager"
     )
-    return hf_target.eval(), directory, hf_twin.model.layers[NUM_LAYERS], head, rotary_class
+    return hf_target.eval(), directory, hf_twin.model.layers[num_layers], head
+
+
+# GLM-4-MoE's cases run with the slow ones (the suite's time): DeepSeek-V3's cover the fast set.
+@pytest.fixture(scope="module", params=["deepseek_v3", pytest.param("glm4_moe", marks=pytest.mark.slow)])
+def target_with_mtp(request, make_tiny_model_for_module):
+    """(HF target, its directory, HF's MTP block, the head's tensors, HF's rotary class)."""
+    config_class, overrides, rotary_class = FAMILIES[request.param]
+    return *write_target_with_mtp(make_tiny_model_for_module, config_class, overrides), rotary_class
 
 
 def reference_drafts(hf_target, block, head, rotary_class, tokens: list[int], k: int) -> list[int]:
