@@ -19,6 +19,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.distributed import pipeline_stage_layers
 from pagedllm.layers.fused_moe import FusedMoE
 from pagedllm.lora.model_manager import LoRAModelManager
+from pagedllm.platform import platform_for
 from pagedllm.sample.sampler import Sampler, SamplerOutput
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.step_io import ModelRunnerOutput, NewRequestData, PromptLogprobsOutput, SchedulerOutput
@@ -35,10 +36,12 @@ from pagedllm.worker.spec_decode import DeviceDrafts, DraftVerifier, PendingVeri
 from pagedllm.worker.step_inputs import (
     ModelInput,
     StepPlan,
+    TakeBack,
     max_num_step_seqs,
     plan_step,
     stage_model_input,
     take_back_on_device,
+    take_back_torch,
 )
 
 
@@ -221,6 +224,13 @@ class ModelRunner:
             and parallel_config.context_parallel_size == 1
             and (self.use_cuda_graphs or self.device.type == "cpu")
         )
+        # Its arithmetic: one Triton launch where Triton runs (kernels/triton/take_back.py), else
+        # about a dozen torch kernels (``take_back_torch``).
+        self._take_back_kernel: TakeBack = take_back_torch
+        if self.takes_back_on_device and platform_for(self.device).triton:
+            from pagedllm.kernels.triton.take_back import take_back
+
+            self._take_back_kernel = take_back
         # The requests whose take-back waits for the step in flight's counts (None: none waits).
         self._deferred_take_back: set[int] | None = None
         # With enable_lora: the model's projections wrapped, and the adapters' slots.
@@ -376,7 +386,7 @@ class ModelRunner:
         batch = self.input_batch
         req_ids = [batch.req_ids[row] for row in model_input.req_rows.tolist()]
         rejected = self.verifier.pending_rejections(req_ids, optimistic)
-        take_back_on_device(model_input, rejected, self.block_size)
+        take_back_on_device(model_input, rejected, self.block_size, self._take_back_kernel)
 
     def _settle_deferred(self) -> None:
         """Once the step is launched: the pending counts applied on the host, and the optimistic

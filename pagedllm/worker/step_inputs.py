@@ -44,6 +44,7 @@ computation testable on plain arrays, and every device write in one place.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -463,12 +464,39 @@ def plan_step(
     )
 
 
-def take_back_on_device(model_input: ModelInput, rejected: torch.Tensor, block_size: int) -> None:
+def take_back_torch(
+    rejected: torch.Tensor,
+    token_req: torch.Tensor,
+    positions: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+) -> None:
+    """``take_back_on_device``'s arithmetic in torch (the oracle; kernels/triton/take_back.py is
+    the one launch doing the same): each token's position and length less its request's count in
+    ``rejected``, its slot looked up again in its block table row. All in place."""
+    per_token = rejected.index_select(0, token_req)
+    positions -= per_token
+    seq_lens -= per_token.to(seq_lens.dtype)
+    blocks = block_tables.gather(1, (positions // block_size)[:, None].to(torch.int64))
+    slot_mapping.copy_(blocks[:, 0].to(torch.int64) * block_size + positions % block_size)
+
+
+TakeBack = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], None
+]
+
+
+def take_back_on_device(
+    model_input: ModelInput, rejected: torch.Tensor, block_size: int, take_back: TakeBack = take_back_torch
+) -> None:
     """A step planned over optimistic counts (asynchronous speculation: the drafts of the step
     in flight counted as accepted), moved back by what that step rejected, on the device and
     without waiting for its counts: each request's positions, and its sequences' lengths, move
     back by its count in ``rejected`` ([num_reqs] int64, in step order), and the slots are looked
-    up again in the sequences' block table rows. For a step of decodes (expanded verifications included: every
+    up again in the sequences' block table rows (``take_back``: ``take_back_torch`` or the Triton
+    launch, chosen by the runner). For a step of decodes (expanded verifications included: every
     token a sequence of its own), without context parallelism or windows dropping blocks
     (``compute_slot_mapping``'s plain case). On the CPU the host's copies of the lengths are the
     same tensors, and their bounds are updated too."""
@@ -478,13 +506,16 @@ def take_back_on_device(model_input: ModelInput, rejected: torch.Tensor, block_s
     md = model_input.attn_metadata
     assert md.num_prefills == 0 and len(md.seq_lens_cpu) == num_tokens, "decodes only"
     device = rejected.device
-    token_req = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
-    per_token = rejected.index_select(0, to_device(token_req, device))
-    positions = model_input.positions[:num_tokens]
-    positions -= per_token
-    md.seq_lens[:num_tokens] -= per_token.to(md.seq_lens.dtype)
-    blocks = md.block_tables[:num_tokens].gather(1, (positions // block_size)[:, None].to(torch.int64))
-    md.slot_mapping[:num_tokens] = blocks[:, 0].to(torch.int64) * block_size + positions % block_size
+    token_req = np.repeat(np.arange(len(offsets) - 1, dtype=np.int32), np.diff(offsets))
+    take_back(
+        rejected,
+        to_device(token_req, device),
+        model_input.positions[:num_tokens],
+        md.seq_lens[:num_tokens],
+        md.block_tables[:num_tokens],
+        md.slot_mapping[:num_tokens],
+        block_size,
+    )
     if device.type == "cpu":
         md.max_seq_len = int(md.seq_lens_cpu.max())
         md.min_decode_seq_len = int(md.seq_lens_cpu.min())

@@ -35,6 +35,7 @@ from pagedllm.kernels.triton.sigmoid_gate import sigmoid_gate
 from pagedllm.kernels.triton.skinny_gemm import skinny_gemm
 from pagedllm.kernels.triton.ssd import ssd_state_update
 from pagedllm.kernels.triton.state_rows import gather_state_rows, scatter_state_rows
+from pagedllm.kernels.triton.take_back import take_back
 
 CPU = torch.device("cpu")
 DTYPES = (torch.bfloat16, torch.float32)
@@ -245,6 +246,10 @@ def layers() -> None:
     table, rows, newest = torch.zeros(4, 64, dtype=torch.int32), torch.arange(2), torch.tensor([5, 60])
     for k, min_n, max_n in ((3, 2, 4), (5, 1, 5)):
         ngram_lookup(table, rows, newest, k, min_n, max_n)
+    # And the deferred take-back of a step planned over optimistic counts.
+    int64, int32 = torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int32)
+    tables = torch.zeros(8, 64, dtype=torch.int32)
+    take_back(int64[:2], int32, int64, int32.clone(), tables, int64.clone(), 16)
 
 
 def lora() -> None:
