@@ -26,7 +26,8 @@ import triton.language as tl
 _BLOCK = 256
 
 
-@triton.jit
+# num_tokens changes every step: specialised (== 1, % 16 == 0) it would compile new variants mid-run.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _take_back_kernel(
     rejected_ptr,
     token_req_ptr,
