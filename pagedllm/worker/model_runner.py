@@ -371,9 +371,9 @@ class ModelRunner:
         rows = np.fromiter((row_of[r] for r in num_scheduled), dtype=np.int64, count=len(num_scheduled))
         if self.input_batch.num_dropped_tokens[rows].any():
             return False
-        graphs = self.graph_runner
         if self.device.type == "cpu":
             return True
+        graphs = self.graph_runner
         return graphs is not None and scheduler_output.total_num_scheduled_tokens <= graphs.max_batch_size
 
     def _take_back(self, model_input: ModelInput) -> None:
@@ -385,8 +385,8 @@ class ModelRunner:
         assert model_input.graph_num_seqs is not None or self.device.type == "cpu"
         batch = self.input_batch
         req_ids = [batch.req_ids[row] for row in model_input.req_rows.tolist()]
-        rejected = self.verifier.pending_rejections(req_ids, optimistic)
-        take_back_on_device(model_input, rejected, self.block_size, self._take_back_kernel)
+        rejected, req_index = self.verifier.pending_rejections(req_ids, optimistic)
+        take_back_on_device(model_input, rejected, req_index, self.block_size, self._take_back_kernel)
 
     def _settle_deferred(self) -> None:
         """Once the step is launched: the pending counts applied on the host, and the optimistic

@@ -149,19 +149,19 @@ class DraftVerifier:
         """Whether the latest verification's counts have yet to be applied on the host."""
         return self._pending is not None
 
-    def pending_rejections(self, req_ids: list[int], optimistic: set[int]) -> torch.Tensor:
-        """[len(req_ids)] int64 on the device, without waiting: for each request the scheduler
-        counted optimistically (``optimistic``), the drafts the pending verification rejected;
-        0 for the others (``take_back_rejected``'s amounts, before the counts reach the host)."""
+    def pending_rejections(self, req_ids: list[int], optimistic: set[int]) -> tuple[torch.Tensor, np.ndarray]:
+        """Without waiting, what the pending verification rejected: ([num_verified + 1] int64 on
+        the device, the drafts each verified request had rejected, then a 0; [len(req_ids)] int64
+        on the host, each request's index there: its own if the scheduler counted it
+        optimistically (``optimistic``), else the 0). ``take_back_rejected``'s amounts, before the
+        counts reach the host."""
         assert self._pending is not None, "no verification pending"
         verify, accepted = self._pending.verify, self._pending.num_accepted
-        device = accepted.device
         slot = {req_id: j for j, req_id in enumerate(verify.req_ids)}
-        none = len(verify.req_ids)  # a zero appended after the verified requests' counts
+        none = len(verify.req_ids)
         index = [slot.get(r, none) if r in optimistic else none for r in req_ids]
-        rejected = to_device(verify.num_drafts, device) - accepted
-        rejected = torch.cat([rejected, rejected.new_zeros(1)])
-        return rejected.index_select(0, to_device(np.asarray(index, dtype=np.int64), device))
+        rejected = to_device(verify.num_drafts, accepted.device) - accepted
+        return torch.cat([rejected, rejected.new_zeros(1)]), np.asarray(index, dtype=np.int64)
 
     def settle(self) -> None:
         """Bring the latest verification's counts to the host (waiting for them if need be) and

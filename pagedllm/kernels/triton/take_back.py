@@ -2,17 +2,17 @@
 ``take_back_on_device``; its torch form, ``take_back_torch``, is about a dozen tiny kernels, and a
 step of decodes with a verification in flight is bound by the host's launches).
 
-A step was planned as if the step in flight accepted every draft; that step rejected
-``rejected[r]`` of request r's. Every token t of the step (a sequence of its own: decodes and
-expanded verifications) moves back by its request's count::
+A step was planned as if the step in flight accepted every draft; that step rejected some of
+each request's. Every token t of the step (a sequence of its own: decodes and expanded
+verifications) moves back by its request's count, ``rejected[token_index[t]]``::
 
-    back            = rejected[token_req[t]]
+    back            = rejected[token_index[t]]
     positions[t]   -= back
     seq_lens[t]    -= back
     slot_mapping[t] = block_tables[t, positions[t] // block_size] * block_size + positions[t] % block_size
 
-Grid: ``(cdiv(num_tokens, BLOCK),)``, one token per lane. Layouts: ``rejected`` [num_reqs] int64;
-``token_req`` [num_tokens] int32; ``positions`` [>= num_tokens] int64, ``seq_lens`` int32,
+Grid: ``(cdiv(num_tokens, BLOCK),)``, one token per lane. Layouts: ``rejected`` [any] int64;
+``token_index`` [num_tokens] int32; ``positions`` [>= num_tokens] int64, ``seq_lens`` int32,
 ``slot_mapping`` int64 (updated in place); ``block_tables`` [>= num_tokens, width] int32 (row stride
 any). Bytes: about 40 per token; bound by launch latency at any step size.
 """
@@ -30,7 +30,7 @@ _BLOCK = 256
 @triton.jit(do_not_specialize=["num_tokens"])
 def _take_back_kernel(
     rejected_ptr,
-    token_req_ptr,
+    token_index_ptr,
     positions_ptr,
     seq_lens_ptr,
     block_tables_ptr,
@@ -42,8 +42,8 @@ def _take_back_kernel(
 ):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = t < num_tokens
-    req = tl.load(token_req_ptr + t, mask=live, other=0)
-    back = tl.load(rejected_ptr + req, mask=live, other=0)
+    index = tl.load(token_index_ptr + t, mask=live, other=0)
+    back = tl.load(rejected_ptr + index, mask=live, other=0)
     position = tl.load(positions_ptr + t, mask=live, other=0) - back
     tl.store(positions_ptr + t, position, mask=live)
     seq_len = tl.load(seq_lens_ptr + t, mask=live, other=0)
@@ -55,16 +55,16 @@ def _take_back_kernel(
 
 def take_back(
     rejected: torch.Tensor,
-    token_req: torch.Tensor,
+    token_index: torch.Tensor,
     positions: torch.Tensor,
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
     slot_mapping: torch.Tensor,
     block_size: int,
 ) -> None:
-    """The first ``len(token_req)`` tokens of the step moved back by ``rejected``, in place (see the
+    """The first ``len(token_index)`` tokens of the step moved back by ``rejected``, in place (see the
     module docstring)."""
-    num_tokens = token_req.shape[0]
+    num_tokens = token_index.shape[0]
     assert positions.dtype == slot_mapping.dtype == rejected.dtype == torch.int64
     assert block_tables.stride(1) == 1 and min(positions.shape[0], seq_lens.shape[0]) >= num_tokens
     if num_tokens == 0:
@@ -72,7 +72,7 @@ def take_back(
     grid = (triton.cdiv(num_tokens, _BLOCK),)
     _take_back_kernel[grid](
         rejected,
-        token_req,
+        token_index,
         positions,
         seq_lens,
         block_tables,
