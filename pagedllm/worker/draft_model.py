@@ -141,7 +141,7 @@ class DraftModelRunner:
         self.num_speculative_tokens = spec_config.num_speculative_tokens
         self.block_size = block_size = config.cache_config.block_size
         self.max_model_len = config.model_config.max_model_len
-        attn_backend.check_supported(draft.head_size, block_size, draft.dtype, self.device)
+        attn_backend.check_model_supported(draft, block_size, self.device)
         self.kv_cache_spec = KVCacheSpec(
             num_layers=draft.num_layers,
             num_kv_heads=draft.num_kv_heads_per_rank(config.parallel_config.tensor_parallel_size),

@@ -55,12 +55,7 @@ class Worker:
             config.batch_invariant,
             context_parallel=config.parallel_config.context_parallel_size > 1,
         )
-        # MLA's layer attends itself (models/deepseek_v2.py: its own kernels and the check of the
-        # backends it runs on); its cache "head" of kv_lora_rank + rope dims is no backend's head size.
-        if not model_config.is_mla:
-            self.attn_backend.check_supported(
-                model_config.head_size, cache_config.block_size, model_config.dtype, self.device
-            )
+        self.attn_backend.check_model_supported(model_config, cache_config.block_size, self.device)
         kv_cache_dtype = kv_cache_torch_dtype(cache_config.cache_dtype, model_config.dtype)
         check_kv_cache_dtype(self.attn_backend, kv_cache_dtype)
         parallel_config = config.parallel_config

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, 
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RotaryEmbedding
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbedding
 
-from pagedllm import LLM
+from pagedllm import LLM, SamplingParams
 from tests.models.test_families import CASES, MLA_CASES
 
 # DeepSeek-V3 in small (MLA with q_lora, noaux_tc routing over 8 experts in 4 groups) and GLM-4.5
@@ -141,6 +141,21 @@ def test_the_engines_drafts_are_the_mtp_layers_and_greedy_output_is_hfs(target_w
     assert checked >= 8, "the test must check proposals"
     assert llm.llm_engine.scheduler.spec_decoding.num_draft_tokens > 0
     assert_all_blocks_free(llm)
+
+
+def test_mtp_runs_on_the_triton_backend(make_tiny_model, hf_greedy_tokens):
+    """The layer's cache "head" (kv_lora_rank + rope dims) is no attention backend's head size:
+    the drafter, like the target, leaves MLA's layers to check their own kernels (on a GPU the
+    Triton backend once refused the draft's 576). Triton's interpreter, DeepSeek-V3's own dims."""
+    v3_dims = {**MLA_V3, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64, "qk_nope_head_dim": 128,
+               "v_head_dim": 128}  # fmt: skip
+    hf_target, directory, *_ = write_target_with_mtp(make_tiny_model, DeepseekV3Config, v3_dims, num_layers=1)
+    prompt = list(range(3, 12))
+    llm = LLM(directory, device="cpu", attention_backend="triton", block_size=16, speculative_config=SPEC)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate(prompt_token_ids=[prompt], sampling_params=params, use_tqdm=False)
+    assert token_ids(outputs) == [hf_greedy_tokens(hf_target, prompt, 6)]
+    assert llm.llm_engine.scheduler.spec_decoding.num_draft_tokens > 0
 
 
 @pytest.mark.slow  # the test above compares greedy output with HF's already

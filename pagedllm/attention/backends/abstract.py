@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 
 from pagedllm.attention.metadata import AttentionMetadata
+
+if TYPE_CHECKING:
+    from pagedllm.config import ModelConfig
 
 # One layer's cache: (key_cache, value_cache). Every backend's layout puts the block number
 # first, so swapping and copying blocks is the same indexing for all of them.
@@ -129,6 +132,14 @@ class AttentionBackend(ABC):
         cls, head_size: int, block_size: int, dtype: torch.dtype, device: torch.device
     ) -> None:
         """Raise ValueError naming what this backend cannot run."""
+
+    @classmethod
+    def check_model_supported(cls, model_config: ModelConfig, block_size: int, device: torch.device) -> None:
+        """``check_supported`` for ``model_config``'s attention layers, target's or draft's. MLA's
+        layers attend themselves (models/deepseek_v2.py: its own kernels and the checks of the
+        backends they run on): its cache "head" of kv_lora_rank + rope dims is no backend's head size."""
+        if not model_config.is_mla:
+            cls.check_supported(model_config.head_size, block_size, model_config.dtype, device)
 
     @abstractmethod
     def forward(
