@@ -2,7 +2,7 @@
 
 Here (a network):
 
-    python scripts/prepare_peer.py [--with cutedsl] [--part-mib 56]
+    python scripts/prepare_peer.py [--with cutedsl] [--part-mib 48]
 
 downloads the wheels of benchmarks/peers/vllm-0.26.0.lock into .peer/wheels (pip, hash-checked,
 then checked again against the lock), rewrites the vllm wheel without what Hopper never loads
@@ -344,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     unpack_cmd.add_argument("--dest", default="/tmp/peer-wheels")
     sub.add_parser("check-image", help="(GPU machine) the image's packages against the lock")
     parser.add_argument("--with", dest="with_groups", nargs="*", default=[], help="optional lock groups")
-    parser.add_argument("--part-mib", type=int, default=56, help="largest part, MiB (64 MiB travel a call)")
+    # A call carries 64 MiB with the working tree (about 10 MB) counted in: 48 leaves it room.
+    parser.add_argument("--part-mib", type=int, default=48, help="largest part, MiB (64 MiB travel a call)")
     args = parser.parse_args(argv)
     if args.command == "unpack":
         wheels = unpack(Path(args.parts), Path(args.dest))

@@ -1,7 +1,8 @@
 """vLLM beside pagedllm on the GPU workloads, alternating, in one call.
 
     python benchmarks/peers/vllm_peer.py --workloads W1 W3 W4 [--repeats 2] [--vllm-site /tmp/vllm-site]
-        [--output-json benchmarks/results/vllm_peer.json]
+        [--output-json benchmarks/results/vllm_peer.json] [--output-png vllm_peer.png]
+    python benchmarks/peers/vllm_peer.py --merge A.json B.json --output-json AB.json --output-png AB.png
 
 W1, W2, W5 (offline throughput) and W3 (one request's latency) go through each engine's offline
 ``LLM`` (vLLM's names on both sides): dummy weights of the same HF config (benchmarks/configs/),
@@ -435,6 +436,70 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(head + table_rows(result))
 
 
+def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several sittings as one (the workloads of one warm machine's calls): every run kept, the
+    first sitting's date and device; sittings on different devices are refused, since their
+    figures do not compare."""
+    devices = {r["device"] for r in results}
+    if len(devices) > 1:
+        raise ValueError(f"sittings on different devices do not merge: {sorted(devices)}")
+    merged: dict[str, Any] = {
+        **results[0],
+        "command": [r["command"] for r in results],
+        "repeats": max(r["repeats"] for r in results),
+        "problems": {},
+        "versions": {},
+        "workloads": {},
+    }
+    for result in results:
+        merged["problems"].update(result["problems"])
+        merged["versions"].update(result["versions"])
+        for name, runs in result["workloads"].items():
+            for engine, engine_runs in runs.items():
+                merged["workloads"].setdefault(name, {}).setdefault(engine, []).extend(engine_runs)
+    return merged
+
+
+def plot(result: dict[str, Any], path: str) -> bool:
+    """One panel per offline workload: the two engines' medians side by side, in the workload's
+    unit (W3: ms/token, lower is better); an engine not measured is an empty slot labelled so."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return False
+    names = [name for name in result["workloads"] if name in OFFLINE]
+    if not names:
+        return False
+    figure, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3.6), squeeze=False)
+    for axis, name in zip(axes[0], names):
+        runs = result["workloads"][name]
+        if name == "W3":
+            key, label = "ms_per_token", "ms/token (lower is better)"
+        else:
+            key, label = "output_tok_s", "output tok/s"
+        values = [_median(runs.get(engine, []), key) for engine in ENGINES]
+        bars = axis.bar(ENGINES, [v or 0.0 for v in values], color=["tab:blue", "tab:gray"])
+        for bar, value in zip(bars, values):
+            text = "not measured" if value is None else f"{value:,.2f}" if value < 100 else f"{value:,.0f}"
+            top = (bar.get_x() + bar.get_width() / 2, bar.get_height())
+            axis.annotate(text, top, ha="center", va="bottom")
+        axis.set_title(name)
+        axis.set_ylabel(label)
+    versions = result["versions"]
+    figure.suptitle(
+        f"pagedllm {versions.get('pagedllm', '?')} and vLLM {versions.get('vllm', 'not run')} on "
+        f"{result['device']}, {result['date']}"
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
 def _device() -> str:
     try:
         import torch
@@ -492,6 +557,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=420.0, help="seconds one run (or start) may take")
     parser.add_argument("--out-dir", default="/tmp/vllm_peer", help="each run's log; W4's results, plots")
     parser.add_argument("--output-json", default=str(REPO / "benchmarks" / "results" / "vllm_peer.json"))
+    parser.add_argument("--output-png", default=None, help="the offline workloads' plot")
+    parser.add_argument(
+        "--merge", nargs="+", default=None, metavar="JSON",
+        help="run nothing: merge these sittings' results (one machine's calls), print and write them",
+    )  # fmt: skip
     parser.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     parser.add_argument("--child-spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -510,10 +580,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if args.child:
         child(args.child, args.child_spec)
         return None
-    result = sitting(args)
+    if args.merge:
+        result = merge([json.loads(Path(path).read_text()) for path in args.merge])
+    else:
+        result = sitting(args)
     print(table(result))
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=1))
+    if args.output_png:
+        plot(result, args.output_png)
     return result
 
 

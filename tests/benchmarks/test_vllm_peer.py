@@ -176,6 +176,38 @@ def test_ratios_are_pagedllm_over_vllm():
     assert "| W1 | output tok/s | 34.00 | 30.00 | 1.13x | >= 1.1 |" in vllm_peer.table(result)
 
 
+def _sitting(workloads: dict, device: str = "NVIDIA H200", problems: dict | None = None) -> dict:
+    return {"versions": {"pagedllm": "0.1.0", "vllm": "0.26.0"}, "device": device, "date": "2026-11-29",
+            "repeats": 1, "command": "vllm_peer.py", "problems": problems or {},
+            "workloads": workloads}  # fmt: skip
+
+
+def test_sittings_of_one_machine_merge_into_one_table_and_plot(tmp_path):
+    first = _sitting({"W1": {"pagedllm": [{"output_tok_s": 33.0}], "vllm": [{"output_tok_s": 30.0}]}})
+    second = _sitting({"W1": {"pagedllm": [{"output_tok_s": 35.0}], "vllm": [{"output_tok_s": 30.0}]},
+                       "W3": {"pagedllm": [{"ms_per_token": 4.5}], "vllm": []}},
+                      problems={"vllm": "no vllm in /tmp/vllm-site"})  # fmt: skip
+    paths = []
+    for i, sitting in enumerate((first, second)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(vllm_peer.json.dumps(sitting))
+    out_json, out_png = tmp_path / "merged.json", tmp_path / "merged.png"
+    outputs = ["--output-json", str(out_json), "--output-png", str(out_png)]
+    merged = vllm_peer.main(["--merge", *map(str, paths), *outputs])
+    assert merged["workloads"]["W1"]["pagedllm"] == [{"output_tok_s": 33.0}, {"output_tok_s": 35.0}]
+    assert merged["command"] == ["vllm_peer.py", "vllm_peer.py"]
+    text = vllm_peer.table(merged)
+    assert "| W1 | output tok/s | 34.00 | 30.00 | 1.13x | >= 1.1 |" in text
+    assert "| W3 | ms/token | 4.50 | not measured (no vllm in /tmp/vllm-site) | - | <= 0.9 |" in text
+    assert vllm_peer.json.loads(out_json.read_text()) == merged
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sittings_on_different_devices_do_not_merge():
+    with pytest.raises(ValueError, match="different devices"):
+        vllm_peer.merge([_sitting({}, "NVIDIA H200"), _sitting({}, "NVIDIA H100 80GB HBM3")])
+
+
 @pytest.fixture
 def tiny_model(tmp_path) -> str:
     """A Qwen3 config small enough for the CPU, with W1's token ids (< 10,001) in its vocabulary."""
