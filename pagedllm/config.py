@@ -32,6 +32,10 @@ GiB = 1 << 30
 _MAX_LEN_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
 
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton", "cuda")
+# vLLM's names for which steps replay CUDA graphs: decode steps alone (a graph of the whole
+# forward), or those plus steps with prompt tokens, in graphs cut at the attention calls
+# (worker/piecewise_graph.py).
+CUDAGRAPH_MODES = ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # "auto": what the checkpoint says; "gguf"/"none": GGUF's Q4 weights kept or dequantized; a
 # quant_method insists on the checkpoint's (and "fp8" quantizes a dense one at load).
@@ -280,6 +284,7 @@ class EngineConfig:
     load_config: LoadConfig
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    cudagraph_mode: str = "FULL_DECODE_ONLY"
     # Compile one stream's decode step with torch.compile (the CPU only; worker/cpu_compile.py).
     compile_cpu_decode: bool = False
     # Schedule step N + 1 while step N runs on the device; its samples reach the host a step late.
@@ -317,6 +322,12 @@ class EngineConfig:
             "attention_backend",
             f"one of {ATTENTION_BACKENDS}",
             self.attention_backend,
+        )
+        _require(
+            self.cudagraph_mode in CUDAGRAPH_MODES,
+            "cudagraph_mode",
+            f"one of {CUDAGRAPH_MODES}",
+            self.cudagraph_mode,
         )
         self.parallel_config.check_model(self.model_config)
         if self.cache_config.cache_dtype != "auto":

@@ -247,11 +247,13 @@ for stage in "${stages[@]}"; do
             --synthetic-acceptance-rate 1.0 --output-json "$OUT/w3_tp2_eagle.json"
         ;;
     w1-spec)  # W1's prompts at batch 64 and 256 (SPEC_BATCHES), n-gram k=3 at synthetic acceptance 0.5 beside none
+        # CUDAGRAPH_MODE=FULL_AND_PIECEWISE: steps with prompt tokens replay graphs too, in both runs.
+        mode=(--cudagraph-mode "${CUDAGRAPH_MODE:-FULL_DECODE_ONLY}")
         for batch in ${SPEC_BATCHES:-64 256}; do
             run "w1_b$batch" python3 -m pagedllm bench throughput --workload W1 --max-num-seqs "$batch" \
-                --output-json "$OUT/w1_b$batch.json"
+                "${mode[@]}" --output-json "$OUT/w1_b$batch.json"
             run "w1_spec_b$batch" python3 -m pagedllm bench throughput --workload W1 --max-num-seqs "$batch" \
-                --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' \
+                "${mode[@]}" --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' \
                 --synthetic-acceptance-rate "${SPEC_ACCEPTANCE:-0.5}" --output-json "$OUT/w1_spec_b$batch.json"
         done
         ;;

@@ -197,6 +197,13 @@ class EngineArgs:
         default="auto", metadata={"help": "auto, safetensors, gguf, or dummy (random weights)"}
     )
     enforce_eager: bool = dataclasses.field(default=False, metadata={"help": "never capture CUDA graphs"})
+    cudagraph_mode: str = dataclasses.field(
+        default="FULL_DECODE_ONLY",
+        metadata={
+            "help": "FULL_DECODE_ONLY: graphs of decode steps; FULL_AND_PIECEWISE: also steps with "
+            "prompt tokens, up to 2,048, in graphs cut at the attention calls (where the model allows)"
+        },
+    )
     cpu_compile: bool = dataclasses.field(
         default=False,
         metadata={
@@ -332,6 +339,7 @@ class EngineArgs:
             load_config=LoadConfig(load_format=self._load_format(gguf_file)),
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            cudagraph_mode=self.cudagraph_mode,
             compile_cpu_decode=self.cpu_compile and device.type == "cpu" and world_size == 1,
             async_scheduling=(
                 device.type == "cuda" if self.async_scheduling is None else self.async_scheduling

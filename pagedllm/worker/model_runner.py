@@ -30,6 +30,7 @@ from pagedllm.worker.eagle import make_drafter
 from pagedllm.worker.grammar_ranks import grammar_constraint
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.input_buffers import InputBuffers, to_device, to_host
+from pagedllm.worker.piecewise_graph import PiecewiseGraphRunner, piecewise_sizes_for
 from pagedllm.worker.pipeline import PipelineStage, WholeModel
 from pagedllm.worker.request_logits import RequestLogitsProcessors
 from pagedllm.worker.spec_decode import DeviceDrafts, DraftVerifier, PendingVerification
@@ -178,6 +179,8 @@ class ModelRunner:
         self.capture_sizes = (
             graph_capture_sizes(max_num_seqs, max_num_attn_seqs) if self.use_cuda_graphs else []
         )
+        # Steps with prompt tokens in graphs cut at the attention calls, where asked and allowed.
+        self.piecewise_sizes = piecewise_sizes_for(config) if self.use_cuda_graphs else []
         max_blocks_per_req = -(-self.max_model_len // self.tokens_per_block)
         self.buffers = InputBuffers(
             max_num_tokens=max([scheduler_config.max_num_batched_tokens, *self.capture_sizes]),
@@ -200,6 +203,7 @@ class ModelRunner:
         )
         self.logits_processors = RequestLogitsProcessors(self.input_batch, grammars)
         self.graph_runner: CudaGraphRunner | None = None
+        self.piecewise_runner: PiecewiseGraphRunner | None = None
         self.compiled_decode: CompiledDecode | None = None
         self.verifier = (
             None
@@ -327,6 +331,11 @@ class ModelRunner:
             self.lora_manager.prepare_capture()
         self.graph_runner = CudaGraphRunner(self.model, self.buffers, self.capture_sizes, self.max_model_len)
         self.graph_runner.capture()
+        if self.piecewise_sizes:
+            self.piecewise_runner = PiecewiseGraphRunner(
+                self.model, self.buffers, self.piecewise_sizes, self.max_model_len, self.tokens_per_block
+            )
+            self.piecewise_runner.capture()
         if self.drafter is not None:  # its proposal loop and its pass over the step's tokens
             sizes = default_capture_sizes(self.config.scheduler_config.max_num_seqs)
             self.drafter.capture_graphs(sizes, self.graph_runner)
@@ -528,6 +537,9 @@ class ModelRunner:
         if model_input.graph_num_seqs is not None:
             assert self.graph_runner is not None
             return self.graph_runner.replay(model_input.graph_num_seqs)
+        pieces = self.piecewise_runner
+        if pieces is not None and num_tokens <= pieces.max_num_tokens:
+            return pieces.replay(num_tokens, model_input.attn_metadata)
         forward = self.model
         if self.compiled_decode is not None and CompiledDecode.applies(model_input.attn_metadata, num_tokens):
             forward = self.compiled_decode
