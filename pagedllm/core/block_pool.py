@@ -47,16 +47,25 @@ class BlockAllocator:
         self.block_size = block_size
         self.num_blocks = num_blocks
         # A stack: the most recently freed block is reused first, while it is still warm.
-        self._free_blocks = [PhysicalTokenBlock(device, i, block_size) for i in reversed(range(num_blocks))]
+        self._free_blocks: list[PhysicalTokenBlock] = []
+        # The blocks from this number on were never handed out: each is made when first needed,
+        # after the freed ones and in order, as a stack of them all would hand them out. A cache of
+        # a million blocks (the CPU's defaults, for a tiny model) then costs nothing to set up,
+        # where making them all took a second.
+        self._next_unused = 0
 
     def allocate(self) -> PhysicalTokenBlock:
         """A free block with ``ref_count == 1``; raises ``NoFreeBlocksError`` when none is left.
 
         Callers check capacity first (``get_num_free_blocks``), so running out here is a bug.
         """
-        if not self._free_blocks:
+        if self._free_blocks:
+            block = self._free_blocks.pop()
+        elif self._next_unused < self.num_blocks:
+            block = PhysicalTokenBlock(self.device, self._next_unused, self.block_size)
+            self._next_unused += 1
+        else:
             raise NoFreeBlocksError(f"out of {self.device.name} blocks ({self.num_blocks} in all)")
-        block = self._free_blocks.pop()
         block.ref_count = 1
         return block
 
@@ -69,7 +78,7 @@ class BlockAllocator:
             self._free_blocks.append(block)
 
     def get_num_free_blocks(self) -> int:
-        return len(self._free_blocks)
+        return len(self._free_blocks) + self.num_blocks - self._next_unused
 
 
 class CachingBlockAllocator(BlockAllocator):
@@ -87,7 +96,8 @@ class CachingBlockAllocator(BlockAllocator):
         self._evictor: OrderedDict[int, PhysicalTokenBlock] = OrderedDict()
 
     def allocate(self) -> PhysicalTokenBlock:
-        if not self._free_blocks and self._evictor:
+        # Evict only once every block was handed out and none was freed since.
+        if not self._free_blocks and self._next_unused == self.num_blocks and self._evictor:
             _, block = self._evictor.popitem(last=False)
             del self._cached[block.block_hash]
             block.block_hash = None
@@ -125,4 +135,4 @@ class CachingBlockAllocator(BlockAllocator):
                 self._evictor[block.block_number] = block
 
     def get_num_free_blocks(self) -> int:
-        return len(self._free_blocks) + len(self._evictor)
+        return super().get_num_free_blocks() + len(self._evictor)

@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from pagedllm.core.block_pool import BlockAllocator, Device, NoFreeBlocksError
+from pagedllm.core.block_pool import BlockAllocator, CachingBlockAllocator, Device, NoFreeBlocksError
 from pagedllm.core.kv_cache_manager import AllocStatus, KVCacheManager
 from pagedllm.core.request import Request
 from pagedllm.sampling_params import SamplingParams
@@ -67,6 +67,30 @@ def test_allocator_free_list_and_double_free():
     assert allocator.get_num_free_blocks() == 1
     with pytest.raises(ValueError, match="double free"):
         allocator.free(a)
+
+
+def test_allocator_reuses_the_last_freed_block_first_then_hands_out_unused_ones_in_order():
+    allocator = BlockAllocator(Device.DEVICE, BLOCK_SIZE, 5)
+    a, b, c = (allocator.allocate() for _ in range(3))
+    assert [a.block_number, b.block_number, c.block_number] == [0, 1, 2]
+    allocator.free(a)
+    allocator.free(c)
+    assert allocator.get_num_free_blocks() == 4
+    assert [allocator.allocate().block_number for _ in range(4)] == [2, 0, 3, 4]
+    assert allocator.get_num_free_blocks() == 0
+
+
+def test_a_caching_allocator_evicts_only_once_no_block_is_free():
+    allocator = CachingBlockAllocator(Device.DEVICE, BLOCK_SIZE, 3)
+    cached = allocator.allocate()
+    allocator.register(cached, block_hash=7)
+    allocator.free(cached)  # unreferenced, still findable
+    assert allocator.get_num_free_blocks() == 3
+    assert [allocator.allocate().block_number for _ in range(2)] == [1, 2]
+    assert allocator.peek(7) is cached
+    assert allocator.allocate() is cached and allocator.peek(7) is None and cached.block_hash is None
+    with pytest.raises(NoFreeBlocksError):
+        allocator.allocate()
 
 
 def test_allocate_gives_one_block_per_logical_block_and_free_returns_them():
