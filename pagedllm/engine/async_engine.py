@@ -38,11 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import itertools
 import logging
-import multiprocessing
-import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -50,28 +47,29 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core_proc import (
+from pagedllm.engine.core_messages import (
     AbortRequests,
     AddRequest,
     AddResult,
     CoreMessage,
     CoreOp,
     CoreOutputs,
-    EngineCoreLoop,
-    EngineDead,
     FinishSequences,
     Heartbeat,
-    Ready,
-    StartupFailed,
-    run_engine_core_process,
 )
-from pagedllm.engine.dp_client import DataParallelCore, environment, start_data_parallel_core
+from pagedllm.engine.core_proc import EngineCoreLoop
+from pagedllm.engine.dp_client import DataParallelCore
+from pagedllm.engine.engine_process import (
+    PROCESS_EXIT_TIMEOUT_S,
+    ProcessCore,
+    StartedEngineCore,
+    start_engine_core,
+)
 from pagedllm.engine.llm_engine import LLMEngine, finish_refused, new_request_state
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.pooling_output import resolve_pooling_params
 from pagedllm.engine.processor import Processor
 from pagedllm.engine.stats import EngineStats
-from pagedllm.logger import configured_level
 from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import RequestOutput
 from pagedllm.pooling_params import PoolingParams
@@ -81,8 +79,6 @@ from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-# How long shutdown waits for the engine process to exit before it is killed.
-PROCESS_EXIT_TIMEOUT_S = 10.0
 # The engine reports after every step, and every HEALTH_CHECK_INTERVAL_S while idle: heard of
 # longer ago than this, it is stuck (stopped, or a step that does not end), and /health says so.
 HEARTBEAT_TIMEOUT_S = 10.0
@@ -186,18 +182,22 @@ class AsyncLLMEngine:
         that any spawning program does. With ``engine_args.data_parallel_size`` N > 1, N engine
         processes serve behind this one frontend (dp_client.py).
         """
+        return cls.from_started_core(start_engine_core(engine_args), on_request_finished)
+
+    @classmethod
+    def from_started_core(
+        cls, started: StartedEngineCore, on_request_finished: Callable[[RequestOutput], None] | None = None
+    ) -> AsyncLLMEngine:
+        """Serve the engine core that ``start_engine_core`` started (``in_engine_process`` in two
+        halves, so that the caller's own work overlaps the model's load); return once its model
+        is loaded. Raises what building the engine raised there."""
         self = cls.__new__(cls)
-        if engine_args.data_parallel_size == 1:
-            core = _ProcessCore(engine_args)
-            core.wait_ready()
-        else:
-            core = start_data_parallel_core(engine_args, _ProcessCore)
-        self._setup(core, on_request_finished)
+        self._setup(started.wait(), on_request_finished)
         return self
 
     def _setup(
         self,
-        core: _ThreadCore | _ProcessCore | DataParallelCore,
+        core: _ThreadCore | ProcessCore | DataParallelCore,
         on_request_finished: Callable[[RequestOutput], None] | None,
     ) -> None:
         self._core = core
@@ -482,112 +482,6 @@ class _ThreadCore:
             self.send(None)
             self._thread.join(timeout)
         self.engine.shutdown()
-
-
-class _ProcessCore:
-    """The engine core in a process of its own, reached through a pipe.
-
-    The process is spawned, not forked: a fork inherits whatever threads this process started
-    (OpenMP's, a tokenizer's) in whatever state they were, and CUDA cannot run in a child forked
-    after its parent used it. It is not a daemon: with tensor parallelism it starts the ranks'
-    processes itself, which a daemon may not.
-    """
-
-    def __init__(
-        self, engine_args: EngineArgs, env: dict[str, str] | None = None, name: str = "pagedllm-engine"
-    ) -> None:
-        """Start the process (``env``: variables it starts with, e.g. CUDA_VISIBLE_DEVICES);
-        ``wait_ready`` waits for its model to load."""
-        context = multiprocessing.get_context("spawn")
-        self._conn, child_conn = context.Pipe()
-        self.process = context.Process(
-            target=run_engine_core_process,
-            args=(engine_args, child_conn, configured_level()),
-            name=name,
-        )
-        with environment(env or {}):  # a spawned child starts with the parent's environment
-            self.process.start()
-        child_conn.close()
-        # Ops go down the pipe from a thread of their own: a stopped engine fills the pipe, and a
-        # send on the event loop would then freeze every stream and /health with it.
-        self._outbox: queue.SimpleQueue[CoreOp] = queue.SimpleQueue()
-        self._sender: threading.Thread | None = None
-        self._closing = False
-        self._reader: threading.Thread | None = None
-
-    def wait_ready(self) -> None:
-        """Wait for the engine's Ready; raise what building it raised there."""
-        try:
-            message = self._conn.recv()
-        except EOFError:
-            self.process.join()
-            raise RuntimeError(
-                f"the engine process exited with code {self.process.exitcode} while starting"
-            ) from None
-        if isinstance(message, StartupFailed):
-            self.process.join()
-            raise message.error
-        assert isinstance(message, Ready)
-        self.config = message.config
-        self.tokenizer = message.tokenizer
-        self.num_gpu_blocks = message.num_gpu_blocks
-        self.initial_stats = message.stats
-
-    def start(self, deliver: Callable[[CoreMessage], None]) -> None:
-        self._reader = threading.Thread(
-            target=self._read, args=(deliver,), name="pagedllm-engine-outputs", daemon=True
-        )
-        self._reader.start()
-        self._sender = threading.Thread(target=self._send_ops, name="pagedllm-engine-ops", daemon=True)
-        self._sender.start()
-
-    def send(self, op: CoreOp) -> None:
-        """Queue ``op`` for the engine; never blocks. A gone engine's reader reports the death."""
-        self._outbox.put(op)
-
-    def _send_ops(self) -> None:
-        while True:
-            op = self._outbox.get()
-            try:
-                self._conn.send(op)
-            except OSError:
-                return  # the engine process is gone; the reader reports it
-            if op is None:
-                return
-
-    def is_alive(self) -> bool:
-        return self.process.is_alive() and self._reader is not None and self._reader.is_alive()
-
-    def close(self, timeout: float) -> None:
-        if self._closing:
-            return
-        self._closing = True
-        if self.process.is_alive():
-            if self._sender is None:  # never started: no thread to hand the stop to
-                with contextlib.suppress(OSError):
-                    self._conn.send(None)
-            else:
-                self.send(None)
-            self.process.join(timeout)
-        if self.process.is_alive():
-            logger.warning("the engine process did not stop in %g s: killing it", timeout)
-            self.process.kill()
-            self.process.join()
-        self._conn.close()
-
-    def _read(self, deliver: Callable[[CoreMessage], None]) -> None:
-        """Receive the engine's messages (unpickling them off the event loop), deliver them."""
-        while True:
-            try:
-                message = self._conn.recv()
-            except (EOFError, OSError):
-                if not self._closing:
-                    self.process.join(PROCESS_EXIT_TIMEOUT_S)
-                    deliver(EngineDead(f"the engine process died (exit code {self.process.exitcode})"))
-                return
-            deliver(message)
-            if isinstance(message, EngineDead):
-                return
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:

@@ -13,9 +13,10 @@ FinishSequences(stopped)             -------->  (sequences a stop string ended, 
                  <------------------  EngineDead(reason)                     then the loop ends
 ```
 
-Ops and messages are plain data, so the same loop serves both transports: in a thread the
-messages are handed over as they are; across processes they are pickled. What crosses is token
-ids (``EngineCoreOutputs``: each sequence's new tokens), never text: the frontend detokenizes.
+Ops and messages (core_messages.py) are plain data, so the same loop serves both transports: in
+a thread the messages are handed over as they are; across processes they are pickled. What
+crosses is token ids (``EngineCoreOutputs``: each sequence's new tokens), never text: the
+frontend detokenizes.
 ``pagedllm serve`` runs the core in a process of its own: the HTTP work (parsing, chat
 templates, tokenizing, a JSON chunk per token of every stream) then never holds the GIL the
 scheduler needs, and a step is never delayed by it.
@@ -32,19 +33,28 @@ import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from pagedllm.config import EngineConfig
 from pagedllm.engine.arg_utils import EngineArgs
 from pagedllm.engine.core import EngineCore
+from pagedllm.engine.core_messages import (
+    AbortRequests,
+    AddRequest,
+    AddResult,
+    CoreMessage,
+    CoreOp,
+    CoreOutputs,
+    EngineDead,
+    Heartbeat,
+    Ready,
+    StartupFailed,
+)
 from pagedllm.engine.heap import HeapTrimmer
 from pagedllm.engine.llm_engine import freeze_startup_heap
-from pagedllm.engine.stats import EngineStats
 from pagedllm.logger import configure_logging
-from pagedllm.step_io import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.step_io import EngineCoreOutputs
 from pagedllm.structured_output import StructuredOutputManager
-from pagedllm.tokenizer import Tokenizer, get_tokenizer
+from pagedllm.tokenizer import get_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -52,82 +62,6 @@ logger = logging.getLogger(__name__)
 HEALTH_CHECK_INTERVAL_S = 1.0
 # How often a loop with requests waiting only for their grammar looks at the compilations.
 COMPILE_POLL_S = 0.002
-
-
-# --- frontend -> core -------------------------------------------------------------------------
-
-
-@dataclass
-class AddRequest:
-    """A request the frontend's processor made; answered by an AddResult with the same op_id."""
-
-    op_id: int
-    request: EngineCoreRequest
-
-
-@dataclass
-class AbortRequests:
-    request_ids: list[str]
-
-
-@dataclass
-class FinishSequences:
-    """Sequences, by (request_id, output index), that a stop string ended in the frontend."""
-
-    stopped: list[tuple[str, int]]
-
-
-# None in the op queue stops the loop.
-CoreOp = AddRequest | AbortRequests | FinishSequences | None
-
-
-# --- core -> frontend -------------------------------------------------------------------------
-
-
-@dataclass
-class AddResult:
-    op_id: int
-    # Why the request was not queued (ValueError: its constraint does not compile), or None.
-    error: Exception | None
-
-
-@dataclass
-class CoreOutputs:
-    """A step's outputs (empty after ops alone), and the core's state after it."""
-
-    outputs: EngineCoreOutputs
-    stats: EngineStats
-
-
-@dataclass
-class Heartbeat:
-    """Sent every HEALTH_CHECK_INTERVAL_S while idle, once the workers are found alive: with the
-    outputs of every step, it tells the frontend that the engine is not stuck."""
-
-
-@dataclass
-class EngineDead:
-    """The loop ended: the engine gave up (a worker gone, a device fault) or raised."""
-
-    reason: str
-
-
-@dataclass
-class Ready:
-    """The engine process's first message: what the frontend needs to validate requests."""
-
-    config: EngineConfig
-    tokenizer: Tokenizer | None
-    stats: EngineStats
-    num_gpu_blocks: int
-
-
-@dataclass
-class StartupFailed:
-    error: Exception
-
-
-CoreMessage = AddResult | CoreOutputs | Heartbeat | EngineDead
 
 
 class EngineCoreLoop:

@@ -37,12 +37,12 @@ import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from pagedllm.config import EngineConfig
 from pagedllm.cpu_info import physical_cpu_cores
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core_proc import (
+from pagedllm.engine.core_messages import (
     AbortRequests,
     AddRequest,
     CoreMessage,
@@ -54,7 +54,10 @@ from pagedllm.engine.core_proc import (
 from pagedllm.engine.dp_router import DataParallelRouter
 from pagedllm.engine.stats import EngineStats, sum_engine_stats
 from pagedllm.parallel_config import ranks_field
-from pagedllm.tokenizer import Tokenizer
+
+# The tokenizer module imports transformers (seconds): the engine's processes start before it.
+if TYPE_CHECKING:
+    from pagedllm.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -161,10 +164,9 @@ def environment(env: dict[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def start_data_parallel_core(engine_args: EngineArgs, make_core: CoreFactory) -> DataParallelCore:
-    """Check the sizes, start every replica's process, and return once all have loaded their
-    model (they load at once, not one after another). Raises what a replica raised while
-    starting, after stopping the others."""
+def start_replicas(engine_args: EngineArgs, make_core: CoreFactory) -> list[EngineCoreClient]:
+    """Check the sizes and start every replica's process; ``wait_for_replicas`` waits for them
+    (they load their models at once, not one after another)."""
     check_data_parallel(engine_args)
     devices = visible_cuda_devices() if engine_args.device != "cpu" else []
     cores: list[EngineCoreClient] = []
@@ -173,17 +175,29 @@ def start_data_parallel_core(engine_args: EngineArgs, make_core: CoreFactory) ->
             args = replica_engine_args(engine_args, on_cuda=bool(devices))
             env = replica_env(rank, replica_size(engine_args), devices)
             cores.append(make_core(args, env, f"pagedllm-engine-dp{rank}"))
+    except BaseException:
+        for core in cores:
+            core.close(0.0)
+        raise
+    return cores
+
+
+def wait_for_replicas(cores: list[EngineCoreClient]) -> DataParallelCore:
+    """The replicas of ``start_replicas`` as one core, once all have loaded their model. Raises
+    what a replica raised while starting, after stopping the others."""
+    try:
         for core in cores:
             core.wait_ready()
     except BaseException:
         for core in cores:
             core.close(0.0)
         raise
+    config = cores[0].config
     logger.info(
         "%d data-parallel engine replicas ready, each on %d %s",
         len(cores),
-        engine_args.tensor_parallel_size,
-        "GPU(s)" if devices else "CPU rank(s)",
+        config.parallel_config.tensor_parallel_size,
+        "GPU(s)" if config.device_config.device.type == "cuda" else "CPU rank(s)",
     )
     return DataParallelCore(cores)
 

@@ -10,7 +10,7 @@ import pytest
 
 from pagedllm import LLM
 from pagedllm.engine.arg_utils import EngineArgs
-from pagedllm.engine.core_proc import AbortRequests, AddRequest, CoreOutputs, EngineDead, FinishSequences
+from pagedllm.engine.core_messages import AbortRequests, AddRequest, CoreOutputs, EngineDead, FinishSequences
 from pagedllm.engine.dp_client import (
     DataParallelCore,
     check_data_parallel,

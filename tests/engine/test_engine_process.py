@@ -22,7 +22,8 @@ import pytest
 from pagedllm import EngineArgs, SamplingParams
 from pagedllm.engine.async_engine import AsyncEngineDeadError, AsyncLLMEngine
 from pagedllm.engine.core import EngineCore
-from pagedllm.engine.core_proc import AbortRequests, AddRequest, AddResult, CoreOutputs, EngineCoreLoop
+from pagedllm.engine.core_messages import AbortRequests, AddRequest, AddResult, CoreOutputs
+from pagedllm.engine.core_proc import EngineCoreLoop
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import CompletionOutput
 from pagedllm.sampling_params import StructuredOutputsParams

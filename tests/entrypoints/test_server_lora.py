@@ -114,7 +114,8 @@ def test_chat_picks_the_adapter_too(client):
 
 def test_bad_lora_modules_stop_the_server_before_it_serves(tiny_model_dir):
     from pagedllm.engine.arg_utils import EngineArgs
-    from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels, parse_lora_modules
+    from pagedllm.entrypoints.openai.cli import parse_lora_modules
+    from pagedllm.entrypoints.openai.serving_models import OpenAIServingModels
 
     with pytest.raises(ValueError, match="must be name=path or a JSON object"):
         parse_lora_modules(["just-a-name"])

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import errno
 import hmac
 import logging
 import os
@@ -30,6 +29,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from pagedllm import __version__
 from pagedllm.engine.arg_utils import EMBEDDED_MODEL_FILE, EngineArgs
 from pagedllm.engine.async_engine import AsyncLLMEngine
+from pagedllm.engine.engine_process import StartedEngineCore
 from pagedllm.engine.llm_engine import LLMEngine, freeze_startup_heap
 from pagedllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -50,14 +50,12 @@ from pagedllm.entrypoints.openai.serving_models import (
     LoadLoRAAdapterRequest,
     OpenAIServingModels,
     UnloadLoRAAdapterRequest,
-    parse_lora_modules,
 )
 from pagedllm.entrypoints.openai.serving_pooling import OpenAIServingPooling, refuse_generation_routes
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.entrypoints.utils import engine_summary
-from pagedllm.logger import configure_logging
 from pagedllm.metrics import ServerMetrics, StatsLogger
 
 logger = logging.getLogger(__name__)
@@ -468,43 +466,22 @@ class _Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def bind_port(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port`` (not listening yet: a client connecting while the model
-    loads is refused rather than left waiting). Binding before loading means a taken port fails
-    in a second, not after the minute the model takes; SystemExit names the address."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    # As uvicorn does: a port left in TIME_WAIT by the last server can be bound again at once.
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        hint = " (another server is using it; pick one with --port)" if e.errno == errno.EADDRINUSE else ""
-        raise SystemExit(f"pagedllm serve: cannot listen on {host}:{port}: {e.strerror}{hint}") from None
-    return sock
-
-
-def run_server(args: argparse.Namespace) -> None:
-    """Bind the port, build the engine from the EngineArgs flags in ``args``, then serve until
-    interrupted."""
-    configure_logging(args.log_level)
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        raise SystemExit("pagedllm serve: --enable-auto-tool-choice needs --tool-call-parser")
-    if args.lora_modules and not args.enable_lora:
-        raise SystemExit("pagedllm serve: --lora-modules needs --enable-lora")
-    try:
-        lora_modules = parse_lora_modules(args.lora_modules or [])
-    except ValueError as e:
-        raise SystemExit(f"pagedllm serve: {e}") from e
-    engine_args = EngineArgs.from_cli_args(args)
-    sock = bind_port(args.host, args.port)
-    start = time.perf_counter()
-    if args.engine_process:
-        async_engine = AsyncLLMEngine.in_engine_process(engine_args)
+def run_server(
+    args: argparse.Namespace,
+    sock: socket.socket,
+    lora_modules: list[tuple[str, str, str | None]],
+    started: StartedEngineCore | None,
+) -> None:
+    """Serve on ``sock`` (bound, not listening) until interrupted: the engine core ``started`` in
+    processes of its own (``cli.main`` starts it before importing this module), or with None one
+    built here from the EngineArgs flags in ``args``, stepped by a thread of this process."""
+    if started is not None:
+        async_engine = AsyncLLMEngine.from_started_core(started)
+        load_seconds = time.perf_counter() - started.start_time
     else:
-        async_engine = AsyncLLMEngine(LLMEngine.from_engine_args(engine_args))
-    load_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        async_engine = AsyncLLMEngine(LLMEngine.from_engine_args(EngineArgs.from_cli_args(args)))
+        load_seconds = time.perf_counter() - start
     logger.info("%s", engine_summary(async_engine.config, async_engine.stats.num_gpu_blocks, load_seconds))
     settings = ServerSettings(
         model_name=default_model_name(args),
@@ -551,6 +528,5 @@ def run_server(args: argparse.Namespace) -> None:
             server.run(sockets=[sock])
     finally:
         async_engine.close()
-        sock.close()
     if engine_died:
         raise SystemExit("pagedllm serve: the engine died (see the log above); the server stopped")

@@ -1,17 +1,24 @@
 """``pagedllm serve [MODEL]``: the flags, and the entry point the ``pagedllm`` command calls.
 
-FastAPI and uvicorn are imported only when the server starts, so ``pagedllm --help`` stays light.
+FastAPI, uvicorn and the engine's frontend (torch, transformers) are imported only when the server
+starts, so ``pagedllm --help`` stays light; and only once the flags are checked, the port bound
+and the engine's process started, so that a bad flag or a taken port fails at once, and the engine
+process's imports and model load overlap the server's imports.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
+import json
 import os
+import socket
 
 from pagedllm.engine.arg_utils import EngineArgs
+from pagedllm.engine.engine_process import start_engine_core
 from pagedllm.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
-from pagedllm.logger import DEFAULT_LOG_LEVEL, LOG_LEVELS
+from pagedllm.logger import DEFAULT_LOG_LEVEL, LOG_LEVELS, configure_logging
 
 API_KEY_ENV = "PAGEDLLM_API_KEY"
 
@@ -117,6 +124,64 @@ def main(args: argparse.Namespace) -> None:
         args.model = args.model_tag
     if args.api_key is None:
         args.api_key = os.environ.get(API_KEY_ENV) or None
-    from pagedllm.entrypoints.openai.api_server import run_server
+    # Before the engine's process starts: it logs at this level too.
+    configure_logging(args.log_level)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("pagedllm serve: --enable-auto-tool-choice needs --tool-call-parser")
+    if args.lora_modules and not args.enable_lora:
+        raise SystemExit("pagedllm serve: --lora-modules needs --enable-lora")
+    try:
+        lora_modules = parse_lora_modules(args.lora_modules or [])
+    except ValueError as e:
+        raise SystemExit(f"pagedllm serve: {e}") from e
+    engine_args = EngineArgs.from_cli_args(args)
+    sock = bind_port(args.host, args.port)
+    try:
+        # The engine's process imports torch and transformers and loads the model while this one
+        # imports the server's modules (seconds each on a small machine), not after.
+        started = start_engine_core(engine_args) if args.engine_process else None
+        try:
+            from pagedllm.entrypoints.openai.api_server import run_server
 
-    run_server(args)
+            run_server(args, sock, lora_modules, started)
+        finally:
+            if started is not None:
+                started.close()  # a no-op unless the server failed before it took the engine
+    finally:
+        sock.close()
+
+
+def parse_lora_modules(values: list[str]) -> list[tuple[str, str, str | None]]:
+    """``--lora-modules`` entries, ``name=path`` or vLLM's JSON form ``{"name": ..., "path": ...,
+    "base_model_name": ...}``, as (name, path, base model name or None)."""
+    modules = []
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                entry = json.loads(value)
+                modules.append((entry["name"], entry["path"], entry.get("base_model_name")))
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"--lora-modules: {value!r} is not a JSON object with name and path") from e
+            continue
+        name, sep, path = value.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules: {value!r} must be name=path or a JSON object")
+        modules.append((name, path, None))
+    return modules
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` (not listening yet: a client connecting while the model
+    loads is refused rather than left waiting). Binding before loading means a taken port fails
+    in a second, not after the minute the model takes; SystemExit names the address."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    # As uvicorn does: a port left in TIME_WAIT by the last server can be bound again at once.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        hint = " (another server is using it; pick one with --port)" if e.errno == errno.EADDRINUSE else ""
+        raise SystemExit(f"pagedllm serve: cannot listen on {host}:{port}: {e.strerror}{hint}") from None
+    return sock

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 
 from pydantic import Field
 
@@ -29,25 +28,6 @@ class LoadLoRAAdapterRequest(OpenAIBaseModel):
 class UnloadLoRAAdapterRequest(OpenAIBaseModel):
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None
-
-
-def parse_lora_modules(values: list[str]) -> list[tuple[str, str, str | None]]:
-    """``--lora-modules`` entries, ``name=path`` or vLLM's JSON form ``{"name": ..., "path": ...,
-    "base_model_name": ...}``, as (name, path, base model name or None)."""
-    modules = []
-    for value in values:
-        if value.lstrip().startswith("{"):
-            try:
-                entry = json.loads(value)
-                modules.append((entry["name"], entry["path"], entry.get("base_model_name")))
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"--lora-modules: {value!r} is not a JSON object with name and path") from e
-            continue
-        name, sep, path = value.partition("=")
-        if not sep or not name or not path:
-            raise ValueError(f"--lora-modules: {value!r} must be name=path or a JSON object")
-        modules.append((name, path, None))
-    return modules
 
 
 class OpenAIServingModels:
