@@ -56,8 +56,8 @@ logger = logging.getLogger(__name__)
 # Steps up to this many tokens replay a chain; larger ones are bound by their GEMMs, where launching
 # kernels one by one costs little, and run eagerly.
 MAX_PIECEWISE_TOKENS = 2048
-# Sizes a step's tokens are padded to: fine where a step is mostly launches, coarser (at most a
-# third more rows) where its GEMMs begin to count.
+# Sizes a step's tokens are padded to: powers of two where a step is mostly launches, then at most
+# half again as many rows as the step has (past 128 tokens), where its GEMMs begin to count.
 _SIZES = (16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 # Speculative methods whose drafter reads the target's intermediate hidden states.
 _HIDDEN_STATE_METHODS = ("eagle", "eagle3", "mtp")
