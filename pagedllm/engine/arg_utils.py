@@ -199,10 +199,7 @@ class EngineArgs:
     enforce_eager: bool = dataclasses.field(default=False, metadata={"help": "never capture CUDA graphs"})
     cudagraph_mode: str = dataclasses.field(
         default="FULL_DECODE_ONLY",
-        metadata={
-            "help": "FULL_DECODE_ONLY: graphs of decode steps; FULL_AND_PIECEWISE: also steps with "
-            "prompt tokens, up to 2,048, in graphs cut at the attention calls (where the model allows)"
-        },
+        metadata={"help": "FULL_DECODE_ONLY, or FULL_AND_PIECEWISE: steps of up to 2,048 prompt tokens too"},
     )
     cpu_compile: bool = dataclasses.field(
         default=False,
