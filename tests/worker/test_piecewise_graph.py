@@ -81,7 +81,8 @@ def test_models_the_chains_cannot_follow_run_their_prompt_steps_eagerly(model, o
     config = _config(model, **overrides)
     with caplog.at_level(logging.WARNING, logger="pagedllm.worker.piecewise_graph"):
         assert piecewise_sizes_for(config) == []
-    assert [r.getMessage() for r in caplog.records] == [
+    # Only this module's records: transformers may warn about the shrunken test config too.
+    assert [r.getMessage() for r in caplog.records if r.name == "pagedllm.worker.piecewise_graph"] == [
         f"cudagraph_mode FULL_AND_PIECEWISE: steps with prompt tokens run eagerly ({reason})"
     ]
 
