@@ -4,7 +4,7 @@
 #
 #   scripts/gpu_check.sh                 tests, K1, K1 windowed, W1, W3 (the short set)
 #   scripts/gpu_check.sh tests k1 k1-sweep k1-w1 k1-fp8 k1-window w1 w1-profile w2 w3 hf w4 w4-thread w5 moe moe-sweep cuda
-#       lora w1-lora w3-lora w1-fp8kv w3-fp8 w3-w4a16 w2-fp8 quant w3-spec w3-eagle w3-eagle-tp w1-spec spec-editing
+#       lora w1-lora w3-lora w1-fp8kv w3-fp8 w3-w4a16 w2-fp8 quant w3-spec w3-eagle w3-eagle-tp w1-spec verify-attn spec-editing
 #       sanitize so sampler
 #       tp (tp-tests, tp-bench) cp
 #       determinism
@@ -35,7 +35,9 @@
 # acceptance 1.0 and 0.7), w3-eagle-tp (two GPUs: W3 at TP=2 with the EAGLE-3 head and with n-gram
 # drafts, both at synthetic acceptance 1.0, and without speculation), w1-spec (W1's prompts at
 # batch 64 and 256 with n-gram drafts at synthetic acceptance 0.5 and without; the table gives the
-# ratios, target >= 0.95x at 64), spec-editing (the embedded GGUF, float32, n-gram on the editing
+# ratios, target >= 0.95x at 64), verify-attn (benchmarks/verify_attention.py: a verify step's
+# decode attention, k = 3, with and without query groups, beside a decode step, at Llama-3.1-8B's
+# and Qwen3-0.6B's heads), spec-editing (the embedded GGUF, float32, n-gram on the editing
 # workload against no speculation, looked up on the host and on the device, target >= 1.6x,
 # identical greedy text), tp (two GPUs: the tensor-parallel GPU tests,
 # then all-reduce latency (benchmarks/all_reduce.py: NCCL against the one-shot kernel), W2 and W3
@@ -245,6 +247,11 @@ for stage in "${stages[@]}"; do
         run w3_tp2_eagle python3 -m pagedllm bench latency --skip-eager --tensor-parallel-size 2 \
             --speculative-config '{"method": "eagle3", "model": "benchmarks/configs/llama-3.1-8b-eagle3", "num_speculative_tokens": 3}' \
             --synthetic-acceptance-rate 1.0 --output-json "$OUT/w3_tp2_eagle.json"
+        ;;
+    verify-attn)  # a verify step's decode attention (k=3), with and without query groups, beside a decode step
+        run verify_attn python3 benchmarks/verify_attention.py --output-json "$OUT/verify_attn.json"
+        run verify_attn_qwen python3 benchmarks/verify_attention.py --num-heads 16 --num-kv-heads 8 \
+            --output-json "$OUT/verify_attn_qwen.json"
         ;;
     w1-spec)  # W1's prompts at batch 64 and 256 (SPEC_BATCHES), n-gram k=3 at synthetic acceptance 0.5 beside none
         # CUDAGRAPH_MODE=FULL_AND_PIECEWISE: steps with prompt tokens replay graphs too, in both runs.

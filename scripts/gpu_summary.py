@@ -216,7 +216,8 @@ def _spec_rows(folder: str) -> list[tuple[str, str, str]]:
     at synthetic acceptance 1.0, <= 0.55x at 0.7); the n-gram verify step of k + 1 = 4 tokens (every
     draft accepted, so a step emits 4) over W3's decode step (target <= 1.1x); W1's prompts at batch
     B with n-gram drafts at synthetic acceptance 0.5 (target >= 0.95x at 64); and real weights on
-    the editing workload (target >= 1.6x, identical greedy text)."""
+    the editing workload (target >= 1.6x, identical greedy text); a verify step's decode attention
+    with query groups (and without) over a decode step's."""
     table = []
     w3 = _load(folder, "w3")
     plain = w3["cuda_graphs"]["tpot_ms"] if w3 else None
@@ -237,6 +238,13 @@ def _spec_rows(folder: str) -> list[tuple[str, str, str]]:
             figure = f"output tok/s, synthetic {spec['synthetic_acceptance_rate']}"
             cell = f"{ratio:.2f}x ({spec['output_tok_s']:.0f})"
             table.append((f"W1 batch {batch} ngram / none", figure, cell))
+    for path in sorted(Path(folder).glob("verify_attn*.json")):
+        r = _load(folder, path.stem)
+        heads = f"{r['config']['num_heads']}/{r['config']['num_kv_heads']} heads"
+        for row in r["rows"]:
+            label = f"verify attention k=3 ({heads}), batch {row['batch_size']}, ctx {row['context']}"
+            ratios = f"{row['grouped'] / row['decode']:.2f}x ({row['expanded'] / row['decode']:.2f}x)"
+            table.append((label, "grouped (expanded) / decode", ratios))
     for path in sorted(Path(folder).glob("spec_editing*.json")):
         r = _load(folder, path.stem)
         cell = f"{r['speedup']:.2f}x, identical {r['identical']}"

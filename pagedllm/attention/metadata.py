@@ -45,6 +45,13 @@ class AttentionMetadata:
     # [num_seqs] int64: each sequence's row of the recurrent-state cache (hybrid models'
     # linear-attention layers; -1, the scratch row, for padding); None for other models.
     state_slots: torch.Tensor | None = None
+    # Query groups of verified drafts, a hint a backend may take (paged_decode's query_lens):
+    # [num_decodes] int32, at the last of each request's consecutive decodes (a verification
+    # expanded into one decode per token) how many they are, 0 at the others, 1 at a lone decode;
+    # None where verifications are not expanded. max_decode_query_len (a host int, the engine's
+    # num_speculative_tokens + 1) bounds them: the kernels' rows, fixed for a captured graph.
+    decode_query_lens: torch.Tensor | None = None
+    max_decode_query_len: int = 1
 
     @property
     def num_seqs(self) -> int:

@@ -59,8 +59,12 @@ class CudaGraphRunner:
         buffers: InputBuffers,
         capture_sizes: list[int],
         max_model_len: int,
+        max_decode_query_len: int = 1,
     ) -> None:
+        """max_decode_query_len: with expanded verifications, num_speculative_tokens + 1 (the
+        steps' query groups, AttentionMetadata.decode_query_lens); 1 without."""
         self.model = model
+        self.max_decode_query_len = max_decode_query_len
         self.buffers = buffers
         self.capture_sizes = sorted(capture_sizes)
         self.max_model_len = max_model_len
@@ -90,6 +94,10 @@ class CudaGraphRunner:
             query_start_loc_cpu=torch.arange(batch_size + 1, dtype=torch.int32),
             seq_lens_cpu=torch.ones(batch_size, dtype=torch.int32),
             state_slots=self.buffers.device_view("state_slots", batch_size),
+            decode_query_lens=self.buffers.device_view("decode_query_lens", batch_size)
+            if self.max_decode_query_len > 1
+            else None,
+            max_decode_query_len=self.max_decode_query_len,
         )
 
     @torch.inference_mode()
@@ -99,7 +107,13 @@ class CudaGraphRunner:
         # Dummy decodes while capturing: slot -1 writes nothing, length 1 reads block 0 only.
         max_size = self.max_batch_size
         # State slot -1 is the state cache's scratch row (hybrid models).
-        dummies = (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("seq_lens", 1))
+        dummies = (
+            ("input_ids", 0),
+            ("positions", 0),
+            ("slot_mapping", -1),
+            ("seq_lens", 1),
+            ("decode_query_lens", 1),
+        )
         for name, value in (*dummies, ("state_slots", -1)):
             self.buffers.put(name, np.full(max_size, value))
         self.buffers.put("query_start_loc", np.arange(max_size + 1))

@@ -92,6 +92,7 @@ def unpadded_inputs(model_input: ModelInput) -> tuple[torch.Tensor, torch.Tensor
         block_tables=metadata.block_tables[:n],
         query_start_loc_cpu=metadata.query_start_loc_cpu[: n + 1],
         seq_lens_cpu=metadata.seq_lens_cpu[:n],
+        decode_query_lens=None if metadata.decode_query_lens is None else metadata.decode_query_lens[:n],
     )
     return input_ids[:n], positions[:n], metadata
 

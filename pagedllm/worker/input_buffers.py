@@ -37,6 +37,8 @@ class InputBuffers:
             "device_input_rows": (max_num_seqs, torch.int64),
             # Recurrent-state rows of hybrid models (-1: the scratch row).
             "state_slots": (max_num_seqs, torch.int64),
+            # Query groups of expanded verifications (AttentionMetadata.decode_query_lens).
+            "decode_query_lens": (max_num_seqs, torch.int32),
         }
         if self.on_host:
             return

@@ -34,16 +34,8 @@ from pagedllm.worker.piecewise_graph import PiecewiseGraphRunner, piecewise_size
 from pagedllm.worker.pipeline import PipelineStage, WholeModel
 from pagedllm.worker.request_logits import RequestLogitsProcessors
 from pagedllm.worker.spec_decode import DeviceDrafts, DraftVerifier, PendingVerification
-from pagedllm.worker.step_inputs import (
-    ModelInput,
-    StepPlan,
-    TakeBack,
-    max_num_step_seqs,
-    plan_step,
-    stage_model_input,
-    take_back_on_device,
-    take_back_torch,
-)
+from pagedllm.worker.step_inputs import ModelInput, StepPlan, max_num_step_seqs, plan_step, stage_model_input
+from pagedllm.worker.take_back import TakeBack, take_back_on_device, take_back_torch
 
 
 class StepOutput:
@@ -169,12 +161,12 @@ class ModelRunner:
         # Verifications of drafts run as decodes, one per token (batch expansion,
         # worker/step_inputs.py), so that they replay the decode graphs; not for a model with a
         # recurrent state, which advances it token by token (EngineConfig refuses them anyway).
-        self.expand_verify = spec_config is not None and not config.model_config.has_recurrent_state
+        # The most tokens a request verifies (0: no expansion) bounds the query groups.
+        expand = spec_config is not None and not config.model_config.has_recurrent_state
+        self.expand_verify = spec_config.num_speculative_tokens + 1 if expand else 0
         max_num_seqs = scheduler_config.max_num_seqs
         max_num_attn_seqs = max_num_step_seqs(
-            max_num_seqs,
-            scheduler_config.max_num_batched_tokens,
-            spec_config.num_speculative_tokens if self.expand_verify else 0,
+            max_num_seqs, scheduler_config.max_num_batched_tokens, max(self.expand_verify - 1, 0)
         )
         self.capture_sizes = (
             graph_capture_sizes(max_num_seqs, max_num_attn_seqs) if self.use_cuda_graphs else []
@@ -329,7 +321,9 @@ class ModelRunner:
             return
         if self.lora_manager is not None:
             self.lora_manager.prepare_capture()
-        self.graph_runner = CudaGraphRunner(self.model, self.buffers, self.capture_sizes, self.max_model_len)
+        self.graph_runner = CudaGraphRunner(
+            self.model, self.buffers, self.capture_sizes, self.max_model_len, max(self.expand_verify, 1)
+        )
         self.graph_runner.capture()
         if self.piecewise_sizes:
             self.piecewise_runner = PiecewiseGraphRunner(

@@ -44,7 +44,6 @@ computation testable on plain arrays, and every device write in one place.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -137,6 +136,9 @@ class StepPlan:
     pad_to: int  # rows of the captured graph's batch size the step replays, 0 when eager
     state_slots: np.ndarray  # int64 recurrent-state row of each sequence (-1: none)
     verify: VerifyRows | None = None
+    # int32 [num_decodes] with expanded verifications (decode_query_lens), else None; its bound.
+    decode_query_lens: np.ndarray | None = None
+    max_decode_query_len: int = 1
 
 
 # --- the pieces: pure functions of per-request arrays ------------------------------------------
@@ -192,6 +194,19 @@ def expand_decodes(
         np.concatenate([np.arange(num_decode_tokens), query_start_loc[num_decode_reqs:]]),
         np.concatenate([decode_seq_lens, seq_lens[num_decode_reqs:]]),
     )
+
+
+def decode_query_lens(query_start_loc: np.ndarray, num_decode_reqs: int) -> np.ndarray:
+    """[num_decode_tokens] int32: the query groups of expanded decodes (AttentionMetadata's
+    ``decode_query_lens``): at each decode request's last token its number of tokens, 0 at its
+    others::
+
+        requests of 1, 3 and 2 tokens  ->  [1, 0, 0, 3, 0, 2]
+    """
+    ends = query_start_loc[1 : num_decode_reqs + 1]
+    lens = np.zeros(int(query_start_loc[num_decode_reqs]), dtype=np.int32)
+    lens[ends - 1] = np.diff(query_start_loc[: num_decode_reqs + 1])
+    return lens
 
 
 def compute_seq_lens(ends: np.ndarray, num_dropped: np.ndarray) -> np.ndarray:
@@ -377,14 +392,15 @@ def plan_step(
     block_size: int,
     graph_runner: CudaGraphRunner | None,
     drafts: dict[int, list[int]] | None = None,
-    expand_verify: bool = False,
+    expand_verify: int = 0,
     stripe: tuple[int, int] = (0, 1),
 ) -> StepPlan:
     """The step's inputs on the host, from the persistent batch (already updated for the step),
     the tokens scheduled per request and the drafts among them (speculative decoding);
-    ``expand_verify`` (chosen once by the runner): requests verifying drafts go to attention as
-    decodes, one per token (``expand_decodes``); ``stripe``: this rank's share of the cache under
-    context parallelism (``compute_slot_mapping``)."""
+    ``expand_verify`` (chosen once by the runner: num_speculative_tokens + 1, the most tokens a
+    request verifies, or 0): requests verifying drafts go to attention as decodes, one per token
+    (``expand_decodes``), in query groups (``decode_query_lens``); ``stripe``: this rank's share of
+    the cache under context parallelism (``compute_slot_mapping``)."""
     req_ids = list(num_scheduled_tokens)
     query_lens = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
     rows = np.fromiter((batch.row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
@@ -461,68 +477,9 @@ def plan_step(
         pad_to=pad_to,
         state_slots=batch.state_slots[seq_rows],
         verify=verify,
+        decode_query_lens=decode_query_lens(query_start_loc, num_decode_reqs) if expand_verify else None,
+        max_decode_query_len=max(expand_verify, 1),
     )
-
-
-def take_back_torch(
-    rejected: torch.Tensor,
-    token_index: torch.Tensor,
-    positions: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    block_size: int,
-) -> None:
-    """``take_back_on_device``'s arithmetic in torch (the oracle; kernels/triton/take_back.py is
-    the one launch doing the same): each token's position and length less ``rejected[
-    token_index[t]]``, its slot looked up again in its block table row. All in place."""
-    per_token = rejected.index_select(0, token_index)
-    positions -= per_token
-    seq_lens -= per_token.to(seq_lens.dtype)
-    blocks = block_tables.gather(1, (positions // block_size)[:, None].to(torch.int64))
-    slot_mapping.copy_(blocks[:, 0].to(torch.int64) * block_size + positions % block_size)
-
-
-TakeBack = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], None
-]
-
-
-def take_back_on_device(
-    model_input: ModelInput,
-    rejected: torch.Tensor,
-    req_index: np.ndarray,
-    block_size: int,
-    take_back: TakeBack = take_back_torch,
-) -> None:
-    """A step planned over optimistic counts (asynchronous speculation: the drafts of the step
-    in flight counted as accepted), moved back by what that step rejected, on the device and
-    without waiting for its counts: each request's positions, and its sequences' lengths, move
-    back by ``rejected[req_index[r]]`` (``rejected`` on the device, ``req_index`` [num_reqs] in
-    step order, on the host), and the slots are looked up again in the sequences' block table rows
-    (``take_back``: ``take_back_torch`` or the Triton launch, chosen by the runner). For a step of
-    decodes (expanded verifications included: every token a sequence of its own), without context
-    parallelism or windows dropping blocks (``compute_slot_mapping``'s plain case). On the CPU the
-    host's copies of the lengths are the same tensors, and their bounds are updated too."""
-    offsets = model_input.req_query_start_loc
-    assert offsets is not None
-    num_tokens = int(offsets[-1])
-    md = model_input.attn_metadata
-    assert md.num_prefills == 0 and len(md.seq_lens_cpu) == num_tokens, "decodes only"
-    device = rejected.device
-    token_index = np.repeat(req_index.astype(np.int32), np.diff(offsets))
-    take_back(
-        rejected,
-        to_device(token_index, device),
-        model_input.positions[:num_tokens],
-        md.seq_lens[:num_tokens],
-        md.block_tables[:num_tokens],
-        md.slot_mapping[:num_tokens],
-        block_size,
-    )
-    if device.type == "cpu":
-        md.max_seq_len = int(md.seq_lens_cpu.max())
-        md.min_decode_seq_len = int(md.seq_lens_cpu.min())
 
 
 def stage_block_tables(
@@ -572,6 +529,11 @@ def stage_model_input(
         seq_lens_cpu=torch.from_numpy(seq_lens),
         min_decode_seq_len=int(seq_lens[:num_decodes].min()) if num_decodes else 0,
         state_slots=put("state_slots", plan.state_slots, pad_to, -1) if has_state else None,
+        # A graph's padding rows are lone decodes.
+        decode_query_lens=None
+        if plan.decode_query_lens is None
+        else put("decode_query_lens", plan.decode_query_lens, pad_to, 1),
+        max_decode_query_len=plan.max_decode_query_len,
     )
     samples = plan.samples
     return ModelInput(

@@ -1,5 +1,5 @@
 """The one-launch take-back (kernels/triton/take_back.py) against its torch form
-(worker/step_inputs.py: ``take_back_torch``) and a plain loop: positions, lengths and slots of a
+(worker/take_back.py: ``take_back_torch``) and a plain loop: positions, lengths and slots of a
 step of decodes and expanded verifications moved back by each request's rejected drafts, over
 shuffled block tables wider than the rows they are read from, step sizes across the kernel's
 256-token blocks, and counts from none to all of a request's drafts.
@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("triton", reason="the kernel needs the triton package")
 
 from pagedllm.kernels.triton.take_back import take_back
-from pagedllm.worker.step_inputs import take_back_torch
+from pagedllm.worker.take_back import take_back_torch
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -19,6 +19,7 @@ from pagedllm.worker.step_inputs import (
     compute_query_start_loc,
     compute_seq_lens,
     compute_slot_mapping,
+    decode_query_lens,
     expand_decodes,
     graph_padding,
     host_input_ids,
@@ -76,6 +77,24 @@ def test_expand_decodes_makes_a_decode_of_every_token_of_the_first_requests():
     # Each token's context ends at its own position: 8; 11, 12, 13, 14; cache positions 1, 2; 3.
     assert _ints(seq_seq_lens) == [8, 11, 12, 13, 14, 1, 2, 3]
     assert seq_seq_lens.dtype == np.int32
+
+
+def test_decode_query_lens_name_each_verification_at_its_last_decode():
+    # The requests of test_expand_decodes_...: a decode, 4 tokens, 2 tokens, then the prefill
+    # chunk (not a decode: no entry).
+    query_start_loc = np.array([0, 1, 5, 7, 10])
+    lens = decode_query_lens(query_start_loc, 3)
+    assert _ints(lens) == [1, 0, 0, 0, 4, 0, 2] and lens.dtype == np.int32
+    # Each group's sequences are consecutive and end at its last: the expanded seq_lens there
+    # are that request's L - q + 1 .. L (paged_decode's query groups).
+    _, _, seq_lens = expand_decodes(query_start_loc, np.array([8, 14, 2, 3], dtype=np.int32), 3)
+    for last in np.flatnonzero(lens):
+        q = lens[last]
+        assert _ints(seq_lens[last - q + 1 : last + 1]) == list(
+            range(seq_lens[last] - q + 1, seq_lens[last] + 1)
+        )
+    assert _ints(decode_query_lens(np.array([0, 1, 2, 5]), 2)) == [1, 1]  # lone decodes, then a chunk
+    assert _ints(decode_query_lens(np.array([0, 3]), 0)) == []  # no decode
 
 
 def test_expand_decodes_of_one_token_decodes_only_is_the_identity():
@@ -396,7 +415,7 @@ def test_plan_step_expands_verifications_into_decodes_against_a_naive_loop():
     batch = _mixed_batch()
     drafts = {10: [70, 71], 13: [80]}
     num_scheduled = {11: 4, 10: 3, 12: 3, 13: 2}
-    plan = plan_step(batch, num_scheduled, BLOCK_SIZE, None, drafts, expand_verify=True)
+    plan = plan_step(batch, num_scheduled, BLOCK_SIZE, None, drafts, expand_verify=3)
     naive = _naive_plan(batch, num_scheduled, drafts)
     assert _ints(plan.rows) == [batch.row_of[r] for r in (10, 13, 11, 12)]
     assert _ints(plan.req_query_start_loc) == [0, 3, 5, 9, 12]
@@ -427,6 +446,9 @@ def test_plan_step_expands_verifications_into_decodes_against_a_naive_loop():
     assert (metadata.num_decodes, metadata.num_prefills, metadata.min_decode_seq_len) == (5, 2, 5)
     # Each sequence reads its request's block table row: 10's three times, 13's twice.
     assert metadata.block_tables.tolist() == [[3, 7]] * 3 + [[4, 9]] * 2 + [[1, 2], [6, 0]]
+    # Query groups: the last of 10's three decodes attends for them, the last of 13's two.
+    assert metadata.decode_query_lens.tolist() == [0, 0, 3, 0, 2] and metadata.max_decode_query_len == 3
+    assert plain.decode_query_lens is None and plain.max_decode_query_len == 1
     assert model_input.input_ids.tolist()[:5] == [777, 70, 71, 99, 80]
     assert _ints(model_input.req_query_start_loc) == [0, 3, 5, 9, 12]
 
@@ -434,9 +456,10 @@ def test_plan_step_expands_verifications_into_decodes_against_a_naive_loop():
 def test_a_step_of_decodes_and_verifications_replays_the_graph_of_its_token_count():
     batch = _mixed_batch()
     drafts = {10: [70, 71], 13: [80]}
-    plan = plan_step(batch, {13: 2, 10: 3}, BLOCK_SIZE, _graph_runner([1, 4, 8]), drafts, expand_verify=True)
+    plan = plan_step(batch, {13: 2, 10: 3}, BLOCK_SIZE, _graph_runner([1, 4, 8]), drafts, expand_verify=4)
     # 13 stays first (both are decodes now): its two tokens, then 10's three; padded to 8.
     assert plan.num_decodes == 5 and plan.pad_to == 8
+    assert _ints(plan.decode_query_lens) == [0, 2, 0, 0, 3] and plan.max_decode_query_len == 4
     assert _ints(plan.query_start_loc) == list(range(9))
     assert _ints(plan.seq_lens) == [5, 6, 6, 7, 8]
     staged = stage_model_input(plan, batch, InputBuffers(16, 8, 8, CPU), BLOCK_SIZE)

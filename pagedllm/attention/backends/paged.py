@@ -36,7 +36,9 @@ from pagedllm.attention.metadata import AttentionMetadata
 # kernels read (rotated, where the layer has a rotary embedding).
 CacheWrite = Callable[..., torch.Tensor]
 # decode(layer, query, sink_query, key_cache, value_cache, block_tables, seq_lens,
-# (min_seq_len, max_seq_len), out[, lse=]): the decodes' rows of out (and of lse, when given).
+# (min_seq_len, max_seq_len), out[, lse=][, query_groups=(decode_query_lens, max)]): the decodes'
+# rows of out (and of lse, when given); query_groups only for a backend that
+# ``groups_decode_queries``.
 Decode = Callable[..., None]
 # prefill(layer, query, sink_query, kv_cache, block_tables, seq_lens, query_start_loc,
 # (first_seq, num_seqs, max_query_len), out[, lse=]): the rows of sequences [first, first + num)
@@ -49,6 +51,9 @@ class PagedAttentionBackend(AttentionBackend):
     layout (``get_kv_cache_shape``, ``check_supported``)."""
 
     supports_cuda_graphs = True
+    # Whether the decode piece attends a request's verified tokens together (the metadata's
+    # decode_query_lens): each program then reads the request's K/V once for all its tokens.
+    groups_decode_queries: ClassVar[bool] = False
     write_cache: ClassVar[CacheWrite]
     decode: ClassVar[Decode]
     prefill: ClassVar[Prefill]
@@ -63,6 +68,11 @@ class PagedAttentionBackend(AttentionBackend):
             "attention_sinks": self.attention_sinks,
             "sinks": self.sinks,
         }
+        # Query groups for the layers whose tokens differ only in their last keys: not behind a
+        # window (each token's window starts elsewhere) or a striped cache.
+        self.groups_queries = (
+            self.groups_decode_queries and self.sliding_window is None and self.cp_world_size == 1
+        )
 
     def forward(
         self,
@@ -89,6 +99,9 @@ class PagedAttentionBackend(AttentionBackend):
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         num_decodes = md.num_decodes
         if num_decodes:
+            options = {name: rows[:num_decodes] for name, rows in partial.items()}
+            if self.groups_queries and md.decode_query_lens is not None:
+                options["query_groups"] = (md.decode_query_lens[:num_decodes], md.max_decode_query_len)
             self.decode(
                 query[:num_decodes],
                 None if sink_query is None else sink_query[:num_decodes],
@@ -98,7 +111,7 @@ class PagedAttentionBackend(AttentionBackend):
                 md.seq_lens[:num_decodes],
                 (md.min_decode_seq_len, md.max_seq_len),
                 output[:num_decodes],
-                **{name: rows[:num_decodes] for name, rows in partial.items()},
+                **options,
             )
         if md.num_prefills:
             self.prefill(

@@ -99,12 +99,20 @@ def triton_decode(
     seq_len_range: tuple[int, int],
     out: torch.Tensor,
     lse: torch.Tensor | None = None,
+    query_groups: tuple[torch.Tensor, int] | None = None,
 ) -> None:
     """paged_decode. query, out (and sink_query, None without sinks): [num_decodes, num_heads,
     head_size]; one new token per sequence. seq_len_range: the (min, max) decode context on the
     host, min 0 where unknown. lse ([num_decodes, num_heads] float32): a partial launch over this
-    context-parallel rank's keys (PagedAttentionBackend.forward_partial)."""
+    context-parallel rank's keys (PagedAttentionBackend.forward_partial). query_groups: the
+    metadata's (decode_query_lens, max_decode_query_len), paged_decode's query groups."""
     launch = _launch_kwargs(layer.head_size, compute_dtype(query, key_cache))[0]
+    groups = {}
+    num_programs = query.shape[0]  # per KV head and partition, those that attend
+    if query_groups is not None and query_groups[1] > 1:
+        groups = {"query_lens": query_groups[0], "max_query_len": query_groups[1]}
+        # Sized as if every request verified the most drafts: a graph's launch is fixed at capture.
+        num_programs = -(-num_programs // query_groups[1])
     min_seq_len, max_seq_len = seq_len_range
     # A windowed layer reads at most a window per sequence: size the partitions for that, so
     # that its few live partitions still fill the GPU (the others exit at once). Its sinks
@@ -113,7 +121,7 @@ def triton_decode(
     window = layer.sliding_window or max_seq_len
     cp = layer.cp_world_size
     partition_size = decode_partition_size(
-        query.shape[0],
+        num_programs,
         layer.num_kv_heads,
         -(-min(max_seq_len, window) // cp),
         launch,
@@ -135,6 +143,7 @@ def triton_decode(
         cp_rank=layer.cp_rank,
         cp_world_size=cp,
         lse=lse,
+        **groups,
         **layer.kernel_variants,
         **{**launch, "partition_size": partition_size},
     )
@@ -186,6 +195,7 @@ class TritonAttentionBackend(PagedAttentionBackend):
 
     name = "triton"
     supports_fp8_kv_cache = True
+    groups_decode_queries = True
     supports_context_parallel = True
     get_kv_cache_shape = staticmethod(triton_kv_cache_shape)
     write_cache = write_cache_rotating

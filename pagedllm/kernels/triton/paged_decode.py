@@ -29,10 +29,26 @@ Kernel 1, ``_paged_decode_kernel``, grid ``(num_seqs, num_kv_heads, num_partitio
   scored with the group's rows of ``sink_query`` into the same running state. The partitions and
   the reduce are unchanged: the sinks are part of that partition's ``m_i``, ``l_i`` and ``acc``.
   Nothing between the sinks and the window is read (those blocks may be freed: NaN).
-Kernel 2, ``_paged_decode_reduce_kernel``, grid ``(num_seqs, num_heads)``:
-  reads the live partitions of one query head (``cdiv(seq_len - first tile's key,
-  partition_size)`` of them; with one, kernel 1 wrote the output and the program exits), rescales each by
-  ``exp2(m_p - max_p m_p)`` and writes ``sum(w_p * acc_p) / sum(w_p * l_p)``.
+Kernel 2, ``paged_decode_reduce.paged_decode_reduce_kernel``, grid ``(num_seqs, num_heads)``:
+  merges the live partitions of one query head into its output (skipped by the host when the
+  launch has one partition; a program whose sequence has one exits).
+
+Query groups (speculative decoding's verifications, expanded into one decode per token, vLLM v0's
+batch expansion; ``query_lens`` and ``QUERY_GROUP``): a request verifying k drafts arrives as k +
+1 sequences of consecutive contexts ``L - k .. L`` over the same block table, which would read its
+context k + 1 times. Instead the last of them (``query_lens[s] = q``, the others 0) attends for
+all q: its program's rows are the ``q * num_queries_per_kv`` pairs (token ``r // num_queries_per_kv``,
+head ``r % num_queries_per_kv``) in one ``BLOCK_H``-row tile, row r at position ``L - q + r //
+num_queries_per_kv``, so each K/V tile is read once for the q tokens and all their heads (the
+GQA packing above, along one more axis; vLLM's unified Triton attention packs a query block the
+same way). Keys below ``L - q + 1`` are visible to every row and run unmasked; the tiles from
+there are masked causally per row (``paged_tiles``' CAUSAL, with EMPTY_ROWS: a partition may
+start past a row's last key). The partitions stay those of each row's own sequence, so the reduce
+is unchanged: a row whose context fits partition 0 is written by it, the others spill each
+partition holding a key they see. The other sequences' programs exit at once. Not with a
+window (each token's window starts elsewhere), StreamingLLM sinks or context parallelism. At
+Llama-3-8B's 4 query heads per KV head and k = 3 the tile is the 16 rows a lone decode pads to
+anyway, so a verification reads and computes what one decode does.
 
 Context parallelism (``CP_SIZE = P > 1``, with ``PARTIAL``; Striped Attention's layout, merged as
 in Ring/Tree Attention): rank ``r``'s cache holds the keys at global positions ``t = j * P + r`` at
@@ -62,10 +78,11 @@ int32; seq_lens ``[num_seqs]`` int32; workspace (float32) partial_out ``[num_seq
 num_partitions, HEAD_DIM]``, max_logits/exp_sums ``[num_seqs, num_heads, num_partitions]``.
 
 Bound: memory. Bytes ~ ``2 * sum(seq_lens) * num_kv_heads * head_size * element_size`` (each K/V
-element read once; with a window, ``min(seq_len, sliding_window)`` per sequence plus at most one
-partly masked tile; with sinks, ``min(attention_sinks, window_start)`` more in ``cdiv(
-attention_sinks, BLOCK_N)`` masked tiles, and one more query row per KV head); FLOPs ~ ``4 *
-sum(seq_lens) * num_heads * head_size``, i.e. ~2 * num_queries_per_kv FLOPs per byte at 16 bits,
+element read once; with query groups, the sum over the groups' last sequences only; with a window,
+``min(seq_len, sliding_window)`` per sequence plus at most one partly masked tile; with sinks,
+``min(attention_sinks, window_start)`` more in ``cdiv(attention_sinks, BLOCK_N)`` masked tiles,
+and one more query row per KV head); FLOPs ~ ``4 * sum(seq_lens) * num_heads * head_size``, i.e.
+~2 * num_queries_per_kv FLOPs per byte at 16 bits (times the group's tokens with query groups),
 far below any GPU's ridge point. The workspace traffic is ``num_partitions * num_heads *
 head_size * 4`` bytes per sequence, < 1% of the K/V bytes at partitions of 512 tokens. Under
 context parallelism a rank reads ``ceil(seq_len / P)`` keys per sequence (bytes and FLOPs / P) and
@@ -80,6 +97,11 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.triton.paged_decode_reduce import (
+    REDUCE_BLOCK_P,
+    WORKSPACE_STRIDES,
+    paged_decode_reduce_kernel,
+)
 from pagedllm.kernels.triton.paged_tiles import (
     attend_paged_range,
     check_paged_inputs,
@@ -90,26 +112,16 @@ from pagedllm.kernels.triton.paged_tiles import (
     fp8_scale_args,
     local_key_count,
     row_lse,
+    window_start_of,
 )
 from pagedllm.kernels.triton.pdl import pdl_options, wait_for_prior_kernel
 
-_REDUCE_BLOCK_P = 32
-
-
-@triton.jit
-def _window_start(seq_len, sliding_window):
-    """The first key a sequence's last token sees: seq_len - sliding_window (0 without a window)."""
-    return tl.maximum(seq_len - sliding_window, 0) * (sliding_window > 0)
-
-
-# attention_sinks is a runtime value for the reason sliding_window is: it may differ per layer. The
-# workspace's strides follow the number of partitions, which changes from step to step: Triton
-# would otherwise compile a variant whenever one of them turns 1 or a multiple of 16.
-_WORKSPACE_STRIDES = ["stride_po_seq", "stride_po_head", "stride_ml_seq", "stride_ml_head"]
+# attention_sinks is a runtime value for the reason sliding_window is: it may differ per layer (the
+# workspace's strides: paged_decode_reduce.WORKSPACE_STRIDES).
 
 
 @triton.jit(
-    do_not_specialize=["partition_size", "sliding_window", "attention_sinks", "cp_rank", *_WORKSPACE_STRIDES]
+    do_not_specialize=["partition_size", "sliding_window", "attention_sinks", "cp_rank", *WORKSPACE_STRIDES]
 )
 def _paged_decode_kernel(
     out_ptr,
@@ -123,6 +135,7 @@ def _paged_decode_kernel(
     value_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    query_lens_ptr,  # [num_seqs] int32, read when QUERY_GROUP > 1 (paged_decode's decode_query_lens)
     alibi_slopes_ptr,  # [num_heads] float32, read when ALIBI
     learned_sinks_ptr,  # [num_heads], read when LEARNED_SINKS
     k_scale_ptr,  # [] float32, read when KV_FP8: the key cache's scale
@@ -161,6 +174,7 @@ def _paged_decode_kernel(
     stride_bt_seq,
     stride_bt_blk,
     NUM_QUERIES_PER_KV: tl.constexpr,
+    QUERY_GROUP: tl.constexpr,  # the most query tokens a program attends for; 1: one per sequence
     BLOCK_H: tl.constexpr,
     HEAD_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -198,15 +212,39 @@ def _paged_decode_kernel(
     # not the context. From here on key indices are this rank's (local_key_count: the same
     # numbers without context parallelism).
     seq_len = local_key_count(global_len, cp_rank, CP_SIZE)
-    window_start = local_key_count(_window_start(global_len, sliding_window), cp_rank, CP_SIZE)
+    window_start = local_key_count(window_start_of(global_len, sliding_window), cp_rank, CP_SIZE)
     start = window_start // BLOCK_N * BLOCK_N + part * partition_size
     end = tl.minimum(start + partition_size, seq_len)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     k_dim_offs = offs_d * stride_k_dim
     v_dim_offs = offs_d * stride_v_dim
-    heads = kv_head * NUM_QUERIES_PER_KV + offs_h
-    row_mask = (offs_h[:, None] < NUM_QUERIES_PER_KV) & (offs_d[None, :] < HEAD_SIZE)
+    if QUERY_GROUP == 1:
+        # The rows are the group's heads, one query at the context's last position; no key of
+        # the range is past it.
+        head_in_group = offs_h
+        row_valid = offs_h < NUM_QUERIES_PER_KV
+        row_seq = seq  # each row's sequence: here a scalar, as [BLOCK_H] (row_seq_1d) below
+        row_seq_1d = seq
+        q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + global_len - 1
+        first_causal = end
+    else:
+        # Query groups (module docstring): the last of a request's q_len sequences attends for
+        # them all, row r its token r // NUM_QUERIES_PER_KV at position global_len - q_len + that;
+        # the request's other sequences (q_len 0) exit. Keys from first_causal on are past the
+        # first token: their tiles mask causally.
+        q_len = tl.load(query_lens_ptr + seq)
+        if q_len == 0:
+            return
+        tok = offs_h // NUM_QUERIES_PER_KV
+        head_in_group = offs_h % NUM_QUERIES_PER_KV
+        row_valid = tok < q_len
+        row_seq_1d = seq - q_len + 1 + tok
+        row_seq = row_seq_1d[:, None]
+        q_pos = global_len - q_len + tok
+        first_causal = tl.minimum(end, seq_len - q_len + 1)
+    heads = kv_head * NUM_QUERIES_PER_KV + head_in_group
+    row_mask = row_valid[:, None] & (offs_d[None, :] < HEAD_SIZE)
     if PARTIAL:  # noqa: SIM102 (a constexpr test on its own: kernels without lse keep no branch)
         if window_start >= seq_len:
             # This rank holds no key the query sees: out 0 and lse -inf, from partition 0 (the
@@ -232,17 +270,16 @@ def _paged_decode_kernel(
     head_end = lo
     if window_start > start:
         head_end = tl.minimum(lo + BLOCK_N, end)
-    full_end = tl.maximum(start + (end - start) // BLOCK_N * BLOCK_N, head_end)
+    full_end = tl.maximum(start + (first_causal - start) // BLOCK_N * BLOCK_N, head_end)
 
     q = tl.load(
-        query_ptr + seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :] * stride_q_dim,
+        query_ptr + row_seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :] * stride_q_dim,
         mask=row_mask,
         other=0.0,
     ).to(q_ty)
-    q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + global_len - 1
     alibi_row = tl.zeros([BLOCK_H], dtype=tl.float32)
     if ALIBI:
-        slopes = tl.load(alibi_slopes_ptr + heads, mask=offs_h < NUM_QUERIES_PER_KV, other=0.0)
+        slopes = tl.load(alibi_slopes_ptr + heads, mask=row_valid, other=0.0)
         alibi_row += slopes * 1.4426950408889634  # log2(e): base-2 scores
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -251,10 +288,9 @@ def _paged_decode_kernel(
     if LEARNED_SINKS:
         # The learned sink enters partition 0 (always live) as a key of score sink_h and value 0:
         # m_i = sink_h, l_i = exp2(0) = 1, acc = 0. The reduce then counts it exactly once.
-        head_mask = offs_h < NUM_QUERIES_PER_KV
-        sink = tl.load(learned_sinks_ptr + heads, mask=head_mask, other=float("-inf")).to(tl.float32)
+        sink = tl.load(learned_sinks_ptr + heads, mask=row_valid, other=float("-inf")).to(tl.float32)
         m_i = tl.where(part == 0, sink * 1.4426950408889634, m_i)
-        l_i = tl.where((part == 0) & head_mask, 1.0, l_i)
+        l_i = tl.where((part == 0) & row_valid, 1.0, l_i)
     # What every stage below shares (paged_tiles.attend_paged_range's tuples).
     state = (acc, l_i, m_i)
     keys = (key_cache_ptr + kv_head * stride_k_head, stride_k_block, stride_k_slot, k_dim_offs)
@@ -281,8 +317,8 @@ def _paged_decode_kernel(
             state, (sink_q, q_pos), 0, sink_end, 0, cache, scores, CONFIG, MASK_TAIL=True
         )
     # The window's first tile, masked below window_start (and at seq_len); then full tiles
-    # without per-token masks; then at most one tile cut by seq_len. Not causal: the query is the
-    # context's last token.
+    # without per-token masks; then the tiles cut by seq_len, and with query groups those past
+    # first_causal, masked causally (a row past which a partition starts sees none of its keys).
     rows = (q, q_pos)
     # (CP_SIZE for ALiBi's key positions: the ranges are local already.)
     state = attend_paged_range(
@@ -291,123 +327,74 @@ def _paged_decode_kernel(
     state = attend_paged_range(
         state, rows, head_end, full_end, head_end, cache, scores, CONFIG, MASK_TAIL=False, CP_SIZE=CP_SIZE
     )
+    grouped: tl.constexpr = QUERY_GROUP > 1
     state = attend_paged_range(
-        state, rows, full_end, end, full_end, cache, scores, CONFIG, MASK_TAIL=True, CP_SIZE=CP_SIZE
+        state,
+        rows,
+        full_end,
+        end,
+        full_end,
+        cache,
+        scores,
+        CONFIG,
+        MASK_TAIL=True,
+        CAUSAL=grouped,
+        CP_SIZE=CP_SIZE,
+        EMPTY_ROWS=grouped,
     )
     acc, l_i, m_i = state
-
-    # A sequence whose context fits one partition (every one when num_partitions is 1; under a CUDA
-    # graph captured for max_model_len, most of them) has nothing to merge: its only program
-    # writes the output, and the reduce pass skips it.
-    if tl.cdiv(seq_len - start, partition_size) == 1 and part == 0:
-        out = acc / l_i[:, None]
+    if grouped:
+        # Per row, as the reduce sees that row's sequence (no window here, so part 0 starts at
+        # key 0): a context of one partition is written here, any other spills every partition
+        # that holds a key the row sees.
+        # (part broadcast by hand: Triton's interpreter refuses a scalar in a block mask)
+        row_len, row_part = q_pos + 1, offs_h * 0 + part
+        direct = row_valid & (row_part == 0) & (row_len - start <= partition_size)
+        spill = row_valid & (start < row_len) & ((row_part > 0) | (row_len - start > partition_size))
         tl.store(
-            out_ptr + seq * stride_o_seq + heads[:, None] * stride_o_head + offs_d[None, :] * stride_o_dim,
-            out.to(out_ptr.dtype.element_ty),
-            mask=row_mask,
+            out_ptr
+            + row_seq * stride_o_seq
+            + heads[:, None] * stride_o_head
+            + offs_d[None, :] * stride_o_dim,
+            (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),
+            mask=row_mask & direct[:, None],
         )
-        if PARTIAL:
-            lse_offs = seq * stride_lse_seq + heads * stride_lse_head
-            tl.store(lse_ptr + lse_offs, row_lse(l_i, m_i), mask=offs_h < NUM_QUERIES_PER_KV)
+        ml_offs = row_seq_1d * stride_ml_seq + heads * stride_ml_head + part * stride_ml_part
+        tl.store(max_logits_ptr + ml_offs, m_i, mask=spill)
+        tl.store(exp_sums_ptr + ml_offs, l_i, mask=spill)
+        po_offs = row_seq * stride_po_seq + heads[:, None] * stride_po_head + offs_d[None, :] * stride_po_dim
+        tl.store(partial_out_ptr + po_offs + part * stride_po_part, acc, mask=spill[:, None])
     else:
-        head_mask = offs_h < NUM_QUERIES_PER_KV
-        ml_offs = seq * stride_ml_seq + heads * stride_ml_head + part * stride_ml_part
-        tl.store(max_logits_ptr + ml_offs, m_i, mask=head_mask)
-        tl.store(exp_sums_ptr + ml_offs, l_i, mask=head_mask)
-        tl.store(
-            partial_out_ptr
-            + seq * stride_po_seq
-            + heads[:, None] * stride_po_head
-            + part * stride_po_part
-            + offs_d[None, :] * stride_po_dim,
-            acc,
-            mask=head_mask[:, None],
-        )
-
-
-@triton.jit(do_not_specialize=["partition_size", "sliding_window", "cp_rank", *_WORKSPACE_STRIDES])
-def _paged_decode_reduce_kernel(
-    out_ptr,
-    lse_ptr,  # written when PARTIAL
-    partial_out_ptr,
-    max_logits_ptr,
-    exp_sums_ptr,
-    seq_lens_ptr,
-    stride_o_seq,
-    stride_o_head,
-    stride_o_dim,
-    stride_lse_seq,
-    stride_lse_head,
-    stride_po_seq,
-    stride_po_head,
-    stride_po_part,
-    stride_po_dim,
-    stride_ml_seq,
-    stride_ml_head,
-    stride_ml_part,
-    partition_size,
-    sliding_window,
-    cp_rank,
-    HEAD_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    CP_SIZE: tl.constexpr,
-    PARTIAL: tl.constexpr,
-    USE_GDC: tl.constexpr,
-):
-    wait_for_prior_kernel(USE_GDC)
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    # Only the partitions kernel 1 wrote, [0, num_parts) from the window's first tile: the rest of
-    # the workspace is uninitialized.
-    # (Kernel 1's local key indices: local_key_count.)
-    global_len = tl.load(seq_lens_ptr + seq)
-    seq_len = local_key_count(global_len, cp_rank, CP_SIZE)
-    first_key = local_key_count(_window_start(global_len, sliding_window), cp_rank, CP_SIZE)
-    first_key = first_key // BLOCK_N * BLOCK_N
-    num_parts = tl.cdiv(seq_len - first_key, partition_size)
-    # Kernel 1 wrote this sequence's output itself: it had one partition, or (a partial decode) none
-    # with a key the query sees (seq_len - first_key < BLOCK_N, so at most one).
-    if num_parts <= 1:
-        return
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ml_ptr = max_logits_ptr + seq * stride_ml_seq + head * stride_ml_head
-    es_ptr = exp_sums_ptr + seq * stride_ml_seq + head * stride_ml_head
-    po_ptr = partial_out_ptr + seq * stride_po_seq + head * stride_po_head
-
-    running_max = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
-    for p0 in range(0, num_parts, BLOCK_P):
-        parts = p0 + offs_p
-        m = tl.load(ml_ptr + parts * stride_ml_part, mask=parts < num_parts, other=float("-inf"))
-        running_max = tl.maximum(running_max, m)
-    global_max = tl.max(running_max, 0)
-
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
-    denom = tl.zeros([BLOCK_P], dtype=tl.float32)
-    for p0 in range(0, num_parts, BLOCK_P):
-        parts = p0 + offs_p
-        part_mask = parts < num_parts
-        m = tl.load(ml_ptr + parts * stride_ml_part, mask=part_mask, other=float("-inf"))
-        exp_sum = tl.load(es_ptr + parts * stride_ml_part, mask=part_mask, other=0.0)
-        o = tl.load(
-            po_ptr + parts[:, None] * stride_po_part + offs_d[None, :] * stride_po_dim,
-            mask=part_mask[:, None],
-            other=0.0,
-        )
-        weight = tl.exp2(m - global_max)  # 0 for the masked partitions
-        denom += weight * exp_sum
-        acc += tl.sum(weight[:, None] * o, 0)
-    out = acc / tl.sum(denom, 0)
-    tl.store(
-        out_ptr + seq * stride_o_seq + head * stride_o_head + offs_d * stride_o_dim,
-        out.to(out_ptr.dtype.element_ty),
-        mask=offs_d < HEAD_SIZE,
-    )
-    if PARTIAL:
-        lse = row_lse(tl.sum(denom, 0), global_max)
-        tl.store(lse_ptr + seq * stride_lse_seq + head * stride_lse_head, lse)
+        # A sequence whose context fits one partition (every one when num_partitions is 1; under a CUDA
+        # graph captured for max_model_len, most of them) has nothing to merge: its only program
+        # writes the output, and the reduce pass skips it.
+        if tl.cdiv(seq_len - start, partition_size) == 1 and part == 0:
+            out = acc / l_i[:, None]
+            tl.store(
+                out_ptr
+                + seq * stride_o_seq
+                + heads[:, None] * stride_o_head
+                + offs_d[None, :] * stride_o_dim,
+                out.to(out_ptr.dtype.element_ty),
+                mask=row_mask,
+            )
+            if PARTIAL:
+                lse_offs = seq * stride_lse_seq + heads * stride_lse_head
+                tl.store(lse_ptr + lse_offs, row_lse(l_i, m_i), mask=offs_h < NUM_QUERIES_PER_KV)
+        else:
+            head_mask = offs_h < NUM_QUERIES_PER_KV
+            ml_offs = seq * stride_ml_seq + heads * stride_ml_head + part * stride_ml_part
+            tl.store(max_logits_ptr + ml_offs, m_i, mask=head_mask)
+            tl.store(exp_sums_ptr + ml_offs, l_i, mask=head_mask)
+            tl.store(
+                partial_out_ptr
+                + seq * stride_po_seq
+                + heads[:, None] * stride_po_head
+                + part * stride_po_part
+                + offs_d[None, :] * stride_po_dim,
+                acc,
+                mask=head_mask[:, None],
+            )
 
 
 def paged_decode(
@@ -431,6 +418,8 @@ def paged_decode(
     cp_rank: int = 0,
     cp_world_size: int = 1,
     lse: torch.Tensor | None = None,
+    query_lens: torch.Tensor | None = None,
+    max_query_len: int = 1,
     partition_size: int = 512,
     block_n: int = 64,
     num_warps: int = 4,
@@ -453,6 +442,12 @@ def paged_decode(
     log-sum-exp, and a query that sees no key writes out 0 and lse -inf. With ``cp_world_size`` P
     > 1 (needs ``lse``) the caches hold only rank ``cp_rank``'s stripe of each context (module
     docstring); seq_lens and ``max_seq_len`` stay global.
+
+    ``query_lens`` ([num_seqs] int32) with ``max_query_len`` > 1: query groups (module docstring).
+    Sequence ``s`` with ``query_lens[s] = q > 0`` is the last of q consecutive sequences that are
+    one request's tokens at consecutive positions (a verification expanded into decodes, their
+    seq_lens ``seq_lens[s] - q + 1 .. seq_lens[s]`` and block tables the same), and attends for them
+    all; the others have 0; q <= ``max_query_len``. Not with a window, sinks or ``lse``.
     """
     layout = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
     kv_fp8, kv_scales = fp8_scale_args(query, key_cache, k_scale, v_scale)
@@ -470,6 +465,12 @@ def paged_decode(
     )
     if num_seqs == 0:
         return out
+    query_group = max_query_len if query_lens is not None else 1
+    if query_group > 1:
+        assert sliding_window is None and attention_sinks == 0 and lse is None, (
+            "query groups: plain layers only"
+        )
+        assert query_lens.shape == (num_seqs,) and query_lens.dtype == torch.int32
     num_queries_per_kv = num_heads // num_kv_heads
     head_dim = triton.next_power_of_2(head_size)
     # This rank's keys of the longest context; a window's start within a tile of its first tile:
@@ -502,6 +503,7 @@ def paged_decode(
         value_cache,
         block_tables,
         seq_lens,
+        query_lens if query_group > 1 else seq_lens,  # a pointer never read without query groups
         query if alibi_slopes is None else alibi_slopes,  # a pointer never read without ALiBi
         query if sinks is None else sinks,  # a pointer never read without learned sinks
         *kv_scales,
@@ -520,7 +522,8 @@ def paged_decode(
         *value_cache.stride(),
         *block_tables.stride(),
         NUM_QUERIES_PER_KV=num_queries_per_kv,
-        BLOCK_H=max(16, triton.next_power_of_2(num_queries_per_kv)),
+        QUERY_GROUP=query_group,
+        BLOCK_H=max(16, triton.next_power_of_2(query_group * num_queries_per_kv)),
         HEAD_SIZE=head_size,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
@@ -539,7 +542,7 @@ def paged_decode(
         **pdl_options(query.device),
     )
     if not single_partition:
-        _paged_decode_reduce_kernel[(num_seqs, num_heads)](
+        paged_decode_reduce_kernel[(num_seqs, num_heads)](
             out,
             lse,
             partial_out,
@@ -556,9 +559,7 @@ def paged_decode(
             HEAD_SIZE=head_size,
             HEAD_DIM=head_dim,
             BLOCK_N=block_n,
-            # One tile width for any number of partitions: masked lanes cost nothing here, and a
-            # width per count would compile a kernel per count.
-            BLOCK_P=_REDUCE_BLOCK_P,
+            BLOCK_P=REDUCE_BLOCK_P,
             CP_SIZE=cp_world_size,
             PARTIAL=partial,
             **pdl_options(query.device),

@@ -54,9 +54,10 @@ ALiBi compare global positions: key ``j`` is at ``j * P + r`` and ``q_pos`` stay
 the index itself and the loop compiles as it did before context parallelism.
 
 Without WINDOW or SINK, every row must see at least one unmasked key in the first tile it processes
-(otherwise ``exp2(-inf - -inf)`` is NaN); the callers guarantee it. With WINDOW or SINK, or a causal
-stage under context parallelism (query position 0 sees no key on rank 1), a fully masked row keeps
-``m_i = -inf, l_i = 0`` until it meets its first visible key.
+(otherwise ``exp2(-inf - -inf)`` is NaN); the callers guarantee it. With WINDOW or SINK, a causal
+stage under context parallelism (query position 0 sees no key on rank 1), or EMPTY_ROWS (a decode
+partition past some of a request's verified tokens: ``paged_decode``'s query groups), a fully masked
+row keeps ``m_i = -inf, l_i = 0`` until it meets its first visible key.
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def attend_paged_range(
     WINDOW: tl.constexpr = False,  # mask keys at or before each row's q_pos - sliding_window
     SINK: tl.constexpr = False,  # the opposite: mask keys after q_pos - sliding_window (in the window)
     CP_SIZE: tl.constexpr = 1,  # context-parallel ranks: local key j is at j * CP_SIZE + cp_rank
+    EMPTY_ROWS: tl.constexpr = False,  # a CAUSAL row may see no key of the range (see the docstring)
 ):
     """One stage of the online softmax: ``state`` updated with the keys [lo, hi). The arguments
     every stage of a program shares travel as tuples (Triton inlines the call: the same code)::
@@ -170,7 +172,7 @@ def attend_paged_range(
             s = tl.where(key_pos[None, :] <= q_pos[:, None] - sliding_window, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = m_new
-        if WINDOW or SINK or (CAUSAL and CP_SIZE > 1):
+        if WINDOW or SINK or EMPTY_ROWS or (CAUSAL and CP_SIZE > 1):
             # A row may see no key of a tile its neighbours need: subtract 0, not -inf, so that
             # its p and alpha are exp2(-inf) = 0 instead of exp2(-inf - -inf) = NaN.
             m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -186,6 +188,12 @@ def attend_paged_range(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def window_start_of(seq_len, sliding_window):
+    """The first key a sequence's last token sees: seq_len - sliding_window (0 without a window)."""
+    return tl.maximum(seq_len - sliding_window, 0) * (sliding_window > 0)
 
 
 @triton.jit

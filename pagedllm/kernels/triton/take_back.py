@@ -1,4 +1,4 @@
-"""The deferred take-back of asynchronous speculation in one launch (worker/step_inputs.py:
+"""The deferred take-back of asynchronous speculation in one launch (worker/take_back.py:
 ``take_back_on_device``; its torch form, ``take_back_torch``, is about a dozen tiny kernels, and a
 step of decodes with a verification in flight is bound by the host's launches).
 
