@@ -84,6 +84,32 @@ def decode() -> None:
                     num_warps=8 if dtype == torch.float32 else 4,
                     **variant,
                 )
+        # Query groups (speculative verifications): 4 tokens x 4 heads fill the 16-row tile, 5
+        # pad it to 32; with the variants they allow.
+        query_lens = torch.tensor([0, 2], dtype=torch.int32)
+        grouped = (
+            {},
+            {"alibi_slopes": torch.ones(NUM_HEADS)},
+            {"logits_soft_cap": 30.0},
+            {"sinks": torch.zeros(NUM_HEADS)},
+        )
+        for max_query_len, variant in [(4, v) for v in grouped] + [(5, {})]:
+            paged_decode(
+                inputs.query,
+                inputs.key_cache,
+                inputs.value_cache,
+                inputs.block_tables,
+                inputs.seq_lens,
+                inputs.scale,
+                1024,
+                out,
+                query_lens=query_lens,
+                max_query_len=max_query_len,
+                partition_size=128,
+                block_n=32 if dtype == torch.float32 else 64,
+                num_warps=8 if dtype == torch.float32 else 4,
+                **variant,
+            )
 
 
 def prefill() -> None:
