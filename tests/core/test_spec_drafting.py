@@ -53,6 +53,29 @@ def test_ngram_proposer_continues_a_repeated_text():
     assert proposer.propose(np.asarray([1, 2, 3, 4]), 3) == []  # nothing recurs
 
 
+def test_ngram_drafts_follow_a_growing_request_as_a_fresh_search_would():
+    """draft() keeps each request's tokens as an array it extends by the new outputs (capacity
+    outgrown on the way); every draft is the naive search's over the tokens as they are, a request
+    not drafted for in a step is dropped at its samples (``receive``), and a new request under a
+    reused id starts over."""
+    rng = random.Random(0)
+    proposer = NgramProposer(SpeculativeConfig(prompt_lookup_min=1, prompt_lookup_max=3))
+    prompt = [rng.randrange(4) for _ in range(10)]
+    request = Request(7, prompt, SamplingParams(max_tokens=400), BLOCK_SIZE)
+    for _ in range(300):
+        assert proposer.draft(request, 3) == naive_ngram(prompt + request.output_token_ids, 1, 3, 3)
+        proposer.receive(ModelRunnerOutput([], [], []))
+        for _ in range(rng.randint(1, 4)):  # a verification's accepted tokens
+            request.append_output_token(rng.randrange(4), 0.0)
+    assert len(proposer._tokens[7].array) < 4 * request.num_tokens
+    # Not drafted for in a step: forgotten at its samples.
+    proposer.receive(ModelRunnerOutput([], [], []))
+    assert proposer._tokens == {}
+    again = Request(7, [3, 1, 2, 3, 1], SamplingParams(max_tokens=4), BLOCK_SIZE)
+    assert proposer.draft(request, 2) == naive_ngram(prompt + request.output_token_ids, 1, 3, 2)
+    assert proposer.draft(again, 2) == [2, 3]
+
+
 def make_scheduler(num_gpu_blocks: int = 32, k: int = 4, max_model_len: int = 64) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=max_model_len)
     spec = SpeculativeConfig(num_speculative_tokens=k, prompt_lookup_min=1, prompt_lookup_max=2)
