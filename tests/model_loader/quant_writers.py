@@ -193,6 +193,57 @@ def _round_inputs_as_compressed_tensors(model: nn.Module, args: dict, out_dir: P
             module.register_forward_pre_hook(lambda m, i, name=name: hook(m, i, name))
 
 
+def write_compressed_tensors_group_order(
+    hf_model: PreTrainedModel, out_dir: Path, group: int, symmetric: bool, seed: int = 0
+) -> PreTrainedModel:
+    """compressed-tensors' pack-quantized W4A16 with activation ordering "group", which the
+    library itself no longer writes (0.20 dropped it): each projection's inputs are grouped in a
+    random order (``weight_g_idx[perm[i]] = i // group``), its scales and zero points computed
+    per group from the columns in it; compressed-tensors' own ``pack_to_int32`` packs the signed
+    integers. The reference takes ``(q - z[:, g_idx]) * s[:, g_idx]``."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    reference = copy.deepcopy(hf_model)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, w in hf_model.state_dict().items():
+        if not LINEAR.match(name):
+            tensors[name] = w.contiguous()
+            continue
+        module = name.removesuffix(".weight")
+        n, k = w.shape
+        g_idx = torch.empty(k, dtype=torch.int32)
+        g_idx[torch.randperm(k, generator=generator)] = torch.arange(k, dtype=torch.int32) // group
+        columns = [w[:, g_idx == g] for g in range(k // group)]
+        lo = torch.stack([c.amin(1) for c in columns], 1).clamp(max=0)  # [N, G]
+        hi = torch.stack([c.amax(1) for c in columns], 1).clamp(min=0)
+        if symmetric:
+            scales, zeros = (torch.maximum(-lo, hi) / 7.5).clamp(min=1e-5), torch.zeros_like(lo)
+        else:
+            scales = ((hi - lo) / 15).clamp(min=1e-5)
+            zeros = (-8 - lo / scales).round().clamp(-8, 7)
+        scales = scales.half().float()  # stored in the model dtype's precision
+        s, z = scales[:, g_idx.long()], zeros[:, g_idx.long()]  # [N, K]
+        q = (w / s + z).round().clamp(-8, 7)
+        tensors[f"{module}.weight_packed"] = pack_to_int32(q.to(torch.int8), 4, packed_dim=1)
+        tensors[f"{module}.weight_scale"] = scales.half()
+        tensors[f"{module}.weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
+        tensors[f"{module}.weight_g_idx"] = g_idx
+        if not symmetric:
+            tensors[f"{module}.weight_zero_point"] = pack_to_int32(zeros.to(torch.int8), 4, packed_dim=0)
+        reference.get_parameter(name).data.copy_((q - z) * s)
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": group}
+    weights |= {"symmetric": symmetric, "actorder": "group"}
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "ignore": ["lm_head"],
+    }
+    _save(out_dir, hf_model, tensors, config)
+    return reference.eval()
+
+
 # --- Hugging Face "fp8" ---------------------------------------------------------------------
 
 

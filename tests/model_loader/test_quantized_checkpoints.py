@@ -17,6 +17,7 @@ from quant_writers import (
     round_linear_inputs,
     write_awq,
     write_compressed_tensors,
+    write_compressed_tensors_group_order,
     write_gptq,
     write_hf_fp8,
 )
@@ -359,7 +360,10 @@ def test_a_group_size_that_cuts_a_rank_shard_is_refused_naming_the_sizes_that_wo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("checkpoint", ["gptq-desc-act", "compressed-tensors-w4a16-asym", "fp8-block"])
+@pytest.mark.parametrize(
+    "checkpoint",
+    ["gptq-desc-act", "compressed-tensors-w4a16-asym", "compressed-tensors-group-order", "fp8-block"],
+)
 def test_two_ranks_give_the_greedy_tokens_of_one_on_a_quantized_checkpoint(tiny, checkpoint) -> None:
     from pagedllm import LLM, SamplingParams
 
@@ -368,6 +372,8 @@ def test_two_ranks_give_the_greedy_tokens_of_one_on_a_quantized_checkpoint(tiny,
         write_gptq(hf_model, model_dir, group=16)
     elif checkpoint == "fp8-block":
         write_hf_fp8(hf_model, model_dir, block=(16, 16))
+    elif checkpoint == "compressed-tensors-group-order":
+        write_compressed_tensors_group_order(hf_model, model_dir, group=16, symmetric=False)
     else:
         fields, fmt = COMPRESSED_TENSORS_SCHEMES["w4a16-asym-g16"]
         write_compressed_tensors(hf_model, model_dir, fields, fmt, _calibration(hf_model.config.vocab_size))
@@ -386,17 +392,64 @@ def test_two_ranks_give_the_greedy_tokens_of_one_on_a_quantized_checkpoint(tiny,
     assert outputs[2] == outputs[1]
 
 
-@pytest.mark.parametrize("actorder", ["group", "weight"])
-def test_compressed_tensors_activation_orders_with_a_permutation_are_refused(actorder: str) -> None:
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_compressed_tensors_group_activation_order_generates_as_hf_dequantized(
+    tiny, paged_runner, architecture, symmetric
+) -> None:
+    """actorder "group": each input's group from weight_g_idx (older llm-compressor's GPTQ)."""
+    hf_model, model_dir = tiny(architecture)
+    reference = write_compressed_tensors_group_order(hf_model, model_dir, group=16, symmetric=symmetric)
+    _assert_same_greedy(reference, model_dir, paged_runner)
+    # The prompts' logits too: a tiny random model's greedy tokens survive small weight errors
+    # (scales taken from the wrong groups, say), its logits do not.
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    model_config = ModelConfig(str(model_dir), str(model_dir), hf_config, torch.float32, 256)
+    model = get_model(model_config, "auto", CPU, TorchAttentionBackend)
+    prompts = _prompts(hf_config.vocab_size)
+    logits = paged_runner(model, model_config).step(dict(enumerate(prompts)))
+    with torch.no_grad():
+        for i, prompt in enumerate(prompts):
+            expected = reference(torch.tensor([prompt])).logits[0]
+            torch.testing.assert_close(logits[i], expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("actorder", ["weight", "static", None])
+def test_compressed_tensors_activation_orders_without_a_permutation_load_as_none(actorder) -> None:
+    """ "weight" is compressed-tensors' name for "static" (its alias): groups in place."""
     from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsConfig
 
     fields, fmt = COMPRESSED_TENSORS_SCHEMES["w4a16-asym-g32-actorder-static"]
     weights = fields["weights"] | {"actorder": actorder}
     config = {"format": fmt, "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}}}
-    message = (
-        rf"quantization_config.config_groups.group_0.weights.actorder must be null or 'static'.*'{actorder}'"
+    method = CompressedTensorsConfig.from_config(config).get_linear_method(
+        None, ["model.layers.0.mlp.up_proj"]
     )
-    with pytest.raises(ValueError, match=message):
+    assert not method.g_idx and "weight_g_idx" not in method.tensor_names
+
+
+@pytest.mark.parametrize(
+    ("weights", "message"),
+    [
+        (
+            {"actorder": "sideways"},
+            r"weights.actorder must be null, 'weight' \('static'\) or 'group' \('dynamic'\).*'sideways'",
+        ),
+        (
+            {"actorder": "group", "strategy": "channel"},
+            r"weights.strategy must be 'group' with actorder 'group'.*'channel'",
+        ),
+    ],
+)
+def test_impossible_activation_orders_are_refused_naming_the_field(weights, message) -> None:
+    from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsConfig
+
+    fields, fmt = COMPRESSED_TENSORS_SCHEMES["w4a16-asym-g32-actorder-static"]
+    config = {
+        "format": fmt,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": fields["weights"] | weights}},
+    }
+    with pytest.raises(ValueError, match=r"quantization_config.config_groups.group_0." + message):
         CompressedTensorsConfig.from_config(config)
 
 

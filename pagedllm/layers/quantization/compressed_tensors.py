@@ -89,15 +89,24 @@ def _int_scheme(
     require(bits in (4, 8), f"{field}.weights.num_bits", "4 or 8", bits)
     strategy = weights.get("strategy")
     require(strategy in ("group", "channel"), f"{field}.weights.strategy", "'group' or 'channel'", strategy)
-    # GPTQ's activation ordering: "static" (llm-compressor's default) quantizes the columns in
-    # activation order but keeps each in its own contiguous group, so nothing differs at inference;
-    # "group" and "weight" store a permutation (weight_g_idx), which this loader does not read.
+    # GPTQ's activation ordering (compressed-tensors' ActivationOrdering): "weight" (alias
+    # "static", llm-compressor's default) quantizes the columns in activation order but keeps each
+    # in its own contiguous group, so nothing differs at inference; "group" (alias "dynamic")
+    # groups the columns in that order and stores each input's group (weight_g_idx), as GPTQ's
+    # desc_act does.
     actorder = weights.get("actorder")
     require(
-        actorder in (None, False, "static"),
+        actorder in (None, False, "weight", "static", "group", "dynamic"),
         f"{field}.weights.actorder",
-        "null or 'static' ('group' and 'weight' store weight_g_idx, which is not supported)",
+        "null, 'weight' ('static') or 'group' ('dynamic')",
         actorder,
+    )
+    g_idx = actorder in ("group", "dynamic")
+    require(
+        not g_idx or strategy == "group",
+        f"{field}.weights.strategy",
+        f"'group' with actorder {actorder!r}",
+        strategy,
     )
     group_size = -1
     if strategy == "group":
@@ -111,7 +120,7 @@ def _int_scheme(
     symmetric = weights.get("symmetric", True)
     require(isinstance(symmetric, bool), f"{field}.weights.symmetric", "a bool", symmetric)
     scheme = IntWeightScheme(bits, group_size, symmetric)
-    return lambda: PackQuantizedMethod(scheme, per_channel=strategy == "channel")
+    return lambda: PackQuantizedMethod(scheme, per_channel=strategy == "channel", g_idx=g_idx)
 
 
 def _parse_group(field: str, group: dict[str, Any], default_format: str | None) -> MethodFactory:

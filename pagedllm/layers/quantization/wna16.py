@@ -17,10 +17,13 @@ row (``-1``: one group over every input), differing in where the bits sit:
                weight_zero_point    [N / (32/b), K / g]   output         (asymmetric only)
                weight_scale         [N, K / g]
                weight_shape         [2]
+               weight_g_idx         [K]                                  group of each input row
+                                                                         (actorder "group")
 
 AWQ and GPTQ are transposed (``[K, N]``: output features along dimension 1). With ``desc_act``
-GPTQ visits inputs in a permuted order, so a row-parallel shard's inputs may belong to any group:
-its scales and zeros are then kept whole on every rank and ``g_idx`` (sharded) picks from them.
+(compressed-tensors: ``actorder`` "group") the inputs are grouped in a permuted order, so a
+row-parallel shard's inputs may belong to any group: its scales and zeros are then kept whole on
+every rank and ``g_idx`` (sharded) picks from them.
 
 After loading, every format unpacks to one form, ``UnpackedWeight``: the integers ``q [N, K]``
 and per-group zero points and scales ``[N, K / g]``. From it a layer either runs the dequantized
@@ -28,8 +31,8 @@ product (the weight dequantized once, exactly in float32, then held in the model
 CPU's path and the oracle) or, on CUDA for 4-bit weights in groups of a multiple of 8, repacks it
 for the Triton W4A16 kernels: batches of at most 16 tokens take the weight-read-bound
 kernels/triton/skinny_gemm.py, larger ones the weight dequantized by one launch for cuBLAS
-(kernels/triton/quant_gemm.py). GPTQ's ``desc_act`` groups are not
-contiguous in K: those layers run dequantized everywhere, with a notice.
+(kernels/triton/quant_gemm.py). Groups in activation order (``g_idx``) are not contiguous in
+K: those layers run dequantized everywhere, with a notice.
 """
 
 from __future__ import annotations
@@ -119,7 +122,7 @@ class IntWeightMethod(LinearMethod):
         del layer.weight
         for name, (tensor, layout) in self.tensors(layer, n, k, group).items():
             param = set_layout(nn.Parameter(tensor, requires_grad=False), layout)
-            param.weight_loader = functools.partial(load_g_idx, layer) if name == "g_idx" else loader
+            param.weight_loader = functools.partial(load_g_idx, layer) if name.endswith("g_idx") else loader
             setattr(layer, name, param)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -263,13 +266,22 @@ class GPTQMethod(IntWeightMethod):
         if not self.desc_act:  # contiguous groups (one over this rank's inputs for group_size -1)
             group = q.shape[1] if self.scheme.group_size == -1 else self.group_size(layer)
             return UnpackedWeight(q, zeros, scales, group)
-        # Each input row's own group, projection by projection: groups of one input (kernel-less).
-        rows, start = [], 0
-        for projection, size in enumerate(layer.output_partition_sizes):
-            g_idx = layer.g_idx.data[projection].long()
-            rows.append((zeros[start : start + size, g_idx], scales[start : start + size, g_idx]))
-            start += size
-        return UnpackedWeight(q, torch.cat([z for z, _ in rows]), torch.cat([s for _, s in rows]), 1)
+        return UnpackedWeight(q, *expand_groups(layer, layer.g_idx.data, zeros, scales), 1)
+
+
+def expand_groups(
+    layer: nn.Module, g_idx: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeros and scales ``[N, num_groups]`` (whole: every group) as one column per input of this
+    rank, ``[N, K]``, each input's from its group (``g_idx`` ``[num_projections, K]``, a row per
+    projection of a merged layer: each was quantized in its own order). Groups of one input, which
+    no kernel takes."""
+    rows, start = [], 0
+    for projection, size in enumerate(layer.output_partition_sizes):
+        index = g_idx[projection].long()
+        rows.append((zeros[start : start + size, index], scales[start : start + size, index]))
+        start += size
+    return torch.cat([z for z, _ in rows]), torch.cat([s for _, s in rows])
 
 
 def load_g_idx(
@@ -289,23 +301,29 @@ def load_g_idx(
 
 
 class PackQuantizedMethod(IntWeightMethod):
-    """compressed-tensors' pack-quantized format (llm-compressor's W4A16 / W8A16)."""
+    """compressed-tensors' pack-quantized format (llm-compressor's W4A16 / W8A16); ``g_idx``: the
+    "group" activation order, each input's group in ``weight_g_idx`` (as GPTQ's desc_act: scales
+    and zeros whole on every rank, the layer dequantized)."""
 
-    def __init__(self, scheme: IntWeightScheme, per_channel: bool) -> None:
+    def __init__(self, scheme: IntWeightScheme, per_channel: bool, g_idx: bool = False) -> None:
         super().__init__(scheme)
         self.per_channel = per_channel
+        self.g_idx = g_idx
         self.offset = 1 << (scheme.bits - 1)  # the packing stores q + 2^(b-1), unsigned
 
     @property
     def tensor_names(self) -> tuple[str, ...]:
         names = ("weight_packed", "weight_scale", "weight_shape")
-        return names if self.scheme.symmetric else (*names, "weight_zero_point")
+        names = names if self.scheme.symmetric else (*names, "weight_zero_point")
+        return (*names, "weight_g_idx") if self.g_idx else names
 
     def check_divides(self, layer: nn.Module, group: int) -> None:
         pf = self.pack_factor
         out_unit = 1 if self.scheme.symmetric else pf
         what = f"{pf} zero points per int32 word (bits={self.scheme.bits})"
-        check_layer_divides(layer, out_unit, 1 if self.per_channel else group, what, f"group_size={group}")
+        # Groups in activation order span any inputs: no shard of the inputs can cut one.
+        whole = self.per_channel or self.g_idx
+        check_layer_divides(layer, out_unit, 1 if whole else group, what, f"group_size={group}")
         check_layer_divides(layer, 1, pf, "", f"{pf} values per int32 word (bits={self.scheme.bits})")
 
     def tensors(
@@ -314,6 +332,9 @@ class PackQuantizedMethod(IntWeightMethod):
         pf = self.pack_factor
         if self.per_channel:
             scale_layout, zero_layout, num_groups = ParamLayout(0, None), ParamLayout(0, None, pf, 1), 1
+        elif self.g_idx:  # every group on every rank
+            num_groups = layer.input_size_total // group
+            scale_layout, zero_layout = ParamLayout(0, None), ParamLayout(0, None, pf, 1)
         else:
             scale_layout, zero_layout, num_groups = (
                 ParamLayout(0, 1, 1, group),
@@ -330,6 +351,11 @@ class PackQuantizedMethod(IntWeightMethod):
                 torch.empty(-(-n // pf), num_groups, dtype=torch.int32),
                 zero_layout,
             )
+        if self.g_idx:
+            tensors["weight_g_idx"] = (
+                torch.empty(len(layer.output_sizes), k, dtype=torch.int32),
+                PER_PROJECTION,
+            )
         return tensors
 
     def unpack(self, layer: nn.Module) -> UnpackedWeight:
@@ -338,6 +364,11 @@ class PackQuantizedMethod(IntWeightMethod):
         q = (unpack_int32(layer.weight_packed.data, bits, 1) - self.offset)[:, :k]  # rows padded to words
         scales = layer.weight_scale.data.float()
         if self.scheme.symmetric:
-            return UnpackedWeight(q, torch.zeros_like(scales), scales, group, self.offset)
-        zeros = unpack_int32(layer.weight_zero_point.data, bits, 0)[:n] - self.offset
-        return UnpackedWeight(q, zeros.float(), scales, group, self.offset)
+            zeros = torch.zeros_like(scales)
+        else:
+            zeros = (unpack_int32(layer.weight_zero_point.data, bits, 0)[:n] - self.offset).float()
+        if self.g_idx:
+            return UnpackedWeight(
+                q, *expand_groups(layer, layer.weight_g_idx.data, zeros, scales), 1, self.offset
+            )
+        return UnpackedWeight(q, zeros, scales, group, self.offset)
