@@ -15,7 +15,7 @@ from pagedllm.attention.backends.abstract import AttentionBackend
 from pagedllm.config import ModelConfig
 from pagedllm.layers.quantization import keeps_gguf_quantized
 from pagedllm.model_loader.dummy_loader import initialize_dummy_weights
-from pagedllm.model_loader.hf_loader import iterate_safetensors_weights
+from pagedllm.model_loader.hf_loader import iterate_safetensors_weights, safetensors_names
 from pagedllm.model_loader.quantized import attach_quant_methods, resolve_quantization
 from pagedllm.models import get_model_class
 from pagedllm.models.utils import CausalLM
@@ -37,6 +37,7 @@ def get_model(
     if model_class is None:
         model_class = get_model_class(model_config.architectures, model_config.hf_config.model_type)
     quant_config = resolve_quantization(model_config)
+    load_format = _resolve_load_format(model_config, load_format)
     with _large_host_buffers_mapped():
         # Parameters are created directly on the device in the run dtype: no float32 CPU copy of
         # an 8B model on the way.
@@ -45,9 +46,11 @@ def get_model(
             if isinstance(model, CausalLM):  # a pipeline stage keeps its own modules only
                 model.keep_pipeline_stage()
             if quant_config is not None:
-                attach_quant_methods(model, quant_config)
+                # The checkpoint's names: a format may store a layer either way (dense or not).
+                names = _checkpoint_names(model_config) if load_format == "safetensors" else ()
+                attach_quant_methods(model, quant_config, names)
         with torch.no_grad():
-            _load_weights(model, model_config, _resolve_load_format(model_config, load_format), device)
+            _load_weights(model, model_config, load_format, device)
             quantized = [m for m in model.modules() if getattr(m, "quant_method", None) is not None]
             for module in quantized:
                 module.quant_method.process_weights_after_loading(module)
@@ -164,6 +167,14 @@ def _with_decoder_prefix(weights: Iterator[tuple[str, torch.Tensor]]) -> Iterato
     bare = first[0].startswith(_BARE_DECODER_NAMES)
     for name, tensor in itertools.chain([first], weights):
         yield (f"model.{name}" if bare and not name.startswith("lm_head.") else name), tensor
+
+
+def _checkpoint_names(model_config: ModelConfig) -> list[str]:
+    """The safetensors checkpoint's tensor names as the model loads them (``_with_decoder_prefix``)."""
+    return [
+        name
+        for name, _ in _with_decoder_prefix((name, None) for name in safetensors_names(model_config.model))
+    ]
 
 
 def _gguf_path(model_config: ModelConfig) -> str | None:

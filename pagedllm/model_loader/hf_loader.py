@@ -43,6 +43,22 @@ def find_safetensors_files(model_dir: str) -> list[str]:
     raise ValueError(f"no *.safetensors weights in {model_dir!r}")
 
 
+def safetensors_names(model_dir: str) -> list[str]:
+    """The checkpoint's tensor names, from its index or the files' headers (no tensor is read)."""
+    index_path = os.path.join(model_dir, SAFETENSORS_INDEX)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            return list(json.load(f)["weight_map"])
+    names = []
+    for path in find_safetensors_files(model_dir):
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                names += f.keys()
+        except (OSError, RuntimeError, SafetensorError) as e:
+            raise ValueError(f"cannot read the weights file {path!r}: {e}") from e
+    return names
+
+
 def iterate_safetensors_weights(model_dir: str) -> Iterator[tuple[str, CheckpointSlice]]:
     """(Hugging Face name, unread CheckpointSlice) of every checkpoint tensor, one at a time: the
     weight loaders narrow each to this rank's shard, and only that region is read from the file

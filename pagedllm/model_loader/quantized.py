@@ -3,6 +3,8 @@ the checkpoint's tensors: layers/quantization), from the checkpoint's ``quantiza
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from torch import nn
 
 from pagedllm.config import ModelConfig
@@ -25,13 +27,19 @@ def checkpoint_prefixes(model: nn.Module, name: str) -> list[str]:
     return [f"{head}.{source}" for source, _ in sources]
 
 
-def attach_quant_methods(model: nn.Module, quant_config: QuantizationConfig) -> None:
-    """Set ``quant_method`` on every layer the checkpoint quantized and make its tensors."""
+def attach_quant_methods(
+    model: nn.Module, quant_config: QuantizationConfig, checkpoint_names: Collection[str] = ()
+) -> None:
+    """Set ``quant_method`` on every layer the checkpoint quantized and make its tensors;
+    ``checkpoint_names``: the checkpoint's tensor names (empty for dummy weights)."""
+    checkpoint_names = frozenset(checkpoint_names)
     for name, module in model.named_modules():
         if isinstance(module, LinearBase) and module.quantizable:
             method = quant_config.get_linear_method(module, checkpoint_prefixes(model, name))
         elif isinstance(module, FusedMoE):
-            method = quant_config.get_moe_method(module, checkpoint_prefixes(model, name)[0])
+            method = quant_config.get_moe_method(
+                module, checkpoint_prefixes(model, name)[0], checkpoint_names
+            )
         else:
             continue
         if method is not None:

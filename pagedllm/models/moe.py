@@ -25,8 +25,12 @@ _STACKED_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 _STACKED_PROJECTION = re.compile(
     r"^(?P<experts>.*\.experts)\.(?P<projection>gate_proj|up_proj|down_proj)\.weight$"
 )
-# The tensors of one expert's projection: its weight, and an FP8 checkpoint's scales.
-_SUFFIXES = "weight|weight_scale_inv|weight_scale|input_scale"
+# The tensors of one expert's projection: its weight, an FP8 checkpoint's scales, and the integer
+# formats' packed weights, scales, zero points and group indices (AWQ, GPTQ, compressed-tensors).
+_SUFFIXES = (
+    "weight|weight_scale_inv|weight_scale|input_scale|qweight|qzeros|scales|g_idx"
+    "|weight_packed|weight_zero_point|weight_shape|weight_g_idx"
+)
 # Our stacked expert parameters: gate_up_proj / down_proj, and <that>_<suffix> for the scales.
 _EXPERT_PARAM = re.compile(r"\.experts\.(?P<param>gate_up_proj|down_proj)(?:_(?P<suffix>\w+))?$")
 

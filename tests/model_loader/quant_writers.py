@@ -90,10 +90,16 @@ def _rounded_experts_forward(experts: nn.Module, qdq: Callable) -> Callable:
 
 
 def write_compressed_tensors(
-    hf_model: PreTrainedModel, out_dir: Path, scheme: dict, fmt: str, calibration: torch.Tensor
-) -> PreTrainedModel:
+    hf_model: PreTrainedModel,
+    out_dir: Path,
+    scheme: dict,
+    fmt: str,
+    calibration: torch.Tensor,
+    with_reference: bool = True,
+) -> PreTrainedModel | None:
     """Quantize ``hf_model``'s linear layers with compressed-tensors (scheme: QuantizationScheme
-    fields), save the compressed checkpoint to ``out_dir``; returns the reference model."""
+    fields), save the compressed checkpoint to ``out_dir``; returns the reference model (None
+    without ``with_reference``: transformers 5 cannot load back a mixture of experts it saved so)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
@@ -126,6 +132,8 @@ def write_compressed_tensors(
     compressor.compress_model(model)
     model.save_pretrained(out_dir)
     compressor.update_config(str(out_dir))
+    if not with_reference:
+        return None
     reference = AutoModelForCausalLM.from_pretrained(
         out_dir, dtype=torch.float32, quantization_config=CompressedTensorsConfig(run_compressed=False)
     ).eval()
@@ -194,27 +202,26 @@ def _round_inputs_as_compressed_tensors(model: nn.Module, args: dict, out_dir: P
 
 
 def write_compressed_tensors_group_order(
-    hf_model: PreTrainedModel, out_dir: Path, group: int, symmetric: bool, seed: int = 0
+    hf_model: PreTrainedModel, out_dir: Path, group: int, symmetric: bool, g_idx: bool = True, seed: int = 0
 ) -> PreTrainedModel:
-    """compressed-tensors' pack-quantized W4A16 with activation ordering "group", which the
-    library itself no longer writes (0.20 dropped it): each projection's inputs are grouped in a
-    random order (``weight_g_idx[perm[i]] = i // group``), its scales and zero points computed
-    per group from the columns in it; compressed-tensors' own ``pack_to_int32`` packs the signed
-    integers. The reference takes ``(q - z[:, g_idx]) * s[:, g_idx]``."""
+    """compressed-tensors' pack-quantized W4A16 written here, experts included (llm-compressor
+    writes each expert's projections, as the Linear modules they were in transformers 4; on
+    transformers 5 compressed-tensors itself cannot reach fused experts). With ``g_idx``, the
+    activation ordering "group", which the library no longer writes (0.20 dropped it): each
+    projection's inputs are grouped in a random order (``weight_g_idx[perm[i]] = i // group``).
+    Scales and zero points are computed per group from the columns in it; compressed-tensors' own
+    ``pack_to_int32`` packs the signed integers. The reference takes ``(q - z) * s`` per input."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
-    reference = copy.deepcopy(hf_model)
     generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, w in hf_model.state_dict().items():
-        if not LINEAR.match(name):
-            tensors[name] = w.contiguous()
-            continue
-        module = name.removesuffix(".weight")
+
+    def quantize(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         n, k = w.shape
-        g_idx = torch.empty(k, dtype=torch.int32)
-        g_idx[torch.randperm(k, generator=generator)] = torch.arange(k, dtype=torch.int32) // group
-        columns = [w[:, g_idx == g] for g in range(k // group)]
+        index = torch.arange(k, dtype=torch.int32) // group
+        if g_idx:
+            index = torch.empty(k, dtype=torch.int32)
+            index[torch.randperm(k, generator=generator)] = torch.arange(k, dtype=torch.int32) // group
+        columns = [w[:, index == g] for g in range(k // group)]
         lo = torch.stack([c.amin(1) for c in columns], 1).clamp(max=0)  # [N, G]
         hi = torch.stack([c.amax(1) for c in columns], 1).clamp(min=0)
         if symmetric:
@@ -223,25 +230,29 @@ def write_compressed_tensors_group_order(
             scales = ((hi - lo) / 15).clamp(min=1e-5)
             zeros = (-8 - lo / scales).round().clamp(-8, 7)
         scales = scales.half().float()  # stored in the model dtype's precision
-        s, z = scales[:, g_idx.long()], zeros[:, g_idx.long()]  # [N, K]
+        s, z = scales[:, index.long()], zeros[:, index.long()]  # [N, K]
         q = (w / s + z).round().clamp(-8, 7)
-        tensors[f"{module}.weight_packed"] = pack_to_int32(q.to(torch.int8), 4, packed_dim=1)
-        tensors[f"{module}.weight_scale"] = scales.half()
-        tensors[f"{module}.weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
-        tensors[f"{module}.weight_g_idx"] = g_idx
+        tensors = {
+            "weight_packed": pack_to_int32(q.to(torch.int8), 4, packed_dim=1),
+            "weight_scale": scales.half(),
+            "weight_shape": torch.tensor([n, k], dtype=torch.int64),
+        }
+        if g_idx:
+            tensors["weight_g_idx"] = index
         if not symmetric:
-            tensors[f"{module}.weight_zero_point"] = pack_to_int32(zeros.to(torch.int8), 4, packed_dim=0)
-        reference.get_parameter(name).data.copy_((q - z) * s)
-    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": group}
-    weights |= {"symmetric": symmetric, "actorder": "group"}
+            tensors["weight_zero_point"] = pack_to_int32(zeros.to(torch.int8), 4, packed_dim=0)
+        return tensors, (q - z) * s
+
+    weights = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": group, "symmetric": symmetric}
+    if g_idx:
+        weights["actorder"] = "group"
     config = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
-        "ignore": ["lm_head"],
+        "ignore": ["lm_head", "re:.*mlp.gate$"],
     }
-    _save(out_dir, hf_model, tensors, config)
-    return reference.eval()
+    return _write_integer(hf_model, out_dir, quantize, config)
 
 
 # --- Hugging Face "fp8" ---------------------------------------------------------------------
@@ -377,22 +388,19 @@ def rtn_asymmetric(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def write_awq(hf_model: PreTrainedModel, out_dir: Path, group: int) -> PreTrainedModel:
-    reference = copy.deepcopy(hf_model)
-    tensors = {}
-    for name, value in hf_model.state_dict().items():
-        if not LINEAR.match(name):
-            tensors[name] = value.contiguous()
-            continue
-        module = name.removesuffix(".weight")
-        q, zeros, scales = rtn_asymmetric(value, group)
-        tensors[f"{module}.qweight"] = pack_nibbles(q.t().contiguous(), AWQ_ORDER)  # [K, N / 8]
-        tensors[f"{module}.qzeros"] = pack_nibbles(zeros.t().contiguous(), AWQ_ORDER)  # [K / g, N / 8]
-        tensors[f"{module}.scales"] = scales.t().contiguous()  # [K / g, N]
-        dense = (q - zeros.repeat_interleave(group, 1)).float() * scales.float().repeat_interleave(group, 1)
-        reference.get_parameter(name).data.copy_(dense)
+    def quantize(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        q, zeros, scales = rtn_asymmetric(w, group)
+        tensors = {
+            "qweight": pack_nibbles(q.t().contiguous(), AWQ_ORDER),  # [K, N / 8]
+            "qzeros": pack_nibbles(zeros.t().contiguous(), AWQ_ORDER),  # [K / g, N / 8]
+            "scales": scales.t().contiguous(),  # [K / g, N]
+        }
+        return tensors, (q - zeros.repeat_interleave(group, 1)).float() * scales.float().repeat_interleave(
+            group, 1
+        )
+
     config = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
-    _save(out_dir, hf_model, tensors, config)
-    return reference.eval()
+    return _write_integer(hf_model, out_dir, quantize, config)
 
 
 def write_gptq(
@@ -400,14 +408,9 @@ def write_gptq(
 ) -> PreTrainedModel:
     """Symmetric 4-bit GPTQ; with desc_act, inputs visited in a random order per projection and
     groups formed along that order (``g_idx[perm[i]] = i // group``); zeros stored minus one."""
-    reference = copy.deepcopy(hf_model)
     generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for name, w in hf_model.state_dict().items():
-        if not LINEAR.match(name):
-            tensors[name] = w.contiguous()
-            continue
-        module = name.removesuffix(".weight")
+
+    def quantize(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         n, k = w.shape
         perm = torch.randperm(k, generator=generator) if desc_act else torch.arange(k)
         g_idx = torch.empty(k, dtype=torch.int32)
@@ -416,13 +419,55 @@ def write_gptq(
         scales = (2 * amax / 15).clamp(min=1e-5).half()  # [N, G]
         s = scales.float()[:, g_idx.long()]  # [N, K]
         q = (w / s + 8).round().clamp(0, 15).int()
-        tensors[f"{module}.qweight"] = pack_nibbles(q.contiguous()).t().contiguous()  # [K / 8, N]: along K
-        tensors[f"{module}.qzeros"] = pack_nibbles(torch.full((k // group, n), 7))  # z - 1 = 7
-        tensors[f"{module}.scales"] = scales.t().contiguous()
-        tensors[f"{module}.g_idx"] = g_idx
-        reference.get_parameter(name).data.copy_((q - 8).float() * s)
+        tensors = {
+            "qweight": pack_nibbles(q.contiguous()).t().contiguous(),  # [K / 8, N]: along K
+            "qzeros": pack_nibbles(torch.full((k // group, n), 7)),  # z - 1 = 7
+            "scales": scales.t().contiguous(),
+            "g_idx": g_idx,
+        }
+        return tensors, (q - 8).float() * s
+
     config = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act, "sym": True}
-    _save(out_dir, hf_model, tensors, config)
+    return _write_integer(hf_model, out_dir, quantize, config)
+
+
+def _write_integer(
+    hf_model: PreTrainedModel,
+    out_dir: Path,
+    quantize: Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]],
+    quantization_config: dict,
+) -> PreTrainedModel:
+    """Every linear weight and every expert's projection through ``quantize`` (w [N, K] ->
+    (the format's tensors by suffix, the dequantized weight)), experts one tensor set each, named
+    as the published checkpoints of the model type name them; the reference takes the dequantized
+    weights."""
+    reference = copy.deepcopy(hf_model)
+    module_name, (gate, up, down) = EXPERT_NAMES.get(
+        hf_model.config.model_type, ("mlp", ("gate_proj", "up_proj", "down_proj"))
+    )
+    tensors = {}
+    for name, value in hf_model.state_dict().items():
+        if LINEAR.match(name):
+            quantized, dense = quantize(value)
+            tensors.update({f"{name.removesuffix('.weight')}.{k}": v for k, v in quantized.items()})
+            reference.get_parameter(name).data.copy_(dense)
+        elif match := EXPERTS.match(name):
+            prefix = match["prefix"].replace(".mlp.", f".{module_name}.")
+            dequantized = torch.empty_like(value)
+            for e, w in enumerate(value):
+                i = w.shape[0] // 2
+                pieces = (
+                    [(down, slice(None))]
+                    if match["param"] == "down_proj"
+                    else [(gate, slice(0, i)), (up, slice(i, 2 * i))]
+                )
+                for projection, rows in pieces:
+                    quantized, dequantized[e, rows] = quantize(w[rows])
+                    tensors.update({f"{prefix}.{e}.{projection}.{k}": v for k, v in quantized.items()})
+            reference.get_parameter(name).data.copy_(dequantized)
+        else:
+            tensors[name] = value.contiguous()
+    _save(out_dir, hf_model, tensors, quantization_config)
     return reference.eval()
 
 

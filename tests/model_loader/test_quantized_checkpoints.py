@@ -359,16 +359,54 @@ def test_a_group_size_that_cuts_a_rank_shard_is_refused_naming_the_sizes_that_wo
         AWQMethod(IntWeightScheme(4, 32, symmetric=False)).create_weights(down_proj)
 
 
+@pytest.mark.parametrize(
+    ("group", "message"),
+    [
+        (32, r"group_size=32 does not divide FusedMoEProjection's input shard of 48 features"),
+        (
+            16,
+            r"8 values per int32 word \(AWQ bits=4\) does not divide FusedMoEProjection's output shard of 12",
+        ),
+    ],
+)
+def test_quantized_experts_whose_shards_cut_a_group_or_a_word_are_refused(
+    monkeypatch, group, message
+) -> None:
+    """down's inputs and gate/up's outputs are the experts' split features: a group or a packed
+    word they would cut is refused before loading, naming the field."""
+    from pagedllm.layers.fused_moe import layer as fused_moe_layer
+    from pagedllm.layers.quantization.wna16 import AWQMethod, IntWeightScheme
+    from pagedllm.layers.quantization.wna16_moe import IntWeightMoEMethod
+
+    monkeypatch.setattr(fused_moe_layer, "get_tensor_model_parallel_world_size", lambda: 2)
+    monkeypatch.setattr(fused_moe_layer, "get_tensor_model_parallel_rank", lambda: 0)
+    intermediate = 96 if group == 32 else 24  # per rank: 48 (32 does not divide it); 12 (not 8 words)
+    experts = fused_moe_layer.FusedMoE(4, 2, 64, intermediate, renormalize=True)
+    with pytest.raises(ValueError, match=message):
+        IntWeightMoEMethod(lambda: AWQMethod(IntWeightScheme(4, group, symmetric=False))).create_weights(
+            experts
+        )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "checkpoint",
-    ["gptq-desc-act", "compressed-tensors-w4a16-asym", "compressed-tensors-group-order", "fp8-block"],
+    [
+        "gptq-desc-act",
+        "compressed-tensors-w4a16-asym",
+        "compressed-tensors-group-order",
+        "fp8-block",
+        *(f"qwen3_moe-{name}" for name in ("awq", "gptq-desc-act", "compressed-tensors-group-order")),
+    ],
 )
 def test_two_ranks_give_the_greedy_tokens_of_one_on_a_quantized_checkpoint(tiny, checkpoint) -> None:
     from pagedllm import LLM, SamplingParams
 
-    hf_model, model_dir = tiny("llama")
-    if checkpoint == "gptq-desc-act":
+    moe_checkpoint = checkpoint.removeprefix("qwen3_moe-")
+    hf_model, model_dir = tiny("qwen3_moe" if moe_checkpoint != checkpoint else "llama")
+    if moe_checkpoint != checkpoint:  # every expert quantized, their shards cut at 16 features
+        MOE_WRITERS[moe_checkpoint](hf_model, model_dir)
+    elif checkpoint == "gptq-desc-act":
         write_gptq(hf_model, model_dir, group=16)
     elif checkpoint == "fp8-block":
         write_hf_fp8(hf_model, model_dir, block=(16, 16))
@@ -401,8 +439,12 @@ def test_compressed_tensors_group_activation_order_generates_as_hf_dequantized(
     hf_model, model_dir = tiny(architecture)
     reference = write_compressed_tensors_group_order(hf_model, model_dir, group=16, symmetric=symmetric)
     _assert_same_greedy(reference, model_dir, paged_runner)
-    # The prompts' logits too: a tiny random model's greedy tokens survive small weight errors
-    # (scales taken from the wrong groups, say), its logits do not.
+    _assert_same_logits(reference, model_dir, paged_runner)
+
+
+def _assert_same_logits(reference: PreTrainedModel, model_dir: Path, paged_runner: type) -> None:
+    """The prompts' logits equal the reference's: a tiny random model's greedy tokens survive
+    small weight errors (scales taken from the wrong groups, say), its logits do not."""
     hf_config = AutoConfig.from_pretrained(model_dir)
     model_config = ModelConfig(str(model_dir), str(model_dir), hf_config, torch.float32, 256)
     model = get_model(model_config, "auto", CPU, TorchAttentionBackend)
@@ -412,6 +454,52 @@ def test_compressed_tensors_group_activation_order_generates_as_hf_dequantized(
         for i, prompt in enumerate(prompts):
             expected = reference(torch.tensor([prompt])).logits[0]
             torch.testing.assert_close(logits[i], expected, atol=1e-4, rtol=1e-4)
+
+
+# Mixture-of-experts checkpoints as AutoAWQ, GPTQModel and llm-compressor publish them: every
+# expert's projections quantized, one tensor set each (the router stays dense).
+MOE_WRITERS = {
+    "awq": lambda model, out: write_awq(model, out, group=16),
+    "gptq-desc-act": lambda model, out: write_gptq(model, out, group=16, desc_act=True),
+    "gptq": lambda model, out: write_gptq(model, out, group=16, desc_act=False),
+    "compressed-tensors-asym": lambda model, out: write_compressed_tensors_group_order(
+        model, out, group=16, symmetric=False, g_idx=False
+    ),
+    "compressed-tensors-group-order": lambda model, out: write_compressed_tensors_group_order(
+        model, out, group=16, symmetric=True
+    ),
+}
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("checkpoint", sorted(MOE_WRITERS))
+def test_integer_quantized_experts_generate_as_hf_dequantized(
+    tiny, paged_runner, architecture, checkpoint
+) -> None:
+    hf_model, model_dir = tiny(architecture)
+    reference = MOE_WRITERS[checkpoint](hf_model, model_dir)
+    _assert_same_greedy(reference, model_dir, paged_runner)
+    _assert_same_logits(reference, model_dir, paged_runner)
+
+
+def test_compressed_tensors_experts_stay_dense_where_the_checkpoint_stores_them_dense(tiny) -> None:
+    """compressed-tensors on transformers 5 quantizes the Linear modules, which its fused experts
+    are not: the checkpoint stores them dense (one tensor per expert, as transformers saves them),
+    and they load as such beside the quantized attention."""
+    hf_model, model_dir = tiny("qwen3_moe")
+    fields, fmt = COMPRESSED_TENSORS_SCHEMES["w4a16-sym-g32"]
+    calibration = _calibration(hf_model.config.vocab_size)
+    write_compressed_tensors(hf_model, model_dir, fields, fmt, calibration, with_reference=False)
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in load_file(str(model_dir / "model.safetensors"))
+    model_config = ModelConfig(
+        str(model_dir), str(model_dir), AutoConfig.from_pretrained(model_dir), torch.float32, 256
+    )
+    model = get_model(model_config, "auto", CPU, TorchAttentionBackend)
+    layer = model.model.layers[0]
+    assert layer.mlp.experts.quant_method is None and layer.self_attn.qkv_proj.quant_method is not None
+    expected = hf_model.model.layers[0].mlp.experts
+    torch.testing.assert_close(layer.mlp.experts.gate_up_proj, expected.gate_up_proj, atol=0, rtol=0)
+    torch.testing.assert_close(layer.mlp.experts.down_proj, expected.down_proj, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("actorder", ["weight", "static", None])

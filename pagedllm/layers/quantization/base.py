@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from typing import Any, ClassVar
 
 import torch
@@ -75,7 +76,10 @@ class QuantizationConfig(ABC):
         """The method of a linear layer holding the checkpoint modules ``prefixes`` (q, k and v
         for a merged qkv_proj), or None to keep it dense."""
 
-    def get_moe_method(self, layer: nn.Module, prefix: str) -> Any:
+    def get_moe_method(self, layer: nn.Module, prefix: str, checkpoint_names: Collection[str] = ()) -> Any:
+        """The method of a FusedMoE layer holding the checkpoint's experts ``prefix``, or None to keep
+        them dense; ``checkpoint_names``: the checkpoint's tensor names, where a format's
+        experts may be stored either way (empty: no checkpoint, dummy weights)."""
         raise ValueError(
             f"quant_method {self.name!r} has no support for mixture-of-experts layers ({prefix})"
         )

@@ -16,7 +16,7 @@ FP8 schemes run through ``Fp8LinearMethod`` (fp8.py), integer ones through
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from torch import nn
@@ -24,6 +24,7 @@ from torch import nn
 from pagedllm.layers.quantization.base import LinearMethod, QuantizationConfig, matches, require, same_for_all
 from pagedllm.layers.quantization.fp8 import ActivationScheme, Fp8LinearMethod, Fp8Scheme, WeightScheme
 from pagedllm.layers.quantization.wna16 import IntWeightScheme, PackQuantizedMethod
+from pagedllm.layers.quantization.wna16_moe import IntWeightMoEMethod
 
 MethodFactory = Callable[[], LinearMethod]
 _FP8_WEIGHT_STRATEGIES = {
@@ -183,9 +184,29 @@ class CompressedTensorsConfig(QuantizationConfig):
                 return index
         return None
 
-    def get_moe_method(self, layer: nn.Module, prefix: str) -> Any:
-        # Targets of "Linear" do not reach fused experts (transformers' experts are not Linear
-        # modules); a scheme that names them would need quantized experts, not supported yet.
-        if matches(prefix, self.ignored) or not any(matches(prefix, g[1]) for g in self.groups):
+    def get_moe_method(self, layer: nn.Module, prefix: str, checkpoint_names: Collection[str] = ()) -> Any:
+        """Experts as the checkpoint stores them. llm-compressor quantizes each expert's
+        projections as the Linear modules they were (one set of tensors per expert; transformers 4,
+        or its calibration's unfused experts); compressed-tensors on transformers 5's fused
+        experts, which are no Linear modules, leaves them dense. So the experts are quantized
+        where the checkpoint has packed tensors under ``prefix``, with the scheme of the group
+        that takes their projections."""
+        if matches(prefix, self.ignored):
             return None
-        return super().get_moe_method(layer, prefix)
+        packed = any(
+            name.startswith(f"{prefix}.") and name.endswith(".weight_packed") for name in checkpoint_names
+        )
+        if not packed:
+            return None
+        index = self._group_of(f"{prefix}.0.down_proj")
+        if index is None:
+            raise ValueError(
+                f"quantization_config.config_groups: no group's targets take the experts {prefix}"
+            )
+        method = self.groups[index][2]()
+        if not isinstance(method, PackQuantizedMethod):
+            raise ValueError(
+                f"{self.groups[index][0]}: quantized experts ({prefix}) are supported in the pack-quantized "
+                "format (W4A16 / W8A16)"
+            )
+        return IntWeightMoEMethod(self.groups[index][2])

@@ -18,6 +18,7 @@ load, per output channel, with dynamic per-token activations (vLLM's online FP8)
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from torch import nn
@@ -31,6 +32,7 @@ from pagedllm.layers.quantization.fp8 import (
     WeightScheme,
 )
 from pagedllm.layers.quantization.wna16 import AWQMethod, GPTQMethod, IntWeightScheme
+from pagedllm.layers.quantization.wna16_moe import IntWeightMoEMethod
 
 
 class Fp8Config(QuantizationConfig):
@@ -79,7 +81,7 @@ class Fp8Config(QuantizationConfig):
             return None
         return Fp8LinearMethod(self.scheme)
 
-    def get_moe_method(self, layer: nn.Module, prefix: str) -> Any:
+    def get_moe_method(self, layer: nn.Module, prefix: str, checkpoint_names: Collection[str] = ()) -> Any:
         from pagedllm.layers.quantization.fp8_moe import Fp8MoEMethod
 
         if matches(prefix, self.ignored):
@@ -127,6 +129,10 @@ class AWQConfig(QuantizationConfig):
             return None
         return AWQMethod(self.scheme)
 
+    def get_moe_method(self, layer: nn.Module, prefix: str, checkpoint_names: Collection[str] = ()) -> Any:
+        # AutoAWQ quantizes every expert's projections.
+        return None if matches(prefix, self.ignored) else IntWeightMoEMethod(lambda: AWQMethod(self.scheme))
+
 
 class GPTQConfig(QuantizationConfig):
     """GPTQ (AutoGPTQ, GPTQModel): 4- or 8-bit, optional act order (``desc_act``)."""
@@ -156,6 +162,12 @@ class GPTQConfig(QuantizationConfig):
         if same_for_all(prefixes, self.ignored, "modules_to_not_convert"):
             return None
         return GPTQMethod(self.scheme, self.desc_act, self.zero_offset)
+
+    def get_moe_method(self, layer: nn.Module, prefix: str, checkpoint_names: Collection[str] = ()) -> Any:
+        # GPTQModel quantizes every expert's projections.
+        if matches(prefix, self.ignored):
+            return None
+        return IntWeightMoEMethod(lambda: GPTQMethod(self.scheme, self.desc_act, self.zero_offset))
 
 
 # quant_method -> its config class.

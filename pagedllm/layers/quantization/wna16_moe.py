@@ -1,0 +1,125 @@
+"""Integer weight-only experts of a FusedMoE layer (AWQ, GPTQ, compressed-tensors pack-quantized),
+as AutoAWQ, GPTQModel and llm-compressor publish mixture-of-experts models: one set of tensors per
+expert and projection, each in its format's linear layout (wna16.py).
+
+Stored (this rank's), for each of ``gate_up_proj`` and ``down_proj`` and each tensor ``t`` its
+format keeps for a linear layer (``qweight``, ``scales``, ``g_idx``, ``weight_packed``, ...):
+
+    <projection>_<t>    [E, *t's shape for the projection's [n, k] shard]
+
+with ``t``'s layout, so that FusedMoE's loader shards every expert's tensor as it shards a weight
+(gate and up: the intermediate features split, each into its half; down: its inputs split; a
+per-projection tensor such as ``g_idx`` by the loader here). The format's own linear method
+(``IntWeightMethod``) makes the shapes, checks the shards and unpacks each expert, through
+``FusedMoEProjection``, which answers what it asks of a linear layer.
+
+After loading every expert is dequantized, exactly in float32, then held in the model dtype: the
+torch path and the fused MoE kernel multiply it as a dense expert (one notice on a GPU: loaded and
+correct, without the 4-bit memory or bandwidth saving yet).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pagedllm.distributed import get_tensor_model_parallel_rank
+from pagedllm.layers.quantization.base import notify_fallback
+from pagedllm.layers.quantization.params import set_layout
+from pagedllm.layers.quantization.wna16 import IntWeightMethod
+from pagedllm.layers.utils import CheckpointSlice, CheckpointTensor
+
+
+@dataclass
+class FusedMoEProjection:
+    """One projection of the experts as a linear layer of this rank: what an ``IntWeightMethod``
+    reads of one (sizes, shards), and after loading one expert's tensors as attributes."""
+
+    output_sizes: list[int]  # whole-model outputs per merged projection (gate, up) or (down)
+    output_partition_sizes: list[int]
+    input_size_total: int
+    tp_size: int
+    weight: torch.Tensor  # [n, k] on the meta device: the shard's shape
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        try:
+            return self.__dict__["tensors"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class IntWeightMoEMethod:
+    """The integer-quantized experts of one FusedMoE layer (see the module doc); ``make_method``
+    gives the format's linear method, one per projection."""
+
+    def __init__(self, make_method: Callable[[], IntWeightMethod]) -> None:
+        self.methods = {"gate_up_proj": make_method(), "down_proj": make_method()}
+        self.projections: dict[str, FusedMoEProjection] = {}
+
+    def create_weights(self, layer: nn.Module) -> None:
+        layer.params_dtype = layer.gate_up_proj.dtype
+        tp = layer.tp_size
+        for name, method in self.methods.items():
+            _, n, k = getattr(layer, name).shape  # this rank's
+            shape = torch.empty(n, k, device="meta")
+            if name == "gate_up_proj":  # gate and up: column parallel, merged
+                projection = FusedMoEProjection([n // 2 * tp] * 2, [n // 2] * 2, k, tp, shape)
+            else:  # down: row parallel
+                projection = FusedMoEProjection([n], [n], k * tp, tp, shape)
+            group = method.group_size(projection)
+            if projection.input_size_total % group:
+                raise ValueError(
+                    f"group_size={group} does not divide the experts' {projection.input_size_total} "
+                    f"{name} input features"
+                )
+            method.check_divides(projection, group)
+            method.input_size = k
+            for tensor_name, (tensor, layout) in method.tensors(projection, n, k, group).items():
+                stacked = torch.empty(layer.num_experts, *tensor.shape, dtype=tensor.dtype)
+                param = set_layout(nn.Parameter(stacked, requires_grad=False), layout)
+                param.is_down = name == "down_proj"
+                param.weight_loader = _load_per_projection if layout.per_projection else layer.weight_loader
+                setattr(layer, f"{name}_{tensor_name}", param)
+            delattr(layer, name)
+            self.projections[name] = projection
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        for name, method in self.methods.items():
+            projection, experts = self.projections[name], []
+            for expert in range(layer.num_experts):
+                projection.tensors = {
+                    t: getattr(layer, f"{name}_{t}").data[expert] for t in method.tensor_names
+                }
+                experts.append(method.unpack(projection).dequantize())
+            projection.tensors = {}
+            for tensor_name in method.tensor_names:
+                delattr(layer, f"{name}_{tensor_name}")
+            layer.register_buffer(name, torch.stack(experts).to(layer.params_dtype), persistent=False)
+        notify_fallback("integer-quantized experts (no grouped W4A16 GEMM yet)", layer.gate_up_proj.device)
+
+
+def _load_per_projection(
+    param: nn.Parameter, loaded: CheckpointTensor, shard_id: tuple[int | None, int | None] | None
+) -> None:
+    """One expert's per-projection tensor (``g_idx``: each input's group; ``weight_shape``) into
+    its row of ``param`` ``[E, projections, ...]``, a down projection's inputs narrowed to this
+    rank's; stacked over experts (``(None, projection)``), split per expert."""
+    if shard_id is None:
+        raise ValueError("per-projection tensors of quantized experts come one expert at a time")
+    value = loaded.read() if isinstance(loaded, CheckpointSlice) else loaded
+    expert, projection = shard_id
+    if expert is None:
+        for e, row in enumerate(value):
+            _load_per_projection(param, row, (e, projection))
+        return
+    row = param.data[expert, projection or 0]
+    if param.is_down and value.shape != row.shape:  # down's inputs are split over the ranks
+        size = row.shape[0]
+        value = value.narrow(0, get_tensor_model_parallel_rank() * size, size)
+    if value.shape != row.shape:
+        raise ValueError(f"shape mismatch: {tuple(value.shape)} for an expert's {tuple(row.shape)}")
+    row.copy_(value)
