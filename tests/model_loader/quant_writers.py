@@ -252,7 +252,39 @@ def write_compressed_tensors_group_order(
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
         "ignore": ["lm_head", "re:.*mlp.gate$"],
     }
-    return _write_integer(hf_model, out_dir, quantize, config)
+    return _write_per_weight(hf_model, out_dir, quantize, config)
+
+
+def write_compressed_tensors_fp8(hf_model: PreTrainedModel, out_dir: Path, strategy: str) -> PreTrainedModel:
+    """compressed-tensors' float-quantized FP8 W8A8 as llm-compressor's FP8-dynamic writes it,
+    experts included (each expert's projections: see ``write_compressed_tensors_group_order``):
+    e4m3 weights under ``amax / 448`` per output row (``strategy`` "channel") or per tensor,
+    activations rounded per token at run time. The reference takes the dequantized weights and
+    rounds every quantized matmul's input per token."""
+
+    def quantize(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        amax = w.abs().amax(1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
+        scale = (amax / 448).clamp(min=1e-12)
+        q = (w / (scale if strategy == "channel" else scale[0])).clamp(-448, 448).to(FP8)
+        dense = q.float() * (scale if strategy == "channel" else scale[0])
+        return {"weight": q, "weight_scale": scale}, dense
+
+    weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True}
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "config_groups": {
+            "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": FP8_TOKEN_DYNAMIC}
+        },
+        "ignore": ["lm_head", "re:.*mlp.gate$"],
+    }
+    reference = _write_per_weight(hf_model, out_dir, quantize, config)
+    round_linear_inputs(reference, per_token_qdq)
+    round_expert_inputs(reference, per_token_qdq)
+    return reference
+
+
+FP8_TOKEN_DYNAMIC = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
 
 
 # --- Hugging Face "fp8" ---------------------------------------------------------------------
@@ -400,7 +432,7 @@ def write_awq(hf_model: PreTrainedModel, out_dir: Path, group: int) -> PreTraine
         )
 
     config = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
-    return _write_integer(hf_model, out_dir, quantize, config)
+    return _write_per_weight(hf_model, out_dir, quantize, config)
 
 
 def write_gptq(
@@ -428,10 +460,10 @@ def write_gptq(
         return tensors, (q - 8).float() * s
 
     config = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act, "sym": True}
-    return _write_integer(hf_model, out_dir, quantize, config)
+    return _write_per_weight(hf_model, out_dir, quantize, config)
 
 
-def _write_integer(
+def _write_per_weight(
     hf_model: PreTrainedModel,
     out_dir: Path,
     quantize: Callable[[torch.Tensor], tuple[dict[str, torch.Tensor], torch.Tensor]],

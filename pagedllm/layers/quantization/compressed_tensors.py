@@ -23,6 +23,7 @@ from torch import nn
 
 from pagedllm.layers.quantization.base import LinearMethod, QuantizationConfig, matches, require, same_for_all
 from pagedllm.layers.quantization.fp8 import ActivationScheme, Fp8LinearMethod, Fp8Scheme, WeightScheme
+from pagedllm.layers.quantization.fp8_moe import Fp8MoEMethod
 from pagedllm.layers.quantization.wna16 import IntWeightScheme, PackQuantizedMethod
 from pagedllm.layers.quantization.wna16_moe import IntWeightMoEMethod
 
@@ -189,14 +190,14 @@ class CompressedTensorsConfig(QuantizationConfig):
         projections as the Linear modules they were (one set of tensors per expert; transformers 4,
         or its calibration's unfused experts); compressed-tensors on transformers 5's fused
         experts, which are no Linear modules, leaves them dense. So the experts are quantized
-        where the checkpoint has packed tensors under ``prefix``, with the scheme of the group
-        that takes their projections."""
+        where the checkpoint has their scales, with the scheme of the group that takes their
+        projections: integer (pack-quantized) or FP8 (float-quantized)."""
         if matches(prefix, self.ignored):
             return None
-        packed = any(
-            name.startswith(f"{prefix}.") and name.endswith(".weight_packed") for name in checkpoint_names
+        quantized = any(
+            name.startswith(f"{prefix}.") and name.endswith(".weight_scale") for name in checkpoint_names
         )
-        if not packed:
+        if not quantized:
             return None
         index = self._group_of(f"{prefix}.0.down_proj")
         if index is None:
@@ -204,9 +205,6 @@ class CompressedTensorsConfig(QuantizationConfig):
                 f"quantization_config.config_groups: no group's targets take the experts {prefix}"
             )
         method = self.groups[index][2]()
-        if not isinstance(method, PackQuantizedMethod):
-            raise ValueError(
-                f"{self.groups[index][0]}: quantized experts ({prefix}) are supported in the pack-quantized "
-                "format (W4A16 / W8A16)"
-            )
+        if isinstance(method, Fp8LinearMethod):
+            return Fp8MoEMethod(method.scheme)
         return IntWeightMoEMethod(self.groups[index][2])

@@ -16,6 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagedllm.distributed import get_tensor_model_parallel_rank
+from pagedllm.layers.utils import CheckpointSlice, CheckpointTensor
+
 
 @dataclass(frozen=True)
 class ParamLayout:
@@ -88,3 +91,29 @@ def check_layer_divides(
         check_shards_divide(layer.output_sizes, output_unit, layer.tp_size, output_what, name, "output")
     if layer.weight.shape[1] != layer.input_size_total:
         check_shards_divide([layer.input_size_total], input_unit, layer.tp_size, input_what, name, "input")
+
+
+def load_expert_per_projection(
+    param: nn.Parameter, loaded: CheckpointTensor, shard_id: tuple[int | None, int | None] | None
+) -> None:
+    """FusedMoE's loader for a per-projection tensor of quantized experts (``g_idx``: each input's
+    group; ``weight_shape``; a per-tensor scale): one expert's into its row of ``param`` ``[E,
+    projections, ...]`` (``param.is_down``: one projection, down's inputs narrowed to this rank's);
+    stacked over experts (``(None, projection)``), split per expert."""
+    if shard_id is None:
+        raise ValueError("per-projection tensors of quantized experts come one expert at a time")
+    value = loaded.read() if isinstance(loaded, CheckpointSlice) else loaded
+    expert, projection = shard_id
+    if expert is None:
+        for e, row in enumerate(value):
+            load_expert_per_projection(param, row, (e, projection))
+        return
+    row = param.data[expert, projection or 0]
+    if value.numel() == row.numel():  # a per-tensor scale stored as [1] or []
+        value = value.reshape(row.shape)
+    elif param.is_down:  # down's inputs are split over the ranks
+        size = row.shape[0]
+        value = value.narrow(0, get_tensor_model_parallel_rank() * size, size)
+    if value.shape != row.shape:
+        raise ValueError(f"shape mismatch: {tuple(value.shape)} for an expert's {tuple(row.shape)}")
+    row.copy_(value)

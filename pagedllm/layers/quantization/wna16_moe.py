@@ -26,11 +26,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pagedllm.distributed import get_tensor_model_parallel_rank
 from pagedllm.layers.quantization.base import notify_fallback
-from pagedllm.layers.quantization.params import set_layout
+from pagedllm.layers.quantization.params import load_expert_per_projection, set_layout
 from pagedllm.layers.quantization.wna16 import IntWeightMethod
-from pagedllm.layers.utils import CheckpointSlice, CheckpointTensor
 
 
 @dataclass
@@ -82,7 +80,9 @@ class IntWeightMoEMethod:
                 stacked = torch.empty(layer.num_experts, *tensor.shape, dtype=tensor.dtype)
                 param = set_layout(nn.Parameter(stacked, requires_grad=False), layout)
                 param.is_down = name == "down_proj"
-                param.weight_loader = _load_per_projection if layout.per_projection else layer.weight_loader
+                param.weight_loader = (
+                    load_expert_per_projection if layout.per_projection else layer.weight_loader
+                )
                 setattr(layer, f"{name}_{tensor_name}", param)
             delattr(layer, name)
             self.projections[name] = projection
@@ -100,26 +100,3 @@ class IntWeightMoEMethod:
                 delattr(layer, f"{name}_{tensor_name}")
             layer.register_buffer(name, torch.stack(experts).to(layer.params_dtype), persistent=False)
         notify_fallback("integer-quantized experts (no grouped W4A16 GEMM yet)", layer.gate_up_proj.device)
-
-
-def _load_per_projection(
-    param: nn.Parameter, loaded: CheckpointTensor, shard_id: tuple[int | None, int | None] | None
-) -> None:
-    """One expert's per-projection tensor (``g_idx``: each input's group; ``weight_shape``) into
-    its row of ``param`` ``[E, projections, ...]``, a down projection's inputs narrowed to this
-    rank's; stacked over experts (``(None, projection)``), split per expert."""
-    if shard_id is None:
-        raise ValueError("per-projection tensors of quantized experts come one expert at a time")
-    value = loaded.read() if isinstance(loaded, CheckpointSlice) else loaded
-    expert, projection = shard_id
-    if expert is None:
-        for e, row in enumerate(value):
-            _load_per_projection(param, row, (e, projection))
-        return
-    row = param.data[expert, projection or 0]
-    if param.is_down and value.shape != row.shape:  # down's inputs are split over the ranks
-        size = row.shape[0]
-        value = value.narrow(0, get_tensor_model_parallel_rank() * size, size)
-    if value.shape != row.shape:
-        raise ValueError(f"shape mismatch: {tuple(value.shape)} for an expert's {tuple(row.shape)}")
-    row.copy_(value)
