@@ -126,8 +126,11 @@ def write_compressed_tensors(
         module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
         if hasattr(module, "weight_zero_point"):
             module.weight_zero_point.data.copy_(zero_point.reshape(module.weight_zero_point.shape))
-        if hasattr(module, "input_scale"):  # static: the calibration's amax over 448, as its minmax observer
-            module.input_scale.data.fill_(amax[name] / 448)
+        if hasattr(
+            module, "input_scale"
+        ):  # static: the calibration's amax over the type's half range, as its minmax observer
+            half_range = 448 if qscheme.input_activations.type == "float" else 127.5
+            module.input_scale.data.fill_(amax[name] / half_range)
     compressor = ModelCompressor.from_pretrained_model(model, fmt)
     compressor.compress_model(model)
     model.save_pretrained(out_dir)

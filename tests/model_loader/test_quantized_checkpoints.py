@@ -76,6 +76,32 @@ COMPRESSED_TENSORS_SCHEMES = {
         },
         "float-quantized",
     ),
+    "w8a8-int8-channel-dynamic": (
+        {
+            "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
+            "input_activations": {
+                "num_bits": 8,
+                "type": "int",
+                "strategy": "token",
+                "dynamic": True,
+                "symmetric": True,
+            },
+        },
+        "int-quantized",
+    ),
+    "w8a8-int8-tensor-static": (
+        {
+            "weights": {"num_bits": 8, "type": "int", "strategy": "tensor", "symmetric": True},
+            "input_activations": {
+                "num_bits": 8,
+                "type": "int",
+                "strategy": "tensor",
+                "dynamic": False,
+                "symmetric": True,
+            },
+        },
+        "int-quantized",
+    ),
     "w4a16-sym-g32": (
         {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True}},
         "pack-quantized",
@@ -201,6 +227,11 @@ def test_compressed_tensors_checkpoints_generate_as_hf_dequantized(
         hf_model, model_dir, fields, fmt, _calibration(hf_model.config.vocab_size)
     )
     _assert_same_greedy(reference, model_dir, paged_runner)
+    if (fields.get("input_activations") or {}).get("type") != "int":
+        # Not with int8 activations: a 0.5-step tie that float noise upstream (a summation order)
+        # tips either way moves a logit by a whole step now and then; their rounding is checked
+        # bit for bit against compressed-tensors' own (test_int8_activation_rounding_...).
+        _assert_same_logits(reference, model_dir, paged_runner)
 
 
 @pytest.mark.parametrize("architecture", [*sorted(ARCHITECTURES), "qwen3_moe", "mixtral"])
@@ -443,6 +474,34 @@ def test_compressed_tensors_group_activation_order_generates_as_hf_dequantized(
     reference = write_compressed_tensors_group_order(hf_model, model_dir, group=16, symmetric=symmetric)
     _assert_same_greedy(reference, model_dir, paged_runner)
     _assert_same_logits(reference, model_dir, paged_runner)
+
+
+@pytest.mark.parametrize("strategy", ["token", "tensor"])
+def test_int8_activation_rounding_is_compressed_tensors(strategy) -> None:
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils import compute_dynamic_scales_and_zp
+
+    from pagedllm.layers.quantization.int8 import qdq_int8
+
+    args = QuantizationArgs(
+        num_bits=8, type="int", strategy=strategy, dynamic=strategy == "token", symmetric=True
+    )
+    generator = torch.Generator().manual_seed(0)
+    for tokens in (1, 5, 13, 64):
+        x = (
+            torch.randn(1, tokens, 96, generator=generator)
+            * torch.rand(1, tokens, 1, generator=generator)
+            * 4
+        )
+        x[0, 0, :3] = 0.0  # zeros, and a token of zeros where there is one
+        if strategy == "token":
+            scale, zero_point = compute_dynamic_scales_and_zp(x, args, torch.nn.Linear(96, 96))
+            ours = qdq_int8(x[0], None)
+        else:  # static: the checkpoint's input_scale
+            scale, zero_point = torch.tensor([0.0173]), torch.zeros(1, dtype=torch.int8)
+            ours = qdq_int8(x[0], scale)
+        torch.testing.assert_close(ours, fake_quantize(x, scale, zero_point, args)[0], atol=0, rtol=0)
 
 
 def _assert_same_logits(reference: PreTrainedModel, model_dir: Path, paged_runner: type) -> None:

@@ -9,9 +9,11 @@ Supported schemes (anything else is refused, naming its field):
                                               dynamic group (block), static tensor
     int 4- or 8-bit, group / channel,         none (W4A16, W8A16)                 pack-quantized
     symmetric or not
+    int 8-bit, channel / tensor, symmetric    int 8-bit dynamic token or static   int-quantized
+                                              tensor, symmetric (W8A8-INT8)
 
-FP8 schemes run through ``Fp8LinearMethod`` (fp8.py), integer ones through
-``PackQuantizedMethod`` (wna16.py).
+FP8 schemes run through ``Fp8LinearMethod`` (fp8.py), weight-only integer ones through
+``PackQuantizedMethod`` (wna16.py), W8A8-INT8 through ``Int8W8A8Method`` (int8.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 from pagedllm.layers.quantization.base import LinearMethod, QuantizationConfig, matches, require, same_for_all
 from pagedllm.layers.quantization.fp8 import ActivationScheme, Fp8LinearMethod, Fp8Scheme, WeightScheme
 from pagedllm.layers.quantization.fp8_moe import Fp8MoEMethod
+from pagedllm.layers.quantization.int8 import Int8Activation, Int8Scheme, Int8W8A8Method
 from pagedllm.layers.quantization.wna16 import IntWeightScheme, PackQuantizedMethod
 from pagedllm.layers.quantization.wna16_moe import IntWeightMoEMethod
 
@@ -125,6 +128,44 @@ def _int_scheme(
     return lambda: PackQuantizedMethod(scheme, per_channel=strategy == "channel", g_idx=g_idx)
 
 
+def _int8_scheme(field: str, weights: dict[str, Any], inputs: dict[str, Any], fmt: str) -> MethodFactory:
+    """W8A8-INT8: symmetric int8 weights per channel or tensor, int8 activations per token
+    (dynamic) or per tensor (static), symmetric."""
+    require(fmt == "int-quantized", f"{field}.format", "'int-quantized' for int8 activations", fmt)
+    require(
+        weights.get("num_bits") == 8,
+        f"{field}.weights.num_bits",
+        "8 with int8 activations",
+        weights.get("num_bits"),
+    )
+    strategy = weights.get("strategy")
+    require(strategy in ("channel", "tensor"), f"{field}.weights.strategy", "'channel' or 'tensor'", strategy)
+    require(
+        weights.get("symmetric", True) is True, f"{field}.weights.symmetric", "true", weights.get("symmetric")
+    )
+    kind = (inputs.get("type"), inputs.get("num_bits"))
+    require(kind == ("int", 8), f"{field}.input_activations.type/num_bits", "int/8", kind)
+    require(
+        inputs.get("symmetric", True) is True,
+        f"{field}.input_activations.symmetric",
+        "true",
+        inputs.get("symmetric"),
+    )
+    mode = (inputs.get("strategy"), inputs.get("dynamic"))
+    activations = {
+        ("token", True): Int8Activation.DYNAMIC_TOKEN,
+        ("tensor", False): Int8Activation.STATIC_TENSOR,
+    }
+    require(
+        mode in activations,
+        f"{field}.input_activations.strategy/dynamic",
+        "dynamic token or static tensor",
+        mode,
+    )
+    scheme = Int8Scheme(per_channel=strategy == "channel", activation=activations[mode])
+    return lambda: Int8W8A8Method(scheme)
+
+
 def _parse_group(field: str, group: dict[str, Any], default_format: str | None) -> MethodFactory:
     weights = group.get("weights")
     require(
@@ -137,8 +178,11 @@ def _parse_group(field: str, group: dict[str, Any], default_format: str | None) 
     kind = weights.get("type")
     if kind == "float" and weights.get("num_bits") == 8:
         return _fp8_scheme(field, weights, group.get("input_activations"), fmt)
+    inputs = group.get("input_activations")
+    if kind == "int" and inputs is not None:
+        return _int8_scheme(field, weights, inputs, fmt)
     if kind == "int":
-        return _int_scheme(field, weights, group.get("input_activations"), fmt)
+        return _int_scheme(field, weights, inputs, fmt)
     require(
         False, f"{field}.weights.type/num_bits", "float/8 or int/4 or int/8", (kind, weights.get("num_bits"))
     )
@@ -207,4 +251,9 @@ class CompressedTensorsConfig(QuantizationConfig):
         method = self.groups[index][2]()
         if isinstance(method, Fp8LinearMethod):
             return Fp8MoEMethod(method.scheme)
+        if not isinstance(method, PackQuantizedMethod):
+            raise ValueError(
+                f"quantization_config.{self.groups[index][0]}: quantized experts ({prefix}) are supported "
+                "as FP8 (float-quantized) or weight-only integers (pack-quantized), not W8A8-INT8"
+            )
         return IntWeightMoEMethod(self.groups[index][2])
