@@ -504,6 +504,33 @@ def test_int8_activation_rounding_is_compressed_tensors(strategy) -> None:
         torch.testing.assert_close(ours, fake_quantize(x, scale, zero_point, args)[0], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize(
+    ("weights", "inputs", "message"),
+    [
+        ({"num_bits": 4}, {}, r"weights.num_bits must be 8 with int8 activations.*4"),
+        (
+            {"strategy": "group", "group_size": 32},
+            {},
+            r"weights.strategy must be 'channel' or 'tensor'.*'group'",
+        ),
+        ({}, {"symmetric": False}, r"input_activations.symmetric must be true.*False"),
+        (
+            {},
+            {"strategy": "tensor", "dynamic": True},
+            r"input_activations.strategy/dynamic must be dynamic token or static tensor",
+        ),
+    ],
+)
+def test_int8_schemes_the_layers_cannot_run_are_refused_naming_the_field(weights, inputs, message) -> None:
+    from pagedllm.layers.quantization.compressed_tensors import CompressedTensorsConfig
+
+    fields, fmt = COMPRESSED_TENSORS_SCHEMES["w8a8-int8-channel-dynamic"]
+    group = {"targets": ["Linear"], "weights": fields["weights"] | weights}
+    group["input_activations"] = fields["input_activations"] | inputs
+    with pytest.raises(ValueError, match=r"quantization_config.config_groups.group_0." + message):
+        CompressedTensorsConfig.from_config({"format": fmt, "config_groups": {"group_0": group}})
+
+
 def _assert_same_logits(reference: PreTrainedModel, model_dir: Path, paged_runner: type) -> None:
     """The prompts' logits equal the reference's: a tiny random model's greedy tokens survive
     small weight errors (scales taken from the wrong groups, say), its logits do not."""
