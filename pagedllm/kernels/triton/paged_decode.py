@@ -224,8 +224,9 @@ def _paged_decode_kernel(
         # the range is past it.
         head_in_group = offs_h
         row_valid = offs_h < NUM_QUERIES_PER_KV
-        row_seq = seq  # each row's sequence: here a scalar, as [BLOCK_H] (row_seq_1d) below
+        # Each row's sequence, for [BLOCK_H] and [BLOCK_H, HEAD_DIM] offsets: the program's.
         row_seq_1d = seq
+        row_seq = seq
         q_pos = tl.zeros([BLOCK_H], dtype=tl.int32) + global_len - 1
         first_causal = end
     else:
