@@ -277,6 +277,9 @@ def test_the_backend_groups_the_layers_that_can_and_leaves_the_others(sliding_wi
     scale = head_size**-0.5
     layer = TritonAttentionBackend(num_heads, head_size, scale, num_kv_heads, sliding_window=sliding_window)
     assert layer.groups_queries == (sliding_window is None)
+    # A rank of a striped cache (context parallelism) holds every other key: no groups either.
+    striped = TritonAttentionBackend(num_heads, head_size, scale, num_kv_heads, cp_rank=1, cp_world_size=2)
+    assert not striped.groups_queries
     key = torch.zeros(g.query.shape[0], num_kv_heads, head_size, device=DEVICE)
     out = layer.forward(g.query, key, key, (g.key_cache, g.value_cache), md)
     oracle = TorchAttentionBackend(num_heads, head_size, scale, num_kv_heads, sliding_window=sliding_window)
