@@ -6,7 +6,6 @@ architectures; and every checkpoint that cannot be served is refused before serv
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,203 +16,27 @@ from quant_writers import (
     round_linear_inputs,
     write_awq,
     write_compressed_tensors,
-    write_compressed_tensors_fp8,
     write_compressed_tensors_group_order,
     write_gptq,
     write_hf_fp8,
 )
+from quantized_checks import (
+    ARCHITECTURES,
+    COMPRESSED_TENSORS_SCHEMES,
+    CPU,
+    MAX_TOKENS,
+    MOE_WRITERS,
+    assert_same_greedy,
+    assert_same_logits,
+    calibration_ids,
+    make_prompts,
+)
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, LlamaConfig, MixtralConfig, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
+from transformers import AutoConfig, LlamaConfig, PreTrainedModel
 
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.config import ModelConfig
 from pagedllm.model_loader import get_model
-
-CPU = torch.device("cpu")
-PROMPT_LENS = (5, 9, 13)
-MAX_TOKENS = 8
-# Tiny families: q 64, kv 32, hidden 64, intermediate 96 or 128 (whole blocks of 16, groups of 32).
-ARCHITECTURES = {
-    "llama": (LlamaConfig, dict(num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)),
-    "qwen3": (Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)),
-}
-QWEN3_MOE = (
-    Qwen3MoeConfig,
-    dict(
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-    ),
-)
-
-MIXTRAL = (
-    MixtralConfig,
-    dict(
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        intermediate_size=32,
-    ),
-)
-FP8_TOKEN = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
-FP8_STATIC = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
-COMPRESSED_TENSORS_SCHEMES = {
-    "w8a8-fp8-channel-dynamic": (
-        {
-            "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
-            "input_activations": FP8_TOKEN,
-        },
-        "float-quantized",
-    ),
-    "w8a8-fp8-tensor-static": (
-        {
-            "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True},
-            "input_activations": FP8_STATIC,
-        },
-        "float-quantized",
-    ),
-    "w8a8-int8-channel-dynamic": (
-        {
-            "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
-            "input_activations": {
-                "num_bits": 8,
-                "type": "int",
-                "strategy": "token",
-                "dynamic": True,
-                "symmetric": True,
-            },
-        },
-        "int-quantized",
-    ),
-    "w8a8-int8-tensor-static": (
-        {
-            "weights": {"num_bits": 8, "type": "int", "strategy": "tensor", "symmetric": True},
-            "input_activations": {
-                "num_bits": 8,
-                "type": "int",
-                "strategy": "tensor",
-                "dynamic": False,
-                "symmetric": True,
-            },
-        },
-        "int-quantized",
-    ),
-    "w4a16-sym-g32": (
-        {"weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True}},
-        "pack-quantized",
-    ),
-    "w4a16-asym-g16": (
-        {
-            "weights": {
-                "num_bits": 4,
-                "type": "int",
-                "strategy": "group",
-                "group_size": 16,
-                "symmetric": False,
-            }
-        },
-        "pack-quantized",
-    ),
-    # llm-compressor's GPTQ default: columns quantized in activation order, groups kept in place.
-    "w4a16-asym-g32-actorder-static": (
-        {
-            "weights": {
-                "num_bits": 4,
-                "type": "int",
-                "strategy": "group",
-                "group_size": 32,
-                "symmetric": False,
-                "actorder": "static",
-            }
-        },
-        "pack-quantized",
-    ),
-    "w4a16-asym-channel": (
-        {"weights": {"num_bits": 4, "type": "int", "strategy": "channel", "symmetric": False}},
-        "pack-quantized",
-    ),
-    "w8a16-int-sym-g32": (
-        {"weights": {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 32, "symmetric": True}},
-        "pack-quantized",
-    ),
-    "w8a16-fp8-block": (
-        {
-            "weights": {
-                "num_bits": 8,
-                "type": "float",
-                "strategy": "block",
-                "block_structure": [16, 16],
-                "symmetric": True,
-            }
-        },
-        "float-quantized",
-    ),
-}
-
-
-def _prompts(vocab_size: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(1)
-    return [torch.randint(vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENS]
-
-
-def _hf_greedy(reference: PreTrainedModel, prompts: list[list[int]]) -> list[list[int]]:
-    reference.generation_config.eos_token_id = None  # run the whole length, as ignore_eos
-    reference.generation_config.pad_token_id = 0
-    outputs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = reference.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False)
-            outputs.append(ids[0, len(prompt) :].tolist())
-    return outputs
-
-
-def _paged_greedy(model_dir: Path, paged_runner: type, quantization: str = "auto") -> list[list[int]]:
-    """pagedllm's greedy tokens: one ragged prefill of every prompt, then decode steps."""
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    model_config = ModelConfig(
-        str(model_dir), str(model_dir), hf_config, torch.float32, 256, quantization=quantization
-    )
-    model = get_model(model_config, "auto", CPU, TorchAttentionBackend)
-    runner = paged_runner(model, model_config)
-    prompts = _prompts(hf_config.vocab_size)
-    logits = runner.step(dict(enumerate(prompts)))
-    outputs: list[list[int]] = [[] for _ in prompts]
-    for step in range(MAX_TOKENS):
-        tokens = {i: int(rows[-1].argmax()) for i, rows in logits.items()}
-        for i, token in tokens.items():
-            outputs[i].append(token)
-        if step + 1 < MAX_TOKENS:
-            logits = runner.step({i: [token] for i, token in tokens.items()})
-    return outputs
-
-
-def _calibration(vocab_size: int) -> torch.Tensor:
-    return torch.tensor([[token for prompt in _prompts(vocab_size) for token in prompt]])
-
-
-@pytest.fixture
-def tiny(make_tiny_model: Callable, tmp_path: Path) -> Callable[[str], tuple[PreTrainedModel, Path]]:
-    """tiny(architecture) -> (the dense HF model, a directory for its quantized checkpoint)."""
-
-    def make(architecture: str) -> tuple[PreTrainedModel, Path]:
-        config_class, overrides = {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL}.get(
-            architecture
-        ) or ARCHITECTURES[architecture]
-        hf_model, _ = make_tiny_model(config_class, **overrides)
-        return hf_model, tmp_path / f"quantized-{architecture}"
-
-    return make
-
-
-def _assert_same_greedy(
-    reference: PreTrainedModel, model_dir: Path, paged_runner: type, **options: str
-) -> None:
-    prompts = _prompts(reference.config.vocab_size)
-    assert _paged_greedy(model_dir, paged_runner, **options) == _hf_greedy(reference, prompts)
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
@@ -224,21 +47,21 @@ def test_compressed_tensors_checkpoints_generate_as_hf_dequantized(
     hf_model, model_dir = tiny(architecture)
     fields, fmt = COMPRESSED_TENSORS_SCHEMES[scheme]
     reference = write_compressed_tensors(
-        hf_model, model_dir, fields, fmt, _calibration(hf_model.config.vocab_size)
+        hf_model, model_dir, fields, fmt, calibration_ids(hf_model.config.vocab_size)
     )
-    _assert_same_greedy(reference, model_dir, paged_runner)
+    assert_same_greedy(reference, model_dir, paged_runner)
     if (fields.get("input_activations") or {}).get("type") != "int":
         # Not with int8 activations: a 0.5-step tie that float noise upstream (a summation order)
         # tips either way moves a logit by a whole step now and then; their rounding is checked
         # bit for bit against compressed-tensors' own (test_int8_activation_rounding_...).
-        _assert_same_logits(reference, model_dir, paged_runner)
+        assert_same_logits(reference, model_dir, paged_runner)
 
 
 @pytest.mark.parametrize("architecture", [*sorted(ARCHITECTURES), "qwen3_moe", "mixtral"])
 def test_fp8_block_scaled_checkpoints_generate_as_hf_dequantized(tiny, paged_runner, architecture) -> None:
     hf_model, model_dir = tiny(architecture)
     reference = write_hf_fp8(hf_model, model_dir, block=(16, 16))
-    _assert_same_greedy(reference, model_dir, paged_runner)
+    assert_same_greedy(reference, model_dir, paged_runner)
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
@@ -247,15 +70,15 @@ def test_fp8_per_tensor_static_checkpoints_generate_as_hf_dequantized(
 ) -> None:
     hf_model, model_dir = tiny(architecture)
     reference = write_hf_fp8(
-        hf_model, model_dir, block=None, calibration=_calibration(hf_model.config.vocab_size)
+        hf_model, model_dir, block=None, calibration=calibration_ids(hf_model.config.vocab_size)
     )
-    _assert_same_greedy(reference, model_dir, paged_runner)
+    assert_same_greedy(reference, model_dir, paged_runner)
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 def test_awq_checkpoints_generate_as_hf_dequantized(tiny, paged_runner, architecture) -> None:
     hf_model, model_dir = tiny(architecture)
-    _assert_same_greedy(write_awq(hf_model, model_dir, group=32), model_dir, paged_runner)
+    assert_same_greedy(write_awq(hf_model, model_dir, group=32), model_dir, paged_runner)
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
@@ -263,7 +86,7 @@ def test_awq_checkpoints_generate_as_hf_dequantized(tiny, paged_runner, architec
 def test_gptq_checkpoints_generate_as_hf_dequantized(tiny, paged_runner, architecture, desc_act) -> None:
     hf_model, model_dir = tiny(architecture)
     reference = write_gptq(hf_model, model_dir, group=16 if desc_act else 32, desc_act=desc_act)
-    _assert_same_greedy(reference, model_dir, paged_runner)
+    assert_same_greedy(reference, model_dir, paged_runner)
 
 
 def _online_fp8_reference(hf_model: PreTrainedModel) -> PreTrainedModel:
@@ -287,7 +110,7 @@ def _online_fp8_reference(hf_model: PreTrainedModel) -> PreTrainedModel:
 def test_online_fp8_of_a_dense_checkpoint_generates_as_hf_rounded(tiny, paged_runner, architecture) -> None:
     hf_model, model_dir = tiny(architecture)
     hf_model.save_pretrained(model_dir)
-    _assert_same_greedy(_online_fp8_reference(hf_model), model_dir, paged_runner, quantization="fp8")
+    assert_same_greedy(_online_fp8_reference(hf_model), model_dir, paged_runner, quantization="fp8")
 
 
 # --- refused before serving ------------------------------------------------------------------
@@ -391,35 +214,6 @@ def test_a_group_size_that_cuts_a_rank_shard_is_refused_naming_the_sizes_that_wo
         AWQMethod(IntWeightScheme(4, 32, symmetric=False)).create_weights(down_proj)
 
 
-@pytest.mark.parametrize(
-    ("group", "message"),
-    [
-        (32, r"group_size=32 does not divide FusedMoEProjection's input shard of 48 features"),
-        (
-            16,
-            r"8 values per int32 word \(AWQ bits=4\) does not divide FusedMoEProjection's output shard of 12",
-        ),
-    ],
-)
-def test_quantized_experts_whose_shards_cut_a_group_or_a_word_are_refused(
-    monkeypatch, group, message
-) -> None:
-    """down's inputs and gate/up's outputs are the experts' split features: a group or a packed
-    word they would cut is refused before loading, naming the field."""
-    from pagedllm.layers.fused_moe import layer as fused_moe_layer
-    from pagedllm.layers.quantization.wna16 import AWQMethod, IntWeightScheme
-    from pagedllm.layers.quantization.wna16_moe import IntWeightMoEMethod
-
-    monkeypatch.setattr(fused_moe_layer, "get_tensor_model_parallel_world_size", lambda: 2)
-    monkeypatch.setattr(fused_moe_layer, "get_tensor_model_parallel_rank", lambda: 0)
-    intermediate = 96 if group == 32 else 24  # per rank: 48 (32 does not divide it); 12 (not 8 words)
-    experts = fused_moe_layer.FusedMoE(4, 2, 64, intermediate, renormalize=True)
-    with pytest.raises(ValueError, match=message):
-        IntWeightMoEMethod(lambda: AWQMethod(IntWeightScheme(4, group, symmetric=False))).create_weights(
-            experts
-        )
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "checkpoint",
@@ -448,8 +242,10 @@ def test_two_ranks_give_the_greedy_tokens_of_one_on_a_quantized_checkpoint(tiny,
         write_compressed_tensors_group_order(hf_model, model_dir, group=16, symmetric=False)
     else:
         fields, fmt = COMPRESSED_TENSORS_SCHEMES["w4a16-asym-g16"]
-        write_compressed_tensors(hf_model, model_dir, fields, fmt, _calibration(hf_model.config.vocab_size))
-    prompts = _prompts(hf_model.config.vocab_size)
+        write_compressed_tensors(
+            hf_model, model_dir, fields, fmt, calibration_ids(hf_model.config.vocab_size)
+        )
+    prompts = make_prompts(hf_model.config.vocab_size)
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outputs = {}
     for tp_size in (1, 2):
@@ -472,8 +268,8 @@ def test_compressed_tensors_group_activation_order_generates_as_hf_dequantized(
     """actorder "group": each input's group from weight_g_idx (older llm-compressor's GPTQ)."""
     hf_model, model_dir = tiny(architecture)
     reference = write_compressed_tensors_group_order(hf_model, model_dir, group=16, symmetric=symmetric)
-    _assert_same_greedy(reference, model_dir, paged_runner)
-    _assert_same_logits(reference, model_dir, paged_runner)
+    assert_same_greedy(reference, model_dir, paged_runner)
+    assert_same_logits(reference, model_dir, paged_runner)
 
 
 @pytest.mark.parametrize("strategy", ["token", "tensor"])
@@ -529,66 +325,6 @@ def test_int8_schemes_the_layers_cannot_run_are_refused_naming_the_field(weights
     group["input_activations"] = fields["input_activations"] | inputs
     with pytest.raises(ValueError, match=r"quantization_config.config_groups.group_0." + message):
         CompressedTensorsConfig.from_config({"format": fmt, "config_groups": {"group_0": group}})
-
-
-def _assert_same_logits(reference: PreTrainedModel, model_dir: Path, paged_runner: type) -> None:
-    """The prompts' logits equal the reference's: a tiny random model's greedy tokens survive
-    small weight errors (scales taken from the wrong groups, say), its logits do not."""
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    model_config = ModelConfig(str(model_dir), str(model_dir), hf_config, torch.float32, 256)
-    model = get_model(model_config, "auto", CPU, TorchAttentionBackend)
-    prompts = _prompts(hf_config.vocab_size)
-    logits = paged_runner(model, model_config).step(dict(enumerate(prompts)))
-    with torch.no_grad():
-        for i, prompt in enumerate(prompts):
-            expected = reference(torch.tensor([prompt])).logits[0]
-            torch.testing.assert_close(logits[i], expected, atol=1e-4, rtol=1e-4)
-
-
-# Mixture-of-experts checkpoints as AutoAWQ, GPTQModel and llm-compressor publish them: every
-# expert's projections quantized, one tensor set each (the router stays dense).
-MOE_WRITERS = {
-    "awq": lambda model, out: write_awq(model, out, group=16),
-    "gptq-desc-act": lambda model, out: write_gptq(model, out, group=16, desc_act=True),
-    "gptq": lambda model, out: write_gptq(model, out, group=16, desc_act=False),
-    "compressed-tensors-asym": lambda model, out: write_compressed_tensors_group_order(
-        model, out, group=16, symmetric=False, g_idx=False
-    ),
-    "compressed-tensors-group-order": lambda model, out: write_compressed_tensors_group_order(
-        model, out, group=16, symmetric=True
-    ),
-    "compressed-tensors-fp8-channel": lambda model, out: write_compressed_tensors_fp8(model, out, "channel"),
-    "compressed-tensors-fp8-tensor": lambda model, out: write_compressed_tensors_fp8(model, out, "tensor"),
-}
-
-
-@pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("checkpoint", sorted(MOE_WRITERS))
-def test_quantized_experts_generate_as_hf_dequantized(tiny, paged_runner, architecture, checkpoint) -> None:
-    hf_model, model_dir = tiny(architecture)
-    reference = MOE_WRITERS[checkpoint](hf_model, model_dir)
-    _assert_same_greedy(reference, model_dir, paged_runner)
-    _assert_same_logits(reference, model_dir, paged_runner)
-
-
-def test_compressed_tensors_experts_stay_dense_where_the_checkpoint_stores_them_dense(tiny) -> None:
-    """compressed-tensors on transformers 5 quantizes the Linear modules, which its fused experts
-    are not: the checkpoint stores them dense (one tensor per expert, as transformers saves them),
-    and they load as such beside the quantized attention."""
-    hf_model, model_dir = tiny("qwen3_moe")
-    fields, fmt = COMPRESSED_TENSORS_SCHEMES["w4a16-sym-g32"]
-    calibration = _calibration(hf_model.config.vocab_size)
-    write_compressed_tensors(hf_model, model_dir, fields, fmt, calibration, with_reference=False)
-    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in load_file(str(model_dir / "model.safetensors"))
-    model_config = ModelConfig(
-        str(model_dir), str(model_dir), AutoConfig.from_pretrained(model_dir), torch.float32, 256
-    )
-    model = get_model(model_config, "auto", CPU, TorchAttentionBackend)
-    layer = model.model.layers[0]
-    assert layer.mlp.experts.quant_method is None and layer.self_attn.qkv_proj.quant_method is not None
-    expected = hf_model.model.layers[0].mlp.experts
-    torch.testing.assert_close(layer.mlp.experts.gate_up_proj, expected.gate_up_proj, atol=0, rtol=0)
-    torch.testing.assert_close(layer.mlp.experts.down_proj, expected.down_proj, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("actorder", ["weight", "static", None])
