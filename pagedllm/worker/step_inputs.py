@@ -453,6 +453,9 @@ def plan_step(
     )
     seq_rows = rows[seq_index]
     num_decodes = int(query_start_loc[num_decode_reqs])  # each decode token is a sequence
+    groups = decode_query_lens(query_start_loc, num_decode_reqs) if expand_verify else None
+    # A verification is a decode and its drafts: the kernels' rows hold k + 1 tokens, no more.
+    assert groups is None or groups.max(initial=0) <= expand_verify, "a group past num_speculative_tokens + 1"
     pad_to = graph_padding(graph_runner, len(seq_rows), num_decodes)
     if pad_to:
         # The graph's padding rows are decodes of one token each.
@@ -477,7 +480,7 @@ def plan_step(
         pad_to=pad_to,
         state_slots=batch.state_slots[seq_rows],
         verify=verify,
-        decode_query_lens=decode_query_lens(query_start_loc, num_decode_reqs) if expand_verify else None,
+        decode_query_lens=groups,
         max_decode_query_len=max(expand_verify, 1),
     )
 
