@@ -89,14 +89,18 @@ class IntWeightMoEMethod:
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         for name, method in self.methods.items():
-            projection, experts = self.projections[name], []
+            projection = self.projections[name]
+            # One expert in float32 at a time beside the layer's experts in the model dtype.
+            device = getattr(layer, f"{name}_{method.tensor_names[0]}").device
+            shape = (layer.num_experts, *projection.weight.shape)
+            dense = torch.empty(shape, dtype=layer.params_dtype, device=device)
             for expert in range(layer.num_experts):
                 projection.tensors = {
                     t: getattr(layer, f"{name}_{t}").data[expert] for t in method.tensor_names
                 }
-                experts.append(method.unpack(projection).dequantize())
+                dense[expert] = method.unpack(projection).dequantize()
             projection.tensors = {}
             for tensor_name in method.tensor_names:
                 delattr(layer, f"{name}_{tensor_name}")
-            layer.register_buffer(name, torch.stack(experts).to(layer.params_dtype), persistent=False)
+            layer.register_buffer(name, dense, persistent=False)
         notify_fallback("integer-quantized experts (no grouped W4A16 GEMM yet)", layer.gate_up_proj.device)
