@@ -259,13 +259,18 @@ def write_compressed_tensors_group_order(
 
 
 def write_compressed_tensors_fp8(hf_model: PreTrainedModel, out_dir: Path, strategy: str) -> PreTrainedModel:
-    """compressed-tensors' float-quantized FP8 W8A8 as llm-compressor's FP8-dynamic writes it,
-    experts included (each expert's projections: see ``write_compressed_tensors_group_order``):
-    e4m3 weights under ``amax / 448`` per output row (``strategy`` "channel") or per tensor,
-    activations rounded per token at run time. The reference takes the dequantized weights and
-    rounds every quantized matmul's input per token."""
+    """compressed-tensors' float-quantized FP8 W8A8 as llm-compressor writes it, experts included
+    (each expert's projections: see ``write_compressed_tensors_group_order``): e4m3 weights under
+    ``amax / 448`` per output row (``strategy`` "channel", FP8-dynamic), per tensor, or per 16 x 16
+    block ("block", its FP8-block scheme); activations rounded at run time per token (per 16-input
+    group of a token with blocks). The reference takes the dequantized weights and rounds every
+    quantized matmul's input so."""
+    block = (16, 16)
 
     def quantize(w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        if strategy == "block":
+            q, scale, dense = quantize_fp8_blocks(w, block)
+            return {"weight": q, "weight_scale": scale}, dense
         amax = w.abs().amax(1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
         scale = (amax / 448).clamp(min=1e-12)
         q = (w / (scale if strategy == "channel" else scale[0])).clamp(-448, 448).to(FP8)
@@ -273,17 +278,22 @@ def write_compressed_tensors_fp8(hf_model: PreTrainedModel, out_dir: Path, strat
         return {"weight": q, "weight_scale": scale}, dense
 
     weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True}
+    inputs = FP8_TOKEN_DYNAMIC
+    if strategy == "block":
+        weights["block_structure"] = list(block)
+        inputs = {**FP8_TOKEN_DYNAMIC, "strategy": "group", "group_size": block[1]}
     config = {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",
         "config_groups": {
-            "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": FP8_TOKEN_DYNAMIC}
+            "group_0": {"targets": ["Linear"], "weights": weights, "input_activations": inputs}
         },
         "ignore": ["lm_head", "re:.*mlp.gate$"],
     }
     reference = _write_per_weight(hf_model, out_dir, quantize, config)
-    round_linear_inputs(reference, per_token_qdq)
-    round_expert_inputs(reference, per_token_qdq)
+    qdq = token_group_qdq(block[1]) if strategy == "block" else per_token_qdq
+    round_linear_inputs(reference, qdq)
+    round_expert_inputs(reference, qdq)
     return reference
 
 

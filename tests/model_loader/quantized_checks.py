@@ -220,4 +220,5 @@ MOE_WRITERS = {
     ),
     "compressed-tensors-fp8-channel": lambda model, out: write_compressed_tensors_fp8(model, out, "channel"),
     "compressed-tensors-fp8-tensor": lambda model, out: write_compressed_tensors_fp8(model, out, "tensor"),
+    "compressed-tensors-fp8-block": lambda model, out: write_compressed_tensors_fp8(model, out, "block"),
 }
