@@ -26,11 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.layers.quantization.base import LinearMethod, notify_fallback
+from pagedllm.layers.quantization.fp8_utils import DYNAMIC_SCALE_FLOOR
 from pagedllm.layers.quantization.params import PER_PROJECTION, ParamLayout, set_layout
 
 # compressed-tensors' symmetric int8 range: scale = amax / ((127 - (-128)) / 2).
 _INT8_HALF_RANGE = 127.5
-_SCALE_FLOOR = torch.finfo(torch.float32).eps
 
 
 class Int8Activation(enum.Enum):
@@ -49,7 +49,9 @@ def qdq_int8(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     ``amax / 127.5`` (None); float32 arithmetic, back in x's dtype."""
     xf = x.float()
     if scale is None:
-        scale = (xf.abs().amax(-1, keepdim=True) / _INT8_HALF_RANGE).clamp(min=_SCALE_FLOOR)
+        scale = xf.abs().amax(-1, keepdim=True) / _INT8_HALF_RANGE
+        # compressed-tensors' guard: only a zero scale (a zero row) is replaced, tiny ones stay.
+        scale = torch.where(scale == 0, torch.full_like(scale, DYNAMIC_SCALE_FLOOR), scale)
     scale = scale.float()
     return ((xf / scale).round().clamp(-128, 127) * scale).to(x.dtype)
 
