@@ -62,38 +62,30 @@ def _variants(num_heads: int, query: torch.Tensor) -> list[dict]:
 
 
 def decode() -> None:
-    for dtype in DTYPES:
-        inputs = DecodeInputs.random(
-            DecodeShape((40, 300), NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype), CPU, seed=0
-        )
-        out = torch.empty_like(inputs.query)
-        for variant in _variants(NUM_HEADS, inputs.query):
-            # One partition, then several (a host bound past the contexts, as under CUDA graphs).
-            for max_seq_len, partition_size in ((300, 512), (1024, 128)):
-                paged_decode(
-                    inputs.query,
-                    inputs.key_cache,
-                    inputs.value_cache,
-                    inputs.block_tables,
-                    inputs.seq_lens,
-                    inputs.scale,
-                    max_seq_len,
-                    out,
-                    partition_size=partition_size,
-                    block_n=32 if dtype == torch.float32 else 64,
-                    num_warps=8 if dtype == torch.float32 else 4,
-                    **variant,
-                )
-        # Query groups (speculative verifications): 4 tokens x 4 heads fill the 16-row tile, 5
-        # pad it to 32; with the variants they allow.
-        query_lens = torch.tensor([0, 2], dtype=torch.int32)
-        grouped = (
+    # Query groups (speculative verifications): 4 tokens x 4 heads fill the 16-row tile, 5 pad it
+    # to 32; with the variants they allow.
+    query_lens = {"query_lens": torch.tensor([0, 2], dtype=torch.int32)}
+    grouped = [
+        {**query_lens, "max_query_len": 4, **variant}
+        for variant in (
             {},
             {"alibi_slopes": torch.ones(NUM_HEADS)},
             {"logits_soft_cap": 30.0},
             {"sinks": torch.zeros(NUM_HEADS)},
         )
-        for max_query_len, variant in [(4, v) for v in grouped] + [(5, {})]:
+    ] + [{**query_lens, "max_query_len": 5}]
+    for dtype in DTYPES:
+        inputs = DecodeInputs.random(
+            DecodeShape((40, 300), NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype), CPU, seed=0
+        )
+        out = torch.empty_like(inputs.query)
+        # One partition, then several (a host bound past the contexts, as under CUDA graphs).
+        launches = [
+            (max_seq_len, partition_size, variant)
+            for variant in _variants(NUM_HEADS, inputs.query)
+            for max_seq_len, partition_size in ((300, 512), (1024, 128))
+        ] + [(1024, 128, variant) for variant in grouped]
+        for max_seq_len, partition_size, variant in launches:
             paged_decode(
                 inputs.query,
                 inputs.key_cache,
@@ -101,11 +93,9 @@ def decode() -> None:
                 inputs.block_tables,
                 inputs.seq_lens,
                 inputs.scale,
-                1024,
+                max_seq_len,
                 out,
-                query_lens=query_lens,
-                max_query_len=max_query_len,
-                partition_size=128,
+                partition_size=partition_size,
                 block_n=32 if dtype == torch.float32 else 64,
                 num_warps=8 if dtype == torch.float32 else 4,
                 **variant,
