@@ -9,45 +9,31 @@ import os
 
 import pytest
 import torch
-from transformers import LlamaConfig, MixtralConfig, Qwen3MoeConfig
 
 if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("needs CUDA and compiled (not interpreted) Triton kernels", allow_module_level=True)
 
 from pagedllm import LLM, SamplingParams
-from tests.model_loader.quant_writers import (
-    write_awq,
-    write_compressed_tensors,
-    write_compressed_tensors_group_order,
-    write_gptq,
+from tests.model_loader.quant_writers import write_compressed_tensors
+from tests.model_loader.quantized_checks import (
+    ARCHITECTURES,
+    COMPRESSED_TENSORS_SCHEMES,
+    MIXTRAL,
+    MOE_WRITERS,
+    QWEN3_MOE,
 )
 
 pytestmark = pytest.mark.gpu
 
-MOE = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_experts_per_tok": 2}
-MODELS = {
-    "qwen3_moe": (Qwen3MoeConfig, {**MOE, "head_dim": 16, "num_experts": 4, "moe_intermediate_size": 32}),
-    "mixtral": (MixtralConfig, {**MOE, "num_local_experts": 4, "intermediate_size": 32}),
-    "llama": (LlamaConfig, {"num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128}),
-}
-INT8 = {
-    "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": True},
-    "input_activations": {
-        "num_bits": 8,
-        "type": "int",
-        "strategy": "token",
-        "dynamic": True,
-        "symmetric": True,
-    },
-}
+MODELS = {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL, "llama": ARCHITECTURES["llama"]}
 CHECKPOINTS = {
-    "awq-qwen3_moe": lambda model, out, _: write_awq(model, out, group=16),
-    "gptq-desc-act-mixtral": lambda model, out, _: write_gptq(model, out, group=16),
-    "ct-group-order-qwen3_moe": lambda model, out, _: write_compressed_tensors_group_order(
-        model, out, group=16, symmetric=False
+    "awq-qwen3_moe": lambda model, out, _: MOE_WRITERS["awq"](model, out),
+    "gptq-desc-act-mixtral": lambda model, out, _: MOE_WRITERS["gptq-desc-act"](model, out),
+    "ct-group-order-qwen3_moe": lambda model, out, _: MOE_WRITERS["compressed-tensors-group-order"](
+        model, out
     ),
     "ct-w8a8-int8-llama": lambda model, out, calibration: write_compressed_tensors(
-        model, out, INT8, "int-quantized", calibration
+        model, out, *COMPRESSED_TENSORS_SCHEMES["w8a8-int8-channel-dynamic"], calibration
     ),
 }
 

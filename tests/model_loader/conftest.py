@@ -6,8 +6,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from quantized_checks import ARCHITECTURES, MIXTRAL, QWEN3_MOE
 from transformers import PreTrainedModel
+
+from tests.model_loader.quantized_checks import (
+    ARCHITECTURES,
+    MIXTRAL,
+    QWEN3_MOE,
+)
 
 
 @pytest.fixture

@@ -1,23 +1,23 @@
-"""What the quantized-checkpoint tests share: the tiny architectures, the compressed-tensors schemes
-and MoE writers they quantize with, and the checks of pagedllm's output against the reference
-(transformers on the same model with the tool's dequantized weights)."""
+"""What the quantized-checkpoint tests share (here and on the GPU): the tiny architectures, the
+compressed-tensors schemes and MoE writers they quantize with, and the checks of pagedllm's output
+against the reference (transformers on the same model with the tool's dequantized weights)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from quant_writers import (
-    write_awq,
-    write_compressed_tensors_fp8,
-    write_compressed_tensors_group_order,
-    write_gptq,
-)
 from transformers import AutoConfig, LlamaConfig, MixtralConfig, PreTrainedModel, Qwen3Config, Qwen3MoeConfig
 
 from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
 from pagedllm.config import ModelConfig
 from pagedllm.model_loader import get_model
+from tests.model_loader.quant_writers import (
+    write_awq,
+    write_compressed_tensors_fp8,
+    write_compressed_tensors_group_order,
+    write_gptq,
+)
 
 CPU = torch.device("cpu")
 PROMPT_LENS = (5, 9, 13)
@@ -145,6 +145,24 @@ COMPRESSED_TENSORS_SCHEMES = {
 }
 
 
+# Mixture-of-experts checkpoints as AutoAWQ, GPTQModel and llm-compressor publish them: every
+# expert's projections quantized, one tensor set each (the router stays dense).
+MOE_WRITERS = {
+    "awq": lambda model, out: write_awq(model, out, group=16),
+    "gptq-desc-act": lambda model, out: write_gptq(model, out, group=16, desc_act=True),
+    "gptq": lambda model, out: write_gptq(model, out, group=16, desc_act=False),
+    "compressed-tensors-asym": lambda model, out: write_compressed_tensors_group_order(
+        model, out, group=16, symmetric=False, g_idx=False
+    ),
+    "compressed-tensors-group-order": lambda model, out: write_compressed_tensors_group_order(
+        model, out, group=16, symmetric=True
+    ),
+    "compressed-tensors-fp8-channel": lambda model, out: write_compressed_tensors_fp8(model, out, "channel"),
+    "compressed-tensors-fp8-tensor": lambda model, out: write_compressed_tensors_fp8(model, out, "tensor"),
+    "compressed-tensors-fp8-block": lambda model, out: write_compressed_tensors_fp8(model, out, "block"),
+}
+
+
 def make_prompts(vocab_size: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(1)
     return [torch.randint(vocab_size, (n,), generator=generator).tolist() for n in PROMPT_LENS]
@@ -204,21 +222,3 @@ def assert_same_logits(reference: PreTrainedModel, model_dir: Path, paged_runner
         for i, prompt in enumerate(prompts):
             expected = reference(torch.tensor([prompt])).logits[0]
             torch.testing.assert_close(logits[i], expected, atol=1e-4, rtol=1e-4)
-
-
-# Mixture-of-experts checkpoints as AutoAWQ, GPTQModel and llm-compressor publish them: every
-# expert's projections quantized, one tensor set each (the router stays dense).
-MOE_WRITERS = {
-    "awq": lambda model, out: write_awq(model, out, group=16),
-    "gptq-desc-act": lambda model, out: write_gptq(model, out, group=16, desc_act=True),
-    "gptq": lambda model, out: write_gptq(model, out, group=16, desc_act=False),
-    "compressed-tensors-asym": lambda model, out: write_compressed_tensors_group_order(
-        model, out, group=16, symmetric=False, g_idx=False
-    ),
-    "compressed-tensors-group-order": lambda model, out: write_compressed_tensors_group_order(
-        model, out, group=16, symmetric=True
-    ),
-    "compressed-tensors-fp8-channel": lambda model, out: write_compressed_tensors_fp8(model, out, "channel"),
-    "compressed-tensors-fp8-tensor": lambda model, out: write_compressed_tensors_fp8(model, out, "tensor"),
-    "compressed-tensors-fp8-block": lambda model, out: write_compressed_tensors_fp8(model, out, "block"),
-}

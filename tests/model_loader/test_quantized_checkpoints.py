@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from quant_writers import (
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, LlamaConfig, PreTrainedModel
+
+from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
+from pagedllm.config import ModelConfig
+from pagedllm.model_loader import get_model
+from tests.model_loader.quant_writers import (
     per_token_qdq,
     round_expert_inputs,
     round_linear_inputs,
@@ -20,7 +26,7 @@ from quant_writers import (
     write_gptq,
     write_hf_fp8,
 )
-from quantized_checks import (
+from tests.model_loader.quantized_checks import (
     ARCHITECTURES,
     COMPRESSED_TENSORS_SCHEMES,
     CPU,
@@ -31,12 +37,6 @@ from quantized_checks import (
     calibration_ids,
     make_prompts,
 )
-from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, LlamaConfig, PreTrainedModel
-
-from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
-from pagedllm.config import ModelConfig
-from pagedllm.model_loader import get_model
 
 
 @pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))

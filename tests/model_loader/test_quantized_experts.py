@@ -7,8 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_writers import write_compressed_tensors
-from quantized_checks import (
+from safetensors.torch import load_file
+from transformers import AutoConfig
+
+from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
+from pagedllm.config import ModelConfig
+from pagedllm.model_loader import get_model
+from tests.model_loader.quant_writers import write_compressed_tensors
+from tests.model_loader.quantized_checks import (
     COMPRESSED_TENSORS_SCHEMES,
     CPU,
     MOE_WRITERS,
@@ -16,12 +22,6 @@ from quantized_checks import (
     assert_same_logits,
     calibration_ids,
 )
-from safetensors.torch import load_file
-from transformers import AutoConfig
-
-from pagedllm.attention.backends.torch_backend import TorchAttentionBackend
-from pagedllm.config import ModelConfig
-from pagedllm.model_loader import get_model
 
 
 @pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral"])
