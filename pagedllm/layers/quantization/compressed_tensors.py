@@ -195,6 +195,9 @@ class CompressedTensorsConfig(QuantizationConfig):
     def __init__(self, groups: list[tuple[str, list[str], MethodFactory]], ignored: list[str]) -> None:
         self.groups = groups  # (field, targets, method factory), in the config's order
         self.ignored = ignored
+        # The checkpoint names last asked about, and the expert modules among them that hold
+        # scales (``<experts>.<e>.<projection>.weight_scale``): read once for every MoE layer.
+        self._scaled_experts: tuple[Collection[str], frozenset[str]] | None = None
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> CompressedTensorsConfig:
@@ -238,10 +241,10 @@ class CompressedTensorsConfig(QuantizationConfig):
         projections: integer (pack-quantized) or FP8 (float-quantized)."""
         if matches(prefix, self.ignored):
             return None
-        quantized = any(
-            name.startswith(f"{prefix}.") and name.endswith(".weight_scale") for name in checkpoint_names
-        )
-        if not quantized:
+        if self._scaled_experts is None or self._scaled_experts[0] is not checkpoint_names:
+            scaled = frozenset(n.rsplit(".", 3)[0] for n in checkpoint_names if n.endswith(".weight_scale"))
+            self._scaled_experts = (checkpoint_names, scaled)
+        if prefix not in self._scaled_experts[1]:
             return None
         index = self._group_of(f"{prefix}.0.down_proj")
         if index is None:
