@@ -114,7 +114,7 @@ class StepOutput:
                 [values[:k] for values in top_values.tolist()],
             )
         if self._verified is not None:
-            self._verified.result().append_to(output)
+            self._verified.samples().append_to(output)
         if self._proposals is not None:
             if self._proposals_event is not None:
                 self._proposals_event.synchronize()

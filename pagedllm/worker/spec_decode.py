@@ -13,10 +13,14 @@ accepts a prefix of the drafts and draws one token more.
 Nothing waits for the verification inside its step (``PendingVerification``): the rejection
 sampler's outputs update the persistent batch on the device (each request's next input and its
 penalty counts) and start for the host, the drafter adds the accepted counts to its requests'
-newest positions on the device (worker/draft_model.py: ``NewestPositions``), and the host side
-(the rows' lengths, the step's samples) is applied once, by the next step's start or the engine
-reading the output, whichever comes first. With asynchronous scheduling the next step is thus
-scheduled and prepared while the device runs this step's forward, verification and drafter.
+newest positions on the device (worker/draft_model.py: ``NewestPositions``). The host side has two
+parts with two owners: the rows' lengths are applied to the persistent batch by the worker's own
+thread when the next step starts (or, with the take-back deferred, once it is launched:
+``DraftVerifier.settle``), and the step's samples are read by whoever returns the step's output,
+which with tensor parallelism is a rank's reply thread, running beside the next step's planning
+(executor/worker_loop.py): so reading the samples never touches the batch. With asynchronous
+scheduling the next step is thus scheduled and prepared while the device runs this step's
+forward, verification and drafter.
 
 A drafter's proposals (draft model, EAGLE head) stay on the device (``DeviceDrafts``): the
 scheduler schedules placeholders for them (``DRAFT_PLACEHOLDER``), and the step that verifies
@@ -29,6 +33,7 @@ follow the tokens actually accepted.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -139,9 +144,13 @@ class DraftVerifier:
         batch.record_verified_on_device(verify.rows, sample.output_token_ids, sample.num_accepted)
         chosen = logprobs[sample.row_index, sample.output_token_ids.clamp(min=0)]
         tensors = [sample.num_accepted, sample.output_token_ids, chosen]
-        if batch.wants_logprobs[verify.rows].any():
+        # Per request, how many top tokens it asked for beside its token's logprob (-1: no
+        # logprobs), read now: the samples may be read by another thread once this thread has
+        # moved the rows on.
+        num_top = np.where(batch.wants_logprobs[verify.rows], batch.num_top_tokens[verify.rows], -1)
+        if (num_top >= 0).any():
             tensors += self._top_tokens(verify, logprobs, sample.row_index, chosen)
-        self._pending = PendingVerification(self, verify, tensors)
+        self._pending = PendingVerification(verify, tensors, num_top)
         return self._pending
 
     @property
@@ -165,26 +174,14 @@ class DraftVerifier:
 
     def settle(self) -> None:
         """Bring the latest verification's counts to the host (waiting for them if need be) and
-        apply them to the persistent batch; a no-op when there is none or it was applied."""
+        apply them to the persistent batch; a no-op when there is none or it was applied. The
+        worker's own thread only: it owns the batch."""
         if self._pending is not None:
-            self._pending.result()
+            verify = self._pending.verify
+            counts = self._pending.host()[0].numpy() + 1  # each request's accepted drafts, then one
+            self.batch.count_verified(verify.rows, counts)
+            self.num_rejected[verify.rows] = verify.num_drafts + 1 - counts
             self._pending = None
-
-    def _apply(self, verify: VerifyRows, host: list[torch.Tensor]) -> VerifiedSamples:
-        """The host side of a verification, once its tensors are on the host."""
-        num_accepted, output_token_ids, chosen = (t.tolist() for t in host[:3])
-        emitted = [tokens[: n + 1] for tokens, n in zip(output_token_ids, num_accepted)]
-        counts = np.asarray(num_accepted, dtype=np.int64) + 1
-        self.batch.count_verified(verify.rows, counts)
-        self.num_rejected[verify.rows] = verify.num_drafts + 1 - counts
-        out = VerifiedSamples(num_accepted_tokens=dict(zip(verify.req_ids, num_accepted)))
-        for req_id, tokens, values in zip(verify.req_ids, emitted, chosen):
-            out.req_ids += [req_id] * len(tokens)
-            out.token_ids += tokens
-            out.logprobs += values[: len(tokens)]
-        if len(host) > 3:
-            self._top_tokens_of(out, verify, emitted, *(t.tolist() for t in host[3:]))
-        return out
 
     def _draft_counts(self, verify: VerifyRows, drafts: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """[sum(k + 1), vocab]: per verify row, how often each token occurs among its request's
@@ -228,49 +225,55 @@ class DraftVerifier:
         ranks = (scored > chosen[..., None]).sum(dim=-1) + 1
         return [ranks, top_ids, top_logprobs]
 
-    def _top_tokens_of(
-        self,
-        out: VerifiedSamples,
-        verify: VerifyRows,
-        emitted: list[list[int]],
-        ranks: list,
-        top_ids: list,
-        top_logprobs: list,
-    ) -> None:
-        """Rank and top tokens of each emitted token whose request asked for logprobs."""
-        batch = self.batch
-        out_row = 0
-        for i, (row, tokens) in enumerate(zip(verify.rows.tolist(), emitted)):
-            num_top = int(batch.num_top_tokens[row])
-            for j in range(len(tokens)):
-                if batch.wants_logprobs[row]:
-                    out.top_tokens[out_row] = (
-                        ranks[i][j],
-                        top_ids[i][j][:num_top],
-                        top_logprobs[i][j][:num_top],
-                    )
-                out_row += 1
-
 
 class PendingVerification:
     """A verification launched on the device: its tensors on their way to the host (one
-    non-blocking copy each, then an event), applied to the persistent batch and turned into the
-    step's samples by ``result()``, once, by whichever asks first: the next step's start (which
-    needs the rows' lengths) or the engine reading the step's output."""
+    non-blocking copy each, then an event). ``samples()`` turns them into the step's samples,
+    once, for whichever thread asks first; it reads nothing of the persistent batch, whose rows
+    the worker's thread may be moving on meanwhile (``DraftVerifier.settle`` applies the counts
+    there). num_top_tokens: [num_verify_reqs], the top tokens each request asked for (-1: no logprobs)."""
 
-    def __init__(self, verifier: DraftVerifier, verify: VerifyRows, tensors: list[torch.Tensor]) -> None:
-        self._verifier = verifier
+    def __init__(self, verify: VerifyRows, tensors: list[torch.Tensor], num_top_tokens: np.ndarray) -> None:
         self.verify = verify
-        self._result: VerifiedSamples | None = None
         self.num_accepted = tensors[0]  # [num_verify_reqs] int64, on the device
+        self._num_top_tokens = num_top_tokens
         self._host, self._event = to_host(tensors)
+        self._lock = threading.Lock()
+        self._samples: VerifiedSamples | None = None
 
-    def result(self) -> VerifiedSamples:
-        if self._result is None:
-            if self._event is not None:
-                self._event.synchronize()
-            self._result = self._verifier._apply(self.verify, self._host)
-        return self._result
+    def host(self) -> list[torch.Tensor]:
+        """The tensors on the host, once their copies landed: num_accepted [num_verify_reqs],
+        output token ids [num_verify_reqs, K + 1], their logprobs, then the top tokens' three."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host
+
+    def samples(self) -> VerifiedSamples:
+        """The tokens each request emitted, one row per token, request by request."""
+        with self._lock:
+            if self._samples is None:
+                self._samples = self._emitted(self.host())
+            return self._samples
+
+    def _emitted(self, host: list[torch.Tensor]) -> VerifiedSamples:
+        verify = self.verify
+        num_accepted, output_token_ids, chosen = (t.tolist() for t in host[:3])
+        emitted = [tokens[: n + 1] for tokens, n in zip(output_token_ids, num_accepted)]
+        out = VerifiedSamples(num_accepted_tokens=dict(zip(verify.req_ids, num_accepted)))
+        for req_id, tokens, values in zip(verify.req_ids, emitted, chosen):
+            out.req_ids += [req_id] * len(tokens)
+            out.token_ids += tokens
+            out.logprobs += values[: len(tokens)]
+        if len(host) > 3:
+            ranks, top_ids, top_logprobs = (t.tolist() for t in host[3:])
+            out_row = 0
+            for i, (tokens, num_top) in enumerate(zip(emitted, self._num_top_tokens.tolist())):
+                for j in range(len(tokens)):
+                    if num_top >= 0:
+                        top = (ranks[i][j], top_ids[i][j][:num_top], top_logprobs[i][j][:num_top])
+                        out.top_tokens[out_row] = top
+                    out_row += 1
+        return out
 
 
 class DeviceDrafts:

@@ -116,11 +116,29 @@ def test_a_verification_updates_the_device_at_once_and_the_host_once_when_settle
     assert batch.num_tokens[rows].tolist() == [13, 11]  # 2 drafts + 9; 9
     assert verifier.num_rejected[rows].tolist() == [1, 2]
     # Once only, whoever asks: the step's output after the next step's start.
-    samples = pending.result()
+    samples = pending.samples()
     verifier.settle()
     assert batch.num_tokens[rows].tolist() == [13, 11]
     assert samples.req_ids == [7, 7, 7, 8] and samples.token_ids == [4, 5, 9, 9]
     assert samples.num_accepted_tokens == {7: 2, 8: 0}
+
+
+def test_reading_the_samples_leaves_the_batch_to_the_worker_s_thread(verifier_kind):
+    """With tensor parallelism a rank's reply thread reads a step's samples while the worker's
+    thread plans the next step from the batch: the read must not apply the counts (applying them
+    there, a second time or under the planner, moved positions past the blocks on two H200s)."""
+    batch = InputBatch(4, 8, 50, CPU)
+    verifier, pending, rows = _verification(batch, SamplingParams(temperature=0.0, logprobs=0))
+    samples = pending.samples()
+    assert batch.num_tokens[rows].tolist() == [10, 10] and verifier.pending
+    assert samples.token_ids == [4, 5, 9, 9]
+    # logprobs=0: each emitted token's rank and no top tokens, read at the verification.
+    assert sorted(samples.top_tokens) == [0, 1, 2, 3]
+    assert all(top_ids == [] for _, top_ids, _ in samples.top_tokens.values())
+    batch.num_top_tokens[rows] = 5  # the rows moving on after the verification change nothing
+    assert pending.samples() is samples
+    verifier.settle()
+    assert batch.num_tokens[rows].tolist() == [13, 11]
 
 
 def test_emitted_tokens_count_for_penalties_on_the_device_and_rejected_ones_do_not(verifier_kind):
