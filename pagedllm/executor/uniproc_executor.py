@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagedllm.executor.abstract import Executor, WorkerCall, call_worker
+from pagedllm.executor.abstract import Executor, ExecutorDeadError, WorkerCall, call_worker
 from pagedllm.step_io import SchedulerOutput, StepHandle
 from pagedllm.worker.worker import Worker
 
@@ -15,7 +15,13 @@ class UniProcExecutor(Executor):
     rank_zero_in_process = True
 
     def _init_workers(self) -> None:
-        self.worker = Worker(self.config)
+        self._worker: Worker | None = Worker(self.config)
+
+    @property
+    def worker(self) -> Worker:
+        if self._worker is None:
+            raise ExecutorDeadError("the engine was shut down")
+        return self._worker
 
     def collective_rpc(
         self, method: WorkerCall, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -25,3 +31,9 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepHandle:
         """Launch the step; its samples come from the returned handle's ``get()``."""
         return self.worker.execute_model(scheduler_output)
+
+    def shutdown(self) -> None:
+        """Let the worker go: its weights, KV cache and graphs return to the allocator even while
+        the caller keeps the engine object (a second engine in the same process then sizes its
+        cache from the memory really free)."""
+        self._worker = None

@@ -25,7 +25,15 @@ from tests.model_loader.quantized_checks import (
 
 pytestmark = pytest.mark.gpu
 
-MODELS = {"qwen3_moe": QWEN3_MOE, "mixtral": MIXTRAL, "llama": ARCHITECTURES["llama"]}
+# The CPU tests' tiny architectures with heads of 64, the smallest head size the Triton kernels take.
+MODELS = {
+    name: (config_class, {**overrides, "head_dim": 64})
+    for name, (config_class, overrides) in {
+        "qwen3_moe": QWEN3_MOE,
+        "mixtral": MIXTRAL,
+        "llama": ARCHITECTURES["llama"],
+    }.items()
+}
 CHECKPOINTS = {
     "awq-qwen3_moe": lambda model, out, _: MOE_WRITERS["awq"](model, out),
     "gptq-desc-act-mixtral": lambda model, out, _: MOE_WRITERS["gptq-desc-act"](model, out),
