@@ -34,8 +34,8 @@
 # with n-gram drafts at a synthetic acceptance rate), w3-eagle (W3 with an EAGLE-3 head at synthetic
 # acceptance 1.0 and 0.7), w3-eagle-tp (two GPUs: W3 at TP=2 with the EAGLE-3 head and with n-gram
 # drafts, both at synthetic acceptance 1.0, and without speculation), w1-spec (W1's prompts at
-# batch 64 and 256 with n-gram drafts at synthetic acceptance 0.5 and without; the table gives the
-# ratios, target >= 0.95x at 64), verify-attn (benchmarks/verify_attention.py: a verify step's
+# batch 64 and 256 with n-gram drafts at synthetic acceptance 0.5, as configured by default and
+# drafting at every batch size, and without; the table gives the ratios, target >= 0.95x at 64), verify-attn (benchmarks/verify_attention.py: a verify step's
 # decode attention, k = 3, with and without query groups, beside a decode step, at Llama-3.1-8B's
 # and Qwen3-0.6B's heads), spec-editing (the embedded GGUF, float32, n-gram on the editing
 # workload against no speculation, looked up on the host and on the device, target >= 1.6x,
@@ -255,13 +255,21 @@ for stage in "${stages[@]}"; do
         ;;
     w1-spec)  # W1's prompts at batch 64 and 256 (SPEC_BATCHES), n-gram k=3 at synthetic acceptance 0.5 beside none
         # CUDAGRAPH_MODE=FULL_AND_PIECEWISE: steps with prompt tokens replay graphs too, in both runs.
+        # n-gram as configured by default (no drafts from 2 running requests on a GPU), then
+        # drafting at every batch size ("disable_by_batch_size": null).
         mode=(--cudagraph-mode "${CUDAGRAPH_MODE:-FULL_DECODE_ONLY}")
         for batch in ${SPEC_BATCHES:-64 256}; do
             run "w1_b$batch" python3 -m pagedllm bench throughput --workload W1 --max-num-seqs "$batch" \
                 "${mode[@]}" --output-json "$OUT/w1_b$batch.json"
-            run "w1_spec_b$batch" python3 -m pagedllm bench throughput --workload W1 --max-num-seqs "$batch" \
-                "${mode[@]}" --speculative-config '{"method": "ngram", "num_speculative_tokens": 3}' \
-                --synthetic-acceptance-rate "${SPEC_ACCEPTANCE:-0.5}" --output-json "$OUT/w1_spec_b$batch.json"
+            for limit in default always; do
+                spec='{"method": "ngram", "num_speculative_tokens": 3}'
+                [ $limit = always ] && spec='{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": null}'
+                name=w1_spec_b$batch
+                [ $limit = always ] && name=w1_spec_always_b$batch
+                run "$name" python3 -m pagedllm bench throughput --workload W1 --max-num-seqs "$batch" \
+                    "${mode[@]}" --speculative-config "$spec" \
+                    --synthetic-acceptance-rate "${SPEC_ACCEPTANCE:-0.5}" --output-json "$OUT/$name.json"
+            done
         done
         ;;
     spec-editing)  # real weights: the embedded GGUF's n-gram speedup on the editing workload, float32 (target >= 1.6x)

@@ -230,14 +230,15 @@ def _spec_rows(folder: str) -> list[tuple[str, str, str]]:
     if r and plain and r.get("synthetic_acceptance_rate") == 1.0:
         step = 4 * r["cuda_graphs"]["tpot_ms"]
         table.append(("W3 ngram verify step / decode step", "ms (synthetic 1.0)", f"{step / plain:.2f}x"))
-    for path in sorted(Path(folder).glob("w1_spec_b*.json")):
-        batch = path.stem.removeprefix("w1_spec_b")
-        spec, base = _load(folder, path.stem), _load(folder, f"w1_b{batch}")
-        if spec and base:
-            ratio = spec["output_tok_s"] / base["output_tok_s"]
-            figure = f"output tok/s, synthetic {spec['synthetic_acceptance_rate']}"
-            cell = f"{ratio:.2f}x ({spec['output_tok_s']:.0f})"
-            table.append((f"W1 batch {batch} ngram / none", figure, cell))
+    for prefix, label in (("w1_spec_b", "ngram"), ("w1_spec_always_b", "ngram at every batch size")):
+        for path in sorted(Path(folder).glob(f"{prefix}*.json")):
+            batch = path.stem.removeprefix(prefix)
+            spec, base = _load(folder, path.stem), _load(folder, f"w1_b{batch}")
+            if spec and base:
+                ratio = spec["output_tok_s"] / base["output_tok_s"]
+                figure = f"output tok/s, synthetic {spec['synthetic_acceptance_rate']}"
+                cell = f"{ratio:.2f}x ({spec['output_tok_s']:.0f})"
+                table.append((f"W1 batch {batch} {label} / none", figure, cell))
     for path in sorted(Path(folder).glob("verify_attn*.json")):
         r = _load(folder, path.stem)
         heads = f"{r['config']['num_heads']}/{r['config']['num_kv_heads']} heads"

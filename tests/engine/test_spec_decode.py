@@ -410,6 +410,28 @@ def test_on_cuda_ngram_drafts_are_looked_up_on_the_device_by_default(tiny_llama,
     assert not dataclasses.replace(args, async_scheduling=False).create_engine_config().drafts_on_worker
 
 
+def test_on_cuda_ngram_stops_drafting_at_the_measured_batch_size_unless_told(tiny_llama, monkeypatch):
+    """n-gram on a GPU: no drafts from NGRAM_CUDA_DISABLE_BY_BATCH_SIZE running requests unless
+    the user gave disable_by_batch_size (null: drafts at every batch size); no such default on
+    the CPU or for a model drafter."""
+    from pagedllm.engine import arg_utils
+    from pagedllm.spec_config import NGRAM_CUDA_DISABLE_BY_BATCH_SIZE
+
+    _, model_config = tiny_llama
+    args = EngineArgs(model=model_config.model, speculative_config=NGRAM)
+    assert args.create_engine_config().speculative_config.disable_by_batch_size is None  # CPU
+    monkeypatch.setattr(arg_utils, "resolve_device", lambda *_: torch.device("cuda"))
+    spec = args.create_engine_config().speculative_config
+    assert spec.disable_by_batch_size == NGRAM_CUDA_DISABLE_BY_BATCH_SIZE == 2
+    for given in (None, 8):
+        told = dataclasses.replace(
+            args, speculative_config=json.dumps({**NGRAM, "disable_by_batch_size": given})
+        )
+        assert told.create_engine_config().speculative_config.disable_by_batch_size == given
+    eagle = SpeculativeConfig(method="eagle3", model="head")
+    assert eagle.with_device_defaults("cuda", {"method", "model"}) is eagle
+
+
 # --- sampling: the target's exact distribution ------------------------------------------------
 
 SAMPLED_CASES = {

@@ -26,7 +26,13 @@ pytestmark = [
 ]
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+# Drafting at every batch size (on a GPU n-gram stops at 2 running requests by default).
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "disable_by_batch_size": None,
+}
 # Head size 64 for every kernel.
 MODELS = {
     "llama": (LlamaConfig, {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}),
