@@ -92,6 +92,9 @@ class SchedulerOutput:
     # Speculative decoding: req_id -> draft tokens to verify, scheduled after the request's newest
     # token (they count in num_scheduled_tokens; core/spec_decode.py).
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
+    # Whether the scheduler drafts at this step's batch size (False past disable_by_batch_size
+    # running requests): a drafter with no state of its own then makes no proposals after it.
+    drafting: bool = True
     # With asynchronous scheduling: cached requests whose num_computed_tokens counts the drafts of
     # the step before as accepted (its output had not reached the scheduler); each worker takes
     # back those it rejected.

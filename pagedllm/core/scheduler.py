@@ -227,6 +227,8 @@ class Scheduler:
         if queues.waiting and (isolating or not queues.swapped):
             self._schedule_waiting(budget, out, scheduled)
         out.total_num_scheduled_tokens = budget.num_batched_tokens
+        if self.spec_decoding is not None:
+            self.spec_decoding.drafter.scheduled(out.drafting)
         out.preempted_req_ids = queues.preempted_req_ids
         queues.preempted_req_ids = set()
         self.num_prefill_tokens += describe_step(scheduled, out, self.kv_cache_manager)
@@ -250,6 +252,7 @@ class Scheduler:
         spec = self.spec_decoding
         if spec is not None and not spec.is_enabled_for(len(queue)):
             spec = None
+            out.drafting = False
         while queue:
             request = queue.popleft()
             if request.status != RequestStatus.RUNNING:

@@ -79,6 +79,10 @@ class Drafter(Protocol):
         """A step's samples, applied (the worker's proposals travel with them)."""
         ...
 
+    def scheduled(self, drafting: bool) -> None:
+        """A step was scheduled, its batch drafted for or not (``SchedulerOutput.drafting``)."""
+        ...
+
 
 class NgramProposer:
     """Prompt lookup (Saxena, 2023; vLLM's ``ngram`` method): find the request's last n tokens
@@ -135,6 +139,9 @@ class NgramProposer:
         self._tokens = {req_id: self._tokens[req_id] for req_id in self._drafted if req_id in self._tokens}
         self._drafted = set()
 
+    def scheduled(self, drafting: bool) -> None:
+        pass  # drafts come from the host's tokens whenever asked
+
 
 class _TokenArray:
     """A request's prompt + output tokens as one int64 array that grows with its outputs (the
@@ -167,20 +174,26 @@ class WorkerProposals:
     the device, where the next verification of the request reads them; the scheduler schedules
     placeholders (``DRAFT_PLACEHOLDER``) for them. A request has them when its newest token was
     sampled in the step in flight (asynchronous scheduling: that step's output, and the drafts'
-    ids, are still on their way) or in the step just applied. A request the worker did not draft
-    for (a sibling forked after its first token, a request swapped in) decodes one token
-    meanwhile."""
+    ids, are still on their way) and that step's batch was drafted for (the n-gram lookup makes no
+    proposals after a step past ``disable_by_batch_size``), or in the step just applied. A request
+    the worker did not draft for (a sibling forked after its first token, a request swapped in)
+    decodes one token meanwhile."""
 
     def __init__(self) -> None:
         self.proposals: dict[int, list[int]] = {}
+        self._in_flight_drafted = True
 
     def draft(self, request: Request, num_tokens: int) -> list[int]:
-        if request.num_output_placeholders or request.req_id in self.proposals:
+        in_flight = request.num_output_placeholders and self._in_flight_drafted
+        if in_flight or request.req_id in self.proposals:
             return [DRAFT_PLACEHOLDER] * num_tokens
         return []
 
     def receive(self, output: ModelRunnerOutput) -> None:
         self.proposals = output.draft_token_ids
+
+    def scheduled(self, drafting: bool) -> None:
+        self._in_flight_drafted = drafting
 
 
 def can_speculate(request: Request) -> bool:

@@ -128,6 +128,10 @@ class DraftModelRunner:
         input_batch: the target runner's persistent batch (block tables, newest tokens).
     """
 
+    # A proposal writes the draft's K/V for the positions it drafts from, which later steps read:
+    # it runs every step, whether or not the scheduler verifies drafts at that batch size.
+    proposes_statelessly = False
+
     def __init__(
         self, config: EngineConfig, attn_backend: type[AttentionBackend], input_batch: InputBatch
     ) -> None:

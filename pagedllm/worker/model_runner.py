@@ -451,6 +451,8 @@ class ModelRunner:
         drafter = self.drafter if self.drafter is not None and self.drafter.ready else None
         if drafter is not None:
             drafter.prefill(model_input, hidden_states)
+            if drafter.proposes_statelessly and not scheduler_output.drafting:
+                drafter = None  # no proposals the scheduler would read
         if model_input.logits_indices.numel() == 0:
             if drafter is not None:  # nothing to propose, but an EAGLE head's K/V to write
                 rows = model_input.sampling_req_rows

@@ -82,6 +82,9 @@ class NgramDrafter:
 
     model = None  # no weights: nothing to load or prepack
     ready = True
+    # A lookup leaves nothing behind (``prefill`` records the tokens): a step whose batch the
+    # scheduler does not draft for (``SchedulerOutput.drafting``) skips it.
+    proposes_statelessly = True
     block_bytes = 0
     scratch_bytes = 0
 

@@ -432,6 +432,43 @@ def test_on_cuda_ngram_stops_drafting_at_the_measured_batch_size_unless_told(tin
     assert eagle.with_device_defaults("cuda", {"method", "model"}) is eagle
 
 
+def test_past_disable_by_batch_size_the_worker_s_lookup_makes_no_proposals(tiny_llama, hf_greedy_tokens):
+    """Asynchronous scheduling (drafts looked up on the worker): after a step the scheduler did
+    not draft for (2 or more running requests) the lookup does not run, and drafting resumes once
+    one request is left, with HF's greedy tokens throughout."""
+    hf_model, model_config = tiny_llama
+    prompts = mixed_prompts(4, model_config.vocab_size, seed=2)
+    # The first (repetitive) request outlives the others, which end after 3 tokens.
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24 if i == 0 else 3, ignore_eos=True) for i in range(4)
+    ]
+    llm = make_llm(
+        model_config, async_scheduling=True, speculative_config={**NGRAM, "disable_by_batch_size": 2}
+    )
+    engine = llm.llm_engine
+    runner = engine.executor.worker.model_runner
+    steps: list[list] = []  # per step: [drafting, requests scheduled, lookups run]
+    execute, propose = runner.execute_model, runner.drafter.propose
+
+    def record_step(scheduler_output):
+        steps.append([scheduler_output.drafting, len(scheduler_output.num_scheduled_tokens), 0])
+        return execute(scheduler_output)
+
+    def record_lookup(rows, newest):
+        steps[-1][2] += 1
+        return propose(rows, newest)
+
+    runner.execute_model, runner.drafter.propose = record_step, record_lookup
+    outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert token_ids(outputs) == [
+        hf_greedy_tokens(hf_model, p, q.max_tokens) for p, q in zip(prompts, params)
+    ]
+    assert [lookups for drafting, _, lookups in steps if not drafting] == [0] * sum(not d for d, *_ in steps)
+    assert any(not drafting and n >= 2 for drafting, n, _ in steps)
+    assert any(drafting and lookups for drafting, _, lookups in steps)
+    assert engine.scheduler.spec_decoding.num_draft_tokens > 0
+
+
 # --- sampling: the target's exact distribution ------------------------------------------------
 
 SAMPLED_CASES = {
