@@ -4,11 +4,14 @@ drafting policy (core/spec_decode.py), the worker's drafters and ``EngineArgs`` 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from pagedllm.config_checks import is_int, require
+
+logger = logging.getLogger(__name__)
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
 # The methods whose drafts come from a model the worker loads from ``model``.
@@ -121,6 +124,11 @@ class SpeculativeConfig:
         """This config with the defaults measured for ``device_type`` ("cuda", "cpu") filled in
         where the user's keys (``given``) leave them open."""
         if device_type == "cuda" and self.method == "ngram" and "disable_by_batch_size" not in given:
+            logger.info(
+                "speculative_config: n-gram drafts only while fewer than %d requests run (measured on "
+                "a GPU); set disable_by_batch_size to change it (null: at every batch size)",
+                NGRAM_CUDA_DISABLE_BY_BATCH_SIZE,
+            )
             return dataclasses.replace(self, disable_by_batch_size=NGRAM_CUDA_DISABLE_BY_BATCH_SIZE)
         return self
 

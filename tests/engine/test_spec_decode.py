@@ -410,7 +410,7 @@ def test_on_cuda_ngram_drafts_are_looked_up_on_the_device_by_default(tiny_llama,
     assert not dataclasses.replace(args, async_scheduling=False).create_engine_config().drafts_on_worker
 
 
-def test_on_cuda_ngram_stops_drafting_at_the_measured_batch_size_unless_told(tiny_llama, monkeypatch):
+def test_on_cuda_ngram_stops_drafting_at_the_measured_batch_size_unless_told(tiny_llama, monkeypatch, caplog):
     """n-gram on a GPU: no drafts from NGRAM_CUDA_DISABLE_BY_BATCH_SIZE running requests unless
     the user gave disable_by_batch_size (null: drafts at every batch size); no such default on
     the CPU or for a model drafter."""
@@ -421,8 +421,10 @@ def test_on_cuda_ngram_stops_drafting_at_the_measured_batch_size_unless_told(tin
     args = EngineArgs(model=model_config.model, speculative_config=NGRAM)
     assert args.create_engine_config().speculative_config.disable_by_batch_size is None  # CPU
     monkeypatch.setattr(arg_utils, "resolve_device", lambda *_: torch.device("cuda"))
-    spec = args.create_engine_config().speculative_config
+    with caplog.at_level(logging.INFO, logger="pagedllm.spec_config"):
+        spec = args.create_engine_config().speculative_config
     assert spec.disable_by_batch_size == NGRAM_CUDA_DISABLE_BY_BATCH_SIZE == 2
+    assert "fewer than 2 requests run" in caplog.text  # the user is told at start
     for given in (None, 8):
         told = dataclasses.replace(
             args, speculative_config=json.dumps({**NGRAM, "disable_by_batch_size": given})
