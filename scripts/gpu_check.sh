@@ -67,6 +67,10 @@ if [ -d .whl ]; then
     python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn pydantic prometheus-client aiohttp 2>&1 | tail -1
     # Structured outputs (llguidance, an abi3 wheel).
     python3 -m pip install -q --no-index --find-links .whl 'llguidance>=1.9.1' 2>&1 | tail -1
+    # compressed-tensors (and pydantic, which the image lacks), where their wheels travel: the GPU
+    # tests that write compressed-tensors checkpoints with the library's own packing.
+    ls .whl/compressed_tensors-*.whl >/dev/null 2>&1 &&
+        python3 -m pip install -q --no-index --find-links .whl compressed-tensors 2>&1 | tail -1
     # pytest-xdist, where its wheels travel too: the w6 stage's tests on several workers.
     ls .whl/pytest_xdist-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --find-links .whl pytest-xdist 2>&1 | tail -1
     # A newer transformers, where its wheels travel: the HF references of the GPU tests' Mamba-2
