@@ -260,7 +260,6 @@ class EngineArgs:
                 "--data-parallel-size N` runs N replicas behind one server (offline, run one LLM per "
                 "process, each with its own CUDA_VISIBLE_DEVICES)"
             )
-        speculative_config, spec_keys = self._speculative_config()  # refused before anything is read
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         if self.task is not None and self.task not in TASKS:
@@ -275,8 +274,7 @@ class EngineArgs:
             context_parallel_size=self.context_parallel_size,
         )
         device = resolve_device(self.device, parallel_config)
-        if speculative_config is not None:
-            speculative_config = speculative_config.with_device_defaults(device.type, spec_keys)
+        speculative_config = self._speculative_config(device.type)  # refused before anything is read
         model_path, gguf_file = resolve_model_path(self.model)
         hf_config = load_hf_config(model_path, gguf_file)
         model_class = check_architecture(hf_config)
@@ -372,11 +370,12 @@ class EngineArgs:
             max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras
         )
 
-    def _speculative_config(self) -> tuple[SpeculativeConfig | None, set[str]]:
-        """The parsed ``speculative_config`` and the keys the user gave (a key given as null, too)."""
+    def _speculative_config(self, device_type: str) -> SpeculativeConfig | None:
+        """The parsed ``speculative_config``, with the defaults measured for the device where the
+        user's keys leave them open (a key given as null counts as given)."""
         config = self.speculative_config
         if config is None:
-            return None, set()
+            return None
         if isinstance(config, str):
             try:
                 config = json.loads(config)
@@ -384,8 +383,7 @@ class EngineArgs:
                 raise ValueError(
                     f"speculative_config must be a JSON object, got {config!r}: {error}"
                 ) from None
-        spec = SpeculativeConfig.from_dict(config)
-        return spec, set(config)
+        return SpeculativeConfig.from_dict(config).with_device_defaults(device_type, config)
 
     def _set_attention_window(self, model_config: ModelConfig, model_class: type) -> None:
         """Hand the engine's window and sinks to the model through its config, after checking

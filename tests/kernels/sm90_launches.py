@@ -61,6 +61,26 @@ def _variants(num_heads: int, query: torch.Tensor) -> list[dict]:
     ]
 
 
+def _launch_decode(
+    inputs: DecodeInputs, key_cache: torch.Tensor, value_cache: torch.Tensor, max_seq_len: int, **options
+) -> None:
+    """paged_decode over ``inputs``' query and tables, with the tiles each dtype launches with."""
+    float32 = inputs.query.dtype == torch.float32
+    paged_decode(
+        inputs.query,
+        key_cache,
+        value_cache,
+        inputs.block_tables,
+        inputs.seq_lens,
+        inputs.scale,
+        max_seq_len,
+        torch.empty_like(inputs.query),
+        block_n=32 if float32 else 64,
+        num_warps=8 if float32 else 4,
+        **options,
+    )
+
+
 def decode() -> None:
     # Query groups (speculative verifications): 4 tokens x 4 heads fill the 16-row tile, 5 pad it
     # to 32; with the variants they allow.
@@ -78,7 +98,6 @@ def decode() -> None:
         inputs = DecodeInputs.random(
             DecodeShape((40, 300), NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype), CPU, seed=0
         )
-        out = torch.empty_like(inputs.query)
         # One partition, then several (a host bound past the contexts, as under CUDA graphs).
         launches = [
             (max_seq_len, partition_size, variant)
@@ -86,18 +105,12 @@ def decode() -> None:
             for max_seq_len, partition_size in ((300, 512), (1024, 128))
         ] + [(1024, 128, variant) for variant in grouped]
         for max_seq_len, partition_size, variant in launches:
-            paged_decode(
-                inputs.query,
+            _launch_decode(
+                inputs,
                 inputs.key_cache,
                 inputs.value_cache,
-                inputs.block_tables,
-                inputs.seq_lens,
-                inputs.scale,
                 max_seq_len,
-                out,
                 partition_size=partition_size,
-                block_n=32 if dtype == torch.float32 else 64,
-                num_warps=8 if dtype == torch.float32 else 4,
                 **variant,
             )
 
@@ -149,22 +162,15 @@ def fp8_kv_cache() -> None:
         )
         key_cache, value_cache = (c.to(torch.float8_e4m3fn) for c in (inputs.key_cache, inputs.value_cache))
         scales = {"k_scale": torch.ones(()), "v_scale": torch.ones(())}
-        out = torch.empty_like(inputs.query)
-        sinks = {"sliding_window": 32, "attention_sinks": 4, "sink_query": torch.empty_like(out)}
+        sinks = {"sliding_window": 32, "attention_sinks": 4, "sink_query": torch.empty_like(inputs.query)}
         for variant in ({}, sinks):
             for max_seq_len, partition_size in ((300, 512), (1024, 128)):
-                paged_decode(
-                    inputs.query,
+                _launch_decode(
+                    inputs,
                     key_cache,
                     value_cache,
-                    inputs.block_tables,
-                    inputs.seq_lens,
-                    inputs.scale,
                     max_seq_len,
-                    out,
                     partition_size=partition_size,
-                    block_n=32 if dtype == torch.float32 else 64,
-                    num_warps=8 if dtype == torch.float32 else 4,
                     **scales,
                     **variant,
                 )
