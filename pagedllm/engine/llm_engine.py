@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterable
+from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import Scheduler
@@ -160,6 +161,15 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         return self.engine_core.get_stats()
+
+    def start_profile(self) -> None:
+        """Start every rank's torch profiler: the steps from here on are profiled on the device
+        that runs them (worker/profiler.py)."""
+        self.executor.collective_rpc("start_profile")
+
+    def stop_profile(self) -> list[dict[str, Any]]:
+        """End the ranks' profiles; each rank's summary, in rank order (``WorkerProfiler.stop``)."""
+        return self.executor.collective_rpc("stop_profile")
 
 
 def new_request_state(

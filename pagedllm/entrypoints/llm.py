@@ -73,6 +73,18 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None:
         return self.llm_engine.tokenizer
 
+    def start_profile(self) -> None:
+        """Profile what the engine runs from here, on every rank (vLLM's name; the traces are
+        kept where ``$PAGEDLLM_TORCH_PROFILER_DIR`` says)."""
+        with self._engine_lock:
+            self.llm_engine.start_profile()
+
+    def stop_profile(self) -> list[dict[str, Any]]:
+        """End the profile; each rank's summary: its device's busy time against the span of its
+        events, the idle gaps, the busiest operations (pagedllm/worker/profiler.py)."""
+        with self._engine_lock:
+            return self.llm_engine.stop_profile()
+
     def abort(self, request_id: str | SequenceABC[str]) -> None:
         """End requests (their ``RequestOutput.request_id``) and free their blocks. Safe from
         another thread while ``generate`` runs: it returns at once and takes effect before the next

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -17,6 +18,7 @@ from pagedllm.step_io import SchedulerOutput
 from pagedllm.worker.cache_engine import CacheEngine, KVCacheSpec
 from pagedllm.worker.model_runner import ModelRunner, StepOutput
 from pagedllm.worker.pooling_runner import PoolingModelRunner
+from pagedllm.worker.profiler import WorkerProfiler
 from pagedllm.worker.state_cache import (
     StateCache,
     kv_budget_after_state,
@@ -44,6 +46,7 @@ class Worker:
         self.rank = rank
         self.distributed_init_method = distributed_init_method
         self.device = rank_device(config, local_rank)
+        self.profiler = WorkerProfiler(rank, self.device)
         # This rank's view of the configuration: its own device, which the model runner reads.
         self.config = config = dataclasses.replace(
             config, device_config=dataclasses.replace(config.device_config, device=self.device)
@@ -215,6 +218,15 @@ class Worker:
         """(the adapters among ``lora_int_ids`` on the host, those that failed with why)."""
         assert self.model_runner.lora_manager is not None, "enable_lora is off"
         return self.model_runner.lora_manager.loader.states(lora_int_ids, timeout)
+
+    # --- profiling (LLM.start_profile / stop_profile) ---
+
+    def start_profile(self) -> None:
+        self.profiler.start()
+
+    def stop_profile(self) -> dict[str, Any]:
+        """This rank's profile since ``start_profile`` (profiler.py)."""
+        return self.profiler.stop()
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> StepOutput:
         """Do the step's block moves, then its forward pass and sampling (without waiting for the

@@ -24,7 +24,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.bench import add_synthetic_acceptance_arg, with_synthetic_acceptance, write_json
 from pagedllm.entrypoints.bench.ceilings import copy_bandwidth
 from pagedllm.entrypoints.bench.lora_adapters import write_random_adapters
-from pagedllm.entrypoints.bench.throughput import profile_steps_of
+from pagedllm.entrypoints.bench.step_profile import print_profile, profile_steps_of
 from pagedllm.entrypoints.bench.weight_read import worker_decode_weight_bytes
 from pagedllm.entrypoints.bench.workloads import WORKLOADS
 from pagedllm.lora.request import LoRARequest
@@ -143,11 +143,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         )
         profiled = result[mode]["profile"]
         if profiled:
-            print(profiled.pop("table"))
-            print(
-                f"W3 {mode} (profiled): {profiled['device_ms_per_step']:.2f} ms of device time in "
-                f"{profiled['wall_ms_per_step']:.2f} ms of wall time per token{synthetic}"
-            )
+            print_profile(profiled, f"W3 {mode}{synthetic}")
     floor_ms = 1e3 * result["cuda_graphs"]["weight_bytes"] / bandwidth
     result["floor_ms"] = floor_ms
     for mode, _ in modes:

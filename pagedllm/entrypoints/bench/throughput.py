@@ -30,6 +30,7 @@ from pagedllm.entrypoints.bench.ceilings import copy_bandwidth, matmul_peak_flop
 from pagedllm.entrypoints.bench.hybrid_floor import HYBRID_MODEL_TYPES, HybridShape, hybrid_floor
 from pagedllm.entrypoints.bench.lora_adapters import write_random_adapters
 from pagedllm.entrypoints.bench.moe_floor import MoeShape, kv_bytes_per_token, moe_floor
+from pagedllm.entrypoints.bench.step_profile import print_profile, profile_steps_of
 from pagedllm.entrypoints.bench.workloads import CONFIG_DIR, WORKLOADS, Workload
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
@@ -187,26 +188,6 @@ def attention_backend_name(worker: Any) -> str:
     return worker.attn_backend.name
 
 
-def profile_steps_of(engine: LLMEngine, num_steps: int) -> dict[str, Any]:
-    """Device time against wall time over a few steps, and where the device time goes."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(num_steps):
-            engine.step()
-        torch.cuda.synchronize()
-    wall_s = time.perf_counter() - start
-    events = prof.key_averages()
-    device_us = sum(getattr(e, "self_device_time_total", 0) for e in events)
-    return {
-        "wall_ms_per_step": 1e3 * wall_s / num_steps,
-        "device_ms_per_step": device_us / 1e3 / num_steps,
-        "table": events.table(sort_by="self_device_time_total", row_limit=20),
-    }
-
-
 def _floor(
     engine: LLMEngine, prompts: list[list[int]], output_len: int, cached_prefix_len: int
 ) -> dict[str, Any] | None:
@@ -337,11 +318,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         kv = result["kv_bytes_per_token"]
         print(f"KV cache per token: {kv['model']:,} B, Llama-3.1-8B's {kv['llama-3.1-8b']:,} B")
     for phase, profiled in result["profiles"].items():
-        print(profiled.pop("table"))
-        print(
-            f"{phase} steps (profiled): {profiled['device_ms_per_step']:.2f} ms of device time in "
-            f"{profiled['wall_ms_per_step']:.2f} ms of wall time per step"
-        )
+        print_profile(profiled, f"{phase} steps")
     engine.shutdown()
     variant = f" with {args.num_loras} rank-{args.lora_rank} LoRAs" if args.num_loras else ""
     if args.synthetic_acceptance_rate is not None:
