@@ -162,10 +162,10 @@ class LLMEngine:
     def get_stats(self) -> EngineStats:
         return self.engine_core.get_stats()
 
-    def start_profile(self) -> None:
-        """Start every rank's torch profiler: the steps from here on are profiled on the device
-        that runs them (worker/profiler.py)."""
-        self.executor.collective_rpc("start_profile")
+    def start_profile(self, torch_profiler: bool = True) -> None:
+        """Start every rank's profile: the steps from here on are profiled on the device that runs
+        them (worker/profiler.py); without ``torch_profiler``, only each step's start and end."""
+        self.executor.collective_rpc("start_profile", (torch_profiler,))
 
     def stop_profile(self) -> list[dict[str, Any]]:
         """End the ranks' profiles; each rank's summary, in rank order (``WorkerProfiler.stop``)."""

@@ -73,11 +73,12 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer | None:
         return self.llm_engine.tokenizer
 
-    def start_profile(self) -> None:
+    def start_profile(self, torch_profiler: bool = True) -> None:
         """Profile what the engine runs from here, on every rank (vLLM's name; the traces are
-        kept where ``$PAGEDLLM_TORCH_PROFILER_DIR`` says)."""
+        kept where ``$PAGEDLLM_TORCH_PROFILER_DIR`` says). ``torch_profiler=False``: only each
+        step's start and end, which cost the host nothing it would notice."""
         with self._engine_lock:
-            self.llm_engine.start_profile()
+            self.llm_engine.start_profile(torch_profiler)
 
     def stop_profile(self) -> list[dict[str, Any]]:
         """End the profile; each rank's summary: its device's busy time against the span of its

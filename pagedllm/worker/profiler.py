@@ -8,13 +8,21 @@ intervals) against the span they cover, and the idle gaps between them, largest 
 whose device is busy for most of its span is bound by its kernels; large gaps at the step's
 boundaries are host work (or a peer) the device waited for.
 
+The torch profiler slows the host (it records every operation the host issues), so its gaps
+overstate a host-bound step's. Each profile therefore also records, at almost no cost, a CUDA
+event where each step's work starts and one after its last launch: the device's time from one
+step's end to the next one's start is exactly how long it waited for the host; ``torch_profiler=
+False`` keeps only those (``step_timeline``).
+
 ``$PAGEDLLM_TORCH_PROFILER_DIR`` (vLLM's ``VLLM_TORCH_PROFILER_DIR``), when set, also keeps each
 rank's whole trace there (``rank{r}-{pid}-{n}.json``: chrome://tracing or Perfetto).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,33 +80,93 @@ def device_timeline(intervals: list[tuple[float, float]]) -> DeviceTimeline:
     )
 
 
+def step_timeline(
+    host_marks: list[tuple[float, float]], device_marks: list[tuple[Any, Any]] | None
+) -> dict[str, Any]:
+    """Medians (ms) over the steps: the host's time to issue a step and from one step's start to
+    the next; on a GPU the device's time per step, and its idle time before each step after the
+    first (``device_marks``: (start, end) CUDA events, completed)."""
+    out: dict[str, Any] = {"num_steps": len(host_marks)}
+    if not host_marks:
+        return out
+    out["host_issue_ms"] = 1e3 * _median([end - start for start, end in host_marks])
+    periods = [b[0] - a[0] for a, b in itertools.pairwise(host_marks)]
+    out["host_period_ms"] = 1e3 * _median(periods) if periods else None
+    if device_marks:
+        steps = [start.elapsed_time(end) for start, end in device_marks]
+        waits = [max(0.0, a[1].elapsed_time(b[0])) for a, b in itertools.pairwise(device_marks)]
+        out["device_step_ms"] = _median(steps)
+        out["device_wait_ms"] = _median(waits) if waits else None
+        out["device_wait_total_ms"] = sum(waits)
+        out["device_total_ms"] = device_marks[0][0].elapsed_time(device_marks[-1][1])
+    return out
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
 class WorkerProfiler:
-    """One rank's torch profiler, on between ``start()`` and ``stop()``."""
+    """One rank's profile, on between ``start()`` and ``stop()``; the worker marks each step's
+    start and end (``step_started`` / ``step_issued``) while ``active``."""
 
     def __init__(self, rank: int, device: torch.device) -> None:
         self.rank = rank
         self.device = device
+        self.active = False
         self._profile: profile | None = None
         self._num_traces = 0
+        self._host_marks: list[tuple[float, float]] = []
+        self._device_marks: list[tuple[Any, Any]] = []
+        self._started: tuple[float, Any] | None = None
 
-    def start(self) -> None:
-        if self._profile is not None:
+    def start(self, torch_profiler: bool = True) -> None:
+        if self.active:
             raise RuntimeError(f"rank {self.rank}: a profile is already running (stop_profile() first)")
-        activities = [ProfilerActivity.CPU]
         if self.device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
             torch.cuda.synchronize(self.device)  # the profile holds only what runs from here
-        self._profile = profile(activities=activities)
-        self._profile.start()
+        if torch_profiler:
+            activities = [ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(ProfilerActivity.CUDA)
+            self._profile = profile(activities=activities)
+            self._profile.start()
+        self._host_marks, self._device_marks, self.active = [], [], True
+
+    def step_started(self) -> None:
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self._started = (time.perf_counter(), event)
+
+    def step_issued(self) -> None:
+        assert self._started is not None, "step_started() first"
+        start, start_event = self._started
+        self._host_marks.append((start, time.perf_counter()))
+        if start_event is not None:
+            end_event = torch.cuda.Event(enable_timing=True)
+            end_event.record()
+            self._device_marks.append((start_event, end_event))
+        self._started = None
 
     def stop(self) -> dict[str, Any]:
-        """End the profile; this rank's summary (``device_timeline``'s fields, the busiest
-        operations as a table, and the trace's path where one was kept)."""
-        if self._profile is None:
+        """End the profile; this rank's summary: ``step_timeline``'s medians under "steps", and
+        with the torch profiler ``device_timeline``'s fields, the busiest operations as a table
+        and the trace's path where one was kept."""
+        if not self.active:
             raise RuntimeError(f"rank {self.rank}: no profile is running (start_profile() first)")
-        prof, self._profile = self._profile, None
+        self.active = False
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the device's last events reach the profile
+        summary: dict[str, Any] = {
+            "rank": self.rank,
+            "steps": step_timeline(self._host_marks, self._device_marks),
+        }
+        prof, self._profile = self._profile, None
+        if prof is None:
+            return summary
         prof.stop()
         intervals = [
             (event.time_range.start, event.time_range.end)
@@ -106,12 +174,9 @@ class WorkerProfiler:
             if event.device_type == DeviceType.CUDA
         ]
         sort_by = "self_device_time_total" if intervals else "self_cpu_time_total"
-        summary: dict[str, Any] = {
-            "rank": self.rank,
-            **device_timeline(intervals).__dict__,
-            "table": prof.key_averages().table(sort_by=sort_by, row_limit=TABLE_ROWS),
-            "trace": None,
-        }
+        summary.update(device_timeline(intervals).__dict__)
+        summary["table"] = prof.key_averages().table(sort_by=sort_by, row_limit=TABLE_ROWS)
+        summary["trace"] = None
         trace_dir = os.environ.get(TRACE_DIR_ENV)
         if trace_dir:
             os.makedirs(trace_dir, exist_ok=True)

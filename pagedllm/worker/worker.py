@@ -221,8 +221,8 @@ class Worker:
 
     # --- profiling (LLM.start_profile / stop_profile) ---
 
-    def start_profile(self) -> None:
-        self.profiler.start()
+    def start_profile(self, torch_profiler: bool = True) -> None:
+        self.profiler.start(torch_profiler)
 
     def stop_profile(self) -> dict[str, Any]:
         """This rank's profile since ``start_profile`` (profiler.py)."""
@@ -232,6 +232,8 @@ class Worker:
         """Do the step's block moves, then its forward pass and sampling (without waiting for the
         samples: ``StepOutput.get`` does)."""
         assert self.cache_engine is not None, "initialize_cache() first"
+        if self.profiler.active:
+            self.profiler.step_started()
         block_moves = (
             scheduler_output.blocks_to_swap_out,
             scheduler_output.blocks_to_swap_in,
@@ -243,7 +245,10 @@ class Worker:
             self.state_cache.copy_slots(scheduler_output.state_slots_to_copy)
         if self.model_runner.drafter is not None:
             self.model_runner.drafter.run_cache_ops(*block_moves)
-        return self.model_runner.execute_model(scheduler_output)
+        step = self.model_runner.execute_model(scheduler_output)
+        if self.profiler.active:
+            self.profiler.step_issued()
+        return step
 
     def execute_model_remote(self, scheduler_output: SchedulerOutput) -> StepOutput | None:
         """``execute_model`` for a rank in another process: the output rank (the last pipeline

@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.bench.step_profile import profile_steps_of
-from pagedllm.worker.profiler import GAP_THRESHOLD_US, TRACE_DIR_ENV, device_timeline
+from pagedllm.worker.profiler import GAP_THRESHOLD_US, TRACE_DIR_ENV, device_timeline, step_timeline
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -41,6 +41,38 @@ def test_device_timeline_of_nothing():
     assert (t.num_events, t.busy_us, t.span_us, t.num_gaps, t.largest_gaps_us) == (0, 0.0, 0.0, 0, ())
 
 
+class FakeEvent:
+    """A completed CUDA event at ``t`` ms."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        return other.t - self.t
+
+
+def test_step_timeline_reads_the_device_s_waits_between_steps():
+    # Steps of 2 ms on the device; the third starts 0.5 ms after the second ends (the host was
+    # late), the second was queued before the first ended (no wait).
+    device = [
+        (FakeEvent(0.0), FakeEvent(2.0)),
+        (FakeEvent(2.0), FakeEvent(4.0)),
+        (FakeEvent(4.5), FakeEvent(6.5)),
+    ]
+    host = [(0.0, 0.0003), (0.001, 0.0012), (0.0045, 0.0049)]
+    t = step_timeline(host, device)
+    assert t["num_steps"] == 3
+    assert t["device_step_ms"] == pytest.approx(2.0)
+    assert t["device_wait_total_ms"] == pytest.approx(0.5)
+    assert t["device_wait_ms"] == pytest.approx(0.5)  # the median of (0, 0.5) is the upper one
+    assert t["device_total_ms"] == pytest.approx(6.5)
+    assert t["host_issue_ms"] == pytest.approx(0.3)
+    assert t["host_period_ms"] == pytest.approx(3.5)
+    # The CPU: host marks only.
+    assert set(step_timeline(host, [])) == {"num_steps", "host_issue_ms", "host_period_ms"}
+    assert step_timeline([], []) == {"num_steps": 0}
+
+
 def test_one_rank_profiles_its_steps_and_keeps_the_trace(make_tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv(TRACE_DIR_ENV, str(tmp_path / "traces"))
     _, model_config = make_tiny_model(LlamaConfig)
@@ -60,10 +92,17 @@ def test_one_rank_profiles_its_steps_and_keeps_the_trace(make_tiny_model, tmp_pa
         trace = json.load(f)
     names = {event.get("name") for event in trace["traceEvents"]}
     assert any(name and name.startswith("aten::") for name in names)
+    # Each step the engine ran was marked: a prompt step and 5 decodes.
+    assert summary["steps"]["num_steps"] == 6 and summary["steps"]["host_issue_ms"] > 0
     # A profile can start again after a stop; each keeps its own trace.
     llm.start_profile()
     (again,) = llm.stop_profile()
     assert again["trace"] != summary["trace"]
+    # Without the torch profiler: the step marks only, no table, no trace.
+    llm.start_profile(torch_profiler=False)
+    llm.generate(prompt_token_ids=[[1, 2, 3, 4]], sampling_params=GREEDY, use_tqdm=False)
+    (marks,) = llm.stop_profile()
+    assert set(marks) == {"rank", "steps"} and marks["steps"]["num_steps"] == 6
 
 
 def test_bench_profile_reports_every_step_per_rank(make_tiny_model):
@@ -74,7 +113,12 @@ def test_bench_profile_reports_every_step_per_rank(make_tiny_model):
     profiled = profile_steps_of(engine, 3)
     assert profiled["num_steps"] == 3 and profiled["wall_ms_per_step"] > 0
     assert [r["rank"] for r in profiled["ranks"]] == [0]
+    assert profiled["ranks"][0]["steps"]["num_steps"] == 3
     assert "aten::" in profiled["tables"][0]
+    events = profile_steps_of(engine, 2, "events")
+    assert events["tables"] == {} and events["ranks"][0]["steps"]["num_steps"] == 2
+    with pytest.raises(ValueError, match="profile mode 'nsys'"):
+        profile_steps_of(engine, 1, "nsys")
 
 
 def test_every_rank_profiles_itself(make_tiny_model):
@@ -85,6 +129,7 @@ def test_every_rank_profiles_itself(make_tiny_model):
         llm.generate(prompt_token_ids=[[1, 2, 3, 4]], sampling_params=GREEDY, use_tqdm=False)
         summaries = llm.stop_profile()
         assert [s["rank"] for s in summaries] == [0, 1]
+        assert [s["steps"]["num_steps"] for s in summaries] == [6, 6]
         # Each rank ran the model: its gloo all-reduces are in its own table.
         for summary in summaries:
             assert "aten::" in summary["table"]

@@ -24,7 +24,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.bench import add_synthetic_acceptance_arg, with_synthetic_acceptance, write_json
 from pagedllm.entrypoints.bench.ceilings import copy_bandwidth
 from pagedllm.entrypoints.bench.lora_adapters import write_random_adapters
-from pagedllm.entrypoints.bench.step_profile import print_profile, profile_steps_of
+from pagedllm.entrypoints.bench.step_profile import add_profile_args, print_profile, profile_steps_of
 from pagedllm.entrypoints.bench.weight_read import worker_decode_weight_bytes
 from pagedllm.entrypoints.bench.workloads import WORKLOADS
 from pagedllm.lora.request import LoRARequest
@@ -34,7 +34,7 @@ from pagedllm.sampling_params import SamplingParams
 def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--num-iters", type=int, default=3, help="timed runs per mode (median reported)")
     parser.add_argument("--skip-eager", action="store_true", help="measure with CUDA graphs only")
-    parser.add_argument("--profile-steps", type=int, default=0, help="torch-profile N decode steps per mode")
+    add_profile_args(parser, "decode steps per mode")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--output-png", default=None)
     add_synthetic_acceptance_arg(parser)
@@ -76,6 +76,7 @@ def measure(
     num_iters: int,
     profile_steps: int = 0,
     lora_rank: int = 0,
+    profile_mode: str = "torch",
 ) -> dict[str, Any]:
     if lora_rank:
         engine_args = dataclasses.replace(
@@ -93,7 +94,7 @@ def measure(
         params = SamplingParams(temperature=0.0, max_tokens=profile_steps + 2, ignore_eos=True)
         engine.add_request("profiled", sampling_params=params, prompt_token_ids=prompt)
         engine.step()  # the prompt: profile decode steps only
-        profiled = profile_steps_of(engine, profile_steps)
+        profiled = profile_steps_of(engine, profile_steps, profile_mode)
         while engine.has_unfinished_requests():
             engine.step()
     # Every rank reads its own shard at once: the floor is the largest shard's read.
@@ -139,7 +140,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     for mode, enforce_eager in modes:
         mode_args = dataclasses.replace(engine_args, enforce_eager=enforce_eager)
         result[mode] = measure(
-            mode_args, prompt, workload.output_len, args.num_iters, args.profile_steps, args.lora_rank
+            mode_args,
+            prompt,
+            workload.output_len,
+            args.num_iters,
+            args.profile_steps,
+            args.lora_rank,
+            args.profile_mode,
         )
         profiled = result[mode]["profile"]
         if profiled:

@@ -3,8 +3,9 @@
 Every request is queued at once and the engine steps until all finish (greedy, EOS ignored,
 dummy weights of the workload's architecture). Reports output and total tokens per second, and
 the step timeline: each step's wall time and the tokens it computed, so that the prefill phase,
-the decode phase and the per-step overhead can be read apart. ``--profile-steps N`` also records N
-decode steps with the torch profiler and prints where host and device time go. For a mixture of
+the decode phase and the per-step overhead can be read apart. ``--profile-steps N`` also profiles N
+steps early and N once every prompt is in, on every rank (``step_profile.py``), and prints where
+host and device time go. For a mixture of
 experts (W5, W7) and for a hybrid (W6) it also reports the run against its floor
 (``moe_floor.py``, ``hybrid_floor.py``); for the former, the KV cache bytes per token beside
 Llama-3.1-8B's. ``--num-loras K --lora-rank R`` runs the requests with K random rank-R LoRA
@@ -30,7 +31,7 @@ from pagedllm.entrypoints.bench.ceilings import copy_bandwidth, matmul_peak_flop
 from pagedllm.entrypoints.bench.hybrid_floor import HYBRID_MODEL_TYPES, HybridShape, hybrid_floor
 from pagedllm.entrypoints.bench.lora_adapters import write_random_adapters
 from pagedllm.entrypoints.bench.moe_floor import MoeShape, kv_bytes_per_token, moe_floor
-from pagedllm.entrypoints.bench.step_profile import print_profile, profile_steps_of
+from pagedllm.entrypoints.bench.step_profile import add_profile_args, print_profile, profile_steps_of
 from pagedllm.entrypoints.bench.workloads import CONFIG_DIR, WORKLOADS, Workload
 from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling_params import SamplingParams
@@ -65,7 +66,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--output-png", default=None)
-    parser.add_argument("--profile-steps", type=int, default=0, help="torch-profile N decode steps")
+    add_profile_args(parser, "steps early and N once every prompt is in")
     parser.add_argument("--profile-dir", default=None, help="where to write the profiler's trace")
     parser.add_argument(
         "--num-loras", type=int, default=0, help="random LoRA adapters spread over the requests (0: none)"
@@ -122,6 +123,7 @@ def run(
     output_len: int,
     profile_steps: int = 0,
     lora_requests: list[LoRARequest] | None = None,
+    profile_mode: str = "torch",
 ) -> dict[str, Any]:
     """Queue every prompt (prompt i with adapter i mod len(lora_requests)), step until done;
     returns timings and the step timeline."""
@@ -144,7 +146,7 @@ def run(
             phase = "prefill" if "prefill" not in profiles else "decode"
             prefilled = stats.num_prefill_tokens - prefill_at_start >= num_prompt
             if phase not in profiles and (phase == "prefill" or prefilled):
-                profiles[phase] = profile_steps_of(engine, profile_steps)
+                profiles[phase] = profile_steps_of(engine, profile_steps, profile_mode)
                 continue
         step_start = time.perf_counter()
         engine.step()
@@ -274,7 +276,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     # every count up to 64) compiles the kernels' specialisations, touches the cache and fills the
     # adapters' slots before the timed run.
     run(engine, workload.prompts(min(64, len(prompts))), 16, lora_requests=loras)
-    result = run(engine, prompts, workload.output_len, args.profile_steps, lora_requests=loras)
+    result = run(
+        engine,
+        prompts,
+        workload.output_len,
+        args.profile_steps,
+        lora_requests=loras,
+        profile_mode=args.profile_mode,
+    )
     adapter_dir.cleanup()
     result.update(
         num_loras=args.num_loras,
