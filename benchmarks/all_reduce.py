@@ -1,6 +1,10 @@
 """All-reduce latency on two GPUs: NCCL against the one-shot kernel over symmetric memory
 (``pagedllm/distributed/symm_mem.py``), in bfloat16, from one token of an 8B model (8 KiB) to
 large prefill messages. It sets ``DEFAULT_MAX_BYTES``, where the one-shot kernel stops winning.
+Then, at decode sizes (rows of Llama-3.1-8B's 4,096), what a decoder layer's block boundary costs:
+the one-shot all-reduce followed by the residual add and RMSNorm (two kernels, as before
+``RMSNorm.reduce_partial_input``) against the one kernel that fuses them
+(``kernels/triton/all_reduce_norm.py``) at its default launch and at other warp counts.
 
     python benchmarks/all_reduce.py [--output-json F]
 
@@ -25,6 +29,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SIZES_BYTES = [8 << 10, 32 << 10, 128 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20]
+FUSED_ROWS = [1, 8, 64, 256]
+HIDDEN = 4096
 CALLS_PER_GRAPH = 64
 
 
@@ -54,6 +60,25 @@ def _time_us(fn) -> float:
     return statistics.median(figures)
 
 
+def _block_boundary_us(one_shot, num_rows: int, device: torch.device) -> dict[str, float]:
+    """us per block boundary: one-shot all-reduce then fused_add_rms_norm, and the fused kernel."""
+    from pagedllm.kernels.triton.all_reduce_norm import all_reduce_add_rms_norm
+    from pagedllm.kernels.triton.rms_norm import fused_add_rms_norm
+
+    x = torch.randn(num_rows, HIDDEN, dtype=torch.bfloat16, device=device)
+    residual, weight = torch.randn_like(x), torch.ones(HIDDEN, dtype=torch.bfloat16, device=device)
+    args = (weight, 1e-5, one_shot.peer_buffers, one_shot.flag_offset, one_shot.rank)
+    figures = {
+        "unfused_us": _time_us(lambda: fused_add_rms_norm(one_shot.all_reduce(x), residual, weight, 1e-5))
+    }
+    figures["fused_us"] = _time_us(lambda: all_reduce_add_rms_norm(x, residual, *args))
+    for warps in (4, 8, 16):
+        figures[f"fused_{warps}_warps_us"] = _time_us(
+            lambda warps=warps: all_reduce_add_rms_norm(x, residual, *args, num_warps=warps)
+        )
+    return figures
+
+
 def _run_rank(rank: int, world_size: int, port: int, results: dict) -> None:
     from pagedllm.distributed import destroy_distributed_environment, init_distributed_environment
     from pagedllm.distributed.symm_mem import SymmMemAllReduce
@@ -68,8 +93,12 @@ def _run_rank(rank: int, world_size: int, port: int, results: dict) -> None:
         nccl_us = _time_us(lambda x=x: dist.all_reduce(x))
         one_shot_us = _time_us(lambda x=x: one_shot.all_reduce(x))
         rows.append({"bytes": nbytes, "nccl_us": nccl_us, "one_shot_us": one_shot_us})
+    fused_rows = []
+    for num_rows in FUSED_ROWS:
+        fused_rows.append({"rows": num_rows, **_block_boundary_us(one_shot, num_rows, device)})
     if rank == 0:
         results["rows"] = rows
+        results["fused"] = fused_rows
         results["device"] = torch.cuda.get_device_name(device)
     destroy_distributed_environment()
 
@@ -96,6 +125,11 @@ def main() -> None:
     for row in report["rows"]:
         ratio = row["nccl_us"] / row["one_shot_us"]
         print(f"{row['bytes']:>10} {row['nccl_us']:>8.1f} {row['one_shot_us']:>9.1f} {ratio:>6.2f}")
+    print(f"block boundary at decode sizes (rows of {HIDDEN}): all-reduce + add + RMSNorm, us per call")
+    for row in report["fused"]:
+        print(
+            "  " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items())
+        )
     if args.output_json:
         Path(args.output_json).write_text(json.dumps({"world_size": args.world_size, **report}, indent=2))
 

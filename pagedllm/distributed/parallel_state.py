@@ -54,6 +54,8 @@ _cp_group: dist.ProcessGroup | None = None
 # a stage can receive a step's samples after it sent the next step's activations (one group's
 # operations run in the order they were issued).
 _samples_group: dist.ProcessGroup | None = None
+# Whether models built now defer their row-parallel all-reduces to the next norm (reductions_in_norms).
+_reductions_in_norms = True
 
 
 def init_distributed_environment(
@@ -64,6 +66,7 @@ def init_distributed_environment(
     custom_all_reduce: bool = True,
     tensor_parallel_size: int | None = None,
     context_parallel_size: int = 1,
+    reductions_in_norms: bool = True,
 ) -> None:
     """Join the process group of ``world_size`` ranks (no-op for one rank or when already joined),
     in tensor-parallel groups of ``tensor_parallel_size`` ranks (all of them when None),
@@ -71,8 +74,11 @@ def init_distributed_environment(
 
     The collectives run over NCCL when ``device`` is a GPU, over gloo on the CPU; on a GPU, with
     ``custom_all_reduce`` and tensor parallelism alone, small all-reduces take the one-shot
-    kernel where the GPUs allow it.
+    kernel where the GPUs allow it. ``reductions_in_norms``: models that can defer their
+    row-parallel all-reduces into the RMSNorm after them do (``reductions_in_norms()``).
     """
+    global _reductions_in_norms
+    _reductions_in_norms = reductions_in_norms
     global _symm_mem_all_reduce, _tp_size, _tp_rank, _pp_rank, _pp_size, _tp_group, _samples_group
     global _cp_size, _cp_rank, _cp_group
     if world_size == 1 or dist.is_initialized():
@@ -115,6 +121,19 @@ def init_distributed_environment(
         _symm_mem_all_reduce = create_symm_mem_all_reduce(device)
 
 
+def get_symm_mem_all_reduce() -> SymmMemAllReduce | None:
+    """This rank's symmetric-memory communicator (the one-shot all-reduce's), or None."""
+    return _symm_mem_all_reduce
+
+
+def reductions_in_norms() -> bool:
+    """Whether a model built now folds its row-parallel all-reduces into the RMSNorm that follows
+    them (tensor parallelism, and nothing that reads a layer's output before that norm, as
+    EAGLE-3's hooks on the target's layers do): the norm then sums the partial outputs, fused with
+    its residual add where the GPUs share memory (layers/layernorm.py)."""
+    return _tp_size > 1 and _reductions_in_norms
+
+
 def uses_custom_all_reduce() -> bool:
     """Whether this rank's small all-reduces take the one-shot kernel."""
     return _symm_mem_all_reduce is not None
@@ -122,8 +141,8 @@ def uses_custom_all_reduce() -> bool:
 
 def destroy_distributed_environment() -> None:
     global _symm_mem_all_reduce, _tp_size, _tp_rank, _pp_rank, _pp_size, _tp_group, _samples_group
-    global _cp_size, _cp_rank, _cp_group
-    _symm_mem_all_reduce = None
+    global _cp_size, _cp_rank, _cp_group, _reductions_in_norms
+    _symm_mem_all_reduce, _reductions_in_norms = None, True
     _tp_size, _tp_rank, _pp_rank, _pp_size, _tp_group, _samples_group = 1, 0, 0, 1, None, None
     _cp_size, _cp_rank, _cp_group = 1, 0, None
     if dist.is_available() and dist.is_initialized():

@@ -20,6 +20,10 @@ Each rank reads the whole message from every peer, so for large messages (prefil
 bandwidth-optimal algorithms win: above ``max_bytes`` the caller falls back to NCCL. NVLink
 multicast (``multimem`` instructions) is never used.
 
+The same buffer serves the all-reduce fused with the residual add and RMSNorm after it
+(``kernels/triton/all_reduce_norm.py``): its data at the start, its barrier flags in a tail the
+one-shot kernel never touches. Each kernel ends with a barrier, so either may follow the other.
+
 Which path a message takes depends only on its size and dtype, never on addresses: the ranks must
 all take the same one, or one would wait in a barrier the other never reaches.
 """
@@ -40,6 +44,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_BYTES = 4 * 1024 * 1024
 # The kernels reduce float32 and bfloat16 only.
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+# The fused all-reduce + RMSNorm kernel's barrier flags, past the data (all_reduce_norm.FLAG_BYTES,
+# which a test checks this equals): a uint32 per (program, sender), 64 programs, 8 ranks.
+FLAG_BYTES = 64 * 8 * 4
 
 
 def _alignment(tensor: torch.Tensor) -> int:
@@ -64,10 +71,17 @@ class SymmMemAllReduce:
 
         self.group_name = group.group_name
         self.max_bytes = max_bytes
-        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        self.buffer = symm_mem.empty(max_bytes + FLAG_BYTES, dtype=torch.uint8, device=device)
+        self.buffer[max_bytes:].zero_()  # the fused kernel's flags rest at zero
         handle = symm_mem.rendezvous(self.buffer, self.group_name)
         if handle is None:
             raise RuntimeError("symmetric memory rendezvous returned no handle")
+        self.rank = handle.rank
+        # Every rank's buffer as this rank maps it, by rank: the fused kernel reads its peers' rows
+        # there, and its flags at flag_offset.
+        self.peer_buffers = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
+        self.flag_offset = max_bytes
+        torch.cuda.synchronize(device)
         handle.barrier()
 
     def should_use(self, input_: torch.Tensor) -> bool:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pagedllm.distributed import get_symm_mem_all_reduce, tensor_model_parallel_all_reduce
 from pagedllm.kernels.cpu import ops as cpu_ops
 from pagedllm.kernels.cpu.build import available as cpu_kernels_available
 from pagedllm.layers.custom_op import CustomOp
@@ -30,10 +31,22 @@ class RMSNorm(CustomOp):
     forward_only_dispatches = True
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        # Whether x with a residual is this rank's partial sum, summed over the ranks here first
+        # (reduce_partial_input).
+        self.reduces_input = False
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.weight.weight_loader = default_weight_loader
+
+    def reduce_partial_input(self) -> None:
+        """From now on, ``forward(x, residual)`` takes x as this tensor-parallel rank's partial sum
+        (a row-parallel projection's, its all-reduce deferred) and sums it over the ranks before
+        the residual add: on GPUs that share memory one kernel does the all-reduce, the add and
+        the norm (kernels/triton/all_reduce_norm.py), else the all-reduce runs first. Without a
+        residual, x is whole (the embedding's output) and is only normalized."""
+        self.reduces_input = True
+        self._bind(self.device, self.dtype)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -47,6 +60,10 @@ class RMSNorm(CustomOp):
         return self.forward_method(x, residual)
 
     def dispatch_forward(self, platform: Platform, dtype: torch.dtype) -> RMSNormForward:
+        method = self._dispatch_local(platform, dtype)
+        return _reducing(self, method, platform) if self.reduces_input else method
+
+    def _dispatch_local(self, platform: Platform, dtype: torch.dtype) -> RMSNormForward:
         if platform.triton:
             return self.forward_triton
         # bf16 only. The kernel reduces the float32 sum of squares in another order than torch:
@@ -112,13 +129,43 @@ class RMSNorm(CustomOp):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+def _reducing(norm: RMSNorm, method: RMSNormForward, platform: Platform) -> RMSNormForward:
+    """``method`` after the tensor-parallel sum of its partial input (RMSNorm.reduce_partial_input)."""
+    # The fused kernel normalizes in Llama's order (Gemma's rounds differently).
+    comm = get_symm_mem_all_reduce() if platform.triton and type(norm) is RMSNorm else None
+    if comm is not None:
+        from pagedllm.kernels.triton.all_reduce_norm import (
+            FUSED_MAX_ROWS,
+            MAX_HIDDEN,
+            all_reduce_add_rms_norm,
+        )
+
+        def fits(num_rows: int, hidden_size: int) -> bool:
+            """Where the fused kernel measured faster than the one-shot all-reduce and the norm."""
+            return num_rows <= FUSED_MAX_ROWS and hidden_size <= MAX_HIDDEN
+
+    def forward(
+        x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return method(x, None)
+        # Decided by the message's size and dtype alone: every rank takes the same path.
+        if comm is not None and x.dim() == 2 and comm.should_use(x) and fits(*x.shape):
+            return all_reduce_add_rms_norm(
+                x, residual, norm.weight, norm.eps, comm.peer_buffers, comm.flag_offset, comm.rank
+            )
+        return method(tensor_model_parallel_all_reduce(x), residual)
+
+    return forward
+
+
 class GemmaRMSNorm(RMSNorm):
     """Gemma's ``(1 + weight) * x / sqrt(mean(x^2) + eps)``, as Hugging Face's GemmaRMSNorm (and
     Qwen3NextRMSNorm): the checkpoint stores the weight's offset from 1, and the product is taken in
     float32 before the cast back (Llama's casts first). The fused Triton kernel has this order too
     (``gemma=True``); the CPU's C++ kernel has Llama's only, so there the torch path runs."""
 
-    def dispatch_forward(self, platform: Platform, dtype: torch.dtype) -> RMSNormForward:
+    def _dispatch_local(self, platform: Platform, dtype: torch.dtype) -> RMSNormForward:
         return self.forward_triton if platform.triton else self.forward_torch
 
     def forward_triton(

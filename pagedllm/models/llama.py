@@ -32,6 +32,7 @@ from transformers import PretrainedConfig
 
 from pagedllm.attention import Attention
 from pagedllm.attention.backends.abstract import AttentionBackend
+from pagedllm.distributed import get_pipeline_model_parallel_world_size, reductions_in_norms
 from pagedllm.layers.activation import GeluAndMul, SiluAndMul
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -264,6 +265,41 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
+    def can_defer_reductions(self) -> bool:
+        """Whether both blocks end in a row-parallel projection this layer's forward hands
+        straight to a norm (a subclass's forward, MLA's attention or a mixture of experts may not)."""
+        return (
+            type(self) is LlamaDecoderLayer
+            and type(self.self_attn) is LlamaAttention
+            and type(self.mlp) is LlamaMLP
+        )
+
+    def defer_reductions(self, reduce_input: bool) -> None:
+        """Leave the o and down projections' all-reduces to the norms that follow them: the
+        post-attention norm, and the next layer's input norm (``reduce_input`` on that layer) or
+        the model's final norm. The block outputs are then this rank's partial sums."""
+        self.self_attn.o_proj.reduce_results = False
+        self.mlp.down_proj.reduce_results = False
+        self.post_attention_layernorm.reduce_partial_input()
+        if reduce_input:
+            self.input_layernorm.reduce_partial_input()
+
+
+def defer_reductions_to_norms(layers: nn.ModuleList, norm: nn.Module) -> bool:
+    """Under tensor parallelism, fold every layer's two all-reduces into the norm after each
+    (``RMSNorm.reduce_partial_input``: one kernel for the all-reduce, the residual add and the
+    norm on GPUs that share memory) when every layer can (``can_defer_reductions``), with one
+    pipeline stage (a stage's output would cross to the next one unsummed) and nothing reading a
+    layer's output before its norm (``reductions_in_norms``). Returns whether it did."""
+    if not reductions_in_norms() or get_pipeline_model_parallel_world_size() > 1:
+        return False
+    if not all(isinstance(layer, LlamaDecoderLayer) and layer.can_defer_reductions() for layer in layers):
+        return False
+    for i, layer in enumerate(layers):
+        layer.defer_reductions(reduce_input=i > 0)  # the first layer's input is the embedding's, whole
+    norm.reduce_partial_input()
+    return True
+
 
 # make_layer(config, layer_index, rotary_emb, attn_backend, sliding_window): one decoder layer.
 MakeLayer = Callable[[PretrainedConfig, int, RotaryEmbedding, type[AttentionBackend], int | None], nn.Module]
@@ -284,6 +320,7 @@ class LlamaModel(DecoderModel):
             len(windows), lambda i: make_layer(config, i, rotary_emb, attn_backend, windows[i])
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        defer_reductions_to_norms(self.layers, self.norm)
 
 
 class LlamaForCausalLM(CausalLM):

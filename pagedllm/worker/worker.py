@@ -93,6 +93,7 @@ class Worker:
         parallel_config = self.config.parallel_config
         if parallel_config.world_size > 1:
             assert self.distributed_init_method is not None, "several ranks need a distributed_init_method"
+            spec = self.config.speculative_config
             init_distributed_environment(
                 parallel_config.world_size,
                 self.rank,
@@ -101,6 +102,8 @@ class Worker:
                 custom_all_reduce=not parallel_config.disable_custom_all_reduce,
                 tensor_parallel_size=parallel_config.tensor_parallel_size,
                 context_parallel_size=parallel_config.context_parallel_size,
+                # EAGLE-3's hooks read the target's layer outputs, whole, before the next norm.
+                reductions_in_norms=spec is None or spec.method != "eagle3",
             )
         # The same seed on every rank: ranks sample the same tokens from the same gathered logits.
         torch.manual_seed(self.config.model_config.seed)

@@ -27,6 +27,7 @@ from test_spec_eagle import write_head
 from transformers import LlamaConfig, Qwen2Config
 
 from pagedllm import LLM, SamplingParams
+from tests.executor.reductions import all_deferred, deferred_reductions, none_deferred
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 # Two sequences per prompt, a seed each: the rejection sampler's uniforms come from the generators.
@@ -116,6 +117,10 @@ def test_two_ranks_draft_verify_and_sample_as_one(target, tmp_path_factory, hf_g
         assert two_llm.llm_engine.config.parallel_config.distributed_executor_backend == "mp"
         two = run(two_llm, prompts)
         assert_all_blocks_free(two_llm)
+        # EAGLE-3's hooks read the target's layer outputs whole: its all-reduces stay in place.
+        num_layers = model_config.hf_config.num_hidden_layers
+        layout = none_deferred(num_layers) if name == "eagle3" else all_deferred(num_layers)
+        assert two_llm.llm_engine.executor.collective_rpc(deferred_reductions) == [layout] * 2
     finally:
         two_llm.llm_engine.shutdown()
 

@@ -13,6 +13,7 @@ from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.bench.weight_read import worker_decode_weight_bytes
 from pagedllm.executor.abstract import ExecutorDeadError
 from pagedllm.sampling_params import StructuredOutputsParams
+from tests.executor.reductions import all_deferred, deferred_reductions
 
 # Every architecture of the registry, with the layouts that shard differently: GQA split over the
 # ranks, one KV head replicated on both, biases (row-parallel o/down add theirs once), tied and
@@ -77,6 +78,10 @@ def test_two_ranks_give_the_tokens_of_one(
         outputs = two.generate(prompt_token_ids=prompts, sampling_params=GREEDY, use_tqdm=False)
         assert token_ids(outputs) == token_ids(expected)
         assert_every_block_free(two.llm_engine)
+        # Each layer's two all-reduces ran in the norms after them (on the CPU: gloo's
+        # all-reduce, then the norm), on both ranks.
+        num_layers = model_config.hf_config.num_hidden_layers
+        assert two.llm_engine.executor.collective_rpc(deferred_reductions) == [all_deferred(num_layers)] * 2
         # A request aborted in flight: the last step only tells the ranks it finished, and its
         # answer, never waited for, must not be taken for the next call's.
         engine = two.llm_engine
@@ -288,3 +293,11 @@ def test_output_constraints_hold_at_two_ranks(tiny_llama_with_tokenizer, sizes, 
     assert [o.outputs[0].text for o in outputs] == [o.outputs[0].text for o in expected]
     assert re.fullmatch("(ab|c){1,3}x", outputs[0].outputs[0].text)
     assert outputs[1].outputs[0].text in ("alpha beta", "gamma")
+
+
+def test_the_symmetric_buffer_holds_the_fused_kernel_s_flags():
+    """symm_mem (below the kernels) sizes the flag tail all_reduce_norm.py's kernel uses."""
+    from pagedllm.distributed.symm_mem import FLAG_BYTES as BUFFER_FLAG_BYTES
+    from pagedllm.kernels.triton.all_reduce_norm import FLAG_BYTES
+
+    assert BUFFER_FLAG_BYTES == FLAG_BYTES

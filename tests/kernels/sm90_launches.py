@@ -14,6 +14,7 @@ import torch
 from pagedllm.attention.backends.triton_invariant_backend import invariant_launch
 from pagedllm.kernels.bench import DecodeInputs, DecodeShape
 from pagedllm.kernels.triton.activation import silu_and_mul
+from pagedllm.kernels.triton.all_reduce_norm import all_reduce_add_rms_norm
 from pagedllm.kernels.triton.batch_invariant_matmul import batch_invariant_matmul
 from pagedllm.kernels.triton.causal_conv1d import causal_conv1d_update, causal_conv1d_varlen
 from pagedllm.kernels.triton.fused_moe import fused_moe, moe_sum
@@ -441,7 +442,20 @@ def mamba2() -> None:
         ssd_state_update(x, B, C, torch.empty(batch, num_heads), heads, heads, state, slots, has_state)
 
 
+def all_reduce_norm() -> None:
+    """The tensor-parallel all-reduce + residual add + RMSNorm (two ranks, the rank a constexpr)."""
+    peers = torch.zeros(2, dtype=torch.int64)
+    for dtype in (torch.bfloat16, torch.float32):
+        for hidden in (4096, 5120):
+            x = torch.empty(3, hidden, dtype=dtype)
+            for rank in (0, 1):
+                all_reduce_add_rms_norm(
+                    x, x.clone(), torch.empty(hidden, dtype=dtype), 1e-6, peers, 1024, rank
+                )
+
+
 LAUNCHES: list[Callable[[], None]] = [
+    all_reduce_norm,
     decode,
     mla,
     prefill,
