@@ -11,7 +11,7 @@
 #       dp
 #       w6 w6-long w6-prefix w7 k1-mla
 #
-# Stages: tests (tests/gpu), k1 (pagedllm bench kernels; k1-sweep: every launch too; k1-w1: the
+# Stages: tests (tests/gpu, and the decode kernel's own cache write against the two kernels it replaces), k1 (pagedllm bench kernels; k1-sweep: every launch too; k1-w1: the
 # sweep at W1's decode shape; k1-fp8: the Triton decode over an FP8 cache; k1-window:
 # the Triton decode with a 1024-token sliding window beside itself unwindowed), w1 / w2
 # (bench throughput; w1-profile: W1 with 5 steps torch-profiled in each phase, its timing then
@@ -137,11 +137,13 @@ for stage in "${stages[@]}"; do
         # then the tests that need two GPUs, which no such worker sees.
         num_gpus=$(nvidia-smi -L | wc -l)
         if [ "$num_gpus" -gt 1 ]; then
-            PAGEDLLM_TEST_NUM_GPUS=$num_gpus run tests python3 -m pytest -q -p no:cacheprovider tests/gpu -ra \
+            PAGEDLLM_TEST_NUM_GPUS=$num_gpus run tests python3 -m pytest -q -p no:cacheprovider tests/gpu \
+                tests/kernels/test_decode_append.py -ra \
                 -n "$num_gpus" --dist loadfile --durations=15 -m "not two_gpus"
             tp_tests
         else
-            run tests python3 -m pytest -q -p no:cacheprovider tests/gpu -ra --durations=15
+            run tests python3 -m pytest -q -p no:cacheprovider tests/gpu tests/kernels/test_decode_append.py -ra \
+                --durations=15
         fi
         ;;
     k1) run k1 python3 -m pagedllm bench kernels --output-json "$OUT/k1.json" --output-png "$OUT/k1.png" ;;

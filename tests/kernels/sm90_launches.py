@@ -99,12 +99,22 @@ def decode() -> None:
         inputs = DecodeInputs.random(
             DecodeShape((40, 300), NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, dtype), CPU, seed=0
         )
+        # A decode-only step's own cache write (decode_append.py), rotating and not, with a window.
+        new = torch.empty(2, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype)
+        slots = torch.zeros(2, dtype=torch.int64)
+        rotary = (torch.empty(64, HEAD_SIZE, dtype=dtype), torch.zeros(2, dtype=torch.int64))
+        appends = [
+            {"append": (new, new, slots, rotary)},
+            {"append": (new, new, slots, None)},
+            {"append": (new, new, slots, rotary), "sliding_window": 32},
+        ]
         # One partition, then several (a host bound past the contexts, as under CUDA graphs).
         launches = [
             (max_seq_len, partition_size, variant)
             for variant in _variants(NUM_HEADS, inputs.query)
             for max_seq_len, partition_size in ((300, 512), (1024, 128))
-        ] + [(1024, 128, variant) for variant in grouped]
+        ] + [(1024, 128, variant) for variant in grouped + appends]
+        launches.append((300, 512, appends[0]))
         for max_seq_len, partition_size, variant in launches:
             _launch_decode(
                 inputs,
@@ -164,7 +174,10 @@ def fp8_kv_cache() -> None:
         key_cache, value_cache = (c.to(torch.float8_e4m3fn) for c in (inputs.key_cache, inputs.value_cache))
         scales = {"k_scale": torch.ones(()), "v_scale": torch.ones(())}
         sinks = {"sliding_window": 32, "attention_sinks": 4, "sink_query": torch.empty_like(inputs.query)}
-        for variant in ({}, sinks):
+        new = torch.empty(2, NUM_KV_HEADS, HEAD_SIZE, dtype=dtype)
+        rotary = (torch.empty(64, HEAD_SIZE, dtype=dtype), torch.zeros(2, dtype=torch.int64))
+        append = {"append": (new, new, torch.zeros(2, dtype=torch.int64), rotary)}
+        for variant in ({}, sinks, append):
             for max_seq_len, partition_size in ((300, 512), (1024, 128)):
                 _launch_decode(
                     inputs,

@@ -54,6 +54,9 @@ class PagedAttentionBackend(AttentionBackend):
     # Whether the decode piece attends a request's verified tokens together (the metadata's
     # decode_query_lens): each program then reads the request's K/V once for all its tokens.
     groups_decode_queries: ClassVar[bool] = False
+    # Whether the decode piece takes ``append=(key, value, slot_mapping, rotary)``: in a step of
+    # decodes only it writes (and rotates) the new tokens' K/V itself, one kernel instead of two.
+    appends_in_decode: ClassVar[bool] = False
     write_cache: ClassVar[CacheWrite]
     decode: ClassVar[Decode]
     prefill: ClassVar[Prefill]
@@ -73,6 +76,9 @@ class PagedAttentionBackend(AttentionBackend):
         self.groups_queries = (
             self.groups_decode_queries and self.sliding_window is None and self.cp_world_size == 1
         )
+        # The decode's own cache write: one query per sequence at its last key, read by the one
+        # program that writes it (not a striped cache, not StreamingLLM's sink queries).
+        self.appends = self.appends_in_decode and self.cp_world_size == 1 and not self.attention_sinks
 
     def forward(
         self,
@@ -93,13 +99,20 @@ class PagedAttentionBackend(AttentionBackend):
         sink_query = self._check_sink_query(query, sink_query) if self.attention_sinks else None
         key_cache, value_cache = kv_cache
         md = attn_metadata
-        query = self.write_cache(query, key, value, kv_cache, md.slot_mapping, positions)
+        num_decodes = md.num_decodes
+        options = {name: rows[:num_decodes] for name, rows in partial.items()}
+        # Decodes only, one token each (a verification's tokens read each other's keys): the
+        # decode writes them. Else the cache write runs first, for every token.
+        if self.appends and md.num_prefills == 0 and md.decode_query_lens is None:
+            assert key.shape[0] == num_decodes, f"{key.shape[0]} tokens for {num_decodes} decodes"
+            rotary = None if self.rotary is None or positions is None else self.rotary.cos_sin_rows(positions)
+            options["append"] = (key, value, md.slot_mapping, rotary)
+        else:
+            query = self.write_cache(query, key, value, kv_cache, md.slot_mapping, positions)
         # Contiguous whatever the query's strides (it is a view of the fused QKV): the kernels
         # write rows of num_heads * head_size.
         output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-        num_decodes = md.num_decodes
         if num_decodes:
-            options = {name: rows[:num_decodes] for name, rows in partial.items()}
             if self.groups_queries and md.decode_query_lens is not None:
                 options["query_groups"] = (md.decode_query_lens[:num_decodes], md.max_decode_query_len)
             self.decode(

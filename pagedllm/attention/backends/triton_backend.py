@@ -100,12 +100,14 @@ def triton_decode(
     out: torch.Tensor,
     lse: torch.Tensor | None = None,
     query_groups: tuple[torch.Tensor, int] | None = None,
+    append: tuple | None = None,
 ) -> None:
     """paged_decode. query, out (and sink_query, None without sinks): [num_decodes, num_heads,
     head_size]; one new token per sequence. seq_len_range: the (min, max) decode context on the
     host, min 0 where unknown. lse ([num_decodes, num_heads] float32): a partial launch over this
     context-parallel rank's keys (PagedAttentionBackend.forward_partial). query_groups: the
-    metadata's (decode_query_lens, max_decode_query_len), paged_decode's query groups."""
+    metadata's (decode_query_lens, max_decode_query_len), paged_decode's query groups. append:
+    paged_decode's, the step's K/V written by the decode itself (a step of decodes only)."""
     launch = _launch_kwargs(layer.head_size, compute_dtype(query, key_cache))[0]
     groups = {}
     num_programs = query.shape[0]  # per KV head and partition, those that attend
@@ -143,6 +145,7 @@ def triton_decode(
         cp_rank=layer.cp_rank,
         cp_world_size=cp,
         lse=lse,
+        append=append,
         **groups,
         **layer.kernel_variants,
         **{**launch, "partition_size": partition_size},
@@ -196,6 +199,7 @@ class TritonAttentionBackend(PagedAttentionBackend):
     name = "triton"
     supports_fp8_kv_cache = True
     groups_decode_queries = True
+    appends_in_decode = True
     supports_context_parallel = True
     get_kv_cache_shape = staticmethod(triton_kv_cache_shape)
     write_cache = write_cache_rotating

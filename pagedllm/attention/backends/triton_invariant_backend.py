@@ -66,6 +66,8 @@ class TritonInvariantAttentionBackend(TritonAttentionBackend):
     name = "triton_invariant"
     # Its one kernel reads the model dtype (EngineConfig refuses batch_invariant with an FP8 cache).
     supports_fp8_kv_cache = False
+    # Its forward writes the cache, then runs its one kernel.
+    appends_in_decode = False
 
     def forward(
         self,

@@ -97,6 +97,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.kernels.triton.decode_append import append_args, append_token, rope_angles, rotate_rows
 from pagedllm.kernels.triton.paged_decode_reduce import (
     REDUCE_BLOCK_P,
     WORKSPACE_STRIDES,
@@ -140,6 +141,11 @@ def _paged_decode_kernel(
     learned_sinks_ptr,  # [num_heads], read when LEARNED_SINKS
     k_scale_ptr,  # [] float32, read when KV_FP8: the key cache's scale
     v_scale_ptr,  # [] float32, read when KV_FP8: the value cache's scale
+    key_new_ptr,  # [num_seqs, num_kv_heads, head_size], read when APPEND: this step's keys
+    value_new_ptr,  # the same, this step's values
+    slot_mapping_ptr,  # [num_seqs], read when APPEND: where the new token's K/V go
+    cos_sin_ptr,  # [rows, head_size] = [cos | sin], read when ROTARY
+    cos_sin_index_ptr,  # [num_seqs], each sequence's row of cos_sin, read when ROTARY
     qk_scale,
     sliding_window,  # 0: no window
     attention_sinks,  # read when SINKS
@@ -173,6 +179,13 @@ def _paged_decode_kernel(
     stride_v_dim,
     stride_bt_seq,
     stride_bt_blk,
+    stride_kn_seq,
+    stride_kn_head,
+    stride_kn_dim,
+    stride_vn_seq,
+    stride_vn_head,
+    stride_vn_dim,
+    stride_cos_sin,
     NUM_QUERIES_PER_KV: tl.constexpr,
     QUERY_GROUP: tl.constexpr,  # the most query tokens a program attends for; 1: one per sequence
     BLOCK_H: tl.constexpr,
@@ -189,6 +202,8 @@ def _paged_decode_kernel(
     KV_FP8: tl.constexpr,  # the caches hold float8_e4m3fn (paged_tiles.attend_paged_range)
     CP_SIZE: tl.constexpr,  # context-parallel ranks (module docstring); 1: off
     PARTIAL: tl.constexpr,  # write each row's log-sum-exp to lse_ptr; 0 and -inf for no key
+    APPEND: tl.constexpr,  # write this step's K/V first (decode_append.py): a decode-only step
+    ROTARY: tl.constexpr,  # with APPEND: rotate the query rows and the new key
     USE_GDC: tl.constexpr,
 ):
     wait_for_prior_kernel(USE_GDC)
@@ -273,11 +288,43 @@ def _paged_decode_kernel(
         head_end = tl.minimum(lo + BLOCK_N, end)
     full_end = tl.maximum(start + (first_causal - start) // BLOCK_N * BLOCK_N, head_end)
 
-    q = tl.load(
-        query_ptr + row_seq * stride_q_seq + heads[:, None] * stride_q_head + offs_d[None, :] * stride_q_dim,
-        mask=row_mask,
-        other=0.0,
-    ).to(q_ty)
+    q_rows = query_ptr + row_seq * stride_q_seq + heads[:, None] * stride_q_head
+    q = tl.load(q_rows + offs_d[None, :] * stride_q_dim, mask=row_mask, other=0.0)
+    if APPEND:
+        rope = (0.0, 0.0, offs_d, 0.0)
+        if ROTARY:
+            rope = rope_angles(cos_sin_ptr, cos_sin_index_ptr, seq, stride_cos_sin, offs_d, HEAD_SIZE)
+            cos, sin, partner, sign = rope
+            q_partner = tl.load(q_rows + partner[None, :] * stride_q_dim, mask=row_mask, other=0.0)
+            q = rotate_rows(
+                q, q_partner, cos[None, :], sin[None, :], sign[None, :], query_ptr.dtype.element_ty
+            )
+        if end == seq_len:  # this partition holds the new token's key: write it before reading it
+            append_token(
+                key_new_ptr + seq * stride_kn_seq + kv_head * stride_kn_head,
+                value_new_ptr + seq * stride_vn_seq + kv_head * stride_vn_head,
+                stride_kn_dim,
+                stride_vn_dim,
+                tl.load(slot_mapping_ptr + seq).to(tl.int64),
+                key_cache_ptr + kv_head * stride_k_head,
+                value_cache_ptr + kv_head * stride_v_head,
+                stride_k_block,
+                stride_k_slot,
+                stride_k_dim,
+                stride_v_block,
+                stride_v_slot,
+                stride_v_dim,
+                k_scale_ptr,
+                v_scale_ptr,
+                offs_d,
+                rope,
+                HEAD_SIZE,
+                BLOCK_SIZE,
+                ROTARY,
+                KV_FP8,
+            )
+            tl.debug_barrier()
+    q = q.to(q_ty)
     alibi_row = tl.zeros([BLOCK_H], dtype=tl.float32)
     if ALIBI:
         slopes = tl.load(alibi_slopes_ptr + heads, mask=row_valid, other=0.0)
@@ -421,6 +468,7 @@ def paged_decode(
     lse: torch.Tensor | None = None,
     query_lens: torch.Tensor | None = None,
     max_query_len: int = 1,
+    append: tuple | None = None,
     partition_size: int = 512,
     block_n: int = 64,
     num_warps: int = 4,
@@ -449,6 +497,13 @@ def paged_decode(
     one request's tokens at consecutive positions (a verification expanded into decodes, their
     seq_lens ``seq_lens[s] - q + 1 .. seq_lens[s]`` and block tables the same), and attends for them
     all; the others have 0; q <= ``max_query_len``. Not with a window, sinks or ``lse``.
+
+    ``append``: ``(key, value, slot_mapping, rotary)`` of a decode-only step, written into the
+    caches by this launch (decode_append.py) instead of ``reshape_and_cache`` before it: key and
+    value [num_seqs, num_kv_heads, head_size], slot_mapping [num_seqs] (-1: padding), rotary None
+    or ``(cos_sin, index)`` as ``reshape_and_cache`` takes them, rotating the query's rows in
+    registers (``query`` itself is left unrotated) and the key on its way. Not with query groups,
+    StreamingLLM sinks or context parallelism.
     """
     layout = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
     kv_fp8, kv_scales = fp8_scale_args(query, key_cache, k_scale, v_scale)
@@ -472,6 +527,11 @@ def paged_decode(
             "query groups: plain layers only"
         )
         assert query_lens.shape == (num_seqs,) and query_lens.dtype == torch.int32
+    assert append is None or (query_group == 1 and cp_world_size == 1 and not streaming_sinks), (
+        "append: one query per sequence, no sinks, no context parallelism"
+    )
+    assert append is None or append[0].shape[1] == num_kv_heads, "append: the cache's KV heads"
+    append_pointers, append_flags = append_args(append, query)
     num_queries_per_kv = num_heads // num_kv_heads
     head_dim = triton.next_power_of_2(head_size)
     # This rank's keys of the longest context; a window's start within a tile of its first tile:
@@ -508,6 +568,7 @@ def paged_decode(
         query if alibi_slopes is None else alibi_slopes,  # a pointer never read without ALiBi
         query if sinks is None else sinks,  # a pointer never read without learned sinks
         *kv_scales,
+        *append_pointers[:5],
         scale * math.log2(math.e),
         sliding_window or 0,
         attention_sinks,
@@ -522,6 +583,7 @@ def paged_decode(
         *key_cache.stride(),
         *value_cache.stride(),
         *block_tables.stride(),
+        *append_pointers[5:],
         NUM_QUERIES_PER_KV=num_queries_per_kv,
         QUERY_GROUP=query_group,
         BLOCK_H=max(16, triton.next_power_of_2(query_group * num_queries_per_kv)),
@@ -538,6 +600,7 @@ def paged_decode(
         KV_FP8=kv_fp8,
         CP_SIZE=cp_world_size,
         PARTIAL=partial,
+        **append_flags,
         num_warps=num_warps,
         num_stages=num_stages,
         **pdl_options(query.device),
