@@ -12,12 +12,12 @@ Both ranks must hold bit-identical results.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_symm_mem_all_reduce_gpu import free_port
 
 pytestmark = [
     pytest.mark.two_gpus,
@@ -138,12 +138,6 @@ def _run_rank(rank: int, port: int, results: dict) -> None:
     finally:
         destroy_distributed_environment()
         results[rank] = failures
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_fused_all_reduce_norm_matches_the_unfused_path_on_both_ranks():

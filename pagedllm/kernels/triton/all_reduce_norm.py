@@ -60,50 +60,31 @@ def _thread_index():
     return tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r", [], dtype=tl.int32, is_pure=True, pack=1)
 
 
-@triton.jit
-def _signal(flag_addr):
-    """Release-CAS the flag 0 -> 1, retrying while the previous signal is unconsumed."""
-    tl.inline_asm_elementwise(
-        """
-        {
+def _cas_loop(semantics: str, expected: int, desired: int) -> tl.constexpr:
+    """PTX: compare-and-swap a 32-bit flag from ``expected`` to ``desired`` at system scope with
+    ``semantics``, retried until it succeeds (labels are local to the braces' block)."""
+    return tl.constexpr(f"""
+        {{
             .reg .u32 %old;
             .reg .pred %done;
-        signal_retry:
-            atom.global.release.sys.cas.b32 %old, [$1], 0, 1;
-            setp.eq.u32 %done, %old, 0;
-            @!%done bra signal_retry;
+        retry:
+            atom.global.{semantics}.sys.cas.b32 %old, [$1], {expected}, {desired};
+            setp.eq.u32 %done, %old, {expected};
+            @!%done bra retry;
             mov.u32 $0, %old;
-        }
-        """,
-        "=r,l",
-        [flag_addr],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+        }}
+        """)
+
+
+# Signal a peer: release-CAS its flag 0 -> 1, retried while the previous signal is unconsumed.
+_SIGNAL = _cas_loop("release", 0, 1)
+# Consume a peer's signal: acquire-CAS this rank's flag 1 -> 0, waiting until the peer set it.
+_CONSUME = _cas_loop("acquire", 1, 0)
 
 
 @triton.jit
-def _consume(flag_addr):
-    """Acquire-CAS the flag 1 -> 0, waiting until a peer has set it."""
-    tl.inline_asm_elementwise(
-        """
-        {
-            .reg .u32 %old;
-            .reg .pred %done;
-        consume_retry:
-            atom.global.acquire.sys.cas.b32 %old, [$1], 1, 0;
-            setp.eq.u32 %done, %old, 1;
-            @!%done bra consume_retry;
-            mov.u32 $0, %old;
-        }
-        """,
-        "=r,l",
-        [flag_addr],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
+def _cas_until_done(flag_addr, ASM: tl.constexpr):
+    tl.inline_asm_elementwise(ASM, "=r,l", [flag_addr], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -115,8 +96,8 @@ def _barrier(peer_buffers_ptr, flag_offset, RANK: tl.constexpr, WORLD_SIZE: tl.c
         slot = tl.program_id(0) * WORLD_SIZE
         peer_flags = tl.load(peer_buffers_ptr + tid) + flag_offset
         own_flags = tl.load(peer_buffers_ptr + RANK) + flag_offset
-        _signal((peer_flags + 4 * (slot + RANK)).to(tl.pointer_type(tl.uint32)))
-        _consume((own_flags + 4 * (slot + tid)).to(tl.pointer_type(tl.uint32)))
+        _cas_until_done((peer_flags + 4 * (slot + RANK)).to(tl.pointer_type(tl.uint32)), _SIGNAL)
+        _cas_until_done((own_flags + 4 * (slot + tid)).to(tl.pointer_type(tl.uint32)), _CONSUME)
     tl.debug_barrier()  # every thread's reads after the acquire
 
 

@@ -56,21 +56,12 @@ def rotate_rows(x, partner, cos, sin, sign, dtype: tl.constexpr):
 
 @triton.jit
 def append_token(
-    key_new_row,  # this sequence's new key for this KV head: [HEAD_SIZE] at stride stride_kn_dim
-    value_new_row,
-    stride_kn_dim,
-    stride_vn_dim,
+    key_new,  # (this sequence's new key for this KV head, its dimension stride)
+    value_new,
     slot,
-    key_cache_head,  # the caches at this KV head
-    value_cache_head,
-    stride_k_block,
-    stride_k_slot,
-    stride_k_dim,
-    stride_v_block,
-    stride_v_slot,
-    stride_v_dim,
-    k_scale_ptr,
-    v_scale_ptr,
+    keys,  # the key cache at this KV head: (base, block stride, slot stride, dimension offsets)
+    values,
+    scales,  # (k_scale_ptr, v_scale_ptr), read when KV_FP8
     offs_d,
     rope,  # rope_angles' tuple, read when ROTARY
     HEAD_SIZE: tl.constexpr,
@@ -81,32 +72,66 @@ def append_token(
     """Store the new token's key (rotated) and value at ``slot``; nothing for a negative slot."""
     if slot >= 0:
         d_mask = offs_d < HEAD_SIZE
-        block = slot // BLOCK_SIZE
-        offset = slot % BLOCK_SIZE
-        key = tl.load(key_new_row + offs_d * stride_kn_dim, mask=d_mask, other=0.0)
+        key_row, stride_kn_dim = key_new
+        value_row, stride_vn_dim = value_new
+        key = tl.load(key_row + offs_d * stride_kn_dim, mask=d_mask, other=0.0)
         if ROTARY:
             cos, sin, partner, sign = rope
-            partner_key = tl.load(key_new_row + partner * stride_kn_dim, mask=d_mask, other=0.0)
-            key = rotate_rows(key, partner_key, cos, sin, sign, key_new_row.dtype.element_ty)
-        value = tl.load(value_new_row + offs_d * stride_vn_dim, mask=d_mask, other=0.0)
+            partner_key = tl.load(key_row + partner * stride_kn_dim, mask=d_mask, other=0.0)
+            key = rotate_rows(key, partner_key, cos, sin, sign, key_row.dtype.element_ty)
+        value = tl.load(value_row + offs_d * stride_vn_dim, mask=d_mask, other=0.0)
         k_scale = 1.0
         v_scale = 1.0
         if KV_FP8:
-            k_scale = tl.load(k_scale_ptr)
-            v_scale = tl.load(v_scale_ptr)
-        key_slot = key_cache_head + block * stride_k_block + offset * stride_k_slot
-        value_slot = value_cache_head + block * stride_v_block + offset * stride_v_slot
-        tl.store(
-            key_slot + offs_d * stride_k_dim, _to_cache(key, key_cache_head, k_scale, KV_FP8), mask=d_mask
-        )
-        tl.store(
-            value_slot + offs_d * stride_v_dim,
-            _to_cache(value, value_cache_head, v_scale, KV_FP8),
-            mask=d_mask,
-        )
+            k_scale = tl.load(scales[0])
+            v_scale = tl.load(scales[1])
+        _store_at_slot(keys, key, k_scale, slot, d_mask, BLOCK_SIZE, KV_FP8)
+        _store_at_slot(values, value, v_scale, slot, d_mask, BLOCK_SIZE, KV_FP8)
 
 
-def append_args(append: tuple | None, query: torch.Tensor) -> tuple[list, dict]:
+@triton.jit
+def _store_at_slot(cache, x, scale, slot, mask, BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr):
+    """One row of a cache at a token's slot: ``cache`` is (base at the KV head, block stride, slot
+    stride, dimension offsets)."""
+    base, stride_block, stride_slot, dim_offs = cache
+    row = base + slot // BLOCK_SIZE * stride_block + slot % BLOCK_SIZE * stride_slot
+    tl.store(row + dim_offs, _to_cache(x, base, scale, KV_FP8), mask=mask)
+
+
+@triton.jit
+def rotate_and_append(
+    q,  # [BLOCK_H, HEAD_DIM] this program's query rows, as loaded
+    q_at,  # (their row pointers, the dimension stride, their mask)
+    seq,
+    holds_new_key,  # this program's partition holds the sequence's last key
+    key_new,
+    value_new,
+    slot_mapping_ptr,
+    rotary,  # (cos_sin_ptr, cos_sin_index_ptr, stride_cos_sin), read when ROTARY
+    caches,  # (keys, values, scales) as append_token takes them
+    offs_d,
+    CONFIG: tl.constexpr,  # (HEAD_SIZE, BLOCK_SIZE, ROTARY, KV_FP8)
+):
+    """The query rows rotated (when ROTARY); the new token's K/V stored first by the program
+    that holds its key, which then meets its threads at a CTA barrier before it reads any tile."""
+    HEAD_SIZE: tl.constexpr = CONFIG[0]
+    ROTARY: tl.constexpr = CONFIG[2]
+    rope = (0.0, 0.0, offs_d, 0.0)
+    if ROTARY:
+        rope = rope_angles(rotary[0], rotary[1], seq, rotary[2], offs_d, HEAD_SIZE)
+        cos, sin, partner, sign = rope
+        q_rows, stride_q_dim, row_mask = q_at
+        q_partner = tl.load(q_rows + partner[None, :] * stride_q_dim, mask=row_mask, other=0.0)
+        q = rotate_rows(q, q_partner, cos[None, :], sin[None, :], sign[None, :], q.dtype)
+    if holds_new_key:
+        slot = tl.load(slot_mapping_ptr + seq).to(tl.int64)
+        keys, values, scales = caches
+        append_token(key_new, value_new, slot, keys, values, scales, offs_d, rope, *CONFIG)
+        tl.debug_barrier()
+    return q
+
+
+def append_args(append: tuple | None, query: torch.Tensor, num_kv_heads: int) -> tuple[list, dict]:
     """``paged_decode``'s ``append`` as the kernel's arguments: (pointers and strides, constexprs).
     ``append``: (key, value, slot_mapping, rotary) with key/value [num_seqs, num_kv_heads,
     head_size], slot_mapping [num_seqs], rotary None or (cos_sin [rows, head_size], index
@@ -115,7 +140,7 @@ def append_args(append: tuple | None, query: torch.Tensor) -> tuple[list, dict]:
         return [query, query, query, query, query, *([0] * 7)], {"APPEND": False, "ROTARY": False}
     key, value, slot_mapping, rotary = append
     num_seqs, _, head_size = query.shape
-    assert key.shape == value.shape and key.shape[0] == num_seqs and key.shape[2] == head_size
+    assert key.shape == value.shape == (num_seqs, num_kv_heads, head_size), "append: the cache's KV heads"
     assert slot_mapping.shape == (num_seqs,), f"slot_mapping {tuple(slot_mapping.shape)}"
     cos_sin, index = rotary if rotary is not None else (query, slot_mapping)
     if rotary is not None:

@@ -97,7 +97,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.triton.decode_append import append_args, append_token, rope_angles, rotate_rows
+from pagedllm.kernels.triton.decode_append import append_args, rotate_and_append
 from pagedllm.kernels.triton.paged_decode_reduce import (
     REDUCE_BLOCK_P,
     WORKSPACE_STRIDES,
@@ -288,42 +288,24 @@ def _paged_decode_kernel(
         head_end = tl.minimum(lo + BLOCK_N, end)
     full_end = tl.maximum(start + (first_causal - start) // BLOCK_N * BLOCK_N, head_end)
 
+    keys = (key_cache_ptr + kv_head * stride_k_head, stride_k_block, stride_k_slot, k_dim_offs)
+    values = (value_cache_ptr + kv_head * stride_v_head, stride_v_block, stride_v_slot, v_dim_offs)
     q_rows = query_ptr + row_seq * stride_q_seq + heads[:, None] * stride_q_head
     q = tl.load(q_rows + offs_d[None, :] * stride_q_dim, mask=row_mask, other=0.0)
     if APPEND:
-        rope = (0.0, 0.0, offs_d, 0.0)
-        if ROTARY:
-            rope = rope_angles(cos_sin_ptr, cos_sin_index_ptr, seq, stride_cos_sin, offs_d, HEAD_SIZE)
-            cos, sin, partner, sign = rope
-            q_partner = tl.load(q_rows + partner[None, :] * stride_q_dim, mask=row_mask, other=0.0)
-            q = rotate_rows(
-                q, q_partner, cos[None, :], sin[None, :], sign[None, :], query_ptr.dtype.element_ty
-            )
-        if end == seq_len:  # this partition holds the new token's key: write it before reading it
-            append_token(
-                key_new_ptr + seq * stride_kn_seq + kv_head * stride_kn_head,
-                value_new_ptr + seq * stride_vn_seq + kv_head * stride_vn_head,
-                stride_kn_dim,
-                stride_vn_dim,
-                tl.load(slot_mapping_ptr + seq).to(tl.int64),
-                key_cache_ptr + kv_head * stride_k_head,
-                value_cache_ptr + kv_head * stride_v_head,
-                stride_k_block,
-                stride_k_slot,
-                stride_k_dim,
-                stride_v_block,
-                stride_v_slot,
-                stride_v_dim,
-                k_scale_ptr,
-                v_scale_ptr,
-                offs_d,
-                rope,
-                HEAD_SIZE,
-                BLOCK_SIZE,
-                ROTARY,
-                KV_FP8,
-            )
-            tl.debug_barrier()
+        q = rotate_and_append(
+            q,
+            (q_rows, stride_q_dim, row_mask),
+            seq,
+            end == seq_len,  # this partition holds the new token's key: written before it is read
+            (key_new_ptr + seq * stride_kn_seq + kv_head * stride_kn_head, stride_kn_dim),
+            (value_new_ptr + seq * stride_vn_seq + kv_head * stride_vn_head, stride_vn_dim),
+            slot_mapping_ptr,
+            (cos_sin_ptr, cos_sin_index_ptr, stride_cos_sin),
+            (keys, values, (k_scale_ptr, v_scale_ptr)),
+            offs_d,
+            CONFIG=(HEAD_SIZE, BLOCK_SIZE, ROTARY, KV_FP8),
+        )
     q = q.to(q_ty)
     alibi_row = tl.zeros([BLOCK_H], dtype=tl.float32)
     if ALIBI:
@@ -341,8 +323,6 @@ def _paged_decode_kernel(
         l_i = tl.where((part == 0) & row_valid, 1.0, l_i)
     # What every stage below shares (paged_tiles.attend_paged_range's tuples).
     state = (acc, l_i, m_i)
-    keys = (key_cache_ptr + kv_head * stride_k_head, stride_k_block, stride_k_slot, k_dim_offs)
-    values = (value_cache_ptr + kv_head * stride_v_head, stride_v_block, stride_v_slot, v_dim_offs)
     cache = (keys, values, (block_tables_ptr + seq * stride_bt_seq, stride_bt_blk))
     scores = (qk_scale, v_scale, sliding_window, soft_cap, alibi_row, cp_rank)
     CONFIG: tl.constexpr = (HEAD_SIZE, HEAD_DIM, BLOCK_SIZE, BLOCK_N, SOFT_CAP, ALIBI, DOT_PRECISION, KV_FP8)
@@ -498,12 +478,9 @@ def paged_decode(
     seq_lens ``seq_lens[s] - q + 1 .. seq_lens[s]`` and block tables the same), and attends for them
     all; the others have 0; q <= ``max_query_len``. Not with a window, sinks or ``lse``.
 
-    ``append``: ``(key, value, slot_mapping, rotary)`` of a decode-only step, written into the
-    caches by this launch (decode_append.py) instead of ``reshape_and_cache`` before it: key and
-    value [num_seqs, num_kv_heads, head_size], slot_mapping [num_seqs] (-1: padding), rotary None
-    or ``(cos_sin, index)`` as ``reshape_and_cache`` takes them, rotating the query's rows in
-    registers (``query`` itself is left unrotated) and the key on its way. Not with query groups,
-    StreamingLLM sinks or context parallelism.
+    ``append``: ``(key, value, slot_mapping, rotary)``, a decode-only step's K/V written (and
+    rotated) by this launch instead of ``reshape_and_cache`` before it (decode_append.py); not with
+    query groups, StreamingLLM sinks or context parallelism.
     """
     layout = check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens, out)
     kv_fp8, kv_scales = fp8_scale_args(query, key_cache, k_scale, v_scale)
@@ -530,8 +507,7 @@ def paged_decode(
     assert append is None or (query_group == 1 and cp_world_size == 1 and not streaming_sinks), (
         "append: one query per sequence, no sinks, no context parallelism"
     )
-    assert append is None or append[0].shape[1] == num_kv_heads, "append: the cache's KV heads"
-    append_pointers, append_flags = append_args(append, query)
+    append_pointers, append_flags = append_args(append, query, num_kv_heads)
     num_queries_per_kv = num_heads // num_kv_heads
     head_dim = triton.next_power_of_2(head_size)
     # This rank's keys of the longest context; a window's start within a tile of its first tile:
