@@ -119,8 +119,9 @@ tp_bench() {  # W2 and W3 at tensor_parallel_size 1 and 2, in the same call; all
     for size in 1 2; do
         run "w2_tp$size" python3 -m pagedllm bench throughput --workload W2 --tensor-parallel-size "$size" \
             --output-json "$OUT/w2_tp$size.json"
+        # With each rank's device time per step and its wait for the host (CUDA events, after the timing).
         run "w3_tp$size" python3 -m pagedllm bench latency --skip-eager --tensor-parallel-size "$size" \
-            --output-json "$OUT/w3_tp$size.json"
+            --profile-steps 40 --profile-mode events --output-json "$OUT/w3_tp$size.json"
     done
     # W2 over two pipeline stages (two micro-batches in flight), against TP=1 above.
     run w2_pp2 python3 -m pagedllm bench throughput --workload W2 --pipeline-parallel-size 2 \
