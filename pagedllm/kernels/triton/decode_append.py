@@ -18,7 +18,7 @@ The rounding is ``rotary.rotate_pair``'s: each product rounded to the dtype befo
 the cache holds the bits the separate kernels would write and the scores are theirs. The halves
 are not split: a full-width row is rotated against its partner row (element ``d`` with ``d +
 half``, mod the head size), read by a second load, with the sign of the sine term per element.
-FP8 caches store ``saturate(x / scale)`` as ``reshape_and_cache._to_cache`` does.
+FP8 caches store ``saturate(x / scale)`` as ``reshape_and_cache.to_cache`` does.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.kernels.triton.reshape_and_cache import _to_cache
+from pagedllm.kernels.triton.reshape_and_cache import to_cache
 
 
 @triton.jit
@@ -95,7 +95,7 @@ def _store_at_slot(cache, x, scale, slot, mask, BLOCK_SIZE: tl.constexpr, KV_FP8
     stride, dimension offsets)."""
     base, stride_block, stride_slot, dim_offs = cache
     row = base + slot // BLOCK_SIZE * stride_block + slot % BLOCK_SIZE * stride_slot
-    tl.store(row + dim_offs, _to_cache(x, base, scale, KV_FP8), mask=mask)
+    tl.store(row + dim_offs, to_cache(x, base, scale, KV_FP8), mask=mask)
 
 
 @triton.jit

@@ -119,13 +119,13 @@ def _reshape_and_cache_kernel(
         k1 = tl.load(k_row + offs_half[None, :] * stride_k_dim, mask=k_mask, other=0.0)
         k2 = tl.load(k_row + (HEAD_SIZE // 2 + offs_half[None, :]) * stride_k_dim, mask=k_mask, other=0.0)
         k1, k2 = rotate_pair(k1, k2, cos, sin, key_ptr.dtype.element_ty)
-        k1 = _to_cache(k1, key_cache_ptr, k_scale, KV_FP8)
-        k2 = _to_cache(k2, key_cache_ptr, k_scale, KV_FP8)
+        k1 = to_cache(k1, key_cache_ptr, k_scale, KV_FP8)
+        k2 = to_cache(k2, key_cache_ptr, k_scale, KV_FP8)
         tl.store(kc_row + offs_half[None, :] * stride_kc_dim, k1, mask=k_mask)
         tl.store(kc_row + (HEAD_SIZE // 2 + offs_half[None, :]) * stride_kc_dim, k2, mask=k_mask)
     else:
         k = tl.load(k_row + offs_d[None, :] * stride_k_dim, mask=mask)
-        k = _to_cache(k, key_cache_ptr, k_scale, KV_FP8)
+        k = to_cache(k, key_cache_ptr, k_scale, KV_FP8)
         tl.store(kc_row + offs_d[None, :] * stride_kc_dim, k, mask=mask)
     v = tl.load(
         value_ptr + token * stride_v_tok + offs_h[:, None] * stride_v_head + offs_d[None, :] * stride_v_dim,
@@ -138,11 +138,11 @@ def _reshape_and_cache_kernel(
         + offs_h[:, None] * stride_vc_head
         + offs_d[None, :] * stride_vc_dim
     )
-    tl.store(vc, _to_cache(v, value_cache_ptr, v_scale, KV_FP8), mask=mask)
+    tl.store(vc, to_cache(v, value_cache_ptr, v_scale, KV_FP8), mask=mask)
 
 
 @triton.jit
-def _to_cache(x, cache_ptr, scale, KV_FP8: tl.constexpr):
+def to_cache(x, cache_ptr, scale, KV_FP8: tl.constexpr):
     """x as ``cache_ptr``'s cache stores it: cast, or for an FP8 cache ``x / scale`` in float32,
     saturated to e4m3's finite range (a plain cast overflows to NaN) and rounded to nearest."""
     if KV_FP8:
