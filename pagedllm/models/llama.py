@@ -285,20 +285,19 @@ class LlamaDecoderLayer(nn.Module):
             self.input_layernorm.reduce_partial_input()
 
 
-def defer_reductions_to_norms(layers: nn.ModuleList, norm: nn.Module) -> bool:
+def defer_reductions_to_norms(layers: nn.ModuleList, norm: nn.Module) -> None:
     """Under tensor parallelism, fold every layer's two all-reduces into the norm after each
     (``RMSNorm.reduce_partial_input``: one kernel for the all-reduce, the residual add and the
     norm on GPUs that share memory) when every layer can (``can_defer_reductions``), with one
     pipeline stage (a stage's output would cross to the next one unsummed) and nothing reading a
-    layer's output before its norm (``reductions_in_norms``). Returns whether it did."""
+    layer's output before its norm (``reductions_in_norms``)."""
     if not reductions_in_norms() or get_pipeline_model_parallel_world_size() > 1:
-        return False
+        return
     if not all(isinstance(layer, LlamaDecoderLayer) and layer.can_defer_reductions() for layer in layers):
-        return False
+        return
     for i, layer in enumerate(layers):
         layer.defer_reductions(reduce_input=i > 0)  # the first layer's input is the embedding's, whole
     norm.reduce_partial_input()
-    return True
 
 
 # make_layer(config, layer_index, rotary_emb, attn_backend, sliding_window): one decoder layer.
