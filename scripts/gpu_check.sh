@@ -5,6 +5,7 @@
 #   scripts/gpu_check.sh                 tests, K1, K1 windowed, W1, W3 (the short set)
 #   scripts/gpu_check.sh tests k1 k1-sweep k1-w1 k1-fp8 k1-window w1 w1-profile w2 w3 hf w4 w4-thread w5 moe moe-sweep cuda
 #       lora w1-lora w3-lora w1-fp8kv w3-fp8 w3-w4a16 w2-fp8 quant w3-spec w3-eagle w3-eagle-tp w1-spec verify-attn spec-editing
+#       w3-variants
 #       sanitize so sampler
 #       tp (tp-tests, tp-bench) cp
 #       determinism
@@ -39,7 +40,9 @@
 # decode attention, k = 3, with and without query groups, beside a decode step, at Llama-3.1-8B's
 # and Qwen3-0.6B's heads), spec-editing (the embedded GGUF, float32, n-gram on the editing
 # workload against no speculation, looked up on the host and on the device, target >= 1.6x,
-# identical greedy text), tp (two GPUs: the tensor-parallel GPU tests,
+# identical greedy text), w3-variants (W3 under benchmarks/variants' leave-one-out variants beside the
+# plain run: the decode's own cache write against the separate one, decode attention, and at TP=2
+# the all-reduces; TP=2 where two GPUs are visible), tp (two GPUs: the tensor-parallel GPU tests,
 # then all-reduce latency (benchmarks/all_reduce.py: NCCL against the one-shot kernel), W2 and W3
 # at tensor_parallel_size 1 and 2, W2 at pipeline_parallel_size 2, W3 at TP=2 with NCCL alone;
 # the table gives TP=2 and PP=2 over TP=1), so
@@ -254,6 +257,21 @@ for stage in "${stages[@]}"; do
         run w3_tp2_eagle python3 -m pagedllm bench latency --skip-eager --tensor-parallel-size 2 \
             --speculative-config '{"method": "eagle3", "model": "benchmarks/configs/llama-3.1-8b-eagle3", "num_speculative_tokens": 3}' \
             --synthetic-acceptance-rate 1.0 --output-json "$OUT/w3_tp2_eagle.json"
+        ;;
+    w3-variants)  # W3 under benchmarks/variants' timing variants beside the plain run, TP=1 (and TP=2 on two GPUs)
+        sizes=(1)
+        [ "$(nvidia-smi -L | wc -l)" -gt 1 ] && sizes=(1 2)
+        for size in "${sizes[@]}"; do
+            variants=(base separate-cache-write no-decode-attention)
+            [ "$size" -gt 1 ] && variants+=(no-all-reduce)
+            for variant in "${variants[@]}"; do
+                bench_variant=$variant
+                [ "$variant" = base ] && bench_variant=
+                run "w3v_${variant}_tp$size" env PAGEDLLM_BENCH_VARIANT="$bench_variant" \
+                    PYTHONPATH="$PWD/benchmarks/variants:$PWD" python3 -m pagedllm bench latency --skip-eager \
+                    --num-iters 5 --tensor-parallel-size "$size" --output-json "$OUT/w3v_${variant}_tp$size.json"
+            done
+        done
         ;;
     verify-attn)  # a verify step's decode attention (k=3), with and without query groups, beside a decode step
         run verify_attn python3 benchmarks/verify_attention.py --output-json "$OUT/verify_attn.json"

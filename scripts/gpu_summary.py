@@ -59,6 +59,7 @@ def rows(folder: str) -> list[tuple[str, str, str]]:
     table += _prefix_rows(folder)
     table += _tensor_parallel_rows(folder)
     table += _spec_rows(folder)
+    table += _variant_rows(folder)
     table += _spec_tensor_parallel_rows(folder)
     table += _context_parallel_rows(folder)
     table += _determinism_rows(folder)
@@ -251,6 +252,24 @@ def _spec_rows(folder: str) -> list[tuple[str, str, str]]:
         cell = f"{r['speedup']:.2f}x, identical {r['identical']}"
         lookup = r.get("lookup", "default")
         table.append((f"editing ngram / none ({r['dtype']}, {lookup})", "output tok/s, real weights", cell))
+    return table
+
+
+def _variant_rows(folder: str) -> list[tuple[str, str, str]]:
+    """W3 under benchmarks/variants' timing variants (w3-variants), each beside the plain run of
+    its tensor-parallel size from the same call."""
+    table = []
+    for path in sorted(Path(folder).glob("w3v_*_tp*.json")):
+        variant, size = path.stem.removeprefix("w3v_").rsplit("_tp", 1)
+        r, base = _load(folder, path.stem), _load(folder, f"w3v_base_tp{size}")
+        if not r or variant == "base":
+            continue
+        tpot = r["cuda_graphs"]["tpot_ms"]
+        cell = f"{tpot:.2f}"
+        if base:
+            plain = base["cuda_graphs"]["tpot_ms"]
+            cell += f" ({tpot - plain:+.2f} against {plain:.2f})"
+        table.append((f"W3 TP={size} {variant}", "ms/token (against the plain run)", cell))
     return table
 
 
