@@ -134,15 +134,7 @@ def _reducing(norm: RMSNorm, method: RMSNormForward, platform: Platform) -> RMSN
     # The fused kernel normalizes in Llama's order (Gemma's rounds differently).
     comm = get_symm_mem_all_reduce() if platform.triton and type(norm) is RMSNorm else None
     if comm is not None:
-        from pagedllm.kernels.triton.all_reduce_norm import (
-            FUSED_MAX_ROWS,
-            MAX_HIDDEN,
-            all_reduce_add_rms_norm,
-        )
-
-        def fits(num_rows: int, hidden_size: int) -> bool:
-            """Where the fused kernel measured faster than the one-shot all-reduce and the norm."""
-            return num_rows <= FUSED_MAX_ROWS and hidden_size <= MAX_HIDDEN
+        from pagedllm.kernels.triton import all_reduce_norm
 
     def forward(
         x: torch.Tensor, residual: torch.Tensor | None = None
@@ -150,8 +142,8 @@ def _reducing(norm: RMSNorm, method: RMSNormForward, platform: Platform) -> RMSN
         if residual is None:
             return method(x, None)
         # Decided by the message's size and dtype alone: every rank takes the same path.
-        if comm is not None and x.dim() == 2 and comm.should_use(x) and fits(*x.shape):
-            return all_reduce_add_rms_norm(
+        if comm is not None and all_reduce_norm.takes(x) and comm.should_use(x):
+            return all_reduce_norm.all_reduce_add_rms_norm(
                 x, residual, norm.weight, norm.eps, comm.peer_buffers, comm.flag_offset, comm.rank
             )
         return method(tensor_model_parallel_all_reduce(x), residual)

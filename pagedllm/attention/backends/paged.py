@@ -80,6 +80,11 @@ class PagedAttentionBackend(AttentionBackend):
         # program that writes it (not a striped cache, not StreamingLLM's sink queries).
         self.appends = self.appends_in_decode and self.cp_world_size == 1 and not self.attention_sinks
 
+    def rotary_rows(self, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The ``(cos_sin, index)`` rows of ``positions`` for a kernel that rotates as it writes
+        the cache; None where the layer has no rotary embedding of its own to apply."""
+        return None if self.rotary is None or positions is None else self.rotary.cos_sin_rows(positions)
+
     def forward(
         self,
         query: torch.Tensor,
@@ -105,8 +110,7 @@ class PagedAttentionBackend(AttentionBackend):
         # decode writes them. Else the cache write runs first, for every token.
         if self.appends and md.num_prefills == 0 and md.decode_query_lens is None:
             assert key.shape[0] == num_decodes, f"{key.shape[0]} tokens for {num_decodes} decodes"
-            rotary = None if self.rotary is None or positions is None else self.rotary.cos_sin_rows(positions)
-            options["append"] = (key, value, md.slot_mapping, rotary)
+            options["append"] = (key, value, md.slot_mapping, self.rotary_rows(positions))
         else:
             query = self.write_cache(query, key, value, kv_cache, md.slot_mapping, positions)
         # Contiguous whatever the query's strides (it is a view of the fused QKV): the kernels

@@ -81,9 +81,8 @@ def write_cache_rotating(
 ) -> torch.Tensor:
     """The cache write in the Triton layout; with a rotary embedding, one kernel rotates query in
     place and key into the cache. Returns the (rotated) query."""
-    rotary = (
-        None if layer.rotary is None or positions is None else (query, *layer.rotary.cos_sin_rows(positions))
-    )
+    rows = layer.rotary_rows(positions)
+    rotary = None if rows is None else (query, *rows)
     reshape_and_cache(key, value, *kv_cache, slot_mapping, rotary, (layer.k_scale, layer.v_scale))
     return query
 

@@ -148,6 +148,12 @@ def _all_reduce_add_rms_norm_kernel(
     _barrier(peer_buffers_ptr, flag_offset, RANK, WORLD_SIZE)
 
 
+def takes(x: torch.Tensor) -> bool:
+    """Whether the engine sends this partial sum through the kernel: [rows, hidden] with the rows
+    where it measured faster than the one-shot all-reduce then the norm (FUSED_MAX_ROWS)."""
+    return x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS and x.shape[1] <= MAX_HIDDEN
+
+
 def all_reduce_add_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,

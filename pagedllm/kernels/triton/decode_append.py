@@ -131,13 +131,17 @@ def rotate_and_append(
     return q
 
 
-def append_args(append: tuple | None, query: torch.Tensor, num_kv_heads: int) -> tuple[list, dict]:
-    """``paged_decode``'s ``append`` as the kernel's arguments: (pointers and strides, constexprs).
+def append_args(
+    append: tuple | None, query: torch.Tensor, num_kv_heads: int, one_query_per_sequence: bool
+) -> tuple[list, list, dict]:
+    """``paged_decode``'s ``append`` as the kernel's arguments: (pointers, strides, constexprs).
     ``append``: (key, value, slot_mapping, rotary) with key/value [num_seqs, num_kv_heads,
     head_size], slot_mapping [num_seqs], rotary None or (cos_sin [rows, head_size], index
-    [num_seqs]); None: no append (pointers never read)."""
+    [num_seqs]); None: no append (pointers never read). ``one_query_per_sequence``: the launch has
+    no query groups, StreamingLLM sinks or context parallelism, which the append cannot serve."""
     if append is None:
-        return [query, query, query, query, query, *([0] * 7)], {"APPEND": False, "ROTARY": False}
+        return [query] * 5, [0] * 7, {"APPEND": False, "ROTARY": False}
+    assert one_query_per_sequence, "append: one query per sequence, no sinks, no context parallelism"
     key, value, slot_mapping, rotary = append
     num_seqs, _, head_size = query.shape
     assert key.shape == value.shape == (num_seqs, num_kv_heads, head_size), "append: the cache's KV heads"
@@ -146,5 +150,6 @@ def append_args(append: tuple | None, query: torch.Tensor, num_kv_heads: int) ->
     if rotary is not None:
         assert cos_sin.shape[1] == head_size and cos_sin.dtype == key.dtype == query.dtype
         assert index.shape == (num_seqs,) and head_size % 2 == 0
-    pointers = [key, value, slot_mapping, cos_sin, index, *key.stride(), *value.stride(), cos_sin.stride(0)]
-    return pointers, {"APPEND": True, "ROTARY": rotary is not None}
+    pointers = [key, value, slot_mapping, cos_sin, index]
+    strides = [*key.stride(), *value.stride(), cos_sin.stride(0)]
+    return pointers, strides, {"APPEND": True, "ROTARY": rotary is not None}

@@ -504,10 +504,8 @@ def paged_decode(
             "query groups: plain layers only"
         )
         assert query_lens.shape == (num_seqs,) and query_lens.dtype == torch.int32
-    assert append is None or (query_group == 1 and cp_world_size == 1 and not streaming_sinks), (
-        "append: one query per sequence, no sinks, no context parallelism"
-    )
-    append_pointers, append_flags = append_args(append, query, num_kv_heads)
+    plain = query_group == 1 and cp_world_size == 1 and not streaming_sinks
+    append_pointers, append_strides, append_flags = append_args(append, query, num_kv_heads, plain)
     num_queries_per_kv = num_heads // num_kv_heads
     head_dim = triton.next_power_of_2(head_size)
     # This rank's keys of the longest context; a window's start within a tile of its first tile:
@@ -544,7 +542,7 @@ def paged_decode(
         query if alibi_slopes is None else alibi_slopes,  # a pointer never read without ALiBi
         query if sinks is None else sinks,  # a pointer never read without learned sinks
         *kv_scales,
-        *append_pointers[:5],
+        *append_pointers,
         scale * math.log2(math.e),
         sliding_window or 0,
         attention_sinks,
@@ -559,7 +557,7 @@ def paged_decode(
         *key_cache.stride(),
         *value_cache.stride(),
         *block_tables.stride(),
-        *append_pointers[5:],
+        *append_strides,
         NUM_QUERIES_PER_KV=num_queries_per_kv,
         QUERY_GROUP=query_group,
         BLOCK_H=max(16, triton.next_power_of_2(query_group * num_queries_per_kv)),
